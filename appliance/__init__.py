@@ -1,0 +1,1 @@
+"""Inferno: the running appliance and its composition root."""

@@ -1,0 +1,1 @@
+"""OpenAI-compatible HTTP routes (issue #4)."""

@@ -1,0 +1,1 @@
+"""OIDC resource server, roles and console sessions (issue #6)."""

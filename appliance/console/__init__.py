@@ -1,0 +1,1 @@
+"""Admin web console (a later issue)."""

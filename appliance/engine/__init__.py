@@ -1,0 +1,5 @@
+"""Paged-KV continuous-batching inference engine.
+
+`sequence`, `block_manager` and `scheduler` are pure Python (no torch); the runner, sampler and
+models sit on top of them. The engine never imports the web layers.
+"""

@@ -1,0 +1,19 @@
+"""The engine's error types: callers catch `EngineError`.
+
+Every message says what to fix; none carries prompt text or completions.
+"""
+
+
+class EngineError(Exception):
+    """Root of every error the engine raises on purpose."""
+
+
+class ModelLoadError(EngineError):
+    """The model directory, its config or its weights cannot be used."""
+
+
+class InvalidRequestError(EngineError):
+    """A request cannot be served as given (bad sampling parameters, prompt too long, ...).
+
+    Raised when the request is submitted, so the engine and every other request keep going.
+    """

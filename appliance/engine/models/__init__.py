@@ -1,0 +1,1 @@
+"""Model architectures, their configuration, weight loading and GGUF import."""

@@ -1,0 +1,1 @@
+"""TEE evidence collection and offline verification, policy, key release (a later issue)."""

@@ -1,0 +1,1 @@
+"""Signed tamper-evident audit log and its offline verifier (issue #5)."""

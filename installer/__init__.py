@@ -1,0 +1,1 @@
+"""Demo and test bootstrap, the embedded default model, offline bundles and model sealing."""
