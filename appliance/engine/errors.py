@@ -8,6 +8,10 @@ class EngineError(Exception):
     """Root of every error the engine raises on purpose."""
 
 
+class EngineConfigError(EngineError):
+    """The engine's own settings are inconsistent (block size, pool size, token budget, ...)."""
+
+
 class ModelLoadError(EngineError):
     """The model directory, its config or its weights cannot be used."""
 

@@ -1,0 +1,272 @@
+"""The synchronous engine: submit requests, call `step()` until they finish, abort at will."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from appliance.engine.block_manager import BlockManager
+from appliance.engine.errors import EngineConfigError, InvalidRequestError
+from appliance.engine.kv_cache import KVCacheSpec
+from appliance.engine.model_runner import ModelRunner
+from appliance.engine.models.config import ModelConfig
+from appliance.engine.models.loader import load_model
+from appliance.engine.outputs import RequestOutput, RequestState
+from appliance.engine.sampling_params import SamplingParams
+from appliance.engine.scheduler import Scheduler, SchedulerConfig
+from appliance.engine.sequence import RequestId, Sequence, SequenceStatus
+from appliance.engine.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    """Everything the engine is built from. Sizes in tokens unless the name says otherwise."""
+
+    model_dir: Path
+    device: str = "cpu"
+    dtype: str = "float32"
+    block_size: int = 16
+    # KV pool: an explicit block count, or as many blocks as fit in kv_cache_memory_bytes.
+    num_kv_blocks: int | None = None
+    kv_cache_memory_bytes: int = 1 << 30
+    max_model_len: int | None = None
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        try:
+            return _DTYPES[self.dtype]
+        except KeyError:
+            raise EngineConfigError(
+                f"dtype {self.dtype!r} is not supported; choose one of {', '.join(_DTYPES)}"
+            ) from None
+
+
+@dataclass(frozen=True, slots=True)
+class Completion:
+    """A finished request, as returned by `Engine.generate`."""
+
+    text: str
+    token_ids: list[int]
+    finish_reason: str
+    num_cached_tokens: int
+
+
+class Engine:
+    """Continuous batching over a paged KV cache.
+
+    `add_request` validates and queues; each `step` schedules one batch (decodes and prefill
+    chunks together), runs it, and returns an update for every request that produced a token or
+    finished. Invalid requests are refused at `add_request`, so they never disturb the others.
+    """
+
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        runner: ModelRunner,
+        scheduler: Scheduler,
+        *,
+        vocab_size: int,
+        device: torch.device | str = "cpu",
+    ):
+        self.tokenizer = tokenizer
+        self.runner = runner
+        self.scheduler = scheduler
+        self.vocab_size = vocab_size
+        self.device = torch.device(device)
+        self.max_model_len = scheduler.config.max_model_len
+        self._requests: dict[RequestId, RequestState] = {}
+        self._generators: dict[RequestId, torch.Generator] = {}
+        self._arrivals = itertools.count()
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> Engine:
+        model_dir = Path(config.model_dir)
+        model_config = ModelConfig.from_model_dir(model_dir)
+        tokenizer = Tokenizer.from_model_dir(model_dir)
+        dtype = config.torch_dtype
+        model = load_model(model_dir, dtype=dtype, device=config.device)
+        spec = KVCacheSpec.for_model(model_config, config.block_size, dtype)
+        num_blocks = config.num_kv_blocks or spec.num_blocks_within(config.kv_cache_memory_bytes)
+        max_model_len = min(
+            config.max_model_len or model_config.max_model_len, model_config.max_model_len
+        )
+        if not config.enable_chunked_prefill and config.max_num_batched_tokens < max_model_len:
+            raise EngineConfigError(
+                f"without chunked prefill, max_num_batched_tokens ({config.max_num_batched_tokens})"
+                f" must be at least max_model_len ({max_model_len})"
+            )
+        block_manager = BlockManager(
+            num_blocks, config.block_size, enable_prefix_caching=config.enable_prefix_caching
+        )
+        scheduler = Scheduler(
+            SchedulerConfig(
+                max_model_len=max_model_len,
+                max_num_seqs=config.max_num_seqs,
+                max_num_batched_tokens=config.max_num_batched_tokens,
+                enable_chunked_prefill=config.enable_chunked_prefill,
+            ),
+            block_manager,
+        )
+        runner = ModelRunner(
+            model, spec.allocate(num_blocks, config.device), config.block_size, config.device
+        )
+        logger.info(
+            "engine ready: %s, %d KV blocks of %d tokens, max_model_len %d",
+            model_config.architecture,
+            num_blocks,
+            config.block_size,
+            max_model_len,
+        )
+        return cls(
+            tokenizer, runner, scheduler, vocab_size=model_config.vocab_size, device=config.device
+        )
+
+    @property
+    def block_manager(self) -> BlockManager:
+        return self.scheduler.block_manager
+
+    def has_unfinished(self) -> bool:
+        return bool(self._requests)
+
+    def prepare_request(
+        self,
+        request_id: str,
+        prompt: str | Seq[int],
+        params: SamplingParams,
+        *,
+        priority: int = 0,
+        cache_salt: str = "",
+    ) -> Sequence:
+        """Tokenize and validate a request without touching the engine's state (thread-safe)."""
+        if isinstance(prompt, str):
+            token_ids = self.tokenizer.encode(prompt, add_special_tokens=True)
+        else:
+            token_ids = list(prompt)
+            bad = [t for t in token_ids if not isinstance(t, int) or not 0 <= t < self.vocab_size]
+            if bad:
+                raise InvalidRequestError(
+                    f"prompt token ids must be integers in [0, {self.vocab_size}); got {bad[0]!r}"
+                )
+        if not token_ids:
+            raise InvalidRequestError("the prompt is empty: give at least one token")
+        if len(token_ids) >= self.max_model_len:
+            raise InvalidRequestError(
+                f"the prompt has {len(token_ids)} tokens but the context holds "
+                f"{self.max_model_len} (prompt plus at least one new token); shorten the prompt"
+            )
+        bm = self.block_manager
+        num_tokens = min(len(token_ids) + params.max_tokens, self.max_model_len)
+        if -(-num_tokens // bm.block_size) > bm.num_blocks:
+            raise InvalidRequestError(
+                f"prompt plus max_tokens ({num_tokens} tokens) exceeds the whole KV cache "
+                f"({bm.num_blocks * bm.block_size} tokens); lower max_tokens or the prompt length"
+            )
+        if (
+            not self.scheduler.config.enable_chunked_prefill
+            and len(token_ids) > self.scheduler.config.max_num_batched_tokens
+        ):
+            raise InvalidRequestError(
+                f"the prompt has {len(token_ids)} tokens; without chunked prefill at most "
+                f"{self.scheduler.config.max_num_batched_tokens} fit in one step"
+            )
+        return Sequence(
+            request_id=RequestId(request_id),
+            token_ids=token_ids,
+            params=params,
+            arrival=next(self._arrivals),
+            priority=priority,
+            cache_salt=cache_salt,
+        )
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | Seq[int],
+        params: SamplingParams,
+        *,
+        priority: int = 0,
+        cache_salt: str = "",
+    ) -> None:
+        seq = self.prepare_request(
+            request_id, prompt, params, priority=priority, cache_salt=cache_salt
+        )
+        self.add_sequence(seq)
+
+    def add_sequence(self, seq: Sequence) -> None:
+        """Queue a sequence made by `prepare_request`."""
+        if seq.request_id in self._requests:
+            raise InvalidRequestError(f"request id {seq.request_id!r} is already in use")
+        self._requests[seq.request_id] = RequestState(seq, self.tokenizer, self.max_model_len)
+        if seq.params.seed is not None:
+            generator = torch.Generator(self.device)
+            generator.manual_seed(seq.params.seed)
+            self._generators[seq.request_id] = generator
+        self.scheduler.add(seq)
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Stop a request now and free its blocks; None if it is unknown or already finished."""
+        state = self._requests.pop(RequestId(request_id), None)
+        if state is None:
+            return None
+        self._generators.pop(state.seq.request_id, None)
+        self.scheduler.finish(state.seq, SequenceStatus.FINISHED_ABORTED)
+        return state.make_output(SequenceStatus.FINISHED_ABORTED)
+
+    def step(self) -> list[RequestOutput]:
+        schedule = self.scheduler.schedule()
+        if schedule.is_empty:
+            return []
+        chunks = schedule.chunks
+        generators = [self._generators.get(c.seq.request_id) for c in chunks]
+        results = self.runner.execute(chunks, generators)
+        outputs = []
+        for chunk, result in zip(chunks, results, strict=True):
+            state = self._requests[chunk.seq.request_id]
+            if result.prompt_logprobs:
+                state.add_prompt_logprobs(result.prompt_logprobs, chunk.start)
+            if result.token_id is None:
+                continue
+            finish = state.add_token(result.token_id, result.logprob)
+            if finish is not None:
+                self._requests.pop(chunk.seq.request_id)
+                self._generators.pop(chunk.seq.request_id, None)
+                self.scheduler.finish(chunk.seq, finish)
+            outputs.append(state.make_output(finish))
+        return outputs
+
+    def generate(
+        self, prompts: Seq[str | Seq[int]], params: SamplingParams | Seq[SamplingParams]
+    ) -> list[Completion]:
+        """Run `prompts` as one batch to completion (for the CLI, tests and benchmarks)."""
+        all_params = [params] * len(prompts) if isinstance(params, SamplingParams) else params
+        ids = [f"generate-{next(self._arrivals)}" for _ in prompts]
+        for request_id, prompt, p in zip(ids, prompts, all_params, strict=True):
+            self.add_request(request_id, prompt, p)
+        texts: dict[str, list[str]] = {i: [] for i in ids}
+        tokens: dict[str, list[int]] = {i: [] for i in ids}
+        done: dict[str, RequestOutput] = {}
+        while len(done) < len(ids):
+            for out in self.step():
+                texts[out.request_id].append(out.text)
+                tokens[out.request_id].extend(out.token_ids)
+                if out.finished:
+                    done[out.request_id] = out
+        return [
+            Completion(
+                "".join(texts[i]), tokens[i], done[i].finish_reason or "", done[i].num_cached_tokens
+            )
+            for i in ids
+        ]

@@ -1,0 +1,135 @@
+"""What a request emits: text deltas, tokens, log-probabilities, and when and why it stops.
+
+Stop strings are found in the detokenized text, across token boundaries. Text that could still
+turn out to be the start of a stop string is held back (at most the longest stop string less one
+character), so a stream never shows text that the final output does not contain.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from appliance.engine.detokenizer import IncrementalDetokenizer
+from appliance.engine.model_runner import TokenLogprob
+from appliance.engine.sequence import RequestId, Sequence, SequenceStatus
+from appliance.engine.tokenizer import Tokenizer
+
+
+@dataclass(frozen=True, slots=True)
+class RequestOutput:
+    """One update of a request; the deltas of all its updates add up to the whole output."""
+
+    request_id: RequestId
+    text: str
+    token_ids: list[int]
+    logprobs: list[TokenLogprob] | None
+    # On the first update only, when asked for: one entry per prompt token (the first is None).
+    prompt_logprobs: list[TokenLogprob | None] | None
+    finish_reason: str | None  # "stop", "length" or "abort" once finished
+    stop_reason: str | int | None  # the stop string or stop token id that ended it, if any
+    num_prompt_tokens: int
+    num_output_tokens: int
+    num_cached_tokens: int
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestState:
+    """The output side of one request: detokenizer, stop checks, what is not yet emitted."""
+
+    seq: Sequence
+    tokenizer: Tokenizer
+    max_model_len: int
+    detokenizer: IncrementalDetokenizer = field(init=False)
+    text: str = ""
+    num_emitted_chars: int = 0
+    pending_token_ids: list[int] = field(default_factory=list)
+    pending_logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+    prompt_logprobs_sent: bool = False
+    stop_reason: str | int | None = None
+
+    def __post_init__(self) -> None:
+        self.detokenizer = IncrementalDetokenizer(
+            self.tokenizer, skip_special_tokens=self.seq.params.skip_special_tokens
+        )
+        if self.seq.wants_prompt_logprobs:
+            self.prompt_logprobs = [None]
+
+    @property
+    def _holdback(self) -> int:
+        return max((len(s) for s in self.seq.params.stop), default=1) - 1
+
+    def add_prompt_logprobs(self, logprobs: list[TokenLogprob], first_position: int) -> None:
+        """Record prompt log-probabilities predicted from `first_position` on (a recompute after
+        preemption repeats positions already recorded; those are ignored)."""
+        assert self.prompt_logprobs is not None
+        skip = len(self.prompt_logprobs) - 1 - first_position
+        self.prompt_logprobs.extend(logprobs[max(skip, 0) :])
+
+    def add_token(self, token_id: int, logprob: TokenLogprob | None) -> SequenceStatus | None:
+        """Append a sampled token; returns the finished status if the request is now done."""
+        seq, params = self.seq, self.seq.params
+        seq.append_token(token_id)
+        self.pending_token_ids.append(token_id)
+        if logprob is not None:
+            self.pending_logprobs.append(logprob)
+        if token_id in params.stop_token_ids:
+            self.stop_reason = token_id
+            return self._finish(SequenceStatus.FINISHED_STOPPED)
+        if not params.ignore_eos and token_id in self.tokenizer.eos_token_ids:
+            return self._finish(SequenceStatus.FINISHED_STOPPED)
+        start = max(len(self.text) - self._holdback, 0)
+        self.text += self.detokenizer.add(token_id)
+        if params.stop and self._find_stop_string(start):
+            return SequenceStatus.FINISHED_STOPPED
+        if seq.num_output_tokens >= params.max_tokens or len(seq) >= self.max_model_len:
+            return self._finish(SequenceStatus.FINISHED_LENGTH)
+        return None
+
+    def _find_stop_string(self, start: int) -> bool:
+        """Truncate the text at the earliest stop string found at or after `start`."""
+        found = [(i, s) for s in self.seq.params.stop if (i := self.text.find(s, start)) != -1]
+        if not found:
+            return False
+        index, stop = min(found)
+        keep = index + len(stop) if self.seq.params.include_stop_str_in_output else index
+        self.text = self.text[:keep]
+        self.stop_reason = stop
+        return True
+
+    def _finish(self, status: SequenceStatus) -> SequenceStatus:
+        self.text += self.detokenizer.flush()
+        return status
+
+    def make_output(self, finish: SequenceStatus | None) -> RequestOutput:
+        """Everything new since the previous output; all remaining text once finished."""
+        if finish is None:
+            emit_upto = max(self.num_emitted_chars, len(self.text) - self._holdback)
+        else:
+            emit_upto = len(self.text)
+        delta = self.text[self.num_emitted_chars : emit_upto]
+        self.num_emitted_chars = emit_upto
+        prompt_logprobs = None
+        if self.prompt_logprobs is not None and not self.prompt_logprobs_sent:
+            prompt_logprobs = self.prompt_logprobs
+            self.prompt_logprobs_sent = True
+        token_ids, self.pending_token_ids = self.pending_token_ids, []
+        logprobs = None
+        if self.seq.params.logprobs is not None:
+            logprobs, self.pending_logprobs = self.pending_logprobs, []
+        return RequestOutput(
+            request_id=self.seq.request_id,
+            text=delta,
+            token_ids=token_ids,
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
+            finish_reason=finish.value if finish is not None else None,
+            stop_reason=self.stop_reason,
+            num_prompt_tokens=self.seq.num_prompt_tokens,
+            num_output_tokens=self.seq.num_output_tokens,
+            num_cached_tokens=self.seq.num_cached_tokens,
+        )

@@ -1,0 +1,81 @@
+"""Next-token selection and log-probabilities for a batch of rows, each with its own parameters.
+
+Sampling uses the exponential race: `argmax(p / q)` with `q ~ Exp(1)` i.i.d. picks token i with
+probability `p_i`, needs no cumulative sum or host synchronisation, and draws a fixed number of
+random numbers per row, so a request with a seed gets the same tokens whatever else is batched.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from appliance.engine.sampling_params import SamplingParams
+
+
+def sample(
+    logits: torch.Tensor,
+    params: Sequence[SamplingParams],
+    generators: Sequence[torch.Generator | None],
+) -> torch.Tensor:
+    """logits: [N, V] float32 -> chosen token ids [N] int64."""
+    greedy = torch.tensor([p.greedy for p in params], device=logits.device)
+    greedy_ids = logits.argmax(dim=-1)
+    if bool(greedy.all()):
+        return greedy_ids
+    temperature = torch.tensor(
+        [p.temperature if not p.greedy else 1.0 for p in params],
+        device=logits.device,
+        dtype=logits.dtype,
+    )
+    logits = logits / temperature[:, None]
+    logits = _apply_top_k_top_p(logits, params)
+    probs = logits.softmax(dim=-1)
+    min_p = [p.min_p for p in params]
+    if any(min_p):
+        threshold = torch.tensor(min_p, device=probs.device)[:, None] * probs.amax(-1, keepdim=True)
+        probs = probs.masked_fill(probs < threshold, 0.0)
+    q = torch.empty_like(probs)
+    for row, generator in enumerate(generators):
+        q[row].exponential_(generator=generator)
+    sampled_ids = (probs / q).argmax(dim=-1)
+    return torch.where(greedy, greedy_ids, sampled_ids)
+
+
+def _apply_top_k_top_p(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """Mask (to -inf) every token outside each row's top-k and top-p nucleus."""
+    vocab = logits.shape[-1]
+    top_k = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
+    top_p = [p.top_p for p in params]
+    if all(k == vocab for k in top_k) and all(p >= 1.0 for p in top_p):
+        return logits
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    rank = torch.arange(vocab, device=logits.device)[None, :]
+    drop = rank >= torch.tensor(top_k, device=logits.device)[:, None]
+    probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(dim=-1)
+    # Keep a token while the mass strictly before it is below top_p (so the top one always is).
+    mass_before = probs.cumsum(dim=-1) - probs
+    drop |= mass_before >= torch.tensor(top_p, device=logits.device)[:, None]
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
+
+
+def token_logprobs(
+    logits: torch.Tensor, token_ids: torch.Tensor, num_top: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Log-probabilities of the model's raw distribution (before temperature or filtering).
+
+    logits: [N, V], token_ids: [N] -> (chosen [N], top ids [N, num_top], top logprobs [N, num_top])
+    """
+    logprobs = logits.log_softmax(dim=-1)
+    chosen = logprobs.gather(-1, token_ids[:, None]).squeeze(-1)
+    top_logprobs, top_ids = (
+        logprobs.topk(num_top, dim=-1)
+        if num_top
+        else (
+            logprobs[:, :0],
+            token_ids[:, None][:, :0],
+        )
+    )
+    return chosen, top_ids, top_logprobs

@@ -1,0 +1,162 @@
+"""Decides, each step, which sequences run and how many of their tokens.
+
+One token budget per step covers everything: running sequences first (a decode costs one
+token, an unfinished prefill continues with a chunk), then waiting sequences are admitted with a
+chunk of their prompt while budget, blocks and the running-sequence limit allow. When a running
+sequence needs a block and none is free, the lowest-ranked running sequence is preempted: its
+blocks are freed and it goes back to waiting, to be recomputed (often from its own prefix-cache
+blocks) when there is room again. Ranking is first come first served, or by `priority` (lower
+runs first) then arrival.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass, field
+
+from appliance.engine.block_manager import BlockManager
+from appliance.engine.errors import EngineConfigError
+from appliance.engine.sequence import RequestId, Sequence, SequenceStatus
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    max_model_len: int
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    enable_chunked_prefill: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens"):
+            if getattr(self, name) < 1:
+                raise EngineConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
+
+
+@dataclass(frozen=True, slots=True)
+class ScheduledChunk:
+    """Compute `seq.token_ids[start : start + num_new_tokens]` this step."""
+
+    seq: Sequence
+    start: int
+    num_new_tokens: int
+
+    @property
+    def samples(self) -> bool:
+        """Whether this chunk reaches the end of the sequence, so a next token is sampled."""
+        return self.start + self.num_new_tokens == len(self.seq)
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    chunks: list[ScheduledChunk] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(c.num_new_tokens for c in self.chunks)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.chunks
+
+
+def _rank(seq: Sequence) -> tuple[int, int]:
+    return (seq.priority, seq.arrival)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager):
+        self.config = config
+        self.block_manager = block_manager
+        # Both kept sorted by rank, best first; the last running sequence is the next victim.
+        self.waiting: list[Sequence] = []
+        self.running: list[Sequence] = []
+        self._by_id: dict[RequestId, Sequence] = {}
+        self.num_preemptions = 0
+        self.num_prefix_query_tokens = 0
+        self.num_prefix_hit_tokens = 0
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    def get(self, request_id: RequestId) -> Sequence | None:
+        return self._by_id.get(request_id)
+
+    def add(self, seq: Sequence) -> None:
+        assert seq.request_id not in self._by_id, "duplicate request ids are refused earlier"
+        seq.status = SequenceStatus.WAITING
+        self._by_id[seq.request_id] = seq
+        bisect.insort(self.waiting, seq, key=_rank)
+
+    def finish(self, seq: Sequence, status: SequenceStatus) -> None:
+        """Take `seq` out of the queues for good and free its blocks."""
+        assert status.finished
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq.status is SequenceStatus.WAITING:
+            self.waiting.remove(seq)
+        self.block_manager.free(seq)
+        seq.status = status
+        self._by_id.pop(seq.request_id, None)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        budget = self._schedule_running(out, budget)
+        if not out.preempted:
+            self._schedule_waiting(out, budget)
+        for chunk in out.chunks:
+            chunk.seq.num_computed_tokens += chunk.num_new_tokens
+        return out
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            num_new = min(seq.num_uncomputed_tokens, budget)
+            while not self.block_manager.allocate(seq, num_new):
+                victim = self.running[-1]
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is seq:
+                    break
+            else:
+                out.chunks.append(ScheduledChunk(seq, seq.num_computed_tokens, num_new))
+                budget -= num_new
+                i += 1
+        return budget
+
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        bm = self.block_manager
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[0]
+            # Prompt log-probabilities need logits at every prompt position: no cache hits.
+            cached = [] if seq.wants_prompt_logprobs else bm.find_cached_prefix(seq)
+            num_cached_tokens = len(cached) * bm.block_size
+            num_new = len(seq) - num_cached_tokens
+            if num_new > budget:
+                if not self.config.enable_chunked_prefill:
+                    break
+                num_new = budget
+            if not bm.allocate(seq, num_new, cached):
+                break
+            self.waiting.pop(0)
+            self.num_prefix_query_tokens += len(seq)
+            self.num_prefix_hit_tokens += num_cached_tokens
+            if seq.num_preemptions == 0:
+                seq.num_cached_tokens = num_cached_tokens
+            seq.num_computed_tokens = num_cached_tokens
+            seq.status = SequenceStatus.RUNNING
+            bisect.insort(self.running, seq, key=_rank)
+            out.chunks.append(ScheduledChunk(seq, num_cached_tokens, num_new))
+            budget -= num_new
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.block_manager.free(seq)
+        seq.num_computed_tokens = 0
+        seq.num_preemptions += 1
+        seq.status = SequenceStatus.WAITING
+        self.num_preemptions += 1
+        bisect.insort(self.waiting, seq, key=_rank)

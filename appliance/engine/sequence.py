@@ -1,0 +1,91 @@
+"""A request's life in the engine: its tokens, its KV blocks and its progress."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import NewType
+
+from appliance.engine.sampling_params import SamplingParams
+
+RequestId = NewType("RequestId", str)
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def finished(self) -> bool:
+        return self in _FINISHED
+
+
+_FINISHED = frozenset(
+    {
+        SequenceStatus.FINISHED_STOPPED,
+        SequenceStatus.FINISHED_LENGTH,
+        SequenceStatus.FINISHED_ABORTED,
+    }
+)
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One request: prompt plus generated tokens, and how much of it the KV cache holds.
+
+    `token_ids[:num_computed_tokens]` have their keys and values in the blocks of `block_table`.
+    A step computes the next `num_new_tokens` of them; when that reaches the end of `token_ids`
+    the step also samples one new token. So prefill, a prefill chunk, a decode step and a
+    recompute after preemption are all the same thing: catching up with `token_ids`.
+    """
+
+    request_id: RequestId
+    token_ids: list[int]
+    params: SamplingParams
+    arrival: int
+    priority: int = 0
+    cache_salt: str = ""
+    status: SequenceStatus = SequenceStatus.WAITING
+    num_prompt_tokens: int = field(init=False)
+    num_computed_tokens: int = 0
+    # Prompt tokens found in the prefix cache at first admission (reported as cached tokens).
+    num_cached_tokens: int = 0
+    num_preemptions: int = 0
+    block_table: list[int] = field(default_factory=list)
+    # Chained hashes of this sequence's full blocks, extended as blocks fill.
+    block_hashes: list[bytes] = field(default_factory=list)
+    # Leading blocks of `block_table` already offered to the prefix cache.
+    num_published_blocks: int = 0
+
+    def __post_init__(self) -> None:
+        self.num_prompt_tokens = len(self.token_ids)
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def is_prefill(self) -> bool:
+        """Whether more than the last token is still to be computed (prompt or recompute)."""
+        return self.num_uncomputed_tokens > 1
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        return self.params.prompt_logprobs is not None
+
+    def append_token(self, token_id: int) -> None:
+        self.token_ids.append(token_id)
