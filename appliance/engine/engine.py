@@ -225,6 +225,9 @@ class Engine:
         self.scheduler.finish(state.seq, SequenceStatus.FINISHED_ABORTED)
         return state.make_output(SequenceStatus.FINISHED_ABORTED)
 
+    def abort_all(self) -> list[RequestOutput]:
+        return [out for rid in list(self._requests) if (out := self.abort(rid)) is not None]
+
     def step(self) -> list[RequestOutput]:
         schedule = self.scheduler.schedule()
         if schedule.is_empty:

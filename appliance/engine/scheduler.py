@@ -34,16 +34,17 @@ class SchedulerConfig:
 
 @dataclass(frozen=True, slots=True)
 class ScheduledChunk:
-    """Compute `seq.token_ids[start : start + num_new_tokens]` this step."""
+    """Compute `seq.token_ids[start : start + num_new_tokens]` this step; `samples` when that
+    reaches the end of the sequence, so the step also samples its next token."""
 
     seq: Sequence
     start: int
     num_new_tokens: int
+    samples: bool
 
-    @property
-    def samples(self) -> bool:
-        """Whether this chunk reaches the end of the sequence, so a next token is sampled."""
-        return self.start + self.num_new_tokens == len(self.seq)
+    @classmethod
+    def of(cls, seq: Sequence, start: int, num_new_tokens: int) -> ScheduledChunk:
+        return cls(seq, start, num_new_tokens, start + num_new_tokens == len(seq))
 
 
 @dataclass(slots=True)
@@ -122,7 +123,7 @@ class Scheduler:
                 if victim is seq:
                     break
             else:
-                out.chunks.append(ScheduledChunk(seq, seq.num_computed_tokens, num_new))
+                out.chunks.append(ScheduledChunk.of(seq, seq.num_computed_tokens, num_new))
                 budget -= num_new
                 i += 1
         return budget
@@ -149,7 +150,7 @@ class Scheduler:
             seq.num_computed_tokens = num_cached_tokens
             seq.status = SequenceStatus.RUNNING
             bisect.insort(self.running, seq, key=_rank)
-            out.chunks.append(ScheduledChunk(seq, num_cached_tokens, num_new))
+            out.chunks.append(ScheduledChunk.of(seq, num_cached_tokens, num_new))
             budget -= num_new
 
     def _preempt(self, seq: Sequence) -> None:

@@ -1,0 +1,155 @@
+"""An asyncio face for the engine: per-request output streams, driven by one engine thread.
+
+The engine itself is single-threaded. A dedicated thread owns it and loops: apply queued
+commands (add, abort), run a step, hand each output to its request's asyncio queue on the event
+loop. Requests are tokenized and validated on the caller's side first, so a bad request raises
+to its caller at once and never reaches the engine thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+
+from appliance.engine.engine import Engine
+from appliance.engine.errors import EngineError, InvalidRequestError
+from appliance.engine.outputs import RequestOutput
+from appliance.engine.sampling_params import SamplingParams
+from appliance.engine.sequence import RequestId
+from appliance.engine.sequence import Sequence as EngineSequence
+
+logger = logging.getLogger(__name__)
+
+
+class EngineDeadError(EngineError):
+    """The engine thread stopped on an unexpected error; no request can be served."""
+
+
+@dataclass(frozen=True, slots=True)
+class _Add:
+    seq: EngineSequence
+
+
+@dataclass(frozen=True, slots=True)
+class _Abort:
+    request_id: RequestId
+
+
+class AsyncEngine:
+    """Use as `async with AsyncEngine(engine) as ae: async for out in ae.generate(...)`."""
+
+    def __init__(self, engine: Engine):
+        self.engine = engine
+        self._commands: queue.SimpleQueue[_Add | _Abort | None] = queue.SimpleQueue()
+        self._streams: dict[RequestId, asyncio.Queue[RequestOutput | BaseException]] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+
+    async def __aenter__(self) -> AsyncEngine:
+        self.start()
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.shutdown()
+
+    @property
+    def is_running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="inferno-engine", daemon=True)
+        self._thread.start()
+
+    async def shutdown(self) -> None:
+        """Stop the engine thread; requests still running end with an abort."""
+        if self._thread is None:
+            return
+        self._commands.put(None)
+        await asyncio.to_thread(self._thread.join)
+        self._thread = None
+
+    async def generate(
+        self,
+        request_id: str,
+        prompt: str | Sequence[int],
+        params: SamplingParams,
+        *,
+        priority: int = 0,
+        cache_salt: str = "",
+    ) -> AsyncIterator[RequestOutput]:
+        """Stream a request's outputs. Leaving the iteration early (or being cancelled, as when
+        an HTTP client disconnects) aborts the request and frees its KV blocks."""
+        if self._error is not None or not self.is_running:
+            raise EngineDeadError("the engine is not running") from self._error
+        seq = self.engine.prepare_request(
+            request_id, prompt, params, priority=priority, cache_salt=cache_salt
+        )
+        rid = seq.request_id
+        if rid in self._streams:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        stream: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self._streams[rid] = stream
+        self._commands.put(_Add(seq))
+        finished = False
+        try:
+            while not finished:
+                item = await stream.get()
+                if isinstance(item, InvalidRequestError):
+                    raise item
+                if isinstance(item, BaseException):
+                    raise EngineDeadError("the engine stopped while serving this request") from item
+                finished = item.finished
+                yield item
+        finally:
+            self._streams.pop(rid, None)
+            if not finished:
+                self._commands.put(_Abort(rid))
+
+    def abort(self, request_id: str) -> None:
+        self._commands.put(_Abort(RequestId(request_id)))
+
+    def _run(self) -> None:
+        engine = self.engine
+        try:
+            while True:
+                # Block for a command only when idle; otherwise drain what is there and step.
+                wait = not engine.has_unfinished()
+                while True:
+                    try:
+                        command = self._commands.get(block=wait)
+                    except queue.Empty:
+                        break
+                    wait = False
+                    if command is None:
+                        self._deliver(engine.abort_all())
+                        return
+                    if isinstance(command, _Add):
+                        try:
+                            engine.add_sequence(command.seq)
+                        except InvalidRequestError as exc:
+                            self._push(command.seq.request_id, exc)
+                    else:
+                        out = engine.abort(command.request_id)
+                        if out is not None:
+                            self._deliver([out])
+                self._deliver(engine.step())
+        except BaseException as exc:  # the thread must report, whatever went wrong
+            logger.exception("engine thread failed")
+            self._error = exc
+            for rid in list(self._streams):
+                self._push(rid, exc)
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            self._push(out.request_id, out)
+
+    def _push(self, rid: RequestId, item: RequestOutput | BaseException) -> None:
+        stream = self._streams.get(rid)
+        if stream is not None and self._loop is not None:
+            self._loop.call_soon_threadsafe(stream.put_nowait, item)

@@ -1,0 +1,329 @@
+"""The model's tokenizer and chat template, loaded from a HF-style model directory.
+
+Uses the `tokenizers` library only (no transformers at run time) and renders chat templates the
+way transformers' `apply_chat_template(tokenize=False)` does, in jinja2's
+`ImmutableSandboxedEnvironment` because a template ships with the model and is untrusted code
+(ARCHITECTURE.md, "Engine" → "Embedded default model").
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Mapping, Sequence
+from datetime import datetime
+from pathlib import Path
+from typing import Any, NoReturn
+
+import jinja2
+import jinja2.ext
+from jinja2.exceptions import SecurityError
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer as BackendTokenizer
+
+from appliance.engine.errors import InvalidRequestError, ModelLoadError
+
+
+class _FailOnUnsafeUndefined(jinja2.Undefined):
+    """Lenient like jinja's default `Undefined`, except for blocked attribute accesses.
+
+    Templates routinely test missing keys (`{% if message.tool_calls %}`), so ordinary undefined
+    values must stay falsy and print as "" (transformers' behaviour). But the sandbox answers an
+    unsafe access such as `''.__class__` with an undefined that would also print as "", hiding the
+    attempt; this one fails on any use instead, so a hostile template is refused, not half-run.
+    """
+
+    __slots__ = ()
+
+    def _fail_if_unsafe(self) -> None:
+        if isinstance(self._undefined_exception, type) and issubclass(
+            self._undefined_exception, SecurityError
+        ):
+            self._fail_with_undefined_error()
+
+    def __str__(self) -> str:
+        self._fail_if_unsafe()
+        return super().__str__()
+
+    def __bool__(self) -> bool:
+        self._fail_if_unsafe()
+        return super().__bool__()
+
+    def __iter__(self) -> Any:
+        self._fail_if_unsafe()
+        return super().__iter__()
+
+    def __len__(self) -> int:
+        self._fail_if_unsafe()
+        return super().__len__()
+
+
+def _raise_template_exception(message: str) -> NoReturn:
+    raise jinja2.exceptions.TemplateError(message)
+
+
+def _tojson(
+    value: Any,
+    ensure_ascii: bool = False,
+    indent: int | None = None,
+    separators: tuple[str, str] | None = None,
+    sort_keys: bool = False,
+) -> str:
+    # transformers replaces jinja's `tojson`, which HTML-escapes; templates expect plain JSON.
+    return json.dumps(
+        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
+
+
+def _strftime_now(format_: str) -> str:
+    return datetime.now().strftime(format_)
+
+
+def _compile_chat_template(source: str) -> jinja2.Template:
+    """Compile `source` with the environment and globals transformers gives chat templates."""
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True,
+        lstrip_blocks=True,
+        extensions=[jinja2.ext.loopcontrols],
+        undefined=_FailOnUnsafeUndefined,
+    )
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_template_exception
+    env.globals["strftime_now"] = _strftime_now
+    return env.from_string(source)
+
+
+def _plain_message_data(value: Any) -> Any:
+    """`value` rebuilt from exact JSON types, so a template reaches no method of a rich object.
+
+    Raises `InvalidRequestError` for anything that is not JSON data.
+    """
+    if value is None or type(value) in (str, int, float, bool):
+        return value
+    if isinstance(value, Mapping):
+        if not all(isinstance(key, str) for key in value):
+            raise InvalidRequestError("chat message keys must be strings")
+        return {str(key): _plain_message_data(item) for key, item in value.items()}
+    if isinstance(value, list | tuple):
+        return [_plain_message_data(item) for item in value]
+    raise InvalidRequestError(
+        f"chat messages may hold only JSON values, not {type(value).__name__}"
+    )
+
+
+class Tokenizer:
+    """Text ↔ token ids for one model, plus its chat template.
+
+    Build it with `from_model_dir`. Every method is safe to call from several threads: the
+    backend tokenizer is only read.
+    """
+
+    def __init__(
+        self,
+        backend: BackendTokenizer,
+        *,
+        bos_token: str | None,
+        eos_token: str | None,
+        add_bos_token: bool,
+        chat_template: str | None,
+        generation_eos_token_ids: Iterable[int] = (),
+        extra_template_tokens: Mapping[str, str] | None = None,
+    ) -> None:
+        """Wrap `backend`; `bos_token`/`eos_token` must be in its vocabulary when given.
+
+        `generation_eos_token_ids` adds ids that end generation besides `eos_token` (from
+        generation_config.json). `extra_template_tokens` (unk_token, pad_token, ...) are passed
+        to the chat template along with bos_token and eos_token, as transformers does.
+        """
+        self._backend = backend
+        self._bos_token = bos_token
+        self._eos_token = eos_token
+        self._add_bos_token = add_bos_token
+        self._bos_token_id = self._token_id(bos_token)
+        eos_ids = set(generation_eos_token_ids)
+        eos_token_id = self._token_id(eos_token)
+        if eos_token_id is not None:
+            eos_ids.add(eos_token_id)
+        self._eos_token_ids = frozenset(eos_ids)
+        self._template_tokens = dict(extra_template_tokens or {})
+        for name, token in (("bos_token", bos_token), ("eos_token", eos_token)):
+            if token is not None:
+                self._template_tokens[name] = token
+        self._template = _compile_chat_template(chat_template) if chat_template else None
+        self._all_special_ids = frozenset(
+            token_id
+            for token_id, added in backend.get_added_tokens_decoder().items()
+            if added.special
+        )
+
+    def _token_id(self, token: str | None) -> int | None:
+        if token is None:
+            return None
+        token_id = self._backend.token_to_id(token)
+        if token_id is None:
+            raise ModelLoadError(f"special token {token!r} is not in the tokenizer's vocabulary")
+        return token_id
+
+    @classmethod
+    def from_model_dir(cls, path: Path) -> Tokenizer:
+        """Load tokenizer.json, tokenizer_config.json and (if present) generation_config.json.
+
+        Raises `ModelLoadError` when a file is missing, not valid, or names unknown tokens.
+        """
+        path = Path(path)
+        try:
+            backend = BackendTokenizer.from_file(str(path / "tokenizer.json"))
+        except Exception as exc:  # tokenizers raises a bare Exception for every failure
+            raise ModelLoadError(
+                f"cannot load {path / 'tokenizer.json'} ({exc}); the model directory is "
+                "incomplete: re-import or re-download the model"
+            ) from exc
+        config = _read_json(path / "tokenizer_config.json", required=True)
+        generation = _read_json(path / "generation_config.json", required=False)
+        chat_template = config.get("chat_template")
+        if not isinstance(chat_template, str | None):
+            # Some models ship named templates as a list; this engine uses the default one only.
+            chat_template = next(
+                (
+                    entry.get("template")
+                    for entry in chat_template
+                    if isinstance(entry, dict) and entry.get("name") == "default"
+                ),
+                None,
+            )
+        generation_eos = generation.get("eos_token_id")
+        if isinstance(generation_eos, int):
+            generation_eos = [generation_eos]
+        try:
+            return cls(
+                backend,
+                bos_token=_token_content(config.get("bos_token")),
+                eos_token=_token_content(config.get("eos_token")),
+                add_bos_token=bool(config.get("add_bos_token", False)),
+                chat_template=chat_template,
+                generation_eos_token_ids=generation_eos or (),
+                extra_template_tokens={
+                    name: token
+                    for name in ("unk_token", "pad_token")
+                    if (token := _token_content(config.get(name))) is not None
+                },
+            )
+        except jinja2.TemplateSyntaxError as exc:
+            raise ModelLoadError(
+                f"the chat template in {path / 'tokenizer_config.json'} does not compile "
+                f"(line {exc.lineno}: {exc.message}); fix or remove it"
+            ) from exc
+
+    @property
+    def bos_token_id(self) -> int | None:
+        """The id of the beginning-of-sequence token, or None when the model has none."""
+        return self._bos_token_id
+
+    @property
+    def eos_token_ids(self) -> frozenset[int]:
+        """Every id that ends generation: generation_config's eos ids and the tokenizer's eos."""
+        return self._eos_token_ids
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of token ids, added tokens included."""
+        return self._backend.get_vocab_size(with_added_tokens=True)
+
+    @property
+    def all_special_ids(self) -> frozenset[int]:
+        """Ids of the special (control) tokens, the ones `skip_special_tokens` drops."""
+        return self._all_special_ids
+
+    @property
+    def has_chat_template(self) -> bool:
+        """Whether the model ships a chat template."""
+        return self._template is not None
+
+    def encode(self, text: str, *, add_special_tokens: bool = False) -> list[int]:
+        """Token ids of `text`; BOS first only if `add_special_tokens` and the model adds BOS.
+
+        Special-token text in `text` (like "<|im_start|>") maps to its special id, as in
+        transformers.
+        """
+        ids = self._backend.encode(text, add_special_tokens=False).ids
+        if add_special_tokens and self._add_bos_token and self._bos_token_id is not None:
+            return [self._bos_token_id, *ids]
+        return ids
+
+    def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
+        """The text of `ids`; invalid UTF-8 byte sequences decode to U+FFFD."""
+        return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(
+        self, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True
+    ) -> str:
+        """Render `messages` with the model's chat template, as transformers' tokenize=False does.
+
+        Raises `InvalidRequestError` when the model has no template, the messages are not a list
+        of JSON objects with a string "role", or the template rejects or fails on them. Error
+        messages never quote message content.
+        """
+        if self._template is None:
+            raise InvalidRequestError(
+                "this model has no chat template; send a plain completion request instead"
+            )
+        conversation = self._validated_messages(messages)
+        try:
+            return self._template.render(
+                messages=conversation,
+                tools=None,
+                documents=None,
+                add_generation_prompt=add_generation_prompt,
+                **self._template_tokens,
+            )
+        except SecurityError as exc:
+            raise InvalidRequestError(
+                "the model's chat template attempted an operation the sandbox forbids; "
+                "fix the template"
+            ) from exc
+        except jinja2.TemplateError as exc:
+            # The template's own message may quote the conversation, so it is not repeated.
+            raise InvalidRequestError(
+                "the model's chat template rejected this conversation (check the order of roles "
+                "and that every message has the fields the template needs)"
+            ) from exc
+        except (TypeError, ValueError, KeyError, IndexError, AttributeError) as exc:
+            raise InvalidRequestError(
+                f"the model's chat template failed on this conversation ({type(exc).__name__}); "
+                "check that every message's content is a string"
+            ) from exc
+
+    @staticmethod
+    def _validated_messages(messages: Any) -> list[dict[str, Any]]:
+        if not isinstance(messages, list) or not messages:
+            raise InvalidRequestError("chat messages must be a non-empty list")
+        conversation = []
+        for index, message in enumerate(messages):
+            if not isinstance(message, Mapping):
+                raise InvalidRequestError(f"chat message {index} is not an object")
+            if not isinstance(message.get("role"), str):
+                raise InvalidRequestError(f"chat message {index} has no string 'role'")
+            conversation.append(_plain_message_data(message))
+        return conversation
+
+
+def _token_content(value: Any) -> str | None:
+    """A special token as tokenizer_config.json states it: a string or an AddedToken dict."""
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) else None
+
+
+def _read_json(path: Path, *, required: bool) -> dict[str, Any]:
+    if not path.is_file():
+        if required:
+            raise ModelLoadError(
+                f"{path} is missing; the model directory is incomplete: re-import the model"
+            )
+        return {}
+    try:
+        content = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ModelLoadError(f"cannot read {path} ({exc}); re-import the model") from exc
+    if not isinstance(content, dict):
+        raise ModelLoadError(f"{path} is not a JSON object; re-import the model")
+    return content

@@ -1,0 +1,12 @@
+"""The installer's error types: callers catch `InstallerError`.
+
+Every message says what to do next.
+"""
+
+
+class InstallerError(Exception):
+    """Root of every error the installer raises on purpose."""
+
+
+class EmbeddedModelNotFoundError(InstallerError):
+    """The embedded default model's package, or the GGUF file inside it, cannot be found."""
