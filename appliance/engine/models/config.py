@@ -57,35 +57,41 @@ class ModelConfig:
             ) from exc
         except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
             raise ModelLoadError(f"{path} is not readable JSON: {exc}") from exc
+        if not isinstance(raw, dict):
+            raise ModelLoadError(f"{path} must hold a JSON object, got {type(raw).__name__}")
         return cls.from_dict(raw, source=str(path))
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any], *, source: str = "config") -> ModelConfig:
-        def need(key: str, kind: type = int) -> Any:
+        def need(key: str, default: int | None = None) -> int:
             value = raw.get(key)
-            if not isinstance(value, kind) or isinstance(value, bool):
-                raise ModelLoadError(f"{source}: {key!r} must be a {kind.__name__}, got {value!r}")
+            if value is None:
+                value = default
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ModelLoadError(f"{source}: {key!r} must be a positive integer, got {value!r}")
             return value
 
-        archs = raw.get("architectures") or []
-        arch = archs[0] if archs else None
-        if arch not in SUPPORTED_ARCHITECTURES:
+        archs = raw.get("architectures")
+        arch = archs[0] if isinstance(archs, list) and archs else None
+        if not isinstance(arch, str) or arch not in SUPPORTED_ARCHITECTURES:
             raise ModelLoadError(
                 f"{source}: architecture {arch!r} is not supported; "
                 f"supported: {', '.join(sorted(SUPPORTED_ARCHITECTURES))}"
             )
         num_heads = need("num_attention_heads")
         hidden_size = need("hidden_size")
-        head_dim = raw.get("head_dim") or hidden_size // num_heads
-        num_kv_heads = raw.get("num_key_value_heads") or num_heads
+        head_dim = need("head_dim", hidden_size // num_heads)
+        num_kv_heads = need("num_key_value_heads", num_heads)
         if num_heads % num_kv_heads:
             raise ModelLoadError(
                 f"{source}: num_attention_heads {num_heads} is not a multiple of "
                 f"num_key_value_heads {num_kv_heads}"
             )
-        sliding_window = raw.get("sliding_window")
-        if arch == "Qwen2ForCausalLM" and not raw.get("use_sliding_window", False):
-            sliding_window = None
+        sliding_window = None
+        if raw.get("sliding_window") is not None and (
+            arch != "Qwen2ForCausalLM" or raw.get("use_sliding_window", False)
+        ):
+            sliding_window = need("sliding_window")
         attention_bias = bool(raw.get("attention_bias", False))
         return cls(
             architecture=arch,

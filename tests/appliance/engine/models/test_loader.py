@@ -1,0 +1,225 @@
+"""The loader reads what transformers writes and refuses everything else with a ModelLoadError
+that names the problem.
+
+Each hostile directory is a copy of a good transformers-written checkpoint with one deliberate
+defect, named by its test.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from appliance.engine.errors import ModelLoadError
+from appliance.engine.models.loader import load_model
+
+from .conftest import build_hf_model, save_checkpoint
+
+
+@pytest.fixture
+def model_dir(tiny_checkpoints, tmp_path: Path) -> Path:
+    """A private, writable copy of the Llama 2 style checkpoint."""
+    source, _ = tiny_checkpoints("llama2")
+    return Path(shutil.copytree(source, tmp_path / "model"))
+
+
+def _rewrite_config(model_dir: Path, **changes) -> None:
+    path = model_dir / "config.json"
+    raw = json.loads(path.read_text())
+    raw.update(changes)
+    path.write_text(json.dumps(raw))
+
+
+def _rewrite_weights(model_dir: Path, edit) -> None:
+    path = model_dir / "model.safetensors"
+    tensors = load_file(path)
+    edit(tensors)
+    save_file(tensors, path, metadata={"format": "pt"})
+
+
+def _load_error(model_dir: Path) -> str:
+    with pytest.raises(ModelLoadError) as info:
+        load_model(model_dir)
+    return str(info.value)
+
+
+def test_load_rejects_a_model_dir_that_does_not_exist(tmp_path):
+    message = _load_error(tmp_path / "nowhere")
+    assert "nowhere" in message and "does not exist" in message
+
+
+def test_load_rejects_a_dir_without_config_json(model_dir):
+    (model_dir / "config.json").unlink()
+    message = _load_error(model_dir)
+    assert "config.json" in message and "missing" in message
+
+
+def test_load_rejects_a_config_json_that_is_not_json(model_dir):
+    (model_dir / "config.json").write_text('{"architectures": ["LlamaForCausalLM"],')
+    message = _load_error(model_dir)
+    assert "config.json" in message and "JSON" in message
+
+
+@pytest.mark.parametrize("text", ["[1, 2]", '"LlamaForCausalLM"', "null"])
+def test_load_rejects_a_config_json_that_is_json_but_not_an_object(model_dir, text):
+    # Regression: this used to escape as AttributeError ('list' object has no attribute 'get').
+    (model_dir / "config.json").write_text(text)
+    message = _load_error(model_dir)
+    assert "config.json" in message and "object" in message
+
+
+def test_load_rejects_an_unsupported_architecture(model_dir):
+    _rewrite_config(model_dir, architectures=["GPT2LMHeadModel"])
+    message = _load_error(model_dir)
+    assert "GPT2LMHeadModel" in message and "not supported" in message
+    assert "LlamaForCausalLM" in message, "the message should list what is supported"
+
+
+@pytest.mark.parametrize(
+    ("changes", "rope_type"),
+    [
+        ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}}, "yarn"),
+        ({"rope_parameters": None, "rope_scaling": {"type": "dynamic", "factor": 2.0}}, "dynamic"),
+    ],
+)
+def test_load_rejects_an_unsupported_rope_type(model_dir, changes, rope_type):
+    _rewrite_config(model_dir, **changes)
+    message = _load_error(model_dir)
+    assert repr(rope_type) in message and "not supported" in message
+
+
+def test_load_rejects_a_safetensors_file_of_garbage(model_dir):
+    (model_dir / "model.safetensors").write_bytes(bytes(range(256)) * 64)
+    message = _load_error(model_dir)
+    assert "model.safetensors" in message and "not a valid safetensors file" in message
+
+
+def test_load_rejects_a_truncated_safetensors_file(model_dir):
+    path = model_dir / "model.safetensors"
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+    message = _load_error(model_dir)
+    assert "model.safetensors" in message and "not a valid safetensors file" in message
+
+
+def test_load_rejects_a_dir_without_weights(model_dir):
+    (model_dir / "model.safetensors").unlink()
+    message = _load_error(model_dir)
+    assert "no model.safetensors" in message
+
+
+@pytest.mark.parametrize(
+    ("tensor", "reported"),
+    [
+        ("model.layers.1.self_attn.k_proj.weight", r"layers\.1\.self_attn\.(k|qkv)_proj"),
+        ("model.layers.0.mlp.up_proj.weight", r"layers\.0\.mlp\.(up|gate_up)_proj"),
+        ("model.norm.weight", r"norm\.weight"),
+        ("lm_head.weight", r"lm_head"),
+    ],
+)
+def test_load_rejects_a_checkpoint_missing_a_tensor(model_dir, tensor, reported):
+    _rewrite_weights(model_dir, lambda tensors: tensors.pop(tensor))
+    with pytest.raises(ModelLoadError, match=reported) as info:
+        load_model(model_dir)
+    assert "lacks" in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("tensor", "shape"),
+    [
+        ("model.layers.0.mlp.down_proj.weight", (64, 100)),
+        ("model.layers.1.self_attn.v_proj.weight", (64, 64)),  # 4 KV heads, not 2
+        ("model.embed_tokens.weight", (300, 64)),
+    ],
+)
+def test_load_rejects_a_tensor_with_the_wrong_shape(model_dir, tensor, shape):
+    _rewrite_weights(model_dir, lambda tensors: tensors.update({tensor: torch.zeros(shape)}))
+    message = _load_error(model_dir)
+    assert repr(tensor) in message and str(shape) in message
+
+
+@pytest.mark.parametrize(
+    "tensor", ["model.layers.0.mlp.extra_proj.weight", "model.layers.7.input_layernorm.weight"]
+)
+def test_load_rejects_an_unexpected_extra_tensor(model_dir, tensor):
+    _rewrite_weights(model_dir, lambda tensors: tensors.update({tensor: torch.zeros(64)}))
+    message = _load_error(model_dir)
+    assert repr(tensor) in message and "unexpected" in message
+
+
+def test_load_ignores_a_stored_rotary_inv_freq_buffer(model_dir):
+    """Older checkpoints carry `rotary_emb.inv_freq`; it is recomputed, never an error."""
+    name = "model.layers.0.self_attn.rotary_emb.inv_freq"
+    _rewrite_weights(model_dir, lambda tensors: tensors.update({name: torch.ones(8)}))
+    load_model(model_dir)
+
+
+def _expected_parameters(checkpoint: dict[str, torch.Tensor], num_layers: int) -> dict:
+    """Our parameter names and values, written out by hand from the checkpoint's names."""
+    expected = {
+        "embed_tokens.weight": checkpoint["model.embed_tokens.weight"],
+        "norm.weight": checkpoint["model.norm.weight"],
+        "lm_head": checkpoint["lm_head.weight"],
+    }
+    for i in range(num_layers):
+        ours, theirs = f"layers.{i}.", f"model.layers.{i}."
+        attn, mlp = theirs + "self_attn.", theirs + "mlp."
+        expected[ours + "self_attn.qkv_proj.weight"] = torch.cat(
+            [checkpoint[attn + f"{p}_proj.weight"] for p in "qkv"]
+        )
+        expected[ours + "self_attn.o_proj.weight"] = checkpoint[attn + "o_proj.weight"]
+        expected[ours + "mlp.gate_up_proj.weight"] = torch.cat(
+            [checkpoint[mlp + "gate_proj.weight"], checkpoint[mlp + "up_proj.weight"]]
+        )
+        expected[ours + "mlp.down_proj.weight"] = checkpoint[mlp + "down_proj.weight"]
+        for norm in ("input_layernorm", "post_attention_layernorm"):
+            expected[ours + f"{norm}.weight"] = checkpoint[theirs + f"{norm}.weight"]
+    return expected
+
+
+def test_load_converts_float32_checkpoint_to_bfloat16_with_round_to_nearest(model_dir):
+    checkpoint = load_file(model_dir / "model.safetensors")
+    assert all(t.dtype == torch.float32 for t in checkpoint.values())
+    model = load_model(model_dir, dtype=torch.bfloat16)
+    ours = dict(model.named_parameters())
+    expected = _expected_parameters(checkpoint, model.config.num_layers)
+    assert ours.keys() == expected.keys()
+    for name, value in expected.items():
+        assert ours[name].dtype == torch.bfloat16, name
+        assert torch.equal(ours[name], value.to(torch.bfloat16)), name
+    # The conversion really rounds: bf16 cannot hold these float32 weights exactly.
+    assert not torch.equal(ours["embed_tokens.weight"].float(), expected["embed_tokens.weight"])
+
+
+def test_load_reads_a_sharded_checkpoint_like_the_single_file_one(model_dir, tmp_path):
+    hf_model = build_hf_model("llama2")  # same seed, same weights as `model_dir`
+    sharded_dir = save_checkpoint(hf_model, tmp_path / "sharded", max_shard_size="100KB")
+    index = json.loads((sharded_dir / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) >= 2
+    assert not (sharded_dir / "model.safetensors").exists()
+    sharded = dict(load_model(sharded_dir).named_parameters())
+    single = dict(load_model(model_dir).named_parameters())
+    assert sharded.keys() == single.keys()
+    for name, value in single.items():
+        assert torch.equal(sharded[name], value), name
+
+
+def test_load_rejects_a_sharded_checkpoint_with_a_missing_shard(tmp_path):
+    sharded_dir = save_checkpoint(
+        build_hf_model("llama2"), tmp_path / "sharded", max_shard_size="100KB"
+    )
+    shard = sorted(sharded_dir.glob("model-*.safetensors"))[-1]
+    shard.unlink()
+    message = _load_error(sharded_dir)
+    assert shard.name in message
+
+
+def test_load_rejects_a_shard_index_that_is_not_json(model_dir):
+    (model_dir / "model.safetensors.index.json").write_text("{not json")
+    message = _load_error(model_dir)
+    assert "model.safetensors.index.json" in message and "index" in message

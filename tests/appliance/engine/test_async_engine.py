@@ -1,0 +1,108 @@
+"""The asyncio wrapper: concurrent streams, early exits that abort, errors to the caller."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+
+from appliance.engine.async_engine import AsyncEngine
+from appliance.engine.engine import Engine, EngineConfig
+from appliance.engine.errors import InvalidRequestError
+from appliance.engine.sampling_params import SamplingParams
+
+PROMPTS = ["The moon is", "Python is a programming language that", "Rain falls when", "Tea or"]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def engine(smollm2_dir: Path) -> Engine:
+    return Engine.from_config(EngineConfig(model_dir=smollm2_dir, max_model_len=256))
+
+
+async def _collect(ae: AsyncEngine, rid: str, prompt: str) -> str:
+    return "".join([out.text async for out in ae.generate(rid, prompt, GREEDY)])
+
+
+def test_concurrent_streams_produce_what_the_synchronous_engine_does(engine: Engine) -> None:
+    expected = [c.text for c in engine.generate(PROMPTS, GREEDY)]
+
+    async def main() -> list[str]:
+        async with AsyncEngine(engine) as ae:
+            return await asyncio.gather(*(_collect(ae, f"r{i}", p) for i, p in enumerate(PROMPTS)))
+
+    assert asyncio.run(main()) == expected
+
+
+def test_leaving_a_stream_early_aborts_the_request_and_frees_its_blocks(engine: Engine) -> None:
+    async def main() -> None:
+        async with AsyncEngine(engine) as ae:
+            long = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
+            stream = ae.generate("early", PROMPTS[0], long)
+            async for _ in stream:
+                break
+            await stream.aclose()
+            # A request after the abort is served normally.
+            assert await _collect(ae, "after", PROMPTS[1])
+            for _ in range(100):
+                if not engine.has_unfinished():
+                    break
+                await asyncio.sleep(0.01)
+
+    asyncio.run(main())
+    assert not engine.has_unfinished()
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+def test_cancelled_consumer_aborts_its_request(engine: Engine) -> None:
+    async def main() -> None:
+        async with AsyncEngine(engine) as ae:
+            long = SamplingParams(temperature=0.0, max_tokens=500, ignore_eos=True)
+
+            async def consume() -> None:
+                async for _ in ae.generate("cancel-me", PROMPTS[2], long):
+                    pass
+
+            task = asyncio.create_task(consume())
+            await asyncio.sleep(0.3)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            for _ in range(200):
+                if not engine.has_unfinished():
+                    break
+                await asyncio.sleep(0.01)
+
+    asyncio.run(main())
+    assert not engine.has_unfinished()
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+def test_invalid_request_raises_to_its_caller_and_others_are_served(engine: Engine) -> None:
+    async def main() -> str:
+        async with AsyncEngine(engine) as ae:
+            good = asyncio.create_task(_collect(ae, "good", PROMPTS[3]))
+            with pytest.raises(InvalidRequestError, match="shorten the prompt"):
+                async for _ in ae.generate("bad", [1] * 300, GREEDY):
+                    pass
+            return await good
+
+    assert asyncio.run(main()) == engine.generate([PROMPTS[3]], GREEDY)[0].text
+
+
+def test_shutdown_ends_running_requests_with_an_abort(engine: Engine) -> None:
+    async def main() -> str | None:
+        ae = AsyncEngine(engine)
+        ae.start()
+        long = SamplingParams(temperature=0.0, max_tokens=500, ignore_eos=True)
+        stream = ae.generate("cut", PROMPTS[0], long)
+        await anext(stream)
+        await ae.shutdown()
+        last = None
+        async for out in stream:
+            last = out
+        return last.finish_reason if last else None
+
+    assert asyncio.run(main()) == "abort"
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks

@@ -1,0 +1,185 @@
+"""Engine behaviour on the embedded model: stopping, seeds, logprobs, aborts and bad requests."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from appliance.engine.engine import Engine, EngineConfig
+from appliance.engine.errors import EngineConfigError, InvalidRequestError
+from appliance.engine.outputs import RequestOutput
+from appliance.engine.sampling_params import SamplingParams
+
+PROMPT = "The history of the printing press begins"
+
+
+@pytest.fixture(scope="module")
+def engine(smollm2_dir: Path) -> Engine:
+    return Engine.from_config(EngineConfig(model_dir=smollm2_dir, max_model_len=512))
+
+
+def _run(engine: Engine, requests: dict[str, tuple[object, SamplingParams]]):
+    for request_id, (prompt, params) in requests.items():
+        engine.add_request(request_id, prompt, params)
+    outputs: dict[str, list[RequestOutput]] = {rid: [] for rid in requests}
+    while engine.has_unfinished():
+        for out in engine.step():
+            outputs[out.request_id].append(out)
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    return outputs
+
+
+def _text(outs: list[RequestOutput]) -> str:
+    return "".join(o.text for o in outs)
+
+
+def _greedy_text(engine: Engine, max_tokens: int = 40) -> str:
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    return engine.generate([PROMPT], params)[0].text
+
+
+def test_max_tokens_ends_with_length_after_exactly_that_many_tokens(engine: Engine) -> None:
+    [c] = engine.generate([PROMPT], SamplingParams(temperature=0.0, max_tokens=7, ignore_eos=True))
+    assert len(c.token_ids) == 7
+    assert c.finish_reason == "length"
+
+
+def test_stop_string_truncates_the_text_and_is_reported(engine: Engine) -> None:
+    full = _greedy_text(engine)
+    stop = full[15:19]
+    cut = full.index(stop)
+    params = SamplingParams(temperature=0.0, max_tokens=40, stop=(stop,), ignore_eos=True)
+    outs = _run(engine, {"s": (PROMPT, params)})["s"]
+    assert _text(outs) == full[:cut]
+    assert outs[-1].finish_reason == "stop"
+    assert outs[-1].stop_reason == stop
+    # Held-back text never leaks the start of the stop string into an earlier delta.
+    assert all(stop not in o.text for o in outs)
+
+
+def test_stop_string_is_kept_when_asked(engine: Engine) -> None:
+    full = _greedy_text(engine)
+    stop = full[15:19]
+    params = SamplingParams(
+        temperature=0.0, max_tokens=40, stop=(stop,), include_stop_str_in_output=True
+    )
+    [c] = engine.generate([PROMPT], params)
+    assert c.text == full[: full.index(stop) + len(stop)]
+
+
+def test_stop_token_id_ends_generation_at_that_token(engine: Engine) -> None:
+    [ref] = engine.generate(
+        [PROMPT], SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    )
+    stop_id = ref.token_ids[5]
+    first = ref.token_ids.index(stop_id)
+    params = SamplingParams(temperature=0.0, max_tokens=20, stop_token_ids=(stop_id,))
+    outs = _run(engine, {"t": (PROMPT, params)})["t"]
+    token_ids = [t for o in outs for t in o.token_ids]
+    assert token_ids == ref.token_ids[: first + 1]
+    assert outs[-1].finish_reason == "stop"
+    assert outs[-1].stop_reason == stop_id
+
+
+def test_chat_reply_ends_at_the_models_end_of_turn_token(engine: Engine) -> None:
+    tok = engine.tokenizer
+    text = tok.apply_chat_template([{"role": "user", "content": "Say hello."}])
+    prompt = tok.encode(text, add_special_tokens=False)
+    [c] = engine.generate([prompt], SamplingParams(temperature=0.0, max_tokens=200))
+    assert c.finish_reason == "stop"
+    assert c.token_ids[-1] in tok.eos_token_ids
+    assert "<|im_end|>" not in c.text
+
+
+def test_same_seed_gives_same_sample_alone_or_in_a_batch(engine: Engine) -> None:
+    seeded = SamplingParams(temperature=1.0, max_tokens=24, seed=1234, ignore_eos=True)
+    [alone] = engine.generate([PROMPT], seeded)
+    other = SamplingParams(temperature=1.2, max_tokens=30, ignore_eos=True)
+    batch = engine.generate(["Hello there", PROMPT, "Numbers: 1, 2,"], [other, seeded, other])
+    assert batch[1].token_ids == alone.token_ids
+    [different] = engine.generate(
+        [PROMPT], SamplingParams(temperature=1.0, max_tokens=24, seed=99, ignore_eos=True)
+    )
+    assert different.token_ids != alone.token_ids
+
+
+def test_generated_logprobs_report_the_chosen_token_and_its_alternatives(engine: Engine) -> None:
+    params = SamplingParams(temperature=0.0, max_tokens=8, logprobs=3, ignore_eos=True)
+    outs = _run(engine, {"l": (PROMPT, params)})["l"]
+    logprobs = [lp for o in outs for lp in (o.logprobs or [])]
+    assert len(logprobs) == 8
+    for lp in logprobs:
+        assert len(lp.top) == 3
+        # Greedy: the chosen token is the most likely one.
+        assert lp.top[0] == (lp.token_id, pytest.approx(lp.logprob))
+        assert lp.logprob <= 0.0
+        assert [p for _, p in lp.top] == sorted((p for _, p in lp.top), reverse=True)
+
+
+def test_outputs_without_logprobs_requested_carry_none(engine: Engine) -> None:
+    outs = _run(engine, {"n": (PROMPT, SamplingParams(max_tokens=3))})["n"]
+    assert all(o.logprobs is None and o.prompt_logprobs is None for o in outs)
+
+
+def test_abort_mid_generation_frees_blocks_and_others_finish(engine: Engine) -> None:
+    long = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
+    engine.add_request("keep", PROMPT, long)
+    engine.add_request("drop", PROMPT + " in Germany", long)
+    for _ in range(3):
+        engine.step()
+    final = engine.abort("drop")
+    assert final is not None and final.finish_reason == "abort"
+    assert engine.abort("drop") is None
+    assert engine.abort("never-existed") is None
+    done = []
+    while engine.has_unfinished():
+        done += [o for o in engine.step() if o.finished]
+    assert [o.request_id for o in done] == ["keep"]
+    assert done[0].num_output_tokens == 30
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+def test_bad_requests_are_refused_while_running_requests_continue(engine: Engine) -> None:
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    engine.add_request("good", PROMPT, params)
+    outs = engine.step()
+    with pytest.raises(InvalidRequestError, match="shorten the prompt"):
+        engine.add_request("too-long", [1] * 512, params)
+    with pytest.raises(InvalidRequestError, match="empty"):
+        engine.add_request("empty", [], params)
+    with pytest.raises(InvalidRequestError, match=r"token ids must be integers in \[0, 49152\)"):
+        engine.add_request("bad-ids", [1, 49152], params)
+    with pytest.raises(InvalidRequestError, match="already in use"):
+        engine.add_request("good", PROMPT, params)
+    while engine.has_unfinished():
+        outs += engine.step()
+    assert outs[-1].request_id == "good" and outs[-1].finish_reason == "length"
+    assert sum(len(o.token_ids) for o in outs) == 12
+
+
+def test_request_larger_than_the_whole_kv_pool_is_refused(smollm2_dir: Path) -> None:
+    small = Engine.from_config(EngineConfig(model_dir=smollm2_dir, num_kv_blocks=4))
+    with pytest.raises(InvalidRequestError, match="exceeds the whole KV cache"):
+        small.add_request("big", PROMPT, SamplingParams(max_tokens=100))
+
+
+def test_generation_stops_at_the_context_length(smollm2_dir: Path) -> None:
+    short = Engine.from_config(EngineConfig(model_dir=smollm2_dir, max_model_len=32))
+    prompt = short.tokenizer.encode(PROMPT)
+    [c] = short.generate([prompt], SamplingParams(max_tokens=100, ignore_eos=True))
+    assert c.finish_reason == "length"
+    assert len(prompt) + len(c.token_ids) == 32
+
+
+def test_disabling_chunked_prefill_needs_a_budget_of_a_whole_context(smollm2_dir: Path) -> None:
+    config = EngineConfig(
+        model_dir=smollm2_dir, enable_chunked_prefill=False, max_num_batched_tokens=64
+    )
+    with pytest.raises(EngineConfigError, match="max_num_batched_tokens"):
+        Engine.from_config(config)
+
+
+def test_unknown_dtype_is_refused_naming_the_choices(smollm2_dir: Path) -> None:
+    with pytest.raises(EngineConfigError, match="float32"):
+        Engine.from_config(EngineConfig(model_dir=smollm2_dir, dtype="int3"))

@@ -1,0 +1,110 @@
+"""Sampling on synthetic logits: filters, seeds, and log-probabilities."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from appliance.engine.errors import InvalidRequestError
+from appliance.engine.sampling import sample, token_logprobs
+from appliance.engine.sampling_params import SamplingParams
+
+VOCAB = 50
+
+
+def _logits(rows: int = 4, seed: int = 0) -> torch.Tensor:
+    return torch.randn(rows, VOCAB, generator=torch.Generator().manual_seed(seed)) * 3
+
+
+def _draw(logits: torch.Tensor, params: SamplingParams, n: int, seed: int = 1) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    row = logits[:1]
+    return torch.stack([sample(row, [params], [generator])[0] for _ in range(n)])
+
+
+def test_greedy_picks_the_argmax_of_every_row() -> None:
+    logits = _logits()
+    params = [SamplingParams(temperature=0.0)] * 4
+    assert torch.equal(sample(logits, params, [None] * 4), logits.argmax(-1))
+
+
+def test_top_k_one_is_greedy_at_any_temperature() -> None:
+    logits = _logits()
+    params = [SamplingParams(temperature=5.0, top_k=1)] * 4
+    for _ in range(20):
+        assert torch.equal(sample(logits, params, [None] * 4), logits.argmax(-1))
+
+
+def test_top_k_never_samples_outside_the_k_best() -> None:
+    logits = _logits()
+    drawn = _draw(logits, SamplingParams(temperature=10.0, top_k=3), 300)
+    assert set(drawn.tolist()) <= set(logits[0].topk(3).indices.tolist())
+    assert len(set(drawn.tolist())) == 3
+
+
+def test_top_p_keeps_the_smallest_nucleus_reaching_p() -> None:
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+    drawn = set(_draw(logits, SamplingParams(top_p=0.8), 400).tolist())
+    # 0.5 + 0.3 reaches 0.8: tokens 2 and 3 are outside the nucleus.
+    assert drawn == {0, 1}
+
+
+def test_min_p_drops_tokens_below_the_fraction_of_the_best() -> None:
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+    drawn = set(_draw(logits, SamplingParams(min_p=0.5), 400).tolist())
+    assert drawn == {0, 1}
+
+
+def test_sampling_frequencies_follow_the_softmax() -> None:
+    probs = torch.tensor([0.6, 0.25, 0.1, 0.05])
+    drawn = _draw(torch.log(probs)[None], SamplingParams(temperature=1.0), 4000)
+    freq = torch.bincount(drawn, minlength=4).float() / len(drawn)
+    # 4000 draws: the standard error of each frequency is below 0.008.
+    assert torch.allclose(freq, probs, atol=0.03)
+
+
+def test_same_seed_gives_same_tokens_whatever_else_is_in_the_batch() -> None:
+    logits = _logits(rows=3)
+    params = SamplingParams(temperature=1.0, seed=7)
+    alone = sample(logits[:1], [params], [torch.Generator().manual_seed(7)])
+    gen = torch.Generator().manual_seed(7)
+    batched = sample(
+        logits, [params, SamplingParams(temperature=2.0), SamplingParams()], [gen, None, None]
+    )
+    assert batched[0] == alone[0]
+
+
+def test_token_logprobs_are_the_raw_log_softmax_with_top_alternatives() -> None:
+    logits = _logits()
+    chosen_ids = torch.tensor([3, 1, 4, 1])
+    chosen, top_ids, top_lps = token_logprobs(logits, chosen_ids, 5)
+    ref = logits.log_softmax(-1)
+    assert torch.allclose(chosen, ref.gather(-1, chosen_ids[:, None]).squeeze(-1))
+    assert torch.equal(top_ids, ref.topk(5).indices)
+    assert torch.allclose(top_lps, ref.topk(5).values)
+    _, none_ids, none_lps = token_logprobs(logits, chosen_ids, 0)
+    assert none_ids.shape == (4, 0) and none_lps.shape == (4, 0)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "name"),
+    [
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"temperature": -0.5}, "temperature"),
+        ({"temperature": math.nan}, "temperature"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"top_k": -1}, "top_k"),
+        ({"min_p": 2.0}, "min_p"),
+        ({"seed": -3}, "seed"),
+        ({"stop": ("",)}, "stop"),
+        ({"stop_token_ids": (-1,)}, "stop_token_ids"),
+        ({"logprobs": 21}, "logprobs"),
+        ({"prompt_logprobs": -1}, "prompt_logprobs"),
+    ],
+)
+def test_bad_sampling_parameter_is_refused_naming_it(kwargs: dict, name: str) -> None:
+    with pytest.raises(InvalidRequestError, match=repr(name)):
+        SamplingParams(**kwargs)
