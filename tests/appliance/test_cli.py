@@ -73,3 +73,15 @@ def test_import_gguf_of_a_missing_file_fails_cleanly(tmp_path: Path) -> None:
     assert result.returncode == 2
     assert "x.gguf" in result.stderr
     assert not (tmp_path / "out").exists()
+
+
+def test_demo_answers_each_piped_line_as_a_chat_turn(smollm2_dir: Path) -> None:
+    result = _inferno(
+        "demo", "--model", str(smollm2_dir), "--max-tokens", "12",
+        stdin="What is 2 plus 2?\n\nName a colour.\n",
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    replies = result.stdout.splitlines()
+    # Two questions (the blank line is skipped): two replies, one per line.
+    assert len(replies) == 2
+    assert all(reply.strip() for reply in replies)
