@@ -1,14 +1,69 @@
 """The contract between the model code and a kernel backend.
 
-`kernels.reference` implements it in plain torch; the Triton backend implements the same
-functions with the same semantics, so the model never knows which one it runs on.
+`kernels.reference` implements it in plain torch; `kernels.triton_ops` implements the same
+functions with the same semantics on the GPU, so the model never knows which one it runs on.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
+
+
+@dataclass(frozen=True, slots=True)
+class AttentionMetadata:
+    """Where one forward pass finds each sequence's KV cache.
+
+    A flattened, variable-length batch: sequence b owns `query_lens[b]` consecutive rows of the
+    batch, the last of its `seq_lens[b]` tokens.
+
+    slot_mapping: [T] int64, where each new token's key and value are written (-1: padding)
+    block_tables: [B, max_blocks] int32, each sequence's block ids (padding: 0)
+    seq_lens_t: [B] int32, seq_lens on the device (0 marks a padding row)
+    query_start_loc: [B + 1] int32, cumulative query_lens on the device
+    seq_lens, query_lens: the same on the host (the reference path and input preparation)
+    decode_only: every query_len is 1, so the decode kernel (and CUDA graphs) can run
+    num_splits: split-KV factor of the decode kernel (fixed per captured graph)
+    """
+
+    slot_mapping: torch.Tensor
+    block_tables: torch.Tensor
+    seq_lens_t: torch.Tensor
+    query_start_loc: torch.Tensor
+    seq_lens: list[int]
+    query_lens: list[int]
+    max_query_len: int
+    decode_only: bool
+    num_splits: int = 1
+
+    @classmethod
+    def build(
+        cls,
+        slot_mapping: torch.Tensor,
+        block_tables: torch.Tensor,
+        seq_lens: list[int],
+        query_lens: list[int],
+        *,
+        num_splits: int = 1,
+    ) -> AttentionMetadata:
+        """Derive the device-side lengths from host lists (one small copy each)."""
+        device = slot_mapping.device
+        starts = [0]
+        for n in query_lens:
+            starts.append(starts[-1] + n)
+        return cls(
+            slot_mapping=slot_mapping,
+            block_tables=block_tables,
+            seq_lens_t=torch.tensor(seq_lens, dtype=torch.int32).to(device, non_blocking=True),
+            query_start_loc=torch.tensor(starts, dtype=torch.int32).to(device, non_blocking=True),
+            seq_lens=seq_lens,
+            query_lens=query_lens,
+            max_query_len=max(query_lens, default=0),
+            decode_only=all(n == 1 for n in query_lens),
+            num_splits=num_splits,
+        )
 
 
 class KernelOps(Protocol):
@@ -38,8 +93,6 @@ class KernelOps(Protocol):
         q: torch.Tensor,
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
-        block_tables: torch.Tensor,
-        seq_lens: list[int],
-        query_lens: list[int],
+        meta: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor: ...

@@ -11,6 +11,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from kernels.ops import AttentionMetadata
+
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm computed in float32, scaled by `weight` in the input dtype (as Llama does).
@@ -76,26 +78,25 @@ def paged_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    seq_lens: list[int],
-    query_lens: list[int],
+    meta: AttentionMetadata,
     scale: float,
 ) -> torch.Tensor:
     """Causal attention of each sequence's new tokens over its whole cached context.
 
-    Sequence b owns `query_lens[b]` consecutive rows of q (in batch order), the last
-    `query_lens[b]` of its `seq_lens[b]` tokens, whose keys and values are already in the cache.
+    Sequence b owns `meta.query_lens[b]` consecutive rows of q (in batch order), the last
+    `query_lens[b]` of its `meta.seq_lens[b]` tokens, whose keys and values are already in the
+    cache.
     A decode step is `query_lens[b] == 1`; a first prefill has `query_lens[b] == seq_lens[b]`.
     Heads are grouped (GQA): query head h reads KV head h // (Hq // Hkv).
 
-    q: [T, Hq, D], block_tables: [B, max_blocks] -> out: [T, Hq, D]
+    q: [T, Hq, D] -> out: [T, Hq, D]
     """
     block_size, num_kv_heads, head_dim = k_cache.shape[1:]
     out = torch.empty_like(q)
     start = 0
-    for b, (seq_len, query_len) in enumerate(zip(seq_lens, query_lens, strict=True)):
+    for b, (seq_len, query_len) in enumerate(zip(meta.seq_lens, meta.query_lens, strict=True)):
         num_blocks = -(-seq_len // block_size)
-        blocks = block_tables[b, :num_blocks]
+        blocks = meta.block_tables[b, :num_blocks]
         k = k_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len]
         v = v_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len]
         q_b = q[start : start + query_len]

@@ -13,11 +13,11 @@ from dataclasses import dataclass
 
 import torch
 
-from appliance.engine.attention_metadata import AttentionMetadata
 from appliance.engine.models.llama import LlamaForCausalLM
 from appliance.engine.sampling import sample, token_logprobs
 from appliance.engine.sampling_params import SamplingParams
 from appliance.engine.scheduler import ScheduledChunk
+from kernels.ops import AttentionMetadata
 
 # Rows of prompt logits turned into log-probabilities at once (bounds [rows, vocab] memory).
 _PROMPT_LOGPROB_ROWS = 256
@@ -101,9 +101,9 @@ class ModelRunner:
         def tensor(values: list[int] | list[list[int]], dtype: torch.dtype) -> torch.Tensor:
             return torch.tensor(values, dtype=dtype).to(self.device, non_blocking=True)
 
-        meta = AttentionMetadata(
-            slot_mapping=tensor(slots, torch.int64),
-            block_tables=tensor(block_tables, torch.int32),
+        meta = AttentionMetadata.build(
+            tensor(slots, torch.int64),
+            tensor(block_tables, torch.int32),
             seq_lens=[c.start + c.num_new_tokens for c in chunks],
             query_lens=[c.num_new_tokens for c in chunks],
         )

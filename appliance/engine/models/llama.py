@@ -12,10 +12,9 @@ import torch
 from torch import nn
 
 import kernels.reference
-from appliance.engine.attention_metadata import AttentionMetadata
 from appliance.engine.models.config import ModelConfig
 from appliance.engine.models.rotary import cos_sin_table
-from kernels.ops import KernelOps
+from kernels.ops import AttentionMetadata, KernelOps
 
 
 class RMSNorm(nn.Module):
@@ -57,9 +56,7 @@ class Attention(nn.Module):
         q, k = self.ops.rotary_embedding(q, k, cos, sin)
         k_cache, v_cache = kv_cache[0], kv_cache[1]
         self.ops.write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
-        o = self.ops.paged_attention(
-            q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_lens, self.scale
-        )
+        o = self.ops.paged_attention(q, k_cache, v_cache, meta, self.scale)
         return self.o_proj(o.reshape(num_tokens, self.q_size))
 
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from appliance.engine.attention_metadata import AttentionMetadata
 from appliance.engine.block_manager import BlockManager
 from appliance.engine.kv_cache import KVCacheSpec
 from appliance.engine.model_runner import ModelRunner
@@ -24,6 +23,7 @@ from appliance.engine.models.rotary import cos_sin_table
 from appliance.engine.sampling_params import SamplingParams
 from appliance.engine.scheduler import Scheduler, SchedulerConfig
 from appliance.engine.sequence import RequestId, Sequence, SequenceStatus
+from kernels.ops import AttentionMetadata
 
 from .conftest import VARIANTS
 
@@ -84,9 +84,9 @@ class PagedBatch:
         tables = [
             self.block_tables[i] + [0] * (width - len(self.block_tables[i])) for i, _, _ in chunks
         ]
-        meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.int64),
-            block_tables=torch.tensor(tables, dtype=torch.int32),
+        meta = AttentionMetadata.build(
+            torch.tensor(slots, dtype=torch.int64),
+            torch.tensor(tables, dtype=torch.int32),
             seq_lens=[end for _, _, end in chunks],
             query_lens=[end - start for _, start, end in chunks],
         )

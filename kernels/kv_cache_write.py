@@ -1,0 +1,160 @@
+"""Triton kernel that scatters each new token's key and value into the paged KV cache.
+
+Semantics are those of `kernels.reference.write_kv_cache`: token t is stored at flat slot
+`slot_mapping[t] = block_id * block_size + offset`; a negative slot marks a padding token (a
+CUDA-graph batch padded to its captured size) and is skipped, so padding never touches the cache.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.errors import KernelInputError
+
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+# One program holds a whole token (all KV heads) in registers; beyond this it would spill.
+_MAX_TOKEN_ELEMENTS = 16384
+
+
+@triton.jit
+def _write_kv_cache_kernel(
+    k_ptr,
+    v_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    slot_mapping_ptr,
+    k_token_stride,
+    v_token_stride,
+    num_slots,
+    TOKEN_ELEMENTS: tl.constexpr,  # num_kv_heads * head_dim
+    BLOCK: tl.constexpr,  # next power of two of TOKEN_ELEMENTS
+):
+    token = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slot_mapping_ptr + token)
+    # Padding (slot < 0) is skipped; an out-of-range slot is dropped too, so a bad slot mapping
+    # can corrupt only its own sequence's attention, never memory outside the cache. Checking the
+    # values on the host instead would cost a device sync per step.
+    keep = (slot >= 0) & (slot < num_slots)
+    offs = tl.arange(0, BLOCK)
+    mask = (offs < TOKEN_ELEMENTS) & keep
+    # Slot is int64, so `slot * TOKEN_ELEMENTS` cannot overflow on caches above 2**31 elements.
+    cache_offs = slot * TOKEN_ELEMENTS + offs
+    k = tl.load(k_ptr + token * k_token_stride + offs, mask=mask)
+    v = tl.load(v_ptr + token * v_token_stride + offs, mask=mask)
+    tl.store(k_cache_ptr + cache_offs, k, mask=mask)
+    tl.store(v_cache_ptr + cache_offs, v, mask=mask)
+
+
+def write_kv_cache(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Store each token's key and value at its slot of the paged cache, in place.
+
+    k, v: [T, Hkv, D], each token's [Hkv, D] contiguous (a token-strided view of a fused qkv
+    output is fine); k_cache, v_cache: [num_blocks, block_size, Hkv, D], contiguous, same dtype
+    as k and v; slot_mapping: [T] int64, contiguous.
+
+    Slots < 0 are padding and skipped. Slot values are not checked on the host (that would
+    sync the device): a slot >= num_blocks * block_size is silently dropped instead of written
+    out of bounds. Raises `KernelInputError` for any shape, dtype, device or layout it cannot
+    handle.
+    """
+    _validate(k, v, k_cache, v_cache, slot_mapping)
+    num_tokens, num_kv_heads, head_dim = k.shape
+    if num_tokens == 0:
+        return
+    token_elements = num_kv_heads * head_dim
+    block = triton.next_power_of_2(token_elements)
+    # 8 elements per thread (16-byte fp16/bf16 accesses), 1 to 8 warps: Hkv=8, D=128 -> 4 warps.
+    num_warps = max(1, min(8, block // 256))
+    _write_kv_cache_kernel[(num_tokens,)](
+        k,
+        v,
+        k_cache,
+        v_cache,
+        slot_mapping,
+        k.stride(0),
+        v.stride(0),
+        k_cache.shape[0] * k_cache.shape[1],
+        TOKEN_ELEMENTS=token_elements,
+        BLOCK=block,
+        num_warps=num_warps,
+    )
+
+
+def _validate(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    named = {"k": k, "v": v, "k_cache": k_cache, "v_cache": v_cache, "slot_mapping": slot_mapping}
+    for name, tensor in named.items():
+        if not isinstance(tensor, torch.Tensor):
+            raise KernelInputError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
+    _check_devices(named)
+    for name, tensor, ndim in (("k", k, 3), ("v", v, 3), ("k_cache", k_cache, 4)):
+        if tensor.dim() != ndim:
+            raise KernelInputError(
+                f"{name} must have {ndim} dimensions, got shape {tuple(tensor.shape)}"
+            )
+    if v_cache.shape != k_cache.shape:
+        raise KernelInputError(
+            f"v_cache shape {tuple(v_cache.shape)} differs from k_cache {tuple(k_cache.shape)}"
+        )
+    if v.shape != k.shape:
+        raise KernelInputError(f"v shape {tuple(v.shape)} differs from k {tuple(k.shape)}")
+    if k.shape[1:] != k_cache.shape[2:]:
+        raise KernelInputError(
+            f"k heads and head size {tuple(k.shape[1:])} do not match the cache's "
+            f"{tuple(k_cache.shape[2:])}"
+        )
+    if slot_mapping.shape != (k.shape[0],):
+        raise KernelInputError(
+            f"slot_mapping must have shape ({k.shape[0]},) (one slot per token), "
+            f"got {tuple(slot_mapping.shape)}"
+        )
+    if k.dtype not in _DTYPES:
+        raise KernelInputError(f"k dtype {k.dtype} is not one of float16, bfloat16, float32")
+    for name, tensor in (("v", v), ("k_cache", k_cache), ("v_cache", v_cache)):
+        if tensor.dtype != k.dtype:
+            raise KernelInputError(f"{name} dtype {tensor.dtype} differs from k dtype {k.dtype}")
+    if slot_mapping.dtype != torch.int64:
+        raise KernelInputError(f"slot_mapping must be int64, got {slot_mapping.dtype}")
+    num_kv_heads, head_dim = k.shape[1:]
+    if num_kv_heads * head_dim > _MAX_TOKEN_ELEMENTS:
+        raise KernelInputError(
+            f"num_kv_heads * head_dim = {num_kv_heads * head_dim} exceeds the "
+            f"{_MAX_TOKEN_ELEMENTS} elements one program holds"
+        )
+    for name, tensor in (("k", k), ("v", v)):
+        # The kernel reads a token as one flat run of Hkv * D elements.
+        if tensor.stride(2) != 1 or (num_kv_heads > 1 and tensor.stride(1) != head_dim):
+            raise KernelInputError(
+                f"{name} must have each token's [Hkv, D] contiguous, got strides {tensor.stride()}"
+            )
+    for name, tensor in (("k_cache", k_cache), ("v_cache", v_cache), ("slot_mapping", slot_mapping)):
+        if not tensor.is_contiguous():
+            raise KernelInputError(f"{name} must be contiguous, got strides {tensor.stride()}")
+
+
+def _check_devices(named: dict[str, torch.Tensor]) -> None:
+    devices = {name: tensor.device for name, tensor in named.items()}
+    if len(set(devices.values())) > 1:
+        raise KernelInputError(f"tensors must share one device, got {devices}")
+    device = next(iter(devices.values()))
+    # Off the GPU only Triton's interpreter can run the kernel (tests and CI set it).
+    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise KernelInputError(
+            f"tensors are on {device}; the Triton kernels need CUDA tensors "
+            "(use kernels.reference on the CPU)"
+        )
