@@ -29,20 +29,21 @@ def _write_kv_cache_kernel(
     slot_mapping_ptr,
     k_token_stride,
     v_token_stride,
-    num_slots,
+    cache_elements,  # num_blocks * block_size * TOKEN_ELEMENTS
     TOKEN_ELEMENTS: tl.constexpr,  # num_kv_heads * head_dim
     BLOCK: tl.constexpr,  # next power of two of TOKEN_ELEMENTS
 ):
     token = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_mapping_ptr + token)
-    # Padding (slot < 0) is skipped; an out-of-range slot is dropped too, so a bad slot mapping
-    # can corrupt only its own sequence's attention, never memory outside the cache. Checking the
-    # values on the host instead would cost a device sync per step.
-    keep = (slot >= 0) & (slot < num_slots)
     offs = tl.arange(0, BLOCK)
-    mask = (offs < TOKEN_ELEMENTS) & keep
     # Slot is int64, so `slot * TOKEN_ELEMENTS` cannot overflow on caches above 2**31 elements.
     cache_offs = slot * TOKEN_ELEMENTS + offs
+    # For offs in [0, TOKEN_ELEMENTS) the bounds below hold exactly when 0 <= slot < num_slots:
+    # padding (slot < 0) is skipped, and an out-of-range slot is dropped rather than written
+    # outside the cache (checking slot values on the host would cost a device sync per step).
+    # The test is on the offsets, not the scalar slot, because Triton's interpreter mishandles
+    # a scalar boolean broadcast into a vector mask.
+    mask = (offs < TOKEN_ELEMENTS) & (cache_offs >= 0) & (cache_offs < cache_elements)
     k = tl.load(k_ptr + token * k_token_stride + offs, mask=mask)
     v = tl.load(v_ptr + token * v_token_stride + offs, mask=mask)
     tl.store(k_cache_ptr + cache_offs, k, mask=mask)
@@ -83,7 +84,7 @@ def write_kv_cache(
         slot_mapping,
         k.stride(0),
         v.stride(0),
-        k_cache.shape[0] * k_cache.shape[1],
+        k_cache.numel(),
         TOKEN_ELEMENTS=token_elements,
         BLOCK=block,
         num_warps=num_warps,
@@ -142,7 +143,11 @@ def _validate(
             raise KernelInputError(
                 f"{name} must have each token's [Hkv, D] contiguous, got strides {tensor.stride()}"
             )
-    for name, tensor in (("k_cache", k_cache), ("v_cache", v_cache), ("slot_mapping", slot_mapping)):
+    for name, tensor in (
+        ("k_cache", k_cache),
+        ("v_cache", v_cache),
+        ("slot_mapping", slot_mapping),
+    ):
         if not tensor.is_contiguous():
             raise KernelInputError(f"{name} must be contiguous, got strides {tensor.stride()}")
 

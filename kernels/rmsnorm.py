@@ -164,7 +164,9 @@ def _validate_rows(rows: dict[str, torch.Tensor], weight: torch.Tensor, eps: flo
         raise KernelInputError(f"x dtype {x.dtype} is not one of float16, bfloat16, float32")
     for name, tensor in rows.items():
         if tensor.shape != x.shape:
-            raise KernelInputError(f"{name} shape {tuple(tensor.shape)} differs from x {tuple(x.shape)}")
+            raise KernelInputError(
+                f"{name} shape {tuple(tensor.shape)} differs from x {tuple(x.shape)}"
+            )
         if tensor.dtype != x.dtype:
             raise KernelInputError(f"{name} dtype {tensor.dtype} differs from x dtype {x.dtype}")
         if x.shape[1] > 1 and tensor.stride(1) != 1:

@@ -11,16 +11,19 @@ from pathlib import Path
 import torch
 
 from appliance.engine.block_manager import BlockManager
+from appliance.engine.detokenizer import IncrementalDetokenizer
 from appliance.engine.errors import EngineConfigError, InvalidRequestError
 from appliance.engine.kv_cache import KVCacheSpec
 from appliance.engine.model_runner import ModelRunner
 from appliance.engine.models.config import ModelConfig
+from appliance.engine.models.llama import LlamaForCausalLM
 from appliance.engine.models.loader import load_model
 from appliance.engine.outputs import RequestOutput, RequestState
 from appliance.engine.sampling_params import SamplingParams
 from appliance.engine.scheduler import Scheduler, SchedulerConfig
 from appliance.engine.sequence import RequestId, Sequence, SequenceStatus
 from appliance.engine.tokenizer import Tokenizer
+from kernels.backend import kernel_ops_for
 
 logger = logging.getLogger(__name__)
 
@@ -33,24 +36,35 @@ class EngineConfig:
 
     model_dir: Path
     device: str = "cpu"
-    dtype: str = "float32"
+    # None: float32 on the CPU (exact comparisons), bfloat16 on a GPU.
+    dtype: str | None = None
     block_size: int = 16
-    # KV pool: an explicit block count, or as many blocks as fit in kv_cache_memory_bytes.
+    # KV pool: an explicit block count; otherwise, on the CPU, as many blocks as fit in
+    # kv_cache_memory_bytes, and on a GPU, what gpu_memory_utilization leaves after the weights
+    # and the peak activations of a profiled step.
     num_kv_blocks: int | None = None
     kv_cache_memory_bytes: int = 1 << 30
+    gpu_memory_utilization: float = 0.9
     max_model_len: int | None = None
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
+    # Replay decode steps from CUDA graphs (GPU only).
+    enable_cuda_graphs: bool = True
+
+    @property
+    def on_gpu(self) -> bool:
+        return torch.device(self.device).type == "cuda"
 
     @property
     def torch_dtype(self) -> torch.dtype:
+        name = self.dtype or ("bfloat16" if self.on_gpu else "float32")
         try:
-            return _DTYPES[self.dtype]
+            return _DTYPES[name]
         except KeyError:
             raise EngineConfigError(
-                f"dtype {self.dtype!r} is not supported; choose one of {', '.join(_DTYPES)}"
+                f"dtype {name!r} is not supported; choose one of {', '.join(_DTYPES)}"
             ) from None
 
 
@@ -74,13 +88,14 @@ class Engine:
 
     def __init__(
         self,
-        tokenizer: Tokenizer,
+        tokenizer: Tokenizer | None,
         runner: ModelRunner,
         scheduler: Scheduler,
         *,
         vocab_size: int,
         device: torch.device | str = "cpu",
     ):
+        # Without a tokenizer the engine takes and returns token ids only (benchmarks).
         self.tokenizer = tokenizer
         self.runner = runner
         self.scheduler = scheduler
@@ -93,13 +108,20 @@ class Engine:
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> Engine:
+        """Load the model directory's weights and tokenizer and build the engine around them."""
         model_dir = Path(config.model_dir)
-        model_config = ModelConfig.from_model_dir(model_dir)
+        ModelConfig.from_model_dir(model_dir)  # the clearest errors first, before any heavy load
         tokenizer = Tokenizer.from_model_dir(model_dir)
-        dtype = config.torch_dtype
-        model = load_model(model_dir, dtype=dtype, device=config.device)
-        spec = KVCacheSpec.for_model(model_config, config.block_size, dtype)
-        num_blocks = config.num_kv_blocks or spec.num_blocks_within(config.kv_cache_memory_bytes)
+        ops = kernel_ops_for(config.device)
+        model = load_model(model_dir, dtype=config.torch_dtype, device=config.device, ops=ops)
+        return cls.build(config, model, tokenizer)
+
+    @classmethod
+    def build(
+        cls, config: EngineConfig, model: LlamaForCausalLM, tokenizer: Tokenizer | None
+    ) -> Engine:
+        """Size the KV pool, make the scheduler and runner, and capture CUDA graphs."""
+        model_config = model.config
         max_model_len = min(
             config.max_model_len or model_config.max_model_len, model_config.max_model_len
         )
@@ -108,6 +130,18 @@ class Engine:
                 f"without chunked prefill, max_num_batched_tokens ({config.max_num_batched_tokens})"
                 f" must be at least max_model_len ({max_model_len})"
             )
+        spec = KVCacheSpec.for_model(model_config, config.block_size, config.torch_dtype)
+        runner = ModelRunner(model, config.block_size, config.device, max_model_len)
+        num_blocks = config.num_kv_blocks
+        if num_blocks is None and config.on_gpu:
+            num_blocks = runner.num_kv_blocks_for_free_memory(
+                spec, config.max_num_batched_tokens, config.gpu_memory_utilization
+            )
+        elif num_blocks is None:
+            num_blocks = spec.num_blocks_within(config.kv_cache_memory_bytes)
+        runner.set_kv_caches(spec.allocate(num_blocks, config.device))
+        if config.on_gpu and config.enable_cuda_graphs:
+            runner.capture_decode_graphs(config.max_num_seqs)
         block_manager = BlockManager(
             num_blocks, config.block_size, enable_prefix_caching=config.enable_prefix_caching
         )
@@ -120,12 +154,10 @@ class Engine:
             ),
             block_manager,
         )
-        runner = ModelRunner(
-            model, spec.allocate(num_blocks, config.device), config.block_size, config.device
-        )
         logger.info(
-            "engine ready: %s, %d KV blocks of %d tokens, max_model_len %d",
+            "engine ready: %s on %s, %d KV blocks of %d tokens, max_model_len %d",
             model_config.architecture,
+            config.device,
             num_blocks,
             config.block_size,
             max_model_len,
@@ -152,6 +184,8 @@ class Engine:
     ) -> Sequence:
         """Tokenize and validate a request without touching the engine's state (thread-safe)."""
         if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise InvalidRequestError("this engine has no tokenizer: give token ids")
             token_ids = self.tokenizer.encode(prompt, add_special_tokens=True)
         else:
             token_ids = list(prompt)
@@ -162,6 +196,8 @@ class Engine:
                 )
         if not token_ids:
             raise InvalidRequestError("the prompt is empty: give at least one token")
+        if self.tokenizer is None and params.stop:
+            raise InvalidRequestError("stop strings need a tokenizer; use stop_token_ids")
         if len(token_ids) >= self.max_model_len:
             raise InvalidRequestError(
                 f"the prompt has {len(token_ids)} tokens but the context holds "
@@ -209,7 +245,14 @@ class Engine:
         """Queue a sequence made by `prepare_request`."""
         if seq.request_id in self._requests:
             raise InvalidRequestError(f"request id {seq.request_id!r} is already in use")
-        self._requests[seq.request_id] = RequestState(seq, self.tokenizer, self.max_model_len)
+        tokenizer = self.tokenizer
+        detokenizer = None
+        if tokenizer is not None:
+            detokenizer = IncrementalDetokenizer(
+                tokenizer, skip_special_tokens=seq.params.skip_special_tokens
+            )
+        eos = tokenizer.eos_token_ids if tokenizer is not None else frozenset()
+        self._requests[seq.request_id] = RequestState(seq, detokenizer, eos, self.max_model_len)
         if seq.params.seed is not None:
             generator = torch.Generator(self.device)
             generator.manual_seed(seq.params.seed)

@@ -13,6 +13,9 @@ from dataclasses import dataclass
 
 import torch
 
+from appliance.engine.cuda_graphs import DecodeGraphs
+from appliance.engine.errors import EngineConfigError
+from appliance.engine.kv_cache import KVCacheSpec
 from appliance.engine.models.llama import LlamaForCausalLM
 from appliance.engine.sampling import sample, token_logprobs
 from appliance.engine.sampling_params import SamplingParams
@@ -44,32 +47,119 @@ class ChunkResult:
     prompt_logprobs: list[TokenLogprob]
 
 
+@dataclass(frozen=True, slots=True)
+class _Batch:
+    input_ids: torch.Tensor  # [T]
+    positions: torch.Tensor  # [T]
+    meta: AttentionMetadata
+    query_ends: list[int]  # row of each chunk's last token
+
+
 class ModelRunner:
+    """Runs the model for scheduled chunks on one device; owns the KV cache tensors."""
+
     def __init__(
         self,
         model: LlamaForCausalLM,
-        kv_caches: list[torch.Tensor],
         block_size: int,
         device: torch.device | str,
+        max_model_len: int,
     ):
         self.model = model
-        self.kv_caches = kv_caches
         self.block_size = block_size
         self.device = torch.device(device)
+        self.max_model_len = max_model_len
+        self.kv_caches: list[torch.Tensor] = []
+        self.graphs: DecodeGraphs | None = None
+
+    def set_kv_caches(self, kv_caches: list[torch.Tensor]) -> None:
+        self.kv_caches = kv_caches
+
+    @torch.inference_mode()
+    def num_kv_blocks_for_free_memory(
+        self, spec: KVCacheSpec, num_tokens: int, gpu_memory_utilization: float
+    ) -> int:
+        """How many KV blocks fit in `gpu_memory_utilization` of the GPU, after the weights and
+        the peak activations of the largest step (`num_tokens` tokens, profiled here with a
+        scratch cache just big enough for it)."""
+        torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()
+        num_scratch = -(-num_tokens // self.block_size) + 1
+        self.kv_caches = spec.allocate(num_scratch, self.device)
+        lengths = [self.max_model_len] * (num_tokens // self.max_model_len)
+        if num_tokens % self.max_model_len:
+            lengths.append(num_tokens % self.max_model_len)
+        slots = torch.arange(num_tokens, device=self.device)
+        tables, offset = [], 0
+        for n in lengths:
+            first = offset // self.block_size
+            tables.append(list(range(first, first + -(-n // self.block_size))))
+            offset += -(-n // self.block_size) * self.block_size
+        width = max(len(t) for t in tables)
+        block_tables = torch.tensor(
+            [t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=self.device
+        )
+        meta = AttentionMetadata.build(slots, block_tables, seq_lens=lengths, query_lens=lengths)
+        positions = torch.cat([torch.arange(n, device=self.device) for n in lengths])
+        input_ids = torch.zeros(num_tokens, dtype=torch.int64, device=self.device)
+        hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        self.model.compute_logits(hidden[: min(num_tokens, 256)])
+        torch.cuda.synchronize(self.device)
+        self.kv_caches = []
+        del hidden, meta
+        free, total = torch.cuda.mem_get_info(self.device)
+        # What this process and others hold now includes the weights and, still reserved by the
+        # caching allocator for reuse, the profiled step's peak activations.
+        budget = int(total * gpu_memory_utilization) - (total - free)
+        num_blocks = budget // spec.bytes_per_block
+        if num_blocks < -(-self.max_model_len // self.block_size):
+            raise EngineConfigError(
+                f"after the weights and activations, {budget / 2**30:.2f} GiB remain for the KV "
+                f"cache: not enough for one sequence of {self.max_model_len} tokens; raise "
+                "gpu_memory_utilization or lower max_model_len / max_num_batched_tokens"
+            )
+        return num_blocks
+
+    def capture_decode_graphs(self, max_batch: int) -> None:
+        from kernels.decode_attention import choose_num_splits
+
+        num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count
+        config = self.model.config
+        self.graphs = DecodeGraphs(
+            self.model,
+            self.kv_caches,
+            -(-self.max_model_len // self.block_size),
+            lambda batch: choose_num_splits(
+                batch, config.num_kv_heads, self.max_model_len, num_sms
+            ),
+        )
+        self.graphs.capture(max_batch)
 
     @torch.inference_mode()
     def execute(
         self, chunks: Seq[ScheduledChunk], generators: Seq[torch.Generator | None]
     ) -> list[ChunkResult]:
         """Run one step. `generators[i]` drives sampling for `chunks[i]` (None: global RNG)."""
-        input_ids, positions, meta = self._prepare(chunks)
-        hidden = self.model(input_ids, positions, self.kv_caches, meta)
-        ends = torch.tensor(meta.query_lens, device=self.device).cumsum(0) - 1
+        batch = self._prepare(chunks)
+        graphs = self.graphs
+        if batch.meta.decode_only and graphs is not None and len(chunks) <= graphs.max_batch:
+            meta = batch.meta
+            hidden = graphs.run(
+                batch.input_ids,
+                batch.positions,
+                meta.slot_mapping,
+                meta.block_tables,
+                meta.seq_lens_t,
+            )
+        else:
+            hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta)
         sampling_rows = [i for i, c in enumerate(chunks) if c.samples]
         token_ids: dict[int, int] = {}
         logprobs: dict[int, TokenLogprob] = {}
         if sampling_rows:
-            logits = self.model.compute_logits(hidden[ends[sampling_rows]])
+            ends = [batch.query_ends[i] for i in sampling_rows]
+            rows = self._to_device(ends, torch.int64)
+            logits = self.model.compute_logits(hidden[rows])
             params = [chunks[i].seq.params for i in sampling_rows]
             sampled = sample(logits, params, [generators[i] for i in sampling_rows])
             token_ids = dict(zip(sampling_rows, sampled.tolist(), strict=True))
@@ -80,34 +170,40 @@ class ModelRunner:
             for i in range(len(chunks))
         ]
 
-    def _prepare(
-        self, chunks: Seq[ScheduledChunk]
-    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+    def _to_device(self, values: list[int] | list[list[int]], dtype: torch.dtype) -> torch.Tensor:
+        host = torch.tensor(values, dtype=dtype)
+        if self.device.type == "cuda":
+            # Pinned staging lets the copy run asynchronously with the host's next work.
+            return host.pin_memory().to(self.device, non_blocking=True)
+        return host
+
+    def _prepare(self, chunks: Seq[ScheduledChunk]) -> _Batch:
         bs = self.block_size
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
+        query_ends: list[int] = []
         for chunk in chunks:
             seq, start, end = chunk.seq, chunk.start, chunk.start + chunk.num_new_tokens
             input_ids.extend(seq.token_ids[start:end])
             positions.extend(range(start, end))
             table = seq.block_table
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
-        max_blocks = max(len(c.seq.block_table) for c in chunks)
-        block_tables = [
-            c.seq.block_table + [0] * (max_blocks - len(c.seq.block_table)) for c in chunks
-        ]
-
-        def tensor(values: list[int] | list[list[int]], dtype: torch.dtype) -> torch.Tensor:
-            return torch.tensor(values, dtype=dtype).to(self.device, non_blocking=True)
-
+            query_ends.append(len(input_ids) - 1)
+        width = max(len(c.seq.block_table) for c in chunks)
+        block_tables = [c.seq.block_table + [0] * (width - len(c.seq.block_table)) for c in chunks]
         meta = AttentionMetadata.build(
-            tensor(slots, torch.int64),
-            tensor(block_tables, torch.int32),
+            self._to_device(slots, torch.int64),
+            self._to_device(block_tables, torch.int32),
             seq_lens=[c.start + c.num_new_tokens for c in chunks],
             query_lens=[c.num_new_tokens for c in chunks],
         )
-        return tensor(input_ids, torch.int64), tensor(positions, torch.int64), meta
+        return _Batch(
+            self._to_device(input_ids, torch.int64),
+            self._to_device(positions, torch.int64),
+            meta,
+            query_ends,
+        )
 
     @staticmethod
     def _logprobs(

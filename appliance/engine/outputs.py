@@ -12,7 +12,6 @@ from dataclasses import dataclass, field
 from appliance.engine.detokenizer import IncrementalDetokenizer
 from appliance.engine.model_runner import TokenLogprob
 from appliance.engine.sequence import RequestId, Sequence, SequenceStatus
-from appliance.engine.tokenizer import Tokenizer
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,9 +40,10 @@ class RequestState:
     """The output side of one request: detokenizer, stop checks, what is not yet emitted."""
 
     seq: Sequence
-    tokenizer: Tokenizer
+    # None for an engine without a tokenizer: token ids only, no text and no stop strings.
+    detokenizer: IncrementalDetokenizer | None
+    eos_token_ids: frozenset[int]
     max_model_len: int
-    detokenizer: IncrementalDetokenizer = field(init=False)
     text: str = ""
     num_emitted_chars: int = 0
     pending_token_ids: list[int] = field(default_factory=list)
@@ -53,9 +53,6 @@ class RequestState:
     stop_reason: str | int | None = None
 
     def __post_init__(self) -> None:
-        self.detokenizer = IncrementalDetokenizer(
-            self.tokenizer, skip_special_tokens=self.seq.params.skip_special_tokens
-        )
         if self.seq.wants_prompt_logprobs:
             self.prompt_logprobs = [None]
 
@@ -80,10 +77,11 @@ class RequestState:
         if token_id in params.stop_token_ids:
             self.stop_reason = token_id
             return self._finish(SequenceStatus.FINISHED_STOPPED)
-        if not params.ignore_eos and token_id in self.tokenizer.eos_token_ids:
+        if not params.ignore_eos and token_id in self.eos_token_ids:
             return self._finish(SequenceStatus.FINISHED_STOPPED)
         start = max(len(self.text) - self._holdback, 0)
-        self.text += self.detokenizer.add(token_id)
+        if self.detokenizer is not None:
+            self.text += self.detokenizer.add(token_id)
         if params.stop and self._find_stop_string(start):
             return SequenceStatus.FINISHED_STOPPED
         if seq.num_output_tokens >= params.max_tokens or len(seq) >= self.max_model_len:
@@ -102,7 +100,8 @@ class RequestState:
         return True
 
     def _finish(self, status: SequenceStatus) -> SequenceStatus:
-        self.text += self.detokenizer.flush()
+        if self.detokenizer is not None:
+            self.text += self.detokenizer.flush()
         return status
 
     def make_output(self, finish: SequenceStatus | None) -> RequestOutput:

@@ -19,27 +19,31 @@ def sample(
     params: Sequence[SamplingParams],
     generators: Sequence[torch.Generator | None],
 ) -> torch.Tensor:
-    """logits: [N, V] float32 -> chosen token ids [N] int64."""
-    greedy = torch.tensor([p.greedy for p in params], device=logits.device)
+    """logits: [N, V] float32 -> chosen token ids [N] int64, left on the device.
+
+    Every decision that depends on the parameters is taken on the host from `params`, so nothing
+    here waits for the device.
+    """
     greedy_ids = logits.argmax(dim=-1)
-    if bool(greedy.all()):
+    if all(p.greedy for p in params):
         return greedy_ids
+    device = logits.device
     temperature = torch.tensor(
-        [p.temperature if not p.greedy else 1.0 for p in params],
-        device=logits.device,
-        dtype=logits.dtype,
-    )
+        [p.temperature if not p.greedy else 1.0 for p in params], dtype=logits.dtype
+    ).to(device, non_blocking=True)
     logits = logits / temperature[:, None]
     logits = _apply_top_k_top_p(logits, params)
     probs = logits.softmax(dim=-1)
     min_p = [p.min_p for p in params]
     if any(min_p):
-        threshold = torch.tensor(min_p, device=probs.device)[:, None] * probs.amax(-1, keepdim=True)
-        probs = probs.masked_fill(probs < threshold, 0.0)
-    q = torch.empty_like(probs)
+        threshold = torch.tensor(min_p).to(device, non_blocking=True)[:, None]
+        probs = probs.masked_fill(probs < threshold * probs.amax(-1, keepdim=True), 0.0)
+    q = torch.empty_like(probs).exponential_()
     for row, generator in enumerate(generators):
-        q[row].exponential_(generator=generator)
+        if generator is not None:
+            q[row].exponential_(generator=generator)
     sampled_ids = (probs / q).argmax(dim=-1)
+    greedy = torch.tensor([p.greedy for p in params]).to(device, non_blocking=True)
     return torch.where(greedy, greedy_ids, sampled_ids)
 
 
@@ -51,12 +55,13 @@ def _apply_top_k_top_p(logits: torch.Tensor, params: Sequence[SamplingParams]) -
     if all(k == vocab for k in top_k) and all(p >= 1.0 for p in top_p):
         return logits
     sorted_logits, order = logits.sort(dim=-1, descending=True)
-    rank = torch.arange(vocab, device=logits.device)[None, :]
-    drop = rank >= torch.tensor(top_k, device=logits.device)[:, None]
+    device = logits.device
+    rank = torch.arange(vocab, device=device)[None, :]
+    drop = rank >= torch.tensor(top_k).to(device, non_blocking=True)[:, None]
     probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(dim=-1)
     # Keep a token while the mass strictly before it is below top_p (so the top one always is).
     mass_before = probs.cumsum(dim=-1) - probs
-    drop |= mass_before >= torch.tensor(top_p, device=logits.device)[:, None]
+    drop |= mass_before >= torch.tensor(top_p).to(device, non_blocking=True)[:, None]
     sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
     return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
 

@@ -192,7 +192,8 @@ def test_greedy_through_model_runner_and_scheduler_matches_transformers(tiny_che
     model = load_model(model_dir)
     num_blocks = 64
     spec = KVCacheSpec.for_model(model.config, BLOCK_SIZE, torch.float32)
-    runner = ModelRunner(model, spec.allocate(num_blocks, "cpu"), BLOCK_SIZE, "cpu")
+    runner = ModelRunner(model, BLOCK_SIZE, "cpu", max_model_len=512)
+    runner.set_kv_caches(spec.allocate(num_blocks, "cpu"))
     scheduler = Scheduler(
         SchedulerConfig(max_model_len=512, max_num_seqs=8, max_num_batched_tokens=48),
         BlockManager(num_blocks, BLOCK_SIZE),

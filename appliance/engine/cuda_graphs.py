@@ -1,0 +1,113 @@
+"""Decode steps replayed from CUDA graphs, one graph per batch size of a ladder.
+
+A decode step of a big model launches hundreds of small kernels; at batch 1 the launch overhead
+alone would exceed the time the GPU needs to stream the weights. Capturing the whole forward
+once per batch size and replaying it costs one launch. Inputs live in static buffers that every
+graph reads; a batch is padded up to the next captured size with rows the kernels skip
+(slot -1: no KV write; sequence length 0: no attention).
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Callable
+
+import torch
+
+from appliance.engine.models.llama import LlamaForCausalLM
+from kernels.ops import AttentionMetadata
+
+
+def batch_size_ladder(max_batch: int) -> list[int]:
+    """1, 2, 4, 8, then every multiple of 8 up to max_batch (and max_batch itself)."""
+    sizes = [b for b in (1, 2, 4) if b < max_batch]
+    sizes += range(8, max_batch, 8)
+    return [*sizes, max_batch]
+
+
+class DecodeGraphs:
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        kv_caches: list[torch.Tensor],
+        max_blocks_per_seq: int,
+        num_splits_for: Callable[[int], int],
+    ):
+        self.model = model
+        self.kv_caches = kv_caches
+        self.num_splits_for = num_splits_for
+        self.max_blocks_per_seq = max_blocks_per_seq
+        self.sizes: list[int] = []
+        self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self._outputs: dict[int, torch.Tensor] = {}
+
+    @property
+    def max_batch(self) -> int:
+        return self.sizes[-1] if self.sizes else 0
+
+    @torch.inference_mode()
+    def capture(self, max_batch: int) -> None:
+        device = self.model.embed_tokens.weight.device
+        n = max_batch
+        self._input_ids = torch.zeros(n, dtype=torch.int64, device=device)
+        self._positions = torch.zeros(n, dtype=torch.int64, device=device)
+        self._slots = torch.full((n,), -1, dtype=torch.int64, device=device)
+        self._block_tables = torch.zeros(
+            n, self.max_blocks_per_seq, dtype=torch.int32, device=device
+        )
+        self._seq_lens = torch.zeros(n, dtype=torch.int32, device=device)
+        self._query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)
+        pool = torch.cuda.graph_pool_handle()
+        # Largest first, so the smaller graphs fit in the memory the largest one reserved.
+        for size in reversed(batch_size_ladder(max_batch)):
+            meta = self._meta(size)
+            self._forward(size, meta)  # warm-up: autotuning and lazy init stay outside the graph
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                self._outputs[size] = self._forward(size, meta)
+            self._graphs[size] = graph
+        torch.cuda.synchronize()
+        self.sizes = sorted(self._graphs)
+
+    def run(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        block_tables: torch.Tensor,
+        seq_lens: torch.Tensor,
+    ) -> torch.Tensor:
+        """Replay the smallest graph that fits a decode batch of B rows; [B, hidden] states.
+
+        Inputs (on the device): [B] int64 ids, positions, slots; [B, W] int32 block tables with
+        W <= max_blocks_per_seq; [B] int32 sequence lengths.
+        """
+        batch = input_ids.shape[0]
+        size = self.sizes[bisect.bisect_left(self.sizes, batch)]
+        self._input_ids[:batch].copy_(input_ids, non_blocking=True)
+        self._positions[:batch].copy_(positions, non_blocking=True)
+        self._slots[:batch].copy_(slot_mapping, non_blocking=True)
+        self._block_tables[:batch, : block_tables.shape[1]].copy_(block_tables, non_blocking=True)
+        self._seq_lens[:batch].copy_(seq_lens, non_blocking=True)
+        if size > batch:
+            self._slots[batch:size].fill_(-1)
+            self._seq_lens[batch:size].fill_(0)
+        self._graphs[size].replay()
+        return self._outputs[size][:batch]
+
+    def _meta(self, size: int) -> AttentionMetadata:
+        return AttentionMetadata(
+            slot_mapping=self._slots[:size],
+            block_tables=self._block_tables[:size],
+            seq_lens_t=self._seq_lens[:size],
+            query_start_loc=self._query_start_loc[: size + 1],
+            seq_lens=[1] * size,  # host copies are not read on the graph path
+            query_lens=[1] * size,
+            max_query_len=1,
+            decode_only=True,
+            num_splits=self.num_splits_for(size),
+        )
+
+    def _forward(self, size: int, meta: AttentionMetadata) -> torch.Tensor:
+        return self.model(self._input_ids[:size], self._positions[:size], self.kv_caches, meta)

@@ -1,0 +1,57 @@
+"""The kernel contract (`kernels.ops.KernelOps`) implemented with Inferno's Triton kernels.
+
+Attention picks its kernel from the batch: a batch of single-token decodes (the steady state,
+and what CUDA graphs capture) runs the split-KV decode kernel; anything with a longer query
+(prefill, chunked prefill, prefix-cache extends, mixed batches) runs the varlen prefill kernel.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kernels.activation import silu_and_mul
+from kernels.decode_attention import paged_decode_attention
+from kernels.kv_cache_write import write_kv_cache
+from kernels.ops import AttentionMetadata
+from kernels.prefill_attention import paged_prefill_attention
+from kernels.rmsnorm import add_rms_norm, rms_norm
+from kernels.rotary import rotary_embedding
+
+__all__ = [
+    "add_rms_norm",
+    "paged_attention",
+    "rms_norm",
+    "rotary_embedding",
+    "silu_and_mul",
+    "write_kv_cache",
+]
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """q: [T, Hq, D] -> [T, Hq, D]; see `kernels.reference.paged_attention` for the semantics."""
+    if meta.decode_only:
+        return paged_decode_attention(
+            q,
+            k_cache,
+            v_cache,
+            meta.block_tables,
+            meta.seq_lens_t,
+            scale,
+            num_splits=meta.num_splits,
+        )
+    return paged_prefill_attention(
+        q,
+        k_cache,
+        v_cache,
+        meta.block_tables,
+        meta.seq_lens_t,
+        meta.query_start_loc,
+        max_query_len=meta.max_query_len,
+        scale=scale,
+    )
