@@ -1,0 +1,267 @@
+"""GPU benchmarks of PERFORMANCE.md on the random-weight Llama-3.1-8B (bf16), in one run.
+
+Measures the ceilings first (device-to-device copy bandwidth, dense bf16 matmul rate), then
+W1 (batch-1 decode), W2 (offline throughput), W4 (shared-prefix TTFT, prefix cache on vs off)
+and W6 (GPU memory that is neither weights nor KV cache), and transformers' continuous batching
+(`generate_batch`) on the same model for W2/W4 as the peer. Prints Markdown rows last.
+
+    python bench/gpu_engine.py [--workloads W1,W2,W4,W6,HF] [--w2-requests 1024] [--hf-requests 128]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import statistics
+import subprocess
+import time
+from pathlib import Path
+
+import torch
+import triton
+
+from appliance.engine.engine import Engine, EngineConfig
+from appliance.engine.models.config import ModelConfig
+from appliance.engine.models.llama import LlamaForCausalLM
+from appliance.engine.sampling_params import SamplingParams
+from kernels import triton_ops
+
+LLAMA_31_8B = {
+    "architectures": ["LlamaForCausalLM"],
+    "hidden_size": 4096,
+    "intermediate_size": 14336,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "vocab_size": 128256,
+    "max_position_embeddings": 131072,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 500000.0,
+    "rope_scaling": {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    },
+    "tie_word_embeddings": False,
+}
+MAX_MODEL_LEN = 4096
+rows: list[str] = []
+
+
+def report(name: str, value: str, goal: str = "") -> None:
+    rows.append(f"| {name} | {value} | {goal} |")
+    print(f"{name}: {value} {goal}", flush=True)
+
+
+def copy_bandwidth() -> float:
+    """Device-to-device copy, bytes read + written per second (2 GiB buffers)."""
+    src = torch.empty(2**30, dtype=torch.bfloat16, device="cuda").normal_()
+    dst = torch.empty_like(src)
+    ms = triton.testing.do_bench(lambda: dst.copy_(src), warmup=50, rep=300)
+    return 2 * src.numel() * src.element_size() / (ms * 1e-3)
+
+
+def matmul_rate() -> float:
+    a = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
+    b = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
+    ms = triton.testing.do_bench(lambda: a @ b, warmup=50, rep=300)
+    return 2 * 8192**3 / (ms * 1e-3)
+
+
+def random_llama(seed: int = 0) -> LlamaForCausalLM:
+    """Llama-3.1-8B with normal(0, 0.02) weights drawn on the GPU (norm weights 1)."""
+    config = ModelConfig.from_dict(LLAMA_31_8B)
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device("meta"):
+            model = LlamaForCausalLM(config, triton_ops)
+        model.to_empty(device="cuda")
+    finally:
+        torch.set_default_dtype(torch.float32)
+    generator = torch.Generator("cuda").manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.fill_(1.0)
+            else:
+                param.normal_(0.0, 0.02, generator=generator)
+    model.init_rope_tables(MAX_MODEL_LEN)
+    return model.eval()
+
+
+def build_engine(model: LlamaForCausalLM, **overrides) -> Engine:
+    settings = {
+        "model_dir": Path("random-llama-3.1-8b"),
+        "device": "cuda",
+        "max_model_len": MAX_MODEL_LEN,
+        "max_num_seqs": 256,
+        "max_num_batched_tokens": 8192,
+        **overrides,
+    }
+    return Engine.build(EngineConfig(**settings), model, tokenizer=None)
+
+
+def random_prompts(n: int, length: int, seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, LLAMA_31_8B["vocab_size"], (n, length), generator=g).tolist()
+
+
+def weight_bytes(model: LlamaForCausalLM) -> tuple[int, int]:
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    embed = model.embed_tokens.weight
+    return total, total - embed.numel() * embed.element_size()
+
+
+def run_timed(engine: Engine, prompts: list[list[int]], params: SamplingParams):
+    """Submit everything at once; returns (elapsed s, first-token times s, output tokens)."""
+    start = time.perf_counter()
+    ids = [f"b{i}" for i in range(len(prompts))]
+    for rid, p in zip(ids, prompts, strict=True):
+        engine.add_request(rid, p, params)
+    first: dict[str, float] = {}
+    num_out = 0
+    while engine.has_unfinished():
+        for out in engine.step():
+            first.setdefault(out.request_id, time.perf_counter() - start)
+            num_out += len(out.token_ids)
+    return time.perf_counter() - start, [first[r] for r in ids], num_out
+
+
+def release(engine: Engine) -> None:
+    """Free an engine's KV pool and graphs before the next one is sized from free memory."""
+    engine.runner.kv_caches.clear()
+    engine.runner.graphs = None
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+def w1(model: LlamaForCausalLM, copy_bw: float) -> None:
+    engine = build_engine(model, max_num_seqs=8)
+    params = SamplingParams(temperature=0.0, max_tokens=256, ignore_eos=True)
+    [prompt] = random_prompts(1, 128, seed=1)
+    run_timed(engine, [prompt], SamplingParams(max_tokens=16, ignore_eos=True))  # warm-up
+    per_token = []
+    for _ in range(3):
+        elapsed, [ttft], num_out = run_timed(engine, [prompt], params)
+        per_token.append((elapsed - ttft) / (num_out - 1))
+    ms = statistics.median(per_token) * 1e3
+    _, streamed = weight_bytes(model)
+    achieved = streamed / (ms * 1e-3)
+    report("W1 decode ms/token (batch 1, 128+256)", f"{ms:.2f} ms ({1e3 / ms:.0f} tok/s)")
+    report(
+        "W1 weight bytes/s ÷ copy bandwidth",
+        f"{achieved / 1e12:.2f} TB/s = {achieved / copy_bw:.0%}",
+        "goal ≥ 85%",
+    )
+    release(engine)
+
+
+def w2(model: LlamaForCausalLM, num_requests: int) -> None:
+    engine = build_engine(model)
+    params = SamplingParams(temperature=0.0, max_tokens=256, ignore_eos=True)
+    run_timed(engine, random_prompts(8, 512, seed=2), SamplingParams(max_tokens=8, ignore_eos=True))
+    elapsed, _, num_out = run_timed(engine, random_prompts(num_requests, 512, seed=3), params)
+    report(
+        f"W2 output tok/s ({num_requests} × 512/256)",
+        f"{num_out / elapsed:,.0f} ({elapsed:.1f} s)",
+        "goal ≥ 15,000",
+    )
+    w6(engine, model)
+    release(engine)
+
+
+def w6(engine: Engine, model: LlamaForCausalLM) -> None:
+    total_weights, _ = weight_bytes(model)
+    kv = sum(t.numel() * t.element_size() for t in engine.runner.kv_caches)
+    free, total = torch.cuda.mem_get_info()
+    other = (total - free) - total_weights - kv
+    report(
+        "W6 GPU bytes neither weights nor KV (after W2)",
+        f"{other / 2**30:.2f} GiB (torch peak reserved "
+        f"{(torch.cuda.max_memory_reserved() - total_weights - kv) / 2**30:.2f} GiB)",
+        "goal ≤ 1.5 GiB",
+    )
+
+
+def w4(model: LlamaForCausalLM) -> None:
+    prefix = random_prompts(1, 2000, seed=4)[0]
+    prompts = [prefix + tail for tail in random_prompts(256, 100, seed=5)]
+    params = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
+    p50 = {}
+    for caching in (True, False):
+        engine = build_engine(model, enable_prefix_caching=caching)
+        run_timed(engine, prompts[:2], SamplingParams(max_tokens=4, ignore_eos=True))
+        if caching:
+            engine.block_manager.reset_prefix_cache()
+        _, ttfts, _ = run_timed(engine, prompts, params)
+        p50[caching] = statistics.median(ttfts)
+        release(engine)
+    report("W4 TTFT p50, prefix cache on", f"{p50[True] * 1e3:.0f} ms")
+    report("W4 TTFT p50, prefix cache off", f"{p50[False] * 1e3:.0f} ms")
+    report("W4 off ÷ on", f"{p50[False] / p50[True]:.1f}×", "goal ≥ 5×")
+
+
+def transformers_peer(num_requests: int) -> None:
+    from transformers import GenerationConfig, LlamaConfig
+    from transformers import LlamaForCausalLM as HFLlama
+
+    config = LlamaConfig(**{k: v for k, v in LLAMA_31_8B.items() if k != "architectures"})
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = HFLlama(config).to(torch.bfloat16)
+    model.set_attn_implementation("sdpa_paged")
+    gen = GenerationConfig(max_new_tokens=256, do_sample=False, eos_token_id=-1, pad_token_id=0)
+    prompts = random_prompts(num_requests, 512, seed=3)
+    start = time.perf_counter()
+    outputs = model.generate_batch(inputs=prompts, generation_config=gen, progress_bar=False)
+    elapsed = time.perf_counter() - start
+    num_out = sum(len(o.generated_tokens) for o in outputs.values())
+    report(
+        f"transformers generate_batch W2-shape ({num_requests} × 512/256)",
+        f"{num_out / elapsed:,.0f} tok/s ({elapsed:.1f} s)",
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--workloads", default="W1,W2,W4,HF")
+    parser.add_argument("--w2-requests", type=int, default=1024)
+    parser.add_argument("--hf-requests", type=int, default=128)
+    args = parser.parse_args()
+    wanted = set(args.workloads.split(","))
+    props = torch.cuda.get_device_properties(0)
+    commit = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False
+    ).stdout.strip()
+    print(
+        f"date {datetime.date.today()} device {props.name} ({props.total_memory / 2**30:.0f} GiB, "
+        f"{props.multi_processor_count} SMs) torch {torch.__version__} triton {triton.__version__}"
+        f" commit {commit or 'unknown'}"
+    )
+    copy_bw = copy_bandwidth()
+    report("copy bandwidth (read + write)", f"{copy_bw / 1e12:.2f} TB/s")
+    report("dense bf16 matmul 8192³", f"{matmul_rate() / 1e12:.0f} TFLOP/s")
+    start = time.perf_counter()
+    model = random_llama()
+    report("random 8B model built", f"{time.perf_counter() - start:.1f} s")
+    if "W1" in wanted:
+        w1(model, copy_bw)
+    if "W2" in wanted:
+        w2(model, args.w2_requests)
+    if "W4" in wanted:
+        w4(model)
+    del model
+    gc.collect()
+    torch.cuda.empty_cache()
+    if "HF" in wanted:
+        transformers_peer(args.hf_requests)
+    print("\n| metric | value | goal |\n|---|---|---|")
+    print("\n".join(rows))
+
+
+if __name__ == "__main__":
+    main()

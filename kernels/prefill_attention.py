@@ -1,0 +1,478 @@
+"""Paged prefill/extend attention in Triton: FlashAttention-2 over a block-table KV cache.
+
+One launch serves a varlen batch in which every sequence brings `query_len >= 1` new tokens on
+top of a cached prefix: a first prefill (no prefix), a chunked-prefill or prefix-cache extend
+(prefix + chunk) and a decode row (`query_len == 1`) are all the same case. The semantics are
+those of `kernels.reference.paged_attention`; the keys and values of the new tokens must already
+be in the cache.
+
+Work decomposition (why it looks the way it does):
+- A program owns BLOCK_M "rows" of one sequence. With grouped-query attention the rows are
+  (query token, query head) pairs of PACK heads that share one KV head, so every K/V tile read
+  from the cache feeds PACK heads at once instead of being re-read by PACK programs.
+- It walks the sequence's keys in BLOCK_N-token tiles through the block table, keeping an online
+  softmax in float32 (exp2, with log2(e) folded into the scale).
+- Tiles wholly below the causal limit of the program's FIRST row need no mask at all; only the
+  few "diagonal" tiles between that limit and the limit of its LAST row are masked, and tiles
+  past the last row's limit are never loaded.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.errors import KernelInputError
+
+__all__ = ["paged_prefill_attention"]
+
+_SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_LOG2_E = 1.4426950408889634
+
+
+@triton.jit
+def _attend_key_tile(
+    acc,
+    m_i,
+    l_i,
+    q,
+    q_pos,
+    start_n,
+    num_keys,
+    k_cache_ptr,
+    v_cache_ptr,
+    block_table_row_ptr,
+    kv_head,
+    qk_scale,
+    stride_kb,
+    stride_kt,
+    stride_kh,
+    stride_vb,
+    stride_vt,
+    stride_vh,
+    BLOCK_SIZE: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    MASKED: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+):
+    """Fold keys [start_n, start_n + BLOCK_N) into the running softmax state of BLOCK_M rows.
+
+    acc: [BLOCK_M, HEAD_DIM] f32, m_i/l_i: [BLOCK_M] f32 (running max in log2 units, running
+    sum), q: [BLOCK_M, HEAD_DIM], q_pos: [BLOCK_M] absolute position of each row's query.
+    MASKED tiles may reach past a row's causal limit or past `num_keys`; unmasked ones may not.
+    """
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    # Per-token gather through the block table, so BLOCK_N need not match the cache block size.
+    # Block ids go to int64 before scaling by a stride: a large cache has > 2**31 elements.
+    if MASKED:
+        in_seq = offs_n < num_keys
+        block_ids = tl.load(block_table_row_ptr + offs_n // BLOCK_SIZE, mask=in_seq, other=0)
+    else:
+        block_ids = tl.load(block_table_row_ptr + offs_n // BLOCK_SIZE)
+    block_ids = block_ids.to(tl.int64)
+    in_block = offs_n % BLOCK_SIZE
+
+    # K is loaded already transposed, kT: [HEAD_DIM, BLOCK_N].
+    k_ptrs = (
+        k_cache_ptr
+        + block_ids[None, :] * stride_kb
+        + in_block[None, :] * stride_kt
+        + kv_head * stride_kh
+        + offs_d[:, None]
+    )
+    # v: [BLOCK_N, HEAD_DIM]
+    v_ptrs = (
+        v_cache_ptr
+        + block_ids[:, None] * stride_vb
+        + in_block[:, None] * stride_vt
+        + kv_head * stride_vh
+        + offs_d[None, :]
+    )
+    k_t = tl.load(k_ptrs, mask=in_seq[None, :], other=0.0) if MASKED else tl.load(k_ptrs)
+
+    if DOT_FP32:
+        qk = tl.dot(q.to(tl.float32), k_t.to(tl.float32), input_precision="ieee")
+    else:
+        qk = tl.dot(q, k_t)
+    qk = qk * qk_scale  # [BLOCK_M, BLOCK_N], in log2 units
+    if MASKED:
+        visible = (offs_n[None, :] <= q_pos[:, None]) & in_seq[None, :]
+        qk = tl.where(visible, qk, float("-inf"))
+
+    # Every row sees key 0 and tiles run in order, so m_new is finite from the first tile on:
+    # no -inf - -inf NaNs, even for the padding rows past the sequence's last query.
+    m_new = tl.maximum(m_i, tl.max(qk, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(qk - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+
+    v = tl.load(v_ptrs, mask=in_seq[:, None], other=0.0) if MASKED else tl.load(v_ptrs)
+    if DOT_FP32:
+        pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
+    else:
+        pv = tl.dot(p.to(v.dtype), v)
+    acc = acc * alpha[:, None] + pv
+    return acc, m_new, l_i
+
+
+@triton.jit
+def _paged_prefill_attention_kernel(
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    out_ptr,
+    block_tables_ptr,
+    seq_lens_ptr,
+    query_start_loc_ptr,
+    qk_scale,
+    max_blocks,
+    stride_qt,
+    stride_qh,
+    stride_kb,
+    stride_kt,
+    stride_kh,
+    stride_vb,
+    stride_vt,
+    stride_vh,
+    stride_ot,
+    stride_oh,
+    stride_bt,
+    GROUP: tl.constexpr,
+    PACK: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    # Both matmuls on float32 operands with exact ("ieee", not tf32) products: float32 inputs,
+    # and bfloat16 under the interpreter, whose bf16 tl.dot returns garbage (Triton 3.9).
+    DOT_FP32: tl.constexpr,
+):
+    """Grid: (row tiles, Hq // PACK, B). Row r of a tile is query token r // PACK of the
+    sequence, for query head (program's first head) + r % PACK."""
+    # Last row tiles first: they see the most keys, so starting them early shortens the tail.
+    pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
+    pid_h = tl.program_id(1)
+    seq = tl.program_id(2)
+
+    q_start = tl.load(query_start_loc_ptr + seq)
+    query_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
+    if pid_m * BLOCK_M >= query_len * PACK:
+        return
+    seq_len = tl.load(seq_lens_ptr + seq)
+    num_cached = seq_len - query_len
+
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    token = rows // PACK  # query index within this sequence
+    head = pid_h * PACK + rows % PACK
+    # PACK divides GROUP, so all heads of this program share one KV head.
+    kv_head = (pid_h * PACK) // GROUP
+    row_valid = token < query_len
+    q_pos = num_cached + token
+
+    offs_d = tl.arange(0, HEAD_DIM)
+    q_rows = (q_start + token).to(tl.int64)
+    q_ptrs = q_ptr + q_rows[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :]
+    q = tl.load(q_ptrs, mask=row_valid[:, None], other=0.0)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+
+    first_token = (pid_m * BLOCK_M) // PACK
+    last_token = tl.minimum((pid_m * BLOCK_M + BLOCK_M - 1) // PACK, query_len - 1)
+    # Never read past the block-table row, whatever seq_len says (block ids themselves are the
+    # caller's contract).
+    num_keys = tl.minimum(seq_len, max_blocks * BLOCK_SIZE)
+    # Keys below `unmasked_end` are visible to every row of the tile (and all < num_keys).
+    unmasked_end = tl.minimum(num_cached + first_token + 1, num_keys) // BLOCK_N * BLOCK_N
+    causal_end = tl.minimum(num_cached + last_token + 1, num_keys)
+    block_table_row_ptr = block_tables_ptr + seq.to(tl.int64) * stride_bt
+
+    for start_n in range(0, unmasked_end, BLOCK_N):
+        acc, m_i, l_i = _attend_key_tile(
+            acc,
+            m_i,
+            l_i,
+            q,
+            q_pos,
+            start_n,
+            num_keys,
+            k_cache_ptr,
+            v_cache_ptr,
+            block_table_row_ptr,
+            kv_head,
+            qk_scale,
+            stride_kb,
+            stride_kt,
+            stride_kh,
+            stride_vb,
+            stride_vt,
+            stride_vh,
+            BLOCK_SIZE,
+            HEAD_DIM,
+            BLOCK_N,
+            False,
+            DOT_FP32,
+        )
+    for start_n in range(unmasked_end, causal_end, BLOCK_N):
+        acc, m_i, l_i = _attend_key_tile(
+            acc,
+            m_i,
+            l_i,
+            q,
+            q_pos,
+            start_n,
+            num_keys,
+            k_cache_ptr,
+            v_cache_ptr,
+            block_table_row_ptr,
+            kv_head,
+            qk_scale,
+            stride_kb,
+            stride_kt,
+            stride_kh,
+            stride_vb,
+            stride_vt,
+            stride_vh,
+            BLOCK_SIZE,
+            HEAD_DIM,
+            BLOCK_N,
+            True,
+            DOT_FP32,
+        )
+
+    out = acc / l_i[:, None]
+    o_ptrs = out_ptr + q_rows[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
+    tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=row_valid[:, None])
+
+
+@dataclass(frozen=True)
+class _LaunchConfig:
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+
+def _pick_config(dtype: torch.dtype, head_dim: int, interpreted: bool) -> _LaunchConfig:
+    """Tile sizes: H100-tuned on the GPU, small in the interpreter (which runs every program
+    serially in numpy, so big tiles only add work on tiny test shapes).
+
+    The GPU choices were the fastest of a small sweep on the H100 (Triton 3.6, bf16, causal
+    prefill of 8 x 2048 tokens, 32 query / 8 KV heads; 2026-11-21): D=64 283, D=128 309,
+    D=256 306 TFLOP/s. A re-tune belongs in a bench/ script, not here.
+    """
+    if interpreted:
+        return _LaunchConfig(block_m=16, block_n=16, num_warps=4, num_stages=1)
+    if dtype == torch.float32:
+        # Twice the bytes per element and no fast tensor-core path: keep shared memory small.
+        return _LaunchConfig(block_m=64, block_n=32, num_warps=4, num_stages=2)
+    if head_dim <= 64:
+        return _LaunchConfig(block_m=128, block_n=64, num_warps=8, num_stages=3)
+    if head_dim <= 128:
+        return _LaunchConfig(block_m=128, block_n=64, num_warps=4, num_stages=3)
+    # D=256: a 128-row Q tile plus staged K/V tiles of 256 columns overflow shared memory.
+    return _LaunchConfig(block_m=64, block_n=32, num_warps=4, num_stages=2)
+
+
+def _running_in_interpreter() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def paged_prefill_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    *,
+    max_query_len: int,
+    scale: float,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Causal attention of each sequence's new tokens over its whole paged context.
+
+    q: [T, Hq, D] the new tokens of all B sequences, concatenated in batch order
+    k_cache, v_cache: [num_blocks, block_size, Hkv, D], already holding the new tokens' K/V
+    block_tables: [B, max_blocks] int32; token t of sequence b lives in slot
+        block_tables[b, t // block_size] * block_size + t % block_size
+    seq_lens: [B] int32, each sequence's total context after this step (prefix + new tokens)
+    query_start_loc: [B + 1] int32, sequence b owns rows query_start_loc[b] : [b + 1] of q
+    max_query_len: the largest query_len in the batch (sizes the grid without a device sync)
+    scale: softmax scale, usually D ** -0.5
+    out: optional [T, Hq, D] destination in q's dtype
+    -> [T, Hq, D] in q's dtype; query i of sequence b sits at position
+       seq_len_b - query_len_b + i and attends to keys 0 ..= that position.
+
+    Shapes, dtypes, devices and layouts are checked (`KernelInputError`). The metadata VALUES
+    are trusted, because reading them would stall on the GPU: query_len_b <= max_query_len and
+    <= seq_len_b, query_start_loc[B] == T, and every block id the context needs lies in
+    [0, num_blocks). A sequence with query_len 0 (a padding row) is skipped. Only the last dim
+    of a tensor needs to be contiguous.
+    """
+    _check_inputs(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, max_query_len)
+    if not (isinstance(scale, int | float) and math.isfinite(scale) and scale > 0):
+        raise KernelInputError(f"scale must be a finite positive number, got {scale!r}")
+    if out is None:
+        out = torch.empty_like(q)
+    else:
+        _check_out(out, q)
+
+    num_tokens, num_q_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    num_seqs = seq_lens.shape[0]
+    if num_tokens == 0 or num_seqs == 0:
+        return out
+
+    group = num_q_heads // num_kv_heads
+    interpreted = _running_in_interpreter()
+    config = _pick_config(q.dtype, head_dim, interpreted)
+    # Pack as many heads of a GQA group as divide it evenly into one program (the largest
+    # power-of-two divisor, so PACK tiles BLOCK_M exactly).
+    pack = min(group & -group, config.block_m)
+    grid = (triton.cdiv(max_query_len * pack, config.block_m), num_q_heads // pack, num_seqs)
+    _paged_prefill_attention_kernel[grid](
+        q,
+        k_cache,
+        v_cache,
+        out,
+        block_tables,
+        seq_lens,
+        query_start_loc,
+        scale * _LOG2_E,
+        block_tables.shape[1],
+        q.stride(0),
+        q.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        v_cache.stride(2),
+        out.stride(0),
+        out.stride(1),
+        block_tables.stride(0),
+        GROUP=group,
+        PACK=pack,
+        BLOCK_SIZE=block_size,
+        HEAD_DIM=head_dim,
+        BLOCK_M=config.block_m,
+        BLOCK_N=config.block_n,
+        DOT_FP32=q.dtype == torch.float32 or (interpreted and q.dtype == torch.bfloat16),
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
+    )
+    return out
+
+
+def _check_inputs(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    max_query_len: int,
+) -> None:
+    """Raise KernelInputError unless the tensors can be handed to the kernel as they are."""
+    if q.dim() != 3:
+        raise KernelInputError(f"q must be [T, Hq, D], got shape {tuple(q.shape)}")
+    if k_cache.dim() != 4:
+        raise KernelInputError(
+            f"k_cache must be [num_blocks, block_size, Hkv, D], got shape {tuple(k_cache.shape)}"
+        )
+    if v_cache.shape != k_cache.shape:
+        raise KernelInputError(
+            f"v_cache shape {tuple(v_cache.shape)} differs from k_cache {tuple(k_cache.shape)}"
+        )
+    if q.dtype not in _SUPPORTED_DTYPES:
+        raise KernelInputError(f"q dtype {q.dtype} unsupported; use float16, bfloat16 or float32")
+    if k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
+        raise KernelInputError(
+            f"k_cache/v_cache dtypes {k_cache.dtype}/{v_cache.dtype} must equal q dtype {q.dtype}"
+        )
+    num_q_heads, head_dim = q.shape[1:]
+    num_kv_heads, cache_head_dim = k_cache.shape[2:]
+    if cache_head_dim != head_dim:
+        raise KernelInputError(f"head_dim mismatch: q has {head_dim}, cache has {cache_head_dim}")
+    if head_dim not in (16, 32, 64, 128, 256):
+        raise KernelInputError(f"head_dim must be a power of two in 16..256, got {head_dim}")
+    if num_kv_heads == 0 or num_q_heads % num_kv_heads != 0:
+        raise KernelInputError(
+            f"num_q_heads ({num_q_heads}) must be a multiple of num_kv_heads ({num_kv_heads})"
+        )
+    if k_cache.shape[1] == 0:
+        raise KernelInputError("block_size (k_cache dim 1) must be positive")
+
+    for name, meta in (
+        ("block_tables", block_tables),
+        ("seq_lens", seq_lens),
+        ("query_start_loc", query_start_loc),
+    ):
+        if meta.dtype != torch.int32:
+            raise KernelInputError(f"{name} must be int32, got {meta.dtype}")
+    if block_tables.dim() != 2:
+        raise KernelInputError(
+            f"block_tables must be [B, max_blocks], got shape {tuple(block_tables.shape)}"
+        )
+    if seq_lens.dim() != 1 or seq_lens.shape[0] != block_tables.shape[0]:
+        raise KernelInputError(
+            f"seq_lens must be [B] with B = {block_tables.shape[0]} (block_tables rows), "
+            f"got shape {tuple(seq_lens.shape)}"
+        )
+    if query_start_loc.dim() != 1 or query_start_loc.shape[0] != seq_lens.shape[0] + 1:
+        raise KernelInputError(
+            f"query_start_loc must be [B + 1] = [{seq_lens.shape[0] + 1}], "
+            f"got shape {tuple(query_start_loc.shape)}"
+        )
+    if isinstance(max_query_len, bool) or not isinstance(max_query_len, int):
+        raise KernelInputError(f"max_query_len must be an int, got {type(max_query_len).__name__}")
+    if q.shape[0] > 0 and not 1 <= max_query_len <= q.shape[0]:
+        raise KernelInputError(
+            f"max_query_len must be in 1..T = 1..{q.shape[0]}, got {max_query_len}"
+        )
+
+    _check_device(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc)
+    for name, tensor in (
+        ("q", q),
+        ("k_cache", k_cache),
+        ("v_cache", v_cache),
+        ("block_tables", block_tables),
+        ("seq_lens", seq_lens),
+        ("query_start_loc", query_start_loc),
+    ):
+        if tensor.numel() > 0 and tensor.stride(-1) != 1:
+            raise KernelInputError(
+                f"{name} must be contiguous in its last dim, got strides {tensor.stride()}"
+            )
+
+
+def _check_device(*tensors: torch.Tensor) -> None:
+    device = tensors[0].device
+    if any(t.device != device for t in tensors):
+        devices = sorted({str(t.device) for t in tensors})
+        raise KernelInputError(f"all inputs must be on one device, got {devices}")
+    if device.type != "cuda" and not _running_in_interpreter():
+        raise KernelInputError(
+            f"inputs are on {device}: the Triton kernel needs CUDA tensors "
+            "(or TRITON_INTERPRET=1); use kernels.reference on the CPU"
+        )
+
+
+def _check_out(out: torch.Tensor, q: torch.Tensor) -> None:
+    if out.shape != q.shape or out.dtype != q.dtype:
+        raise KernelInputError(
+            f"out must be {tuple(q.shape)} {q.dtype} like q, got {tuple(out.shape)} {out.dtype}"
+        )
+    if out.device != q.device:
+        raise KernelInputError(f"out is on {out.device} but q is on {q.device}")
+    if out.numel() > 0 and out.stride(-1) != 1:
+        raise KernelInputError(f"out must be contiguous in its last dim, got {out.stride()}")

@@ -1,0 +1,426 @@
+"""Paged prefill/extend attention (Triton) against the plain-torch reference, on fresh random
+inputs.
+
+On CPU the kernel runs in Triton's interpreter (tests/conftest.py sets TRITON_INTERPRET=1) on tiny
+ragged batches that mix a first prefill, an extend over a cached prefix and a decode-like row.
+The interpreter computes bfloat16 `tl.dot` wrongly (Triton 3.9), so there the kernel upcasts
+bfloat16 operands to float32: the CPU bfloat16 tests check paging, masking and the softmax, and
+the `gpu` tests check the real bfloat16 tensor-core path.
+
+Every cache slot a sequence does not own (unallocated blocks, the tail of its last block) holds
+NaN, so any read past a sequence's context shows up as a NaN in the output.
+
+Tolerances, against a float32 reference on the same (rounded) inputs:
+- float32: 1e-5 abs/rel (both matmuls run in IEEE fp32, not tf32);
+- float16: 4e-3 abs/rel (probabilities rounded to fp16 before P @ V, one output ulp);
+- bfloat16: 3e-2 abs/rel (the same with 8 mantissa bits instead of 11).
+"""
+
+from __future__ import annotations
+
+import random
+import re
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+
+import pytest
+import torch
+
+from kernels.errors import KernelInputError
+from kernels.ops import AttentionMetadata
+from kernels.prefill_attention import paged_prefill_attention
+from kernels.reference import paged_attention
+
+TOLERANCE = {torch.float32: 1e-5, torch.float16: 4e-3, torch.bfloat16: 3e-2}
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@dataclass(frozen=True)
+class PrefillCase:
+    q: torch.Tensor  # [T, Hq, D]
+    k_cache: torch.Tensor  # [num_blocks, block_size, Hkv, D]
+    v_cache: torch.Tensor
+    block_tables: torch.Tensor  # [B, max_blocks] int32
+    seq_lens: torch.Tensor  # [B] int32
+    query_start_loc: torch.Tensor  # [B + 1] int32
+    meta: AttentionMetadata
+    scale: float
+    seed: int  # reported on a mismatch, to replay the exact inputs
+
+    def run(self, **overrides: object) -> torch.Tensor:
+        args = {
+            "q": self.q,
+            "k_cache": self.k_cache,
+            "v_cache": self.v_cache,
+            "block_tables": self.block_tables,
+            "seq_lens": self.seq_lens,
+            "query_start_loc": self.query_start_loc,
+            "max_query_len": self.meta.max_query_len,
+            "scale": self.scale,
+        }
+        args.update(overrides)
+        return paged_prefill_attention(**args)
+
+    def reference(self) -> torch.Tensor:
+        """float32 reference on the same rounded inputs: [T, Hq, D] float32."""
+        return paged_attention(
+            self.q.float(), self.k_cache.float(), self.v_cache.float(), self.meta, self.scale
+        )
+
+
+def make_case(
+    query_lens: list[int],
+    num_cached: list[int],
+    *,
+    num_q_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    block_size: int = 16,
+    device: str = DEVICE,
+    seed: int | None = None,
+) -> PrefillCase:
+    """A random batch whose sequence b has num_cached[b] cached tokens plus query_lens[b] new
+    ones. Blocks come from a random permutation of a pool with spare blocks, so they are
+    scattered; unused table entries point at a spare block. Slots no sequence owns hold NaN."""
+    seed = random.randrange(2**31) if seed is None else seed
+    gen = torch.Generator().manual_seed(seed)
+    seq_lens = [c + n for c, n in zip(num_cached, query_lens, strict=True)]
+    blocks_per_seq = [-(-n // block_size) for n in seq_lens]
+    num_blocks = sum(blocks_per_seq) + 2
+    perm = torch.randperm(num_blocks, generator=gen, dtype=torch.int32)
+    # The last two blocks of the permutation are spares: padding entries and poison.
+    block_tables = torch.full((len(seq_lens), max([*blocks_per_seq, 1]) + 1), int(perm[-1]))
+    block_tables = block_tables.to(torch.int32)
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    k_cache = torch.full(shape, float("nan"))
+    v_cache = torch.full(shape, float("nan"))
+    used = 0
+    for b, (seq_len, n) in enumerate(zip(seq_lens, blocks_per_seq, strict=True)):
+        block_tables[b, :n] = perm[used : used + n]
+        used += n
+        slots = torch.arange(seq_len)
+        blocks = block_tables[b, slots // block_size].long()
+        k_cache[blocks, slots % block_size] = torch.randn(
+            seq_len, num_kv_heads, head_dim, generator=gen
+        )
+        v_cache[blocks, slots % block_size] = torch.randn(
+            seq_len, num_kv_heads, head_dim, generator=gen
+        )
+    q = torch.randn(sum(query_lens), num_q_heads, head_dim, generator=gen)
+
+    block_tables = block_tables.to(device)
+    meta = AttentionMetadata.build(
+        torch.zeros(sum(query_lens), dtype=torch.int64, device=device),
+        block_tables,
+        seq_lens,
+        query_lens,
+    )
+    return PrefillCase(
+        q=q.to(device, dtype),
+        k_cache=k_cache.to(device, dtype),
+        v_cache=v_cache.to(device, dtype),
+        block_tables=block_tables,
+        seq_lens=meta.seq_lens_t,
+        query_start_loc=meta.query_start_loc,
+        meta=meta,
+        scale=head_dim**-0.5,
+        seed=seed,
+    )
+
+
+def assert_matches_reference(case: PrefillCase, out: torch.Tensor) -> None:
+    assert out.dtype == case.q.dtype
+    assert out.shape == case.q.shape
+    tol = TOLERANCE[case.q.dtype]
+    torch.testing.assert_close(
+        out.float(),
+        case.reference(),
+        atol=tol,
+        rtol=tol,
+        msg=lambda detail: f"{detail}\nreplay with make_case(..., seed={case.seed})",
+    )
+
+
+# (query_lens, num_cached): a one-token first prefill, an extend, a chunk after a full block;
+# then the same lengths paired so there is a decode row, a pure prefill and an extend whose
+# context ends off a block boundary.
+RAGGED_BATCHES = [
+    pytest.param([1, 5, 17], [0, 3, 16], id="prefill1-extend-chunk"),
+    pytest.param([1, 5, 17], [16, 0, 3], id="decode-prefill-extend"),
+]
+
+
+@pytest.mark.parametrize(("query_lens", "num_cached"), RAGGED_BATCHES)
+@pytest.mark.parametrize(("num_q_heads", "num_kv_heads"), [(2, 2), (4, 1), (8, 1)])
+@pytest.mark.parametrize("head_dim", [16, 32])
+def test_matches_reference_on_ragged_batch_float32(
+    query_lens: list[int], num_cached: list[int], num_q_heads: int, num_kv_heads: int, head_dim: int
+) -> None:
+    case = make_case(
+        query_lens,
+        num_cached,
+        num_q_heads=num_q_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        dtype=torch.float32,
+    )
+    assert_matches_reference(case, case.run())
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize(("query_lens", "num_cached"), RAGGED_BATCHES)
+def test_matches_reference_in_half_precision(
+    dtype: torch.dtype, query_lens: list[int], num_cached: list[int]
+) -> None:
+    case = make_case(
+        query_lens, num_cached, num_q_heads=8, num_kv_heads=2, head_dim=32, dtype=dtype
+    )
+    assert_matches_reference(case, case.run())
+
+
+@pytest.mark.parametrize(("num_q_heads", "num_kv_heads"), [(4, 4), (8, 2), (8, 1)])
+def test_matches_reference_with_block_size_8(num_q_heads: int, num_kv_heads: int) -> None:
+    case = make_case(
+        [1, 5, 17],
+        [16, 3, 0],
+        num_q_heads=num_q_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=16,
+        dtype=torch.float32,
+        block_size=8,
+    )
+    assert_matches_reference(case, case.run())
+
+
+@pytest.mark.parametrize(
+    ("query_lens", "num_cached"),
+    [
+        pytest.param([16, 1, 32], [0, 15, 16], id="ends-on-boundary"),
+        pytest.param([15, 2, 16], [2, 15, 17], id="ends-one-past-or-before"),
+    ],
+)
+def test_matches_reference_at_block_boundaries(
+    query_lens: list[int], num_cached: list[int]
+) -> None:
+    case = make_case(
+        query_lens, num_cached, num_q_heads=4, num_kv_heads=2, head_dim=16, dtype=torch.float32
+    )
+    assert_matches_reference(case, case.run())
+
+
+@pytest.mark.parametrize(
+    ("num_q_heads", "num_kv_heads"),
+    [pytest.param(6, 2, id="group3-one-head-per-program"), pytest.param(12, 2, id="group6-pack2")],
+)
+def test_matches_reference_with_group_not_a_power_of_two(
+    num_q_heads: int, num_kv_heads: int
+) -> None:
+    case = make_case(
+        [1, 5, 17],
+        [16, 0, 3],
+        num_q_heads=num_q_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=16,
+        dtype=torch.float32,
+    )
+    assert_matches_reference(case, case.run())
+
+
+def test_matches_reference_over_many_key_tiles() -> None:
+    """A long prefix and a chunk spanning several query tiles: unmasked and diagonal tiles both."""
+    case = make_case(
+        [40, 3], [45, 70], num_q_heads=2, num_kv_heads=1, head_dim=16, dtype=torch.float32
+    )
+    assert_matches_reference(case, case.run())
+
+
+def test_skips_padding_sequence_with_no_queries() -> None:
+    case = make_case(
+        [5, 0, 3], [3, 0, 20], num_q_heads=4, num_kv_heads=2, head_dim=16, dtype=torch.float32
+    )
+    assert_matches_reference(case, case.run())
+
+
+def test_ignores_cache_slots_past_each_context() -> None:
+    """Every slot outside the contexts is NaN (see make_case): one stray read poisons a row."""
+    case = make_case(
+        [3, 9], [2, 20], num_q_heads=4, num_kv_heads=4, head_dim=16, dtype=torch.float32
+    )
+    assert torch.isnan(case.k_cache).any()
+    assert torch.isfinite(case.run()).all()
+
+
+def test_accepts_strided_views_and_writes_into_out() -> None:
+    """q sliced from a fused qkv projection, caches from one [num_blocks, 2, ...] tensor, out a
+    view into a wider buffer: only the last dim is contiguous."""
+    base = make_case(
+        [1, 5, 17], [16, 0, 3], num_q_heads=4, num_kv_heads=2, head_dim=16, dtype=torch.float32
+    )
+    num_tokens, num_q_heads, head_dim = base.q.shape
+    qkv = torch.randn(num_tokens, num_q_heads + 4, head_dim, device=DEVICE)
+    qkv[:, :num_q_heads] = base.q
+    kv = torch.stack((base.k_cache, base.v_cache), dim=1)  # [num_blocks, 2, bs, Hkv, D]
+    wide = torch.zeros(num_tokens, num_q_heads, 2 * head_dim, device=DEVICE)
+    case = replace(base, q=qkv[:, :num_q_heads], k_cache=kv[:, 0], v_cache=kv[:, 1])
+    assert not case.q.is_contiguous() and not case.k_cache.is_contiguous()
+
+    out = case.run(out=wide[..., :head_dim])
+
+    assert out.data_ptr() == wide.data_ptr()
+    assert_matches_reference(case, out)
+    assert (wide[..., head_dim:] == 0).all()
+
+
+def _tiny_case() -> PrefillCase:
+    return make_case(
+        [1, 5], [3, 0], num_q_heads=4, num_kv_heads=2, head_dim=16, dtype=torch.float32
+    )
+
+
+# Each entry: (id, overrides of the valid tiny case, words the error message must contain).
+BAD_INPUTS: list[tuple[str, Callable[[PrefillCase], dict[str, object]], str]] = [
+    ("q-2d", lambda c: {"q": c.q[:, 0]}, "q must be [T, Hq, D]"),
+    ("cache-3d", lambda c: {"k_cache": c.k_cache[0]}, "k_cache must be"),
+    ("v-shape", lambda c: {"v_cache": c.v_cache[:-1]}, "v_cache shape"),
+    ("q-float64", lambda c: {"q": c.q.double()}, "q dtype"),
+    ("cache-dtype", lambda c: {"k_cache": c.k_cache.half()}, "must equal q dtype"),
+    ("head-dim-mismatch", lambda c: {"q": torch.cat((c.q, c.q), -1)}, "head_dim mismatch"),
+    (
+        "head-dim-not-pow2",
+        lambda c: {
+            "q": c.q[..., :12].contiguous(),
+            "k_cache": c.k_cache[..., :12].contiguous(),
+            "v_cache": c.v_cache[..., :12].contiguous(),
+        },
+        "power of two",
+    ),
+    ("gqa-ratio", lambda c: {"q": c.q[:, :3]}, "multiple of num_kv_heads"),
+    ("block-tables-int64", lambda c: {"block_tables": c.block_tables.long()}, "block_tables"),
+    ("seq-lens-int64", lambda c: {"seq_lens": c.seq_lens.long()}, "seq_lens must be int32"),
+    (
+        "query-start-int64",
+        lambda c: {"query_start_loc": c.query_start_loc.long()},
+        "query_start_loc must be int32",
+    ),
+    ("block-tables-1d", lambda c: {"block_tables": c.block_tables[0]}, "block_tables must be"),
+    ("seq-lens-length", lambda c: {"seq_lens": c.seq_lens[:1]}, "seq_lens must be [B]"),
+    (
+        "query-start-length",
+        lambda c: {"query_start_loc": c.query_start_loc[:-1]},
+        "query_start_loc must be [B + 1]",
+    ),
+    ("max-query-len-zero", lambda c: {"max_query_len": 0}, "max_query_len"),
+    ("max-query-len-past-t", lambda c: {"max_query_len": 7}, "max_query_len"),
+    ("max-query-len-float", lambda c: {"max_query_len": 5.0}, "max_query_len must be an int"),
+    (
+        "q-last-dim-strided",
+        lambda c: {"q": torch.stack((c.q, c.q), -1).flatten(-2)[..., ::2]},
+        "q must be contiguous in its last dim",
+    ),
+    (
+        "cache-last-dim-strided",
+        lambda c: {"k_cache": c.k_cache.transpose(-1, -2).contiguous().transpose(-1, -2)},
+        "k_cache must be contiguous in its last dim",
+    ),
+    ("scale-nan", lambda c: {"scale": float("nan")}, "scale"),
+    ("scale-negative", lambda c: {"scale": -1.0}, "scale"),
+    ("out-dtype", lambda c: {"out": torch.empty_like(c.q, dtype=torch.float16)}, "out must be"),
+    ("out-shape", lambda c: {"out": c.q[:-1].clone()}, "out must be"),
+    ("mixed-devices", lambda c: {"seq_lens": c.seq_lens.to("meta")}, "one device"),
+]
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"), [pytest.param(o, m, id=i) for i, o, m in BAD_INPUTS]
+)
+def test_rejects_bad_input_naming_the_problem(
+    overrides: Callable[[PrefillCase], dict[str, object]], message: str
+) -> None:
+    case = _tiny_case()
+    with pytest.raises(KernelInputError, match=re.escape(message)):
+        case.run(**overrides(case))
+
+
+def test_rejects_cpu_tensors_without_the_interpreter(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    case = make_case(
+        [2], [1], num_q_heads=2, num_kv_heads=1, head_dim=16, dtype=torch.float32, device="cpu"
+    )
+    with pytest.raises(KernelInputError, match="CUDA"):
+        case.run()
+
+
+def test_input_error_is_a_value_error() -> None:
+    with pytest.raises(ValueError, match="scale"):
+        _tiny_case().run(scale=0.0)
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU: realistic sizes, bfloat16 and float16 on the tensor cores.
+
+
+def _gpu_batch(layout: str, rng: random.Random) -> tuple[list[int], list[int]]:
+    """(query_lens, num_cached) of one named batch layout, drawn afresh from rng."""
+    if layout == "prefill-8x2048":
+        return [2048] * 8, [0] * 8
+    if layout == "extend-ragged":
+        return [rng.randint(1, 2048) for _ in range(8)], [rng.randint(0, 1000) for _ in range(8)]
+    if layout == "mixed-with-decode":
+        return [1, 1, 300, 1500, 1, 777], [rng.randint(0, 1000) for _ in range(6)]
+    assert layout == "block-boundaries"
+    return [16, 17, 15, 1, 64, 33], [0, 16, 31, 15, 1000 - 1000 % 16, 1]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "layout", ["prefill-8x2048", "extend-ragged", "mixed-with-decode", "block-boundaries"]
+)
+@pytest.mark.parametrize("group", [1, 4, 8])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_matches_reference_on_gpu(
+    layout: str, group: int, head_dim: int, dtype: torch.dtype
+) -> None:
+    seed = random.randrange(2**31)
+    query_lens, num_cached = _gpu_batch(layout, random.Random(seed))
+    case = make_case(
+        query_lens,
+        num_cached,
+        num_q_heads=8,
+        num_kv_heads=8 // group,
+        head_dim=head_dim,
+        dtype=dtype,
+        device="cuda",
+        seed=seed,
+    )
+    assert_matches_reference(case, case.run())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("head_dim", [32, 256])
+def test_matches_reference_on_gpu_at_edge_head_dims(head_dim: int) -> None:
+    case = make_case(
+        [300, 1, 700],
+        [500, 900, 0],
+        num_q_heads=8,
+        num_kv_heads=2,
+        head_dim=head_dim,
+        dtype=torch.bfloat16,
+        device="cuda",
+    )
+    assert_matches_reference(case, case.run())
+
+
+@pytest.mark.gpu
+def test_matches_reference_on_gpu_in_float32() -> None:
+    case = make_case(
+        [500, 1, 64],
+        [100, 300, 0],
+        num_q_heads=8,
+        num_kv_heads=2,
+        head_dim=128,
+        dtype=torch.float32,
+        device="cuda",
+    )
+    assert_matches_reference(case, case.run())
