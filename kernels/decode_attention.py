@@ -404,6 +404,10 @@ def _verify_inputs(
             raise KernelInputError(f"{name} is on {tensor.device}, q on {q.device}")
     if q.device.type != "cuda" and not _triton_interprets():
         raise KernelInputError(f"tensors must be on a CUDA device, got {q.device}")
+    if q.dtype == torch.bfloat16 and _triton_interprets():
+        # Triton's interpreter (3.9) multiplies bfloat16 tl.dot operands as raw integers and
+        # returns garbage; fail closed rather than return wrong attention. bf16 runs on the GPU.
+        raise KernelInputError("bfloat16 is not supported under TRITON_INTERPRET=1; use fp16/fp32")
     # 4. Layouts: the kernels index rows by stride but read each head vector as D contiguous values.
     for name, tensor in named.items():
         if tensor.dim() > 0 and tensor.shape[-1] > 1 and tensor.stride(-1) != 1:
