@@ -124,14 +124,13 @@ class ModelRunner:
         from kernels.decode_attention import choose_num_splits
 
         num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count
-        config = self.model.config
+        num_kv_heads, max_model_len = self.model.config.num_kv_heads, self.max_model_len
+
+        def num_splits_for(batch: int) -> int:
+            return choose_num_splits(batch, num_kv_heads, max_model_len, num_sms)
+
         self.graphs = DecodeGraphs(
-            self.model,
-            self.kv_caches,
-            -(-self.max_model_len // self.block_size),
-            lambda batch: choose_num_splits(
-                batch, config.num_kv_heads, self.max_model_len, num_sms
-            ),
+            self.model, self.kv_caches, -(-max_model_len // self.block_size), num_splits_for
         )
         self.graphs.capture(max_batch)
 

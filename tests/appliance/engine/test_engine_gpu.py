@@ -2,15 +2,18 @@
 
 float32: the same greedy token-for-token equality as the CPU path. bfloat16: greedy tokens are
 not comparable (a bf16 rounding flips near-ties), so prompt log-probabilities are compared with
-transformers' float32 log-softmax instead. bf16 keeps 8 significant bits, so each of the 30
-layers perturbs activations by ~0.4% relative; on this model that moves log-probabilities by a
-few hundredths on average: the mean absolute difference must stay below 0.05 and the worst
-below 0.5 nats, a bound that a wrong kernel (wrong mask, wrong head mapping, stale KV) exceeds
-by orders of magnitude.
+transformers' float32 log-softmax instead. The tolerance is transformers' own: bf16 keeps 8
+significant bits, and rounding the weights and activations of 30 layers moves log-probabilities
+by about 0.05 nats on average on this model whatever the kernels do. So our mean bf16 error must
+be at most 10% (plus 0.005 nats) above the mean error of transformers' model cast to bf16, and
+our worst position at most twice its worst (single positions are noisy: a different but equally
+exact summation order moves one near-tie more than another). A wrong kernel (mask, head mapping, stale KV) misses that by orders
+of magnitude; faithful kernels that accumulate in float32 land at or below it.
 """
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 
 import pytest
@@ -44,8 +47,10 @@ def hf_cuda(smollm2_dir: Path):
 
 
 def _gpu_engine(model_dir: Path, dtype: str, **overrides) -> Engine:
+    # A modest share of the GPU, so an engine and transformers' model fit side by side.
+    settings = {"gpu_memory_utilization": 0.3, **overrides}
     config = EngineConfig(
-        model_dir=model_dir, device="cuda", dtype=dtype, max_model_len=1024, **overrides
+        model_dir=model_dir, device="cuda", dtype=dtype, max_model_len=1024, **settings
     )
     return Engine.from_config(config)
 
@@ -87,8 +92,20 @@ def test_float32_greedy_on_gpu_matches_transformers(smollm2_dir, prompts, hf_cud
         assert engine.scheduler.num_preemptions > 0
 
 
+def _prompt_logprob_errors(logprobs_of, prompts, reference) -> torch.Tensor:
+    errors = []
+    for i, p in enumerate(prompts):
+        ours = logprobs_of(i, p)
+        errors += [
+            abs(ours[pos - 1] - reference[i][pos - 1, p[pos]].item()) for pos in range(1, len(p))
+        ]
+    return torch.tensor(errors)
+
+
 @torch.inference_mode()
-def test_bfloat16_prompt_logprobs_agree_with_float32_transformers(smollm2_dir, prompts, hf_cuda):
+def test_bfloat16_prompt_logprobs_are_as_close_to_float32_as_transformers_bf16(
+    smollm2_dir, prompts, hf_cuda
+):
     engine = _gpu_engine(smollm2_dir, "bfloat16", max_num_batched_tokens=40)
     params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0)
     for i, p in enumerate(prompts):
@@ -98,11 +115,20 @@ def test_bfloat16_prompt_logprobs_agree_with_float32_transformers(smollm2_dir, p
         for out in engine.step():
             if out.prompt_logprobs is not None:
                 ours[out.request_id] = out.prompt_logprobs
-    diffs = []
-    for i, p in enumerate(prompts):
-        ref = hf_cuda(torch.tensor([p], device="cuda")).logits[0].float().log_softmax(-1)
-        for pos in range(1, len(p)):
-            diffs.append(abs(ours[f"r{i}"][pos].logprob - ref[pos - 1, p[pos]].item()))
-    diffs_t = torch.tensor(diffs)
-    assert diffs_t.mean() < 0.05
-    assert diffs_t.max() < 0.5
+
+    def logits(model, p):
+        return model(torch.tensor([p], device="cuda")).logits[0].float().log_softmax(-1)
+
+    fp32 = [logits(hf_cuda, p) for p in prompts]
+    hf_bf16 = copy.deepcopy(hf_cuda).to(torch.bfloat16)
+    hf_bf16_lps = [logits(hf_bf16, p) for p in prompts]
+    our_err = _prompt_logprob_errors(
+        lambda i, p: [e.logprob for e in ours[f"r{i}"][1:]], prompts, fp32
+    )
+    hf_err = _prompt_logprob_errors(
+        lambda i, p: [hf_bf16_lps[i][pos - 1, p[pos]].item() for pos in range(1, len(p))],
+        prompts,
+        fp32,
+    )
+    assert our_err.mean() <= 1.1 * hf_err.mean() + 0.005
+    assert our_err.max() <= 2 * hf_err.max()
