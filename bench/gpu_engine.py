@@ -5,7 +5,10 @@ W1 (batch-1 decode), W2 (offline throughput), W4 (shared-prefix TTFT, prefix cac
 and W6 (GPU memory that is neither weights nor KV cache), and transformers' continuous batching
 (`generate_batch`) on the same model for W2/W4 as the peer. Prints Markdown rows last.
 
-    python bench/gpu_engine.py [--workloads W1,W2,W4,W6,HF] [--w2-requests 1024] [--hf-requests 128]
+    python bench/gpu_engine.py [--workloads W1,W2,P,W4,HF] [--max-num-seqs 256]
+                               [--w2-requests 1024] [--hf-requests 128]
+
+W6 is measured right after W2, at W2's largest batch. P is prefill throughput at 8 × 2,048.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import gc
+import os
 import statistics
 import subprocess
 import time
@@ -218,6 +222,29 @@ def w6(engine: Engine, model: LlamaForCausalLM) -> None:
     )
 
 
+def prefill_throughput(model: LlamaForCausalLM, matmul: float) -> None:
+    """8 prompts of 2,048 tokens computed in one step (PERFORMANCE.md, "Prefill and kernels")."""
+    engine = build_engine(model, max_num_batched_tokens=16384, enable_prefix_caching=False)
+    params = SamplingParams(max_tokens=1, ignore_eos=True)
+    run_timed(engine, random_prompts(8, 2048, seed=6), params)  # warm-up
+    times = [run_timed(engine, random_prompts(8, 2048, seed=7 + i), params)[0] for i in range(3)]
+    elapsed = statistics.median(times)
+    _, streamed = weight_bytes(model)
+    tokens = 8 * 2048
+    # Projections: 2 FLOP per weight per token (the embedding is a lookup); attention: QK^T and
+    # PV over the causal half, 2 FLOP each.
+    config = model.config
+    attention = 8 * config.num_layers * config.num_heads * 4 * config.head_dim * 2048 * 2048 / 2
+    flops = 2 * (streamed // 2) * tokens + attention
+    rate = flops / elapsed
+    report(
+        "prefill 8 × 2,048 tokens, one step",
+        f"{tokens / elapsed:,.0f} tok/s, {rate / 1e12:.0f} TFLOP/s = {rate / matmul:.0%} of matmul",
+        "goal ≥ 60%",
+    )
+    release(engine)
+
+
 def w4(model: LlamaForCausalLM) -> None:
     prefix = random_prompts(1, 2000, seed=4)[0]
     prompts = [prefix + tail for tail in random_prompts(256, 100, seed=5)]
@@ -259,16 +286,19 @@ def transformers_peer(num_requests: int) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--workloads", default="W1,W2,W4,HF")
+    parser.add_argument("--workloads", default="W1,W2,P,W4,HF")
     parser.add_argument("--w2-requests", type=int, default=1024)
     parser.add_argument("--hf-requests", type=int, default=128)
     parser.add_argument("--max-num-seqs", type=int, default=256)
     args = parser.parse_args()
     wanted = set(args.workloads.split(","))
     props = torch.cuda.get_device_properties(0)
-    commit = subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False
-    ).stdout.strip()
+    commit = (
+        os.environ.get("INFERNO_COMMIT")
+        or subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False
+        ).stdout.strip()
+    )
     print(
         f"date {datetime.date.today()} device {props.name} ({props.total_memory / 2**30:.0f} GiB, "
         f"{props.multi_processor_count} SMs) torch {torch.__version__} triton {triton.__version__}"
@@ -276,7 +306,8 @@ def main() -> None:
     )
     copy_bw = copy_bandwidth()
     report("copy bandwidth (read + write)", f"{copy_bw / 1e12:.2f} TB/s")
-    report("dense bf16 matmul 8192³", f"{matmul_rate() / 1e12:.0f} TFLOP/s")
+    matmul = matmul_rate()
+    report("dense bf16 matmul 8192³", f"{matmul / 1e12:.0f} TFLOP/s")
     start = time.perf_counter()
     model = random_llama()
     report("random 8B model built", f"{time.perf_counter() - start:.1f} s")
@@ -284,6 +315,8 @@ def main() -> None:
         w1(model, copy_bw)
     if "W2" in wanted:
         w2(model, args.w2_requests, args.max_num_seqs)
+    if "P" in wanted:
+        prefill_throughput(model, matmul)
     if "W4" in wanted:
         w4(model)
     del model
