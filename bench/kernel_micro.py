@@ -5,7 +5,7 @@ timed with `triton.testing.do_bench` (median). Decode attention reports KV bytes
 second against the copy bandwidth; prefill attention reports FLOP/s against the bf16 matmul
 rate. Shapes are those of PERFORMANCE.md (Llama-3.1-8B heads: 32 query, 8 KV, head dim 128).
 
-    python bench/kernels.py
+    python bench/kernel_micro.py
 """
 
 from __future__ import annotations

@@ -135,7 +135,10 @@ class Engine:
         num_blocks = config.num_kv_blocks
         if num_blocks is None and config.on_gpu:
             num_blocks = runner.num_kv_blocks_for_free_memory(
-                spec, config.max_num_batched_tokens, config.gpu_memory_utilization
+                spec,
+                config.max_num_batched_tokens,
+                config.max_num_seqs,
+                config.gpu_memory_utilization,
             )
         elif num_blocks is None:
             num_blocks = spec.num_blocks_within(config.kv_cache_memory_bytes)

@@ -77,40 +77,34 @@ class ModelRunner:
 
     @torch.inference_mode()
     def num_kv_blocks_for_free_memory(
-        self, spec: KVCacheSpec, num_tokens: int, gpu_memory_utilization: float
+        self,
+        spec: KVCacheSpec,
+        num_tokens: int,
+        num_logit_rows: int,
+        gpu_memory_utilization: float,
     ) -> int:
         """How many KV blocks fit in `gpu_memory_utilization` of the GPU, after the weights and
-        the peak activations of the largest step (`num_tokens` tokens, profiled here with a
-        scratch cache just big enough for it)."""
+        the peak activations of the largest step (`num_tokens` tokens and `num_logit_rows` rows
+        of logits, profiled here with a scratch cache just big enough for it)."""
         torch.cuda.synchronize(self.device)
         torch.cuda.empty_cache()
-        num_scratch = -(-num_tokens // self.block_size) + 1
-        self.kv_caches = spec.allocate(num_scratch, self.device)
-        lengths = [self.max_model_len] * (num_tokens // self.max_model_len)
-        if num_tokens % self.max_model_len:
-            lengths.append(num_tokens % self.max_model_len)
-        slots = torch.arange(num_tokens, device=self.device)
-        tables, offset = [], 0
-        for n in lengths:
-            first = offset // self.block_size
-            tables.append(list(range(first, first + -(-n // self.block_size))))
-            offset += -(-n // self.block_size) * self.block_size
-        width = max(len(t) for t in tables)
-        block_tables = torch.tensor(
-            [t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=self.device
-        )
-        meta = AttentionMetadata.build(slots, block_tables, seq_lens=lengths, query_lens=lengths)
-        positions = torch.cat([torch.arange(n, device=self.device) for n in lengths])
-        input_ids = torch.zeros(num_tokens, dtype=torch.int64, device=self.device)
-        hidden = self.model(input_ids, positions, self.kv_caches, meta)
-        self.model.compute_logits(hidden[: min(num_tokens, 256)])
+        self.kv_caches = spec.allocate(-(-num_tokens // self.block_size) + 1, self.device)
+        input_ids, positions, meta = self._profile_batch(num_tokens)
         torch.cuda.synchronize(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        before = torch.cuda.memory_allocated(self.device)
+        hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        rows = max(num_logit_rows, min(num_tokens, _PROMPT_LOGPROB_ROWS))
+        self.model.compute_logits(hidden[:rows]).argmax(dim=-1)
+        torch.cuda.synchronize(self.device)
+        peak_activations = torch.cuda.max_memory_allocated(self.device) - before
         self.kv_caches = []
-        del hidden, meta
+        del hidden, meta, positions, input_ids
+        # Give the scratch cache and the activations back, then budget: what is in use now
+        # (weights, CUDA context, other processes) plus the profiled peak, left for steps.
+        torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(self.device)
-        # What this process and others hold now includes the weights and, still reserved by the
-        # caching allocator for reuse, the profiled step's peak activations.
-        budget = int(total * gpu_memory_utilization) - (total - free)
+        budget = int(total * gpu_memory_utilization) - (total - free) - peak_activations
         num_blocks = budget // spec.bytes_per_block
         if num_blocks < -(-self.max_model_len // self.block_size):
             raise EngineConfigError(
@@ -119,6 +113,34 @@ class ModelRunner:
                 "gpu_memory_utilization or lower max_model_len / max_num_batched_tokens"
             )
         return num_blocks
+
+    def _profile_batch(
+        self, num_tokens: int
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        """A prefill of `num_tokens` dummy tokens in sequences of at most max_model_len, laid
+        out contiguously in a scratch cache: the largest step the scheduler can produce."""
+        lengths = [self.max_model_len] * (num_tokens // self.max_model_len)
+        if num_tokens % self.max_model_len:
+            lengths.append(num_tokens % self.max_model_len)
+        tables, first = [], 0
+        for n in lengths:
+            num_blocks = -(-n // self.block_size)
+            tables.append(list(range(first, first + num_blocks)))
+            first += num_blocks
+        width = max(len(t) for t in tables)
+        block_tables = torch.tensor(
+            [t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=self.device
+        )
+        slots = torch.cat(
+            [
+                torch.arange(n, device=self.device) + t[0] * self.block_size
+                for n, t in zip(lengths, tables, strict=True)
+            ]
+        )
+        meta = AttentionMetadata.build(slots, block_tables, seq_lens=lengths, query_lens=lengths)
+        positions = torch.cat([torch.arange(n, device=self.device) for n in lengths])
+        input_ids = torch.zeros(num_tokens, dtype=torch.int64, device=self.device)
+        return input_ids, positions, meta
 
     def capture_decode_graphs(self, max_batch: int) -> None:
         from kernels.decode_attention import choose_num_splits

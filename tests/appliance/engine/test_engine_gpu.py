@@ -7,8 +7,9 @@ significant bits, and rounding the weights and activations of 30 layers moves lo
 by about 0.05 nats on average on this model whatever the kernels do. So our mean bf16 error must
 be at most 10% (plus 0.005 nats) above the mean error of transformers' model cast to bf16, and
 our worst position at most twice its worst (single positions are noisy: a different but equally
-exact summation order moves one near-tie more than another). A wrong kernel (mask, head mapping, stale KV) misses that by orders
-of magnitude; faithful kernels that accumulate in float32 land at or below it.
+exact summation order moves one near-tie more than another). A wrong kernel (mask, head
+mapping, stale KV) misses that by orders of magnitude; faithful kernels that accumulate in
+float32 land at or below it.
 """
 
 from __future__ import annotations
