@@ -161,6 +161,19 @@ def w1(model: LlamaForCausalLM, copy_bw: float) -> None:
         f"{achieved / 1e12:.2f} TB/s = {achieved / copy_bw:.0%}",
         "goal ≥ 85%",
     )
+    # Where the time goes: the captured batch-1 forward alone (no output projection, sampling
+    # or host work between steps).
+    graphs = engine.runner.graphs
+    assert graphs is not None
+    replay_ms = triton.testing.do_bench(graphs.replay_only(1), warmup=10, rep=200)
+    lm_head = model.lm_head
+    assert lm_head is not None
+    in_graph = streamed - lm_head.numel() * lm_head.element_size()
+    report(
+        "W1 decode graph replay alone (batch 1)",
+        f"{replay_ms:.2f} ms: {in_graph / 1e9:.2f} GB at {in_graph / replay_ms / 1e9:.2f} TB/s "
+        f"= {in_graph / (replay_ms * 1e-3) / copy_bw:.0%}; outside it {ms - replay_ms:.2f} ms",
+    )
     release(engine)
 
 

@@ -96,6 +96,10 @@ class DecodeGraphs:
         self._graphs[size].replay()
         return self._outputs[size][:batch]
 
+    def replay_only(self, size: int) -> Callable[[], None]:
+        """The bare replay of one captured size, for benchmarks of the forward pass itself."""
+        return self._graphs[size].replay
+
     def _meta(self, size: int) -> AttentionMetadata:
         return AttentionMetadata(
             slot_mapping=self._slots[:size],
