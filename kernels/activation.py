@@ -8,13 +8,12 @@ one row spans several programs and small batches still fill the GPU.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
 from kernels.errors import KernelInputError
+from kernels.launch_checks import check_devices
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # Columns per program: 8 per thread with 4 warps, 16-byte fp16/bf16 accesses.
@@ -75,7 +74,7 @@ def _validate(x: torch.Tensor, out: torch.Tensor | None) -> None:
     for name, tensor in named.items():
         if not isinstance(tensor, torch.Tensor):
             raise KernelInputError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
-    _check_devices(named)
+    check_devices(named)
     if x.dim() != 2:
         raise KernelInputError(f"x must have shape [T, 2I], got {tuple(x.shape)}")
     if x.shape[1] % 2 != 0:
@@ -96,17 +95,4 @@ def _validate(x: torch.Tensor, out: torch.Tensor | None) -> None:
     if out.shape[1] > 1 and out.stride(1) != 1:
         raise KernelInputError(
             f"out rows must be contiguous (unit column stride), got strides {out.stride()}"
-        )
-
-
-def _check_devices(named: dict[str, torch.Tensor]) -> None:
-    devices = {name: tensor.device for name, tensor in named.items()}
-    if len(set(devices.values())) > 1:
-        raise KernelInputError(f"tensors must share one device, got {devices}")
-    device = next(iter(devices.values()))
-    # Off the GPU only Triton's interpreter can run the kernel (tests and CI set it).
-    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-        raise KernelInputError(
-            f"tensors are on {device}; the Triton kernels need CUDA tensors "
-            "(use kernels.reference on the CPU)"
         )

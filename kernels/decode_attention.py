@@ -20,13 +20,13 @@ CUDA graph stays correct when `seq_lens` and `block_tables` are rewritten in pla
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 import triton
 import triton.language as tl
 
 from kernels.errors import KernelInputError
+from kernels.launch_checks import triton_interprets
 
 # exp2 is the native instruction: scores are pre-scaled by log2(e), and exp2(s * log2 e) = exp(s).
 _LOG2E = 1.4426950408889634
@@ -402,9 +402,9 @@ def _verify_inputs(
     for name, tensor in named.items():
         if tensor.device != q.device:
             raise KernelInputError(f"{name} is on {tensor.device}, q on {q.device}")
-    if q.device.type != "cuda" and not _triton_interprets():
+    if q.device.type != "cuda" and not triton_interprets():
         raise KernelInputError(f"tensors must be on a CUDA device, got {q.device}")
-    if q.dtype == torch.bfloat16 and _triton_interprets():
+    if q.dtype == torch.bfloat16 and triton_interprets():
         # Triton's interpreter (3.9) multiplies bfloat16 tl.dot operands as raw integers and
         # returns garbage; fail closed rather than return wrong attention. bf16 runs on the GPU.
         raise KernelInputError("bfloat16 is not supported under TRITON_INTERPRET=1; use fp16/fp32")
@@ -429,8 +429,3 @@ def _verify_inputs(
 
 def _is_pow2_in(value: int, low: int, high: int) -> bool:
     return low <= value <= high and value & (value - 1) == 0
-
-
-def _triton_interprets() -> bool:
-    # Read at call time, not import time; Triton fixed its own choice when the kernels were defined.
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"

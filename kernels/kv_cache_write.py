@@ -7,13 +7,12 @@ CUDA-graph batch padded to its captured size) and is skipped, so padding never t
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
 from kernels.errors import KernelInputError
+from kernels.launch_checks import check_devices
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # One program holds a whole token (all KV heads) in registers; beyond this it would spill.
@@ -102,7 +101,7 @@ def _validate(
     for name, tensor in named.items():
         if not isinstance(tensor, torch.Tensor):
             raise KernelInputError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
-    _check_devices(named)
+    check_devices(named)
     for name, tensor, ndim in (("k", k, 3), ("v", v, 3), ("k_cache", k_cache, 4)):
         if tensor.dim() != ndim:
             raise KernelInputError(
@@ -150,16 +149,3 @@ def _validate(
     ):
         if not tensor.is_contiguous():
             raise KernelInputError(f"{name} must be contiguous, got strides {tensor.stride()}")
-
-
-def _check_devices(named: dict[str, torch.Tensor]) -> None:
-    devices = {name: tensor.device for name, tensor in named.items()}
-    if len(set(devices.values())) > 1:
-        raise KernelInputError(f"tensors must share one device, got {devices}")
-    device = next(iter(devices.values()))
-    # Off the GPU only Triton's interpreter can run the kernel (tests and CI set it).
-    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-        raise KernelInputError(
-            f"tensors are on {device}; the Triton kernels need CUDA tensors "
-            "(use kernels.reference on the CPU)"
-        )

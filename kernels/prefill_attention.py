@@ -20,7 +20,6 @@ Work decomposition (why it looks the way it does):
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass
 
 import torch
@@ -28,6 +27,7 @@ import triton
 import triton.language as tl
 
 from kernels.errors import KernelInputError
+from kernels.launch_checks import check_devices, triton_interprets
 
 __all__ = ["paged_prefill_attention"]
 
@@ -282,10 +282,6 @@ def _pick_config(dtype: torch.dtype, head_dim: int, interpreted: bool) -> _Launc
     return _LaunchConfig(block_m=64, block_n=32, num_warps=4, num_stages=2)
 
 
-def _running_in_interpreter() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
 def paged_prefill_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -333,7 +329,7 @@ def paged_prefill_attention(
         return out
 
     group = num_q_heads // num_kv_heads
-    interpreted = _running_in_interpreter()
+    interpreted = triton_interprets()
     config = _pick_config(q.dtype, head_dim, interpreted)
     # Pack as many heads of a GQA group as divide it evenly into one program (the largest
     # power-of-two divisor, so PACK tiles BLOCK_M exactly).
@@ -440,7 +436,16 @@ def _check_inputs(
             f"max_query_len must be in 1..T = 1..{q.shape[0]}, got {max_query_len}"
         )
 
-    _check_device(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc)
+    check_devices(
+        {
+            "q": q,
+            "k_cache": k_cache,
+            "v_cache": v_cache,
+            "block_tables": block_tables,
+            "seq_lens": seq_lens,
+            "query_start_loc": query_start_loc,
+        }
+    )
     for name, tensor in (
         ("q", q),
         ("k_cache", k_cache),
@@ -453,18 +458,6 @@ def _check_inputs(
             raise KernelInputError(
                 f"{name} must be contiguous in its last dim, got strides {tensor.stride()}"
             )
-
-
-def _check_device(*tensors: torch.Tensor) -> None:
-    device = tensors[0].device
-    if any(t.device != device for t in tensors):
-        devices = sorted({str(t.device) for t in tensors})
-        raise KernelInputError(f"all inputs must be on one device, got {devices}")
-    if device.type != "cuda" and not _running_in_interpreter():
-        raise KernelInputError(
-            f"inputs are on {device}: the Triton kernel needs CUDA tensors "
-            "(or TRITON_INTERPRET=1); use kernels.reference on the CPU"
-        )
 
 
 def _check_out(out: torch.Tensor, q: torch.Tensor) -> None:

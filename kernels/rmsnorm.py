@@ -8,13 +8,12 @@ it is normalized. One program normalizes one row of H elements held entirely in 
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
 from kernels.errors import KernelInputError
+from kernels.launch_checks import check_devices
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # A whole row lives in one program's registers; 16 warps hold 32768 floats without spilling much.
@@ -156,7 +155,7 @@ def _validate_rows(rows: dict[str, torch.Tensor], weight: torch.Tensor, eps: flo
     for name, tensor in named.items():
         if not isinstance(tensor, torch.Tensor):
             raise KernelInputError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
-    _check_devices(named)
+    check_devices(named)
     x = rows["x"]
     if x.dim() != 2:
         raise KernelInputError(f"x must have shape [T, H], got {tuple(x.shape)}")
@@ -201,17 +200,4 @@ def _validate_out(out: torch.Tensor, x: torch.Tensor, out_dtype: torch.dtype) ->
     if x.shape[1] > 1 and out.stride(1) != 1:
         raise KernelInputError(
             f"out rows must be contiguous (unit column stride), got strides {out.stride()}"
-        )
-
-
-def _check_devices(named: dict[str, torch.Tensor]) -> None:
-    devices = {name: tensor.device for name, tensor in named.items()}
-    if len(set(devices.values())) > 1:
-        raise KernelInputError(f"tensors must share one device, got {devices}")
-    device = next(iter(devices.values()))
-    # Off the GPU only Triton's interpreter can run the kernel (tests and CI set it).
-    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-        raise KernelInputError(
-            f"tensors are on {device}; the Triton kernels need CUDA tensors "
-            "(use kernels.reference on the CPU)"
         )

@@ -7,13 +7,12 @@ rotates every query and key head of one token, so each token's cos/sin row is re
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
 from kernels.errors import KernelInputError
+from kernels.launch_checks import check_devices
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # Elements of one half-tile [heads, D/2] a program holds at once; more heads loop.
@@ -159,7 +158,7 @@ def _validate(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Te
     for name, tensor in named.items():
         if not isinstance(tensor, torch.Tensor):
             raise KernelInputError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
-    _check_devices(named)
+    check_devices(named)
     for name, tensor in (("q", q), ("k", k)):
         if tensor.dim() != 3:
             raise KernelInputError(f"{name} must have shape [T, H, D], got {tuple(tensor.shape)}")
@@ -190,16 +189,3 @@ def _validate(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Te
             raise KernelInputError(
                 f"{name} must have unit stride over D, got strides {tensor.stride()}"
             )
-
-
-def _check_devices(named: dict[str, torch.Tensor]) -> None:
-    devices = {name: tensor.device for name, tensor in named.items()}
-    if len(set(devices.values())) > 1:
-        raise KernelInputError(f"tensors must share one device, got {devices}")
-    device = next(iter(devices.values()))
-    # Off the GPU only Triton's interpreter can run the kernel (tests and CI set it).
-    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-        raise KernelInputError(
-            f"tensors are on {device}; the Triton kernels need CUDA tensors "
-            "(use kernels.reference on the CPU)"
-        )
