@@ -64,6 +64,9 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _add_sampling_args(parser: argparse.ArgumentParser, *, max_tokens: int = 128) -> None:
+    parser.add_argument(
+        "--device", default="cpu", help="cpu, or cuda for the GPU path (bf16, Triton kernels)"
+    )
     parser.add_argument("--max-tokens", type=int, default=max_tokens)
     parser.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
     parser.add_argument("--top-p", type=float, default=1.0)
@@ -83,15 +86,15 @@ def _sampling_params(args: argparse.Namespace) -> SamplingParams:
     )
 
 
-def _load_engine(model_dir: Path) -> Engine:
+def _load_engine(model_dir: Path, device: str) -> Engine:
     from appliance.engine.engine import Engine, EngineConfig
 
-    return Engine.from_config(EngineConfig(model_dir=model_dir))
+    return Engine.from_config(EngineConfig(model_dir=model_dir, device=device))
 
 
 def _run_generate(args: argparse.Namespace) -> int:
     params = _sampling_params(args)
-    engine = _load_engine(args.model)
+    engine = _load_engine(args.model, args.device)
     prompt: str | list[int] = args.prompt
     if args.chat:
         prompt = _chat_prompt(engine, [{"role": "user", "content": args.prompt}])
@@ -119,7 +122,7 @@ def _run_demo(args: argparse.Namespace) -> int:
         print(f"converting the embedded model into {model_dir} ...", file=sys.stderr)
         import_gguf(find_embedded_gguf(), model_dir, show_progress=sys.stderr.isatty())
     params = _sampling_params(args)
-    engine = _load_engine(model_dir)
+    engine = _load_engine(model_dir, args.device)
     interactive = sys.stdin.isatty()
     if interactive:
         print("Inferno demo: chat with SmolLM2-135M-Instruct on this machine. Ctrl-D ends.")

@@ -55,7 +55,19 @@ class EngineConfig:
 
     @property
     def on_gpu(self) -> bool:
-        return torch.device(self.device).type == "cuda"
+        return self.torch_device.type == "cuda"
+
+    @property
+    def torch_device(self) -> torch.device:
+        try:
+            device = torch.device(self.device)
+        except RuntimeError:
+            raise EngineConfigError(f"device {self.device!r} is not a device name") from None
+        if device.type not in ("cpu", "cuda"):
+            raise EngineConfigError(f"device {self.device!r}: Inferno runs on cpu or cuda")
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise EngineConfigError(f"device {self.device!r}: no CUDA GPU is available here")
+        return device
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -110,10 +122,11 @@ class Engine:
     def from_config(cls, config: EngineConfig) -> Engine:
         """Load the model directory's weights and tokenizer and build the engine around them."""
         model_dir = Path(config.model_dir)
+        device = config.torch_device
         ModelConfig.from_model_dir(model_dir)  # the clearest errors first, before any heavy load
         tokenizer = Tokenizer.from_model_dir(model_dir)
-        ops = kernel_ops_for(config.device)
-        model = load_model(model_dir, dtype=config.torch_dtype, device=config.device, ops=ops)
+        ops = kernel_ops_for(device)
+        model = load_model(model_dir, dtype=config.torch_dtype, device=device, ops=ops)
         return cls.build(config, model, tokenizer)
 
     @classmethod

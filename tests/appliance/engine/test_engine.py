@@ -183,3 +183,12 @@ def test_disabling_chunked_prefill_needs_a_budget_of_a_whole_context(smollm2_dir
 def test_unknown_dtype_is_refused_naming_the_choices(smollm2_dir: Path) -> None:
     with pytest.raises(EngineConfigError, match="float32"):
         Engine.from_config(EngineConfig(model_dir=smollm2_dir, dtype="int3"))
+
+
+@pytest.mark.parametrize(
+    ("device", "message"),
+    [("mps", "runs on cpu or cuda"), ("tpu", "is not a device name")],
+)
+def test_unusable_device_is_refused_naming_it(smollm2_dir: Path, device: str, message: str) -> None:
+    with pytest.raises(EngineConfigError, match=message):
+        Engine.from_config(EngineConfig(model_dir=smollm2_dir, device=device))
