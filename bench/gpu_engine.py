@@ -19,6 +19,7 @@ import gc
 import os
 import statistics
 import subprocess
+import threading
 import time
 from pathlib import Path
 
@@ -206,18 +207,51 @@ class StepProfile:
         )
 
 
+class BusySampler:
+    """GPU busy fraction: NVML's utilization (the share of each sample period in which at least
+    one kernel ran), sampled every 100 ms on a thread while a workload runs."""
+
+    def __init__(self) -> None:
+        import pynvml
+
+        pynvml.nvmlInit()
+        self._nvml = pynvml
+        self._handle = pynvml.nvmlDeviceGetHandleByIndex(torch.cuda.current_device())
+        self._samples: list[int] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.1):
+            self._samples.append(self._nvml.nvmlDeviceGetUtilizationRates(self._handle).gpu)
+
+    def __enter__(self) -> BusySampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    @property
+    def fraction(self) -> float:
+        return statistics.mean(self._samples) / 100 if self._samples else float("nan")
+
+
 def w2(model: LlamaForCausalLM, num_requests: int, max_num_seqs: int) -> None:
     engine = build_engine(model, max_num_seqs=max_num_seqs)
     params = SamplingParams(temperature=0.0, max_tokens=256, ignore_eos=True)
     run_timed(engine, random_prompts(8, 512, seed=2), SamplingParams(max_tokens=8, ignore_eos=True))
     profile = StepProfile(engine)
-    elapsed, _, num_out = run_timed(engine, random_prompts(num_requests, 512, seed=3), params)
+    with BusySampler() as busy:
+        elapsed, _, num_out = run_timed(engine, random_prompts(num_requests, 512, seed=3), params)
     report(
         f"W2 output tok/s ({num_requests} × 512/256, max {max_num_seqs} running)",
         f"{num_out / elapsed:,.0f} ({elapsed:.1f} s)",
         "goal ≥ 15,000",
     )
     report("W2 time split", profile.summary(elapsed))
+    report("W2 GPU busy fraction (NVML utilization, 100 ms samples)", f"{busy.fraction:.0%}")
     w6(engine, model)
     release(engine)
 
