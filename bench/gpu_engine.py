@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import gc
+import logging
 import os
 import statistics
 import subprocess
@@ -338,6 +339,7 @@ def main() -> None:
     parser.add_argument("--hf-requests", type=int, default=128)
     parser.add_argument("--max-num-seqs", type=int, default=256)
     args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
     wanted = set(args.workloads.split(","))
     props = torch.cuda.get_device_properties(0)
     commit = (

@@ -8,6 +8,7 @@ of a request that asked for prompt log-probabilities.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
@@ -21,6 +22,8 @@ from appliance.engine.sampling import sample, token_logprobs
 from appliance.engine.sampling_params import SamplingParams
 from appliance.engine.scheduler import ScheduledChunk
 from kernels.ops import AttentionMetadata
+
+logger = logging.getLogger(__name__)
 
 # Rows of prompt logits turned into log-probabilities at once (bounds [rows, vocab] memory).
 _PROMPT_LOGPROB_ROWS = 256
@@ -106,6 +109,13 @@ class ModelRunner:
         free, total = torch.cuda.mem_get_info(self.device)
         budget = int(total * gpu_memory_utilization) - (total - free) - peak_activations
         num_blocks = budget // spec.bytes_per_block
+        logger.info(
+            "profiled a %d-token step: activation peak %.2f GiB, in use %.2f GiB, KV %.2f GiB",
+            num_tokens,
+            peak_activations / 2**30,
+            (total - free) / 2**30,
+            budget / 2**30,
+        )
         if num_blocks < -(-self.max_model_len // self.block_size):
             raise EngineConfigError(
                 f"after the weights and activations, {budget / 2**30:.2f} GiB remain for the KV "
