@@ -248,13 +248,15 @@ class ModelRunner:
             return {}
         num_top = max((p.logprobs or 0) for p in params)
         chosen, top_ids, top_lps = token_logprobs(logits, token_ids, num_top)
+        # One transfer each, not one per row.
         chosen_list, ids = chosen.tolist(), token_ids.tolist()
+        top_ids_list, top_lps_list = top_ids.tolist(), top_lps.tolist()
         results = {}
         for row, (chunk_index, p) in enumerate(zip(chunk_indices, params, strict=True)):
             if p.logprobs is None:
                 continue
             k = p.logprobs
-            top = tuple(zip(top_ids[row, :k].tolist(), top_lps[row, :k].tolist(), strict=True))
+            top = tuple(zip(top_ids_list[row][:k], top_lps_list[row][:k], strict=True))
             results[chunk_index] = TokenLogprob(ids[row], chosen_list[row], top)
         return results
 
