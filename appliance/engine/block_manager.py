@@ -88,9 +88,6 @@ class BlockManager:
             hits.append(block_id)
         return hits
 
-    def can_allocate(self, seq: Sequence, num_new_tokens: int, cached: list[int] = ()) -> bool:
-        return self._num_blocks_to_take(seq, num_new_tokens, cached) <= len(self._free)
-
     def allocate(self, seq: Sequence, num_new_tokens: int, cached: list[int] = ()) -> bool:
         """Make `seq`'s block table cover its computed tokens, the `cached` prefix blocks and
         `num_new_tokens` more. Returns False, changing nothing, when there are not enough free
@@ -99,6 +96,11 @@ class BlockManager:
         `cached` (from `find_cached_prefix`, only for a sequence holding no blocks) is appended
         with a reference taken on each block; the caller advances `num_computed_tokens` past them.
         """
+        num_tokens = seq.num_computed_tokens + len(cached) * self.block_size + num_new_tokens
+        if not cached and num_tokens <= len(seq.block_table) * self.block_size:
+            # Most decode steps: the last block still has room.
+            self._register_full_blocks(seq, num_tokens)
+            return True
         if self._num_blocks_to_take(seq, num_new_tokens, cached) > len(self._free):
             return False
         for block_id in cached:
@@ -107,7 +109,6 @@ class BlockManager:
                 del self._free[block_id]
             block.ref_count += 1
             seq.block_table.append(block_id)
-        num_tokens = seq.num_computed_tokens + len(cached) * self.block_size + num_new_tokens
         while len(seq.block_table) * self.block_size < num_tokens:
             seq.block_table.append(self._take_free_block())
         self._register_full_blocks(seq, num_tokens)
@@ -160,6 +161,8 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return
         num_full = min(num_tokens, len(seq)) // self.block_size
+        if num_full <= seq.num_published_blocks:
+            return
         self._extend_hashes(seq, num_full)
         for i in range(seq.num_published_blocks, num_full):
             block = self._blocks[seq.block_table[i]]
@@ -167,4 +170,4 @@ class BlockManager:
             if block.block_hash is None and block_hash not in self._cached:
                 block.block_hash = block_hash
                 self._cached[block_hash] = block.block_id
-        seq.num_published_blocks = max(seq.num_published_blocks, num_full)
+        seq.num_published_blocks = num_full

@@ -12,6 +12,7 @@ import logging
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from appliance.engine.cuda_graphs import DecodeGraphs
@@ -201,8 +202,9 @@ class ModelRunner:
             for i in range(len(chunks))
         ]
 
-    def _to_device(self, values: list[int] | list[list[int]], dtype: torch.dtype) -> torch.Tensor:
-        host = torch.tensor(values, dtype=dtype)
+    def _to_device(self, values: list[int] | np.ndarray, dtype: torch.dtype) -> torch.Tensor:
+        host = torch.from_numpy(values) if isinstance(values, np.ndarray) else torch.tensor(values)
+        host = host.to(dtype)
         if self.device.type == "cuda":
             # Pinned staging lets the copy run asynchronously with the host's next work.
             return host.pin_memory().to(self.device, non_blocking=True)
@@ -214,15 +216,23 @@ class ModelRunner:
         positions: list[int] = []
         slots: list[int] = []
         query_ends: list[int] = []
-        for chunk in chunks:
+        block_tables = np.zeros(
+            (len(chunks), max(len(c.seq.block_table) for c in chunks)), np.int32
+        )
+        for i, chunk in enumerate(chunks):
             seq, start, end = chunk.seq, chunk.start, chunk.start + chunk.num_new_tokens
-            input_ids.extend(seq.token_ids[start:end])
-            positions.extend(range(start, end))
             table = seq.block_table
-            slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+            block_tables[i, : len(table)] = table
+            input_ids.extend(seq.token_ids[start:end])
+            if end - start == 1:  # decode: plain Python is cheapest for one token
+                positions.append(start)
+                slots.append(table[start // bs] * bs + start % bs)
+            else:
+                chunk_positions = np.arange(start, end)
+                positions.extend(chunk_positions.tolist())
+                chunk_slots = block_tables[i, chunk_positions // bs].astype(np.int64) * bs
+                slots.extend((chunk_slots + chunk_positions % bs).tolist())
             query_ends.append(len(input_ids) - 1)
-        width = max(len(c.seq.block_table) for c in chunks)
-        block_tables = [c.seq.block_table + [0] * (width - len(c.seq.block_table)) for c in chunks]
         meta = AttentionMetadata.build(
             self._to_device(slots, torch.int64),
             self._to_device(block_tables, torch.int32),

@@ -51,14 +51,13 @@ class RequestState:
     prompt_logprobs: list[TokenLogprob | None] | None = None
     prompt_logprobs_sent: bool = False
     stop_reason: str | int | None = None
+    _holdback: int = field(init=False)
 
     def __post_init__(self) -> None:
+        # Text that could still begin a stop string is held back: the longest one less a char.
+        self._holdback = max((len(s) for s in self.seq.params.stop), default=1) - 1
         if self.seq.wants_prompt_logprobs:
             self.prompt_logprobs = [None]
-
-    @property
-    def _holdback(self) -> int:
-        return max((len(s) for s in self.seq.params.stop), default=1) - 1
 
     def add_prompt_logprobs(self, logprobs: list[TokenLogprob], first_position: int) -> None:
         """Record prompt log-probabilities predicted from `first_position` on (a recompute after

@@ -90,7 +90,6 @@ def test_allocate_returns_false_and_changes_nothing_when_short_of_blocks() -> No
     admit(bm, holder)
     seq = make_seq(list(range(9)))
 
-    assert not bm.can_allocate(seq, 9)
     assert not bm.allocate(seq, 9)
 
     assert seq.block_table == []
