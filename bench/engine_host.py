@@ -1,0 +1,87 @@
+"""Host-side cost of the engine loop at the W2 shape, with the model math stubbed out.
+
+The scheduler, block manager, input preparation and output processing run for real; the model
+is a one-layer, 64-wide Llama whose attention returns its queries, so what is timed is almost
+entirely the Python the engine runs between GPU steps (the part that leaves the GPU idle until
+host and device work overlap). Runs anywhere, no GPU needed.
+
+    python bench/engine_host.py [--requests 1024] [--max-num-seqs 512]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+import types
+from pathlib import Path
+
+import torch
+
+import kernels.reference as reference
+from appliance.engine.engine import Engine, EngineConfig
+from appliance.engine.models.config import ModelConfig
+from appliance.engine.models.llama import LlamaForCausalLM
+from appliance.engine.sampling_params import SamplingParams
+
+
+def stub_model() -> LlamaForCausalLM:
+    ops = types.SimpleNamespace(
+        rms_norm=reference.rms_norm,
+        add_rms_norm=reference.add_rms_norm,
+        rotary_embedding=reference.rotary_embedding,
+        silu_and_mul=reference.silu_and_mul,
+        write_kv_cache=reference.write_kv_cache,
+        paged_attention=lambda q, k_cache, v_cache, meta, scale: q,
+    )
+    config = ModelConfig.from_dict(
+        {
+            "architectures": ["LlamaForCausalLM"],
+            "hidden_size": 64,
+            "intermediate_size": 64,
+            "num_hidden_layers": 1,
+            "num_attention_heads": 2,
+            "num_key_value_heads": 1,
+            "vocab_size": 1000,
+            "max_position_embeddings": 4096,
+        }
+    )
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config, ops)
+    model.to_empty(device="cpu")
+    for param in model.parameters():
+        param.data.normal_()
+    model.init_rope_tables(4096)
+    return model
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--requests", type=int, default=1024)
+    parser.add_argument("--max-num-seqs", type=int, default=512)
+    args = parser.parse_args()
+    config = EngineConfig(
+        model_dir=Path("stub"),
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=8192,
+        num_kv_blocks=40_000,
+    )
+    engine = Engine.build(config, stub_model(), tokenizer=None)
+    prompts = torch.randint(
+        0, 1000, (args.requests, 512), generator=torch.Generator().manual_seed(0)
+    )
+    params = SamplingParams(temperature=0.0, max_tokens=256, ignore_eos=True)
+    for i, prompt in enumerate(prompts.tolist()):
+        engine.add_request(str(i), prompt, params)
+    start, steps = time.perf_counter(), 0
+    while engine.has_unfinished():
+        engine.step()
+        steps += 1
+    elapsed = time.perf_counter() - start
+    print(
+        f"{args.requests} × 512/256, at most {args.max_num_seqs} running: {steps} steps in "
+        f"{elapsed:.2f} s = {elapsed / steps * 1e3:.1f} ms per step"
+    )
+
+
+if __name__ == "__main__":
+    main()
