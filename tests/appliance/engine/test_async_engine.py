@@ -18,7 +18,20 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def engine(smollm2_dir: Path) -> Engine:
-    return Engine.from_config(EngineConfig(model_dir=smollm2_dir, max_model_len=256))
+    return Engine.from_config(EngineConfig(model_dir=smollm2_dir, max_model_len=1024))
+
+
+async def _until_idle(engine: Engine, timeout_s: float = 2.0) -> None:
+    """Wait (bounded) for the engine thread to finish or abort everything it holds."""
+    for _ in range(int(timeout_s / 0.01)):
+        if not engine.has_unfinished():
+            return
+        await asyncio.sleep(0.01)
+
+
+def _assert_idle_with_every_block_free(engine: Engine) -> None:
+    assert not engine.has_unfinished()
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
 
 
 async def _collect(ae: AsyncEngine, rid: str, prompt: str) -> str:
@@ -38,27 +51,24 @@ def test_concurrent_streams_produce_what_the_synchronous_engine_does(engine: Eng
 def test_leaving_a_stream_early_aborts_the_request_and_frees_its_blocks(engine: Engine) -> None:
     async def main() -> None:
         async with AsyncEngine(engine) as ae:
-            long = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
+            long = SamplingParams(temperature=0.0, max_tokens=1000, ignore_eos=True)
             stream = ae.generate("early", PROMPTS[0], long)
             async for _ in stream:
                 break
             await stream.aclose()
             # A request after the abort is served normally.
             assert await _collect(ae, "after", PROMPTS[1])
-            for _ in range(100):
-                if not engine.has_unfinished():
-                    break
-                await asyncio.sleep(0.01)
+            # Checked before shutdown, which would abort everything anyway.
+            await _until_idle(engine)
+            _assert_idle_with_every_block_free(engine)
 
     asyncio.run(main())
-    assert not engine.has_unfinished()
-    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
 
 
 def test_cancelled_consumer_aborts_its_request(engine: Engine) -> None:
     async def main() -> None:
         async with AsyncEngine(engine) as ae:
-            long = SamplingParams(temperature=0.0, max_tokens=500, ignore_eos=True)
+            long = SamplingParams(temperature=0.0, max_tokens=1000, ignore_eos=True)
 
             async def consume() -> None:
                 async for _ in ae.generate("cancel-me", PROMPTS[2], long):
@@ -69,14 +79,11 @@ def test_cancelled_consumer_aborts_its_request(engine: Engine) -> None:
             task.cancel()
             with pytest.raises(asyncio.CancelledError):
                 await task
-            for _ in range(200):
-                if not engine.has_unfinished():
-                    break
-                await asyncio.sleep(0.01)
+            # 1000 tokens take far longer than this wait: only the abort can make it idle.
+            await _until_idle(engine)
+            _assert_idle_with_every_block_free(engine)
 
     asyncio.run(main())
-    assert not engine.has_unfinished()
-    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
 
 
 def test_invalid_request_raises_to_its_caller_and_others_are_served(engine: Engine) -> None:
@@ -84,7 +91,7 @@ def test_invalid_request_raises_to_its_caller_and_others_are_served(engine: Engi
         async with AsyncEngine(engine) as ae:
             good = asyncio.create_task(_collect(ae, "good", PROMPTS[3]))
             with pytest.raises(InvalidRequestError, match="shorten the prompt"):
-                async for _ in ae.generate("bad", [1] * 300, GREEDY):
+                async for _ in ae.generate("bad", [1] * 1100, GREEDY):
                     pass
             return await good
 
@@ -105,4 +112,4 @@ def test_shutdown_ends_running_requests_with_an_abort(engine: Engine) -> None:
         return last.finish_reason if last else None
 
     assert asyncio.run(main()) == "abort"
-    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    _assert_idle_with_every_block_free(engine)
