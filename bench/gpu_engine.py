@@ -6,6 +6,7 @@ and W6 (GPU memory that is neither weights nor KV cache), and transformers' cont
 (`generate_batch`) on the same model for W2/W4 as the peer. Prints Markdown rows last.
 
     python bench/gpu_engine.py [--workloads W1,W2,P,W4,HF] [--max-num-seqs 256]
+                               [--max-decode-burst 1]
                                [--w2-requests 1024] [--hf-requests 128]
 
 W6 is measured right after W2, at W2's largest batch. P is prefill throughput at 8 × 2,048.
@@ -145,8 +146,8 @@ def release(engine: Engine) -> None:
     torch.cuda.empty_cache()
 
 
-def w1(model: LlamaForCausalLM, copy_bw: float) -> None:
-    engine = build_engine(model, max_num_seqs=8)
+def w1(model: LlamaForCausalLM, copy_bw: float, burst: int) -> None:
+    engine = build_engine(model, max_num_seqs=8, max_decode_burst=burst)
     params = SamplingParams(temperature=0.0, max_tokens=256, ignore_eos=True)
     [prompt] = random_prompts(1, 128, seed=1)
     run_timed(engine, [prompt], SamplingParams(max_tokens=16, ignore_eos=True))  # warm-up
@@ -239,8 +240,8 @@ class BusySampler:
         return statistics.mean(self._samples) / 100 if self._samples else float("nan")
 
 
-def w2(model: LlamaForCausalLM, num_requests: int, max_num_seqs: int) -> None:
-    engine = build_engine(model, max_num_seqs=max_num_seqs)
+def w2(model: LlamaForCausalLM, num_requests: int, max_num_seqs: int, burst: int) -> None:
+    engine = build_engine(model, max_num_seqs=max_num_seqs, max_decode_burst=burst)
     params = SamplingParams(temperature=0.0, max_tokens=256, ignore_eos=True)
     run_timed(engine, random_prompts(8, 512, seed=2), SamplingParams(max_tokens=8, ignore_eos=True))
     profile = StepProfile(engine)
@@ -338,6 +339,7 @@ def main() -> None:
     parser.add_argument("--w2-requests", type=int, default=1024)
     parser.add_argument("--hf-requests", type=int, default=128)
     parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument("--max-decode-burst", type=int, default=1)
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
     wanted = set(args.workloads.split(","))
@@ -351,7 +353,7 @@ def main() -> None:
     print(
         f"date {datetime.date.today()} device {props.name} ({props.total_memory / 2**30:.0f} GiB, "
         f"{props.multi_processor_count} SMs) torch {torch.__version__} triton {triton.__version__}"
-        f" commit {commit or 'unknown'}"
+        f" commit {commit or 'unknown'} max_decode_burst {args.max_decode_burst}"
     )
     copy_bw = copy_bandwidth()
     report("copy bandwidth (read + write)", f"{copy_bw / 1e12:.2f} TB/s")
@@ -361,9 +363,9 @@ def main() -> None:
     model = random_llama()
     report("random 8B model built", f"{time.perf_counter() - start:.1f} s")
     if "W1" in wanted:
-        w1(model, copy_bw)
+        w1(model, copy_bw, args.max_decode_burst)
     if "W2" in wanted:
-        w2(model, args.w2_requests, args.max_num_seqs)
+        w2(model, args.w2_requests, args.max_num_seqs, args.max_decode_burst)
     if "P" in wanted:
         prefill_throughput(model, matmul)
     if "W4" in wanted:

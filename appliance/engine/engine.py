@@ -52,6 +52,10 @@ class EngineConfig:
     enable_chunked_prefill: bool = True
     # Replay decode steps from CUDA graphs (GPU only).
     enable_cuda_graphs: bool = True
+    # Up to this many decode steps run back to back without the host when every running
+    # request is decoding and none waits: less host time per token, at the price of up to that
+    # many steps before a newly arrived request is admitted. 1 turns bursts off.
+    max_decode_burst: int = 1
 
     @property
     def on_gpu(self) -> bool:
@@ -167,6 +171,7 @@ class Engine:
                 max_num_seqs=config.max_num_seqs,
                 max_num_batched_tokens=config.max_num_batched_tokens,
                 enable_chunked_prefill=config.enable_chunked_prefill,
+                max_decode_burst=config.max_decode_burst,
             ),
             block_manager,
         )
@@ -293,6 +298,12 @@ class Engine:
             return []
         chunks = schedule.chunks
         generators = [self._generators.get(c.seq.request_id) for c in chunks]
+        if schedule.num_steps > 1:
+            tokens = self.runner.execute_burst(chunks, schedule.num_steps, generators)
+            return [
+                self._add_tokens(c.seq, seq_tokens)
+                for c, seq_tokens in zip(chunks, tokens, strict=True)
+            ]
         results = self.runner.execute(chunks, generators)
         outputs = []
         for chunk, result in zip(chunks, results, strict=True):
@@ -308,6 +319,19 @@ class Engine:
                 self.scheduler.finish(chunk.seq, finish)
             outputs.append(state.make_output(finish))
         return outputs
+
+    def _add_tokens(self, seq: Sequence, token_ids: list[int]) -> RequestOutput:
+        """Apply a burst's tokens in order; a stop drops the ones after it."""
+        state = self._requests[seq.request_id]
+        finish = None
+        for token_id in token_ids:
+            finish = state.add_token(token_id, None)
+            if finish is not None:
+                self._requests.pop(seq.request_id)
+                self._generators.pop(seq.request_id, None)
+                self.scheduler.finish(seq, finish)
+                break
+        return state.make_output(finish)
 
     def generate(
         self, prompts: Seq[str | Seq[int]], params: SamplingParams | Seq[SamplingParams]

@@ -173,18 +173,7 @@ class ModelRunner:
     ) -> list[ChunkResult]:
         """Run one step. `generators[i]` drives sampling for `chunks[i]` (None: global RNG)."""
         batch = self._prepare(chunks)
-        graphs = self.graphs
-        if batch.meta.decode_only and graphs is not None and len(chunks) <= graphs.max_batch:
-            meta = batch.meta
-            hidden = graphs.run(
-                batch.input_ids,
-                batch.positions,
-                meta.slot_mapping,
-                meta.block_tables,
-                meta.seq_lens_t,
-            )
-        else:
-            hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta)
+        hidden = self._forward(batch.input_ids, batch.positions, batch.meta)
         sampling_rows = [i for i, c in enumerate(chunks) if c.samples]
         token_ids: dict[int, int] = {}
         logprobs: dict[int, TokenLogprob] = {}
@@ -201,6 +190,53 @@ class ModelRunner:
             ChunkResult(token_ids.get(i), logprobs.get(i), prompt.get(i, []))
             for i in range(len(chunks))
         ]
+
+    @torch.inference_mode()
+    def execute_burst(
+        self,
+        chunks: Seq[ScheduledChunk],
+        num_steps: int,
+        generators: Seq[torch.Generator | None],
+    ) -> list[list[int]]:
+        """Run `num_steps` decode steps of single-token chunks back to back; the tokens sampled
+        in one step are the next step's inputs without leaving the device, and the host waits
+        once, at the end. Returns each chunk's `num_steps` sampled tokens."""
+        batch = self._prepare(chunks)
+        params = [c.seq.params for c in chunks]
+        input_ids, positions, meta = batch.input_ids, batch.positions, batch.meta
+        sampled: list[torch.Tensor] = []
+        for step in range(num_steps):
+            if step:
+                # Positions and slots of later steps are known on the host: the scheduler
+                # allocated every step's blocks up front.
+                pos = [c.start + step for c in chunks]
+                bs = self.block_size
+                slots = [
+                    c.seq.block_table[p // bs] * bs + p % bs
+                    for c, p in zip(chunks, pos, strict=True)
+                ]
+                positions = self._to_device(pos, torch.int64)
+                meta = AttentionMetadata.build(
+                    self._to_device(slots, torch.int64),
+                    meta.block_tables,
+                    seq_lens=[p + 1 for p in pos],
+                    query_lens=meta.query_lens,
+                )
+            hidden = self._forward(input_ids, positions, meta)
+            input_ids = sample(self.model.compute_logits(hidden), params, generators)
+            sampled.append(input_ids)
+        return torch.stack(sampled, dim=1).tolist()
+
+    def _forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        """Hidden states [T, hidden]: from a CUDA graph for decode batches that fit one."""
+        graphs = self.graphs
+        if meta.decode_only and graphs is not None and len(meta.query_lens) <= graphs.max_batch:
+            return graphs.run(
+                input_ids, positions, meta.slot_mapping, meta.block_tables, meta.seq_lens_t
+            )
+        return self.model(input_ids, positions, self.kv_caches, meta)
 
     def _to_device(self, values: list[int] | np.ndarray, dtype: torch.dtype) -> torch.Tensor:
         host = torch.from_numpy(values) if isinstance(values, np.ndarray) else torch.tensor(values)

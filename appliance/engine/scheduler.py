@@ -25,9 +25,11 @@ class SchedulerConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
     enable_chunked_prefill: bool = True
+    # Up to this many decode steps back to back (see Scheduler._schedule_decode_burst).
+    max_decode_burst: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens"):
+        for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "max_decode_burst"):
             if getattr(self, name) < 1:
                 raise EngineConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
 
@@ -51,6 +53,9 @@ class ScheduledChunk:
 class SchedulerOutput:
     chunks: list[ScheduledChunk] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
+    # > 1: a decode burst; every chunk is one token and runs num_steps steps, each step's
+    # sampled tokens feeding the next on the device.
+    num_steps: int = 1
 
     @property
     def num_batched_tokens(self) -> int:
@@ -102,6 +107,9 @@ class Scheduler:
         self._by_id.pop(seq.request_id, None)
 
     def schedule(self) -> SchedulerOutput:
+        burst = self._schedule_decode_burst()
+        if burst is not None:
+            return burst
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
         budget = self._schedule_running(out, budget)
@@ -109,6 +117,39 @@ class Scheduler:
             self._schedule_waiting(out, budget)
         for chunk in out.chunks:
             chunk.seq.num_computed_tokens += chunk.num_new_tokens
+        return out
+
+    def _schedule_decode_burst(self) -> SchedulerOutput | None:
+        """Several decode steps at once, when nothing needs the scheduler between them: every
+        running sequence is decoding, none wants log-probabilities, nobody waits, and the blocks
+        for all steps are free. The host is then consulted once per burst instead of once per
+        token. A burst never runs a sequence past its max_tokens or the context, so only a stop
+        (EOS, stop token, stop string) can end one early; its remaining tokens are dropped."""
+        steps = self.config.max_decode_burst
+        if steps < 2 or self.waiting or not self.running:
+            return None
+        for seq in self.running:
+            if seq.num_uncomputed_tokens != 1 or seq.params.logprobs is not None:
+                return None
+            remaining = min(
+                seq.params.max_tokens - seq.num_output_tokens, self.config.max_model_len - len(seq)
+            )
+            steps = min(steps, remaining)
+        if steps < 2:
+            return None
+        bm = self.block_manager
+        num_needed = sum(
+            max(-(-(seq.num_computed_tokens + steps) // bm.block_size) - len(seq.block_table), 0)
+            for seq in self.running
+        )
+        if num_needed > bm.num_free_blocks:
+            return None
+        out = SchedulerOutput(num_steps=steps)
+        for seq in self.running:
+            allocated = bm.allocate(seq, steps)
+            assert allocated, "the free blocks were counted above"
+            out.chunks.append(ScheduledChunk(seq, seq.num_computed_tokens, 1, True))
+            seq.num_computed_tokens += steps
         return out
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:

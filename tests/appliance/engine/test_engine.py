@@ -192,3 +192,54 @@ def test_unknown_dtype_is_refused_naming_the_choices(smollm2_dir: Path) -> None:
 def test_unusable_device_is_refused_naming_it(smollm2_dir: Path, device: str, message: str) -> None:
     with pytest.raises(EngineConfigError, match=message):
         Engine.from_config(EngineConfig(model_dir=smollm2_dir, device=device))
+
+
+def test_decode_bursts_give_the_same_outputs_as_single_steps(
+    engine: Engine, smollm2_dir: Path
+) -> None:
+    bursting = Engine.from_config(
+        EngineConfig(model_dir=smollm2_dir, max_model_len=512, max_decode_burst=8)
+    )
+    bursts: list[int] = []
+    execute_burst = bursting.runner.execute_burst
+
+    def counting(chunks, num_steps, generators):
+        bursts.append(num_steps)
+        return execute_burst(chunks, num_steps, generators)
+
+    bursting.runner.execute_burst = counting
+    full = _greedy_text(engine)
+    prompts = [PROMPT, "Hello there", "Numbers: 1, 2,", PROMPT + " in Asia"]
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=29, ignore_eos=True),  # not a multiple of 8
+        SamplingParams(temperature=0.9, max_tokens=21, seed=5, ignore_eos=True),
+        SamplingParams(temperature=0.0, max_tokens=40, stop=(full[15:19],), ignore_eos=True),
+        SamplingParams(temperature=0.0, max_tokens=64),  # may end at EOS inside a burst
+    ]
+    expected = engine.generate(prompts, params)
+    got = bursting.generate(prompts, params)
+    assert [(c.text, c.token_ids, c.finish_reason) for c in got] == [
+        (c.text, c.token_ids, c.finish_reason) for c in expected
+    ]
+    assert bursts and max(bursts) == 8
+    assert bursting.block_manager.num_free_blocks == bursting.block_manager.num_blocks
+
+
+def test_decode_bursts_step_aside_for_waiting_requests_and_logprobs(smollm2_dir: Path) -> None:
+    bursting = Engine.from_config(
+        EngineConfig(model_dir=smollm2_dir, max_model_len=512, max_decode_burst=8)
+    )
+    greedy = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
+    bursting.add_request("first", PROMPT, greedy)
+    bursting.step()  # prefill
+    bursting.add_request("second", "Hello there", greedy)
+    # A request waits: the next step admits it instead of bursting.
+    assert bursting.scheduler.schedule().num_steps == 1
+    with_logprobs = SamplingParams(temperature=0.0, max_tokens=30, logprobs=1, ignore_eos=True)
+    bursting.abort("first")
+    bursting.abort("second")
+    bursting.add_request("lp", PROMPT, with_logprobs)
+    bursting.step()
+    assert bursting.scheduler.schedule().num_steps == 1
+    bursting.abort("lp")
+    assert bursting.block_manager.num_free_blocks == bursting.block_manager.num_blocks

@@ -80,8 +80,9 @@ def _reference(hf_cuda, prompts: list[list[int]]) -> list[list[int]]:
         {"enable_cuda_graphs": False},
         {"num_kv_blocks": 12},  # preemption
         {"max_num_batched_tokens": 24, "enable_prefix_caching": False},  # chunked prefill
+        {"max_decode_burst": 8},  # device-fed decode bursts through the graphs
     ],
-    ids=["graphs", "eager", "preemption", "chunked"],
+    ids=["graphs", "eager", "preemption", "chunked", "burst"],
 )
 def test_float32_greedy_on_gpu_matches_transformers(smollm2_dir, prompts, hf_cuda, overrides):
     engine = _gpu_engine(smollm2_dir, "float32", **overrides)

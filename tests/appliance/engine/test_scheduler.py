@@ -664,3 +664,48 @@ def test_engine_loop_always_finishes_every_sequence_and_frees_the_pool(
     seqs = run_engine_loop(sched, requests)
 
     assert_all_finished_and_pool_free(sched, seqs)
+
+
+def _bursting_scheduler(num_blocks: int, max_decode_burst: int = 8) -> Scheduler:
+    config = SchedulerConfig(
+        max_model_len=256, max_num_batched_tokens=64, max_decode_burst=max_decode_burst
+    )
+    return Scheduler(config, BlockManager(num_blocks, 4))
+
+
+def _prefill_and_sample(scheduler: Scheduler, *seqs: Sequence) -> None:
+    for seq in seqs:
+        scheduler.add(seq)
+    scheduler.schedule()
+    for seq in seqs:
+        seq.append_token(7)
+
+
+def test_decode_burst_allocates_every_step_and_stops_at_the_tightest_max_tokens() -> None:
+    scheduler = _bursting_scheduler(num_blocks=64)
+    a, b = make_seq(6, arrival=0, max_tokens=16), make_seq(5, arrival=1, max_tokens=6)
+    _prefill_and_sample(scheduler, a, b)
+    out = scheduler.schedule()
+    # b has 5 tokens left to generate: the burst stops there for everyone.
+    assert out.num_steps == 5
+    assert [(c.seq, c.start, c.num_new_tokens) for c in out.chunks] == [(a, 6, 1), (b, 5, 1)]
+    for seq in (a, b):
+        assert seq.num_computed_tokens == len(seq) - 1 + 5
+        assert len(seq.block_table) * 4 >= seq.num_computed_tokens
+
+
+def test_no_decode_burst_without_free_blocks_for_all_of_it() -> None:
+    # 2 blocks of 4: a 7-token sequence has room for one more token, not for eight.
+    scheduler = _bursting_scheduler(num_blocks=2)
+    seq = make_seq(6, arrival=0, max_tokens=16)
+    _prefill_and_sample(scheduler, seq)
+    out = scheduler.schedule()
+    assert out.num_steps == 1
+    assert [(c.start, c.num_new_tokens) for c in out.chunks] == [(6, 1)]
+
+
+def test_no_decode_burst_when_it_is_turned_off() -> None:
+    scheduler = _bursting_scheduler(num_blocks=64, max_decode_burst=1)
+    seq = make_seq(6, arrival=0)
+    _prefill_and_sample(scheduler, seq)
+    assert scheduler.schedule().num_steps == 1
