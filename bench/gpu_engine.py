@@ -181,14 +181,15 @@ def w1(model: LlamaForCausalLM, copy_bw: float, burst: int) -> None:
 
 
 class StepProfile:
-    """Where a run's wall time goes: model steps with prefill work, pure decode steps (each
-    including input preparation and the wait for its sampled tokens), and everything else
-    (scheduling, output processing)."""
+    """Where a run's wall time goes: model steps with prefill work, decode steps (single or in
+    bursts; each including input preparation and the wait for its sampled tokens), and
+    everything else (scheduling, output processing)."""
 
     def __init__(self, engine: Engine):
         self.time = {"prefill": 0.0, "decode": 0.0}
         self.steps = {"prefill": 0, "decode": 0}
-        execute = engine.runner.execute
+        runner = engine.runner
+        execute, execute_burst = runner.execute, runner.execute_burst
 
         def timed(chunks, generators):
             start = time.perf_counter()
@@ -198,7 +199,15 @@ class StepProfile:
             self.steps[kind] += 1
             return results
 
-        engine.runner.execute = timed
+        def timed_burst(chunks, num_steps, generators):
+            start = time.perf_counter()
+            tokens = execute_burst(chunks, num_steps, generators)
+            self.time["decode"] += time.perf_counter() - start
+            self.steps["decode"] += num_steps
+            return tokens
+
+        runner.execute = timed
+        runner.execute_burst = timed_burst
 
     def summary(self, wall: float) -> str:
         other = wall - sum(self.time.values())
