@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 
 from kernels.errors import KernelInputError
-from kernels.launch_checks import triton_interprets
+from kernels.launch_checks import check_paged_cache, triton_interprets
 
 # exp2 is the native instruction: scores are pre-scaled by log2(e), and exp2(s * log2 e) = exp(s).
 _LOG2E = 1.4426950408889634
@@ -349,14 +349,7 @@ def _verify_inputs(
     # 1. Ranks and shapes.
     if q.dim() != 3:
         raise KernelInputError(f"q must be [B, Hq, D], got shape {tuple(q.shape)}")
-    if k_cache.dim() != 4:
-        raise KernelInputError(
-            f"k_cache must be [num_blocks, block_size, Hkv, D], got shape {tuple(k_cache.shape)}"
-        )
-    if v_cache.shape != k_cache.shape:
-        raise KernelInputError(
-            f"v_cache shape {tuple(v_cache.shape)} differs from k_cache {tuple(k_cache.shape)}"
-        )
+    check_paged_cache(k_cache, v_cache)
     batch, num_q_heads, head_dim = q.shape
     _, block_size, num_kv_heads, cache_head_dim = k_cache.shape
     if cache_head_dim != head_dim:

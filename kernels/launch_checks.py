@@ -27,3 +27,15 @@ def check_devices(named: dict[str, torch.Tensor]) -> None:
             f"tensors are on {device}; the Triton kernels need CUDA tensors "
             "(use kernels.reference on the CPU)"
         )
+
+
+def check_paged_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+    """k_cache and v_cache are [num_blocks, block_size, Hkv, D] and of one shape."""
+    if k_cache.dim() != 4:
+        raise KernelInputError(
+            f"k_cache must be [num_blocks, block_size, Hkv, D], got shape {tuple(k_cache.shape)}"
+        )
+    if v_cache.shape != k_cache.shape:
+        raise KernelInputError(
+            f"v_cache shape {tuple(v_cache.shape)} differs from k_cache {tuple(k_cache.shape)}"
+        )

@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 
 from kernels.errors import KernelInputError
-from kernels.launch_checks import check_devices, triton_interprets
+from kernels.launch_checks import check_devices, check_paged_cache, triton_interprets
 
 __all__ = ["paged_prefill_attention"]
 
@@ -381,14 +381,7 @@ def _check_inputs(
     """Raise KernelInputError unless the tensors can be handed to the kernel as they are."""
     if q.dim() != 3:
         raise KernelInputError(f"q must be [T, Hq, D], got shape {tuple(q.shape)}")
-    if k_cache.dim() != 4:
-        raise KernelInputError(
-            f"k_cache must be [num_blocks, block_size, Hkv, D], got shape {tuple(k_cache.shape)}"
-        )
-    if v_cache.shape != k_cache.shape:
-        raise KernelInputError(
-            f"v_cache shape {tuple(v_cache.shape)} differs from k_cache {tuple(k_cache.shape)}"
-        )
+    check_paged_cache(k_cache, v_cache)
     if q.dtype not in _SUPPORTED_DTYPES:
         raise KernelInputError(f"q dtype {q.dtype} unsupported; use float16, bfloat16 or float32")
     if k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
