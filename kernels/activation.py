@@ -13,9 +13,8 @@ import triton
 import triton.language as tl
 
 from kernels.errors import KernelInputError
-from kernels.launch_checks import check_devices
+from kernels.launch_checks import FLOAT_DTYPES, check_devices
 
-_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # Columns per program: 8 per thread with 4 warps, 16-byte fp16/bf16 accesses.
 _BLOCK = 1024
 _NUM_WARPS = 4
@@ -79,7 +78,7 @@ def _validate(x: torch.Tensor, out: torch.Tensor | None) -> None:
         raise KernelInputError(f"x must have shape [T, 2I], got {tuple(x.shape)}")
     if x.shape[1] % 2 != 0:
         raise KernelInputError(f"x width {x.shape[1]} must be even (gate and up halves)")
-    if x.dtype not in _DTYPES:
+    if x.dtype not in FLOAT_DTYPES:
         raise KernelInputError(f"x dtype {x.dtype} is not one of float16, bfloat16, float32")
     if x.shape[1] > 1 and x.stride(1) != 1:
         raise KernelInputError(

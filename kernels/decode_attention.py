@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 
 from kernels.errors import KernelInputError
-from kernels.launch_checks import check_paged_cache, triton_interprets
+from kernels.launch_checks import FLOAT_DTYPES, check_paged_cache, triton_interprets
 
 # exp2 is the native instruction: scores are pre-scaled by log2(e), and exp2(s * log2 e) = exp(s).
 _LOG2E = 1.4426950408889634
@@ -34,7 +34,6 @@ _LOG2E = 1.4426950408889634
 MAX_NUM_SPLITS = 64
 # A split shorter than this spends more on its launch share and the combine than it saves.
 _MIN_TOKENS_PER_SPLIT = 256
-_SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 @triton.jit
@@ -373,7 +372,7 @@ def _verify_inputs(
     if out is not None and out.shape != q.shape:
         raise KernelInputError(f"out shape {tuple(out.shape)} differs from q {tuple(q.shape)}")
     # 2. Dtypes.
-    if q.dtype not in _SUPPORTED_DTYPES:
+    if q.dtype not in FLOAT_DTYPES:
         raise KernelInputError(f"q dtype must be float16, bfloat16 or float32, got {q.dtype}")
     for name, tensor in (("k_cache", k_cache), ("v_cache", v_cache), ("out", out)):
         if tensor is not None and tensor.dtype != q.dtype:

@@ -12,9 +12,8 @@ import triton
 import triton.language as tl
 
 from kernels.errors import KernelInputError
-from kernels.launch_checks import check_devices
+from kernels.launch_checks import FLOAT_DTYPES, check_devices
 
-_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # One program holds a whole token (all KV heads) in registers; beyond this it would spill.
 _MAX_TOKEN_ELEMENTS = 16384
 
@@ -123,7 +122,7 @@ def _validate(
             f"slot_mapping must have shape ({k.shape[0]},) (one slot per token), "
             f"got {tuple(slot_mapping.shape)}"
         )
-    if k.dtype not in _DTYPES:
+    if k.dtype not in FLOAT_DTYPES:
         raise KernelInputError(f"k dtype {k.dtype} is not one of float16, bfloat16, float32")
     for name, tensor in (("v", v), ("k_cache", k_cache), ("v_cache", v_cache)):
         if tensor.dtype != k.dtype:

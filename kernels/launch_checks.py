@@ -8,6 +8,9 @@ import torch
 
 from kernels.errors import KernelInputError
 
+# The floating-point types every kernel takes.
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
 
 def triton_interprets() -> bool:
     """Whether Triton runs kernels in its CPU interpreter (TRITON_INTERPRET=1, as tests and CI

@@ -27,11 +27,10 @@ import triton
 import triton.language as tl
 
 from kernels.errors import KernelInputError
-from kernels.launch_checks import check_devices, check_paged_cache, triton_interprets
+from kernels.launch_checks import FLOAT_DTYPES, check_devices, check_paged_cache, triton_interprets
 
 __all__ = ["paged_prefill_attention"]
 
-_SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _LOG2_E = 1.4426950408889634
 
 
@@ -382,7 +381,7 @@ def _check_inputs(
     if q.dim() != 3:
         raise KernelInputError(f"q must be [T, Hq, D], got shape {tuple(q.shape)}")
     check_paged_cache(k_cache, v_cache)
-    if q.dtype not in _SUPPORTED_DTYPES:
+    if q.dtype not in FLOAT_DTYPES:
         raise KernelInputError(f"q dtype {q.dtype} unsupported; use float16, bfloat16 or float32")
     if k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
         raise KernelInputError(

@@ -13,9 +13,8 @@ import triton
 import triton.language as tl
 
 from kernels.errors import KernelInputError
-from kernels.launch_checks import check_devices
+from kernels.launch_checks import FLOAT_DTYPES, check_devices
 
-_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # A whole row lives in one program's registers; 16 warps hold 32768 floats without spilling much.
 _MAX_HIDDEN = 32768
 
@@ -159,7 +158,7 @@ def _validate_rows(rows: dict[str, torch.Tensor], weight: torch.Tensor, eps: flo
     x = rows["x"]
     if x.dim() != 2:
         raise KernelInputError(f"x must have shape [T, H], got {tuple(x.shape)}")
-    if x.dtype not in _DTYPES:
+    if x.dtype not in FLOAT_DTYPES:
         raise KernelInputError(f"x dtype {x.dtype} is not one of float16, bfloat16, float32")
     for name, tensor in rows.items():
         if tensor.shape != x.shape:
@@ -178,7 +177,7 @@ def _validate_rows(rows: dict[str, torch.Tensor], weight: torch.Tensor, eps: flo
         raise KernelInputError(f"hidden size {hidden} must be between 1 and {_MAX_HIDDEN}")
     if weight.shape != (hidden,):
         raise KernelInputError(f"weight must have shape ({hidden},), got {tuple(weight.shape)}")
-    if weight.dtype not in _DTYPES:
+    if weight.dtype not in FLOAT_DTYPES:
         raise KernelInputError(
             f"weight dtype {weight.dtype} is not one of float16, bfloat16, float32"
         )

@@ -12,9 +12,8 @@ import triton
 import triton.language as tl
 
 from kernels.errors import KernelInputError
-from kernels.launch_checks import check_devices
+from kernels.launch_checks import FLOAT_DTYPES, check_devices
 
-_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # Elements of one half-tile [heads, D/2] a program holds at once; more heads loop.
 _MAX_TILE = 2048
 
@@ -180,7 +179,7 @@ def _validate(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Te
             raise KernelInputError(
                 f"{name} must have unit stride over D, got strides {tensor.stride()}"
             )
-    if q.dtype not in _DTYPES:
+    if q.dtype not in FLOAT_DTYPES:
         raise KernelInputError(f"q dtype {q.dtype} is not one of float16, bfloat16, float32")
     if k.dtype != q.dtype:
         raise KernelInputError(f"k dtype {k.dtype} differs from q dtype {q.dtype}")
