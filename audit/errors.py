@@ -1,0 +1,66 @@
+"""The audit package's errors: one root, and one type per boundary a caller handles.
+
+The offline verifier (`python -m audit verify`) maps `BundleFormatError` to exit status 2 (the
+input is unusable) and `VerificationError` to exit status 1 (the log failed a check).
+"""
+
+from __future__ import annotations
+
+
+class AuditError(Exception):
+    """Root of every error the audit package raises."""
+
+
+class CanonicalJsonError(AuditError, ValueError):
+    """A value has no RFC 8785 canonical form (NaN, a huge integer, a non-string key ...)."""
+
+
+class MerkleError(AuditError):
+    """A Merkle proof is malformed or does not verify (RFC 9162, section 2.1)."""
+
+
+class RootMismatchError(MerkleError):
+    """A proof computed a root other than the expected one."""
+
+    def __init__(self, expected: bytes, calculated: bytes) -> None:
+        super().__init__(
+            f"calculated root {calculated.hex()} does not match expected root {expected.hex()}"
+        )
+        self.expected = expected
+        self.calculated = calculated
+
+
+class NoteFormatError(AuditError, ValueError):
+    """A signed note, checkpoint, tlog-proof or verifier key is malformed."""
+
+
+class SignatureError(AuditError):
+    """A signed note carries no valid signature from the pinned key."""
+
+
+class KeyFileError(AuditError):
+    """A secret key file is missing, malformed, or readable by others than its owner."""
+
+
+class SignerRefusedError(AuditError):
+    """The checkpoint signer refuses a checkpoint inconsistent with the last one it signed."""
+
+
+class AuditStoreError(AuditError):
+    """The audit database cannot be opened, read or written, or its contents are inconsistent."""
+
+
+class AuditWriteError(AuditStoreError):
+    """An entry could not be appended: the caller must not proceed (fail closed)."""
+
+
+class AuditClosedError(AuditWriteError):
+    """The audit log is closed or its writer has stopped: nothing can be appended."""
+
+
+class BundleFormatError(AuditError):
+    """An export bundle, its manifest, a checkpoint file or a state file is unusable input."""
+
+
+class VerificationError(AuditError):
+    """An export bundle failed a verification check: the log cannot be trusted as exported."""
