@@ -64,3 +64,11 @@ class BundleFormatError(AuditError):
 
 class VerificationError(AuditError):
     """An export bundle failed a verification check: the log cannot be trusted as exported."""
+
+
+class UnknownEntryError(AuditError):
+    """No entry exists at the requested log position."""
+
+
+class ExportRangeError(AuditError, ValueError):
+    """An export's requested range holds no entries or is contradictory."""

@@ -29,7 +29,6 @@ from audit.merkle import (
     fold_right,
     hash_leaf,
     inclusion_proof_plan,
-    perfect_subtrees,
     resolve_plan,
 )
 from audit.schema import checkpoints, create_schema, leaves, logs, nodes
@@ -235,11 +234,15 @@ class AuditStore:
     def size(self) -> int:
         return self._guarded("the log size", self._size)
 
+    def frontier(self, size: int) -> list[bytes]:
+        """The hashes of the perfect subtrees of the first `size` entries, left to right."""
+        wanted = TreeFrontier.nodes_for(size)
+        found = self._guarded("tree nodes", lambda conn: self._read_nodes(conn, wanted))
+        return [found[n] for n in wanted]
+
     def root(self, size: int) -> bytes:
         """The root of the tree of the first `size` entries."""
-        wanted = perfect_subtrees(0, size)
-        found = self._guarded("tree nodes", lambda conn: self._read_nodes(conn, wanted))
-        return fold_right([found[n] for n in wanted])
+        return fold_right(self.frontier(size))
 
     def inclusion_proof(self, index: int, size: int) -> list[bytes]:
         plan = inclusion_proof_plan(index, size)
