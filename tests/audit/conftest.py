@@ -10,10 +10,13 @@ import shutil
 import subprocess
 import tempfile
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+
+from audit.log import AuditLogSettings
+from audit.policy import CheckpointPolicy
 
 
 def _postgres_bin(name: str) -> str | None:
@@ -83,3 +86,18 @@ def db_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
 @pytest.fixture
 def origin() -> str:
     return f"inferno.test/{uuid.uuid4().hex[:12]}"
+
+
+@pytest.fixture
+def log_settings(db_url: str, origin: str, tmp_path: Path) -> Callable[..., AuditLogSettings]:
+    """Settings for an AuditLog on this test's backend; pass overrides as keywords."""
+
+    def make(**policy: float) -> AuditLogSettings:
+        return AuditLogSettings(
+            origin=origin,
+            database_url=db_url,
+            key_dir=tmp_path / "keys",
+            policy=CheckpointPolicy(**policy),
+        )
+
+    return make
