@@ -1,0 +1,126 @@
+"""`python -m audit`: what an auditor or a client does offline, with no database and no server.
+
+    verify BUNDLE --vkey VKEY [--state FILE]      verify an export bundle (exit 0 ok, 1 failed,
+                                                  2 unusable input)
+    verify-proof PROOF --vkey VKEY (--entry FILE | --leaf-hash B64)
+                                                  verify a c2sp.org/tlog-proof receipt
+    vkey KEYFILE                                  print the verifier key of a log signing key
+
+Standard library and `cryptography` only (checked by an import-linter contract and a test).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from audit.encoding import decode_base64
+from audit.errors import AuditError, BundleFormatError, NoteFormatError, VerificationError
+from audit.keyfile import read_secret_file, write_file_atomically
+from audit.merkle import hash_leaf
+from audit.note import NoteSigner, VerifierKey
+from audit.tlog_proof import TlogProof
+from audit.verify import VerificationReport, VerifiedState, verify_bundle
+
+EXIT_OK, EXIT_FAILED, EXIT_UNUSABLE = 0, 1, 2
+
+
+def _vkey(value: str) -> VerifierKey:
+    """The vkey itself, or a file holding it."""
+    path = Path(value)
+    text = path.read_text(encoding="utf-8") if "+" not in value and path.is_file() else value
+    return VerifierKey.parse(text)
+
+
+def _summary(path: Path, vkey: VerifierKey, report: VerificationReport) -> str:
+    last = report.first_index + report.num_entries - 1
+    lines = [
+        f"bundle:      {path}",
+        f"log:         {report.origin} (pinned key {vkey.name}+{vkey.key_id:08x})",
+        f"entries:     {report.first_index} to {last} ({report.num_entries} entries), "
+        f"{report.first_time} to {report.last_time}",
+        f"checkpoints: {len(report.checkpoint_sizes)} signatures verified, roots recomputed at "
+        f"sizes {', '.join(map(str, report.checkpoint_sizes))}",
+    ]
+    if report.state_checked_at is not None:
+        lines.append(f"continuity:  extends the previously verified tree of size "
+                     f"{report.state_checked_at}")  # fmt: skip
+    lines.append("OK: every check passed")
+    return "\n".join(lines)
+
+
+def _verify(args: argparse.Namespace) -> int:
+    vkey = _vkey(args.vkey)
+    state = None
+    if args.state is not None and args.state.exists():
+        state = VerifiedState.parse(args.state.read_bytes(), str(args.state))
+    report = verify_bundle(args.bundle, vkey, state)
+    if args.state is not None:
+        write_file_atomically(args.state, report.new_state.to_json(), mode=0o644)
+    print(_summary(args.bundle, vkey, report))
+    if args.state is not None:
+        print(f"state:       {args.state} now records size {report.new_state.size}")
+    return EXIT_OK
+
+
+def _verify_proof(args: argparse.Namespace) -> int:
+    vkey = _vkey(args.vkey)
+    proof = TlogProof.from_text(args.proof.read_text(encoding="utf-8"))
+    if args.entry is not None:
+        leaf_hash = hash_leaf(args.entry.read_bytes().removesuffix(b"\n"))
+    else:
+        leaf_hash = decode_base64(args.leaf_hash, "leaf hash")
+    checkpoint = proof.verify(leaf_hash, vkey)
+    print(f"OK: entry {proof.index} is in {checkpoint.origin} at tree size {checkpoint.size}")
+    return EXIT_OK
+
+
+def _print_vkey(args: argparse.Namespace) -> int:
+    try:
+        skey = read_secret_file(args.keyfile).decode("ascii")
+    except (FileNotFoundError, UnicodeDecodeError) as exc:
+        raise BundleFormatError(f"{args.keyfile} is not a readable signing key file") from exc
+    print(NoteSigner.from_skey(skey).verifier)
+    return EXIT_OK
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m audit", description=__doc__.split("\n")[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    verify = commands.add_parser("verify", help="verify an export bundle offline")
+    verify.add_argument("bundle", type=Path, help="bundle directory or tar")
+    verify.add_argument("--vkey", required=True, help="the log's verifier key (or a file)")
+    verify.add_argument("--state", type=Path, help="last verified state; updated on success")
+    verify.set_defaults(run=_verify)
+
+    proof = commands.add_parser("verify-proof", help="verify a tlog-proof receipt")
+    proof.add_argument("proof", type=Path, help="the tlog-proof file")
+    proof.add_argument("--vkey", required=True, help="the log's verifier key (or a file)")
+    leaf = proof.add_mutually_exclusive_group(required=True)
+    leaf.add_argument("--entry", type=Path, help="file holding the entry's exact bytes")
+    leaf.add_argument("--leaf-hash", help="base64 leaf hash (from the Audit-Entry header)")
+    proof.set_defaults(run=_verify_proof)
+
+    vkey = commands.add_parser("vkey", help="print the verifier key of a signing key file")
+    vkey.add_argument("keyfile", type=Path)
+    vkey.set_defaults(run=_print_vkey)
+
+    args = parser.parse_args(argv)
+    try:
+        return args.run(args)
+    except VerificationError as exc:
+        print(f"FAILED: {exc}", file=sys.stderr)
+        return EXIT_FAILED
+    except (BundleFormatError, NoteFormatError, OSError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_UNUSABLE
+    except AuditError as exc:
+        # A receipt that does not verify (bad signature, wrong inclusion proof).
+        print(f"FAILED: {exc}", file=sys.stderr)
+        return EXIT_FAILED
+
+
+if __name__ == "__main__":
+    sys.exit(main())
