@@ -16,7 +16,13 @@ import sys
 from pathlib import Path
 
 from audit.encoding import decode_base64
-from audit.errors import AuditError, BundleFormatError, NoteFormatError, VerificationError
+from audit.errors import (
+    AuditError,
+    BundleFormatError,
+    KeyFileError,
+    NoteFormatError,
+    VerificationError,
+)
 from audit.keyfile import read_secret_file, write_file_atomically
 from audit.merkle import hash_leaf
 from audit.note import NoteSigner, VerifierKey
@@ -113,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     except VerificationError as exc:
         print(f"FAILED: {exc}", file=sys.stderr)
         return EXIT_FAILED
-    except (BundleFormatError, NoteFormatError, OSError) as exc:
+    except (BundleFormatError, NoteFormatError, KeyFileError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_UNUSABLE
     except AuditError as exc:
