@@ -105,8 +105,7 @@ class AuditEvent:
             raise ValueError(f"action {self.action!r} is not a dotted lowercase name")
         format_time(self.time)
         if self.source_address is not None:
-            address = str(ipaddress.ip_address(self.source_address))
-            object.__setattr__(self, "source_address", address)
+            object.__setattr__(self, "source_address", _normalize_address(self.source_address))
         # A private, validated copy: later changes to the caller's dict cannot reach the log.
         object.__setattr__(self, "details", json.loads(canonicalize(self.details)))
 
@@ -123,6 +122,14 @@ class AuditEvent:
             "request_id": self.request_id,
             "details": dict(self.details),
         }
+
+
+def _normalize_address(text: str) -> str:
+    """One spelling per client: IPv4 clients of a dual-stack socket are logged as IPv4."""
+    address = ipaddress.ip_address(text)
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+        address = address.ipv4_mapped
+    return str(address)
 
 
 def inference_request(

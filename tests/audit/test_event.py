@@ -1,0 +1,117 @@
+"""Event schema, commitments and the checkpoint policy."""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime, timedelta, timezone
+
+import pytest
+
+from audit.canonical import canonicalize
+from audit.commitment import ContentCommitter
+from audit.errors import KeyFileError
+from audit.event import (
+    Actor,
+    Outcome,
+    authentication_failure,
+    format_time,
+    inference_complete,
+    inference_request,
+)
+from audit.policy import CheckpointPolicy
+
+T = datetime(2025, 3, 1, 9, 30, 15, 120000, tzinfo=timezone(timedelta(hours=2)))
+ALICE = Actor(issuer="https://idp.example", subject="alice", client="app", roles=("user", "admin"))
+
+
+def test_times_are_rfc3339_utc_with_microseconds() -> None:
+    assert format_time(T) == "2025-03-01T07:30:15.120000Z"
+    with pytest.raises(ValueError, match="timezone-aware"):
+        format_time(datetime(2025, 1, 1))
+
+
+def test_inference_request_entry_holds_who_what_and_a_commitment_never_the_prompt(
+    tmp_path,  # type: ignore[no-untyped-def]
+) -> None:
+    committer = ContentCommitter.load_or_create(tmp_path / "commitment.key")
+    prompt = "my secret prompt"
+    event = inference_request(
+        time=T,
+        actor=ALICE,
+        source_address="::ffff:10.0.0.7",
+        request_id="req-1",
+        endpoint="/v1/chat/completions",
+        model="smollm2-135m",
+        weights_digest="sha256:abcd",
+        sampling={"temperature": 0.7, "max_tokens": 64},
+        prompt_commitment=committer.commit("prompt", prompt),
+    )
+    entry = json.loads(canonicalize(event.to_entry(41)))
+    assert entry["index"] == 41
+    assert entry["action"] == "inference.request"
+    assert entry["outcome"] == "accepted"
+    assert entry["actor"] == {
+        "issuer": "https://idp.example",
+        "subject": "alice",
+        "client": "app",
+        "roles": ["admin", "user"],
+    }
+    assert entry["source"] == {"address": "10.0.0.7"}
+    assert prompt not in canonicalize(entry).decode()
+    assert committer.matches("prompt", prompt, entry["details"]["prompt_commitment"])
+    assert not committer.matches("response", prompt, entry["details"]["prompt_commitment"])
+
+
+def test_event_details_are_copied_so_later_changes_cannot_reach_the_log() -> None:
+    sampling = {"temperature": 0.5}
+    event = inference_request(
+        time=T, actor=ALICE, source_address=None, request_id="r", endpoint="/v1/completions",
+        model="m", weights_digest="d", sampling=sampling, prompt_commitment="c",
+    )  # fmt: skip
+    sampling["temperature"] = 2.0
+    assert event.to_entry(0)["details"]["sampling"] == {"temperature": 0.5}
+
+
+def test_inference_complete_refuses_an_accepted_outcome() -> None:
+    with pytest.raises(ValueError, match="success, failure or aborted"):
+        inference_complete(
+            time=T, actor=ALICE, source_address=None, request_id="r", outcome=Outcome.ACCEPTED,
+            model="m", weights_digest="d", prompt_tokens=1, completion_tokens=1,
+            finish_reason="stop", latency_ms=1.0, prompt_commitment="c", response_commitment="c",
+        )  # fmt: skip
+
+
+def test_a_bad_source_address_or_action_is_refused() -> None:
+    with pytest.raises(ValueError, match="does not appear to be an IPv4 or IPv6 address"):
+        authentication_failure(time=T, source_address="evil", request_id=None, reason="expired")
+
+
+def test_commitments_differ_per_key_and_name_their_key(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    a = ContentCommitter.load_or_create(tmp_path / "a.key")
+    b = ContentCommitter.load_or_create(tmp_path / "b.key")
+    assert a.commit("prompt", "hi") != b.commit("prompt", "hi")
+    assert a.commit("prompt", "hi").startswith(f"hmac-sha256:{a.key_id}:")
+    assert a.commit("prompt", [{"role": "user", "content": "hi"}]) == a.commit(
+        "prompt", b'[{"content":"hi","role":"user"}]'
+    )
+    assert "key" not in repr(a).replace("key_id", "")
+    with pytest.raises(KeyFileError, match="must be 32 bytes"):
+        ContentCommitter(b"short")
+
+
+def test_policy_checkpoints_by_count_or_age_and_heartbeats_when_idle() -> None:
+    policy = CheckpointPolicy(every_entries=10, every_s=5.0, heartbeat_s=3600.0)
+    assert not policy.checkpoint_due(num_pending=0, oldest_pending_at=0.0, now=100.0)
+    assert policy.checkpoint_due(num_pending=10, oldest_pending_at=99.0, now=100.0)
+    assert not policy.checkpoint_due(num_pending=3, oldest_pending_at=99.0, now=100.0)
+    assert policy.checkpoint_due(num_pending=3, oldest_pending_at=95.0, now=100.0)
+    assert policy.heartbeat_due(last_append_at=0.0, now=3600.0)
+    assert not policy.heartbeat_due(last_append_at=1.0, now=3600.0)
+    assert policy.seconds_until_due(
+        num_pending=2, oldest_pending_at=98.0, last_append_at=99.0, now=100.0
+    ) == pytest.approx(3.0)
+    assert policy.seconds_until_due(
+        num_pending=0, oldest_pending_at=0.0, last_append_at=99.0, now=100.0
+    ) == pytest.approx(3599.0)
+    with pytest.raises(ValueError, match="positive intervals"):
+        CheckpointPolicy(every_entries=0)
