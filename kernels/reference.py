@@ -56,6 +56,16 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x @ weight.T + bias: x [T, K], weight [N, K] (nn.Linear's layout), bias [N] or None."""
+    return F.linear(x, weight, bias)
+
+
+def silu_mul_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """The MLP's down projection of SiLU(gate) * up, for the fused x = [gate | up]: [T, 2I]."""
+    return F.linear(silu_and_mul(x), weight)
+
+
 def write_kv_cache(
     k: torch.Tensor,
     v: torch.Tensor,

@@ -3,12 +3,16 @@
 Attention picks its kernel from the batch: a batch of single-token decodes (the steady state,
 and what CUDA graphs capture) runs the split-KV decode kernel; anything with a longer query
 (prefill, chunked prefill, prefix-cache extends, mixed batches) runs the varlen prefill kernel.
+Projections of decode-sized batches (at most `kernels.linear.MAX_ROWS` rows) stream their
+weights through Inferno's skinny-matmul kernel; larger ones are cuBLAS matmuls.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
+from kernels import linear as skinny
 from kernels.activation import silu_and_mul
 from kernels.decode_attention import paged_decode_attention
 from kernels.kv_cache_write import write_kv_cache
@@ -19,12 +23,27 @@ from kernels.rotary import rotary_embedding
 
 __all__ = [
     "add_rms_norm",
+    "linear",
     "paged_attention",
     "rms_norm",
     "rotary_embedding",
-    "silu_and_mul",
+    "silu_mul_linear",
     "write_kv_cache",
 ]
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x @ weight.T + bias; see `kernels.reference.linear`."""
+    if x.shape[0] <= skinny.MAX_ROWS:
+        return skinny.linear(x, weight, bias)
+    return F.linear(x, weight, bias)
+
+
+def silu_mul_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """Down projection of SiLU(gate) * up; see `kernels.reference.silu_mul_linear`."""
+    if x.shape[0] == 1:
+        return skinny.silu_mul_linear(x, weight)
+    return F.linear(silu_and_mul(x), weight)
 
 
 def paged_attention(

@@ -2,8 +2,8 @@
 
 Projections are fused: one `qkv_proj` ([q; k; v] rows) and one `gate_up_proj` ([gate; up] rows),
 so each layer issues two large matmuls instead of five. The forward pass takes a flat batch of
-tokens from many sequences ([T] ids and positions) and reads and writes the paged KV cache
-through the kernel ops it was given.
+tokens from many sequences ([T] ids and positions); every projection, norm and attention call
+(and so every read and write of the paged KV cache) goes through the kernel ops it was given.
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ class Attention(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         num_tokens = x.shape[0]
-        qkv = self.qkv_proj(x)  # [T, (Hq + 2 Hkv) D]
+        qkv = self.ops.linear(x, self.qkv_proj.weight, self.qkv_proj.bias)  # [T, (Hq+2Hkv) D]
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
@@ -57,7 +57,8 @@ class Attention(nn.Module):
         k_cache, v_cache = kv_cache[0], kv_cache[1]
         self.ops.write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
         o = self.ops.paged_attention(q, k_cache, v_cache, meta, self.scale)
-        return self.o_proj(o.reshape(num_tokens, self.q_size))
+        o = o.reshape(num_tokens, self.q_size)
+        return self.ops.linear(o, self.o_proj.weight, self.o_proj.bias)
 
 
 class MLP(nn.Module):
@@ -68,7 +69,8 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))
+        gate_up = self.ops.linear(x, self.gate_up_proj.weight, None)
+        return self.ops.silu_mul_linear(gate_up, self.down_proj.weight)
 
 
 class DecoderLayer(nn.Module):
@@ -145,4 +147,4 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> [N, vocab] float32."""
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head
-        return nn.functional.linear(hidden, weight).float()
+        return self.ops.linear(hidden, weight, None).float()

@@ -1,0 +1,292 @@
+"""Triton projections for decode-sized batches: `x @ W.T (+ b)` with at most 16 rows in x.
+
+A decode step at small batch reads every weight once and does almost no arithmetic with it, so
+its speed is the rate at which the weights stream from memory, and both kernels here are built
+for that. Each program owns a few output features and streams their weight rows along K
+(K-contiguous, the layout `nn.Linear` stores), so every weight byte is read exactly once:
+
+- one row of x (batch-1 decode): products on the CUDA cores, summed along K at the end. With
+  no tensor-core tile to fill, a program can own as few as 2 weight rows, which gives enough
+  programs to keep every SM streaming even for the 4096-row projections. Measured on an H100,
+  this beats cuBLAS's GEMV on all five projections of the 8B model (docs/BENCHMARKS.md).
+- 2 to 16 rows: each `[BLOCK_N, BLOCK_K]` weight tile meets all rows of x at once on the
+  tensor cores (x padded to 16 rows).
+
+The down projection of one row can take the fused gate/up output and apply SiLU(gate)·up while
+loading it (`silu_mul_linear`), which saves the activation kernel and its output's round trip
+through memory. Semantics are those of `kernels.reference.linear` / `silu_mul_linear`: float32
+accumulation, the SwiGLU product rounded where the reference rounds it, bias added in float32,
+one final rounding to x's dtype. Batches of more than `MAX_ROWS` rows are the matmul library's
+job, and `kernels.triton_ops` routes them there.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.errors import KernelInputError
+from kernels.launch_checks import FLOAT_DTYPES, check_devices, triton_interprets
+
+# x rows are padded to one tensor-core tile; more rows than this go to cuBLAS.
+MAX_ROWS = 16
+
+
+@dataclass(frozen=True, slots=True)
+class LinearConfig:
+    """Tiles of one launch. `fma`: a single row of x, multiplied on the CUDA cores rather than
+    padded to a tensor-core tile, so `block_n` may go below 16 and more programs share the
+    weight stream."""
+
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+    fma: bool = False
+
+
+# Measured with `bench/kernel_micro.py --sweep-linear` on an H100 (back-to-back launches, none
+# served from L2): the fastest tiles for the 8B model's projections, at 1 row (CUDA cores) and
+# at 8 rows (tensor cores). Other shapes take the defaults, the most common winners.
+_ONE_ROW = {
+    (6144, 4096): LinearConfig(2, 1024, num_warps=4, num_stages=4, fma=True),
+    (4096, 4096): LinearConfig(4, 1024, num_warps=8, num_stages=3, fma=True),
+    (28672, 4096): LinearConfig(2, 1024, num_warps=4, num_stages=4, fma=True),
+    (4096, 14336): LinearConfig(2, 1024, num_warps=8, num_stages=2, fma=True),
+    (128256, 4096): LinearConfig(4, 1024, num_warps=8, num_stages=4, fma=True),
+}
+_ONE_ROW_DEFAULT = LinearConfig(2, 1024, num_warps=4, num_stages=3, fma=True)
+_FEW_ROWS = {
+    (6144, 4096): LinearConfig(64, 256, num_warps=4, num_stages=4),
+    (4096, 4096): LinearConfig(64, 256, num_warps=4, num_stages=4),
+    (28672, 4096): LinearConfig(32, 512, num_warps=4, num_stages=4),
+    (128256, 4096): LinearConfig(32, 512, num_warps=4, num_stages=4),
+}
+_FEW_ROWS_DEFAULT = LinearConfig(32, 256, num_warps=4, num_stages=4)
+
+
+def config_for(n: int, k: int, rows: int) -> LinearConfig:
+    """Tiles for an [N, K] weight and `rows` rows of x."""
+    if rows == 1:
+        return _ONE_ROW.get((n, k), _ONE_ROW_DEFAULT)
+    return _FEW_ROWS.get((n, k), _FEW_ROWS_DEFAULT)
+
+
+@triton.jit
+def _gemv_kernel(
+    x_ptr,
+    w_ptr,
+    b_ptr,
+    out_ptr,
+    n,
+    k,
+    w_row_stride,
+    HAS_BIAS: tl.constexpr,
+    SILU_MUL: tl.constexpr,  # x is [1, 2k] = [gate | up]; multiply SiLU(gate) * up
+    EVEN_K: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """One row of x: products on the CUDA cores, summed along K once at the end."""
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < n
+    w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * w_row_stride
+    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for k0 in range(0, k, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        x_mask = offs_k < k  # x is a few KiB read from L2: its mask costs nothing
+        w_mask = n_mask[:, None] if EVEN_K else n_mask[:, None] & x_mask[None, :]
+        w = tl.load(w_rows + offs_k[None, :], mask=w_mask, other=0.0)
+        if SILU_MUL:
+            gate = tl.load(x_ptr + offs_k, mask=x_mask, other=0.0)
+            up = tl.load(x_ptr + k + offs_k, mask=x_mask, other=0.0)
+            gate32 = gate.to(tl.float32)
+            silu = (gate32 / (1.0 + tl.exp(-gate32))).to(gate.dtype).to(tl.float32)
+            x = (silu * up.to(tl.float32)).to(gate.dtype)
+        else:
+            x = tl.load(x_ptr + offs_k, mask=x_mask, other=0.0)
+        acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
+    y = tl.sum(acc, axis=1)
+    if HAS_BIAS:
+        y += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + offs_n, y.to(out_ptr.dtype.element_ty), mask=n_mask)
+
+
+@triton.jit
+def _skinny_linear_kernel(
+    x_ptr,
+    w_ptr,
+    b_ptr,
+    out_ptr,
+    rows,
+    n,
+    k,
+    x_row_stride,
+    w_row_stride,
+    out_row_stride,
+    HAS_BIAS: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = tl.arange(0, BLOCK_M)
+    n_mask = offs_n < n
+    m_mask = offs_m < rows
+    w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * w_row_stride
+    x_rows = x_ptr + offs_m.to(tl.int64)[:, None] * x_row_stride
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    for k0 in range(0, k, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        if EVEN_K:
+            w_mask = n_mask[:, None]
+            x_mask = m_mask[:, None]
+        else:
+            w_mask = n_mask[:, None] & (offs_k < k)[None, :]
+            x_mask = m_mask[:, None] & (offs_k < k)[None, :]
+        w = tl.load(w_rows + offs_k[None, :], mask=w_mask, other=0.0)
+        x = tl.load(x_rows + offs_k[None, :], mask=x_mask, other=0.0)
+        # [BLOCK_N, BLOCK_K] @ [BLOCK_K, BLOCK_M]: the weight tile is the wide operand.
+        acc = tl.dot(w, tl.trans(x), acc, input_precision=PRECISION)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[:, None]
+    out = out_ptr + offs_m.to(tl.int64)[None, :] * out_row_stride + offs_n[:, None]
+    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=n_mask[:, None] & m_mask[None, :])
+
+
+def linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    config: LinearConfig | None = None,
+) -> torch.Tensor:
+    """x: [M, K] with M <= 16, weight: [N, K], bias: [N] or None -> [M, N] in x's dtype.
+
+    `config` overrides the tiles `config_for` picks (benchmarks and tests).
+    """
+    _validate(x, weight, bias, in_features=weight.shape[1] if weight.dim() == 2 else -1)
+    rows, (n, k) = x.shape[0], weight.shape
+    config = config or config_for(n, k, rows)
+    if config.fma and rows != 1:
+        raise KernelInputError(f"an fma config takes one row of x, got {rows}")
+    out = torch.empty((rows, n), dtype=x.dtype, device=x.device)
+    if rows == 0 or n == 0:
+        return out
+    if k == 0:
+        return out.copy_(bias.expand(rows, n)) if bias is not None else out.zero_()
+    if config.fma:
+        return _gemv(x, weight, bias, out, silu_mul=False, config=config)
+    _skinny_linear_kernel[(triton.cdiv(n, config.block_n),)](
+        x,
+        weight,
+        bias if bias is not None else weight,  # never read without HAS_BIAS
+        out,
+        rows,
+        n,
+        k,
+        x.stride(0),
+        weight.stride(0),
+        out.stride(0),
+        HAS_BIAS=bias is not None,
+        EVEN_K=k % config.block_k == 0,
+        BLOCK_M=MAX_ROWS,
+        BLOCK_N=config.block_n,
+        BLOCK_K=config.block_k,
+        # float32 must stay float32: TF32 would change the greedy tokens the GPU tests compare.
+        PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
+    )
+    return out
+
+
+def silu_mul_linear(
+    x: torch.Tensor, weight: torch.Tensor, *, config: LinearConfig | None = None
+) -> torch.Tensor:
+    """The MLP's down projection of SiLU(gate) * up for one row x = [gate | up]: [1, 2I],
+    weight: [N, I] -> [1, N] in x's dtype. (Several rows: `silu_and_mul`, then a matmul.)"""
+    in_features = weight.shape[1] if weight.dim() == 2 else -1
+    _validate(x, weight, None, in_features=2 * in_features)
+    if x.shape[0] != 1:
+        raise KernelInputError(f"silu_mul_linear takes one row of x, got {x.shape[0]}")
+    n, k = weight.shape
+    config = config or config_for(n, k, 1)
+    if not config.fma:
+        raise KernelInputError("silu_mul_linear runs on the CUDA cores: give an fma config")
+    out = torch.empty((1, n), dtype=x.dtype, device=x.device)
+    if n == 0 or k == 0:
+        return out.zero_()
+    return _gemv(x, weight, None, out, silu_mul=True, config=config)
+
+
+def _gemv(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    out: torch.Tensor,
+    *,
+    silu_mul: bool,
+    config: LinearConfig,
+) -> torch.Tensor:
+    n, k = weight.shape
+    _gemv_kernel[(triton.cdiv(n, config.block_n),)](
+        x,
+        weight,
+        bias if bias is not None else weight,  # never read without HAS_BIAS
+        out,
+        n,
+        k,
+        weight.stride(0),
+        HAS_BIAS=bias is not None,
+        SILU_MUL=silu_mul,
+        EVEN_K=k % config.block_k == 0,
+        BLOCK_N=config.block_n,
+        BLOCK_K=config.block_k,
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
+    )
+    return out
+
+
+def _validate(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, *, in_features: int
+) -> None:
+    named = {"x": x, "weight": weight} if bias is None else {"x": x, "weight": weight, "bias": bias}
+    for name, tensor in named.items():
+        if not isinstance(tensor, torch.Tensor):
+            raise KernelInputError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
+    check_devices(named)
+    if weight.dim() != 2:
+        raise KernelInputError(f"weight must have shape [N, K], got {tuple(weight.shape)}")
+    if x.dim() != 2 or x.shape[1] != in_features:
+        raise KernelInputError(
+            f"x must have shape [M, {in_features}] for weight {tuple(weight.shape)}, "
+            f"got {tuple(x.shape)}"
+        )
+    if x.shape[0] > MAX_ROWS:
+        raise KernelInputError(
+            f"x has {x.shape[0]} rows; this kernel takes at most {MAX_ROWS} (use a matmul)"
+        )
+    if x.dtype not in FLOAT_DTYPES:
+        raise KernelInputError(f"x dtype {x.dtype} is not one of float16, bfloat16, float32")
+    if x.dtype == torch.bfloat16 and triton_interprets():
+        # Triton's interpreter multiplies bfloat16 tl.dot operands as raw integers; fail closed.
+        raise KernelInputError("bfloat16 is not supported under TRITON_INTERPRET=1; use fp16/fp32")
+    for name, tensor in named.items():
+        if name != "x" and tensor.dtype != x.dtype:
+            raise KernelInputError(f"{name} dtype {tensor.dtype} differs from x dtype {x.dtype}")
+        if tensor.shape[-1] > 1 and tensor.stride(-1) != 1:
+            raise KernelInputError(
+                f"{name} must be contiguous along its last dimension, got strides {tensor.stride()}"
+            )
+    if bias is not None and bias.shape != (weight.shape[0],):
+        raise KernelInputError(
+            f"bias must have shape ({weight.shape[0]},), got {tuple(bias.shape)}"
+        )
