@@ -5,6 +5,8 @@
     verify-proof PROOF --vkey VKEY (--entry FILE | --leaf-hash B64)
                                                   verify a c2sp.org/tlog-proof receipt
     vkey KEYFILE                                  print the verifier key of a log signing key
+    siem BUNDLE --vkey VKEY --format ocsf|syslog  verify a bundle, then print its entries as
+                                                  OCSF 1.8 JSON lines or RFC 5424 syslog lines
 
 Standard library and `cryptography` only (checked by an import-linter contract and a test).
 """
@@ -12,9 +14,11 @@ Standard library and `cryptography` only (checked by an import-linter contract a
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
+from audit.bundle import ENTRIES, MANIFEST, BundleReader, Manifest
 from audit.encoding import decode_base64
 from audit.errors import (
     AuditError,
@@ -26,6 +30,7 @@ from audit.errors import (
 from audit.keyfile import read_secret_file, write_file_atomically
 from audit.merkle import hash_leaf
 from audit.note import NoteSigner, VerifierKey
+from audit.siem import to_ocsf, to_syslog
 from audit.tlog_proof import TlogProof
 from audit.verify import VerificationReport, VerifiedState, verify_bundle
 
@@ -91,6 +96,20 @@ def _print_vkey(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _siem(args: argparse.Namespace) -> int:
+    verify_bundle(args.bundle, _vkey(args.vkey))  # only verified entries go to a SIEM
+    with BundleReader(args.bundle) as bundle:
+        origin = Manifest.parse(bundle.read(MANIFEST)).origin
+        with bundle.open(ENTRIES) as lines:
+            for line in lines:
+                data = line.removesuffix(b"\n")
+                if args.format == "ocsf":
+                    print(json.dumps(to_ocsf(data, origin), ensure_ascii=False))
+                else:
+                    print(to_syslog(data, origin, args.hostname))
+    return EXIT_OK
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m audit", description=__doc__.split("\n")[0])
     commands = parser.add_subparsers(dest="command", required=True)
@@ -112,6 +131,13 @@ def main(argv: list[str] | None = None) -> int:
     vkey = commands.add_parser("vkey", help="print the verifier key of a signing key file")
     vkey.add_argument("keyfile", type=Path)
     vkey.set_defaults(run=_print_vkey)
+
+    siem = commands.add_parser("siem", help="verify a bundle, then print it for a SIEM")
+    siem.add_argument("bundle", type=Path)
+    siem.add_argument("--vkey", required=True, help="the log's verifier key (or a file)")
+    siem.add_argument("--format", choices=["ocsf", "syslog"], required=True)
+    siem.add_argument("--hostname", default="-", help="syslog HOSTNAME field")
+    siem.set_defaults(run=_siem)
 
     args = parser.parse_args(argv)
     try:
