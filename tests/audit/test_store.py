@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import threading
+from collections.abc import Callable, Iterator
 from datetime import UTC, datetime, timedelta
 
 import pytest
@@ -19,14 +20,28 @@ from audit.store import AuditStore
 T0 = datetime(2025, 1, 31, 12, 0, tzinfo=UTC)
 
 
+@pytest.fixture
+def open_store(db_url: str, origin: str) -> Iterator[Callable[[], AuditStore]]:
+    """Opens stores on this test's database and log, and closes them after the test."""
+    stores: list[AuditStore] = []
+
+    def open_one() -> AuditStore:
+        stores.append(AuditStore.open(db_url, origin))
+        return stores[-1]
+
+    yield open_one
+    for store in stores:
+        store.close()
+
+
 def _event(i: int, time: datetime = T0) -> AuditEvent:
     return system_event(Action.BOOT_PHASE, time=time, outcome=Outcome.SUCCESS, details={"n": i})
 
 
 def test_append_assigns_gap_free_positions_and_stores_the_hashed_bytes(
-    db_url: str, origin: str
+    open_store: Callable[[], AuditStore], origin: str
 ) -> None:
-    store = AuditStore.open(db_url, origin)
+    store = open_store()
     receipts = store.append([_event(i) for i in range(3)]) + store.append([_event(3)])
     assert [r.index for r in receipts] == [0, 1, 2, 3]
     stored = list(store.entries(0, 3))
@@ -39,8 +54,10 @@ def test_append_assigns_gap_free_positions_and_stores_the_hashed_bytes(
     assert store.size() == 4
 
 
-def test_roots_and_proofs_from_stored_nodes_match_the_entries(db_url: str, origin: str) -> None:
-    store = AuditStore.open(db_url, origin)
+def test_roots_and_proofs_from_stored_nodes_match_the_entries(
+    open_store: Callable[[], AuditStore],
+) -> None:
+    store = open_store()
     for batch in range(7):
         store.append([_event(batch * 5 + i) for i in range(5)])
     leaf_hashes = [hash_leaf(data) for _, data in store.entries(0, 34)]
@@ -52,8 +69,10 @@ def test_roots_and_proofs_from_stored_nodes_match_the_entries(db_url: str, origi
     verify_consistency(13, 35, store.consistency_proof(13, 35), store.root(13), root)
 
 
-def test_two_writers_on_one_log_never_leave_a_gap_or_a_wrong_root(db_url: str, origin: str) -> None:
-    first, second = AuditStore.open(db_url, origin), AuditStore.open(db_url, origin)
+def test_two_writers_on_one_log_never_leave_a_gap_or_a_wrong_root(
+    open_store: Callable[[], AuditStore],
+) -> None:
+    first, second = open_store(), open_store()
     errors = []
 
     def write(store: AuditStore) -> None:
@@ -88,8 +107,10 @@ def test_two_writers_on_one_log_never_leave_a_gap_or_a_wrong_root(db_url: str, o
         "INSERT INTO audit_leaves (origin, idx, time, entry) VALUES (:o, 5, 't', 'x')",
     ],
 )
-def test_triggers_refuse_changes_to_log_tables(db_url: str, origin: str, statement: str) -> None:
-    store = AuditStore.open(db_url, origin)
+def test_triggers_refuse_changes_to_log_tables(
+    db_url: str, origin: str, open_store: Callable[[], AuditStore], statement: str
+) -> None:
+    store = open_store()
     store.append([_event(0), _event(1)])
     store.add_checkpoint(2, "note", T0)
     engine = create_engine(db_url)
@@ -99,20 +120,23 @@ def test_triggers_refuse_changes_to_log_tables(db_url: str, origin: str, stateme
 
 
 def test_truncate_is_refused_on_postgresql(postgres_server: str, origin: str) -> None:
-    AuditStore.open(postgres_server, origin).append([_event(0)])
+    store = AuditStore.open(postgres_server, origin)
+    store.append([_event(0)])
+    store.close()
+    engine = create_engine(postgres_server)
     for table in ("audit_leaves", "audit_nodes", "audit_checkpoints", "audit_logs"):
-        engine = create_engine(postgres_server)
         with (
             pytest.raises(SQLAlchemyError, match="append-only: TRUNCATE refused"),
             engine.begin() as conn,
         ):
             conn.execute(text(f"TRUNCATE {table} CASCADE"))
+    engine.dispose()
 
 
 def test_a_failed_write_raises_and_the_next_append_continues_without_a_gap(
-    db_url: str, origin: str
+    db_url: str, open_store: Callable[[], AuditStore]
 ) -> None:
-    store = AuditStore.open(db_url, origin)
+    store = open_store()
     store.append([_event(0)])
     engine = create_engine(db_url)
     with engine.begin() as conn:
@@ -141,16 +165,16 @@ def test_a_failed_write_raises_and_the_next_append_continues_without_a_gap(
     assert store.root(2) == root_of(leaf_hashes)
 
 
-def test_index_range_selects_entries_by_time(db_url: str, origin: str) -> None:
-    store = AuditStore.open(db_url, origin)
+def test_index_range_selects_entries_by_time(open_store: Callable[[], AuditStore]) -> None:
+    store = open_store()
     store.append([_event(i, T0 + timedelta(minutes=i)) for i in range(10)])
     assert store.index_range(T0 + timedelta(minutes=3), T0 + timedelta(minutes=6)) == (3, 6)
     assert store.index_range(None, T0 + timedelta(seconds=30)) == (0, 0)
     assert store.index_range(T0 + timedelta(hours=1), None) is None
 
 
-def test_checkpoints_are_kept_once_per_size(db_url: str, origin: str) -> None:
-    store = AuditStore.open(db_url, origin)
+def test_checkpoints_are_kept_once_per_size(open_store: Callable[[], AuditStore]) -> None:
+    store = open_store()
     store.append([_event(0), _event(1)])
     store.add_checkpoint(1, "one", T0)
     store.add_checkpoint(2, "two", T0)
