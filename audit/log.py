@@ -85,6 +85,9 @@ class AuditLog:
         signer: CheckpointSigner,
         committer: ContentCommitter,
         settings: AuditLogSettings,
+        *,
+        size: int,
+        checkpointed_size: int,
     ) -> None:
         self.store = store
         self.committer = committer
@@ -93,9 +96,8 @@ class AuditLog:
         self._queue: queue.SimpleQueue[object] = queue.SimpleQueue()
         self._closed = threading.Event()
         self._broken: str | None = None
-        latest = store.latest_checkpoint()
-        self._checkpointed_size = 0 if latest is None else latest.size
-        self._size = store.size()
+        self._checkpointed_size = checkpointed_size
+        self._size = size
         now = time.monotonic()
         self._oldest_pending_at = now
         self._last_append_at = now
@@ -116,7 +118,15 @@ class AuditLog:
         store = AuditStore.open(settings.database_url, settings.origin)
         try:
             _check_store_extends_signed(store, signer)
-            log = cls(store, signer, committer, settings)
+            latest = store.latest_checkpoint()
+            log = cls(
+                store,
+                signer,
+                committer,
+                settings,
+                size=store.size(),
+                checkpointed_size=0 if latest is None else latest.size,
+            )
             log._checkpoint()
             if log._broken is not None:
                 raise AuditStoreError(log._broken)

@@ -57,7 +57,7 @@ class StoredCheckpoint:
 
 
 def _sqlite_engine(url: str, *, immediate: bool) -> Engine:
-    engine = create_engine(url)
+    engine = create_engine(url, hide_parameters=True)
 
     @event.listens_for(engine, "connect")
     def _configure(dbapi_connection: sqlite3.Connection, _record: object) -> None:
@@ -82,7 +82,8 @@ class AuditStore:
     """Entries, nodes and checkpoints of the log `origin` in the database at `url`.
 
     Appends must come from one thread at a time (the AuditLog's writer); reads may come from any
-    thread. Every database failure surfaces as AuditStoreError (AuditWriteError for appends).
+    thread. Every database failure surfaces as AuditStoreError (AuditWriteError for appends);
+    statement parameters (entry bytes) are kept out of those messages.
     """
 
     def __init__(self, write_engine: Engine, read_engine: Engine, origin: str) -> None:
@@ -99,7 +100,9 @@ class AuditStore:
                 write_engine = _sqlite_engine(url, immediate=True)
                 read_engine = _sqlite_engine(url, immediate=False)
             elif url.startswith("postgresql"):
-                write_engine = read_engine = create_engine(url, pool_pre_ping=True)
+                write_engine = read_engine = create_engine(
+                    url, pool_pre_ping=True, hide_parameters=True
+                )
             else:
                 scheme = url.split(":")[0]
                 raise AuditStoreError(
