@@ -22,7 +22,7 @@ job, and `kernels.triton_ops` routes them there.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
@@ -68,11 +68,20 @@ _FEW_ROWS = {
 _FEW_ROWS_DEFAULT = LinearConfig(32, 256, num_warps=4, num_stages=4)
 
 
-def config_for(n: int, k: int, rows: int) -> LinearConfig:
-    """Tiles for an [N, K] weight and `rows` rows of x."""
-    if rows == 1:
-        return _ONE_ROW.get((n, k), _ONE_ROW_DEFAULT)
-    return _FEW_ROWS.get((n, k), _FEW_ROWS_DEFAULT)
+def config_for(n: int, k: int, rows: int, itemsize: int) -> LinearConfig:
+    """Tiles for an [N, K] weight of `itemsize`-byte elements and `rows` rows of x.
+
+    The tables are for 16-bit weights; wider elements take proportionally shorter K tiles, so
+    a tile holds the same bytes (and the pipeline stages still fit in shared memory).
+    """
+    config = (
+        _ONE_ROW.get((n, k), _ONE_ROW_DEFAULT)
+        if rows == 1
+        else _FEW_ROWS.get((n, k), _FEW_ROWS_DEFAULT)
+    )
+    if itemsize > 2:
+        config = replace(config, block_k=config.block_k * 2 // itemsize)
+    return config
 
 
 @triton.jit
@@ -173,7 +182,7 @@ def linear(
     """
     _validate(x, weight, bias, in_features=weight.shape[1] if weight.dim() == 2 else -1)
     rows, (n, k) = x.shape[0], weight.shape
-    config = config or config_for(n, k, rows)
+    config = config or config_for(n, k, rows, weight.element_size())
     if config.fma and rows != 1:
         raise KernelInputError(f"an fma config takes one row of x, got {rows}")
     out = torch.empty((rows, n), dtype=x.dtype, device=x.device)
@@ -217,7 +226,7 @@ def silu_mul_linear(
     if x.shape[0] != 1:
         raise KernelInputError(f"silu_mul_linear takes one row of x, got {x.shape[0]}")
     n, k = weight.shape
-    config = config or config_for(n, k, 1)
+    config = config or config_for(n, k, 1, weight.element_size())
     if not config.fma:
         raise KernelInputError("silu_mul_linear runs on the CUDA cores: give an fma config")
     out = torch.empty((1, n), dtype=x.dtype, device=x.device)
