@@ -74,7 +74,7 @@ class AsyncEngine:
         await asyncio.to_thread(self._thread.join)
         self._thread = None
 
-    async def generate(
+    def generate(
         self,
         request_id: str,
         prompt: str | Sequence[int],
@@ -83,21 +83,34 @@ class AsyncEngine:
         priority: int = 0,
         cache_salt: str = "",
     ) -> AsyncIterator[RequestOutput]:
-        """Stream a request's outputs. Leaving the iteration early (or being cancelled, as when
-        an HTTP client disconnects) aborts the request and frees its KV blocks."""
+        """Validate a request now and return its stream of outputs.
+
+        A bad request raises `InvalidRequestError` here, before anything is submitted, so a
+        caller can refuse it before answering (an HTTP server: before sending a status). The
+        request is submitted when the stream is first iterated. Leaving the iteration early (or
+        being cancelled, as when an HTTP client disconnects) aborts the request and frees its KV
+        blocks.
+        """
         if self._error is not None or not self.is_running:
             raise EngineDeadError("the engine is not running") from self._error
         seq = self.engine.prepare_request(
             request_id, prompt, params, priority=priority, cache_salt=cache_salt
         )
+        return self._stream(seq)
+
+    async def _stream(self, seq: EngineSequence) -> AsyncIterator[RequestOutput]:
         rid = seq.request_id
         if rid in self._streams:
-            raise InvalidRequestError(f"request id {request_id!r} is already in use")
+            raise InvalidRequestError(f"request id {rid!r} is already in use")
         stream: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self._streams[rid] = stream
         self._commands.put(_Add(seq))
         finished = False
         try:
+            # The thread sets _error before it fails every registered stream: a stream
+            # registered too late for that sees the error here instead of waiting forever.
+            if self._error is not None:
+                raise EngineDeadError("the engine is not running") from self._error
             while not finished:
                 item = await stream.get()
                 if isinstance(item, InvalidRequestError):
@@ -146,8 +159,17 @@ class AsyncEngine:
                 self._push(rid, exc)
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
+        # One wake-up of the event loop per step, not one per request: each wake-up is a
+        # system call, and a step can serve hundreds of requests.
+        if outputs and self._loop is not None:
+            self._loop.call_soon_threadsafe(self._put_all, outputs)
+
+    def _put_all(self, outputs: list[RequestOutput]) -> None:
+        """On the event loop: hand each output to its stream (gone if its consumer left)."""
         for out in outputs:
-            self._push(out.request_id, out)
+            stream = self._streams.get(out.request_id)
+            if stream is not None:
+                stream.put_nowait(out)
 
     def _push(self, rid: RequestId, item: RequestOutput | BaseException) -> None:
         stream = self._streams.get(rid)

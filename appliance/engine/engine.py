@@ -12,7 +12,11 @@ import torch
 
 from appliance.engine.block_manager import BlockManager
 from appliance.engine.detokenizer import IncrementalDetokenizer
-from appliance.engine.errors import EngineConfigError, InvalidRequestError
+from appliance.engine.errors import (
+    ContextLengthExceededError,
+    EngineConfigError,
+    InvalidRequestError,
+)
 from appliance.engine.kv_cache import KVCacheSpec
 from appliance.engine.model_runner import ModelRunner
 from appliance.engine.models.config import ModelConfig
@@ -82,6 +86,19 @@ class EngineConfig:
             raise EngineConfigError(
                 f"dtype {name!r} is not supported; choose one of {', '.join(_DTYPES)}"
             ) from None
+
+
+@dataclass(frozen=True, slots=True)
+class EngineStats:
+    """A snapshot of the engine's load and cache counters (for metrics). Counters only grow."""
+
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float  # fraction of KV blocks referenced by a request, 0 to 1
+    num_preemptions: int
+    # Prompt tokens looked up in the prefix cache at admission, and those found there.
+    num_prefix_cache_queries: int
+    num_prefix_cache_hits: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -194,6 +211,19 @@ class Engine:
     def has_unfinished(self) -> bool:
         return bool(self._requests)
 
+    def stats(self) -> EngineStats:
+        """Current counts. Safe to call from another thread while the engine steps: each field
+        is read atomically, though the fields may come from different steps."""
+        scheduler = self.scheduler
+        return EngineStats(
+            num_running=len(scheduler.running),
+            num_waiting=len(scheduler.waiting),
+            kv_cache_usage=self.block_manager.usage,
+            num_preemptions=scheduler.num_preemptions,
+            num_prefix_cache_queries=scheduler.num_prefix_query_tokens,
+            num_prefix_cache_hits=scheduler.num_prefix_hit_tokens,
+        )
+
     def prepare_request(
         self,
         request_id: str,
@@ -220,14 +250,14 @@ class Engine:
         if self.tokenizer is None and params.stop:
             raise InvalidRequestError("stop strings need a tokenizer; use stop_token_ids")
         if len(token_ids) >= self.max_model_len:
-            raise InvalidRequestError(
+            raise ContextLengthExceededError(
                 f"the prompt has {len(token_ids)} tokens but the context holds "
                 f"{self.max_model_len} (prompt plus at least one new token); shorten the prompt"
             )
         bm = self.block_manager
         num_tokens = min(len(token_ids) + params.max_tokens, self.max_model_len)
         if -(-num_tokens // bm.block_size) > bm.num_blocks:
-            raise InvalidRequestError(
+            raise ContextLengthExceededError(
                 f"prompt plus max_tokens ({num_tokens} tokens) exceeds the whole KV cache "
                 f"({bm.num_blocks * bm.block_size} tokens); lower max_tokens or the prompt length"
             )

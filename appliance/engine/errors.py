@@ -21,3 +21,8 @@ class InvalidRequestError(EngineError):
 
     Raised when the request is submitted, so the engine and every other request keep going.
     """
+
+
+class ContextLengthExceededError(InvalidRequestError):
+    """The prompt, or the prompt plus the tokens asked for, does not fit in the context or the
+    KV cache."""

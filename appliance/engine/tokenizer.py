@@ -19,6 +19,7 @@ import jinja2.ext
 from jinja2.exceptions import SecurityError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as BackendTokenizer
+from tokenizers import decoders
 
 from appliance.engine.errors import InvalidRequestError, ModelLoadError
 
@@ -55,6 +56,20 @@ class _FailOnUnsafeUndefined(jinja2.Undefined):
     def __len__(self) -> int:
         self._fail_if_unsafe()
         return super().__len__()
+
+
+def _byte_level_alphabet() -> dict[str, int]:
+    """GPT-2's byte-to-character table, inverted: in a byte-level BPE vocabulary every character
+    of a token stands for one byte (printable bytes for themselves, the others shifted past 255)."""
+    visible = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1)]
+    visible += range(ord("®"), ord("ÿ") + 1)
+    chars = {b: chr(b) for b in visible}
+    hidden = (b for b in range(256) if b not in chars)
+    chars.update((b, chr(256 + n)) for n, b in enumerate(hidden))
+    return {char: b for b, char in chars.items()}
+
+
+_BYTE_LEVEL_ALPHABET = _byte_level_alphabet()
 
 
 def _raise_template_exception(message: str) -> NoReturn:
@@ -154,6 +169,8 @@ class Tokenizer:
             for token_id, added in backend.get_added_tokens_decoder().items()
             if added.special
         )
+        self._byte_level = isinstance(backend.decoder, decoders.ByteLevel)
+        self._token_bytes: dict[int, bytes] = {}
 
     def _token_id(self, token: str | None) -> int | None:
         if token is None:
@@ -252,6 +269,38 @@ class Tokenizer:
     def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
         """The text of `ids`; invalid UTF-8 byte sequences decode to U+FFFD."""
         return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one token stands for (a token may hold part of a UTF-8 character).
+
+        Exact for byte-level BPE vocabularies (GPT-2 style: Llama 3, Qwen2, SmolLM2) and for
+        SentencePiece byte-fallback tokens (`<0xE2>`); SentencePiece word pieces map `▁` to a
+        space. Special tokens give their text; an id outside the vocabulary gives b"".
+        """
+        cached = self._token_bytes.get(token_id)
+        if cached is not None:
+            return cached
+        token = self._backend.id_to_token(token_id)
+        if token is None:
+            data = b""
+        elif token_id in self._all_special_ids:
+            data = token.encode()
+        elif self._byte_level and all(char in _BYTE_LEVEL_ALPHABET for char in token):
+            data = bytes(_BYTE_LEVEL_ALPHABET[char] for char in token)
+        elif len(token) == 6 and token.startswith("<0x") and token.endswith(">"):
+            data = bytes([int(token[3:5], 16)])
+        else:
+            data = token.replace("\u2581", " ").encode()
+        self._token_bytes[token_id] = data
+        return data
+
+    def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:
+        """Token ids of a conversation in the chat template, ready for the assistant's reply.
+
+        The template writes its own BOS, so none is added. Raises like `apply_chat_template`.
+        """
+        text = self.apply_chat_template(messages, add_generation_prompt=True)
+        return self.encode(text, add_special_tokens=False)
 
     def apply_chat_template(
         self, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True

@@ -113,3 +113,14 @@ def test_shutdown_ends_running_requests_with_an_abort(engine: Engine) -> None:
 
     assert asyncio.run(main()) == "abort"
     _assert_idle_with_every_block_free(engine)
+
+
+def test_invalid_request_raises_before_anything_is_submitted(engine: Engine) -> None:
+    async def main() -> None:
+        async with AsyncEngine(engine) as ae:
+            with pytest.raises(InvalidRequestError, match="shorten the prompt"):
+                ae.generate("bad", [1] * 1100, GREEDY)  # raises here, not when iterated
+            # The same id is free: nothing was registered for the refused request.
+            assert await _collect(ae, "bad", PROMPTS[0])
+
+    asyncio.run(main())

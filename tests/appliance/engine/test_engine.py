@@ -7,7 +7,11 @@ from pathlib import Path
 import pytest
 
 from appliance.engine.engine import Engine, EngineConfig
-from appliance.engine.errors import EngineConfigError, InvalidRequestError
+from appliance.engine.errors import (
+    ContextLengthExceededError,
+    EngineConfigError,
+    InvalidRequestError,
+)
 from appliance.engine.outputs import RequestOutput
 from appliance.engine.sampling_params import SamplingParams
 
@@ -144,7 +148,7 @@ def test_bad_requests_are_refused_while_running_requests_continue(engine: Engine
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     engine.add_request("good", PROMPT, params)
     outs = engine.step()
-    with pytest.raises(InvalidRequestError, match="shorten the prompt"):
+    with pytest.raises(ContextLengthExceededError, match="shorten the prompt"):
         engine.add_request("too-long", [1] * 512, params)
     with pytest.raises(InvalidRequestError, match="empty"):
         engine.add_request("empty", [], params)
@@ -160,7 +164,7 @@ def test_bad_requests_are_refused_while_running_requests_continue(engine: Engine
 
 def test_request_larger_than_the_whole_kv_pool_is_refused(smollm2_dir: Path) -> None:
     small = Engine.from_config(EngineConfig(model_dir=smollm2_dir, num_kv_blocks=4))
-    with pytest.raises(InvalidRequestError, match="exceeds the whole KV cache"):
+    with pytest.raises(ContextLengthExceededError, match="exceeds the whole KV cache"):
         small.add_request("big", PROMPT, SamplingParams(max_tokens=100))
 
 
@@ -243,3 +247,29 @@ def test_decode_bursts_step_aside_for_waiting_requests_and_logprobs(smollm2_dir:
     assert bursting.scheduler.schedule().num_steps == 1
     bursting.abort("lp")
     assert bursting.block_manager.num_free_blocks == bursting.block_manager.num_blocks
+
+
+def test_stats_report_queues_kv_usage_preemptions_and_prefix_hits(smollm2_dir: Path) -> None:
+    # Four blocks of 16 tokens: two requests growing past two blocks each cannot both run.
+    engine = Engine.from_config(
+        EngineConfig(model_dir=smollm2_dir, max_model_len=512, num_kv_blocks=4, max_num_seqs=2)
+    )
+    prompt = engine.tokenizer.encode(PROMPT * 3)[:20]
+    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    for i in range(3):
+        engine.add_request(f"r{i}", prompt, params)
+    stats = engine.stats()
+    assert (stats.num_running, stats.num_waiting, stats.kv_cache_usage) == (0, 3, 0.0)
+    engine.step()
+    stats = engine.stats()
+    assert (stats.num_running, stats.num_waiting) == (2, 1)
+    # The first has 2 blocks; the second shares the first's full block and has 1 more.
+    assert stats.kv_cache_usage == 0.75
+    while engine.has_unfinished():
+        engine.step()
+    stats = engine.stats()
+    assert (stats.num_running, stats.num_waiting, stats.kv_cache_usage) == (0, 0, 0.0)
+    assert stats.num_preemptions == engine.scheduler.num_preemptions > 0
+    # Each admission looks its prompt up; the first full block of the shared prompt is found.
+    assert stats.num_prefix_cache_queries >= 3 * 20
+    assert stats.num_prefix_cache_hits >= 2 * 16

@@ -261,3 +261,32 @@ def test_eos_token_ids_include_generation_config_ids(smollm2_dir: Path, tmp_path
     (tmp_path / "generation_config.json").write_text('{"eos_token_id": [0, 2]}')
 
     assert Tokenizer.from_model_dir(tmp_path).eos_token_ids == frozenset({0, 2})
+
+
+@pytest.mark.parametrize("text", CORPUS)
+def test_token_bytes_join_to_the_utf8_of_the_text(tokenizer: Tokenizer, text: str) -> None:
+    # Byte-level BPE: a token may be part of a character, but the bytes always add up.
+    ids = tokenizer.encode(text)
+    assert b"".join(tokenizer.token_bytes(i) for i in ids) == text.encode()
+
+
+def test_token_bytes_of_a_token_inside_a_character_is_that_part(tokenizer: Tokenizer) -> None:
+    parts = [tokenizer.token_bytes(i) for i in tokenizer.encode("🤖")]
+    assert len(parts) > 1  # the emoji takes several tokens, none of them valid UTF-8 alone
+    assert b"".join(parts) == "🤖".encode()
+
+
+def test_token_bytes_of_special_and_unknown_ids(tokenizer: Tokenizer) -> None:
+    [end] = tokenizer.encode("<|im_end|>")
+    assert tokenizer.token_bytes(end) == b"<|im_end|>"
+    assert tokenizer.token_bytes(tokenizer.vocab_size + 10) == b""
+
+
+def test_encode_chat_is_the_rendered_template_without_an_extra_bos(
+    tokenizer: Tokenizer, hf_tokenizer: Any
+) -> None:
+    messages = CONVERSATIONS[1]
+    expected = hf_tokenizer.apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=True, return_dict=True
+    )["input_ids"]
+    assert tokenizer.encode_chat(messages) == list(expected)
