@@ -3,9 +3,10 @@
 Measures the ceilings first (device-to-device copy bandwidth, dense bf16 matmul rate), then
 W1 (batch-1 decode), W2 (offline throughput), W4 (shared-prefix TTFT, prefix cache on vs off)
 and W6 (GPU memory that is neither weights nor KV cache), and transformers' continuous batching
-(`generate_batch`) on the same model for W2/W4 as the peer. Prints Markdown rows last.
+(`generate_batch`) on the same model for W2 (HF) and W4 (HFW4) as the peer. Prints Markdown
+rows last.
 
-    python bench/gpu_engine.py [--workloads W1,W2,P,W4,HF] [--max-num-seqs 256]
+    python bench/gpu_engine.py [--workloads W1,W2,P,W4,HF,HFW4] [--max-num-seqs 256]
                                [--max-decode-burst 1]
                                [--w2-requests 1024] [--hf-requests 128]
 
@@ -304,8 +305,7 @@ def prefill_throughput(model: LlamaForCausalLM, matmul: float) -> None:
 
 
 def w4(model: LlamaForCausalLM) -> None:
-    prefix = random_prompts(1, 2000, seed=4)[0]
-    prompts = [prefix + tail for tail in random_prompts(256, 100, seed=5)]
+    prompts = w4_prompts()
     params = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
     p50 = {}
     for caching in (True, False):
@@ -321,7 +321,13 @@ def w4(model: LlamaForCausalLM) -> None:
     report("W4 off ÷ on", f"{p50[False] / p50[True]:.1f}×", "goal ≥ 5×")
 
 
-def transformers_peer(num_requests: int) -> None:
+def w4_prompts() -> list[list[int]]:
+    prefix = random_prompts(1, 2000, seed=4)[0]
+    return [prefix + tail for tail in random_prompts(256, 100, seed=5)]
+
+
+def transformers_peer(workloads: set[str], num_requests: int) -> None:
+    """The W2 shape and W4 on transformers' continuous batching, the same random model."""
     from transformers import GenerationConfig, LlamaConfig
     from transformers import LlamaForCausalLM as HFLlama
 
@@ -330,21 +336,34 @@ def transformers_peer(num_requests: int) -> None:
     with torch.device("cuda"):
         model = HFLlama(config).to(torch.bfloat16)
     model.set_attn_implementation("paged|sdpa")
-    gen = GenerationConfig(max_new_tokens=256, do_sample=False, eos_token_id=-1, pad_token_id=0)
-    prompts = random_prompts(num_requests, 512, seed=3)
-    start = time.perf_counter()
-    outputs = model.generate_batch(inputs=prompts, generation_config=gen, progress_bar=False)
-    elapsed = time.perf_counter() - start
-    num_out = sum(len(o.generated_tokens) for o in outputs.values())
-    report(
-        f"transformers generate_batch W2-shape ({num_requests} × 512/256)",
-        f"{num_out / elapsed:,.0f} tok/s ({elapsed:.1f} s)",
-    )
+    if "HF" in workloads:
+        gen = GenerationConfig(max_new_tokens=256, do_sample=False, eos_token_id=-1, pad_token_id=0)
+        prompts = random_prompts(num_requests, 512, seed=3)
+        start = time.perf_counter()
+        outputs = model.generate_batch(inputs=prompts, generation_config=gen, progress_bar=False)
+        elapsed = time.perf_counter() - start
+        num_out = sum(len(o.generated_tokens) for o in outputs.values())
+        report(
+            f"transformers generate_batch W2-shape ({num_requests} × 512/256)",
+            f"{num_out / elapsed:,.0f} tok/s ({elapsed:.1f} s)",
+        )
+    if "HFW4" in workloads:
+        gen = GenerationConfig(max_new_tokens=64, do_sample=False, eos_token_id=-1, pad_token_id=0)
+        start = time.perf_counter()
+        outputs = model.generate_batch(
+            inputs=w4_prompts(), generation_config=gen, progress_bar=False, record_timestamps=True
+        )
+        elapsed = time.perf_counter() - start
+        ttft = statistics.median(o.timestamps[0] - start for o in outputs.values())
+        report(
+            "transformers generate_batch W4 TTFT p50 (its defaults)",
+            f"{ttft * 1e3:.0f} ms (all 256 done in {elapsed:.1f} s)",
+        )
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--workloads", default="W1,W2,P,W4,HF")
+    parser.add_argument("--workloads", default="W1,W2,P,W4,HF,HFW4")
     parser.add_argument("--w2-requests", type=int, default=1024)
     parser.add_argument("--hf-requests", type=int, default=128)
     parser.add_argument("--max-num-seqs", type=int, default=256)
@@ -382,8 +401,8 @@ def main() -> None:
     del model
     gc.collect()
     torch.cuda.empty_cache()
-    if "HF" in wanted:
-        transformers_peer(args.hf_requests)
+    if wanted & {"HF", "HFW4"}:
+        transformers_peer(wanted, args.hf_requests)
     print("\n| metric | value | goal |\n|---|---|---|")
     print("\n".join(rows))
 
