@@ -17,6 +17,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 from audit.bundle import CHECKPOINTS, ENTRIES, MANIFEST, VERIFY_DOC, Manifest, checkpoint_name
+from audit.canonical import JsonValue
 from audit.errors import AuditError, ExportRangeError
 from audit.event import SYSTEM, Action, Actor, AuditEvent, Outcome, format_time
 from audit.log import AuditLog
@@ -53,7 +54,7 @@ class ExportRequest:
         if self.last_index is not None and self.last_index < (self.first_index or 0):
             raise ExportRangeError("the last index comes before the first")
 
-    def to_details(self) -> dict[str, object]:
+    def to_details(self) -> dict[str, JsonValue]:
         return {
             "first_index": self.first_index,
             "last_index": self.last_index,

@@ -15,11 +15,18 @@ import pytest
 from sqlalchemy import create_engine, text
 
 from audit.checkpoint import open_checkpoint
-from audit.errors import AuditClosedError, AuditStoreError, AuditWriteError, UnknownEntryError
+from audit.errors import (
+    AuditClosedError,
+    AuditStoreError,
+    AuditWriteError,
+    UnknownEntryError,
+    VerificationError,
+)
 from audit.event import Action, AuditEvent, Outcome, system_event
 from audit.log import AuditLog, AuditLogSettings
 from audit.merkle import hash_leaf
 from audit.note import VerifierKey
+from audit.self_check import verify_log
 from audit.store import AuditReceipt, AuditStore
 from audit.tlog_proof import TlogProof
 
@@ -210,3 +217,43 @@ def test_writer_batches_concurrent_appends_into_few_transactions(
             indices = list(pool.map(one, range(32)))
         assert sorted(indices) == list(range(32))
         assert len(calls) < 16, f"{len(calls)} transactions for 32 concurrent appends"
+
+
+def test_self_check_verifies_the_whole_log_and_records_the_outcome(
+    log_settings: MakeSettings,
+) -> None:
+    with AuditLog.open(log_settings()) as log:
+        for i in range(5):
+            log.append(_event(i))
+        report = verify_log(log)
+        assert report.num_entries == 6  # five events and the export that verification ran
+        [(_, data)] = log.store.entries(6, 6)
+        assert b'"action":"audit.verify"' in data
+        assert b'"outcome":"success"' in data
+
+
+def test_self_check_catches_an_entry_edited_behind_the_triggers_back(
+    log_settings: MakeSettings, db_url: str
+) -> None:
+    with AuditLog.open(log_settings()) as log:
+        for i in range(4):
+            log.append(_event(i))
+        log.checkpoint()
+        [(_, original)] = log.store.entries(2, 2)
+        engine = create_engine(db_url)
+        with engine.begin() as conn:
+            # What a database owner can do: drop the trigger, edit, and hope nobody checks.
+            if conn.dialect.name == "sqlite":
+                conn.execute(text("DROP TRIGGER audit_leaves_no_update"))
+            else:
+                conn.execute(text("DROP TRIGGER audit_leaves_append_only ON audit_leaves"))
+            conn.execute(
+                text("UPDATE audit_leaves SET entry = :e WHERE origin = :o AND idx = 2"),
+                {"e": original.replace(b'"i":2', b'"i":9'), "o": log.origin},
+            )
+        engine.dispose()
+        with pytest.raises(VerificationError, match=r"root mismatch at checkpoints/4\.txt"):
+            verify_log(log)
+        [(_, data)] = log.store.entries(log.store.size() - 1, log.store.size() - 1)
+        assert b'"action":"audit.verify"' in data
+        assert b'"outcome":"failure"' in data
