@@ -58,14 +58,6 @@ def format_time(moment: datetime) -> str:
     return moment.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
 
 
-def parse_time(text: str) -> datetime:
-    """Read a time written by format_time (or any RFC 3339 time with an offset)."""
-    moment = datetime.fromisoformat(text)
-    if moment.tzinfo is None:
-        raise ValueError(f"time {text!r} has no UTC offset")
-    return moment.astimezone(UTC)
-
-
 @dataclass(frozen=True)
 class Actor:
     """Who acted: the token's issuer and subject, the OAuth client, and the roles granted."""

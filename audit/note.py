@@ -21,7 +21,6 @@ from audit.errors import NoteFormatError, SignatureError
 
 ALG_ED25519 = 0x01
 ED25519_KEY_SIZE = 32
-ED25519_SIGNATURE_SIZE = 64
 # The spec asks verifiers to bound signatures per note and to accept at least 16.
 MAX_SIGNATURES = 100
 _SKEY_PREFIX = "PRIVATE+KEY+"
