@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import sys
@@ -11,9 +12,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from appliance.engine.errors import EngineError
+from appliance.errors import ApplianceError
 from installer.errors import InstallerError
 
 if TYPE_CHECKING:  # the engine imports torch: only load it for commands that need it
+    from appliance.config import Settings
     from appliance.engine.engine import Engine
     from appliance.engine.sampling_params import SamplingParams
 
@@ -29,7 +32,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     try:
         return int(args.run(args) or 0)
-    except (EngineError, InstallerError) as exc:
+    except (ApplianceError, EngineError, InstallerError) as exc:
         print(f"inferno: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
@@ -47,11 +50,19 @@ def _parser() -> argparse.ArgumentParser:
     _add_sampling_args(gen)
     gen.set_defaults(run=_run_generate)
 
+    serve = commands.add_parser("serve", help="serve the OpenAI-compatible HTTPS API")
+    serve.add_argument("--config", required=True, type=Path, help="settings file (TOML)")
+    serve.set_defaults(run=_run_serve)
+
     demo = commands.add_parser(
-        "demo", help="chat with the embedded default model (converted on first use)"
+        "demo",
+        help="serve the embedded default model on https://127.0.0.1:8443 (converted on first use)",
     )
     demo.add_argument("--model", type=Path, default=None, help="model directory to use instead")
-    _add_sampling_args(demo, max_tokens=256)
+    demo.add_argument(
+        "--device", default="cpu", help="cpu, or cuda for the GPU path (bf16, Triton kernels)"
+    )
+    demo.add_argument("--port", type=int, default=None, help="port to listen on (default 8443)")
     demo.set_defaults(run=_run_demo)
 
     model = commands.add_parser("model", help="manage model directories")
@@ -97,7 +108,7 @@ def _run_generate(args: argparse.Namespace) -> int:
     engine = _load_engine(args.model, args.device)
     prompt: str | list[int] = args.prompt
     if args.chat:
-        prompt = _chat_prompt(engine, [{"role": "user", "content": args.prompt}])
+        prompt = engine.tokenizer.encode_chat([{"role": "user", "content": args.prompt}])
     [completion] = engine.generate([prompt], params)
     sys.stdout.write(completion.text)
     if sys.stdout.isatty():
@@ -113,50 +124,73 @@ def _run_import_gguf(args: argparse.Namespace) -> int:
     return 0
 
 
+def _run_serve(args: argparse.Namespace) -> int:
+    from appliance.app import build
+    from appliance.config import load_settings
+    from appliance.server import listen, serve
+
+    settings = load_settings(args.config)
+    logging.getLogger().setLevel(settings.log.level)
+    app = build(settings)
+    listener = listen(settings)
+    print(f"inferno: serving {settings.served_model_name} on {listener.url}", file=sys.stderr)
+    if listener.fingerprint is not None:
+        print(f"inferno: TLS certificate SHA-256 {listener.fingerprint}", file=sys.stderr)
+    serve(settings, app, listener)
+    return 0
+
+
 def _run_demo(args: argparse.Namespace) -> int:
+    from appliance.app import build, engine_config
+    from appliance.config import load_settings
+    from appliance.engine.engine import Engine
     from appliance.engine.models.gguf_import import import_gguf
+    from appliance.server import listen, serve
+    from installer.demo import DEMO_PORT, demo_dir, write_demo_config
     from installer.embedded_model import default_model_dir, find_embedded_gguf
 
     model_dir = args.model or default_model_dir()
     if not (model_dir / "config.json").exists():
         print(f"converting the embedded model into {model_dir} ...", file=sys.stderr)
         import_gguf(find_embedded_gguf(), model_dir, show_progress=sys.stderr.isatty())
-    params = _sampling_params(args)
-    engine = _load_engine(model_dir, args.device)
-    interactive = sys.stdin.isatty()
-    if interactive:
-        print("Inferno demo: chat with SmolLM2-135M-Instruct on this machine. Ctrl-D ends.")
-    messages: list[dict[str, str]] = []
-    while True:
-        if interactive:
-            print("> ", end="", flush=True)
-        line = sys.stdin.readline()
-        if not line:
-            return 0
-        if not line.strip():
-            continue
-        messages.append({"role": "user", "content": line.strip()})
-        reply = _stream(engine, _chat_prompt(engine, messages), params)
-        messages.append({"role": "assistant", "content": reply})
+    port = DEMO_PORT if args.port is None else args.port
+    config_path = write_demo_config(demo_dir(), model_dir, device=args.device, port=port)
+    settings = load_settings(config_path)
+    listener = listen(settings)
+    print(f"loading {settings.served_model_name} ...", file=sys.stderr)
+    # Loaded before serving, so the server is ready when the banner says so.
+    engine = Engine.from_config(engine_config(settings))
+    app = build(settings, engine=engine)
+    print(_demo_banner(settings.served_model_name, listener.url, settings, config_path), flush=True)
+    serve(settings, app, listener)
+    return 0
 
 
-def _chat_prompt(engine: Engine, messages: list[dict[str, str]]) -> list[int]:
-    """Token ids of a conversation in the model's chat template (which carries its own BOS)."""
-    text = engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-    return engine.tokenizer.encode(text, add_special_tokens=False)
+def _demo_banner(model: str, url: str, settings: Settings, config_path: Path) -> str:
+    from appliance.tls import certificate_fingerprint
 
+    cert = settings.tls.cert_file
+    fingerprint = certificate_fingerprint(cert) if cert is not None else "none"
+    question = "What is the capital of France?"
+    body = json.dumps({"model": model, "messages": [{"role": "user", "content": question}]})
+    return f"""\
+Inferno demo: {model} on {url}  (Ctrl-C stops it)
+TLS certificate (self-signed): {cert}
+  SHA-256 fingerprint {fingerprint}
 
-def _stream(engine: Engine, prompt: list[int], params: SamplingParams) -> str:
-    """Generate one reply, writing its text as it arrives."""
-    engine.add_request("demo", prompt, params)
-    parts = []
-    while engine.has_unfinished():
-        for out in engine.step():
-            parts.append(out.text)
-            sys.stdout.write(out.text)
-            sys.stdout.flush()
-    sys.stdout.write("\n")
-    return "".join(parts)
+Call it with curl:
+  curl --cacert {cert} {url}/v1/chat/completions \\
+    -H 'Content-Type: application/json' -d '{body}'
+
+or with OpenAI's Python client:
+  import httpx, openai
+  client = openai.OpenAI(base_url="{url}/v1", api_key="unused",
+                         http_client=httpx.Client(verify="{cert}"))
+  reply = client.chat.completions.create(model="{model}",
+      messages=[{{"role": "user", "content": "{question}"}}])
+  print(reply.choices[0].message.content)
+
+Health: {url}/health   Metrics: {url}/metrics   Settings: {config_path}"""
 
 
 if __name__ == "__main__":

@@ -2,14 +2,21 @@
 
 from __future__ import annotations
 
+import os
+import re
+import signal
+import ssl
 import subprocess
 import sys
 from pathlib import Path
 
+import httpx
+import openai
 import pytest
 
 from appliance.engine.engine import Engine, EngineConfig
 from appliance.engine.sampling_params import SamplingParams
+from appliance.tls import certificate_fingerprint
 
 
 def _inferno(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
@@ -75,13 +82,64 @@ def test_import_gguf_of_a_missing_file_fails_cleanly(tmp_path: Path) -> None:
     assert not (tmp_path / "out").exists()
 
 
-def test_demo_answers_each_piped_line_as_a_chat_turn(smollm2_dir: Path) -> None:
-    result = _inferno(
-        "demo", "--model", str(smollm2_dir), "--max-tokens", "12",
-        stdin="What is 2 plus 2?\n\nName a colour.\n",
-    )  # fmt: skip
-    assert result.returncode == 0, result.stderr
-    replies = result.stdout.splitlines()
-    # Two questions (the blank line is skipped): two replies, one per line.
-    assert len(replies) == 2
-    assert all(reply.strip() for reply in replies)
+def test_serve_with_a_bad_setting_exits_2_naming_it(smollm2_dir: Path, tmp_path: Path) -> None:
+    config = tmp_path / "inferno.toml"
+    config.write_text(f'[model]\ndir = "{smollm2_dir}"\n[server]\nport = "high"\n')
+    result = _inferno("serve", "--config", str(config))
+    assert result.returncode == 2
+    assert "server.port: " in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_serve_without_tls_material_refuses_to_start(smollm2_dir: Path, tmp_path: Path) -> None:
+    config = tmp_path / "inferno.toml"
+    config.write_text(f'[model]\ndir = "{smollm2_dir}"\n')
+    result = _inferno("serve", "--config", str(config))
+    assert result.returncode == 2
+    assert "TLS is always on" in result.stderr
+
+
+@pytest.mark.slow
+def test_demo_serves_the_embedded_model_over_https_and_says_how_to_call_it(
+    smollm2_dir: Path, tmp_path: Path
+) -> None:
+    env = {**os.environ, "XDG_DATA_HOME": str(tmp_path / "data")}
+    with (tmp_path / "stderr.txt").open("w") as stderr:
+        demo = subprocess.Popen(
+            [sys.executable, "-m", "appliance", "demo", "--model", str(smollm2_dir), "--port", "0"],
+            stdout=subprocess.PIPE, stderr=stderr, text=True, env=env,
+        )  # fmt: skip
+        try:
+            banner = _read_banner(demo)
+            url = re.search(r"on (https://127\.0\.0\.1:\d+)", banner[0]).group(1)
+            cert = Path(re.search(r"\(self-signed\): (\S+)", banner[1]).group(1))
+            fingerprint = re.search(r"SHA-256 fingerprint (\S+)", banner[2]).group(1)
+            assert cert == tmp_path / "data" / "inferno" / "demo" / "tls" / "cert.pem"
+            assert fingerprint == certificate_fingerprint(cert)
+            assert f"curl --cacert {cert} {url}/v1/chat/completions" in "\n".join(banner)
+            client = openai.OpenAI(
+                base_url=f"{url}/v1",
+                api_key="unused",
+                http_client=httpx.Client(verify=ssl.create_default_context(cafile=cert)),
+            )
+            reply = client.chat.completions.create(
+                model=smollm2_dir.name,
+                messages=[{"role": "user", "content": "What is the capital of France?"}],
+                max_tokens=8,
+            )
+            assert reply.choices[0].message.content
+        finally:
+            demo.send_signal(signal.SIGTERM)
+            demo.wait(timeout=60)
+    assert (tmp_path / "data" / "inferno" / "demo" / "inferno.toml").is_file()
+
+
+def _read_banner(process: subprocess.Popen[str]) -> list[str]:
+    """The demo's banner, up to its last line (which names the health URL)."""
+    assert process.stdout is not None
+    lines: list[str] = []
+    while not lines or not lines[-1].startswith("Health:"):
+        line = process.stdout.readline()
+        assert line, f"the demo exited before printing its banner (status {process.poll()})"
+        lines.append(line.rstrip("\n"))
+    return lines

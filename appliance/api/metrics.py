@@ -1,0 +1,148 @@
+"""Prometheus metrics under vLLM's names, so existing vLLM dashboards and alerts work unchanged.
+
+Engine state (running and waiting requests, KV-cache usage, preemptions, prefix-cache queries
+and hits) is read from the engine at scrape time; request latencies (time to first token, time
+per output token, end to end, all as the client sees them: from arrival at the server) and token
+counts are recorded as each engine request ends. Each app has its own registry: nothing global.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Annotated
+
+from fastapi import APIRouter, Depends, Request, Response
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.exposition import generate_latest
+from prometheus_client.registry import Collector
+
+from appliance.engine.engine import Engine
+
+# vLLM's bucket boundaries, in seconds.
+_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
+                 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)  # fmt: skip
+_TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0,
+                 7.5, 10.0, 20.0, 40.0, 80.0)  # fmt: skip
+_E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
+                60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)  # fmt: skip
+
+
+class ServerMetrics:
+    def __init__(self, model_name: str):
+        self.model_name = model_name
+        self.registry = CollectorRegistry()
+        self._engine: Engine | None = None
+        labels = ["model_name"]
+        self._ttft = Histogram(
+            "vllm:time_to_first_token_seconds",
+            "Time from a request's arrival to its first output token.",
+            labels, buckets=_TTFT_BUCKETS, registry=self.registry,
+        ).labels(model_name)  # fmt: skip
+        self._tpot = Histogram(
+            "vllm:time_per_output_token_seconds",
+            "Mean time between a request's output tokens after the first.",
+            labels, buckets=_TPOT_BUCKETS, registry=self.registry,
+        ).labels(model_name)  # fmt: skip
+        self._e2e = Histogram(
+            "vllm:e2e_request_latency_seconds",
+            "Time from a request's arrival to its end.",
+            labels, buckets=_E2E_BUCKETS, registry=self.registry,
+        ).labels(model_name)  # fmt: skip
+        self._prompt_tokens = Counter(
+            "vllm:prompt_tokens", "Prompt tokens of ended requests.", labels, registry=self.registry
+        ).labels(model_name)
+        self._generation_tokens = Counter(
+            "vllm:generation_tokens",
+            "Output tokens of ended requests.",
+            labels,
+            registry=self.registry,
+        ).labels(model_name)
+        self._success = Counter(
+            "vllm:request_success",
+            "Requests that ended, by why they ended (stop, length, abort).",
+            [*labels, "finished_reason"],
+            registry=self.registry,
+        )
+        self.registry.register(_EngineCollector(self))
+
+    def watch(self, engine: Engine) -> None:
+        """Report this engine's state from now on."""
+        self._engine = engine
+
+    def observe_request(
+        self,
+        *,
+        ttft_s: float | None,
+        e2e_s: float,
+        num_prompt_tokens: int,
+        num_output_tokens: int,
+        finish_reason: str | None,
+    ) -> None:
+        """Record one engine request that ended; `ttft_s` is None if it produced no token."""
+        self._e2e.observe(e2e_s)
+        if ttft_s is not None:
+            self._ttft.observe(ttft_s)
+            if num_output_tokens > 1:
+                self._tpot.observe((e2e_s - ttft_s) / (num_output_tokens - 1))
+        self._prompt_tokens.inc(num_prompt_tokens)
+        self._generation_tokens.inc(num_output_tokens)
+        if finish_reason is not None:
+            self._success.labels(self.model_name, finish_reason).inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+    def engine_metrics(self) -> Iterator[Metric]:
+        if self._engine is None:
+            return
+        stats = self._engine.stats()
+        labels = [self.model_name]
+        gauges = (
+            ("vllm:num_requests_running", "Requests running on the engine.", stats.num_running),
+            ("vllm:num_requests_waiting", "Requests waiting to be scheduled.", stats.num_waiting),
+            ("vllm:kv_cache_usage_perc", "KV-cache usage: 1 means full.", stats.kv_cache_usage),
+        )
+        for name, documentation, value in gauges:
+            gauge = GaugeMetricFamily(name, documentation, labels=["model_name"])
+            gauge.add_metric(labels, value)
+            yield gauge
+        counters = (
+            ("vllm:num_preemptions", "Preemptions by the scheduler.", stats.num_preemptions),
+            (
+                "vllm:prefix_cache_queries",
+                "Prompt tokens looked up in the prefix cache.",
+                stats.num_prefix_cache_queries,
+            ),
+            (
+                "vllm:prefix_cache_hits",
+                "Prompt tokens found in the prefix cache.",
+                stats.num_prefix_cache_hits,
+            ),
+        )
+        for name, documentation, value in counters:
+            counter = CounterMetricFamily(name, documentation, labels=["model_name"])
+            counter.add_metric(labels, value)
+            yield counter
+
+
+class _EngineCollector(Collector):
+    def __init__(self, metrics: ServerMetrics):
+        self._metrics = metrics
+
+    def collect(self) -> Iterator[Metric]:
+        return self._metrics.engine_metrics()
+
+
+def _server_metrics(request: Request) -> ServerMetrics:
+    return request.app.state.metrics
+
+
+Metrics = Annotated[ServerMetrics, Depends(_server_metrics)]
+
+router = APIRouter()
+
+
+@router.get("/metrics", include_in_schema=False)
+async def metrics(server_metrics: Metrics) -> Response:
+    return Response(server_metrics.render(), media_type=CONTENT_TYPE_LATEST)

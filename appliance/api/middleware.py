@@ -1,0 +1,83 @@
+"""ASGI middleware around every request: the body-size limit and the TEE-state header.
+
+Both are plain ASGI (not Starlette's `BaseHTTPMiddleware`, which buffers and slows streamed
+responses): each costs one function call per message.
+"""
+
+from __future__ import annotations
+
+from starlette.exceptions import HTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from appliance.api.errors import APIError
+
+TEE_HEADER = b"x-inferno-tee"
+TEE_UNVERIFIED = "UNVERIFIED"
+"""The TEE state until attestation is wired in: nothing about the machine has been verified."""
+
+
+def _too_large(max_bytes: int) -> str:
+    return f"the request body is larger than the server's limit of {max_bytes} bytes"
+
+
+class BodySizeLimit:
+    """Answers 413 for a request body over `max_bytes`: at once when Content-Length says so,
+    otherwise as soon as the bytes received pass the limit (chunked uploads)."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int):
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = _content_length(scope)
+        if declared is not None and declared > self.max_bytes:
+            error = APIError(413, _too_large(self.max_bytes))
+            await error.response()(scope, receive, send)
+            return
+        num_received = 0
+
+        async def limited_receive() -> Message:
+            nonlocal num_received
+            message = await receive()
+            if message["type"] == "http.request":
+                num_received += len(message.get("body", b""))
+                if num_received > self.max_bytes:
+                    # Raised inside the route's body read; the error handlers answer 413.
+                    raise HTTPException(413, _too_large(self.max_bytes))
+            return message
+
+        await self.app(scope, limited_receive, send)
+
+
+def _content_length(scope: Scope) -> int | None:
+    for name, value in scope["headers"]:
+        if name == b"content-length":
+            try:
+                return int(value)
+            except ValueError:
+                return None
+    return None
+
+
+class TeeStateHeader:
+    """Adds `X-Inferno-TEE: <state>` to every response, so a client always sees whether the
+    machine serving it was attested."""
+
+    def __init__(self, app: ASGIApp, state: str):
+        self.app = app
+        self.header = (TEE_HEADER, state.encode("ascii"))
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+
+        async def send_with_header(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                message["headers"] = [*message.get("headers", ()), self.header]
+            await send(message)
+
+        await self.app(scope, receive, send_with_header)

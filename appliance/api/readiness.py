@@ -1,0 +1,57 @@
+"""Whether the server can run inference now, and if not, why: what `/health` reports and what
+every inference route checks first.
+
+The server answers before the model is loaded (`/live` at once, `/health` 503 "loading"), so an
+orchestrator can tell a slow start from a dead process, and a failed load is reported, not hidden
+in a crash loop.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from fastapi import Depends, Request
+
+from appliance.api.errors import APIError
+from appliance.engine.async_engine import AsyncEngine
+
+Status = Literal["ready", "loading", "failed", "stopped"]
+
+
+class Readiness:
+    def __init__(self) -> None:
+        self._engine: AsyncEngine | None = None
+        self._status: Status = "loading"
+        self._reason: str | None = "the model is loading"
+
+    def set_ready(self, engine: AsyncEngine) -> None:
+        self._engine = engine
+        self._status, self._reason = "ready", None
+
+    def set_failed(self, reason: str) -> None:
+        self._engine = None
+        self._status, self._reason = "failed", reason
+
+    def set_stopped(self) -> None:
+        self._engine = None
+        self._status, self._reason = "stopped", "the server is shutting down"
+
+    def state(self) -> tuple[Status, str | None]:
+        if self._engine is not None and not self._engine.is_running:
+            return "stopped", "the engine stopped on an error; see the server log"
+        return self._status, self._reason
+
+    def engine(self) -> AsyncEngine:
+        """The running engine, or the 503 that says why there is none."""
+        status, reason = self.state()
+        if status != "ready" or self._engine is None:
+            raise APIError(503, f"not ready: {reason}", type="server_error", code=status)
+        return self._engine
+
+
+def _ready_engine(request: Request) -> AsyncEngine:
+    readiness: Readiness = request.app.state.readiness
+    return readiness.engine()
+
+
+ReadyEngine = Annotated[AsyncEngine, Depends(_ready_engine)]

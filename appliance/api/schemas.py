@@ -1,0 +1,195 @@
+"""Request and response bodies of the OpenAI-compatible API, one model per direction.
+
+Field names, defaults and shapes follow OpenAI's API reference for `/v1/completions` and
+`/v1/chat/completions`. Requests forbid unknown fields (as OpenAI does: "Unrecognized request
+argument"), so a misspelt parameter is an error rather than silently ignored. `top_k`, `min_p`
+and `ignore_eos` are extensions (named as in vLLM). Streamed chunks are not modelled here: they
+are written by `appliance.api.streaming`, which keeps the per-token cost low.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from appliance.engine.sampling_params import MAX_TOP_LOGPROBS
+
+MAX_CHOICES = 16
+"""Largest `n` one request may ask for."""
+
+MAX_STOP_STRINGS = 16
+
+TokenId = Annotated[int, Field(ge=0)]
+NonEmptyText = Annotated[str, Field(min_length=1)]
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class StreamOptions(_Request):
+    include_usage: bool = False
+
+
+class SamplingFields(_Request):
+    """Fields both endpoints share."""
+
+    model: str
+    n: int = Field(default=1, ge=1, le=MAX_CHOICES)
+    seed: int | None = Field(default=None, ge=0, lt=2**63)
+    stop: (
+        NonEmptyText | Annotated[list[NonEmptyText], Field(max_length=MAX_STOP_STRINGS)] | None
+    ) = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    user: str | None = Field(default=None, description="an end-user id; accepted and unused")
+    top_k: int = Field(default=0, ge=0, description="extension: sample from the k most likely")
+    min_p: float = Field(default=0.0, ge=0.0, le=1.0, description="extension: min-p sampling")
+    ignore_eos: bool = Field(default=False, description="extension: go on past end-of-sequence")
+
+
+class CompletionRequest(SamplingFields):
+    # A text, a batch of texts, token ids, or a batch of token-id lists.
+    prompt: (
+        NonEmptyText
+        | Annotated[list[NonEmptyText], Field(min_length=1)]
+        | Annotated[list[TokenId], Field(min_length=1)]
+        | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1)]
+    )
+    max_tokens: int = Field(default=16, ge=1)
+    echo: bool = False
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    suffix: str | None = Field(default=None, description="not supported: must be absent")
+    best_of: int | None = Field(default=None, ge=1, description="only 1 is supported")
+
+
+class TextContentPart(_Request):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Request):
+    # "developer" is OpenAI's newer name for "system"; the chat template gets "system".
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextContentPart]
+    name: str | None = None
+
+
+class ResponseFormat(_Request):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: dict[str, object] | None = None
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_tokens: int | None = Field(default=None, ge=1, description="older name of the next")
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    response_format: ResponseFormat | None = None
+
+
+# Responses.
+
+
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
+
+
+class CompletionLogprobs(BaseModel):
+    tokens: list[str]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
+    text_offset: list[int]
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None
+    finish_reason: Literal["stop", "length"]
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage
+    system_fingerprint: str | None = None
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatChoiceLogprobs(BaseModel):
+    content: list[ChatTokenLogprob]
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+    refusal: None = None
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: AssistantMessage
+    logprobs: ChatChoiceLogprobs | None
+    finish_reason: Literal["stop", "length"]
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+    system_fingerprint: str | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "inferno"
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorDetail
+
+
+class HealthResponse(BaseModel):
+    status: Literal["ready", "loading", "failed", "stopped"]
+    reason: str | None = None

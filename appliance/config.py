@@ -1,0 +1,276 @@
+"""The appliance's settings: one TOML file plus `INFERNO_<SECTION>_<NAME>` environment overrides.
+
+`load_settings` reads them once at start, validates everything before anything starts, and
+returns a frozen `Settings`; each component receives the section it needs. Errors name the
+setting (`server.port`) and where its value came from. Every setting is documented in
+docs/CONFIG.md (a test checks that the two agree).
+
+Relative paths in the file are relative to the file's directory; in an environment override,
+to the current directory.
+"""
+
+from __future__ import annotations
+
+import os
+import tomllib
+import types
+import typing
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Literal, Self
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+
+from appliance.errors import ConfigError
+
+ENV_PREFIX = "INFERNO_"
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ModelSettings(_Section):
+    dir: Path = Field(description="model directory: config.json, safetensors, tokenizer")
+    name: str | None = Field(
+        default=None,
+        min_length=1,
+        description="the model id clients name in requests; default: the directory's name",
+    )
+
+    @field_validator("dir")
+    @classmethod
+    def _check_dir(cls, value: Path) -> Path:
+        if not (value / "config.json").is_file():
+            raise ValueError(
+                f"{value} is not a model directory (no config.json); convert a GGUF with "
+                "`inferno model import-gguf` or point it at a converted model"
+            )
+        return value
+
+
+class EngineSettings(_Section):
+    """The engine's sizes and switches, as in `appliance.engine.engine.EngineConfig`."""
+
+    device: str = Field(default="cpu", description="cpu, or cuda / cuda:N for a GPU")
+    dtype: Literal["float32", "bfloat16", "float16"] | None = Field(
+        default=None, description="weights and KV cache; default float32 on cpu, bfloat16 on cuda"
+    )
+    block_size: int = Field(default=16, ge=1, le=1024, description="tokens per KV-cache block")
+    num_kv_blocks: int | None = Field(
+        default=None, ge=1, description="KV-cache blocks; default: sized from memory"
+    )
+    kv_cache_memory_bytes: int = Field(
+        default=1 << 30, ge=1, description="KV-cache size on cpu when num_kv_blocks is unset"
+    )
+    gpu_memory_utilization: float = Field(
+        default=0.9, gt=0.0, le=1.0, description="fraction of GPU memory the engine may use"
+    )
+    max_model_len: int | None = Field(
+        default=None, ge=2, description="context length; default and upper bound: the model's"
+    )
+    max_num_seqs: int = Field(default=64, ge=1, description="sequences running at once")
+    max_num_batched_tokens: int = Field(default=2048, ge=1, description="tokens per step")
+    enable_prefix_caching: bool = Field(default=True, description="reuse KV of shared prefixes")
+    enable_chunked_prefill: bool = Field(default=True, description="split long prompts")
+    enable_cuda_graphs: bool = Field(default=True, description="replay decode steps (cuda)")
+    max_decode_burst: int = Field(
+        default=1, ge=1, description="decode steps run back to back without the host"
+    )
+
+
+class ServerSettings(_Section):
+    host: str = Field(default="127.0.0.1", min_length=1, description="address to listen on")
+    port: int = Field(default=8443, ge=0, le=65535, description="TCP port; 0 picks a free one")
+    insecure_http: bool = Field(
+        default=False, description="serve plain HTTP without TLS (development only)"
+    )
+    max_request_body_bytes: int = Field(
+        default=4 << 20, ge=1024, description="larger request bodies get 413"
+    )
+    max_concurrent_requests: int = Field(
+        default=256,
+        ge=1,
+        description="sequences admitted at once (a request with n choices counts n); more: 429",
+    )
+    retry_after_s: int = Field(default=1, ge=1, description="Retry-After of a 429 response")
+    drain_timeout_s: float = Field(
+        default=30.0, ge=0.0, description="on SIGTERM, how long in-flight requests may finish"
+    )
+
+
+class TlsSettings(_Section):
+    cert_file: Path | None = Field(default=None, description="PEM certificate chain")
+    key_file: Path | None = Field(default=None, description="PEM private key")
+    self_signed: bool = Field(
+        default=False,
+        description="make a self-signed certificate at cert_file/key_file if they do not exist",
+    )
+
+
+class LogSettings(_Section):
+    level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field(
+        default="WARNING", description="log level; prompts and completions are never logged"
+    )
+
+
+class Settings(_Section):
+    model: ModelSettings
+    engine: EngineSettings = EngineSettings()
+    server: ServerSettings = ServerSettings()
+    tls: TlsSettings = TlsSettings()
+    log: LogSettings = LogSettings()
+
+    @property
+    def served_model_name(self) -> str:
+        return self.model.name or self.model.dir.name
+
+    @model_validator(mode="after")
+    def _check_tls(self) -> Self:
+        tls, files = self.tls, (self.tls.cert_file, self.tls.key_file)
+        if self.server.insecure_http:
+            if any(files) or tls.self_signed:
+                raise ValueError(
+                    "server.insecure_http = true serves plain HTTP, yet a tls setting is given; "
+                    "remove one of the two"
+                )
+            return self
+        if not all(files):
+            raise ValueError(
+                "TLS is always on: set tls.cert_file and tls.key_file (tls.self_signed = true "
+                "makes them), or set server.insecure_http = true for plain HTTP in development"
+            )
+        if not tls.self_signed:
+            for name, path in (("tls.cert_file", tls.cert_file), ("tls.key_file", tls.key_file)):
+                if not path.is_file():  # type: ignore[union-attr]
+                    raise ValueError(f"{name} = {path} does not exist")
+        return self
+
+
+SECTIONS: dict[str, type[_Section]] = {
+    name: typing.cast(type[_Section], field.annotation)
+    for name, field in Settings.model_fields.items()
+}
+
+
+def setting_names() -> list[str]:
+    """Every setting as `section.name`, in declaration order."""
+    return [
+        f"{section}.{name}" for section, model in SECTIONS.items() for name in model.model_fields
+    ]
+
+
+def load_settings(path: Path, environ: Mapping[str, str] | None = None) -> Settings:
+    """Read `path` (TOML), apply `INFERNO_<SECTION>_<NAME>` overrides from `environ` (default:
+    the process environment) and validate. Raises `ConfigError` naming the setting at fault."""
+    path = Path(path)
+    try:
+        raw = tomllib.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ConfigError(f"config file {path} does not exist") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"cannot read config file {path}: {exc}") from exc
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"config file {path} is not valid TOML: {exc}") from exc
+    return settings_from_mapping(
+        raw,
+        base_dir=path.parent,
+        source=str(path),
+        environ=os.environ if environ is None else environ,
+    )
+
+
+def settings_from_mapping(
+    raw: Mapping[str, Any],
+    *,
+    base_dir: Path,
+    source: str = "the settings",
+    environ: Mapping[str, str] | None = None,
+) -> Settings:
+    """Validate settings given as nested mappings (a parsed TOML file), plus `environ` overrides."""
+    merged: dict[str, Any] = {}
+    for section, values in raw.items():
+        if section in SECTIONS and isinstance(values, Mapping):
+            merged[section] = _resolve_paths(section, dict(values), base_dir)
+        else:
+            merged[section] = values
+    from_env = _environment_overrides(environ or {})
+    for (section, name), (_, value) in from_env.items():
+        target = merged.setdefault(section, {})
+        if isinstance(target, dict):  # otherwise the validation reports the malformed section
+            target.update(_resolve_paths(section, {name: value}, Path.cwd()))
+    try:
+        return Settings.model_validate(merged)
+    except ValidationError as exc:
+        env_names = {key: env_name for key, (env_name, _) in from_env.items()}
+        raise ConfigError(_describe(exc, source, env_names)) from None
+
+
+def _environment_overrides(environ: Mapping[str, str]) -> dict[tuple[str, str], tuple[str, str]]:
+    """`INFERNO_SERVER_PORT=9000` → {("server", "port"): ("INFERNO_SERVER_PORT", "9000")}.
+
+    Variables that start with a section's prefix must name a setting (a typo is an error, not
+    silently ignored); other `INFERNO_` variables belong to other tools and are left alone.
+    """
+    overrides = {}
+    for env_name, value in environ.items():
+        if not env_name.startswith(ENV_PREFIX):
+            continue
+        rest = env_name[len(ENV_PREFIX) :].lower()
+        section = next((s for s in SECTIONS if rest.startswith(s + "_")), None)
+        if section is None:
+            continue
+        name = rest[len(section) + 1 :]
+        if name not in SECTIONS[section].model_fields:
+            known = ", ".join(SECTIONS[section].model_fields)
+            raise ConfigError(f"{env_name}: there is no setting {section}.{name} (known: {known})")
+        overrides[(section, name)] = (env_name, value)
+    return overrides
+
+
+def _is_path_field(section: str, name: str) -> bool:
+    field = SECTIONS[section].model_fields.get(name)
+    if field is None:
+        return False
+    annotation = field.annotation
+    if isinstance(annotation, types.UnionType):
+        return Path in typing.get_args(annotation)
+    return annotation is Path
+
+
+def _resolve_paths(section: str, values: dict[str, Any], base_dir: Path) -> dict[str, Any]:
+    return {
+        name: base_dir / Path(value).expanduser()
+        if isinstance(value, str) and value and _is_path_field(section, name)
+        else value
+        for name, value in values.items()
+    }
+
+
+def _describe(exc: ValidationError, source: str, env_names: dict[tuple[str, str], str]) -> str:
+    """One line per problem, naming the setting and where its value came from; never quotes the
+    value itself (a future setting may be a secret)."""
+    lines = []
+    for error in exc.errors(include_input=False, include_url=False):
+        loc = tuple(str(part) for part in error["loc"])
+        setting = ".".join(loc) or "settings"
+        if error["type"] == "extra_forbidden":
+            message = "not a setting (check the spelling; docs/CONFIG.md lists them)"
+        elif error["type"] == "missing":
+            message = "required"
+        else:
+            message = error["msg"].removeprefix("Value error, ")
+        origin = env_names.get(loc[:2]) if len(loc) >= 2 else None
+        where = f"from {origin}" if origin else f"in {source}"
+        if setting == "settings":
+            lines.append(f"{message} ({where})")
+        else:
+            lines.append(f"{setting}: {message} ({where})")
+    return "invalid settings: " + "; ".join(lines)

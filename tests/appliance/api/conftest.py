@@ -1,0 +1,134 @@
+"""A real server for the API tests: uvicorn with TLS on a loopback socket, in a thread, serving
+one engine that every test module shares (loading the model once keeps the suite fast)."""
+
+from __future__ import annotations
+
+import ssl
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from appliance.app import build
+from appliance.config import Settings, settings_from_mapping
+from appliance.engine.engine import Engine, EngineConfig
+from appliance.server import listen, uvicorn_server
+
+MODEL_NAME = "smollm2"
+
+
+@pytest.fixture(scope="session")
+def api_engine(smollm2_dir: Path) -> Engine:
+    return Engine.from_config(
+        EngineConfig(model_dir=smollm2_dir, max_model_len=512, num_kv_blocks=512)
+    )
+
+
+def make_settings(tls_dir: Path, model_dir: Path, **server: Any) -> Settings:
+    """Settings for a TLS server on a free loopback port (self-signed certificate in
+    `tls_dir`); `server` overrides [server] settings."""
+    return settings_from_mapping(
+        {
+            "model": {"dir": str(model_dir), "name": MODEL_NAME},
+            "server": {"host": "127.0.0.1", "port": 0, **server},
+            "tls": {
+                "cert_file": str(tls_dir / "cert.pem"),
+                "key_file": str(tls_dir / "key.pem"),
+                "self_signed": True,
+            },
+        },
+        base_dir=tls_dir,
+    )
+
+
+@dataclass
+class RunningServer:
+    url: str
+    cert_file: Path
+    engine: Engine | None
+
+    def client(self, **kwargs: Any) -> openai.OpenAI:
+        """The official client, trusting the server's certificate; no retries (a 429 or 503
+        must reach the test)."""
+        return openai.OpenAI(
+            base_url=f"{self.url}/v1",
+            api_key="unused",
+            max_retries=0,
+            http_client=httpx.Client(verify=self.tls_context()),
+            **kwargs,
+        )
+
+    def async_client(self, **kwargs: Any) -> openai.AsyncOpenAI:
+        return openai.AsyncOpenAI(
+            base_url=f"{self.url}/v1",
+            api_key="unused",
+            max_retries=0,
+            http_client=httpx.AsyncClient(verify=self.tls_context()),
+            **kwargs,
+        )
+
+    def http(self) -> httpx.Client:
+        return httpx.Client(base_url=self.url, verify=self.tls_context(), timeout=60)
+
+    def metric(self, name: str, **labels: str) -> float:
+        """The value of one sample on /metrics (0 when absent, as for a counter never hit)."""
+        with self.http() as http:
+            text = http.get("/metrics").text
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if sample.name == name and labels.items() <= sample.labels.items():
+                    return sample.value
+        return 0.0
+
+    def tls_context(self) -> ssl.SSLContext:
+        """Trusts exactly the server's self-signed certificate."""
+        return ssl.create_default_context(cafile=self.cert_file)
+
+
+@contextmanager
+def running_server(settings: Settings, engine: Engine | None) -> Iterator[RunningServer]:
+    """Serve `build(settings, engine=engine)` exactly as `inferno serve` does, in a thread."""
+    app = build(settings, engine=engine)
+    listener = listen(settings)
+    server = uvicorn_server(settings, app)
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [listener.sock]})
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
+        time.sleep(0.01)
+    try:
+        assert settings.tls.cert_file is not None
+        yield RunningServer(listener.url, settings.tls.cert_file, engine)
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
+
+
+def wait_until_idle(engine: Engine, timeout_s: float = 10.0) -> None:
+    """Wait (bounded) until the engine holds no request and every KV block is free."""
+    deadline = time.monotonic() + timeout_s
+    bm = engine.block_manager
+    while engine.has_unfinished() or bm.num_free_blocks != bm.num_blocks:
+        assert time.monotonic() < deadline, (
+            f"engine not idle: unfinished={engine.has_unfinished()}, "
+            f"free blocks {bm.num_free_blocks} of {bm.num_blocks}"
+        )
+        time.sleep(0.02)
+
+
+@pytest.fixture(scope="module")
+def server(
+    api_engine: Engine, smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[RunningServer]:
+    settings = make_settings(tmp_path_factory.mktemp("tls"), smollm2_dir)
+    with running_server(settings, api_engine) as running:
+        yield running

@@ -1,0 +1,159 @@
+"""Settings: one TOML file plus INFERNO_ environment overrides, validated with errors that name
+the setting; every setting documented in docs/CONFIG.md."""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+import pytest
+
+from appliance.app import engine_config
+from appliance.config import Settings, load_settings, setting_names
+from appliance.engine.engine import EngineConfig
+from appliance.errors import ConfigError
+from installer.demo import write_demo_config
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture
+def model_dir(tmp_path: Path) -> Path:
+    directory = tmp_path / "models" / "tiny"
+    directory.mkdir(parents=True)
+    (directory / "config.json").write_text("{}")
+    return directory
+
+
+def _write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "inferno.toml"
+    path.write_text(text)
+    return path
+
+
+def _insecure(model_dir: Path, extra: str = "") -> str:
+    return f'[model]\ndir = "{model_dir}"\n[server]\ninsecure_http = true\n{extra}'
+
+
+def test_file_values_are_read_and_the_rest_defaulted(tmp_path: Path, model_dir: Path) -> None:
+    path = _write(tmp_path, _insecure(model_dir, "port = 9000\n[engine]\nmax_num_seqs = 8\n"))
+    settings = load_settings(path, environ={})
+    assert settings.server.port == 9000
+    assert settings.engine.max_num_seqs == 8
+    assert settings.engine.block_size == 16
+    assert settings.served_model_name == "tiny"
+
+
+def test_environment_overrides_the_file_with_typed_values(tmp_path: Path, model_dir: Path) -> None:
+    path = _write(tmp_path, _insecure(model_dir, "port = 9000\n"))
+    environ = {
+        "INFERNO_SERVER_PORT": "9100",
+        "INFERNO_ENGINE_ENABLE_PREFIX_CACHING": "false",
+        "INFERNO_MODEL_NAME": "served-name",
+        "INFERNO_COMMIT": "abc123",  # another tool's variable: left alone
+    }
+    settings = load_settings(path, environ=environ)
+    assert settings.server.port == 9100
+    assert settings.engine.enable_prefix_caching is False
+    assert settings.served_model_name == "served-name"
+
+
+def test_relative_paths_are_relative_to_the_file_or_to_the_current_directory(
+    tmp_path: Path, model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = _write(
+        tmp_path,
+        '[model]\ndir = "models/tiny"\n[tls]\ncert_file = "tls/c.pem"\nkey_file = "k.pem"\n'
+        "self_signed = true\n",
+    )
+    monkeypatch.chdir(model_dir)
+    settings = load_settings(path, environ={"INFERNO_TLS_KEY_FILE": "from-env.pem"})
+    assert settings.model.dir == model_dir
+    assert settings.tls.cert_file == tmp_path / "tls" / "c.pem"
+    assert settings.tls.key_file == model_dir / "from-env.pem"
+
+
+def test_bad_value_names_the_setting_and_its_source_but_not_the_value(
+    tmp_path: Path, model_dir: Path
+) -> None:
+    path = _write(tmp_path, _insecure(model_dir, "port = 70000\n"))
+    with pytest.raises(ConfigError) as error:
+        load_settings(path, environ={"INFERNO_ENGINE_MAX_NUM_SEQS": "many"})
+    message = str(error.value)
+    assert f"server.port: Input should be less than or equal to 65535 (in {path})" in message
+    assert "engine.max_num_seqs: " in message
+    assert "(from INFERNO_ENGINE_MAX_NUM_SEQS)" in message
+    assert "many" not in message and "70000" not in message
+
+
+def test_misspelt_setting_in_the_file_is_an_error(tmp_path: Path, model_dir: Path) -> None:
+    path = _write(tmp_path, _insecure(model_dir, "prot = 9000\n"))
+    with pytest.raises(ConfigError, match=r"server\.prot: not a setting"):
+        load_settings(path, environ={})
+
+
+def test_misspelt_setting_in_the_environment_is_an_error(tmp_path: Path, model_dir: Path) -> None:
+    path = _write(tmp_path, _insecure(model_dir))
+    with pytest.raises(ConfigError, match=r"INFERNO_SERVER_PROT: there is no setting server\.prot"):
+        load_settings(path, environ={"INFERNO_SERVER_PROT": "1"})
+
+
+def test_missing_model_directory_is_named(tmp_path: Path) -> None:
+    path = _write(tmp_path, '[model]\ndir = "nowhere"\n[server]\ninsecure_http = true\n')
+    with pytest.raises(ConfigError, match=r"model\.dir: .*nowhere is not a model directory"):
+        load_settings(path, environ={})
+    with pytest.raises(ConfigError, match=r"model: required"):
+        load_settings(_write(tmp_path, "[server]\ninsecure_http = true\n"), environ={})
+
+
+def test_tls_is_required_unless_plain_http_is_asked_for(tmp_path: Path, model_dir: Path) -> None:
+    path = _write(tmp_path, f'[model]\ndir = "{model_dir}"\n')
+    with pytest.raises(ConfigError, match=r"TLS is always on: set tls\.cert_file"):
+        load_settings(path, environ={})
+    both = _write(tmp_path, _insecure(model_dir, '[tls]\ncert_file = "c.pem"\nkey_file = "k.pem"'))
+    with pytest.raises(ConfigError, match=r"insecure_http = true .* remove one"):
+        load_settings(both, environ={})
+
+
+def test_operator_certificate_files_must_exist(tmp_path: Path, model_dir: Path) -> None:
+    (tmp_path / "c.pem").write_text("")
+    path = _write(
+        tmp_path, f'[model]\ndir = "{model_dir}"\n[tls]\ncert_file = "c.pem"\nkey_file = "k.pem"\n'
+    )
+    with pytest.raises(ConfigError, match=r"tls\.key_file = .*k\.pem does not exist"):
+        load_settings(path, environ={})
+
+
+def test_unreadable_files_are_config_errors(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_settings(tmp_path / "absent.toml", environ={})
+    with pytest.raises(ConfigError, match=r"not valid TOML: .*line 1"):
+        load_settings(_write(tmp_path, "[model\n"), environ={})
+
+
+def test_every_setting_is_documented_and_every_documented_setting_exists() -> None:
+    text = (REPO_ROOT / "docs" / "CONFIG.md").read_text()
+    documented = re.findall(r"^\| `([a-z_]+\.[a-z_]+)` \|", text, flags=re.MULTILINE)
+    assert sorted(documented) == sorted(setting_names())
+
+
+def test_default_engine_settings_are_the_engines_own_defaults(model_dir: Path) -> None:
+    settings = Settings.model_validate(
+        {"model": {"dir": str(model_dir)}, "server": {"insecure_http": True}}
+    )
+    config = EngineConfig(model_dir=model_dir, **settings.engine.model_dump())
+    assert config == EngineConfig(model_dir=model_dir)
+
+
+def test_demo_config_serves_tls_with_a_self_signed_pair_on_8443(
+    tmp_path: Path, smollm2_dir: Path
+) -> None:
+    path = write_demo_config(tmp_path / "demo", smollm2_dir, device="cpu", port=8443)
+    settings = load_settings(path, environ={})
+    assert settings.model.dir == smollm2_dir.resolve()
+    assert (settings.server.host, settings.server.port) == ("127.0.0.1", 8443)
+    assert settings.tls.self_signed
+    assert settings.tls.cert_file == tmp_path / "demo" / "tls" / "cert.pem"
+    assert engine_config(settings).device == "cpu"
+    assert os.path.isabs(settings.tls.key_file)
