@@ -1,0 +1,329 @@
+"""W3 of PERFORMANCE.md: online serving through the HTTPS API under Poisson arrivals.
+
+Starts the real server in its own process (TLS on a loopback socket), sends streamed
+`/v1/completions` requests (prompt of --prompt-tokens random token ids, exactly
+--output-tokens new tokens: EOS ignored) arriving as a Poisson process at each rate, and reports
+per rate: TTFT and TPOT p50/p99 as the client sees them, output tokens/s, and the server
+process's CPU time ÷ wall time (all its threads: HTTP, event loop and engine loop).
+
+    python bench/server_load.py [--rates 10,20,40] [--duration-s 60]
+        # the random-weight Llama-3.1-8B on the GPU (as bench/gpu_engine.py builds it), served
+        # with a numbered word-level tokenizer (token i is the word "w<i>")
+    python bench/server_load.py --model DIR --device cpu --rates 1 --duration-s 10 \\
+        --prompt-tokens 32 --output-tokens 16     # any model directory, e.g. a CPU smoke run
+
+Prints the device, the commit (INFERNO_COMMIT or git) and Markdown rows for docs/BENCHMARKS.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import json
+import os
+import random
+import re
+import ssl
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+_HERE = Path(__file__).resolve().parent
+RANDOM_MODEL_NAME = "random-llama-3.1-8b"
+
+
+@dataclass(frozen=True, slots=True)
+class RequestTiming:
+    ttft_s: float
+    tpot_s: float
+    num_output_tokens: int
+
+
+# The server process.
+
+
+def serve_random_model(config_path: Path) -> None:
+    """Serve the random-weight 8B (GPU) exactly as `inferno serve` serves a model directory."""
+    sys.path.insert(0, str(_HERE))
+    from gpu_engine import random_llama  # the same model as W1/W2
+
+    from appliance.app import build, engine_config
+    from appliance.config import load_settings
+    from appliance.engine.engine import Engine
+    from appliance.server import listen, serve
+
+    settings = load_settings(config_path)
+    model = random_llama()
+    tokenizer = numbered_tokenizer(model.config.vocab_size)
+    engine = Engine.build(engine_config(settings), model, tokenizer)
+    app = build(settings, engine=engine)
+    listener = listen(settings)
+    print(f"inferno: serving {settings.served_model_name} on {listener.url}", file=sys.stderr)
+    serve(settings, app, listener)
+
+
+def numbered_tokenizer(vocab_size: int):
+    """A word-level tokenizer whose token i is the word "w<i>": every token decodes to text of
+    its own, so each generated token is streamed as a chunk, as with a real vocabulary."""
+    from tokenizers import Tokenizer as BackendTokenizer
+    from tokenizers import models, pre_tokenizers
+
+    from appliance.engine.tokenizer import Tokenizer
+
+    backend = BackendTokenizer(
+        models.WordLevel({f"w{i}": i for i in range(vocab_size)}, unk_token="w0")
+    )
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return Tokenizer(
+        backend, bos_token=None, eos_token=None, add_bos_token=False, chat_template=None
+    )
+
+
+def write_server_files(directory: Path, args: argparse.Namespace) -> tuple[Path, str, int]:
+    """The server's settings (and, for the random model, a model directory holding only its
+    config.json); returns (settings path, served model name, vocabulary size)."""
+    if args.model is None:
+        sys.path.insert(0, str(_HERE))
+        from gpu_engine import LLAMA_31_8B, MAX_MODEL_LEN
+
+        model_dir = directory / RANDOM_MODEL_NAME
+        model_dir.mkdir()
+        (model_dir / "config.json").write_text(json.dumps(LLAMA_31_8B))
+        max_model_len: int | None = MAX_MODEL_LEN
+    else:
+        model_dir = args.model.resolve()
+        max_model_len = None
+    vocab_size = json.loads((model_dir / "config.json").read_text())["vocab_size"]
+    engine = {
+        "device": args.device,
+        "max_num_seqs": args.max_num_seqs,
+        "max_num_batched_tokens": args.max_num_batched_tokens,
+        "max_decode_burst": args.max_decode_burst,
+    }
+    if max_model_len is not None:
+        engine["max_model_len"] = max_model_len
+    lines = [
+        "[model]",
+        f"dir = {json.dumps(str(model_dir))}",
+        "[engine]",
+        *(f"{key} = {json.dumps(value)}" for key, value in engine.items()),
+        "[server]",
+        'host = "127.0.0.1"',
+        "port = 0",
+        "max_concurrent_requests = 4096",
+        "[tls]",
+        'cert_file = "cert.pem"',
+        'key_file = "key.pem"',
+        "self_signed = true",
+    ]
+    config = directory / "inferno.toml"
+    config.write_text("\n".join(lines) + "\n")
+    return config, model_dir.name, vocab_size
+
+
+def start_server(config: Path, random_model: bool) -> tuple[subprocess.Popen[str], str]:
+    if random_model:
+        command = [sys.executable, __file__, "--serve-random-model", str(config)]
+    else:
+        command = [sys.executable, "-m", "appliance", "serve", "--config", str(config)]
+    server = subprocess.Popen(command, stderr=subprocess.PIPE, text=True)
+    assert server.stderr is not None
+    while line := server.stderr.readline():
+        if found := re.search(r"serving \S+ on (https://\S+)", line):
+            return server, found.group(1)
+    raise SystemExit(f"the server exited before serving (status {server.wait()})")
+
+
+def process_cpu_s(pid: int) -> float:
+    """User + system CPU seconds of a process, all its threads (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+# The load.
+
+
+async def one_request(
+    client: httpx.AsyncClient, model: str, prompt: list[int], output_tokens: int
+) -> RequestTiming:
+    body = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": output_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    start = time.perf_counter()
+    first = None
+    num_tokens = 0
+    async with client.stream("POST", "/v1/completions", json=body) as response:
+        response.raise_for_status()
+        async for line in response.aiter_lines():
+            # Parse only what is needed: a chunk with text, and the closing usage chunk.
+            if first is None and line.startswith("data: {") and '"text":""' not in line:
+                first = time.perf_counter()
+            elif line.startswith("data: {") and '"choices":[]' in line:
+                num_tokens = json.loads(line[6:])["usage"]["completion_tokens"]
+    end = time.perf_counter()
+    if first is None or num_tokens != output_tokens:
+        raise RuntimeError(f"a request produced {num_tokens} tokens, not {output_tokens}")
+    return RequestTiming(first - start, (end - first) / max(num_tokens - 1, 1), num_tokens)
+
+
+async def run_rate(
+    url: str,
+    tls: ssl.SSLContext,
+    model: str,
+    prompts: list[list[int]],
+    rate: float,
+    args: argparse.Namespace,
+    server_pid: int,
+) -> dict[str, float]:
+    """Poisson arrivals at `rate` for `duration_s`; waits for every request to finish."""
+    arrivals = random.Random(args.seed + int(rate * 1000))
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    async with httpx.AsyncClient(base_url=url, verify=tls, timeout=None, limits=limits) as client:
+        cpu_start, wall_start = process_cpu_s(server_pid), time.perf_counter()
+        tasks = []
+        next_arrival = 0.0
+        while next_arrival < args.duration_s:
+            delay = wall_start + next_arrival - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            prompt = prompts[len(tasks) % len(prompts)]
+            tasks.append(
+                asyncio.create_task(one_request(client, model, prompt, args.output_tokens))
+            )
+            next_arrival += arrivals.expovariate(rate)
+        timings = await asyncio.gather(*tasks)
+        # The window is the whole arrival period, however early the last request ended.
+        await asyncio.sleep(max(wall_start + args.duration_s - time.perf_counter(), 0))
+        wall = time.perf_counter() - wall_start
+        cpu = process_cpu_s(server_pid) - cpu_start
+    ttft = sorted(t.ttft_s for t in timings)
+    tpot = sorted(t.tpot_s for t in timings)
+    return {
+        "rate": rate,
+        "requests": len(timings),
+        "achieved_rate": len(timings) / args.duration_s,
+        "ttft_p50_ms": 1e3 * percentile(ttft, 50),
+        "ttft_p99_ms": 1e3 * percentile(ttft, 99),
+        "tpot_p50_ms": 1e3 * percentile(tpot, 50),
+        "tpot_p99_ms": 1e3 * percentile(tpot, 99),
+        "output_tok_s": sum(t.num_output_tokens for t in timings) / wall,
+        "server_cpu": cpu / wall,
+        "wall_s": wall,
+    }
+
+
+def percentile(sorted_values: list[float], p: float) -> float:
+    """Nearest-rank percentile."""
+    rank = max(1, -(-len(sorted_values) * p // 100))
+    return sorted_values[int(rank) - 1]
+
+
+def device_line(device: str) -> str:
+    if device.startswith("cuda"):
+        import torch
+
+        props = torch.cuda.get_device_properties(0)
+        return f"{props.name} ({props.total_memory / 2**30:.0f} GiB)"
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name"):
+            return f"{line.split(':', 1)[1].strip()} ({os.cpu_count()} CPUs)"
+    return "cpu"
+
+
+def commit() -> str:
+    if os.environ.get("INFERNO_COMMIT"):
+        return os.environ["INFERNO_COMMIT"]
+    out = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False
+    )
+    return out.stdout.strip() or "unknown"
+
+
+async def measure(args: argparse.Namespace) -> None:
+    with tempfile.TemporaryDirectory(prefix="inferno-w3-") as tmp:
+        directory = Path(tmp)
+        config, model, vocab_size = write_server_files(directory, args)
+        server, url = start_server(config, random_model=args.model is None)
+        try:
+            tls = ssl.create_default_context(cafile=directory / "cert.pem")
+            await wait_until_ready(url, tls)
+            generator = random.Random(args.seed)
+            prompts = [
+                [generator.randrange(vocab_size) for _ in range(args.prompt_tokens)]
+                for _ in range(256)
+            ]
+            async with httpx.AsyncClient(base_url=url, verify=tls, timeout=None) as client:
+                for prompt in prompts[:4]:  # warm-up, not measured
+                    await one_request(client, model, prompt, args.output_tokens)
+            print(
+                f"date {datetime.date.today()} device {device_line(args.device)} commit {commit()}"
+                f"\ncommand: {' '.join(sys.argv)}",
+                flush=True,
+            )
+            rows = []
+            for rate in args.rates:
+                result = await run_rate(url, tls, model, prompts, rate, args, server.pid)
+                print(json.dumps(result), flush=True)
+                rows.append(result)
+        finally:
+            server.terminate()
+            server.wait(timeout=120)
+    print(
+        "\n| req/s (achieved) | requests | TTFT p50 / p99 | TPOT p50 / p99 | output tok/s | "
+        "server CPU |\n|---|---|---|---|---|---|"
+    )
+    for r in rows:
+        print(
+            f"| {r['rate']:g} ({r['achieved_rate']:.1f}) | {r['requests']} | "
+            f"{r['ttft_p50_ms']:.0f} / {r['ttft_p99_ms']:.0f} ms | "
+            f"{r['tpot_p50_ms']:.1f} / {r['tpot_p99_ms']:.1f} ms | {r['output_tok_s']:.0f} | "
+            f"{r['server_cpu']:.0%} of a core |"
+        )
+
+
+async def wait_until_ready(url: str, tls: ssl.SSLContext, timeout_s: float = 900) -> None:
+    deadline = time.monotonic() + timeout_s
+    async with httpx.AsyncClient(base_url=url, verify=tls) as client:
+        while (await client.get("/health")).status_code != 200:
+            if time.monotonic() > deadline:
+                raise SystemExit("the server did not become ready")
+            await asyncio.sleep(0.5)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", type=Path, help="model directory (default: random 8B, GPU)")
+    parser.add_argument("--device", default=None, help="default: cuda (random 8B) or cpu")
+    parser.add_argument("--rates", default="10,20,40", help="request rates, req/s")
+    parser.add_argument("--duration-s", type=float, default=60.0, help="arrivals per rate")
+    parser.add_argument("--prompt-tokens", type=int, default=512)
+    parser.add_argument("--output-tokens", type=int, default=256)
+    parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    parser.add_argument("--max-decode-burst", type=int, default=1)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--serve-random-model", type=Path, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.serve_random_model is not None:
+        serve_random_model(args.serve_random_model)
+        return
+    args.rates = [float(rate) for rate in args.rates.split(",")]
+    if args.device is None:
+        args.device = "cuda" if args.model is None else "cpu"
+    asyncio.run(measure(args))
+
+
+if __name__ == "__main__":
+    main()
