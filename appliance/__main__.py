@@ -183,9 +183,9 @@ Call it with curl:
     -H 'Content-Type: application/json' -d '{body}'
 
 or with OpenAI's Python client:
-  import httpx, openai
-  client = openai.OpenAI(base_url="{url}/v1", api_key="unused",
-                         http_client=httpx.Client(verify="{cert}"))
+  import httpx, openai, ssl
+  client = openai.OpenAI(base_url="{url}/v1", api_key="unused", http_client=httpx.Client(
+      verify=ssl.create_default_context(cafile="{cert}")))
   reply = client.chat.completions.create(model="{model}",
       messages=[{{"role": "user", "content": "{question}"}}])
   print(reply.choices[0].message.content)
