@@ -1,1 +1,2 @@
-"""OpenAI-compatible HTTP routes (issue #4)."""
+"""The OpenAI-compatible HTTP API: routes, request and response schemas, streaming, error
+mapping, admission control, readiness, metrics and middleware. `appliance.app.build` wires it."""
