@@ -111,8 +111,18 @@ class AsyncEngine:
             # registered too late for that sees the error here instead of waiting forever.
             if self._error is not None:
                 raise EngineDeadError("the engine is not running") from self._error
+            pending: RequestOutput | BaseException | None = None
             while not finished:
-                item = await stream.get()
+                item = pending if pending is not None else await stream.get()
+                pending = None
+                # A consumer that fell behind gets everything queued as one output: under load
+                # each wake-up does a bounded amount of work, instead of one per token.
+                while isinstance(item, RequestOutput) and not stream.empty():
+                    following = stream.get_nowait()
+                    if isinstance(following, BaseException):
+                        pending = following
+                        break
+                    item = item.followed_by(following)
                 if isinstance(item, InvalidRequestError):
                     raise item
                 if isinstance(item, BaseException):

@@ -7,7 +7,7 @@ character), so a stream never shows text that the final output does not contain.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from appliance.engine.detokenizer import IncrementalDetokenizer
 from appliance.engine.model_runner import TokenLogprob
@@ -33,6 +33,21 @@ class RequestOutput:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+    def followed_by(self, later: RequestOutput) -> RequestOutput:
+        """This update and the `later` one of the same request as one update."""
+        logprobs = None
+        if self.logprobs is not None or later.logprobs is not None:
+            logprobs = [*(self.logprobs or ()), *(later.logprobs or ())]
+        return replace(
+            later,
+            text=self.text + later.text,
+            token_ids=self.token_ids + later.token_ids,
+            logprobs=logprobs,
+            prompt_logprobs=self.prompt_logprobs
+            if self.prompt_logprobs is not None
+            else later.prompt_logprobs,
+        )
 
 
 @dataclass

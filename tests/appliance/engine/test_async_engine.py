@@ -124,3 +124,24 @@ def test_invalid_request_raises_before_anything_is_submitted(engine: Engine) -> 
             assert await _collect(ae, "bad", PROMPTS[0])
 
     asyncio.run(main())
+
+
+def test_a_consumer_that_falls_behind_gets_the_queued_outputs_merged(engine: Engine) -> None:
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=1)
+    [expected] = engine.generate([PROMPTS[1]], params)
+
+    async def main() -> list:
+        async with AsyncEngine(engine) as ae:
+            outputs = []
+            async for out in ae.generate("slow", PROMPTS[1], params):
+                outputs.append(out)
+                await asyncio.sleep(0.2)  # several engine steps happen meanwhile
+            return outputs
+
+    outputs = asyncio.run(main())
+    assert len(outputs) < 24, "queued outputs reach a slow consumer together"
+    assert "".join(o.text for o in outputs) == expected.text
+    assert [t for o in outputs for t in o.token_ids] == expected.token_ids
+    logprobs = [lp for o in outputs for lp in o.logprobs]
+    assert [lp.token_id for lp in logprobs] == expected.token_ids
+    assert outputs[-1].finish_reason == "length" and outputs[-1].num_output_tokens == 24
