@@ -23,28 +23,23 @@ from appliance.engine.models.config import ModelConfig
 from appliance.engine.models.llama import LlamaForCausalLM
 from appliance.engine.sampling_params import SamplingParams
 
+STUB_CONFIG = {
+    "architectures": ["LlamaForCausalLM"],
+    "hidden_size": 64,
+    "intermediate_size": 64,
+    "num_hidden_layers": 1,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 1,
+    "vocab_size": 1000,
+    "max_position_embeddings": 4096,
+}
+
 
 def stub_model() -> LlamaForCausalLM:
-    ops = types.SimpleNamespace(
-        rms_norm=reference.rms_norm,
-        add_rms_norm=reference.add_rms_norm,
-        rotary_embedding=reference.rotary_embedding,
-        silu_and_mul=reference.silu_and_mul,
-        write_kv_cache=reference.write_kv_cache,
-        paged_attention=lambda q, k_cache, v_cache, meta, scale: q,
-    )
-    config = ModelConfig.from_dict(
-        {
-            "architectures": ["LlamaForCausalLM"],
-            "hidden_size": 64,
-            "intermediate_size": 64,
-            "num_hidden_layers": 1,
-            "num_attention_heads": 2,
-            "num_key_value_heads": 1,
-            "vocab_size": 1000,
-            "max_position_embeddings": 4096,
-        }
-    )
+    # The reference ops (whatever the kernel contract holds), with attention stubbed out.
+    stub_attention = {"paged_attention": lambda q, k_cache, v_cache, meta, scale: q}
+    ops = types.SimpleNamespace(**{**vars(reference), **stub_attention})
+    config = ModelConfig.from_dict(STUB_CONFIG)
     with torch.device("meta"):
         model = LlamaForCausalLM(config, ops)
     model.to_empty(device="cpu")

@@ -4,13 +4,15 @@ Starts the real server in its own process (TLS on a loopback socket), sends stre
 `/v1/completions` requests (prompt of --prompt-tokens random token ids, exactly
 --output-tokens new tokens: EOS ignored) arriving as a Poisson process at each rate, and reports
 per rate: TTFT and TPOT p50/p99 as the client sees them, output tokens/s, and the server
-process's CPU time ÷ wall time (all its threads: HTTP, event loop and engine loop).
+process's CPU time ÷ wall time (all its threads), with the share of its event-loop thread (HTTP,
+TLS, JSON; the rest is mostly the engine loop).
 
     python bench/server_load.py [--rates 10,20,40] [--duration-s 60]
         # the random-weight Llama-3.1-8B on the GPU (as bench/gpu_engine.py builds it), served
         # with a numbered word-level tokenizer (token i is the word "w<i>")
     python bench/server_load.py --model DIR --device cpu --rates 1 --duration-s 10 \\
         --prompt-tokens 32 --output-tokens 16     # any model directory, e.g. a CPU smoke run
+    python bench/server_load.py --stub-model      # no model math: the server's own CPU cost
 
 Prints the device, the commit (INFERNO_COMMIT or git) and Markdown rows for docs/BENCHMARKS.md.
 """
@@ -24,10 +26,12 @@ import json
 import os
 import random
 import re
+import shutil
 import ssl
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,6 +40,7 @@ import httpx
 
 _HERE = Path(__file__).resolve().parent
 RANDOM_MODEL_NAME = "random-llama-3.1-8b"
+STUB_MODEL_NAME = "stub"
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,18 +53,24 @@ class RequestTiming:
 # The server process.
 
 
-def serve_random_model(config_path: Path) -> None:
-    """Serve the random-weight 8B (GPU) exactly as `inferno serve` serves a model directory."""
+def serve_built_model(kind: str, config_path: Path) -> None:
+    """Serve the random-weight 8B (GPU) or the stub model exactly as `inferno serve` serves a
+    model directory."""
     sys.path.insert(0, str(_HERE))
-    from gpu_engine import random_llama  # the same model as W1/W2
-
     from appliance.app import build, engine_config
     from appliance.config import load_settings
     from appliance.engine.engine import Engine
     from appliance.server import listen, serve
 
     settings = load_settings(config_path)
-    model = random_llama()
+    if kind == "random-8b":
+        from gpu_engine import random_llama  # the same model as W1/W2
+
+        model = random_llama()
+    else:
+        from engine_host import stub_model  # model math stubbed out: host cost only
+
+        model = stub_model()
     tokenizer = numbered_tokenizer(model.config.vocab_size)
     engine = Engine.build(engine_config(settings), model, tokenizer)
     app = build(settings, engine=engine)
@@ -88,14 +99,22 @@ def numbered_tokenizer(vocab_size: int):
 def write_server_files(directory: Path, args: argparse.Namespace) -> tuple[Path, str, int]:
     """The server's settings (and, for the random model, a model directory holding only its
     config.json); returns (settings path, served model name, vocabulary size)."""
-    if args.model is None:
+    if args.stub_model:
+        sys.path.insert(0, str(_HERE))
+        from engine_host import STUB_CONFIG
+
+        model_dir = directory / STUB_MODEL_NAME
+        model_dir.mkdir()
+        (model_dir / "config.json").write_text(json.dumps(STUB_CONFIG))
+        max_model_len: int | None = 4096
+    elif args.model is None:
         sys.path.insert(0, str(_HERE))
         from gpu_engine import LLAMA_31_8B, MAX_MODEL_LEN
 
         model_dir = directory / RANDOM_MODEL_NAME
         model_dir.mkdir()
         (model_dir / "config.json").write_text(json.dumps(LLAMA_31_8B))
-        max_model_len: int | None = MAX_MODEL_LEN
+        max_model_len = MAX_MODEL_LEN
     else:
         model_dir = args.model.resolve()
         max_model_len = None
@@ -127,23 +146,34 @@ def write_server_files(directory: Path, args: argparse.Namespace) -> tuple[Path,
     return config, model_dir.name, vocab_size
 
 
-def start_server(config: Path, random_model: bool) -> tuple[subprocess.Popen[str], str]:
-    if random_model:
-        command = [sys.executable, __file__, "--serve-random-model", str(config)]
+def start_server(config: Path, built: str | None) -> tuple[subprocess.Popen[str], str]:
+    """Start `inferno serve`, or this script serving a `built` model ("random-8b", "stub")."""
+    if built is not None:
+        command = [sys.executable, __file__, "--serve-built", built, str(config)]
     else:
         command = [sys.executable, "-m", "appliance", "serve", "--config", str(config)]
     server = subprocess.Popen(command, stderr=subprocess.PIPE, text=True)
     assert server.stderr is not None
     while line := server.stderr.readline():
         if found := re.search(r"serving \S+ on (https://\S+)", line):
+            # Pass the server's later messages on, so that its pipe never fills and blocks it.
+            threading.Thread(
+                target=shutil.copyfileobj, args=(server.stderr, sys.stderr), daemon=True
+            ).start()
             return server, found.group(1)
     raise SystemExit(f"the server exited before serving (status {server.wait()})")
 
 
-def process_cpu_s(pid: int) -> float:
-    """User + system CPU seconds of a process, all its threads (Linux /proc)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+def cpu_s(pid: int) -> tuple[float, float]:
+    """User + system CPU seconds of a process (all its threads), and of its main thread alone,
+    which runs the event loop: HTTP, TLS, JSON (Linux /proc). The rest is mostly the engine
+    thread."""
+
+    def read(stat: str) -> float:
+        fields = Path(stat).read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+    return read(f"/proc/{pid}/stat"), read(f"/proc/{pid}/task/{pid}/stat")
 
 
 # The load.
@@ -191,7 +221,7 @@ async def run_rate(
     arrivals = random.Random(args.seed + int(rate * 1000))
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     async with httpx.AsyncClient(base_url=url, verify=tls, timeout=None, limits=limits) as client:
-        cpu_start, wall_start = process_cpu_s(server_pid), time.perf_counter()
+        cpu_start, wall_start = cpu_s(server_pid), time.perf_counter()
         tasks = []
         next_arrival = 0.0
         while next_arrival < args.duration_s:
@@ -207,7 +237,7 @@ async def run_rate(
         # The window is the whole arrival period, however early the last request ended.
         await asyncio.sleep(max(wall_start + args.duration_s - time.perf_counter(), 0))
         wall = time.perf_counter() - wall_start
-        cpu = process_cpu_s(server_pid) - cpu_start
+        cpu_end = cpu_s(server_pid)
     ttft = sorted(t.ttft_s for t in timings)
     tpot = sorted(t.tpot_s for t in timings)
     return {
@@ -219,7 +249,8 @@ async def run_rate(
         "tpot_p50_ms": 1e3 * percentile(tpot, 50),
         "tpot_p99_ms": 1e3 * percentile(tpot, 99),
         "output_tok_s": sum(t.num_output_tokens for t in timings) / wall,
-        "server_cpu": cpu / wall,
+        "server_cpu": (cpu_end[0] - cpu_start[0]) / wall,
+        "event_loop_cpu": (cpu_end[1] - cpu_start[1]) / wall,
         "wall_s": wall,
     }
 
@@ -255,7 +286,8 @@ async def measure(args: argparse.Namespace) -> None:
     with tempfile.TemporaryDirectory(prefix="inferno-w3-") as tmp:
         directory = Path(tmp)
         config, model, vocab_size = write_server_files(directory, args)
-        server, url = start_server(config, random_model=args.model is None)
+        built = "stub" if args.stub_model else "random-8b" if args.model is None else None
+        server, url = start_server(config, built)
         try:
             tls = ssl.create_default_context(cafile=directory / "cert.pem")
             await wait_until_ready(url, tls)
@@ -282,14 +314,14 @@ async def measure(args: argparse.Namespace) -> None:
             server.wait(timeout=120)
     print(
         "\n| req/s (achieved) | requests | TTFT p50 / p99 | TPOT p50 / p99 | output tok/s | "
-        "server CPU |\n|---|---|---|---|---|---|"
+        "server CPU (of it, event loop) |\n|---|---|---|---|---|---|"
     )
     for r in rows:
         print(
             f"| {r['rate']:g} ({r['achieved_rate']:.1f}) | {r['requests']} | "
             f"{r['ttft_p50_ms']:.0f} / {r['ttft_p99_ms']:.0f} ms | "
             f"{r['tpot_p50_ms']:.1f} / {r['tpot_p99_ms']:.1f} ms | {r['output_tok_s']:.0f} | "
-            f"{r['server_cpu']:.0%} of a core |"
+            f"{r['server_cpu']:.0%} of a core ({r['event_loop_cpu']:.0%}) |"
         )
 
 
@@ -314,14 +346,20 @@ def main() -> None:
     parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
     parser.add_argument("--max-decode-burst", type=int, default=1)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--serve-random-model", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--stub-model",
+        action="store_true",
+        help="bench/engine_host.py's stub model on cpu: the server's own cost, without model math",
+    )
+    parser.add_argument("--serve-built", nargs=2, help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.serve_random_model is not None:
-        serve_random_model(args.serve_random_model)
+    if args.serve_built is not None:
+        kind, config = args.serve_built
+        serve_built_model(kind, Path(config))
         return
     args.rates = [float(rate) for rate in args.rates.split(",")]
     if args.device is None:
-        args.device = "cuda" if args.model is None else "cpu"
+        args.device = "cuda" if args.model is None and not args.stub_model else "cpu"
     asyncio.run(measure(args))
 
 
