@@ -155,6 +155,7 @@ def start_server(config: Path, built: str | None) -> tuple[subprocess.Popen[str]
     server = subprocess.Popen(command, stderr=subprocess.PIPE, text=True)
     assert server.stderr is not None
     while line := server.stderr.readline():
+        sys.stderr.write(line)  # start-up messages, and why it failed if it does
         if found := re.search(r"serving \S+ on (https://\S+)", line):
             # Pass the server's later messages on, so that its pipe never fills and blocks it.
             threading.Thread(
