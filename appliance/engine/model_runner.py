@@ -75,6 +75,9 @@ class ModelRunner:
         self.max_model_len = max_model_len
         self.kv_caches: list[torch.Tensor] = []
         self.graphs: DecodeGraphs | None = None
+        # Marks the end of a step's work. A blocking event puts the waiting thread to sleep; a
+        # plain `tolist()` would spin on the stream and burn a whole core for the whole step.
+        self._step_done = torch.cuda.Event(blocking=True) if self.device.type == "cuda" else None
 
     def set_kv_caches(self, kv_caches: list[torch.Tensor]) -> None:
         self.kv_caches = kv_caches
@@ -183,7 +186,7 @@ class ModelRunner:
             logits = self.model.compute_logits(hidden[rows])
             params = [chunks[i].seq.params for i in sampling_rows]
             sampled = sample(logits, params, [generators[i] for i in sampling_rows])
-            token_ids = dict(zip(sampling_rows, sampled.tolist(), strict=True))
+            token_ids = dict(zip(sampling_rows, self._to_host(sampled), strict=True))
             logprobs = self._logprobs(logits, sampled, params, sampling_rows)
         prompt = self._prompt_logprobs(chunks, hidden)
         return [
@@ -225,7 +228,14 @@ class ModelRunner:
             hidden = self._forward(input_ids, positions, meta)
             input_ids = sample(self.model.compute_logits(hidden), params, generators)
             sampled.append(input_ids)
-        return torch.stack(sampled, dim=1).tolist()
+        return self._to_host(torch.stack(sampled, dim=1))
+
+    def _to_host(self, values: torch.Tensor) -> list:
+        """The values of a tensor the queued work is still computing, waiting asleep for it."""
+        if self._step_done is not None:
+            self._step_done.record()
+            self._step_done.synchronize()
+        return values.tolist()
 
     def _forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
