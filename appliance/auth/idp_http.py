@@ -1,0 +1,52 @@
+"""HTTPS requests to identity providers: TLS verified against the customer's CA bundle (or the
+system's), no redirects followed, bounded time and size. The one place auth talks to the
+network."""
+
+from __future__ import annotations
+
+import json
+import ssl
+from pathlib import Path
+
+import httpx
+
+from appliance.auth.errors import AuthError
+
+MAX_DOCUMENT_BYTES = 1 << 20
+
+
+class IdpUnreachableError(AuthError):
+    """An identity provider did not answer a request usably (network, TLS, status, JSON)."""
+
+
+def idp_tls_context(ca_file: Path | None) -> ssl.SSLContext:
+    """Verifies IdP certificates against `ca_file` (PEM bundle), or the system's roots."""
+    return ssl.create_default_context(cafile=ca_file)
+
+
+class IdpHttp:
+    def __init__(self, tls: ssl.SSLContext, timeout_s: float) -> None:
+        self.tls = tls
+        self.timeout_s = timeout_s
+        self._client = httpx.AsyncClient(verify=tls, timeout=timeout_s, follow_redirects=False)
+
+    async def get_json(self, url: str) -> object:
+        """GET `url` and parse its JSON body. Raises `IdpUnreachableError` naming the URL."""
+        try:
+            async with self._client.stream("GET", url) as response:
+                if response.status_code != 200:
+                    raise IdpUnreachableError(f"GET {url} answered {response.status_code}")
+                body = bytearray()
+                async for chunk in response.aiter_bytes():
+                    body += chunk
+                    if len(body) > MAX_DOCUMENT_BYTES:
+                        raise IdpUnreachableError(f"GET {url}: the document is over 1 MiB")
+        except httpx.HTTPError as exc:
+            raise IdpUnreachableError(f"GET {url} failed: {type(exc).__name__}: {exc}") from exc
+        try:
+            return json.loads(body)
+        except ValueError:
+            raise IdpUnreachableError(f"GET {url} did not return JSON") from None
+
+    async def aclose(self) -> None:
+        await self._client.aclose()
