@@ -94,9 +94,16 @@ class IssuerSettings(_Frozen):
                 raise ValueError("console login needs discovery: remove jwks_file or console_*")
         else:
             _https_url(self.discovery_document_url, "discovery_url (or the issuer)")
-        console = (self.console_client_id, self.console_redirect_uri)
+        console = (
+            self.console_client_id,
+            self.console_redirect_uri,
+            self.console_client_secret_file,
+        )
         if any(console) and not all(console):
-            raise ValueError("console login needs both console_client_id and console_redirect_uri")
+            raise ValueError(
+                "console login needs console_client_id, console_redirect_uri and "
+                "console_client_secret_file"
+            )
         if self.console_redirect_uri is not None:
             _https_url(self.console_redirect_uri, "console_redirect_uri")
         return self

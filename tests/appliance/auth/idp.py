@@ -20,7 +20,6 @@ import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-from urllib.parse import quote
 
 import httpx
 import jwt
@@ -215,10 +214,8 @@ def authorization_code_tokens(
         code = httpx.URL(back.headers["location"]).params["code"]
         response = http.post(
             f"{idp.issuer}/token",
-            data={"grant_type": "authorization_code", "code": code,
-                  "redirect_uri": redirect_uri, "code_verifier": verifier},
-            # RFC 6749 section 2.3.1: the id and secret are form-encoded first (ids may hold ":").
-            auth=(quote(client_id, safe=""), quote(secret, safe="")),
+            data={"grant_type": "authorization_code", "code": code, "client_id": client_id,
+                  "client_secret": secret, "redirect_uri": redirect_uri, "code_verifier": verifier},
         )  # fmt: skip
     response.raise_for_status()
     return response.json()

@@ -41,6 +41,7 @@ def _clients(console_origin: str) -> list[dict[str, Any]]:
         "client_id": AUDIENCE,
         "client_secret": CONSOLE_SECRET,
         "grant_types": ["authorization_code"],
+        "token_endpoint_auth_method": "client_secret_post",
         "response_types": ["code"],
         "redirect_uris": [f"{console_origin}/console/callback"],
         "post_logout_redirect_uris": [f"{console_origin}/console/"],

@@ -44,7 +44,7 @@ def test_defaults_discover_the_issuer_and_allow_only_asymmetric_algorithms(tmp_p
         ({"issuer": "http://idp.example.com"}, {}, "https:// URL"),
         ({"discovery_url": "http://idp/.well-known/openid-configuration"}, {}, "https:// URL"),
         ({"jwks_file": "k.json", "discovery_url": "https://idp/x"}, {}, "not both"),
-        ({"console_client_id": "inferno"}, {}, "console_redirect_uri"),
+        ({"console_client_id": "inferno"}, {}, "console_client_secret_file"),
         ({}, {"jwks_cache_dir": None}, "jwks_cache_dir is required"),
         ({}, {"local_issuer": "demo", "local_issuer_key_file": "k.pem"}, "production config"),
         ({}, {"session_idle_timeout_s": 7200, "session_absolute_timeout_s": 3600}, "idle"),
