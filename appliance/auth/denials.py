@@ -12,6 +12,7 @@ from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from datetime import UTC, datetime
+from typing import Generic, TypeVar
 
 from appliance.auth.errors import AuthenticationError
 from appliance.auth.key_cache import Clock
@@ -21,8 +22,9 @@ from audit.event import Actor, AuditEvent, authentication_failure, authorization
 
 logger = logging.getLogger(__name__)
 
-AuditHook = Callable[[AuditEvent], Awaitable[object]]
-"""Appends an event to the audit log (`AuditLog.append_async`)."""
+Receipt = TypeVar("Receipt")
+AuditHook = Callable[[AuditEvent], Awaitable[Receipt]]
+"""Appends an event to the audit log and returns its receipt (raises if it cannot)."""
 
 MAX_TRACKED_SOURCES = 10_000
 
@@ -34,8 +36,11 @@ class _Bucket:
     num_suppressed: int = 0
 
 
-class DenialReporter:
-    def __init__(self, hook: AuditHook, events_per_minute: int, clock: Clock) -> None:
+class DenialReporter(Generic[Receipt]):
+    """Each method returns the hook's receipt for the recorded event, or None when the event
+    was suppressed by the rate limit or could not be recorded."""
+
+    def __init__(self, hook: AuditHook[Receipt], events_per_minute: int, clock: Clock) -> None:
         self._hook = hook
         self._capacity = float(events_per_minute)
         self._per_s = events_per_minute / 60.0
@@ -44,7 +49,7 @@ class DenialReporter:
 
     async def authentication_failed(
         self, error: AuthenticationError, source: str | None, request_id: str | None
-    ) -> None:
+    ) -> Receipt | None:
         claimed = Actor(
             issuer=error.claimed.get("issuer"),
             subject=error.claimed.get("subject"),
@@ -57,7 +62,7 @@ class DenialReporter:
             reason=str(error.reason),
             claimed=claimed,
         )
-        await self._report(event, source, f"refused a request from {source}: {error.reason}")
+        return await self._report(event, source, f"refused a request from {source}: {error.reason}")
 
     async def authorization_denied(
         self,
@@ -66,7 +71,7 @@ class DenialReporter:
         request_id: str | None,
         resource: str,
         required: Iterable[Role],
-    ) -> None:
+    ) -> Receipt | None:
         """`principal` is None when its roles could not even be read (separation of duties)."""
         event = authorization_denied(
             time=datetime.now(UTC),
@@ -77,22 +82,23 @@ class DenialReporter:
             required_roles=[role.value for role in required],
         )
         who = principal.subject if principal is not None else "a caller"
-        await self._report(event, source, f"denied {resource} to {who} from {source}")
+        return await self._report(event, source, f"denied {resource} to {who} from {source}")
 
-    async def _report(self, event: AuditEvent, source: str | None, message: str) -> None:
+    async def _report(self, event: AuditEvent, source: str | None, message: str) -> Receipt | None:
         num_suppressed = self._take(source)
         if num_suppressed is None:
-            return
+            return None
         if num_suppressed:
             details = {**event.details, "num_suppressed": num_suppressed}
             event = dataclasses.replace(event, details=details)
             message += f" ({num_suppressed} more not recorded)"
         logger.warning("%s", message)
         try:
-            await self._hook(event)
+            return await self._hook(event)
         except Exception:
             # The request is refused either way; the audit log's own errors say why it failed.
             logger.exception("cannot record a refused request in the audit log")
+            return None
 
     def _take(self, source: str | None) -> int | None:
         """Spend one event of `source`'s budget: the number suppressed before it, or None if

@@ -25,14 +25,17 @@ def test_each_source_gets_its_own_budget_and_suppressed_refusals_are_counted() -
     events: list[AuditEvent] = []
     clock = Clock()
 
-    async def record(event: AuditEvent) -> None:
+    async def record(event: AuditEvent) -> int:
         events.append(event)
+        return len(events) - 1  # the receipt: the entry's index
 
     async def scenario() -> None:
         reporter = DenialReporter(record, events_per_minute=3, clock=clock)
         error = AuthenticationError(Reason.BAD_SIGNATURE, claimed={"subject": "svc"})
-        for _ in range(10):
-            await reporter.authentication_failed(error, "192.0.2.1", None)
+        receipts = [
+            await reporter.authentication_failed(error, "192.0.2.1", None) for _ in range(10)
+        ]
+        assert receipts == [0, 1, 2] + [None] * 7
         await reporter.authentication_failed(error, "192.0.2.2", None)
         clock.now = 20.0  # one more event's worth of budget (3 per minute)
         await reporter.authentication_failed(error, "192.0.2.1", "req-9")
@@ -71,5 +74,6 @@ def test_a_failing_audit_hook_is_logged_and_does_not_raise(
 
     reporter = DenialReporter(broken, events_per_minute=10, clock=Clock())
     with caplog.at_level(logging.ERROR):
-        asyncio.run(reporter.authentication_failed(AuthenticationError(Reason.EXPIRED), None, None))
+        refused = AuthenticationError(Reason.EXPIRED)
+        assert asyncio.run(reporter.authentication_failed(refused, None, None)) is None
     assert "cannot record a refused request in the audit log" in caplog.text
