@@ -1,7 +1,8 @@
 """RFC 6962 Merkle tree: the transparency-dev probes, and proofs built here against a naive tree.
 
-The probes are transparency-dev/merkle's testdata (Apache-2.0), kept in the shared vectors as
-`../shared/vectors/merkle` (regenerate them with that repository's `go generate ./testdata`).
+The probes are transparency-dev/merkle's testdata (Apache-2.0, LICENSE beside them), copied into
+`tests/audit/vectors/merkle` so a clone tests on its own (regenerate them with that repository's
+`go generate ./testdata`).
 Each file is one verification call with `wantErr`; every inclusion and consistency file is used.
 """
 
@@ -32,7 +33,7 @@ from audit.merkle import (
     verify_inclusion,
 )
 
-VECTORS = Path(__file__).resolve().parents[3] / "shared" / "vectors" / "merkle"
+VECTORS = Path(__file__).resolve().parent / "vectors" / "merkle"
 # The eight leaves of RFC 6962's (and Certificate Transparency's) classic test tree.
 CT_LEAVES = [
     bytes.fromhex(h)
@@ -57,7 +58,7 @@ def _b64(value: str | None) -> bytes:
 def _probes(kind: str) -> list[Path]:
     files = sorted((VECTORS / kind).rglob("*.json"))
     if not files:
-        pytest.fail(f"no {kind} vectors under {VECTORS}: is ../shared beside the repository?")
+        pytest.fail(f"no {kind} vectors under {VECTORS}")
     return files
 
 
