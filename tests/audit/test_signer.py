@@ -30,7 +30,7 @@ def test_a_key_file_open_to_others_is_refused_and_its_content_not_shown(tmp_path
     os.chmod(path, 0o640)
     with pytest.raises(KeyFileError, match="mode 0640, open to group or others") as info:
         load_or_create_note_signer(path, ORIGIN)
-    assert signer.to_skey().split("+")[-1] not in str(info.value)
+    assert signer.to_skey().split("+", 4)[4] not in str(info.value)
 
 
 def test_a_symlinked_key_file_is_refused(tmp_path: Path) -> None:
