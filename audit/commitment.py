@@ -16,7 +16,7 @@ from pathlib import Path
 from audit.canonical import JsonValue, canonicalize
 from audit.encoding import encode_base64
 from audit.errors import KeyFileError
-from audit.keyfile import load_or_create_secret
+from audit.keyfile import load_or_create_secret, read_secret_file
 
 KEY_SIZE = 32
 ALGORITHM = "hmac-sha256"
@@ -36,6 +36,18 @@ class ContentCommitter:
     def load_or_create(cls, path: Path) -> ContentCommitter:
         """The deployment's commitment key, created at first start as an owner-only file."""
         return cls(load_or_create_secret(path, lambda: secrets.token_bytes(KEY_SIZE)))
+
+    @classmethod
+    def load(cls, path: Path) -> ContentCommitter:
+        """An existing commitment key (one key shared by the appliances of a deployment): never
+        created here, so that a mistyped path cannot start a second, unrelated key."""
+        try:
+            return cls(read_secret_file(path))
+        except FileNotFoundError:
+            raise KeyFileError(
+                f"commitment key file {path} does not exist; copy the deployment's key there "
+                "(mode 0600), or leave the setting out to make a key for this appliance alone"
+            ) from None
 
     def __repr__(self) -> str:
         return f"ContentCommitter(key_id={self.key_id})"

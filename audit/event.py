@@ -44,6 +44,7 @@ class Action(StrEnum):
     ATTESTATION_VERDICT = "attestation.verdict"
     INFERENCE_REQUEST = "inference.request"
     INFERENCE_COMPLETE = "inference.complete"
+    API_REQUEST = "api.request"
     AUTHENTICATE = "auth.authenticate"
     AUTHORIZE = "auth.authorize"
     AUDIT_HEARTBEAT = "audit.heartbeat"
@@ -192,6 +193,29 @@ def inference_complete(
             "response_commitment": response_commitment,
             "error": error,
         },
+    )
+
+
+def api_request(
+    *,
+    time: datetime,
+    actor: Actor,
+    source_address: str | None,
+    method: str,
+    route: str | None,
+    status: int,
+) -> AuditEvent:
+    """An API call that is not an accepted inference (a model listing, a proof, a request refused
+    before it was accepted): the route it matched (its template, never the raw path, which the
+    client chose) or None, and the HTTP status it was answered with."""
+    return AuditEvent(
+        Action.API_REQUEST,
+        Outcome.SUCCESS if status < 400 else Outcome.FAILURE,
+        time,
+        actor,
+        source_address,
+        None,
+        {"method": method, "route": route, "status": status},
     )
 
 

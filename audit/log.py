@@ -52,7 +52,8 @@ class AuditLogSettings:
     """What the log needs: its origin (also its key name), its database, and its key directory.
 
     The key directory holds the Ed25519 signing key, the signer's record of its last checkpoint
-    and the commitment key, each created at first start with mode 0600.
+    and the commitment key, each created at first start with mode 0600. `commitment_key_file`
+    names an existing commitment key elsewhere instead (one key for a whole deployment).
     """
 
     origin: str
@@ -60,6 +61,7 @@ class AuditLogSettings:
     key_dir: Path
     policy: CheckpointPolicy = field(default_factory=CheckpointPolicy)
     max_batch: int = 1024
+    commitment_key_file: Path | None = None
 
 
 @dataclass
@@ -114,7 +116,10 @@ class AuditLog:
         key_dir = settings.key_dir
         note_signer = load_or_create_note_signer(key_dir / SIGNING_KEY_FILE, settings.origin)
         signer = CheckpointSigner(note_signer, key_dir / SIGNER_STATE_FILE)
-        committer = ContentCommitter.load_or_create(key_dir / COMMITMENT_KEY_FILE)
+        if settings.commitment_key_file is None:
+            committer = ContentCommitter.load_or_create(key_dir / COMMITMENT_KEY_FILE)
+        else:
+            committer = ContentCommitter.load(settings.commitment_key_file)
         store = AuditStore.open(settings.database_url, settings.origin)
         try:
             _check_store_extends_signed(store, signer)

@@ -22,6 +22,21 @@ from audit.note import NoteSigner, VerifierKey
 def load_or_create_note_signer(path: Path, name: str) -> NoteSigner:
     """The log's Ed25519 key, created at first start as an owner-only skey file."""
     skey = load_or_create_secret(path, lambda: NoteSigner.generate(name).to_skey().encode())
+    return _parse_note_signer(path, name, skey)
+
+
+def load_note_signer(path: Path, name: str) -> NoteSigner:
+    """The log's existing key (to show its vkey); raises KeyFileError if there is none yet."""
+    try:
+        skey = read_secret_file(path)
+    except FileNotFoundError:
+        raise KeyFileError(
+            f"there is no signing key at {path} yet: the log makes it when it is first opened"
+        ) from None
+    return _parse_note_signer(path, name, skey)
+
+
+def _parse_note_signer(path: Path, name: str, skey: bytes) -> NoteSigner:
     try:
         signer = NoteSigner.from_skey(skey.decode("ascii"))
     except (AuditError, UnicodeDecodeError) as exc:

@@ -13,6 +13,7 @@ from audit.errors import KeyFileError
 from audit.event import (
     Actor,
     Outcome,
+    api_request,
     authentication_failure,
     format_time,
     inference_complete,
@@ -81,6 +82,20 @@ def test_inference_complete_refuses_an_accepted_outcome() -> None:
         )  # fmt: skip
 
 
+def test_an_api_request_records_its_route_and_status_with_the_outcome_they_imply() -> None:
+    listing = api_request(
+        time=T, actor=ALICE, source_address="10.0.0.7", method="GET", route="/v1/models",
+        status=200,
+    )  # fmt: skip
+    entry = listing.to_entry(3)
+    assert (entry["action"], entry["outcome"]) == ("api.request", "success")
+    assert entry["details"] == {"method": "GET", "route": "/v1/models", "status": 200}
+    refused = api_request(
+        time=T, actor=ALICE, source_address=None, method="POST", route=None, status=404
+    )
+    assert refused.to_entry(4)["outcome"] == "failure"
+
+
 def test_a_bad_source_address_or_action_is_refused() -> None:
     with pytest.raises(ValueError, match="does not appear to be an IPv4 or IPv6 address"):
         authentication_failure(time=T, source_address="evil", request_id=None, reason="expired")
@@ -97,6 +112,14 @@ def test_commitments_differ_per_key_and_name_their_key(tmp_path) -> None:  # typ
     assert "key" not in repr(a).replace("key_id", "")
     with pytest.raises(KeyFileError, match="must be 32 bytes"):
         ContentCommitter(b"short")
+
+
+def test_a_shared_commitment_key_is_loaded_never_created(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    made = ContentCommitter.load_or_create(tmp_path / "deployment.key")
+    assert ContentCommitter.load(tmp_path / "deployment.key").key_id == made.key_id
+    with pytest.raises(KeyFileError, match=r"missing\.key does not exist; copy the deployment"):
+        ContentCommitter.load(tmp_path / "missing.key")
+    assert not (tmp_path / "missing.key").exists()
 
 
 def test_policy_checkpoints_by_count_or_age_and_heartbeats_when_idle() -> None:

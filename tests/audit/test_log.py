@@ -8,6 +8,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -15,10 +16,12 @@ import pytest
 from sqlalchemy import create_engine, text
 
 from audit.checkpoint import open_checkpoint
+from audit.commitment import ContentCommitter
 from audit.errors import (
     AuditClosedError,
     AuditStoreError,
     AuditWriteError,
+    KeyFileError,
     UnknownEntryError,
     VerificationError,
 )
@@ -143,6 +146,19 @@ def test_append_fails_closed_when_the_database_refuses_writes(
             suffix = "" if conn.dialect.name == "sqlite" else " ON audit_leaves"
             conn.execute(text("DROP TRIGGER fail_leaves" + suffix))
         assert log.append(_event(2)).index == 1
+
+
+def test_a_configured_commitment_key_is_used_instead_of_the_key_dirs(
+    log_settings: MakeSettings, tmp_path: Path
+) -> None:
+    shared = ContentCommitter.load_or_create(tmp_path / "deployment-commitment.key")
+    settings = replace(log_settings(), commitment_key_file=tmp_path / "deployment-commitment.key")
+    with AuditLog.open(settings) as log:
+        assert log.committer.key_id == shared.key_id
+    assert not (settings.key_dir / "commitment.key").exists()
+    missing = replace(settings, commitment_key_file=tmp_path / "absent.key")
+    with pytest.raises(KeyFileError, match=r"absent\.key does not exist"):
+        AuditLog.open(missing)
 
 
 def test_append_after_close_raises(log_settings: MakeSettings) -> None:

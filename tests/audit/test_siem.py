@@ -16,6 +16,7 @@ from audit.event import (
     Action,
     Actor,
     Outcome,
+    api_request,
     authentication_failure,
     inference_complete,
     system_event,
@@ -70,6 +71,20 @@ def test_authentication_failure_maps_to_ocsf_authentication() -> None:
     assert (event["status_id"], event["status_detail"]) == (2, "failure")
     assert event["user"] == {"name": "unknown"}
     assert event["auth_protocol"] == "OAUTH 2.0"
+
+
+def test_an_unauthenticated_refused_api_request_maps_to_a_failed_api_activity() -> None:
+    data = canonicalize(
+        api_request(
+            time=T, actor=Actor(), source_address="10.9.9.9", method="POST", route=None, status=404
+        ).to_entry(5)
+    )
+    event = to_ocsf(data, ORIGIN)
+    assert (event["class_uid"], event["activity_id"]) == (6003, 99)
+    assert (event["status_id"], event["status_detail"]) == (2, "failure")
+    assert event["actor"]["user"] == {}
+    assert event["api"] == {"operation": "api.request", "request": {"uid": f"{ORIGIN}/5"}}
+    assert "ai_model" not in event
 
 
 def test_syslog_line_is_rfc5424_with_the_entry_as_its_message() -> None:

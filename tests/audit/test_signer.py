@@ -11,7 +11,7 @@ from audit.checkpoint import Checkpoint, open_checkpoint
 from audit.errors import KeyFileError, SignerRefusedError
 from audit.keyfile import load_or_create_secret, read_secret_file
 from audit.merkle import TreeFrontier, consistency_proof_plan, hash_leaf, resolve_plan
-from audit.signer import CheckpointSigner, load_or_create_note_signer
+from audit.signer import CheckpointSigner, load_note_signer, load_or_create_note_signer
 
 ORIGIN = "inferno.test/signer"
 
@@ -46,6 +46,17 @@ def test_a_key_of_another_log_is_refused(tmp_path: Path) -> None:
     load_or_create_note_signer(path, ORIGIN)
     with pytest.raises(KeyFileError, match=r"is the key of log 'inferno\.test/signer'"):
         load_or_create_note_signer(path, "inferno.test/other")
+
+
+def test_loading_an_existing_key_never_creates_one(tmp_path: Path) -> None:
+    path = tmp_path / "log.key"
+    with pytest.raises(KeyFileError, match=r"there is no signing key at .*log\.key yet"):
+        load_note_signer(path, ORIGIN)
+    assert not path.exists()
+    made = load_or_create_note_signer(path, ORIGIN)
+    assert load_note_signer(path, ORIGIN).verifier == made.verifier
+    with pytest.raises(KeyFileError, match="is the key of log"):
+        load_note_signer(path, "inferno.test/other")
 
 
 def test_an_existing_secret_is_never_regenerated(tmp_path: Path) -> None:
