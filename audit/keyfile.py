@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import stat
+import threading
 from collections.abc import Callable
 from pathlib import Path
 
@@ -72,8 +73,13 @@ def load_or_create_secret(path: Path, generate: Callable[[], bytes]) -> bytes:
 
 
 def write_file_atomically(path: Path, content: bytes, mode: int = 0o600) -> None:
-    """Replace `path` with `content` so that a crash leaves either the old or the new file."""
-    tmp = path.with_name(f".{path.name}.tmp")
+    """Replace `path` with `content` so that a crash leaves either the old or the new file.
+
+    Each writer has its own temporary file: the server and `inferno audit export` may record
+    the signer's state at the same moment, and a shared one could be renamed away under the
+    other (its write then fails, and a failing signer stops the log).
+    """
+    tmp = path.with_name(f".{path.name}.{os.getpid()}-{threading.get_ident()}.tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, mode)
     try:
         os.write(fd, content)

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import os
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
 from audit.checkpoint import Checkpoint, open_checkpoint
 from audit.errors import KeyFileError, SignerRefusedError
-from audit.keyfile import load_or_create_secret, read_secret_file
+from audit.keyfile import load_or_create_secret, read_secret_file, write_file_atomically
 from audit.merkle import TreeFrontier, consistency_proof_plan, hash_leaf, resolve_plan
 from audit.signer import CheckpointSigner, load_note_signer, load_or_create_note_signer
 
@@ -57,6 +58,20 @@ def test_loading_an_existing_key_never_creates_one(tmp_path: Path) -> None:
     assert load_note_signer(path, ORIGIN).verifier == made.verifier
     with pytest.raises(KeyFileError, match="is the key of log"):
         load_note_signer(path, "inferno.test/other")
+
+
+def test_concurrent_atomic_writers_of_one_file_never_fail_or_mix(tmp_path: Path) -> None:
+    path = tmp_path / "state.note"
+    contents = [f"writer {i}\n".encode() * 1000 for i in range(8)]
+
+    def write(content: bytes) -> None:
+        for _ in range(50):
+            write_file_atomically(path, content)
+
+    with ThreadPoolExecutor(8) as pool:
+        list(pool.map(write, contents))
+    assert path.read_bytes() in contents
+    assert [p.name for p in tmp_path.iterdir()] == ["state.note"]
 
 
 def test_an_existing_secret_is_never_regenerated(tmp_path: Path) -> None:
