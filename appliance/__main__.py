@@ -13,12 +13,14 @@ from typing import TYPE_CHECKING
 
 from appliance.engine.errors import EngineError
 from appliance.errors import ApplianceError
+from audit.errors import AuditError
 from installer.errors import InstallerError
 
 if TYPE_CHECKING:  # the engine imports torch: only load it for commands that need it
     from appliance.config import Settings
     from appliance.engine.engine import Engine
     from appliance.engine.sampling_params import SamplingParams
+    from audit.event import Actor
 
 _DESCRIPTION = "Inferno: a confidential LLM inference appliance."
 
@@ -32,7 +34,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     try:
         return int(args.run(args) or 0)
-    except (ApplianceError, EngineError, InstallerError) as exc:
+    except (ApplianceError, AuditError, EngineError, InstallerError) as exc:
         print(f"inferno: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
@@ -64,6 +66,25 @@ def _parser() -> argparse.ArgumentParser:
     )
     demo.add_argument("--port", type=int, default=None, help="port to listen on (default 8443)")
     demo.set_defaults(run=_run_demo)
+
+    audit = commands.add_parser(
+        "audit", help="export the audit log, or show its verifier key (with the server's settings)"
+    )
+    audit_commands = audit.add_subparsers(required=True, metavar="ACTION")
+    export = audit_commands.add_parser(
+        "export", help="write a bundle of the log for offline verification (itself logged)"
+    )
+    export.add_argument("out", type=Path, help="bundle directory (or tar file) to create")
+    export.add_argument("--config", required=True, type=Path, help="the server's settings file")
+    export.add_argument("--from", dest="first", type=int, help="first entry (default 0)")
+    export.add_argument("--to", dest="last", type=int, help="last entry (default: the newest)")
+    export.add_argument("--tar", action="store_true", help="write one tar file, not a directory")
+    export.set_defaults(run=_run_audit_export)
+    vkey = audit_commands.add_parser(
+        "vkey", help="print the verifier key that auditors pin to verify exports"
+    )
+    vkey.add_argument("--config", required=True, type=Path, help="the server's settings file")
+    vkey.set_defaults(run=_run_audit_vkey)
 
     model = commands.add_parser("model", help="manage model directories")
     model_commands = model.add_subparsers(required=True, metavar="ACTION")
@@ -126,26 +147,31 @@ def _run_import_gguf(args: argparse.Namespace) -> int:
 
 def _run_serve(args: argparse.Namespace) -> int:
     from appliance.app import build
+    from appliance.boot import start_audit_log
     from appliance.config import load_settings
     from appliance.server import listen, serve
 
     settings = load_settings(args.config)
     logging.getLogger().setLevel(settings.log.level)
-    app = build(settings)
-    listener = listen(settings)
-    print(f"inferno: serving {settings.served_model_name} on {listener.url}", file=sys.stderr)
-    if listener.fingerprint is not None:
-        print(f"inferno: TLS certificate SHA-256 {listener.fingerprint}", file=sys.stderr)
-    serve(settings, app, listener)
+    # The app closes the log at its shutdown (after a SIGTERM the process ends right after);
+    # closing it here as well covers a start that fails before serving.
+    with start_audit_log(settings) as audit_log:
+        app = build(settings, audit_log)
+        listener = listen(settings)
+        print(f"inferno: serving {settings.served_model_name} on {listener.url}", file=sys.stderr)
+        if listener.fingerprint is not None:
+            print(f"inferno: TLS certificate SHA-256 {listener.fingerprint}", file=sys.stderr)
+        serve(settings, app, listener)
     return 0
 
 
 def _run_demo(args: argparse.Namespace) -> int:
     from appliance.app import build, engine_config
+    from appliance.boot import start_audit_log
     from appliance.config import load_settings
-    from appliance.engine.engine import Engine
     from appliance.engine.models.gguf_import import import_gguf
     from appliance.server import listen, serve
+    from appliance.weights import LoadedModel
     from installer.demo import DEMO_PORT, demo_dir, write_demo_config
     from installer.embedded_model import default_model_dir, find_embedded_gguf
 
@@ -156,17 +182,21 @@ def _run_demo(args: argparse.Namespace) -> int:
     port = DEMO_PORT if args.port is None else args.port
     config_path = write_demo_config(demo_dir(), model_dir, device=args.device, port=port)
     settings = load_settings(config_path)
-    listener = listen(settings)
-    print(f"loading {settings.served_model_name} ...", file=sys.stderr)
-    # Loaded before serving, so the server is ready when the banner says so.
-    engine = Engine.from_config(engine_config(settings))
-    app = build(settings, engine=engine)
-    print(_demo_banner(settings.served_model_name, listener.url, settings, config_path), flush=True)
-    serve(settings, app, listener)
+    with start_audit_log(settings) as audit_log:
+        listener = listen(settings)
+        print(f"loading {settings.served_model_name} ...", file=sys.stderr)
+        # Loaded before serving, so the server is ready when the banner says so.
+        model = LoadedModel.load(engine_config(settings))
+        app = build(settings, audit_log, model=model)
+        banner = _demo_banner(
+            settings.served_model_name, listener.url, settings, config_path, audit_log.vkey
+        )
+        print(banner, flush=True)
+        serve(settings, app, listener)
     return 0
 
 
-def _demo_banner(model: str, url: str, settings: Settings, config_path: Path) -> str:
+def _demo_banner(model: str, url: str, settings: Settings, config_path: Path, vkey: str) -> str:
     from appliance.tls import certificate_fingerprint
 
     cert = settings.tls.cert_file
@@ -190,7 +220,59 @@ or with OpenAI's Python client:
       messages=[{{"role": "user", "content": "{question}"}}])
   print(reply.choices[0].message.content)
 
+Every response names its audit log entry (Audit-Entry header; its proof: {url}/v1/audit/proof/N).
+Audit log verifier key (auditors pin it to verify exports offline):
+  {vkey}
+Export the log: inferno audit export OUT --config {config_path}
+
 Health: {url}/health   Metrics: {url}/metrics   Settings: {config_path}"""
+
+
+def _run_audit_export(args: argparse.Namespace) -> int:
+    from appliance.boot import open_audit_log
+    from appliance.config import load_settings
+    from audit.export import ExportRequest, export_bundle
+
+    settings = load_settings(args.config)
+    request = ExportRequest(first_index=args.first, last_index=args.last)
+    with open_audit_log(settings.audit) as log:
+        summary = export_bundle(
+            log, args.out, request, actor=_local_operator("inferno audit export"), as_tar=args.tar
+        )
+    last = summary.first_index + summary.num_entries - 1
+    sizes = ", ".join(map(str, summary.checkpoint_sizes))
+    print(
+        f"exported entries {summary.first_index} to {last} of {settings.audit.origin} to "
+        f"{summary.path} (signed checkpoints at sizes {sizes}; this export is entry "
+        f"{summary.export_entry})\n"
+        f"verify it offline: python -m audit verify {summary.path} --vkey VKEY "
+        "(`inferno audit vkey` prints the VKEY to pin)"
+    )
+    return 0
+
+
+def _run_audit_vkey(args: argparse.Namespace) -> int:
+    from appliance.config import load_settings
+    from audit.log import SIGNING_KEY_FILE
+    from audit.signer import load_note_signer
+
+    audit = load_settings(args.config).audit
+    print(load_note_signer(audit.effective_key_dir / SIGNING_KEY_FILE, audit.origin).verifier)
+    return 0
+
+
+def _local_operator(command: str) -> Actor:
+    """Who runs an `inferno` command on the appliance itself: the operating system's user."""
+    import pwd
+
+    from audit.event import Actor
+
+    uid = os.geteuid()
+    try:
+        name = pwd.getpwuid(uid).pw_name
+    except KeyError:
+        name = f"uid {uid}"
+    return Actor(issuer="local", subject=name, client=command)
 
 
 if __name__ == "__main__":

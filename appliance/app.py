@@ -1,6 +1,6 @@
-"""The composition root: `build(settings)` wires the engine, the API routes, metrics, limits
-and middleware into one FastAPI app. Nothing here runs at import; the engine starts with the
-app's lifespan and stops with it.
+"""The composition root: `build(settings, audit_log)` wires the engine, the audit trail, the API
+routes, metrics, limits and middleware into one FastAPI app. Nothing here runs at import; the
+engine starts with the app's lifespan and stops with it, and the audit log closes after it.
 """
 
 from __future__ import annotations
@@ -16,20 +16,34 @@ from typing import Any
 
 from fastapi import FastAPI
 
-from appliance.api import chat, completions, health, metrics, models
+from appliance.api import audit_proofs, chat, completions, health, metrics, models
 from appliance.api.admission import Admission
+from appliance.api.audit_trail import AuditTrail
 from appliance.api.errors import install_error_handlers
 from appliance.api.metrics import ServerMetrics
-from appliance.api.middleware import TEE_UNVERIFIED, BodySizeLimit, TeeStateHeader
+from appliance.api.middleware import (
+    TEE_UNVERIFIED,
+    AuditEntryHeader,
+    BodySizeLimit,
+    TeeStateHeader,
+)
 from appliance.api.models import ServedModel
 from appliance.api.readiness import Readiness
+from appliance.boot import boot_phase_failed, boot_ready
 from appliance.config import Settings
 from appliance.engine.async_engine import AsyncEngine
-from appliance.engine.engine import Engine, EngineConfig
+from appliance.engine.engine import EngineConfig
 from appliance.engine.errors import EngineError
 from appliance.engine.models.config import ModelConfig
+from appliance.errors import ModelFilesError
+from appliance.weights import LoadedModel
+from audit.errors import AuditError
+from audit.log import AuditLog
 
 logger = logging.getLogger(__name__)
+
+# How long shutdown waits, after the engine stopped, for requests to hand their end to the log.
+_AUDIT_CLOSE_TIMEOUT_S = 10.0
 
 
 def engine_config(settings: Settings) -> EngineConfig:
@@ -41,28 +55,36 @@ def engine_config(settings: Settings) -> EngineConfig:
     return config
 
 
-def build(settings: Settings, *, engine: Engine | None = None) -> FastAPI:
+def build(settings: Settings, audit_log: AuditLog, *, model: LoadedModel | None = None) -> FastAPI:
     """The appliance's HTTP app.
 
-    Without `engine`, the model of `settings` loads in a thread when the app starts, while
-    `/live` already answers and `/health` says "loading" (or why loading failed). With
-    `engine` (tests, benchmarks), that engine is served at once; it is not closed afterwards,
-    so several apps in turn can share one.
+    `audit_log` is open and has recorded `boot.start` (appliance.boot.start_audit_log); the app
+    owns it from here: every API request is logged to it, and the app's shutdown closes it after
+    the requests in flight, signing the final checkpoint.
+
+    Without `model`, the model of `settings` loads in a thread when the app starts, while
+    `/live` already answers and `/health` says "loading" (or why loading failed). With `model`
+    (the demo, tests, benchmarks), that model is served at once; its engine is not closed
+    afterwards, so several apps in turn can share one.
     """
-    config = engine_config(settings) if engine is None else None
+    config = engine_config(settings) if model is None else None
     readiness = Readiness()
     server_metrics = ServerMetrics(settings.served_model_name)
+    trail = AuditTrail(audit_log, server_metrics, settings.served_model_name)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        starting = asyncio.create_task(_start_engine(config, engine, readiness, server_metrics))
+        starting = asyncio.create_task(
+            _start_engine(config, model, readiness, server_metrics, trail)
+        )
         try:
             yield
         finally:
             async_engine = await starting  # a load in progress cannot be interrupted
             readiness.set_stopped()
             if async_engine is not None:
-                await async_engine.shutdown()
+                await async_engine.shutdown()  # requests still running end aborted
+            await trail.close(timeout_s=_AUDIT_CLOSE_TIMEOUT_S)
 
     app = FastAPI(
         title="Inferno",
@@ -75,16 +97,18 @@ def build(settings: Settings, *, engine: Engine | None = None) -> FastAPI:
     )
     app.state.readiness = readiness
     app.state.metrics = server_metrics
+    app.state.audit_trail = trail
     app.state.admission = Admission(
         settings.server.max_concurrent_requests, settings.server.retry_after_s
     )
     app.state.served_model = ServedModel(settings.served_model_name, created=int(time.time()))
     install_error_handlers(app)
-    for module in (models, chat, completions, health, metrics):
+    for module in (models, chat, completions, audit_proofs, health, metrics):
         app.include_router(module.router)
     app.openapi = partial(_openapi, app)  # type: ignore[method-assign]
     app.add_middleware(BodySizeLimit, max_bytes=settings.server.max_request_body_bytes)
-    # Added last, so outermost: even a 413 from the size limit carries the header.
+    # Each added around the previous: a 413 from the size limit is logged and carries both.
+    app.add_middleware(AuditEntryHeader, trail=trail)
     app.add_middleware(TeeStateHeader, state=TEE_UNVERIFIED)
     return app
 
@@ -104,26 +128,50 @@ def _openapi(app: FastAPI) -> dict[str, Any]:
 
 async def _start_engine(
     config: EngineConfig | None,
-    engine: Engine | None,
+    model: LoadedModel | None,
     readiness: Readiness,
     metrics: ServerMetrics,
+    trail: AuditTrail,
 ) -> AsyncEngine | None:
-    """Start `engine`, or load it from `config` first; then mark the server ready. On a failed
-    load, mark it failed with the reason (the server stays up to report it)."""
-    if engine is None:
-        assert config is not None, "build() passes a config when it is given no engine"
+    """Start `model`, or load it from `config` first; record `boot.ready`; then mark the server
+    ready. On a failed load, or a log that cannot record it, mark the server failed with the
+    reason (it stays up to report it)."""
+    load_ms = None
+    if model is None:
+        assert config is not None, "build() passes a config when it is given no model"
+        started_s = time.monotonic()
         try:
-            engine = await asyncio.to_thread(Engine.from_config, config)
-        except EngineError as exc:
+            model = await asyncio.to_thread(LoadedModel.load, config)
+        except (EngineError, ModelFilesError) as exc:
             logger.error("the model could not be loaded: %s", exc)
+            await _record_failed_load(trail.log, exc)
             readiness.set_failed(f"the model could not be loaded: {exc}")
             return None
         except Exception as exc:
             logger.exception("the model could not be loaded")
+            await _record_failed_load(trail.log, exc)
             readiness.set_failed(f"the model could not be loaded ({type(exc).__name__}); see log")
             return None
-    async_engine = AsyncEngine(engine)
+        load_ms = (time.monotonic() - started_s) * 1000
+    trail.weights_digest = model.weights_digest
+    ready = boot_ready(
+        model=trail.model_name, weights_digest=model.weights_digest, model_load_ms=load_ms
+    )
+    try:
+        await trail.log.append_async(ready)
+    except AuditError as exc:
+        logger.error("the audit log cannot record boot.ready: %s", exc)
+        readiness.set_failed(f"the audit log cannot record boot.ready, so nothing is served: {exc}")
+        return None
+    async_engine = AsyncEngine(model.engine)
     async_engine.start()
-    metrics.watch(engine)
+    metrics.watch(model.engine)
     readiness.set_ready(async_engine)
     return async_engine
+
+
+async def _record_failed_load(log: AuditLog, exc: BaseException) -> None:
+    try:
+        await log.append_async(boot_phase_failed("model_load", exc))
+    except AuditError as audit_exc:
+        logger.error("the audit log cannot record the failed model load: %s", audit_exc)

@@ -27,6 +27,8 @@ from pydantic import (
     field_validator,
     model_validator,
 )
+from sqlalchemy.engine import make_url
+from sqlalchemy.exc import ArgumentError
 
 from appliance.errors import ConfigError
 
@@ -115,6 +117,84 @@ class TlsSettings(_Section):
     )
 
 
+class AuditSettings(_Section):
+    """The audit log (docs/AUDIT.md): where it lives and when it signs checkpoints."""
+
+    origin: str = Field(
+        description="the log's name in every checkpoint and in its vkey; unique per appliance"
+    )
+    data_dir: Path = Field(description="the SQLite database (audit.db) and, by default, the keys")
+    database_url: str | None = Field(
+        default=None,
+        description="sqlite:////ABSOLUTE/PATH or postgresql+psycopg://...; default: "
+        "SQLite at data_dir/audit.db",
+    )
+    key_dir: Path | None = Field(
+        default=None, description="signing key, signer state, commitment key; default data_dir/keys"
+    )
+    commitment_key_file: Path | None = Field(
+        default=None,
+        description="an existing HMAC key for prompt and response commitments, shared by the "
+        "appliances of one deployment; default: key_dir/commitment.key, made at first start",
+    )
+    checkpoint_every_entries: int = Field(
+        default=1000, ge=1, description="sign a checkpoint once this many entries wait for one"
+    )
+    checkpoint_every_s: float = Field(
+        default=10.0, gt=0.0, description="sign a checkpoint once an entry has waited this long"
+    )
+    heartbeat_s: float = Field(
+        default=3600.0, gt=0.0, description="an idle log appends and signs a heartbeat this often"
+    )
+
+    @field_validator("origin")
+    @classmethod
+    def _check_origin(cls, value: str) -> str:
+        if not value or "+" in value or any(c.isspace() for c in value):
+            raise ValueError(
+                "must be a name without spaces or '+', unique to this appliance, such as "
+                "inferno.example.com/audit (c2sp.org/tlog-checkpoint origin)"
+            )
+        return value
+
+    @field_validator("database_url")
+    @classmethod
+    def _check_database_url(cls, value: str | None) -> str | None:
+        if value is None:
+            return None
+        try:
+            url = make_url(value)
+        except ArgumentError:
+            raise ValueError("is not a database URL") from None
+        if url.get_backend_name() == "postgresql":
+            try:
+                url.get_dialect().import_dbapi()
+            except ImportError:
+                raise ValueError(
+                    f"the {url.get_driver_name()} driver for PostgreSQL is not installed: use "
+                    "postgresql+psycopg:// with `pip install inferno[postgresql]`"
+                ) from None
+            return value
+        if url.get_backend_name() != "sqlite":
+            raise ValueError("must be a sqlite:/// or postgresql:// URL")
+        if not url.database or url.database == ":memory:" or url.database.startswith("file:"):
+            raise ValueError("an in-memory SQLite database would lose the log; give a file path")
+        if not Path(url.database).is_absolute():
+            raise ValueError(
+                "a SQLite path must be absolute (sqlite:////var/lib/inferno/audit.db), or leave "
+                "the setting out for data_dir/audit.db"
+            )
+        return value
+
+    @property
+    def effective_database_url(self) -> str:
+        return self.database_url or f"sqlite:///{self.data_dir / 'audit.db'}"
+
+    @property
+    def effective_key_dir(self) -> Path:
+        return self.key_dir or self.data_dir / "keys"
+
+
 class LogSettings(_Section):
     level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field(
         default="WARNING", description="log level; prompts and completions are never logged"
@@ -126,6 +206,7 @@ class Settings(_Section):
     engine: EngineSettings = EngineSettings()
     server: ServerSettings = ServerSettings()
     tls: TlsSettings = TlsSettings()
+    audit: AuditSettings
     log: LogSettings = LogSettings()
 
     @property

@@ -15,3 +15,12 @@ class ConfigError(ApplianceError):
 
 class TlsError(ApplianceError):
     """The TLS certificate or key cannot be used or made."""
+
+
+class ModelFilesError(ApplianceError):
+    """The model directory's weight files cannot be read for their digest."""
+
+
+class BootError(ApplianceError):
+    """A start-up step failed (the audit log cannot be opened ...): the appliance does not
+    serve."""

@@ -1,8 +1,9 @@
 """The demo's files: where they live and the settings file `inferno demo` serves with.
 
 Everything sits under `$XDG_DATA_HOME/inferno/demo` (default `~/.local/share/...`): the
-settings file, rewritten at every start, and the self-signed TLS certificate and key, made at the
-first start and kept (so a client that pinned the certificate keeps trusting it).
+settings file, rewritten at every start; the self-signed TLS certificate and key, made at the
+first start and kept (so a client that pinned the certificate keeps trusting it); and the audit
+log (`audit/`: its SQLite database and keys, kept from start to start, as is its vkey).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from pathlib import Path
 
 DEMO_HOST = "127.0.0.1"
 DEMO_PORT = 8443
+DEMO_AUDIT_ORIGIN = "inferno-demo.localhost/audit"
 CONFIG_NAME = "inferno.toml"
 
 
@@ -45,7 +47,12 @@ def write_demo_config(directory: Path, model_dir: Path, *, device: str, port: in
         "# Made at the first start, then kept.\n"
         'cert_file = "tls/cert.pem"\n'
         'key_file = "tls/key.pem"\n'
-        "self_signed = true\n",
+        "self_signed = true\n"
+        "\n"
+        "[audit]\n"
+        f"origin = {json.dumps(DEMO_AUDIT_ORIGIN)}\n"
+        "# The SQLite database and the keys, kept from start to start.\n"
+        'data_dir = "audit"\n',
         encoding="utf-8",
     )
     return path

@@ -10,6 +10,7 @@ from collections.abc import AsyncGenerator
 from fastapi import APIRouter, Request
 
 from appliance.api.admission import AdmissionControl
+from appliance.api.audit_trail import Trail, sampling_record
 from appliance.api.errors import ERROR_RESPONSES, APIError, api_error_for, unsupported
 from appliance.api.generation import (
     Choice,
@@ -54,6 +55,7 @@ async def create_chat_completion(
     model: Model,
     admission: AdmissionControl,
     metrics: Metrics,
+    audit: Trail,
 ) -> ChatCompletionResponse | EventStreamResponse:
     arrival_s = time.monotonic()
     model.verify(body.model)
@@ -74,6 +76,18 @@ async def create_chat_completion(
     except EngineError as exc:
         raise api_error_for(exc, prompt_param="messages") from exc
     ticket = admission.admit(len(choices))
+    try:
+        record = await audit.accept(
+            request,
+            request_id=response_id,
+            endpoint="/v1/chat/completions",
+            prompt=[message.model_dump(exclude_none=True) for message in body.messages],
+            sampling=sampling_record(choices[0].params, n=body.n, stream=body.stream),
+            arrival_s=arrival_s,
+        )
+    except BaseException:
+        ticket.release()  # not logged, so not served: nothing was generated
+        raise
     head = {
         "id": response_id,
         "object": "chat.completion.chunk",
@@ -85,9 +99,15 @@ async def create_chat_completion(
         include_usage = body.stream_options is not None and body.stream_options.include_usage
         writer = ChunkWriter(head, include_usage=include_usage)
         events = _events(generation, writer, tokenizer, with_logprobs=body.logprobs)
-        return EventStreamResponse(events, on_close=ticket.release)
+
+        def closed() -> None:
+            ticket.release()
+            record.close_stream(generation)
+
+        return EventStreamResponse(record.stream(generation, events), on_close=closed)
     with ticket:
-        results = await cancel_on_disconnect(request, generation.collect())
+        async with record.recording(generation):
+            results = await cancel_on_disconnect(request, generation.collect())
     return ChatCompletionResponse(
         id=response_id,
         created=head["created"],

@@ -12,6 +12,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 
 from appliance.api.admission import AdmissionControl
+from appliance.api.audit_trail import Trail, sampling_record
 from appliance.api.errors import ERROR_RESPONSES, APIError, api_error_for, unsupported
 from appliance.api.generation import (
     Choice,
@@ -56,6 +57,7 @@ async def create_completion(
     model: Model,
     admission: AdmissionControl,
     metrics: Metrics,
+    audit: Trail,
 ) -> CompletionResponse | EventStreamResponse:
     arrival_s = time.monotonic()
     model.verify(body.model)
@@ -85,6 +87,18 @@ async def create_completion(
     except EngineError as exc:
         raise api_error_for(exc, prompt_param="prompt") from exc
     ticket = admission.admit(len(choices))
+    try:
+        record = await audit.accept(
+            request,
+            request_id=response_id,
+            endpoint="/v1/completions",
+            prompt=body.prompt,
+            sampling=sampling_record(choices[0].params, n=body.n, stream=body.stream),
+            arrival_s=arrival_s,
+        )
+    except BaseException:
+        ticket.release()  # not logged, so not served: nothing was generated
+        raise
     texts = _prompt_texts(body.prompt, prompts, tokenizer)
     output = _Output(tokenizer, texts, echo=body.echo, with_logprobs=body.logprobs is not None)
     head = {
@@ -97,9 +111,16 @@ async def create_completion(
     if body.stream:
         include_usage = body.stream_options is not None and body.stream_options.include_usage
         writer = ChunkWriter(head, include_usage=include_usage)
-        return EventStreamResponse(_events(generation, writer, output), on_close=ticket.release)
+        events = record.stream(generation, _events(generation, writer, output))
+
+        def closed() -> None:
+            ticket.release()
+            record.close_stream(generation)
+
+        return EventStreamResponse(events, on_close=closed)
     with ticket:
-        results = await cancel_on_disconnect(request, generation.collect())
+        async with record.recording(generation):
+            results = await cancel_on_disconnect(request, generation.collect())
     return CompletionResponse(
         id=response_id,
         created=head["created"],

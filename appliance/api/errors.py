@@ -3,7 +3,8 @@
 `{"error": {"message", "type", "param", "code"}}`, with OpenAI's statuses and types: 400
 `invalid_request_error` for anything wrong with the request (malformed JSON, a wrong type, an
 unknown field, a context overflow), 404 for an unknown model or path, 413 for a body over the
-limit, 429 with `Retry-After` when the server is full, 503 while the model is not ready.
+limit, 429 with `Retry-After` when the server is full, 503 while the model is not ready or
+when the audit log cannot record the request (fail closed).
 Messages never quote prompt or completion text; unexpected errors are logged with their
 traceback and answered with a generic 500.
 """
@@ -22,6 +23,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from appliance.api.schemas import ErrorDetail, ErrorResponse
 from appliance.engine.async_engine import EngineDeadError
 from appliance.engine.errors import ContextLengthExceededError, EngineError, InvalidRequestError
+from audit.errors import AuditError, UnknownEntryError
 
 logger = logging.getLogger(__name__)
 
@@ -69,7 +71,7 @@ ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
         (404, "the model is not served here"),
         (413, "the request body is over the size limit"),
         (429, "the server is full; retry after Retry-After seconds"),
-        (503, "the model is not ready, or the server is shutting down"),
+        (503, "not ready, shutting down, or the audit log cannot record the request"),
     )
 }
 """Error statuses of the inference routes, for the OpenAPI schema."""
@@ -88,8 +90,23 @@ def api_error_for(exc: EngineError, *, prompt_param: str | None = None) -> APIEr
     return APIError(500, "the engine failed on this request", type="server_error")
 
 
+def api_error_for_audit(exc: AuditError) -> APIError:
+    """404 for a log position that does not exist; otherwise the log cannot record or read, and
+    the request is refused (fail closed) with 503."""
+    if isinstance(exc, UnknownEntryError):
+        return APIError(404, str(exc), param="index", code="entry_not_found")
+    logger.error("audit log: %s", exc)
+    return APIError(
+        503,
+        "the audit log is unavailable, so this request is not served; retry later",
+        type="server_error",
+        code="audit_unavailable",
+    )
+
+
 def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(APIError, _on_api_error)  # type: ignore[arg-type]
+    app.add_exception_handler(AuditError, _on_audit_error)  # type: ignore[arg-type]
     app.add_exception_handler(RequestValidationError, _on_validation_error)  # type: ignore[arg-type]
     app.add_exception_handler(StarletteHTTPException, _on_http_exception)  # type: ignore[arg-type]
     app.add_exception_handler(EngineError, _on_engine_error)  # type: ignore[arg-type]
@@ -98,6 +115,10 @@ def install_error_handlers(app: FastAPI) -> None:
 
 async def _on_api_error(request: Request, exc: APIError) -> JSONResponse:
     return exc.response()
+
+
+async def _on_audit_error(request: Request, exc: AuditError) -> JSONResponse:
+    return api_error_for_audit(exc).response()
 
 
 async def _on_engine_error(request: Request, exc: EngineError) -> JSONResponse:
@@ -149,8 +170,11 @@ async def _on_http_exception(request: Request, exc: StarletteHTTPException) -> J
     return APIError(exc.status_code, message, headers=exc.headers).response()
 
 
+def internal_error() -> APIError:
+    """The answer to an unexpected error (logged with its traceback where it is caught)."""
+    return APIError(500, "internal server error; see the server log", type="server_error")
+
+
 async def _on_unexpected_error(request: Request, exc: Exception) -> JSONResponse:
     logger.exception("unexpected error serving %s %s", request.method, request.url.path)
-    return APIError(
-        500, "internal server error; see the server log", type="server_error"
-    ).response()
+    return internal_error().response()

@@ -124,15 +124,24 @@ class Generation:
             for c in choices
         ]
         self.last_outputs: dict[int, RequestOutput] = {}
+        # What each choice has generated so far, for the audit log's response commitment.
+        self._text_parts: dict[int, list[str]] = {c.index: [] for c in choices}
+        # The error that ended the outputs early, if one did (the audit log records its class).
+        self.error: Exception | None = None
 
     async def outputs(self) -> AsyncIterator[tuple[int, RequestOutput]]:
         """(choice index, output) in the order the engine produces them."""
         timed = [self._timed(c, s) for c, s in zip(self.choices, self._streams, strict=True)]
         merged = timed[0] if len(timed) == 1 else _merge(timed)
         async with aclosing(merged) as items:
-            async for index, out in items:
-                self.last_outputs[index] = out
-                yield index, out
+            try:
+                async for index, out in items:
+                    self.last_outputs[index] = out
+                    self._text_parts[index].append(out.text)
+                    yield index, out
+            except Exception as exc:
+                self.error = exc
+                raise
 
     async def collect(self) -> list[CollectedChoice]:
         """Run every choice to its end; the results in choice order. Raises 503 for a choice cut
@@ -150,6 +159,15 @@ class Generation:
         if any(result.finish_reason == "abort" for result in collected.values()):
             raise cut_off_error()
         return [collected[choice.index] for choice in self.choices]
+
+    def texts(self) -> list[str]:
+        """Each choice's generated text so far, in choice order."""
+        return ["".join(self._text_parts[choice.index]) for choice in self.choices]
+
+    def finish_reasons(self) -> list[str | None]:
+        """Each choice's finish reason, in choice order; None while it runs."""
+        outputs = [self.last_outputs.get(choice.index) for choice in self.choices]
+        return [None if out is None else out.finish_reason for out in outputs]
 
     def usage(self) -> Usage:
         """Token counts so far; each prompt counts once however many choices sample it."""

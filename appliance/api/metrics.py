@@ -3,7 +3,9 @@
 Engine state (running and waiting requests, KV-cache usage, preemptions, prefix-cache queries
 and hits) is read from the engine at scrape time; request latencies (time to first token, time
 per output token, end to end, all as the client sees them: from arrival at the server) and token
-counts are recorded as each engine request ends. Each app has its own registry: nothing global.
+counts are recorded as each engine request ends. `inferno:audit_append_seconds` (Inferno's own)
+is how long requests wait for their audit entries. Each app has its own registry: nothing
+global.
 """
 
 from __future__ import annotations
@@ -26,6 +28,9 @@ _TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 
                  7.5, 10.0, 20.0, 40.0, 80.0)  # fmt: skip
 _E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
                 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)  # fmt: skip
+# Inferno's own: a durable append is an fsync or a database round trip (group commit).
+_AUDIT_BUCKETS = (0.0005, 0.001, 0.002, 0.004, 0.006, 0.008, 0.01, 0.015, 0.02, 0.03, 0.05, 0.1,
+                  0.25, 0.5, 1.0, 2.5)  # fmt: skip
 
 
 class ServerMetrics:
@@ -64,6 +69,11 @@ class ServerMetrics:
             [*labels, "finished_reason"],
             registry=self.registry,
         )
+        self._audit_append = Histogram(
+            "inferno:audit_append_seconds",
+            "Time a request waited for one of its audit entries to be stored, by entry action.",
+            ["action"], buckets=_AUDIT_BUCKETS, registry=self.registry,
+        )  # fmt: skip
         self.registry.register(_EngineCollector(self))
 
     def watch(self, engine: Engine) -> None:
@@ -89,6 +99,9 @@ class ServerMetrics:
         self._generation_tokens.inc(num_output_tokens)
         if finish_reason is not None:
             self._success.labels(self.model_name, finish_reason).inc()
+
+    def observe_audit_append(self, action: str, seconds: float) -> None:
+        self._audit_append.labels(action).observe(seconds)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

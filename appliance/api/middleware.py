@@ -1,6 +1,7 @@
-"""ASGI middleware around every request: the body-size limit and the TEE-state header.
+"""ASGI middleware around every request: the body-size limit, the audit-entry header and the
+TEE-state header.
 
-Both are plain ASGI (not Starlette's `BaseHTTPMiddleware`, which buffers and slows streamed
+All are plain ASGI (not Starlette's `BaseHTTPMiddleware`, which buffers and slows streamed
 responses): each costs one function call per message.
 """
 
@@ -9,7 +10,12 @@ from __future__ import annotations
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from appliance.api.errors import APIError
+from appliance.api.audit_trail import AuditTrail, request_receipt
+from appliance.api.errors import APIError, api_error_for_audit, internal_error
+from audit.errors import AuditError
+
+AUDIT_ENTRY_HEADER = b"audit-entry"
+API_PREFIX = "/v1/"
 
 TEE_HEADER = b"x-inferno-tee"
 TEE_UNVERIFIED = "UNVERIFIED"
@@ -81,3 +87,52 @@ class TeeStateHeader:
             await send(message)
 
         await self.app(scope, receive, send_with_header)
+
+
+class AuditEntryHeader:
+    """Adds `Audit-Entry: <origin> <index> <base64 leaf hash>` to every response under `/v1/`,
+    naming the entry that records the request (appliance.api.audit_trail): the entry a route
+    logged already (an accepted inference), or else an `api.request` logged now, as the
+    response starts. If that cannot be logged, the response is replaced by a 503 (fail closed).
+
+    It must wrap every middleware that may answer by itself (the body limit, authentication),
+    so that their answers are logged too. Probes and scrapes (`/health`, `/live`, `/metrics`)
+    are not API calls and are not logged.
+    """
+
+    def __init__(self, app: ASGIApp, trail: AuditTrail):
+        self.app = app
+        self.trail = trail
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or not scope["path"].startswith(API_PREFIX):
+            await self.app(scope, receive, send)
+            return
+        started = refused = False
+
+        async def send_with_entry(message: Message) -> None:
+            nonlocal started, refused
+            if refused:
+                return  # the rest of a response the audit log could not record
+            if message["type"] == "http.response.start":
+                started = True
+                receipt = request_receipt(scope)
+                if receipt is None:
+                    try:
+                        receipt = await self.trail.record_api_request(scope, message["status"])
+                    except AuditError as exc:
+                        refused = True
+                        await api_error_for_audit(exc).response()(scope, receive, send)
+                        return
+                entry = (AUDIT_ENTRY_HEADER, receipt.header_value().encode("ascii"))
+                message["headers"] = [*message.get("headers", ()), entry]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_with_entry)
+        except Exception:
+            # Unexpected: the outermost error handler logs it and would answer 500 without the
+            # header; answer here, logged, and let the handler see that a response started.
+            if not started:
+                await internal_error().response()(scope, receive, send_with_entry)
+            raise

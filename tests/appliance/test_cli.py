@@ -18,6 +18,8 @@ from appliance.engine.engine import Engine, EngineConfig
 from appliance.engine.sampling_params import SamplingParams
 from appliance.tls import certificate_fingerprint
 
+AUDIT = '[audit]\norigin = "inferno.test/cli"\ndata_dir = "audit"\n'
+
 
 def _inferno(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
@@ -84,7 +86,7 @@ def test_import_gguf_of_a_missing_file_fails_cleanly(tmp_path: Path) -> None:
 
 def test_serve_with_a_bad_setting_exits_2_naming_it(smollm2_dir: Path, tmp_path: Path) -> None:
     config = tmp_path / "inferno.toml"
-    config.write_text(f'[model]\ndir = "{smollm2_dir}"\n[server]\nport = "high"\n')
+    config.write_text(f'{AUDIT}[model]\ndir = "{smollm2_dir}"\n[server]\nport = "high"\n')
     result = _inferno("serve", "--config", str(config))
     assert result.returncode == 2
     assert "server.port: " in result.stderr
@@ -93,10 +95,46 @@ def test_serve_with_a_bad_setting_exits_2_naming_it(smollm2_dir: Path, tmp_path:
 
 def test_serve_without_tls_material_refuses_to_start(smollm2_dir: Path, tmp_path: Path) -> None:
     config = tmp_path / "inferno.toml"
-    config.write_text(f'[model]\ndir = "{smollm2_dir}"\n')
+    config.write_text(f'{AUDIT}[model]\ndir = "{smollm2_dir}"\n')
     result = _inferno("serve", "--config", str(config))
     assert result.returncode == 2
     assert "TLS is always on" in result.stderr
+
+
+def _plain_http_config(model_dir: Path, directory: Path) -> Path:
+    config = directory / "inferno.toml"
+    config.write_text(
+        f'{AUDIT}[model]\ndir = "{model_dir}"\n[server]\nport = 0\ninsecure_http = true\n'
+    )
+    return config
+
+
+def test_serve_refuses_to_start_when_its_audit_log_cannot_be_opened(
+    smollm2_dir: Path, tmp_path: Path
+) -> None:
+    config = _plain_http_config(smollm2_dir, tmp_path)
+    (tmp_path / "audit").write_text("a file where the log's directory should be")
+    result = _inferno("serve", "--config", str(config))
+    assert result.returncode == 2
+    assert result.stderr.startswith("inferno: error: the audit log cannot be opened")
+    assert "serving" not in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_audit_vkey_before_the_log_exists_says_so(smollm2_dir: Path, tmp_path: Path) -> None:
+    result = _inferno("audit", "vkey", "--config", str(_plain_http_config(smollm2_dir, tmp_path)))
+    assert result.returncode == 2
+    assert "there is no signing key at" in result.stderr
+    assert result.stdout == ""
+    assert not (tmp_path / "audit" / "keys" / "log-signing.key").exists()
+
+
+def test_audit_export_over_an_existing_path_is_refused(smollm2_dir: Path, tmp_path: Path) -> None:
+    config = _plain_http_config(smollm2_dir, tmp_path)
+    (tmp_path / "taken").mkdir()
+    result = _inferno("audit", "export", str(tmp_path / "taken"), "--config", str(config))
+    assert result.returncode == 2
+    assert "taken already exists; choose a new path" in result.stderr
 
 
 @pytest.mark.slow
@@ -122,12 +160,19 @@ def test_demo_serves_the_embedded_model_over_https_and_says_how_to_call_it(
                 api_key="unused",
                 http_client=httpx.Client(verify=ssl.create_default_context(cafile=cert)),
             )
-            reply = client.chat.completions.create(
+            raw = client.chat.completions.with_raw_response.create(
                 model=smollm2_dir.name,
                 messages=[{"role": "user", "content": "What is the capital of France?"}],
                 max_tokens=8,
             )
-            assert reply.choices[0].message.content
+            assert raw.parse().choices[0].message.content
+            assert raw.headers["audit-entry"].startswith("inferno-demo.localhost/audit ")
+            # The banner's vkey is the one `inferno audit vkey` shows for the demo's settings.
+            vkey = banner[banner.index(next(x for x in banner if "verifier key" in x)) + 1]
+            config = tmp_path / "data" / "inferno" / "demo" / "inferno.toml"
+            shown = _inferno("audit", "vkey", "--config", str(config))
+            assert vkey.strip() == shown.stdout.strip()
+            assert vkey.strip().startswith("inferno-demo.localhost/audit+")
         finally:
             demo.send_signal(signal.SIGTERM)
             demo.wait(timeout=60)

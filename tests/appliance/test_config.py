@@ -32,8 +32,11 @@ def _write(tmp_path: Path, text: str) -> Path:
     return path
 
 
+AUDIT = '[audit]\norigin = "inferno.test/config"\ndata_dir = "audit"\n'
+
+
 def _insecure(model_dir: Path, extra: str = "") -> str:
-    return f'[model]\ndir = "{model_dir}"\n[server]\ninsecure_http = true\n{extra}'
+    return f'{AUDIT}[model]\ndir = "{model_dir}"\n[server]\ninsecure_http = true\n{extra}'
 
 
 def test_file_values_are_read_and_the_rest_defaulted(tmp_path: Path, model_dir: Path) -> None:
@@ -64,14 +67,15 @@ def test_relative_paths_are_relative_to_the_file_or_to_the_current_directory(
 ) -> None:
     path = _write(
         tmp_path,
-        '[model]\ndir = "models/tiny"\n[tls]\ncert_file = "tls/c.pem"\nkey_file = "k.pem"\n'
-        "self_signed = true\n",
+        AUDIT + '[model]\ndir = "models/tiny"\n[tls]\ncert_file = "tls/c.pem"\n'
+        'key_file = "k.pem"\nself_signed = true\n',
     )
     monkeypatch.chdir(model_dir)
     settings = load_settings(path, environ={"INFERNO_TLS_KEY_FILE": "from-env.pem"})
     assert settings.model.dir == model_dir
     assert settings.tls.cert_file == tmp_path / "tls" / "c.pem"
     assert settings.tls.key_file == model_dir / "from-env.pem"
+    assert settings.audit.data_dir == tmp_path / "audit"
 
 
 def test_bad_value_names_the_setting_and_its_source_but_not_the_value(
@@ -108,7 +112,7 @@ def test_missing_model_directory_is_named(tmp_path: Path) -> None:
 
 
 def test_tls_is_required_unless_plain_http_is_asked_for(tmp_path: Path, model_dir: Path) -> None:
-    path = _write(tmp_path, f'[model]\ndir = "{model_dir}"\n')
+    path = _write(tmp_path, f'{AUDIT}[model]\ndir = "{model_dir}"\n')
     with pytest.raises(ConfigError, match=r"TLS is always on: set tls\.cert_file"):
         load_settings(path, environ={})
     both = _write(tmp_path, _insecure(model_dir, '[tls]\ncert_file = "c.pem"\nkey_file = "k.pem"'))
@@ -119,7 +123,8 @@ def test_tls_is_required_unless_plain_http_is_asked_for(tmp_path: Path, model_di
 def test_operator_certificate_files_must_exist(tmp_path: Path, model_dir: Path) -> None:
     (tmp_path / "c.pem").write_text("")
     path = _write(
-        tmp_path, f'[model]\ndir = "{model_dir}"\n[tls]\ncert_file = "c.pem"\nkey_file = "k.pem"\n'
+        tmp_path,
+        f'{AUDIT}[model]\ndir = "{model_dir}"\n[tls]\ncert_file = "c.pem"\nkey_file = "k.pem"\n',
     )
     with pytest.raises(ConfigError, match=r"tls\.key_file = .*k\.pem does not exist"):
         load_settings(path, environ={})
@@ -132,6 +137,41 @@ def test_unreadable_files_are_config_errors(tmp_path: Path) -> None:
         load_settings(_write(tmp_path, "[model\n"), environ={})
 
 
+def test_audit_log_defaults_live_under_its_data_dir(tmp_path: Path, model_dir: Path) -> None:
+    audit = load_settings(_write(tmp_path, _insecure(model_dir)), environ={}).audit
+    assert audit.effective_database_url == f"sqlite:///{tmp_path / 'audit' / 'audit.db'}"
+    assert audit.effective_key_dir == tmp_path / "audit" / "keys"
+    assert (audit.checkpoint_every_entries, audit.checkpoint_every_s) == (1000, 10.0)
+
+
+@pytest.mark.parametrize(
+    ("line", "message"),
+    [
+        ('origin = "my log"', r"audit\.origin: must be a name without spaces or '\+'"),
+        ('database_url = "sqlite:///audit.db"', r"audit\.database_url: a SQLite path must be abs"),
+        ('database_url = "sqlite://"', r"audit\.database_url: an in-memory SQLite database"),
+        ('database_url = "mysql://u:hunter2@db/audit"', r"must be a sqlite:/// or postgresql://"),
+        ("checkpoint_every_entries = 0", r"audit\.checkpoint_every_entries: "),
+        ("checkpoint_every_s = 0", r"audit\.checkpoint_every_s: "),
+    ],
+)
+def test_unusable_audit_settings_are_named(
+    tmp_path: Path, model_dir: Path, line: str, message: str
+) -> None:
+    name = line.split(" = ")[0]
+    kept = [kept for kept in _insecure(model_dir).splitlines() if not kept.startswith(name)]
+    text = "\n".join(kept).replace("[audit]", f"[audit]\n{line}")
+    with pytest.raises(ConfigError, match=message) as error:
+        load_settings(_write(tmp_path, text), environ={})
+    assert "hunter2" not in str(error.value)
+
+
+def test_the_audit_log_must_be_configured(tmp_path: Path, model_dir: Path) -> None:
+    text = f'[model]\ndir = "{model_dir}"\n[server]\ninsecure_http = true\n'
+    with pytest.raises(ConfigError, match=r"audit: required"):
+        load_settings(_write(tmp_path, text), environ={})
+
+
 def test_every_setting_is_documented_and_every_documented_setting_exists() -> None:
     text = (REPO_ROOT / "docs" / "CONFIG.md").read_text()
     documented = re.findall(r"^\| `([a-z_]+\.[a-z_]+)` \|", text, flags=re.MULTILINE)
@@ -140,7 +180,11 @@ def test_every_setting_is_documented_and_every_documented_setting_exists() -> No
 
 def test_default_engine_settings_are_the_engines_own_defaults(model_dir: Path) -> None:
     settings = Settings.model_validate(
-        {"model": {"dir": str(model_dir)}, "server": {"insecure_http": True}}
+        {
+            "model": {"dir": str(model_dir)},
+            "server": {"insecure_http": True},
+            "audit": {"origin": "inferno.test/config", "data_dir": "audit"},
+        }
     )
     config = EngineConfig(model_dir=model_dir, **settings.engine.model_dump())
     assert config == EngineConfig(model_dir=model_dir)

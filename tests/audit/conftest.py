@@ -1,78 +1,16 @@
-"""Audit test fixtures: a real PostgreSQL server started for the session, and a database URL
-fixture that runs a test once on SQLite and once on PostgreSQL."""
+"""Audit test fixtures: a database URL fixture that runs a test once on SQLite and once on
+PostgreSQL (the session's real server, tests/conftest.py), and settings for a log on it."""
 
 from __future__ import annotations
 
-import glob
-import os
-import pwd
-import shutil
-import subprocess
-import tempfile
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
 from audit.log import AuditLogSettings
 from audit.policy import CheckpointPolicy
-
-
-def _postgres_bin(name: str) -> str | None:
-    found = shutil.which(name)
-    if found:
-        return found
-    # Debian keeps the server binaries off PATH, under the major version.
-    candidates = sorted(
-        glob.glob(f"/usr/lib/postgresql/*/bin/{name}"),
-        key=lambda p: int(Path(p).parts[-3]),
-    )
-    return candidates[-1] if candidates else None
-
-
-@pytest.fixture(scope="session")
-def postgres_server() -> Iterator[str]:
-    """A throwaway PostgreSQL cluster on a unix socket in a temporary directory; yields its URL.
-
-    PostgreSQL refuses to run as root, so under root (as in CI) the cluster runs as the
-    `postgres` user that Debian's package creates.
-    """
-    initdb, pg_ctl = _postgres_bin("initdb"), _postgres_bin("pg_ctl")
-    if initdb is None or pg_ctl is None:
-        pytest.skip("PostgreSQL server binaries (initdb, pg_ctl) are not installed")
-    prefix: list[str] = []
-    base = Path(tempfile.mkdtemp(prefix="inferno-pg-"))
-    if os.geteuid() == 0:
-        try:
-            user = pwd.getpwnam("postgres")
-        except KeyError:
-            pytest.skip("running as root and there is no 'postgres' user to run the server as")
-        os.chown(base, user.pw_uid, user.pw_gid)
-        prefix = ["runuser", "-u", "postgres", "--"]
-    data = base / "data"
-    run = {"check": True, "capture_output": True, "timeout": 120}
-    try:
-        subprocess.run(
-            [*prefix, initdb, "-D", str(data), "-U", "postgres", "--auth=trust", "-E", "UTF8",
-             "--no-sync"],
-            **run,
-        )  # fmt: skip
-        options = f"-k {base} -c listen_addresses='' -c fsync=off -c max_connections=200"
-        subprocess.run(
-            [*prefix, pg_ctl, "-D", str(data), "-o", options, "-l", str(base / "log"), "-w",
-             "start"],
-            **run,
-        )  # fmt: skip
-    except subprocess.CalledProcessError as exc:
-        log = (base / "log").read_text() if (base / "log").exists() else ""
-        shutil.rmtree(base, ignore_errors=True)
-        raise RuntimeError(f"PostgreSQL did not start: {exc.stderr.decode()}\n{log}") from exc
-    try:
-        yield f"postgresql+psycopg://postgres@/postgres?host={base}"
-    finally:
-        subprocess.run([*prefix, pg_ctl, "-D", str(data), "-m", "immediate", "stop"], check=False)
-        shutil.rmtree(base, ignore_errors=True)
 
 
 @pytest.fixture(params=["sqlite", "postgresql"])

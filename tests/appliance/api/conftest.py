@@ -1,8 +1,10 @@
 """A real server for the API tests: uvicorn with TLS on a loopback socket, in a thread, serving
-one engine that every test module shares (loading the model once keeps the suite fast)."""
+one engine that every test module shares (loading the model once keeps the suite fast), with its
+own audit log in a SQLite database."""
 
 from __future__ import annotations
 
+import functools
 import ssl
 import threading
 import time
@@ -18,11 +20,14 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from appliance.app import build
+from appliance.boot import start_audit_log
 from appliance.config import Settings, settings_from_mapping
 from appliance.engine.engine import Engine, EngineConfig
 from appliance.server import listen, uvicorn_server
+from appliance.weights import LoadedModel, digest_weights
 
 MODEL_NAME = "smollm2"
+AUDIT_ORIGIN = "inferno.test/audit"
 
 
 @pytest.fixture(scope="session")
@@ -32,21 +37,35 @@ def api_engine(smollm2_dir: Path) -> Engine:
     )
 
 
-def make_settings(tls_dir: Path, model_dir: Path, **server: Any) -> Settings:
-    """Settings for a TLS server on a free loopback port (self-signed certificate in
-    `tls_dir`); `server` overrides [server] settings."""
+def make_settings(
+    directory: Path, model_dir: Path, *, audit: dict[str, Any] | None = None, **server: Any
+) -> Settings:
+    """Settings for a TLS server on a free loopback port, its self-signed certificate and its
+    audit log (SQLite) in `directory`; `audit` and `server` override those sections."""
     return settings_from_mapping(
         {
             "model": {"dir": str(model_dir), "name": MODEL_NAME},
             "server": {"host": "127.0.0.1", "port": 0, **server},
             "tls": {
-                "cert_file": str(tls_dir / "cert.pem"),
-                "key_file": str(tls_dir / "key.pem"),
+                "cert_file": str(directory / "cert.pem"),
+                "key_file": str(directory / "key.pem"),
                 "self_signed": True,
             },
+            "audit": {
+                "origin": AUDIT_ORIGIN,
+                "data_dir": str(directory / "audit"),
+                **(audit or {}),
+            },
         },
-        base_dir=tls_dir,
+        base_dir=directory,
     )
+
+
+@functools.cache
+def weights_digest(model_dir: Path) -> str:
+    """The digest of a model directory's weights, computed once per session (about a second
+    for SmolLM2's)."""
+    return digest_weights(model_dir)
 
 
 @dataclass
@@ -54,6 +73,7 @@ class RunningServer:
     url: str
     cert_file: Path
     engine: Engine | None
+    settings: Settings
 
     def client(self, **kwargs: Any) -> openai.OpenAI:
         """The official client, trusting the server's certificate; no retries (a 429 or 503
@@ -95,8 +115,11 @@ class RunningServer:
 
 @contextmanager
 def running_server(settings: Settings, engine: Engine | None) -> Iterator[RunningServer]:
-    """Serve `build(settings, engine=engine)` exactly as `inferno serve` does, in a thread."""
-    app = build(settings, engine=engine)
+    """Serve `engine` (or, if None, the model the app loads itself) exactly as `inferno serve`
+    does, in a thread; the app closes its audit log when the server stops."""
+    audit_log = start_audit_log(settings)
+    model = None if engine is None else LoadedModel(engine, weights_digest(settings.model.dir))
+    app = build(settings, audit_log, model=model)
     listener = listen(settings)
     server = uvicorn_server(settings, app)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [listener.sock]})
@@ -107,10 +130,11 @@ def running_server(settings: Settings, engine: Engine | None) -> Iterator[Runnin
         time.sleep(0.01)
     try:
         assert settings.tls.cert_file is not None
-        yield RunningServer(listener.url, settings.tls.cert_file, engine)
+        yield RunningServer(listener.url, settings.tls.cert_file, engine, settings)
     finally:
         server.should_exit = True
         thread.join(timeout=30)
+        audit_log.close()
 
 
 def wait_until_idle(engine: Engine, timeout_s: float = 10.0) -> None:

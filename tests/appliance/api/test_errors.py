@@ -14,6 +14,7 @@ import pytest
 
 from appliance.engine.engine import Engine
 from tests.appliance.api.conftest import (
+    AUDIT_ORIGIN,
     MODEL_NAME,
     RunningServer,
     make_settings,
@@ -50,6 +51,8 @@ def http(server: RunningServer) -> Iterator[httpx.Client]:
 def _error(response: httpx.Response, status: int) -> dict[str, Any]:
     assert response.status_code == status, response.text
     assert response.headers["content-type"] == "application/json"
+    # Refused or not, the request is in the audit log, and the response says where.
+    assert response.headers["audit-entry"].startswith(f"{AUDIT_ORIGIN} ")
     body = response.json()
     assert set(body) == {"error"}
     assert set(body["error"]) == {"message", "type", "param", "code"}

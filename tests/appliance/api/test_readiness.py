@@ -13,7 +13,6 @@ from pathlib import Path
 import httpx
 import pytest
 
-from appliance import app as app_module
 from appliance.engine.engine import Engine
 from tests.appliance.api.conftest import MODEL_NAME, make_settings, running_server
 
@@ -35,7 +34,7 @@ def slow_load(monkeypatch: pytest.MonkeyPatch, api_engine: Engine) -> Iterator[t
         assert release.wait(timeout=30)
         return api_engine
 
-    monkeypatch.setattr(app_module.Engine, "from_config", staticmethod(load))
+    monkeypatch.setattr(Engine, "from_config", staticmethod(load))
     yield release
     release.set()
 

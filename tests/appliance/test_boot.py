@@ -1,0 +1,79 @@
+"""The start-up sequence's audit steps: the log opens first and records boot.start, or the
+appliance refuses to start, saying why without revealing secrets."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from appliance.boot import config_digest, open_audit_log, start_audit_log
+from appliance.config import Settings
+from appliance.errors import BootError
+from audit.log import SIGNING_KEY_FILE
+
+
+@pytest.fixture
+def model_dir(tmp_path: Path) -> Path:
+    directory = tmp_path / "model"
+    directory.mkdir()
+    (directory / "config.json").write_text("{}")
+    return directory
+
+
+def _settings(model_dir: Path, data_dir: Path, **audit: Any) -> Settings:
+    return Settings.model_validate(
+        {
+            "model": {"dir": str(model_dir)},
+            "server": {"insecure_http": True},
+            "audit": {"origin": "inferno.test/boot", "data_dir": str(data_dir), **audit},
+        }
+    )
+
+
+def test_boot_start_is_the_first_entry_with_version_and_config_digest(
+    model_dir: Path, tmp_path: Path
+) -> None:
+    settings = _settings(model_dir, tmp_path / "audit")
+    with start_audit_log(settings) as log:
+        [(index, data)] = list(log.store.entries(0, 0))
+    entry = json.loads(data)
+    assert (index, entry["action"], entry["outcome"]) == (0, "boot.start", "success")
+    assert entry["details"]["config_digest"] == config_digest(settings)
+    assert entry["details"]["software_version"] == importlib.metadata.version("inferno")
+    assert os.stat(tmp_path / "audit").st_mode & 0o777 == 0o700
+
+
+def test_config_digest_changes_with_a_setting_but_never_depends_on_the_password(
+    model_dir: Path, tmp_path: Path
+) -> None:
+    def digest(url: str) -> str:
+        return config_digest(_settings(model_dir, tmp_path, database_url=url))
+
+    with_password = digest("postgresql+psycopg://inferno:hunter2@db.example/audit")
+    assert with_password == digest("postgresql+psycopg://inferno:other@db.example/audit")
+    assert with_password != digest("postgresql+psycopg://inferno:hunter2@db2.example/audit")
+
+
+def test_a_log_that_cannot_be_opened_stops_the_start_and_hides_the_password(
+    model_dir: Path, tmp_path: Path
+) -> None:
+    url = f"postgresql+psycopg://inferno:hunter2@/audit?host={tmp_path / 'no-server'}"
+    with pytest.raises(BootError) as error:
+        start_audit_log(_settings(model_dir, tmp_path / "audit", database_url=url))
+    message = str(error.value)
+    assert message.startswith("the audit log cannot be opened (audit.database_url = ")
+    assert "inferno:***@" in message
+    assert "hunter2" not in message
+
+
+def test_a_signing_key_open_to_others_stops_the_start(model_dir: Path, tmp_path: Path) -> None:
+    settings = _settings(model_dir, tmp_path / "audit")
+    open_audit_log(settings.audit).close()
+    os.chmod(tmp_path / "audit" / "keys" / SIGNING_KEY_FILE, 0o644)
+    with pytest.raises(BootError, match=r"mode 0644, open to group or others"):
+        start_audit_log(settings)
