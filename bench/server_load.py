@@ -1,11 +1,13 @@
 """W3 of PERFORMANCE.md: online serving through the HTTPS API under Poisson arrivals.
 
-Starts the real server in its own process (TLS on a loopback socket), sends streamed
-`/v1/completions` requests (prompt of --prompt-tokens random token ids, exactly
+Starts the real server in its own process (TLS on a loopback socket, its audit log in SQLite),
+sends streamed `/v1/completions` requests (prompt of --prompt-tokens random token ids, exactly
 --output-tokens new tokens: EOS ignored) arriving as a Poisson process at each rate, and reports
-per rate: TTFT and TPOT p50/p99 as the client sees them, output tokens/s, and the server
-process's CPU time ÷ wall time (all its threads), with the share of its event-loop thread (HTTP,
-TLS, JSON; the rest is mostly the engine loop).
+per rate: TTFT and TPOT p50/p99 as the client sees them, output tokens/s, the server process's
+CPU time ÷ wall time (all its threads), with the share of its event-loop thread (HTTP, TLS, JSON;
+the rest is mostly the engine loop), and how long requests waited for their two audit entries
+(the server's `inferno:audit_append_seconds`: the accepted entry delays the first token, the
+end entry the `[DONE]`).
 
     python bench/server_load.py [--rates 10,20,40] [--duration-s 60]
         # the random-weight Llama-3.1-8B on the GPU (as bench/gpu_engine.py builds it), served
@@ -58,9 +60,11 @@ def serve_built_model(kind: str, config_path: Path) -> None:
     model directory."""
     sys.path.insert(0, str(_HERE))
     from appliance.app import build, engine_config
+    from appliance.boot import start_audit_log
     from appliance.config import load_settings
     from appliance.engine.engine import Engine
     from appliance.server import listen, serve
+    from appliance.weights import LoadedModel
 
     settings = load_settings(config_path)
     if kind == "random-8b":
@@ -73,10 +77,13 @@ def serve_built_model(kind: str, config_path: Path) -> None:
         model = stub_model()
     tokenizer = numbered_tokenizer(model.config.vocab_size)
     engine = Engine.build(engine_config(settings), model, tokenizer)
-    app = build(settings, engine=engine)
-    listener = listen(settings)
-    print(f"inferno: serving {settings.served_model_name} on {listener.url}", file=sys.stderr)
-    serve(settings, app, listener)
+    with start_audit_log(settings) as audit_log:
+        # Weights made in memory have no files to digest: the log says so instead.
+        loaded = LoadedModel(engine, weights_digest=f"none:{kind}-weights-made-in-memory")
+        app = build(settings, audit_log, model=loaded)
+        listener = listen(settings)
+        print(f"inferno: serving {settings.served_model_name} on {listener.url}", file=sys.stderr)
+        serve(settings, app, listener)
 
 
 def numbered_tokenizer(vocab_size: int):
@@ -140,6 +147,9 @@ def write_server_files(directory: Path, args: argparse.Namespace) -> tuple[Path,
         'cert_file = "cert.pem"',
         'key_file = "key.pem"',
         "self_signed = true",
+        "[audit]",
+        'origin = "bench.localhost/audit"',
+        'data_dir = "audit"',
     ]
     config = directory / "inferno.toml"
     config.write_text("\n".join(lines) + "\n")
@@ -227,6 +237,7 @@ async def run_rate(
         max_connections=None, max_keepalive_connections=None, keepalive_expiry=2.0
     )
     async with httpx.AsyncClient(base_url=url, verify=tls, timeout=None, limits=limits) as client:
+        audit_start = await audit_appends(client)
         cpu_start, wall_start = cpu_s(server_pid), time.perf_counter()
         tasks = []
         next_arrival = 0.0
@@ -244,7 +255,10 @@ async def run_rate(
         await asyncio.sleep(max(wall_start + args.duration_s - time.perf_counter(), 0))
         wall = time.perf_counter() - wall_start
         cpu_end = cpu_s(server_pid)
+        audit_end = await audit_appends(client)
     ttft = sorted(t.ttft_s for t in timings)
+    accepted = audit_wait_ms(audit_start, audit_end, "inference.request")
+    ended = audit_wait_ms(audit_start, audit_end, "inference.complete")
     tpot = sorted(t.tpot_s for t in timings)
     return {
         "rate": rate,
@@ -257,8 +271,44 @@ async def run_rate(
         "output_tok_s": sum(t.num_output_tokens for t in timings) / wall,
         "server_cpu": (cpu_end[0] - cpu_start[0]) / wall,
         "event_loop_cpu": (cpu_end[1] - cpu_start[1]) / wall,
+        "audit_accepted_mean_ms": accepted[0],
+        "audit_accepted_p99_ms": accepted[1],
+        "audit_end_mean_ms": ended[0],
+        "audit_end_p99_ms": ended[1],
         "wall_s": wall,
     }
+
+
+Histogram = dict[str, dict[float, float]]
+
+
+async def audit_appends(client: httpx.AsyncClient) -> Histogram:
+    """The server's `inferno:audit_append_seconds`: per entry action, its cumulative bucket
+    counts by upper bound (inf included), and its sum under the key -1."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    found: Histogram = {}
+    for family in text_string_to_metric_families((await client.get("/metrics")).text):
+        if family.name != "inferno:audit_append_seconds":
+            continue
+        for sample in family.samples:
+            buckets = found.setdefault(sample.labels["action"], {})
+            if sample.name.endswith("_bucket"):
+                buckets[float(sample.labels["le"])] = sample.value
+            elif sample.name.endswith("_sum"):
+                buckets[-1.0] = sample.value
+    return found
+
+
+def audit_wait_ms(start: Histogram, end: Histogram, action: str) -> tuple[float, float]:
+    """Mean wait for `action`'s appends between two scrapes, and the upper bound of the bucket
+    that holds their 99th percentile (the histogram knows no finer), in ms."""
+    before, after = start.get(action, {}), end[action]
+    count = after[float("inf")] - before.get(float("inf"), 0.0)
+    mean = (after[-1.0] - before.get(-1.0, 0.0)) / count
+    bounds = sorted(bound for bound in after if bound >= 0)
+    p99 = next(b for b in bounds if after[b] - before.get(b, 0.0) >= 0.99 * count)
+    return 1e3 * mean, 1e3 * p99
 
 
 def percentile(sorted_values: list[float], p: float) -> float:
@@ -320,14 +370,17 @@ async def measure(args: argparse.Namespace) -> None:
             server.wait(timeout=120)
     print(
         "\n| req/s (achieved) | requests | TTFT p50 / p99 | TPOT p50 / p99 | output tok/s | "
-        "server CPU (of it, event loop) |\n|---|---|---|---|---|---|"
+        "server CPU (of it, event loop) | audit wait, accepted / end: mean (p99 ≤) |"
+        "\n|---|---|---|---|---|---|---|"
     )
     for r in rows:
         print(
             f"| {r['rate']:g} ({r['achieved_rate']:.1f}) | {r['requests']} | "
             f"{r['ttft_p50_ms']:.0f} / {r['ttft_p99_ms']:.0f} ms | "
             f"{r['tpot_p50_ms']:.1f} / {r['tpot_p99_ms']:.1f} ms | {r['output_tok_s']:.0f} | "
-            f"{r['server_cpu']:.0%} of a core ({r['event_loop_cpu']:.0%}) |"
+            f"{r['server_cpu']:.0%} of a core ({r['event_loop_cpu']:.0%}) | "
+            f"{r['audit_accepted_mean_ms']:.1f} ms (≤ {r['audit_accepted_p99_ms']:g}) / "
+            f"{r['audit_end_mean_ms']:.1f} ms (≤ {r['audit_end_p99_ms']:g}) |"
         )
 
 
