@@ -11,8 +11,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from appliance.auth.roles import Role
 from appliance.engine.errors import EngineError
-from appliance.errors import ApplianceError
+from appliance.errors import ApplianceError, ConfigError
 from audit.errors import AuditError
 from installer.errors import InstallerError
 
@@ -85,6 +86,18 @@ def _parser() -> argparse.ArgumentParser:
     )
     vkey.add_argument("--config", required=True, type=Path, help="the server's settings file")
     vkey.set_defaults(run=_run_audit_vkey)
+
+    token = commands.add_parser(
+        "token",
+        help="print a short-lived bearer token of the local issuer (where auth.local_issuer "
+        "enables it, as in the demo)",
+    )
+    token.add_argument("--role", required=True, choices=[role.value for role in Role])
+    token.add_argument("--sub", required=True, help="the subject the token names (who uses it)")
+    token.add_argument(
+        "--config", type=Path, default=None, help="the server's settings file (default: the demo's)"
+    )
+    token.set_defaults(run=_run_token)
 
     model = commands.add_parser("model", help="manage model directories")
     model_commands = model.add_subparsers(required=True, metavar="ACTION")
@@ -188,34 +201,66 @@ def _run_demo(args: argparse.Namespace) -> int:
         # Loaded before serving, so the server is ready when the banner says so.
         model = LoadedModel.load(engine_config(settings))
         app = build(settings, audit_log, model=model)
+        tokens = {role: _mint(settings, role, f"demo-{role}") for role in (Role.USER, Role.ADMIN)}
         banner = _demo_banner(
-            settings.served_model_name, listener.url, settings, config_path, audit_log.vkey
+            settings.served_model_name, listener.url, settings, config_path, audit_log.vkey, tokens
         )
         print(banner, flush=True)
         serve(settings, app, listener)
     return 0
 
 
-def _demo_banner(model: str, url: str, settings: Settings, config_path: Path, vkey: str) -> str:
+def _mint(settings: Settings, role: Role, subject: str) -> str:
+    import time
+
+    from appliance.auth.local_issuer import LocalIssuer
+
+    issuer = LocalIssuer.from_settings(settings.auth)
+    if issuer is None:
+        raise ConfigError(
+            "auth.local_issuer is off in these settings: tokens come from the identity provider"
+        )
+    return issuer.mint(role, subject, time.time())
+
+
+def _run_token(args: argparse.Namespace) -> int:
+    from appliance.config import load_settings
+    from installer.demo import CONFIG_NAME, demo_dir
+
+    settings = load_settings(args.config or demo_dir() / CONFIG_NAME)
+    print(_mint(settings, Role(args.role), args.sub))
+    return 0
+
+
+def _demo_banner(
+    model: str, url: str, settings: Settings, config_path: Path, vkey: str, tokens: dict[Role, str]
+) -> str:
     from appliance.tls import certificate_fingerprint
 
     cert = settings.tls.cert_file
     fingerprint = certificate_fingerprint(cert) if cert is not None else "none"
     question = "What is the capital of France?"
     body = json.dumps({"model": model, "messages": [{"role": "user", "content": question}]})
+    ttl_min = settings.auth.local_issuer_token_ttl_s // 60
     return f"""\
 Inferno demo: {model} on {url}  (Ctrl-C stops it)
 TLS certificate (self-signed): {cert}
   SHA-256 fingerprint {fingerprint}
 
+Bearer tokens of the demo's own issuer, valid {ttl_min} minutes
+(more: inferno token --role user|service|admin|auditor --sub NAME):
+  user  (inference):        {tokens[Role.USER]}
+  admin (status, metrics):  {tokens[Role.ADMIN]}
+
 Call it with curl:
   curl --cacert {cert} {url}/v1/chat/completions \\
+    -H 'Authorization: Bearer {tokens[Role.USER]}' \\
     -H 'Content-Type: application/json' -d '{body}'
 
-or with OpenAI's Python client:
+or with OpenAI's Python client (the API key is the bearer token):
   import httpx, openai, ssl
-  client = openai.OpenAI(base_url="{url}/v1", api_key="unused", http_client=httpx.Client(
-      verify=ssl.create_default_context(cafile="{cert}")))
+  client = openai.OpenAI(base_url="{url}/v1", api_key="{tokens[Role.USER]}",
+      http_client=httpx.Client(verify=ssl.create_default_context(cafile="{cert}")))
   reply = client.chat.completions.create(model="{model}",
       messages=[{{"role": "user", "content": "{question}"}}])
   print(reply.choices[0].message.content)
@@ -225,7 +270,7 @@ Audit log verifier key (auditors pin it to verify exports offline):
   {vkey}
 Export the log: inferno audit export OUT --config {config_path}
 
-Health: {url}/health   Metrics: {url}/metrics   Settings: {config_path}"""
+Health: {url}/health   Metrics (admin token): {url}/metrics   Settings: {config_path}"""
 
 
 def _run_audit_export(args: argparse.Namespace) -> int:

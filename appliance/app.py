@@ -1,6 +1,7 @@
-"""The composition root: `build(settings, audit_log)` wires the engine, the audit trail, the API
-routes, metrics, limits and middleware into one FastAPI app. Nothing here runs at import; the
-engine starts with the app's lifespan and stops with it, and the audit log closes after it.
+"""The composition root: `build(settings, audit_log)` wires the engine, the audit trail, access
+control, the API routes, metrics, limits and middleware into one FastAPI app. Nothing here runs
+at import; the engine starts with the app's lifespan and stops with it, and the audit log closes
+after it.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import Any
 from fastapi import FastAPI
 
 from appliance.api import audit_proofs, chat, completions, health, metrics, models
+from appliance.api.access import ROUTE_ACCESS, AccessControl, document_access
 from appliance.api.admission import Admission
 from appliance.api.audit_trail import AuditTrail
 from appliance.api.errors import install_error_handlers
@@ -29,8 +31,15 @@ from appliance.api.middleware import (
 )
 from appliance.api.models import ServedModel
 from appliance.api.readiness import Readiness
+from appliance.auth.authenticator import Authenticator
+from appliance.auth.denials import DenialReporter
+from appliance.auth.idp_http import IdpHttp, idp_tls_context
+from appliance.auth.local_issuer import LocalIssuer
+from appliance.auth.login import ConsoleLogin
+from appliance.auth.sessions import SessionStore
 from appliance.boot import boot_phase_failed, boot_ready
 from appliance.config import Settings
+from appliance.console import login as console_login
 from appliance.engine.async_engine import AsyncEngine
 from appliance.engine.engine import EngineConfig
 from appliance.engine.errors import EngineError
@@ -71,6 +80,13 @@ def build(settings: Settings, audit_log: AuditLog, *, model: LoadedModel | None 
     readiness = Readiness()
     server_metrics = ServerMetrics(settings.served_model_name)
     trail = AuditTrail(audit_log, server_metrics, settings.served_model_name)
+    auth = settings.auth
+    if auth.local_issuer == "break-glass":
+        logger.warning("auth.local_issuer = break-glass: tokens of `inferno token` are accepted")
+    idp_http = IdpHttp(idp_tls_context(auth.ca_file), auth.fetch_timeout_s)
+    authenticator = Authenticator.from_settings(
+        auth, idp_http, LocalIssuer.from_settings(auth), time.time
+    )
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -85,6 +101,7 @@ def build(settings: Settings, audit_log: AuditLog, *, model: LoadedModel | None 
             if async_engine is not None:
                 await async_engine.shutdown()  # requests still running end aborted
             await trail.close(timeout_s=_AUDIT_CLOSE_TIMEOUT_S)
+            await idp_http.aclose()
 
     app = FastAPI(
         title="Inferno",
@@ -102,20 +119,32 @@ def build(settings: Settings, audit_log: AuditLog, *, model: LoadedModel | None 
         settings.server.max_concurrent_requests, settings.server.retry_after_s
     )
     app.state.served_model = ServedModel(settings.served_model_name, created=int(time.time()))
+    sessions = SessionStore(auth.session_idle_timeout_s, auth.session_absolute_timeout_s, time.time)
+    app.state.sessions = sessions
+    app.state.console_login = ConsoleLogin.from_settings(auth, idp_http, authenticator, time.time)
     install_error_handlers(app)
-    for module in (models, chat, completions, audit_proofs, health, metrics):
+    for module in (models, chat, completions, audit_proofs, health, metrics, console_login):
         app.include_router(module.router)
     app.openapi = partial(_openapi, app)  # type: ignore[method-assign]
     app.add_middleware(BodySizeLimit, max_bytes=settings.server.max_request_body_bytes)
-    # Each added around the previous: a 413 from the size limit is logged and carries both.
+    # Outside the size limit: an unauthenticated upload is refused before its body is read.
+    app.add_middleware(
+        AccessControl,
+        rules=ROUTE_ACCESS,
+        authenticator=authenticator,
+        sessions=sessions,
+        denials=DenialReporter(trail.append, auth.failure_events_per_minute, time.monotonic),
+    )
+    # Each added around the previous: a 413 or a refusal is logged and carries both headers.
     app.add_middleware(AuditEntryHeader, trail=trail)
     app.add_middleware(TeeStateHeader, state=TEE_UNVERIFIED)
     return app
 
 
 def _openapi(app: FastAPI) -> dict[str, Any]:
-    """FastAPI's schema without the 422 it documents for every route with a body: this API
-    answers invalid requests 400, as OpenAI does (appliance.api.errors)."""
+    """FastAPI's schema without the 422 it documents for every route with a body (this API
+    answers invalid requests 400, as OpenAI does: appliance.api.errors), with the bearer
+    scheme and the 401/403 of every route that needs a token."""
     if app.openapi_schema is None:
         schema = FastAPI.openapi(app)
         for operations in schema["paths"].values():
@@ -123,6 +152,7 @@ def _openapi(app: FastAPI) -> dict[str, Any]:
                 operation["responses"].pop("422", None)
         for name in ("HTTPValidationError", "ValidationError"):
             schema["components"]["schemas"].pop(name, None)
+        document_access(schema)
     return app.openapi_schema
 
 

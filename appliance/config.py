@@ -30,6 +30,7 @@ from pydantic import (
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import ArgumentError
 
+from appliance.auth.settings import AuthSettings
 from appliance.errors import ConfigError
 
 ENV_PREFIX = "INFERNO_"
@@ -207,6 +208,7 @@ class Settings(_Section):
     server: ServerSettings = ServerSettings()
     tls: TlsSettings = TlsSettings()
     audit: AuditSettings
+    auth: AuthSettings
     log: LogSettings = LogSettings()
 
     @property
@@ -235,8 +237,8 @@ class Settings(_Section):
         return self
 
 
-SECTIONS: dict[str, type[_Section]] = {
-    name: typing.cast(type[_Section], field.annotation)
+SECTIONS: dict[str, type[BaseModel]] = {
+    name: typing.cast(type[BaseModel], field.annotation)
     for name, field in Settings.model_fields.items()
 }
 
@@ -316,23 +318,43 @@ def _environment_overrides(environ: Mapping[str, str]) -> dict[tuple[str, str], 
     return overrides
 
 
-def _is_path_field(section: str, name: str) -> bool:
-    field = SECTIONS[section].model_fields.get(name)
-    if field is None:
-        return False
-    annotation = field.annotation
+def _is_path(annotation: object) -> bool:
     if isinstance(annotation, types.UnionType):
         return Path in typing.get_args(annotation)
     return annotation is Path
 
 
+def _item_model(annotation: object) -> type[BaseModel] | None:
+    """The model of a `tuple[Model, ...]` field (a TOML array of tables), else None."""
+    if typing.get_origin(annotation) is not tuple:
+        return None
+    item = typing.get_args(annotation)[0]
+    return item if isinstance(item, type) and issubclass(item, BaseModel) else None
+
+
 def _resolve_paths(section: str, values: dict[str, Any], base_dir: Path) -> dict[str, Any]:
-    return {
-        name: base_dir / Path(value).expanduser()
-        if isinstance(value, str) and value and _is_path_field(section, name)
-        else value
-        for name, value in values.items()
-    }
+    return _resolve_model_paths(SECTIONS[section], values, base_dir)
+
+
+def _resolve_model_paths(
+    model: type[BaseModel], values: dict[str, Any], base_dir: Path
+) -> dict[str, Any]:
+    """`values` with its path settings made relative to `base_dir`, in nested tables too."""
+    resolved = {}
+    for name, value in values.items():
+        field = model.model_fields.get(name)
+        item_model = _item_model(field.annotation) if field is not None else None
+        if field is not None and isinstance(value, str) and value and _is_path(field.annotation):
+            value = base_dir / Path(value).expanduser()
+        elif item_model is not None and isinstance(value, list):
+            value = [
+                _resolve_model_paths(item_model, dict(item), base_dir)
+                if isinstance(item, Mapping)
+                else item
+                for item in value
+            ]
+        resolved[name] = value
+    return resolved
 
 
 def _describe(exc: ValidationError, source: str, env_names: dict[tuple[str, str], str]) -> str:

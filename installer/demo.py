@@ -3,7 +3,8 @@
 Everything sits under `$XDG_DATA_HOME/inferno/demo` (default `~/.local/share/...`): the
 settings file, rewritten at every start; the self-signed TLS certificate and key, made at the
 first start and kept (so a client that pinned the certificate keeps trusting it); and the audit
-log (`audit/`: its SQLite database and keys, kept from start to start, as is its vkey).
+log (`audit/`: its SQLite database and keys, kept from start to start, as is its vkey); and
+the local token issuer's key (`auth/`), also kept, so tokens printed earlier stay valid.
 """
 
 from __future__ import annotations
@@ -52,7 +53,13 @@ def write_demo_config(directory: Path, model_dir: Path, *, device: str, port: in
         "[audit]\n"
         f"origin = {json.dumps(DEMO_AUDIT_ORIGIN)}\n"
         "# The SQLite database and the keys, kept from start to start.\n"
-        'data_dir = "audit"\n',
+        'data_dir = "audit"\n'
+        "\n"
+        "[auth]\n"
+        "# No identity provider: the appliance's own issuer signs the tokens that\n"
+        "# `inferno token --role ROLE --sub NAME` prints. Its key is made at the first start.\n"
+        'local_issuer = "demo"\n'
+        'local_issuer_key_file = "auth/local-issuer.pem"\n',
         encoding="utf-8",
     )
     return path

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from enum import StrEnum
 
+from appliance.errors import ApplianceError
+
 
 class AuthError(Exception):
     """Root of every error access control raises."""
@@ -56,7 +58,7 @@ class KeysUnavailableError(AuthError):
     """An issuer's signing keys could not be fetched and no cached copy is recent enough."""
 
 
-class AuthConfigError(AuthError):
+class AuthConfigError(AuthError, ApplianceError):
     """Access-control material named in the settings is unusable (a pinned JWKS file, the local
     issuer's key); start-up stops with this message."""
 

@@ -25,6 +25,7 @@ from appliance.auth.errors import AuthConfigError
 from appliance.auth.key_cache import PinnedKeys
 from appliance.auth.keyset import KeySet
 from appliance.auth.roles import ClaimPath, Role, RoleMapping
+from appliance.auth.settings import AuthSettings
 
 LOCAL_ISSUER = "urn:inferno:local-issuer"
 LOCAL_AUDIENCE = "urn:inferno:api"
@@ -54,6 +55,14 @@ class LocalIssuer:
             "use": "sig",
         }
         self.jwks = KeySet({self.kid: jwk})
+
+    @classmethod
+    def from_settings(cls, settings: AuthSettings) -> LocalIssuer | None:
+        """The local issuer if `auth.local_issuer` enables it (its key made if need be)."""
+        if settings.local_issuer == "off":
+            return None
+        assert settings.local_issuer_key_file is not None, "AuthSettings requires it"
+        return cls.load_or_create(settings.local_issuer_key_file, settings.local_issuer_token_ttl_s)
 
     @classmethod
     def load_or_create(cls, key_file: Path, token_ttl_s: int) -> LocalIssuer:

@@ -31,6 +31,7 @@ def _settings(model_dir: Path, data_dir: Path, **audit: Any) -> Settings:
             "model": {"dir": str(model_dir)},
             "server": {"insecure_http": True},
             "audit": {"origin": "inferno.test/boot", "data_dir": str(data_dir), **audit},
+            "auth": {"local_issuer": "demo", "local_issuer_key_file": str(data_dir / "k.pem")},
         }
     )
 

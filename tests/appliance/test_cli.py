@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import httpx
+import jwt
 import openai
 import pytest
 
@@ -18,15 +19,21 @@ from appliance.engine.engine import Engine, EngineConfig
 from appliance.engine.sampling_params import SamplingParams
 from appliance.tls import certificate_fingerprint
 
-AUDIT = '[audit]\norigin = "inferno.test/cli"\ndata_dir = "audit"\n'
+AUDIT = (
+    '[audit]\norigin = "inferno.test/cli"\ndata_dir = "audit"\n'
+    '[auth]\nlocal_issuer = "demo"\nlocal_issuer_key_file = "auth/issuer.pem"\n'
+)
 
 
-def _inferno(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
+def _inferno(
+    *args: str, stdin: str | None = None, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "appliance", *args],
         capture_output=True,
         text=True,
         input=stdin,
+        env=env,
         timeout=300,
         check=False,
     )
@@ -155,9 +162,12 @@ def test_demo_serves_the_embedded_model_over_https_and_says_how_to_call_it(
             assert cert == tmp_path / "data" / "inferno" / "demo" / "tls" / "cert.pem"
             assert fingerprint == certificate_fingerprint(cert)
             assert f"curl --cacert {cert} {url}/v1/chat/completions" in "\n".join(banner)
+            user_token = re.search(r"user .*:\s+(\S+)$", _line(banner, "user  (")).group(1)
+            admin_token = re.search(r"admin .*:\s+(\S+)$", _line(banner, "admin (")).group(1)
+            assert f"-H 'Authorization: Bearer {user_token}'" in "\n".join(banner)
             client = openai.OpenAI(
                 base_url=f"{url}/v1",
-                api_key="unused",
+                api_key=user_token,
                 http_client=httpx.Client(verify=ssl.create_default_context(cafile=cert)),
             )
             raw = client.chat.completions.with_raw_response.create(
@@ -173,10 +183,28 @@ def test_demo_serves_the_embedded_model_over_https_and_says_how_to_call_it(
             shown = _inferno("audit", "vkey", "--config", str(config))
             assert vkey.strip() == shown.stdout.strip()
             assert vkey.strip().startswith("inferno-demo.localhost/audit+")
+            # The admin token reads the metrics, the user's does not; `inferno token` mints more.
+            with httpx.Client(verify=ssl.create_default_context(cafile=cert)) as http:
+                metrics = f"{url}/metrics"
+                assert http.get(metrics, headers=_bearer(admin_token)).status_code == 200
+                assert http.get(metrics, headers=_bearer(user_token)).status_code == 403
+                minted = _inferno("token", "--role", "auditor", "--sub", "carol", env=env)
+                assert minted.returncode == 0, minted.stderr
+                proof = f"{url}/v1/audit/proof/0"
+                assert http.get(proof, headers=_bearer(minted.stdout.strip())).status_code == 200
+                assert http.get(proof, headers=_bearer(admin_token)).status_code == 403
         finally:
             demo.send_signal(signal.SIGTERM)
             demo.wait(timeout=60)
     assert (tmp_path / "data" / "inferno" / "demo" / "inferno.toml").is_file()
+
+
+def _line(banner: list[str], start: str) -> str:
+    return next(line for line in banner if line.strip().startswith(start))
+
+
+def _bearer(token: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {token}"}
 
 
 def _read_banner(process: subprocess.Popen[str]) -> list[str]:
@@ -188,3 +216,31 @@ def _read_banner(process: subprocess.Popen[str]) -> list[str]:
         assert line, f"the demo exited before printing its banner (status {process.poll()})"
         lines.append(line.rstrip("\n"))
     return lines
+
+
+def test_token_prints_a_token_only_where_the_local_issuer_is_on(tmp_path: Path) -> None:
+    model_dir = tmp_path / "model"
+    model_dir.mkdir()
+    (model_dir / "config.json").write_text("{}")
+    config = tmp_path / "inferno.toml"
+    config.write_text(f'{AUDIT}[model]\ndir = "{model_dir}"\n[server]\ninsecure_http = true\n')
+    minted = _inferno("token", "--role", "admin", "--sub", "ops-alice", "--config", str(config))
+    assert minted.returncode == 0, minted.stderr
+    claims = jwt.decode(minted.stdout.strip(), options={"verify_signature": False})
+    assert (claims["sub"], claims["roles"]) == ("ops-alice", ["admin"])
+    assert (tmp_path / "auth" / "issuer.pem").stat().st_mode & 0o777 == 0o600
+    unknown = _inferno("token", "--role", "root", "--sub", "x", "--config", str(config))
+    assert unknown.returncode == 2 and "invalid choice: 'root'" in unknown.stderr
+    idp = (
+        '[auth]\njwks_cache_dir = "jwks"\n[[auth.issuers]]\nissuer = "https://idp.example.com"\n'
+        'audience = "inferno"\nrole_claims = ["roles"]\nroles = { user = ["u"] }\n'
+    )
+    config.write_text(
+        AUDIT.split("[auth]")[0]
+        + f'[model]\ndir = "{model_dir}"\n[server]\ninsecure_http = true\n'
+        + idp
+    )
+    refused = _inferno("token", "--role", "admin", "--sub", "x", "--config", str(config))
+    assert refused.returncode == 2
+    assert "auth.local_issuer is off in these settings" in refused.stderr
+    assert refused.stdout == ""

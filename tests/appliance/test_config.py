@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from appliance.app import engine_config
+from appliance.auth.settings import IssuerSettings, RoleValues
 from appliance.config import Settings, load_settings, setting_names
 from appliance.engine.engine import EngineConfig
 from appliance.errors import ConfigError
@@ -33,10 +34,12 @@ def _write(tmp_path: Path, text: str) -> Path:
 
 
 AUDIT = '[audit]\norigin = "inferno.test/config"\ndata_dir = "audit"\n'
+AUTH = '[auth]\nlocal_issuer = "demo"\nlocal_issuer_key_file = "auth/issuer.pem"\n'
+REQUIRED = AUDIT + AUTH
 
 
 def _insecure(model_dir: Path, extra: str = "") -> str:
-    return f'{AUDIT}[model]\ndir = "{model_dir}"\n[server]\ninsecure_http = true\n{extra}'
+    return f'{REQUIRED}[model]\ndir = "{model_dir}"\n[server]\ninsecure_http = true\n{extra}'
 
 
 def test_file_values_are_read_and_the_rest_defaulted(tmp_path: Path, model_dir: Path) -> None:
@@ -67,7 +70,7 @@ def test_relative_paths_are_relative_to_the_file_or_to_the_current_directory(
 ) -> None:
     path = _write(
         tmp_path,
-        AUDIT + '[model]\ndir = "models/tiny"\n[tls]\ncert_file = "tls/c.pem"\n'
+        REQUIRED + '[model]\ndir = "models/tiny"\n[tls]\ncert_file = "tls/c.pem"\n'
         'key_file = "k.pem"\nself_signed = true\n',
     )
     monkeypatch.chdir(model_dir)
@@ -112,7 +115,7 @@ def test_missing_model_directory_is_named(tmp_path: Path) -> None:
 
 
 def test_tls_is_required_unless_plain_http_is_asked_for(tmp_path: Path, model_dir: Path) -> None:
-    path = _write(tmp_path, f'{AUDIT}[model]\ndir = "{model_dir}"\n')
+    path = _write(tmp_path, f'{REQUIRED}[model]\ndir = "{model_dir}"\n')
     with pytest.raises(ConfigError, match=r"TLS is always on: set tls\.cert_file"):
         load_settings(path, environ={})
     both = _write(tmp_path, _insecure(model_dir, '[tls]\ncert_file = "c.pem"\nkey_file = "k.pem"'))
@@ -124,7 +127,7 @@ def test_operator_certificate_files_must_exist(tmp_path: Path, model_dir: Path) 
     (tmp_path / "c.pem").write_text("")
     path = _write(
         tmp_path,
-        f'{AUDIT}[model]\ndir = "{model_dir}"\n[tls]\ncert_file = "c.pem"\nkey_file = "k.pem"\n',
+        f'{REQUIRED}[model]\ndir = "{model_dir}"\n[tls]\ncert_file = "c.pem"\nkey_file = "k.pem"\n',
     )
     with pytest.raises(ConfigError, match=r"tls\.key_file = .*k\.pem does not exist"):
         load_settings(path, environ={})
@@ -178,12 +181,53 @@ def test_every_setting_is_documented_and_every_documented_setting_exists() -> No
     assert sorted(documented) == sorted(setting_names())
 
 
+def test_every_issuer_setting_is_documented_and_every_documented_one_exists() -> None:
+    text = (REPO_ROOT / "docs" / "CONFIG.md").read_text()
+    documented = re.findall(r"^\| `auth\.issuers\[\]\.([a-z_.]+)` \|", text, flags=re.MULTILINE)
+    expected = [
+        f"roles.{role}" if name == "roles" else name
+        for name in IssuerSettings.model_fields
+        for role in (RoleValues.model_fields if name == "roles" else [None])
+    ]
+    assert sorted(documented) == sorted(expected)
+
+
+def test_paths_inside_issuer_tables_are_relative_to_the_file(
+    tmp_path: Path, model_dir: Path
+) -> None:
+    issuer = (
+        '[[auth.issuers]]\nissuer = "https://idp.example.com"\naudience = "inferno"\n'
+        'jwks_file = "keys/idp.json"\nrole_claims = ["roles"]\nroles = { user = ["u"] }\n'
+    )
+    path = _write(tmp_path, AUDIT + _insecure(model_dir).removeprefix(REQUIRED) + issuer)
+    [loaded] = load_settings(path, environ={}).auth.issuers
+    assert loaded.jwks_file == tmp_path / "keys" / "idp.json"
+
+
+def test_auth_is_required_and_its_errors_name_the_setting(tmp_path: Path, model_dir: Path) -> None:
+    without_auth = AUDIT + _insecure(model_dir).removeprefix(REQUIRED)
+    with pytest.raises(ConfigError, match=r"auth: required"):
+        load_settings(_write(tmp_path, without_auth), environ={})
+    issuer = (
+        '[[auth.issuers]]\nissuer = "https://idp.example.com"\naudience = "inferno"\n'
+        'algorithms = ["HS256"]\nrole_claims = ["roles"]\nroles = { user = ["u"] }\n'
+    )
+    with pytest.raises(ConfigError, match=r"auth\.issuers\.0\.algorithms: 'HS256' is not allowed"):
+        load_settings(_write(tmp_path, without_auth + issuer), environ={})
+    with pytest.raises(ConfigError, match=r"auth: .*refused where identity providers are"):
+        load_settings(
+            _write(tmp_path, _insecure(model_dir) + issuer.replace("HS256", "RS256")),
+            environ={"INFERNO_AUTH_JWKS_CACHE_DIR": "jwks"},
+        )
+
+
 def test_default_engine_settings_are_the_engines_own_defaults(model_dir: Path) -> None:
     settings = Settings.model_validate(
         {
             "model": {"dir": str(model_dir)},
             "server": {"insecure_http": True},
             "audit": {"origin": "inferno.test/config", "data_dir": "audit"},
+            "auth": {"local_issuer": "demo", "local_issuer_key_file": "k.pem"},
         }
     )
     config = EngineConfig(model_dir=model_dir, **settings.engine.model_dump())
@@ -201,3 +245,6 @@ def test_demo_config_serves_tls_with_a_self_signed_pair_on_8443(
     assert settings.tls.cert_file == tmp_path / "demo" / "tls" / "cert.pem"
     assert engine_config(settings).device == "cpu"
     assert os.path.isabs(settings.tls.key_file)
+    # No identity provider: the demo's own issuer, its key kept beside the settings.
+    assert (settings.auth.issuers, settings.auth.local_issuer) == ((), "demo")
+    assert settings.auth.local_issuer_key_file == tmp_path / "demo" / "auth" / "local-issuer.pem"

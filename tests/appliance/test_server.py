@@ -21,6 +21,8 @@ from typing import Any
 import httpx
 import pytest
 
+from appliance.auth.local_issuer import LocalIssuer
+from appliance.auth.roles import Role
 from appliance.boot import audit_log_settings
 from appliance.config import load_settings
 from audit.encoding import decode_base64
@@ -40,7 +42,12 @@ class ServeProcess:
     stderr_lines: list[str] = field(default_factory=list)
 
     def http(self) -> httpx.Client:
-        return httpx.Client(base_url=self.url, verify=self.tls, timeout=60)
+        """A client with a user's token from the server's local issuer."""
+        issuer = LocalIssuer.from_settings(load_settings(self.config, environ={}).auth)
+        assert issuer is not None
+        token = issuer.mint(Role.USER, "test-user", time.time())
+        headers = {"Authorization": f"Bearer {token}"}
+        return httpx.Client(base_url=self.url, verify=self.tls, timeout=60, headers=headers)
 
 
 def write_config(model_dir: Path, directory: Path, *, drain_timeout_s: float) -> Path:
@@ -50,6 +57,7 @@ def write_config(model_dir: Path, directory: Path, *, drain_timeout_s: float) ->
         f"[server]\nport = 0\ndrain_timeout_s = {drain_timeout_s}\n"
         '[tls]\ncert_file = "cert.pem"\nkey_file = "key.pem"\nself_signed = true\n'
         '[audit]\norigin = "inferno.test/serve"\ndata_dir = "audit"\n'
+        '[auth]\nlocal_issuer = "demo"\nlocal_issuer_key_file = "auth/issuer.pem"\n'
         '[log]\nlevel = "DEBUG"\n'
     )
     return config

@@ -17,9 +17,12 @@ from typing import Any
 import httpx
 import openai
 import pytest
+from fastapi import FastAPI
 from prometheus_client.parser import text_string_to_metric_families
 
 from appliance.app import build
+from appliance.auth.local_issuer import LocalIssuer
+from appliance.auth.roles import Role
 from appliance.boot import start_audit_log
 from appliance.config import Settings, settings_from_mapping
 from appliance.engine.engine import Engine, EngineConfig
@@ -38,10 +41,16 @@ def api_engine(smollm2_dir: Path) -> Engine:
 
 
 def make_settings(
-    directory: Path, model_dir: Path, *, audit: dict[str, Any] | None = None, **server: Any
+    directory: Path,
+    model_dir: Path,
+    *,
+    audit: dict[str, Any] | None = None,
+    auth: dict[str, Any] | None = None,
+    **server: Any,
 ) -> Settings:
-    """Settings for a TLS server on a free loopback port, its self-signed certificate and its
-    audit log (SQLite) in `directory`; `audit` and `server` override those sections."""
+    """Settings for a TLS server on a free loopback port, its self-signed certificate, its
+    audit log (SQLite) and its local token issuer's key in `directory`; `audit` and `server`
+    override those sections, `auth` replaces the `[auth]` section."""
     return settings_from_mapping(
         {
             "model": {"dir": str(model_dir), "name": MODEL_NAME},
@@ -55,6 +64,11 @@ def make_settings(
                 "origin": AUDIT_ORIGIN,
                 "data_dir": str(directory / "audit"),
                 **(audit or {}),
+            },
+            "auth": auth
+            or {
+                "local_issuer": "demo",
+                "local_issuer_key_file": str(directory / "auth" / "local-issuer.pem"),
             },
         },
         base_dir=directory,
@@ -74,13 +88,20 @@ class RunningServer:
     cert_file: Path
     engine: Engine | None
     settings: Settings
+    app: FastAPI
+
+    def token(self, role: Role = Role.USER, subject: str = "test-user") -> str:
+        """A bearer token of the server's local issuer."""
+        issuer = LocalIssuer.from_settings(self.settings.auth)
+        assert issuer is not None, "the server's settings have no local issuer"
+        return issuer.mint(role, subject, time.time())
 
     def client(self, **kwargs: Any) -> openai.OpenAI:
-        """The official client, trusting the server's certificate; no retries (a 429 or 503
-        must reach the test)."""
+        """The official client with a user's token (its API key), trusting the server's
+        certificate; no retries (a 429 or 503 must reach the test)."""
         return openai.OpenAI(
             base_url=f"{self.url}/v1",
-            api_key="unused",
+            api_key=self.token(),
             max_retries=0,
             http_client=httpx.Client(verify=self.tls_context()),
             **kwargs,
@@ -89,18 +110,22 @@ class RunningServer:
     def async_client(self, **kwargs: Any) -> openai.AsyncOpenAI:
         return openai.AsyncOpenAI(
             base_url=f"{self.url}/v1",
-            api_key="unused",
+            api_key=self.token(),
             max_retries=0,
             http_client=httpx.AsyncClient(verify=self.tls_context()),
             **kwargs,
         )
 
-    def http(self) -> httpx.Client:
-        return httpx.Client(base_url=self.url, verify=self.tls_context(), timeout=60)
+    def http(self, role: Role | None = Role.USER) -> httpx.Client:
+        """A client sending a token with `role` (none if None)."""
+        headers = {} if role is None else {"Authorization": f"Bearer {self.token(role)}"}
+        return httpx.Client(
+            base_url=self.url, verify=self.tls_context(), timeout=60, headers=headers
+        )
 
     def metric(self, name: str, **labels: str) -> float:
         """The value of one sample on /metrics (0 when absent, as for a counter never hit)."""
-        with self.http() as http:
+        with self.http(Role.ADMIN) as http:
             text = http.get("/metrics").text
         for family in text_string_to_metric_families(text):
             for sample in family.samples:
@@ -130,7 +155,7 @@ def running_server(settings: Settings, engine: Engine | None) -> Iterator[Runnin
         time.sleep(0.01)
     try:
         assert settings.tls.cert_file is not None
-        yield RunningServer(listener.url, settings.tls.cert_file, engine, settings)
+        yield RunningServer(listener.url, settings.tls.cert_file, engine, settings, app)
     finally:
         server.should_exit = True
         thread.join(timeout=30)

@@ -141,7 +141,13 @@ def test_a_chat_reply_names_its_accepted_entry_whose_proof_verifies_offline(
     accepted = db.entry(index)
     assert (accepted["action"], accepted["outcome"]) == ("inference.request", "accepted")
     assert accepted["request_id"] == reply["id"]
-    assert accepted["actor"] == {"issuer": None, "subject": None, "client": None, "roles": []}
+    # Who sent it, as the bearer token said (the server's local issuer, in these tests).
+    assert accepted["actor"] == {
+        "issuer": "urn:inferno:local-issuer",
+        "subject": "test-user",
+        "client": "inferno-token",
+        "roles": ["user"],
+    }
     assert accepted["source"] == {"address": "127.0.0.1"}
     details = accepted["details"]
     assert details["endpoint"] == CHAT

@@ -23,6 +23,7 @@ from schemathesis.checks import (
 )
 from schemathesis.generation import GenerationMode
 
+from appliance.auth.roles import Role
 from appliance.engine.engine import Engine, EngineConfig
 from tests.appliance.api.conftest import (
     MODEL_NAME,
@@ -61,6 +62,7 @@ def test_fuzzed_requests_get_no_server_error_and_only_documented_statuses(
     if mode is GenerationMode.NEGATIVE:
         checks.append(negative_data_rejection)
     session = requests.Session()
+    user = {"Authorization": f"Bearer {server.token(Role.USER)}"}
     operations = [result.ok() for result in schema.get_all_operations()]
     assert {op.path for op in operations} >= {"/v1/chat/completions", "/v1/completions"}
     statuses: Counter[tuple[str, int]] = Counter()
@@ -79,7 +81,11 @@ def test_fuzzed_requests_get_no_server_error_and_only_documented_statuses(
         @given(case=operation.as_strategy(generation_mode=mode))
         def exchange(case: schemathesis.Case) -> None:
             response = case.call(
-                base_url=server.url, session=session, verify=str(server.cert_file), timeout=60
+                base_url=server.url,
+                session=session,
+                verify=str(server.cert_file),
+                timeout=60,
+                headers=user,
             )
             statuses[case.operation.path, response.status_code] += 1
             case.validate_response(response, checks=checks)

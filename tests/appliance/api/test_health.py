@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from appliance.auth.roles import Role
 from tests.appliance.api.conftest import MODEL_NAME, RunningServer
 
 VLLM_METRICS = [
@@ -21,7 +22,7 @@ VLLM_METRICS = [
 
 
 def test_ready_server_is_live_and_healthy(server: RunningServer) -> None:
-    with server.http() as http:
+    with server.http(role=None) as http:  # probes carry no token
         assert http.get("/live").json() == {"status": "alive"}
         response = http.get("/health")
     assert response.status_code == 200
@@ -42,7 +43,7 @@ def test_metrics_use_vllm_names_and_count_tokens(server: RunningServer) -> None:
         client.completions.create(
             model=MODEL_NAME, prompt=prompt, max_tokens=5, extra_body={"ignore_eos": True}
         )
-    with server.http() as http:
+    with server.http(Role.ADMIN) as http:
         response = http.get("/metrics")
     assert response.headers["content-type"].startswith("text/plain")
     for name in VLLM_METRICS:

@@ -1,0 +1,101 @@
+"""The console's login and logout routes: the OIDC authorization code flow with PKCE
+(`appliance.auth.login`) ending in a server-side session (`appliance.auth.sessions`).
+
+GET /console/login redirects to the IdP; GET /console/callback ends the login and sets the
+session cookie; GET /console/session tells the console who is logged in and its CSRF token;
+POST /console/logout (with `X-CSRF-Token`) ends the session here and sends the browser to the
+IdP's end-session endpoint. Access rules: `appliance.api.access.ROUTE_ACCESS`.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import RedirectResponse
+
+from appliance.api.access import session_of
+from appliance.api.errors import APIError
+from appliance.auth.errors import LoginError
+from appliance.auth.login import LOGIN_COOKIE, PENDING_TTL_S, ConsoleLogin
+from appliance.auth.sessions import Session, SessionStore, expired_cookie
+
+router = APIRouter(prefix="/console", include_in_schema=False)
+
+AFTER_LOGIN = "/console/session"
+
+
+def _console_login(request: Request) -> ConsoleLogin:
+    login: ConsoleLogin | None = request.app.state.console_login
+    if login is None:
+        raise APIError(404, "console login is not configured (auth.issuers console_* settings)")
+    return login
+
+
+def _sessions(request: Request) -> SessionStore:
+    return request.app.state.sessions
+
+
+def _session(request: Request) -> Session:
+    session = session_of(request)
+    assert session is not None, "AccessControl admits console routes with a session only"
+    return session
+
+
+Login = Annotated[ConsoleLogin, Depends(_console_login)]
+Sessions = Annotated[SessionStore, Depends(_sessions)]
+CurrentSession = Annotated[Session, Depends(_session)]
+
+
+@router.get("/login")
+async def login(console_login: Login) -> RedirectResponse:
+    try:
+        url, pending_id = await console_login.begin()
+    except LoginError as exc:
+        raise APIError(503, f"login is unavailable: {exc}", type="server_error") from None
+    response = RedirectResponse(url, status_code=303)
+    response.headers.append(
+        "set-cookie",
+        f"{LOGIN_COOKIE}={pending_id}; Path=/; Max-Age={PENDING_TTL_S}; Secure; HttpOnly; "
+        "SameSite=Lax",
+    )
+    return response
+
+
+@router.get("/callback")
+async def callback(request: Request, console_login: Login, sessions: Sessions) -> RedirectResponse:
+    pending_id = request.cookies.get(LOGIN_COOKIE)
+    try:
+        completed = await console_login.complete(pending_id, dict(request.query_params))
+    except LoginError as exc:
+        raise APIError(400, f"login failed: {exc}; start again at /console/login") from None
+    session = sessions.create(completed.principal, completed.id_token)
+    response = RedirectResponse(AFTER_LOGIN, status_code=303)
+    response.headers.append("set-cookie", sessions.cookie(session))
+    response.headers.append("set-cookie", f"{LOGIN_COOKIE}=; Path=/; Max-Age=0; Secure; HttpOnly")
+    return response
+
+
+@router.get("/session")
+async def current_session(session: CurrentSession) -> dict[str, Any]:
+    principal = session.principal
+    return {
+        "issuer": principal.issuer,
+        "subject": principal.subject,
+        "roles": sorted(principal.roles),
+        "csrf_token": session.csrf_token,
+    }
+
+
+@router.post("/logout")
+async def logout(
+    session: CurrentSession, sessions: Sessions, console_login: Login
+) -> RedirectResponse:
+    sessions.delete(session.id)
+    try:
+        target = await console_login.logout_url(session.id_token)
+    except LoginError:
+        target = None  # the session here is over either way
+    response = RedirectResponse(target or "/console/login", status_code=303)
+    response.headers.append("set-cookie", expired_cookie())
+    return response
