@@ -153,6 +153,11 @@ def running_server(settings: Settings, engine: Engine | None) -> Iterator[Runnin
     while not server.started:
         assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
         time.sleep(0.01)
+    # A given engine is marked ready by a task the app starts, which may run after uvicorn says
+    # it started: wait for it, or the first request can find the server still "loading".
+    while engine is not None and app.state.readiness.state()[0] != "ready":
+        assert time.monotonic() < deadline, "the served engine never became ready"
+        time.sleep(0.01)
     try:
         assert settings.tls.cert_file is not None
         yield RunningServer(listener.url, settings.tls.cert_file, engine, settings, app)
