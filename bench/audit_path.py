@@ -31,6 +31,7 @@ import httpx
 from server_load import (
     audit_appends,
     audit_wait_ms,
+    bench_tokens,
     commit,
     cpu_s,
     device_line,
@@ -68,13 +69,14 @@ class Connection:
         await self.writer.wait_closed()
 
 
-def prepared_request(route: str, model: str) -> bytes:
+def prepared_request(route: str, model: str, user: dict[str, str]) -> bytes:
+    auth = "".join(f"{name}: {value}\r\n" for name, value in user.items())
     if route == "models":
-        return b"GET /v1/models HTTP/1.1\r\nHost: bench\r\n\r\n"
+        return f"GET /v1/models HTTP/1.1\r\nHost: bench\r\n{auth}\r\n".encode()
     body = json.dumps({"model": model, "prompt": PROMPT, "max_tokens": 1, "ignore_eos": True})
     return (
-        f"POST /v1/completions HTTP/1.1\r\nHost: bench\r\nContent-Type: application/json\r\n"
-        f"Content-Length: {len(body)}\r\n\r\n{body}"
+        f"POST /v1/completions HTTP/1.1\r\nHost: bench\r\n{auth}"
+        f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n{body}"
     ).encode()
 
 
@@ -91,13 +93,19 @@ async def client_loop(connection: Connection, request: bytes, until: float, seen
 
 
 async def run_route(
-    url: str, tls: ssl.SSLContext, route: str, model: str, args: argparse.Namespace, pid: int
+    url: str,
+    tls: ssl.SSLContext,
+    route: str,
+    model: str,
+    args: argparse.Namespace,
+    pid: int,
+    tokens: dict[str, dict[str, str]],
 ) -> dict[str, float | str]:
     connections = [await Connection.open(url, tls) for _ in range(args.clients)]
-    request = prepared_request(route, model)
+    request = prepared_request(route, model, tokens["user"])
     async with httpx.AsyncClient(base_url=url, verify=tls) as metrics_client:
         seen: list[int] = []
-        audit_start = await audit_appends(metrics_client)
+        audit_start = await audit_appends(metrics_client, tokens["admin"])
         cpu_start, wall_start = cpu_s(pid), time.perf_counter()
         client_cpu_start = time.process_time()
         until = wall_start + args.duration_s
@@ -107,7 +115,7 @@ async def run_route(
         wall = time.perf_counter() - wall_start
         cpu_end = cpu_s(pid)
         client_cpu = (time.process_time() - client_cpu_start) / wall
-        audit_end = await audit_appends(metrics_client)
+        audit_end = await audit_appends(metrics_client, tokens["admin"])
     for connection in connections:
         await connection.close()
     action = "api.request" if route == "models" else "inference.request"
@@ -131,6 +139,7 @@ async def measure(args: argparse.Namespace) -> None:
     args.max_num_seqs, args.max_num_batched_tokens, args.max_decode_burst = 256, 8192, 1
     with tempfile.TemporaryDirectory(prefix="inferno-audit-") as tmp:
         config, model, _ = write_server_files(Path(tmp), args)
+        tokens = bench_tokens(Path(tmp))
         server, url = start_server(config, "stub")
         try:
             tls = ssl.create_default_context(cafile=Path(tmp) / "cert.pem")
@@ -142,7 +151,7 @@ async def measure(args: argparse.Namespace) -> None:
             )
             rows = []
             for route in args.routes:
-                row = await run_route(url, tls, route, model, args, server.pid)
+                row = await run_route(url, tls, route, model, args, server.pid, tokens)
                 print(json.dumps(row), flush=True)
                 rows.append(row)
         finally:

@@ -42,6 +42,7 @@ import httpx
 
 _HERE = Path(__file__).resolve().parent
 RANDOM_MODEL_NAME = "random-llama-3.1-8b"
+LOCAL_ISSUER_KEY = "auth/local-issuer.pem"  # beside the server's settings file
 STUB_MODEL_NAME = "stub"
 
 
@@ -150,10 +151,27 @@ def write_server_files(directory: Path, args: argparse.Namespace) -> tuple[Path,
         "[audit]",
         'origin = "bench.localhost/audit"',
         'data_dir = "audit"',
+        "[auth]",
+        'local_issuer = "demo"',
+        f"local_issuer_key_file = {json.dumps(LOCAL_ISSUER_KEY)}",
     ]
     config = directory / "inferno.toml"
     config.write_text("\n".join(lines) + "\n")
     return config, model_dir.name, vocab_size
+
+
+def bench_tokens(directory: Path) -> dict[str, dict[str, str]]:
+    """Authorization headers for a `user` and an `admin` (the metrics), signed by the local
+    issuer the server's settings enable; its key is made here, before the server starts."""
+    from appliance.auth.local_issuer import LocalIssuer
+    from appliance.auth.roles import Role
+
+    issuer = LocalIssuer.load_or_create(directory / LOCAL_ISSUER_KEY, token_ttl_s=24 * 3600)
+    now = time.time()
+    return {
+        role: {"Authorization": f"Bearer {issuer.mint(Role(role), 'bench', now)}"}
+        for role in ("user", "admin")
+    }
 
 
 def start_server(config: Path, built: str | None) -> tuple[subprocess.Popen[str], str]:
@@ -227,6 +245,7 @@ async def run_rate(
     rate: float,
     args: argparse.Namespace,
     server_pid: int,
+    tokens: dict[str, dict[str, str]],
 ) -> dict[str, float]:
     """Poisson arrivals at `rate` for `duration_s`; waits for every request to finish."""
     arrivals = random.Random(args.seed + int(rate * 1000))
@@ -236,8 +255,10 @@ async def run_rate(
     limits = httpx.Limits(
         max_connections=None, max_keepalive_connections=None, keepalive_expiry=2.0
     )
-    async with httpx.AsyncClient(base_url=url, verify=tls, timeout=None, limits=limits) as client:
-        audit_start = await audit_appends(client)
+    async with httpx.AsyncClient(
+        base_url=url, verify=tls, timeout=None, limits=limits, headers=tokens["user"]
+    ) as client:
+        audit_start = await audit_appends(client, tokens["admin"])
         cpu_start, wall_start = cpu_s(server_pid), time.perf_counter()
         tasks = []
         next_arrival = 0.0
@@ -255,7 +276,7 @@ async def run_rate(
         await asyncio.sleep(max(wall_start + args.duration_s - time.perf_counter(), 0))
         wall = time.perf_counter() - wall_start
         cpu_end = cpu_s(server_pid)
-        audit_end = await audit_appends(client)
+        audit_end = await audit_appends(client, tokens["admin"])
     ttft = sorted(t.ttft_s for t in timings)
     accepted = audit_wait_ms(audit_start, audit_end, "inference.request")
     ended = audit_wait_ms(audit_start, audit_end, "inference.complete")
@@ -282,13 +303,15 @@ async def run_rate(
 Histogram = dict[str, dict[float, float]]
 
 
-async def audit_appends(client: httpx.AsyncClient) -> Histogram:
+async def audit_appends(client: httpx.AsyncClient, admin: dict[str, str]) -> Histogram:
     """The server's `inferno:audit_append_seconds`: per entry action, its cumulative bucket
     counts by upper bound (inf included), and its sum under the key -1."""
     from prometheus_client.parser import text_string_to_metric_families
 
     found: Histogram = {}
-    for family in text_string_to_metric_families((await client.get("/metrics")).text):
+    for family in text_string_to_metric_families(
+        (await client.get("/metrics", headers=admin)).text
+    ):
         if family.name != "inferno:audit_append_seconds":
             continue
         for sample in family.samples:
@@ -342,6 +365,7 @@ async def measure(args: argparse.Namespace) -> None:
     with tempfile.TemporaryDirectory(prefix="inferno-w3-") as tmp:
         directory = Path(tmp)
         config, model, vocab_size = write_server_files(directory, args)
+        tokens = bench_tokens(directory)
         built = "stub" if args.stub_model else "random-8b" if args.model is None else None
         server, url = start_server(config, built)
         try:
@@ -352,7 +376,9 @@ async def measure(args: argparse.Namespace) -> None:
                 [generator.randrange(vocab_size) for _ in range(args.prompt_tokens)]
                 for _ in range(256)
             ]
-            async with httpx.AsyncClient(base_url=url, verify=tls, timeout=None) as client:
+            async with httpx.AsyncClient(
+                base_url=url, verify=tls, timeout=None, headers=tokens["user"]
+            ) as client:
                 for prompt in prompts[:4]:  # warm-up, not measured
                     await one_request(client, model, prompt, args.output_tokens)
             print(
@@ -362,7 +388,7 @@ async def measure(args: argparse.Namespace) -> None:
             )
             rows = []
             for rate in args.rates:
-                result = await run_rate(url, tls, model, prompts, rate, args, server.pid)
+                result = await run_rate(url, tls, model, prompts, rate, args, server.pid, tokens)
                 print(json.dumps(result), flush=True)
                 rows.append(result)
         finally:
