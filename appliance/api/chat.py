@@ -15,7 +15,6 @@ from appliance.api.errors import ERROR_RESPONSES, APIError, api_error_for, unsup
 from appliance.api.generation import (
     Choice,
     Generation,
-    cancel_on_disconnect,
     choice_params,
     cut_off_error,
     require_tokenizer,
@@ -33,6 +32,7 @@ from appliance.api.schemas import (
     ChatCompletionResponse,
     ChatMessage,
 )
+from appliance.api.serving import AdmittedRequest
 from appliance.api.streaming import DONE, ChunkWriter, EventStreamResponse, event
 from appliance.engine.errors import EngineError
 from appliance.engine.tokenizer import Tokenizer
@@ -75,19 +75,17 @@ async def create_chat_completion(
         generation = Generation(engine, metrics, response_id, choices, arrival_s=arrival_s)
     except EngineError as exc:
         raise api_error_for(exc, prompt_param="messages") from exc
-    ticket = admission.admit(len(choices))
-    try:
-        record = await audit.accept(
-            request,
-            request_id=response_id,
-            endpoint="/v1/chat/completions",
-            prompt=[message.model_dump(exclude_none=True) for message in body.messages],
-            sampling=sampling_record(choices[0].params, n=body.n, stream=body.stream),
-            arrival_s=arrival_s,
-        )
-    except BaseException:
-        ticket.release()  # not logged, so not served: nothing was generated
-        raise
+    admitted = await AdmittedRequest.admit(
+        request,
+        generation,
+        admission,
+        audit,
+        request_id=response_id,
+        endpoint="/v1/chat/completions",
+        prompt=[message.model_dump(exclude_none=True) for message in body.messages],
+        sampling=sampling_record(choices[0].params, n=body.n, stream=body.stream),
+        arrival_s=arrival_s,
+    )
     head = {
         "id": response_id,
         "object": "chat.completion.chunk",
@@ -98,16 +96,8 @@ async def create_chat_completion(
     if body.stream:
         include_usage = body.stream_options is not None and body.stream_options.include_usage
         writer = ChunkWriter(head, include_usage=include_usage)
-        events = _events(generation, writer, tokenizer, with_logprobs=body.logprobs)
-
-        def closed() -> None:
-            ticket.release()
-            record.close_stream(generation)
-
-        return EventStreamResponse(record.stream(generation, events), on_close=closed)
-    with ticket:
-        async with record.recording(generation):
-            results = await cancel_on_disconnect(request, generation.collect())
+        return admitted.stream(_events(generation, writer, tokenizer, with_logprobs=body.logprobs))
+    results = await admitted.collect()
     return ChatCompletionResponse(
         id=response_id,
         created=head["created"],

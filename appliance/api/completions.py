@@ -18,7 +18,6 @@ from appliance.api.generation import (
     Choice,
     CollectedChoice,
     Generation,
-    cancel_on_disconnect,
     choice_params,
     cut_off_error,
     require_tokenizer,
@@ -34,6 +33,7 @@ from appliance.api.schemas import (
     CompletionRequest,
     CompletionResponse,
 )
+from appliance.api.serving import AdmittedRequest
 from appliance.api.streaming import DONE, ChunkWriter, EventStreamResponse, event
 from appliance.engine.errors import EngineError
 from appliance.engine.model_runner import TokenLogprob
@@ -86,19 +86,17 @@ async def create_completion(
         generation = Generation(engine, metrics, response_id, choices, arrival_s=arrival_s)
     except EngineError as exc:
         raise api_error_for(exc, prompt_param="prompt") from exc
-    ticket = admission.admit(len(choices))
-    try:
-        record = await audit.accept(
-            request,
-            request_id=response_id,
-            endpoint="/v1/completions",
-            prompt=body.prompt,
-            sampling=sampling_record(choices[0].params, n=body.n, stream=body.stream),
-            arrival_s=arrival_s,
-        )
-    except BaseException:
-        ticket.release()  # not logged, so not served: nothing was generated
-        raise
+    admitted = await AdmittedRequest.admit(
+        request,
+        generation,
+        admission,
+        audit,
+        request_id=response_id,
+        endpoint="/v1/completions",
+        prompt=body.prompt,
+        sampling=sampling_record(choices[0].params, n=body.n, stream=body.stream),
+        arrival_s=arrival_s,
+    )
     texts = _prompt_texts(body.prompt, prompts, tokenizer)
     output = _Output(tokenizer, texts, echo=body.echo, with_logprobs=body.logprobs is not None)
     head = {
@@ -111,16 +109,8 @@ async def create_completion(
     if body.stream:
         include_usage = body.stream_options is not None and body.stream_options.include_usage
         writer = ChunkWriter(head, include_usage=include_usage)
-        events = record.stream(generation, _events(generation, writer, output))
-
-        def closed() -> None:
-            ticket.release()
-            record.close_stream(generation)
-
-        return EventStreamResponse(events, on_close=closed)
-    with ticket:
-        async with record.recording(generation):
-            results = await cancel_on_disconnect(request, generation.collect())
+        return admitted.stream(_events(generation, writer, output))
+    results = await admitted.collect()
     return CompletionResponse(
         id=response_id,
         created=head["created"],
