@@ -196,6 +196,63 @@ class AuditSettings(_Section):
         return self.key_dir or self.data_dir / "keys"
 
 
+Profile = Literal["production", "development"]
+TeeMode = Literal["required", "insecure-dev"]
+
+
+class ApplianceSettings(_Section):
+    profile: Profile = Field(
+        default="production",
+        description="production refuses every insecure setting; development (the demo, tests) "
+        "allows them, visibly",
+    )
+
+
+class TeeSettings(_Section):
+    """The TEE gate (docs/ATTESTATION.md): what must be proven, against which policy and pinned
+    roots, before a key is released or a weight loaded."""
+
+    mode: TeeMode = Field(
+        default="required",
+        description="required: no key, no weights, no inference without a passing verdict; "
+        "insecure-dev: attestation skipped, every response says UNVERIFIED",
+    )
+    policy_file: Path | None = Field(
+        default=None, description="the attestation policy (TOML: [gpu], [snp], [tdx])"
+    )
+    gpu_rims_dir: Path | None = Field(
+        default=None, description="NVIDIA reference manifests (RIMs) for the driver and VBIOS"
+    )
+    gpu_roots_dir: Path | None = Field(
+        default=None, description="pinned GPU roots; default: the NVIDIA roots shipped inside"
+    )
+    gpu_revocation_dir: Path | None = Field(
+        default=None, description="OCSP responses / CRLs for the GPU certificates"
+    )
+    cpu_roots_dir: Path | None = Field(
+        default=None, description="pinned CPU roots (AMD ARKs); default: the roots shipped inside"
+    )
+    cpu_collateral_dir: Path | None = Field(
+        default=None, description="TDX collateral (TCB info, QE identity, CRLs)"
+    )
+    tsm_report_dir: Path = Field(
+        default=Path("/sys/kernel/config/tsm/report"),
+        description="configfs-tsm report directory of the confidential VM",
+    )
+    reattest_interval_s: float = Field(
+        default=3600.0, gt=0.0, description="re-attest this often; a failure stops inference"
+    )
+
+    @model_validator(mode="after")
+    def _check(self) -> Self:
+        if self.mode == "required" and self.policy_file is None:
+            raise ValueError(
+                'mode "required" needs policy_file: an appliance without an attestation '
+                'policy never passes (mode = "insecure-dev" is for development)'
+            )
+        return self
+
+
 class LogSettings(_Section):
     level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field(
         default="WARNING", description="log level; prompts and completions are never logged"
@@ -210,10 +267,37 @@ class Settings(_Section):
     audit: AuditSettings
     auth: AuthSettings
     log: LogSettings = LogSettings()
+    appliance: ApplianceSettings = ApplianceSettings()
+    # Validated when absent too: the default mode is "required", which needs a policy file, so
+    # a config that says nothing about the TEE is refused rather than run unattested.
+    tee: TeeSettings = Field(default={}, validate_default=True)  # type: ignore[assignment]
 
     @property
     def served_model_name(self) -> str:
         return self.model.name or self.model.dir.name
+
+    @model_validator(mode="after")
+    def _check_production(self) -> Self:
+        """ARCHITECTURE.md start-up step 1: a production profile refuses every setting that
+        weakens the appliance. Each is named, with the way out, in one message."""
+        if self.appliance.profile != "production":
+            return self
+        refused = []
+        if self.tee.mode != "required":
+            refused.append(f'tee.mode = "{self.tee.mode}" (production needs "required")')
+        if self.server.insecure_http:
+            refused.append("server.insecure_http = true (production serves TLS only)")
+        if self.auth.local_issuer == "demo":
+            refused.append(
+                'auth.local_issuer = "demo" (configure [[auth.issuers]]; "break-glass" '
+                "is the explicit emergency exception)"
+            )
+        if refused:
+            raise ValueError(
+                "appliance.profile = \"production\" refuses " + "; ".join(refused)
+                + '. For a demo or development set appliance.profile = "development"'
+            )
+        return self
 
     @model_validator(mode="after")
     def _check_tls(self) -> Self:

@@ -154,6 +154,10 @@ def write_server_files(directory: Path, args: argparse.Namespace) -> tuple[Path,
         "[auth]",
         'local_issuer = "demo"',
         f"local_issuer_key_file = {json.dumps(LOCAL_ISSUER_KEY)}",
+        "[appliance]",
+        'profile = "development"',
+        "[tee]",
+        'mode = "insecure-dev"',
     ]
     config = directory / "inferno.toml"
     config.write_text("\n".join(lines) + "\n")

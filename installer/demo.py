@@ -55,6 +55,14 @@ def write_demo_config(directory: Path, model_dir: Path, *, device: str, port: in
         "# The SQLite database and the keys, kept from start to start.\n"
         'data_dir = "audit"\n'
         "\n"
+        "[appliance]\n"
+        "# A demo: the insecure settings below are allowed, and shown as such.\n"
+        'profile = "development"\n'
+        "\n"
+        "[tee]\n"
+        "# Nothing is attested: every response carries X-Inferno-TEE: UNVERIFIED.\n"
+        'mode = "insecure-dev"\n'
+        "\n"
         "[auth]\n"
         "# No identity provider: the appliance's own issuer signs the tokens that\n"
         "# `inferno token --role ROLE --sub NAME` prints. Its key is made at the first start.\n"

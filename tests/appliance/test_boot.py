@@ -32,6 +32,8 @@ def _settings(model_dir: Path, data_dir: Path, **audit: Any) -> Settings:
             "server": {"insecure_http": True},
             "audit": {"origin": "inferno.test/boot", "data_dir": str(data_dir), **audit},
             "auth": {"local_issuer": "demo", "local_issuer_key_file": str(data_dir / "k.pem")},
+            "appliance": {"profile": "development"},
+            "tee": {"mode": "insecure-dev"},
         }
     )
 

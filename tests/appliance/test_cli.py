@@ -25,6 +25,7 @@ AUDIT = (
 )
 
 
+    '[appliance]\nprofile = "development"\n[tee]\nmode = "insecure-dev"\n'
 def _inferno(
     *args: str, stdin: str | None = None, env: dict[str, str] | None = None
 ) -> subprocess.CompletedProcess[str]:

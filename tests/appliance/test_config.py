@@ -35,7 +35,8 @@ def _write(tmp_path: Path, text: str) -> Path:
 
 AUDIT = '[audit]\norigin = "inferno.test/config"\ndata_dir = "audit"\n'
 AUTH = '[auth]\nlocal_issuer = "demo"\nlocal_issuer_key_file = "auth/issuer.pem"\n'
-REQUIRED = AUDIT + AUTH
+DEVELOPMENT = '[appliance]\nprofile = "development"\n[tee]\nmode = "insecure-dev"\n'
+REQUIRED = AUDIT + AUTH + DEVELOPMENT
 
 
 def _insecure(model_dir: Path, extra: str = "") -> str:
@@ -199,7 +200,8 @@ def test_paths_inside_issuer_tables_are_relative_to_the_file(
         '[[auth.issuers]]\nissuer = "https://idp.example.com"\naudience = "inferno"\n'
         'jwks_file = "keys/idp.json"\nrole_claims = ["roles"]\nroles = { user = ["u"] }\n'
     )
-    path = _write(tmp_path, AUDIT + _insecure(model_dir).removeprefix(REQUIRED) + issuer)
+    text = AUDIT + DEVELOPMENT + _insecure(model_dir).removeprefix(REQUIRED) + issuer
+    path = _write(tmp_path, text)
     [loaded] = load_settings(path, environ={}).auth.issuers
     assert loaded.jwks_file == tmp_path / "keys" / "idp.json"
 
@@ -228,6 +230,8 @@ def test_default_engine_settings_are_the_engines_own_defaults(model_dir: Path) -
             "server": {"insecure_http": True},
             "audit": {"origin": "inferno.test/config", "data_dir": "audit"},
             "auth": {"local_issuer": "demo", "local_issuer_key_file": "k.pem"},
+            "appliance": {"profile": "development"},
+            "tee": {"mode": "insecure-dev"},
         }
     )
     config = EngineConfig(model_dir=model_dir, **settings.engine.model_dump())

@@ -59,6 +59,7 @@ def write_config(model_dir: Path, directory: Path, *, drain_timeout_s: float) ->
         '[audit]\norigin = "inferno.test/serve"\ndata_dir = "audit"\n'
         '[auth]\nlocal_issuer = "demo"\nlocal_issuer_key_file = "auth/issuer.pem"\n'
         '[log]\nlevel = "DEBUG"\n'
+        '[appliance]\nprofile = "development"\n[tee]\nmode = "insecure-dev"\n'
     )
     return config
 

@@ -65,6 +65,8 @@ def make_settings(
                 "data_dir": str(directory / "audit"),
                 **(audit or {}),
             },
+            "appliance": {"profile": "development"},
+            "tee": {"mode": "insecure-dev"},
             "auth": auth
             or {
                 "local_issuer": "demo",
