@@ -294,7 +294,8 @@ class Settings(_Section):
             )
         if refused:
             raise ValueError(
-                "appliance.profile = \"production\" refuses " + "; ".join(refused)
+                'appliance.profile = "production" refuses '
+                + "; ".join(refused)
                 + '. For a demo or development set appliance.profile = "development"'
             )
         return self
