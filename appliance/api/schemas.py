@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 from appliance.engine.sampling_params import MAX_TOP_LOGPROBS
 
@@ -20,8 +20,22 @@ MAX_CHOICES = 16
 
 MAX_STOP_STRINGS = 16
 
+
+def _unicode(value: str) -> str:
+    """JSON can spell a lone UTF-16 surrogate (`"\\ud800"`), which is no Unicode text: refuse
+    it here, by name, rather than fail in the tokenizer or the audit log's commitment."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(
+            f"contains an unpaired UTF-16 surrogate at character {exc.start}: not valid Unicode"
+        ) from None
+    return value
+
+
+Text = Annotated[str, AfterValidator(_unicode)]
 TokenId = Annotated[int, Field(ge=0)]
-NonEmptyText = Annotated[str, Field(min_length=1)]
+NonEmptyText = Annotated[Text, Field(min_length=1)]
 
 
 class _Request(BaseModel):
@@ -45,7 +59,7 @@ class SamplingFields(_Request):
     stream_options: StreamOptions | None = None
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    user: str | None = Field(default=None, description="an end-user id; accepted and unused")
+    user: Text | None = Field(default=None, description="an end-user id; accepted and unused")
     top_k: int = Field(default=0, ge=0, description="extension: sample from the k most likely")
     min_p: float = Field(default=0.0, ge=0.0, le=1.0, description="extension: min-p sampling")
     ignore_eos: bool = Field(default=False, description="extension: go on past end-of-sequence")
@@ -68,14 +82,14 @@ class CompletionRequest(SamplingFields):
 
 class TextContentPart(_Request):
     type: Literal["text"]
-    text: str
+    text: Text
 
 
 class ChatMessage(_Request):
     # "developer" is OpenAI's newer name for "system"; the chat template gets "system".
     role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextContentPart]
-    name: str | None = None
+    content: Text | list[TextContentPart]
+    name: Text | None = None
 
 
 class ResponseFormat(_Request):

@@ -90,6 +90,36 @@ def test_missing_field_is_named(http: httpx.Client) -> None:
     assert error["param"] == "messages"
 
 
+LONE_SURROGATE = "\ud800"
+
+
+@pytest.mark.parametrize(
+    ("route", "body", "param"),
+    [
+        (CHAT, {"messages": [{"role": "user", "content": f"Hi {LONE_SURROGATE}"}]}, "messages.0.content"),
+        (
+            CHAT,
+            {"messages": [{"role": "user", "content": [{"type": "text", "text": LONE_SURROGATE}]}]},
+            "messages.0.content.0.text",
+        ),
+        (CHAT, {"messages": HI, "stop": LONE_SURROGATE}, "stop"),
+        ("/v1/completions", {"prompt": f"a{LONE_SURROGATE}b"}, "prompt"),
+    ],
+    ids=["chat-content", "chat-content-part", "stop", "completion-prompt"],
+)
+def test_text_with_an_unpaired_surrogate_is_a_400_naming_the_field(
+    http: httpx.Client, route: str, body: dict[str, Any], param: str
+) -> None:
+    # json.dumps escapes the surrogate as \ud800, valid JSON that decodes to no valid Unicode.
+    payload = json.dumps({"model": MODEL_NAME, **body})
+    response = http.post(route, content=payload, headers={"content-type": "application/json"})
+    error = _error(response, 400)
+    assert error["param"] == param
+    assert "unpaired UTF-16 surrogate" in error["message"]
+    ok = http.post(CHAT, json={"model": MODEL_NAME, "messages": HI, "max_tokens": 1})
+    assert ok.status_code == 200, ok.text
+
+
 def test_unknown_model_is_a_404_model_not_found(http: httpx.Client) -> None:
     error = _error(http.post(CHAT, json={"model": "gpt-4", "messages": HI}), 404)
     assert error["code"] == "model_not_found"
