@@ -22,6 +22,7 @@ if TYPE_CHECKING:  # the engine imports torch: only load it for commands that ne
     from appliance.engine.engine import Engine
     from appliance.engine.sampling_params import SamplingParams
     from audit.event import Actor
+    from audit.log import AuditLog
 
 _DESCRIPTION = "Inferno: a confidential LLM inference appliance."
 
@@ -201,7 +202,10 @@ def _run_demo(args: argparse.Namespace) -> int:
         # Loaded before serving, so the server is ready when the banner says so.
         model = LoadedModel.load(engine_config(settings))
         app = build(settings, audit_log, model=model)
-        tokens = {role: _mint(settings, role, f"demo-{role}") for role in (Role.USER, Role.ADMIN)}
+        tokens = {
+            role: _mint(settings, audit_log, role, f"demo-{role}", "inferno demo")
+            for role in (Role.USER, Role.ADMIN)
+        }
         banner = _demo_banner(
             settings.served_model_name, listener.url, settings, config_path, audit_log.vkey, tokens
         )
@@ -210,25 +214,54 @@ def _run_demo(args: argparse.Namespace) -> int:
     return 0
 
 
-def _mint(settings: Settings, role: Role, subject: str) -> str:
+def _mint(settings: Settings, log: AuditLog, role: Role, subject: str, command: str) -> str:
+    """A local-issuer token, recorded in the audit log (`admin.token.issue`: who ran `command`,
+    the role, subject, token id and expiry; never the token) before it is handed out. A token
+    whose issue cannot be recorded is not printed."""
     import time
+    from datetime import UTC, datetime
+
+    import jwt
 
     from appliance.auth.local_issuer import LocalIssuer
+    from audit.event import Outcome, admin_action
 
     issuer = LocalIssuer.from_settings(settings.auth)
     if issuer is None:
         raise ConfigError(
             "auth.local_issuer is off in these settings: tokens come from the identity provider"
         )
-    return issuer.mint(role, subject, time.time())
+    token = issuer.mint(role, subject, time.time())
+    claims = jwt.decode(token, options={"verify_signature": False})  # ours, just signed
+    log.append(
+        admin_action(
+            time=datetime.now(UTC),
+            actor=_local_operator(command),
+            source_address=None,
+            request_id=None,
+            operation="token.issue",
+            outcome=Outcome.SUCCESS,
+            target={
+                "issuer": claims["iss"],
+                "subject": subject,
+                "roles": [role.value],
+                "token_id": claims["jti"],
+                "expires": datetime.fromtimestamp(claims["exp"], UTC).isoformat(),
+            },
+        )
+    )
+    return token
 
 
 def _run_token(args: argparse.Namespace) -> int:
+    from appliance.boot import open_audit_log
     from appliance.config import load_settings
     from installer.demo import CONFIG_NAME, demo_dir
 
     settings = load_settings(args.config or demo_dir() / CONFIG_NAME)
-    print(_mint(settings, Role(args.role), args.sub))
+    with open_audit_log(settings.audit) as log:
+        token = _mint(settings, log, Role(args.role), args.sub, "inferno token")
+    print(token)
     return 0
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -15,6 +16,8 @@ import jwt
 import openai
 import pytest
 
+from appliance.boot import open_audit_log
+from appliance.config import load_settings
 from appliance.engine.engine import Engine, EngineConfig
 from appliance.engine.sampling_params import SamplingParams
 from appliance.tls import certificate_fingerprint
@@ -22,10 +25,10 @@ from appliance.tls import certificate_fingerprint
 AUDIT = (
     '[audit]\norigin = "inferno.test/cli"\ndata_dir = "audit"\n'
     '[auth]\nlocal_issuer = "demo"\nlocal_issuer_key_file = "auth/issuer.pem"\n'
+    '[appliance]\nprofile = "development"\n[tee]\nmode = "insecure-dev"\n'
 )
 
 
-    '[appliance]\nprofile = "development"\n[tee]\nmode = "insecure-dev"\n'
 def _inferno(
     *args: str, stdin: str | None = None, env: dict[str, str] | None = None
 ) -> subprocess.CompletedProcess[str]:
@@ -230,6 +233,15 @@ def test_token_prints_a_token_only_where_the_local_issuer_is_on(tmp_path: Path) 
     claims = jwt.decode(minted.stdout.strip(), options={"verify_signature": False})
     assert (claims["sub"], claims["roles"]) == ("ops-alice", ["admin"])
     assert (tmp_path / "auth" / "issuer.pem").stat().st_mode & 0o777 == 0o600
+    # The issue is in the audit log: who ran the command, for whom, the token's id, not the token.
+    with open_audit_log(load_settings(config).audit) as log:
+        leaves = [leaf for _, leaf in log.store.entries(0, log.store.size() - 1)]
+    [issued] = [json.loads(leaf) for leaf in leaves if b'"admin.token.issue"' in leaf]
+    assert issued["actor"]["client"] == "inferno token"
+    target = issued["details"]["target"]
+    assert (target["subject"], target["roles"]) == ("ops-alice", ["admin"])
+    assert target["token_id"] == claims["jti"]
+    assert not any(minted.stdout.strip().encode() in leaf for leaf in leaves)
     unknown = _inferno("token", "--role", "root", "--sub", "x", "--config", str(config))
     assert unknown.returncode == 2 and "invalid choice: 'root'" in unknown.stderr
     idp = (
