@@ -1,0 +1,95 @@
+"""What CPU verification trusts: the pinned AMD ARKs (one per processor line), an offline cache
+of AMD ASK/VCEK certificates for reports that carry none, the pinned Intel SGX Root CA, and the
+bundled Intel DCAP collateral (per platform FMSPC) for TDX quotes.
+
+On disk (`CpuTrust.load(directory)`):
+  snp/ark-*.pem            pinned ARKs; each self-signed (RSA-PSS SHA-384), CN "ARK-<product>"
+  snp/certificates/*.pem   optional ASK and VCEK certificates (PEM or DER)
+  tdx/root_ca.pem          the Intel SGX Root CA
+  tdx/collateral/*.json    dcap-qvl QuoteCollateralV3 JSON, one file per FMSPC
+A missing directory or file means that kind of evidence can never verify; it is not an error
+to load, so that an SNP-only appliance needs no Intel files.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from cryptography import x509
+from cryptography.hazmat.primitives.serialization import Encoding
+from cryptography.x509.oid import NameOID
+
+from attestation.cpu.snp import PRODUCTS, Product, load_amd_certificate, verify_amd_signature
+from attestation.errors import AttestationError, PolicyError
+
+
+@dataclass(frozen=True, slots=True)
+class CpuTrust:
+    """Trust anchors and offline collateral. `tdx_collateral` maps an upper-case FMSPC hex
+    string to the collateral JSON text for that platform."""
+
+    snp_arks: Mapping[Product, x509.Certificate] = field(default_factory=dict)
+    snp_certificates: tuple[x509.Certificate, ...] = ()
+    tdx_root_ca_der: bytes | None = None
+    tdx_collateral: Mapping[str, str] = field(default_factory=dict)
+
+    @classmethod
+    def load(cls, directory: Path) -> CpuTrust:
+        """Load the layout of the module docstring. Raises PolicyError on an unreadable or
+        malformed file, an ARK that is not self-signed, or collateral without an FMSPC."""
+        directory = Path(directory)
+        arks: dict[Product, x509.Certificate] = {}
+        for path in sorted((directory / "snp").glob("ark-*.pem")):
+            ark = _load_certificate(path)
+            product = ark_product(ark)
+            if product in arks:
+                raise PolicyError(f"{path}: a second ARK for {product}")
+            arks[product] = ark
+        cache = tuple(
+            _load_certificate(path)
+            for path in sorted((directory / "snp" / "certificates").glob("*"))
+            if path.is_file()
+        )
+        root_path = directory / "tdx" / "root_ca.pem"
+        root = (
+            _load_certificate(root_path).public_bytes(Encoding.DER) if root_path.exists() else None
+        )
+        collateral: dict[str, str] = {}
+        for path in sorted((directory / "tdx" / "collateral").glob("*.json")):
+            text = path.read_text(encoding="utf-8")
+            collateral[collateral_fmspc(text, path)] = text
+        return cls(arks, cache, root, collateral)
+
+
+def ark_product(ark: x509.Certificate) -> Product:
+    """The processor line a pinned ARK belongs to (from its CN "ARK-<product>"), after checking
+    that it is self-signed. Raises PolicyError otherwise."""
+    names = ark.subject.get_attributes_for_oid(NameOID.COMMON_NAME)
+    name = str(names[0].value) if names else ""
+    product = name.removeprefix("ARK-")
+    if not name.startswith("ARK-") or product not in PRODUCTS:
+        raise PolicyError(f"pinned ARK has CN {name!r}, expected ARK-<one of {PRODUCTS}>")
+    try:
+        verify_amd_signature(ark, ark, f"pinned ARK-{product}")
+    except AttestationError as exc:
+        raise PolicyError(f"pinned ARK-{product} is not validly self-signed: {exc}") from exc
+    return product  # type: ignore[return-value]
+
+
+def collateral_fmspc(text: str, source: Path | str) -> str:
+    """The FMSPC (upper-case hex) of a QuoteCollateralV3 JSON text, read from its TCB info."""
+    try:
+        tcb_info = json.loads(json.loads(text)["tcb_info"])
+        return str(tcb_info["fmspc"]).upper()
+    except (ValueError, KeyError, TypeError) as exc:
+        raise PolicyError(f"{source}: not dcap-qvl collateral JSON with a TCB info FMSPC") from exc
+
+
+def _load_certificate(path: Path) -> x509.Certificate:
+    try:
+        return load_amd_certificate(path.read_bytes())
+    except (OSError, AttestationError) as exc:
+        raise PolicyError(f"cannot load certificate {path}: {exc}") from exc
