@@ -1,0 +1,132 @@
+"""GPU evidence as it travels: the JSON exchange format of ARCHITECTURE.md (NVIDIA's de-facto
+format, a list of `{"arch", "nonce" (hex), "evidence" (base64 report), "certificate" (base64 PEM
+chain)}`), plus two optional keys Inferno adds when it collected the evidence itself through NVML:
+`"cc_mode"` ("on" | "off" | "devtools") and `"dev_tools_mode"` (bool). These two are read from the
+driver, not signed by the GPU; policy treats their absence as unknown, never as "on"/"off".
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import hashlib
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from cryptography import x509
+
+from attestation.gpu.errors import GpuEvidenceFormatError
+
+CC_MODES = ("on", "off", "devtools")
+_KEYS = {"arch", "nonce", "evidence", "certificate", "cc_mode", "dev_tools_mode"}
+
+
+@dataclass(frozen=True, slots=True)
+class GpuEvidence:
+    """One GPU's evidence: `report` (the raw SPDM request ‖ response), `certificate_chain` (the
+    PEM chain as the device gave it, leaf first), the nonce the collector asked for, and the NVML
+    state when known. Construct through `from_json` or the collector: fields are decoded."""
+
+    arch: str
+    nonce: bytes
+    report: bytes
+    certificate_chain: bytes
+    cc_mode: str | None = None
+    dev_tools_mode: bool | None = None
+
+    def certificates(self) -> tuple[x509.Certificate, ...]:
+        """The chain parsed, leaf first. Raises GpuEvidenceFormatError."""
+        try:
+            return tuple(x509.load_pem_x509_certificates(self.certificate_chain))
+        except ValueError as exc:
+            raise GpuEvidenceFormatError(f"certificate chain is not PEM: {exc}") from exc
+
+    def to_json(self) -> dict[str, Any]:
+        item: dict[str, Any] = {
+            "arch": self.arch,
+            "nonce": self.nonce.hex(),
+            "evidence": base64.b64encode(self.report).decode("ascii"),
+            "certificate": base64.b64encode(self.certificate_chain).decode("ascii"),
+        }
+        if self.cc_mode is not None:
+            item["cc_mode"] = self.cc_mode
+        if self.dev_tools_mode is not None:
+            item["dev_tools_mode"] = self.dev_tools_mode
+        return item
+
+    @classmethod
+    def from_json(cls, item: Mapping[str, Any]) -> GpuEvidence:
+        """One entry of the exchange format. Raises GpuEvidenceFormatError on a missing or
+        unknown key, bad hex or base64, or a chain that is not PEM."""
+        if not isinstance(item, Mapping):
+            raise GpuEvidenceFormatError("a GPU evidence entry must be a JSON object")
+        unknown = set(item) - _KEYS
+        missing = {"arch", "nonce", "evidence", "certificate"} - set(item)
+        if unknown or missing:
+            raise GpuEvidenceFormatError(
+                f"GPU evidence entry: missing keys {sorted(missing)}, "
+                f"unknown keys {sorted(unknown)}"
+            )
+        if not isinstance(item["arch"], str) or not item["arch"]:
+            raise GpuEvidenceFormatError("arch must be a non-empty string")
+        cc_mode, dev_tools = item.get("cc_mode"), item.get("dev_tools_mode")
+        if cc_mode is not None and cc_mode not in CC_MODES:
+            raise GpuEvidenceFormatError(f"cc_mode {cc_mode!r} is not one of {CC_MODES}")
+        if dev_tools is not None and not isinstance(dev_tools, bool):
+            raise GpuEvidenceFormatError("dev_tools_mode must be true or false")
+        evidence = cls(
+            arch=item["arch"],
+            nonce=_hex(item["nonce"], "nonce"),
+            report=_base64(item["evidence"], "evidence"),
+            certificate_chain=_base64(item["certificate"], "certificate"),
+            cc_mode=cc_mode,
+            dev_tools_mode=dev_tools,
+        )
+        evidence.certificates()
+        return evidence
+
+
+def evidence_list_from_json(data: bytes | str) -> list[GpuEvidence]:
+    """The exchange format's JSON text, a non-empty list of entries. Raises
+    GpuEvidenceFormatError."""
+    try:
+        items = json.loads(data)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise GpuEvidenceFormatError(f"evidence is not JSON: {exc}") from exc
+    if not isinstance(items, list) or not items:
+        raise GpuEvidenceFormatError("evidence must be a non-empty JSON list, one entry per GPU")
+    return [GpuEvidence.from_json(item) for item in items]
+
+
+def evidence_list_to_json(evidence: Sequence[GpuEvidence]) -> str:
+    return json.dumps([item.to_json() for item in evidence], indent=2)
+
+
+def gpu_evidence_digest(evidence: Sequence[GpuEvidence]) -> bytes:
+    """SHA-256 of the canonical bytes of the evidence list: the UTF-8 JSON of `to_json()` of each
+    entry in order, keys sorted, no whitespace (`json.dumps(..., sort_keys=True,
+    separators=(",", ":"))`). This is what the CPU report binds (attestation.binding)."""
+    canonical = json.dumps(
+        [item.to_json() for item in evidence], sort_keys=True, separators=(",", ":")
+    ).encode("utf-8")
+    return hashlib.sha256(canonical).digest()
+
+
+def _hex(value: object, what: str) -> bytes:
+    if not isinstance(value, str):
+        raise GpuEvidenceFormatError(f"{what} must be a hex string")
+    try:
+        return bytes.fromhex(value)
+    except ValueError as exc:
+        raise GpuEvidenceFormatError(f"{what} is not hex") from exc
+
+
+def _base64(value: object, what: str) -> bytes:
+    if not isinstance(value, str):
+        raise GpuEvidenceFormatError(f"{what} must be a base64 string")
+    try:
+        return base64.b64decode(value, validate=True)
+    except (binascii.Error, ValueError) as exc:
+        raise GpuEvidenceFormatError(f"{what} is not base64") from exc
