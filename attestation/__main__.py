@@ -1,0 +1,107 @@
+"""`python -m attestation`: verify TEE evidence offline, as an operator or a relying party does.
+
+    verify-gpu --evidence FILE.json --rims DIR --policy FILE [--at RFC3339] [--roots DIR]
+               [--revocation DIR] [--nonce HEX ...]
+
+prints the JSON verdict (`Verdict.to_json()`: result, validation time, failed checks with their
+reasons, every check, per-GPU claims) and exits 0 when trusted, 1 when not trusted, 2 when the
+input is unusable (unreadable or malformed evidence, policy, roots or bundle).
+
+Each subcommand is one `add_*` function registering its arguments and its `run` function in
+SUBCOMMANDS; adding one (`verify-cpu`) touches nothing else.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable
+from datetime import UTC, datetime
+from pathlib import Path
+
+from attestation.errors import EvidenceError, PolicyError
+from attestation.verdict import Verdict
+
+EXIT_TRUSTED, EXIT_NOT_TRUSTED, EXIT_UNUSABLE = 0, 1, 2
+
+Runner = Callable[[argparse.Namespace], Verdict]
+SUBCOMMANDS: dict[str, tuple[Callable[[argparse.ArgumentParser], None], Runner]] = {}
+
+
+def validation_time(text: str | None) -> datetime:
+    """`--at`: an RFC 3339 time with an offset (e.g. 2025-05-01T00:00:00Z); default now (UTC)."""
+    if text is None:
+        return datetime.now(UTC)
+    try:
+        at = datetime.fromisoformat(text)
+    except ValueError:
+        raise PolicyError(f"--at {text!r} is not an RFC 3339 time") from None
+    if at.tzinfo is None:
+        raise PolicyError(f"--at {text!r} has no UTC offset (write Z or +00:00)")
+    return at.astimezone(UTC)
+
+
+def _add_verify_gpu(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--evidence", type=Path, required=True, help="GPU evidence JSON list")
+    parser.add_argument("--rims", type=Path, required=True, help="directory of signed RIMs")
+    parser.add_argument("--policy", type=Path, required=True, help="policy TOML with a [gpu] table")
+    parser.add_argument("--at", help="validation time, RFC 3339 (default: now)")
+    parser.add_argument("--roots", type=Path, help="pinned roots (default: NVIDIA's, built in)")
+    parser.add_argument("--revocation", type=Path, help="directory of *.ocsp and *.crl files")
+    parser.add_argument(
+        "--nonce",
+        action="append",
+        help="expected nonce (hex), once per GPU in order; default: the nonces the evidence "
+        "file names, which proves only that each report signed the nonce it claims",
+    )
+
+
+def _run_verify_gpu(args: argparse.Namespace) -> Verdict:
+    from attestation.gpu.evidence import evidence_list_from_json
+    from attestation.gpu.policy import GpuPolicy
+    from attestation.gpu.trust import GpuTrust
+    from attestation.gpu.verify import verify_gpu_evidence
+
+    try:
+        evidence = evidence_list_from_json(args.evidence.read_bytes())
+    except OSError as exc:
+        raise EvidenceError(f"cannot read {args.evidence}: {exc}") from exc
+    try:
+        nonces = (
+            [bytes.fromhex(n) for n in args.nonce] if args.nonce else [e.nonce for e in evidence]
+        )
+    except ValueError:
+        raise EvidenceError("--nonce must be hex") from None
+    policy = GpuPolicy.from_file(args.policy)
+    trust = GpuTrust.from_paths(
+        rim_dir=args.rims, roots_dir=args.roots, revocation_dir=args.revocation
+    )
+    return verify_gpu_evidence(
+        evidence, expected_nonces=nonces, policy=policy, trust=trust, at=validation_time(args.at)
+    )
+
+
+SUBCOMMANDS["verify-gpu"] = (_add_verify_gpu, _run_verify_gpu)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m attestation", description=__doc__.split("\n")[0]
+    )
+    commands = parser.add_subparsers(dest="command", required=True)
+    for name, (add_arguments, _) in SUBCOMMANDS.items():
+        add_arguments(commands.add_parser(name))
+    args = parser.parse_args(argv)
+    try:
+        verdict = SUBCOMMANDS[args.command][1](args)
+    except (EvidenceError, PolicyError) as exc:
+        error = {"result": "unusable input", "error": f"{type(exc).__name__}: {exc}"}
+        sys.stdout.write(json.dumps(error) + "\n")
+        return EXIT_UNUSABLE
+    sys.stdout.write(json.dumps(verdict.to_json(), indent=2) + "\n")
+    return EXIT_TRUSTED if verdict.trusted else EXIT_NOT_TRUSTED
+
+
+if __name__ == "__main__":
+    sys.exit(main())
