@@ -37,6 +37,20 @@ def canonicalize(value: JsonValue) -> bytes:
         raise CanonicalJsonError(f"string holds an unpaired surrogate: {exc.reason}") from exc
 
 
+def parse_canonical(data: bytes | str) -> JsonValue:
+    """Parse JSON text reading numbers as RFC 8785 does, as IEEE 754 doubles: an integer literal
+    beyond +-(2**53 - 1) (how a large integral double canonicalizes: 1e20 is
+    "100000000000000000000") becomes a float, so `canonicalize(parse_canonical(canonicalize(v)))`
+    gives the same bytes for every value `canonicalize` accepts. Raises ValueError for invalid
+    JSON."""
+    return json.loads(data, parse_int=_parse_integer)
+
+
+def _parse_integer(text: str) -> int | float:
+    number = int(text)
+    return number if abs(number) <= MAX_SAFE_INTEGER else float(text)
+
+
 def _serialize(value: JsonValue, out: list[str]) -> None:
     if value is None:
         out.append("null")

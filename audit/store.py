@@ -18,7 +18,6 @@ from typing import TypeVar
 from sqlalchemy import Connection, Engine, create_engine, event, func, select, tuple_
 from sqlalchemy.exc import SQLAlchemyError
 
-from audit.canonical import canonicalize
 from audit.encoding import encode_base64
 from audit.errors import AuditStoreError, AuditWriteError
 from audit.event import AuditEvent, format_time
@@ -136,11 +135,15 @@ class AuditStore:
                 leaf_rows, node_rows, receipts = [], [], []
                 for offset, audit_event in enumerate(events):
                     index = size + offset
-                    entry = audit_event.to_entry(index)
-                    data = canonicalize(entry)
+                    data = audit_event.to_leaf(index)
                     completed = frontier.append(hash_leaf(data))
                     leaf_rows.append(
-                        {"origin": self.origin, "idx": index, "time": entry["time"], "entry": data}
+                        {
+                            "origin": self.origin,
+                            "idx": index,
+                            "time": format_time(audit_event.time),
+                            "entry": data,
+                        }
                     )
                     node_rows += [
                         {"origin": self.origin, "level": n.level, "idx": n.index, "hash": h}

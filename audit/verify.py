@@ -26,7 +26,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 from audit.bundle import ENTRIES, MANIFEST, BundleReader, Manifest, checkpoint_name
-from audit.canonical import canonicalize
+from audit.canonical import canonicalize, parse_canonical
 from audit.checkpoint import Checkpoint, open_checkpoint
 from audit.encoding import decode_base64, encode_base64
 from audit.errors import (
@@ -250,7 +250,7 @@ def _verify_entries(
 
 def _parse_entry(data: bytes, where: str) -> dict[str, object]:
     try:
-        entry = json.loads(data)
+        entry = parse_canonical(data)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise BundleFormatError(f"{where} is not valid JSON: {exc}") from exc
     if not isinstance(entry, dict):

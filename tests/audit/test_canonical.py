@@ -11,8 +11,10 @@ import json
 import struct
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from audit.canonical import canonicalize, serialize_number
+from audit.canonical import canonicalize, parse_canonical, serialize_number
 from audit.errors import CanonicalJsonError
 
 APPENDIX_B = {
@@ -108,3 +110,28 @@ def test_integers_tuples_and_nesting_serialize_without_whitespace() -> None:
     assert (
         canonicalize(value) == b'{"a":{"y":0.5,"z":true},"b":[1,-2,[3,null]],"c":9007199254740991}'
     )
+
+
+def test_a_large_integral_double_reads_back_as_the_same_canonical_bytes() -> None:
+    # 1e20 canonicalizes as an integer literal that Python's json would read as an int
+    # outside the I-JSON range, which canonicalize then refuses.
+    data = canonicalize({"x": 1e20, "y": -(2.0**60), "z": 2**53 - 1})
+    assert data == b'{"x":100000000000000000000,"y":-1152921504606847000,"z":9007199254740991}'
+    assert canonicalize(parse_canonical(data)) == data
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.recursive(
+        st.none()
+        | st.booleans()
+        | st.integers(-(2**53) + 1, 2**53 - 1)
+        | st.floats(allow_nan=False, allow_infinity=False)
+        | st.text(max_size=8),
+        lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner),
+        max_leaves=16,
+    )
+)
+def test_canonical_bytes_survive_a_parse(value: object) -> None:
+    data = canonicalize(value)  # type: ignore[arg-type]
+    assert canonicalize(parse_canonical(data)) == data

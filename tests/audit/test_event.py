@@ -6,12 +6,15 @@ import json
 from datetime import datetime, timedelta, timezone
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from audit.canonical import canonicalize
+from audit.canonical import JsonValue, canonicalize
 from audit.commitment import ContentCommitter
 from audit.errors import KeyFileError
 from audit.event import (
     Actor,
+    AuditEvent,
     Outcome,
     api_request,
     authentication_failure,
@@ -138,3 +141,44 @@ def test_policy_checkpoints_by_count_or_age_and_heartbeats_when_idle() -> None:
     ) == pytest.approx(3599.0)
     with pytest.raises(ValueError, match="positive intervals"):
         CheckpointPolicy(every_entries=0)
+
+
+_text = st.text(max_size=12)  # any code point but lone surrogates: non-BMP ones included
+_json = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**53) + 1, 2**53 - 1)
+    | st.floats(allow_nan=False, allow_infinity=False)
+    | _text,
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(_text, inner, max_size=4),
+    max_leaves=12,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    details=st.dictionaries(_text, _json, max_size=5),
+    actor=st.builds(
+        Actor,
+        issuer=st.none() | _text,
+        subject=st.none() | _text,
+        client=st.none() | _text,
+        roles=st.lists(_text, max_size=3),
+    ),
+    action=st.from_regex(r"[a-z][a-z0-9_]{0,6}(\.[a-z][a-z0-9_]{0,6}){1,3}", fullmatch=True),
+    outcome=st.sampled_from(Outcome),
+    source=st.none() | st.ip_addresses().map(str),
+    request_id=st.none() | _text,
+    index=st.integers(0, 2**53 - 1),
+)
+def test_leaf_bytes_are_the_canonical_entry(
+    details: dict[str, JsonValue],
+    actor: Actor,
+    action: str,
+    outcome: Outcome,
+    source: str | None,
+    request_id: str | None,
+    index: int,
+) -> None:
+    event = AuditEvent(action, outcome, T, actor, source, request_id, details)
+    assert event.to_leaf(index) == canonicalize(event.to_entry(index))
