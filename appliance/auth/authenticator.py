@@ -1,6 +1,13 @@
 """From an `Authorization` header to a `Principal`: the bearer token is read (RFC 6750 section
 2.1), its issuer chosen among the configured ones by exact match, and verified with that
-issuer's keys and policy alone."""
+issuer's keys and policy alone.
+
+A token that verified is remembered for at most `VERIFIED_TOKEN_TTL_S` and never past its
+`exp`, as API gateways do (Envoy's jwt_authn cache, Kong): a client sends the same token on
+every request, and its signature check was the largest single cost of a small request. The
+price: a key the IdP withdraws stops admitting tokens already seen within that time, not at
+once. Refused tokens are never remembered; each refusal is checked and audited again.
+"""
 
 from __future__ import annotations
 
@@ -25,14 +32,51 @@ logger = logging.getLogger(__name__)
 _BEARER = re.compile(r"Bearer +([A-Za-z0-9\-._~+/]+=*)", re.IGNORECASE)
 
 
+VERIFIED_TOKEN_TTL_S = 60.0
+MAX_VERIFIED_TOKENS = 10_000
+
+
+class VerifiedTokens:
+    """The principals of recently verified tokens, each until `ttl_s` after its verification or
+    its `exp`, whichever is first; at most `max_entries`, the oldest forgotten first."""
+
+    def __init__(self, ttl_s: float, max_entries: int, clock: Clock) -> None:
+        self.ttl_s, self.max_entries, self.clock = ttl_s, max_entries, clock
+        self._entries: dict[str, tuple[float, Principal]] = {}
+
+    def get(self, token: str) -> Principal | None:
+        entry = self._entries.get(token)
+        if entry is None:
+            return None
+        valid_until, principal = entry
+        if self.clock() >= valid_until:
+            del self._entries[token]
+            return None
+        return principal
+
+    def add(self, token: str, principal: Principal) -> None:
+        valid_until = min(self.clock() + self.ttl_s, principal.expires_at)
+        if len(self._entries) >= self.max_entries:
+            del self._entries[next(iter(self._entries))]
+        self._entries[token] = (valid_until, principal)
+
+
 class Authenticator:
-    def __init__(self, verifiers: Mapping[str, AccessTokenVerifier]) -> None:
+    def __init__(self, verifiers: Mapping[str, AccessTokenVerifier], clock: Clock) -> None:
         self.verifiers = dict(verifiers)
+        self.verified = VerifiedTokens(VERIFIED_TOKEN_TTL_S, MAX_VERIFIED_TOKENS, clock)
 
     async def authenticate(self, authorization: Sequence[str]) -> Principal:
         """The principal named by the request's `Authorization` header values. Raises
         `AuthenticationError` (401) or `AuthorizationError` (roles that may not be combined)."""
         token = bearer_token(authorization)
+        if (principal := self.verified.get(token)) is not None:
+            return principal
+        principal = await self._verify(token)
+        self.verified.add(token, principal)
+        return principal
+
+    async def _verify(self, token: str) -> Principal:
         try:
             header = jwt.get_unverified_header(token)
             claims = jwt.decode(token, options={"verify_signature": False})
@@ -68,7 +112,7 @@ class Authenticator:
             verifiers[issuer.issuer] = AccessTokenVerifier(policy, keys)
         if local_issuer is not None:
             verifiers[local_issuer.issuer] = local_issuer.verifier(settings.leeway_s)
-        return cls(verifiers)
+        return cls(verifiers, clock)
 
 
 def bearer_token(authorization: Sequence[str]) -> str:
