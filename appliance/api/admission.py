@@ -61,7 +61,7 @@ class Ticket:
         self.release()
 
 
-def _admission(request: Request) -> Admission:
+async def _admission(request: Request) -> Admission:
     return request.app.state.admission
 
 

@@ -318,7 +318,7 @@ def _ending(generation: Generation, exc: BaseException | None) -> tuple[Outcome,
     return Outcome.FAILURE, None if error is None else type(error).__name__
 
 
-def _audit_trail(request: Request) -> AuditTrail:
+async def _audit_trail(request: Request) -> AuditTrail:
     return request.app.state.audit_trail
 
 

@@ -147,7 +147,7 @@ class _EngineCollector(Collector):
         return self._metrics.engine_metrics()
 
 
-def _server_metrics(request: Request) -> ServerMetrics:
+async def _server_metrics(request: Request) -> ServerMetrics:
     return request.app.state.metrics
 
 

@@ -25,7 +25,7 @@ class ServedModel:
             )
 
 
-def _served_model(request: Request) -> ServedModel:
+async def _served_model(request: Request) -> ServedModel:
     return request.app.state.served_model
 
 

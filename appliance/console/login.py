@@ -25,18 +25,18 @@ router = APIRouter(prefix="/console", include_in_schema=False)
 AFTER_LOGIN = "/console/session"
 
 
-def _console_login(request: Request) -> ConsoleLogin:
+async def _console_login(request: Request) -> ConsoleLogin:
     login: ConsoleLogin | None = request.app.state.console_login
     if login is None:
         raise APIError(404, "console login is not configured (auth.issuers console_* settings)")
     return login
 
 
-def _sessions(request: Request) -> SessionStore:
+async def _sessions(request: Request) -> SessionStore:
     return request.app.state.sessions
 
 
-def _session(request: Request) -> Session:
+async def _session(request: Request) -> Session:
     session = session_of(request)
     assert session is not None, "AccessControl admits console routes with a session only"
     return session
