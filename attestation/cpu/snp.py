@@ -31,6 +31,7 @@ from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.asymmetric import ec, padding, rsa
 from cryptography.hazmat.primitives.asymmetric.utils import encode_dss_signature
+from cryptography.hazmat.primitives.serialization import Encoding
 from cryptography.utils import CryptographyDeprecationWarning
 from cryptography.x509.oid import SignatureAlgorithmOID
 
@@ -274,17 +275,29 @@ def build_certificate_table(certificates: Mapping[uuid.UUID, bytes]) -> bytes:
 
 
 def load_amd_certificate(data: bytes) -> x509.Certificate:
-    """A certificate from DER or PEM bytes. AMD issues VCEKs with serial number 0, which RFC 5280
-    forbids and cryptography warns about; the warning is silenced here, for AMD's certificates
-    only, because the serial plays no part in SNP verification. Raises SnpReportFormatError."""
+    """A certificate from DER or PEM bytes, with every field verification reads parsed now.
+    AMD issues VCEKs with serial number 0, which RFC 5280 forbids and cryptography warns about;
+    the warning is silenced here, for AMD's certificates only, because the serial plays no part
+    in SNP verification. Raises SnpReportFormatError."""
     with warnings.catch_warnings():
+        # cryptography warns (rather than fails) on a name attribute of the wrong length: here
+        # that is a malformed certificate. (The later filter takes precedence.)
+        warnings.simplefilter("error", UserWarning)
         warnings.simplefilter("ignore", CryptographyDeprecationWarning)
         try:
             if data.lstrip().startswith(b"-----BEGIN"):
-                return x509.load_pem_x509_certificate(data)
-            return x509.load_der_x509_certificate(data)
-        except ValueError as exc:
-            raise SnpReportFormatError(f"not an X.509 certificate: {exc}") from exc
+                cert = x509.load_pem_x509_certificate(data)
+            else:
+                cert = x509.load_der_x509_certificate(data)
+            # cryptography parses names, extensions and keys lazily and raises a variety of
+            # exception types (ValueError, KeyError, InvalidVersion, UnsupportedAlgorithm) on
+            # malformed ones: touch them all here so that any defect is one typed error.
+            _ = (cert.subject, cert.issuer, list(cert.extensions), cert.public_key())
+            _ = (cert.not_valid_before_utc, cert.not_valid_after_utc, cert.signature_algorithm_oid)
+            _ = cert.signature_hash_algorithm
+        except Exception as exc:
+            raise SnpReportFormatError(f"not a well-formed X.509 certificate: {exc!r}") from exc
+    return cert
 
 
 def verify_amd_signature(cert: x509.Certificate, issuer: x509.Certificate, role: str) -> None:
@@ -297,6 +310,12 @@ def verify_amd_signature(cert: x509.Certificate, issuer: x509.Certificate, role:
     issuer_key = issuer.public_key()
     if not isinstance(issuer_key, rsa.RSAPublicKey):
         raise SnpCertificateChainError(f"the issuer of the {role} has no RSA key")
+    if _outer_algorithm(cert) != _inner_algorithm(cert):
+        # RFC 5280 4.1.1.2: the two must be equal. The outer one is not signed, and the PSS
+        # parameters used here are AMD's fixed ones, so a difference means tampering.
+        raise SnpCertificateChainError(
+            f"the {role}'s signature algorithm differs from the one its signed part names"
+        )
     if cert.issuer != issuer.subject:
         raise SnpCertificateChainError(
             f"the {role}'s issuer is not {issuer.subject.rfc4514_string()}"
@@ -307,6 +326,36 @@ def verify_amd_signature(cert: x509.Certificate, issuer: x509.Certificate, role:
         raise SnpCertificateChainError(
             f"the {role} signature does not verify under {issuer.subject.rfc4514_string()}"
         ) from None
+
+
+def _der_children(data: bytes) -> list[bytes]:
+    """The encoded elements inside one DER SEQUENCE `data` (tag, length, contents each)."""
+
+    def element_end(position: int) -> tuple[int, int]:
+        length = data[position + 1]
+        header = 2
+        if length & 0x80:
+            num_bytes = length & 0x7F
+            length = int.from_bytes(data[position + 2 : position + 2 + num_bytes], "big")
+            header += num_bytes
+        return position + header, position + header + length
+
+    start, end = element_end(0)
+    children = []
+    while start < end:
+        _, child_end = element_end(start)
+        children.append(data[start:child_end])
+        start = child_end
+    return children
+
+
+def _outer_algorithm(cert: x509.Certificate) -> bytes:
+    return _der_children(cert.public_bytes(Encoding.DER))[1]
+
+
+def _inner_algorithm(cert: x509.Certificate) -> bytes:
+    fields = _der_children(cert.tbs_certificate_bytes)
+    return fields[2] if fields[0][:1] == b"\xa0" else fields[1]
 
 
 def _check_signing_ca(cert: x509.Certificate, role: str) -> None:
