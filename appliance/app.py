@@ -1,7 +1,8 @@
-"""The composition root: `build(settings, audit_log)` wires the engine, the audit trail, access
-control, the API routes, metrics, limits and middleware into one FastAPI app. Nothing here runs
-at import; the engine starts with the app's lifespan and stops with it, and the audit log closes
-after it.
+"""The composition root: `build(settings, audit_log)` wires the TEE gate, the engine, the audit
+trail, access control, the API routes, metrics, limits and middleware into one FastAPI app.
+Nothing here runs at import; the start-up sequence (appliance.boot: attest, release the key,
+load the weights, serve, re-attest) runs with the app's lifespan and stops with it, and the
+audit log closes after it.
 """
 
 from __future__ import annotations
@@ -17,34 +18,36 @@ from typing import Any
 
 from fastapi import FastAPI
 
-from appliance.api import audit_proofs, chat, completions, health, metrics, models
+from appliance.api import attestation, audit_proofs, chat, completions, health, metrics, models
 from appliance.api.access import ROUTE_ACCESS, AccessControl, document_access
 from appliance.api.admission import Admission
 from appliance.api.audit_trail import AuditTrail
 from appliance.api.errors import install_error_handlers
 from appliance.api.metrics import ServerMetrics
-from appliance.api.middleware import (
-    TEE_UNVERIFIED,
-    AuditEntryHeader,
-    BodySizeLimit,
-    TeeStateHeader,
-)
+from appliance.api.middleware import AuditEntryHeader, BodySizeLimit, TeeStateHeader
 from appliance.api.models import ServedModel
 from appliance.api.readiness import Readiness
+from appliance.attestation.service import TeeService
 from appliance.auth.authenticator import Authenticator
 from appliance.auth.denials import DenialReporter
 from appliance.auth.idp_http import IdpHttp, idp_tls_context
 from appliance.auth.local_issuer import LocalIssuer
 from appliance.auth.login import ConsoleLogin
 from appliance.auth.sessions import SessionStore
-from appliance.boot import boot_phase_failed, boot_ready
+from appliance.boot import (
+    TeeGateError,
+    boot_phase_failed,
+    boot_ready,
+    pass_tee_gate,
+    reattest_periodically,
+)
 from appliance.config import Settings
 from appliance.console import login as console_login
 from appliance.engine.async_engine import AsyncEngine
 from appliance.engine.engine import EngineConfig
 from appliance.engine.errors import EngineError
 from appliance.engine.models.config import ModelConfig
-from appliance.errors import ModelFilesError
+from appliance.errors import BootError, ModelFilesError
 from appliance.weights import LoadedModel
 from audit.errors import AuditError
 from audit.log import AuditLog
@@ -64,20 +67,37 @@ def engine_config(settings: Settings) -> EngineConfig:
     return config
 
 
-def build(settings: Settings, audit_log: AuditLog, *, model: LoadedModel | None = None) -> FastAPI:
+def build(
+    settings: Settings,
+    audit_log: AuditLog,
+    *,
+    model: LoadedModel | None = None,
+    tee: TeeService | None = None,
+) -> FastAPI:
     """The appliance's HTTP app.
 
     `audit_log` is open and has recorded `boot.start` (appliance.boot.start_audit_log); the app
     owns it from here: every API request is logged to it, and the app's shutdown closes it after
     the requests in flight, signing the final checkpoint.
 
-    Without `model`, the model of `settings` loads in a thread when the app starts, while
-    `/live` already answers and `/health` says "loading" (or why loading failed). With `model`
-    (the demo, tests, benchmarks), that model is served at once; its engine is not closed
-    afterwards, so several apps in turn can share one.
+    When the app starts, the TEE gate runs first (`tee`, by default the machine's own devices
+    as `settings.tee` configures them); only after it passes, or in insecure-dev mode, does the
+    model of `settings` load, in a thread, while `/live` already answers and `/health` says
+    "loading" (or why the gate or the load failed). With `model` (the demo, tests, benchmarks),
+    that model is served once the gate passes; its engine is not closed afterwards, so several
+    apps in turn can share one. A model loaded before the gate ran is refused unless
+    `tee.mode = insecure-dev`: weights must never be in memory before a verdict.
     """
+    if tee is None:
+        tee = _tee_service(settings)
+    if model is not None and tee.mode != "insecure-dev":
+        raise BootError(
+            'a model loaded before the TEE gate is refused with tee.mode = "required": the '
+            "weights load only after a passing verdict"
+        )
     config = engine_config(settings) if model is None else None
     readiness = Readiness()
+    admission = Admission(settings.server.max_concurrent_requests, settings.server.retry_after_s)
     server_metrics = ServerMetrics(settings.served_model_name)
     trail = AuditTrail(audit_log, server_metrics, settings.served_model_name)
     auth = settings.auth
@@ -90,13 +110,26 @@ def build(settings: Settings, audit_log: AuditLog, *, model: LoadedModel | None 
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        reattesting: list[asyncio.Task[None]] = []
         starting = asyncio.create_task(
-            _start_engine(config, model, readiness, server_metrics, trail)
+            _start(
+                settings,
+                tee,
+                config,
+                model,
+                readiness,
+                admission,
+                server_metrics,
+                trail,
+                reattesting,
+            )
         )
         try:
             yield
         finally:
             async_engine = await starting  # a load in progress cannot be interrupted
+            for task in reattesting:
+                task.cancel()
             readiness.set_stopped()
             if async_engine is not None:
                 await async_engine.shutdown()  # requests still running end aborted
@@ -113,17 +146,17 @@ def build(settings: Settings, audit_log: AuditLog, *, model: LoadedModel | None 
         redoc_url=None,
     )
     app.state.readiness = readiness
+    app.state.tee = tee
     app.state.metrics = server_metrics
     app.state.audit_trail = trail
-    app.state.admission = Admission(
-        settings.server.max_concurrent_requests, settings.server.retry_after_s
-    )
+    app.state.admission = admission
     app.state.served_model = ServedModel(settings.served_model_name, created=int(time.time()))
     sessions = SessionStore(auth.session_idle_timeout_s, auth.session_absolute_timeout_s, time.time)
     app.state.sessions = sessions
     app.state.console_login = ConsoleLogin.from_settings(auth, idp_http, authenticator, time.time)
     install_error_handlers(app)
-    for module in (models, chat, completions, audit_proofs, health, metrics, console_login):
+    routers = (models, chat, completions, audit_proofs, attestation, health, metrics, console_login)
+    for module in routers:
         app.include_router(module.router)
     app.openapi = partial(_openapi, app)  # type: ignore[method-assign]
     app.add_middleware(BodySizeLimit, max_bytes=settings.server.max_request_body_bytes)
@@ -137,7 +170,7 @@ def build(settings: Settings, audit_log: AuditLog, *, model: LoadedModel | None 
     )
     # Each added around the previous: a 413 or a refusal is logged and carries both headers.
     app.add_middleware(AuditEntryHeader, trail=trail)
-    app.add_middleware(TeeStateHeader, state=TEE_UNVERIFIED)
+    app.add_middleware(TeeStateHeader, state=tee.state)
     return app
 
 
@@ -156,12 +189,70 @@ def _openapi(app: FastAPI) -> dict[str, Any]:
     return app.openapi_schema
 
 
+def _tee_service(settings: Settings) -> TeeService:
+    """The TEE service of `settings`: attesting this machine's own devices, or none at all in
+    insecure-dev mode."""
+    if settings.tee.mode == "insecure-dev":
+        return TeeService("insecure-dev", None, None)
+    from appliance.attestation.devices import device_tee_service  # NVML, configfs-tsm
+
+    return device_tee_service(settings.tee)
+
+
+async def _start(
+    settings: Settings,
+    tee: TeeService,
+    config: EngineConfig | None,
+    model: LoadedModel | None,
+    readiness: Readiness,
+    admission: Admission,
+    metrics: ServerMetrics,
+    trail: AuditTrail,
+    reattesting: list[asyncio.Task[None]],
+) -> AsyncEngine | None:
+    """The start-up sequence after the audit log (appliance.boot): the TEE gate, then the
+    model, then the re-attestation timer. A closed gate leaves the server up, failed, with the
+    reason: no key released, no weight loaded."""
+    readiness.set_loading("attesting the TEE" if tee.mode == "required" else "the model is loading")
+    try:
+        await pass_tee_gate(tee, trail.log)
+    except TeeGateError as exc:
+        logger.error("the TEE gate is closed: %s", exc)
+        readiness.set_failed(str(exc))
+        return None
+    readiness.set_loading("the model is loading")
+    async_engine = await _start_engine(config, model, readiness, metrics, trail, tee)
+    if async_engine is not None and tee.mode == "required":
+
+        async def stop_inference(reason: str) -> None:
+            readiness.set_failed(reason)
+            await _drain(admission, settings.server.drain_timeout_s)
+            await async_engine.shutdown()
+
+        reattesting.append(
+            asyncio.create_task(
+                reattest_periodically(
+                    tee, trail.log, settings.tee.reattest_interval_s, stop_inference
+                )
+            )
+        )
+    return async_engine
+
+
+async def _drain(admission: Admission, timeout_s: float) -> None:
+    """Wait up to `timeout_s` for the requests admitted before inference stopped to end."""
+    deadline = time.monotonic() + timeout_s
+    while admission.num_admitted > 0 and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+
+
 async def _start_engine(
     config: EngineConfig | None,
     model: LoadedModel | None,
     readiness: Readiness,
     metrics: ServerMetrics,
     trail: AuditTrail,
+    tee: TeeService,
 ) -> AsyncEngine | None:
     """Start `model`, or load it from `config` first; record `boot.ready`; then mark the server
     ready. On a failed load, or a log that cannot record it, mark the server failed with the
@@ -185,7 +276,10 @@ async def _start_engine(
         load_ms = (time.monotonic() - started_s) * 1000
     trail.weights_digest = model.weights_digest
     ready = boot_ready(
-        model=trail.model_name, weights_digest=model.weights_digest, model_load_ms=load_ms
+        model=trail.model_name,
+        weights_digest=model.weights_digest,
+        model_load_ms=load_ms,
+        tee=tee.state(),
     )
     try:
         await trail.log.append_async(ready)

@@ -1,20 +1,34 @@
-"""The fail-closed start-up sequence (ARCHITECTURE.md, "Start-up"), as far as it exists so far:
+"""The fail-closed start-up sequence (ARCHITECTURE.md, "Start-up"):
 
-1. The settings are loaded and validated before anything starts (appliance.config).
+1. The settings are loaded and validated before anything starts (appliance.config); the
+   production profile refuses insecure settings there.
 2. The audit log opens and records `boot.start` (software version, config digest), here. If
    either fails, the appliance exits without serving.
-3. The model loads and its weights are digested; `boot.ready` records them, and only then is
-   inference served (appliance.app). A failed load is recorded as a failed `boot.phase`.
+3. The TEE gate (`pass_tee_gate`): with `tee.mode = required`, evidence is collected for a fresh
+   challenge and verified offline; the verdict is recorded (`attestation.verdict`). A failing
+   verdict, or one the log cannot record, ends the sequence here: no key, no weights, no
+   inference; `/health` says why. With `insecure-dev` the gate is skipped, and the log records
+   that nothing was attested.
+4-6. Only after a pass (or in insecure-dev): the model's key is released to the verdict and the
+   weights load (`load_model`); `boot.ready` records them, and only then is inference served
+   (appliance.app). A failed load is recorded as a failed `boot.phase`.
+8. Re-attestation on a timer (`reattest_periodically`); a failure is recorded and stops
+   inference.
 """
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import importlib.metadata
+import logging
+from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime
 
 from sqlalchemy.engine import make_url
 
+from appliance.attestation.service import Attestation, TeeService, TeeState
+from appliance.attestation.signing import json_safe
 from appliance.config import AuditSettings, Settings
 from appliance.errors import BootError
 from audit.canonical import canonicalize
@@ -22,6 +36,8 @@ from audit.errors import AuditError
 from audit.event import Action, AuditEvent, Outcome, system_event
 from audit.log import AuditLog, AuditLogSettings
 from audit.policy import CheckpointPolicy
+
+logger = logging.getLogger(__name__)
 
 
 def audit_log_settings(audit: AuditSettings) -> AuditLogSettings:
@@ -74,9 +90,11 @@ def start_audit_log(settings: Settings) -> AuditLog:
     return log
 
 
-def boot_ready(*, model: str, weights_digest: str, model_load_ms: float | None) -> AuditEvent:
-    """Step 3's record: the model served from now on; `model_load_ms` is None for a model
-    loaded before the app was built (the demo, tests)."""
+def boot_ready(
+    *, model: str, weights_digest: str, model_load_ms: float | None, tee: TeeState
+) -> AuditEvent:
+    """Step 7's record: the model served from now on, and the TEE state it is served in;
+    `model_load_ms` is None for a model loaded before the app was built (the demo, tests)."""
     return system_event(
         Action.BOOT_READY,
         time=datetime.now(UTC),
@@ -85,8 +103,106 @@ def boot_ready(*, model: str, weights_digest: str, model_load_ms: float | None) 
             "model": model,
             "weights_digest": weights_digest,
             "model_load_ms": None if model_load_ms is None else round(model_load_ms, 3),
+            "tee": tee,
         },
     )
+
+
+def attestation_verdict(attestation: Attestation, tee: TeeState) -> AuditEvent:
+    """The record of a boot or re-attestation: the result, every failed check with its reason,
+    the claims established (versions, measurements, TCB), and digests in place of the evidence
+    itself (raw evidence is never logged)."""
+    verdict, evidence = attestation.verdict, attestation.evidence
+    return system_event(
+        Action.ATTESTATION_VERDICT,
+        time=datetime.now(UTC),
+        outcome=Outcome.SUCCESS if verdict.trusted else Outcome.FAILURE,
+        details=json_safe(
+            {
+                "trigger": attestation.trigger,
+                "mode": "required",
+                "tee": tee,
+                "result": "trusted" if verdict.trusted else "not trusted",
+                "at": verdict.at.isoformat().replace("+00:00", "Z"),
+                "challenge": attestation.challenge.hex(),
+                "evidence_digest": None if evidence is None else evidence.digest(),
+                "attestation_public_key": None if evidence is None else evidence.public_key.hex(),
+                "num_checks": len(verdict.checks),
+                "failed": [check.to_json() for check in verdict.failures],
+                "claims": dict(verdict.claims),
+            }
+        ),
+    )
+
+
+def attestation_skipped() -> AuditEvent:
+    """The record that `tee.mode = insecure-dev` skipped the gate: a failure, since nothing
+    about the machine was verified, though the appliance serves."""
+    return system_event(
+        Action.ATTESTATION_VERDICT,
+        time=datetime.now(UTC),
+        outcome=Outcome.FAILURE,
+        details={
+            "trigger": "boot",
+            "mode": "insecure-dev",
+            "tee": "UNVERIFIED",
+            "result": "skipped",
+            "reason": "tee.mode = insecure-dev: nothing about this machine was attested",
+        },
+    )
+
+
+class TeeGateError(BootError):
+    """The TEE gate did not pass: no key is released, no weight loaded."""
+
+
+async def pass_tee_gate(tee: TeeService, log: AuditLog) -> Attestation | None:
+    """Step 3. Attest (in `required` mode) and record the verdict; return the passing
+    attestation, or None in insecure-dev. Raises TeeGateError saying why the gate is closed: a
+    failing verdict (its failed checks), or a verdict the audit log cannot record (an
+    unrecorded pass is no pass)."""
+    if tee.mode == "insecure-dev":
+        logger.warning("tee.mode = insecure-dev: the TEE is not attested; serving UNVERIFIED")
+        try:
+            await log.append_async(attestation_skipped())
+        except AuditError as exc:
+            raise TeeGateError(
+                f"the audit log cannot record the skipped attestation: {exc}"
+            ) from exc
+        return None
+    attestation = await tee.attest("boot")
+    try:
+        await log.append_async(attestation_verdict(attestation, tee.state()))
+    except AuditError as exc:
+        raise TeeGateError(f"the audit log cannot record the attestation verdict: {exc}") from exc
+    if not attestation.verdict.trusted:
+        raise TeeGateError(f"attestation failed: {attestation.summary()}")
+    return attestation
+
+
+async def reattest_periodically(
+    tee: TeeService,
+    log: AuditLog,
+    interval_s: float,
+    on_failure: Callable[[str], Awaitable[None]],
+) -> None:
+    """Step 8: every `interval_s`, attest again and record the verdict. On the first failure
+    (or a verdict the log cannot record) await `on_failure(reason)` and return: inference stays
+    stopped until restart. Runs until cancelled."""
+    while True:
+        await asyncio.sleep(interval_s)
+        attestation = await tee.attest("reattest")
+        reason = None
+        if not attestation.verdict.trusted:
+            reason = f"re-attestation failed: {attestation.summary()}"
+        try:
+            await log.append_async(attestation_verdict(attestation, tee.state()))
+        except AuditError as exc:
+            reason = reason or f"the audit log cannot record a re-attestation verdict: {exc}"
+        if reason is not None:
+            logger.error("%s; inference stops", reason)
+            await on_failure(reason)
+            return
 
 
 def boot_phase_failed(phase: str, exc: BaseException) -> AuditEvent:

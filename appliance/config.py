@@ -229,11 +229,10 @@ class TeeSettings(_Section):
     gpu_revocation_dir: Path | None = Field(
         default=None, description="OCSP responses / CRLs for the GPU certificates"
     )
-    cpu_roots_dir: Path | None = Field(
-        default=None, description="pinned CPU roots (AMD ARKs); default: the roots shipped inside"
-    )
-    cpu_collateral_dir: Path | None = Field(
-        default=None, description="TDX collateral (TCB info, QE identity, CRLs)"
+    cpu_trust_dir: Path | None = Field(
+        default=None,
+        description="pinned CPU roots and offline collateral: snp/ark-*.pem, snp/certificates/, "
+        "tdx/root_ca.pem, tdx/collateral/*.json",
     )
     tsm_report_dir: Path = Field(
         default=Path("/sys/kernel/config/tsm/report"),
@@ -245,10 +244,18 @@ class TeeSettings(_Section):
 
     @model_validator(mode="after")
     def _check(self) -> Self:
-        if self.mode == "required" and self.policy_file is None:
+        if self.mode != "required":
+            return self
+        missing = [
+            name
+            for name in ("policy_file", "gpu_rims_dir", "cpu_trust_dir")
+            if getattr(self, name) is None
+        ]
+        if missing:
             raise ValueError(
-                'mode "required" needs policy_file: an appliance without an attestation '
-                'policy never passes (mode = "insecure-dev" is for development)'
+                f'mode "required" needs {", ".join(missing)}: without the policy, the GPU '
+                "reference manifests and the pinned CPU roots nothing can pass "
+                '(mode = "insecure-dev" is for development)'
             )
         return self
 

@@ -68,6 +68,9 @@ ROUTE_ACCESS: Mapping[str, Rule] = {
     "/metrics": Bearer(frozenset({Role.ADMIN})),
     # A receipt for an entry a response named: hashes only, for callers and auditors (not admins).
     "/v1/audit/proof/{index}": Bearer(INFERENCE | {Role.AUDITOR}),
+    # Clients verify the appliance before they trust it with a token; evidence, verdicts and
+    # the attestation key are public by nature, and collections run one at a time.
+    "/v1/attestation": Public("clients attest the appliance before sending it a token"),
     "/openapi.json": Bearer(INFERENCE | {Role.ADMIN}),
     "/console/login": Public("starts a login: the IdP authenticates"),
     "/console/callback": Public("ends a login: the code, state and PKCE verifier authenticate"),

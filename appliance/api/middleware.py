@@ -7,6 +7,8 @@ responses): each costs one function call per message.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -18,8 +20,6 @@ AUDIT_ENTRY_HEADER = b"audit-entry"
 API_PREFIX = "/v1/"
 
 TEE_HEADER = b"x-inferno-tee"
-TEE_UNVERIFIED = "UNVERIFIED"
-"""The TEE state until attestation is wired in: nothing about the machine has been verified."""
 
 
 def _too_large(max_bytes: int) -> str:
@@ -70,11 +70,13 @@ def _content_length(scope: Scope) -> int | None:
 
 class TeeStateHeader:
     """Adds `X-Inferno-TEE: <state>` to every response, so a client always sees whether the
-    machine serving it was attested."""
+    machine serving it was attested: `VERIFIED`, `PENDING` (the gate has not decided yet),
+    `FAILED`, or `UNVERIFIED` (tee.mode = insecure-dev). `state` is read as each response
+    starts (appliance.attestation.service.TeeService.state)."""
 
-    def __init__(self, app: ASGIApp, state: str):
+    def __init__(self, app: ASGIApp, state: Callable[[], str]):
         self.app = app
-        self.header = (TEE_HEADER, state.encode("ascii"))
+        self.state = state
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -83,7 +85,8 @@ class TeeStateHeader:
 
         async def send_with_header(message: Message) -> None:
             if message["type"] == "http.response.start":
-                message["headers"] = [*message.get("headers", ()), self.header]
+                header = (TEE_HEADER, self.state().encode("ascii"))
+                message["headers"] = [*message.get("headers", ()), header]
             await send(message)
 
         await self.app(scope, receive, send_with_header)

@@ -24,11 +24,18 @@ class Readiness:
         self._status: Status = "loading"
         self._reason: str | None = "the model is loading"
 
+    def set_loading(self, reason: str) -> None:
+        """Still starting: `reason` says which step (the TEE gate, the model load)."""
+        self._engine = None
+        self._status, self._reason = "loading", reason
+
     def set_ready(self, engine: AsyncEngine) -> None:
         self._engine = engine
         self._status, self._reason = "ready", None
 
     def set_failed(self, reason: str) -> None:
+        """Not serving, for `reason` (a closed TEE gate, a failed load or re-attestation): for
+        good, until the server restarts."""
         self._engine = None
         self._status, self._reason = "failed", reason
 

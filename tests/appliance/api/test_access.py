@@ -36,6 +36,7 @@ EXPECTED: dict[str, Any] = {
     "/v1/completions": {USER, SERVICE},
     "/v1/chat/completions": {USER, SERVICE},
     "/v1/audit/proof/{index}": {USER, SERVICE, AUDITOR},  # not admins: separation of duties
+    "/v1/attestation": "public",  # clients attest the appliance before sending it a token
     "/metrics": {ADMIN},
     "/openapi.json": {USER, SERVICE, ADMIN},
     "/console/login": "public",

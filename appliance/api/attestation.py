@@ -1,0 +1,75 @@
+"""`GET /v1/attestation?nonce=<64 hex digits>`: fresh evidence for the client's nonce and the
+appliance's signed verdict on it, so that a client can verify the appliance itself
+(docs/ATTESTATION.md, "Verifying the appliance").
+
+The response holds the GPU evidence (in the format of `python -m attestation verify-gpu`) for
+nonces derived from the client's (appliance.attestation.challenge.gpu_nonces), the CPU report
+whose report_data binds the nonce, the GPU evidence digest and the appliance's attestation
+public key; the verdict of the appliance's own verifier on that evidence, with every failed
+check; the same verdict signed with the attestation key; and the standing verdict (the boot's
+or the last re-attestation's) that gates inference. A verdict that fails is still answered 200:
+the failed checks are the answer.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Query, Request
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel
+
+from appliance.api.errors import APIError
+from appliance.api.schemas import ErrorResponse
+from appliance.attestation.challenge import parse_challenge
+from appliance.attestation.service import TeeService, TeeState
+from appliance.attestation.signing import json_safe
+
+router = APIRouter()
+
+
+class AttestationResponse(BaseModel):
+    tee: TeeState
+    nonce: str
+    evidence: dict[str, Any] | None
+    verdict: dict[str, Any]
+    signed_verdict: dict[str, Any]
+    standing_verdict: dict[str, Any] | None
+
+
+@router.get(
+    "/v1/attestation",
+    response_model=AttestationResponse,
+    responses={
+        400: {"model": ErrorResponse, "description": "the nonce is not 32 bytes in hex"},
+        503: {"model": ErrorResponse, "description": "tee.mode = insecure-dev: nothing attested"},
+    },
+)
+async def attestation(
+    request: Request,
+    nonce: Annotated[str, Query(description="32 random bytes, as 64 hex digits")],
+) -> JSONResponse:
+    tee: TeeService = request.app.state.tee
+    if tee.mode == "insecure-dev":
+        raise APIError(
+            503,
+            "this appliance runs with tee.mode = insecure-dev: its TEE is not attested and "
+            "there is no evidence to show (X-Inferno-TEE: UNVERIFIED)",
+            type="server_error",
+            code="tee_unverified",
+        )
+    try:
+        challenge = parse_challenge(nonce)
+    except ValueError as exc:
+        raise APIError(400, str(exc), param="nonce") from None
+    fresh = await tee.attest_for_client(challenge)
+    standing = tee.standing
+    body = AttestationResponse(
+        tee=tee.state(),
+        nonce=challenge.hex(),
+        evidence=None if fresh.evidence is None else fresh.evidence.to_json(),
+        verdict=fresh.verdict.to_json(),
+        signed_verdict=tee.signed_statement(fresh),
+        standing_verdict=None if standing is None else standing.verdict.to_json(),
+    )
+    return JSONResponse(json_safe(body.model_dump()))

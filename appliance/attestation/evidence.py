@@ -1,0 +1,91 @@
+"""What one attestation collects, and the seams it is collected and verified through.
+
+`TeeEvidence` is the evidence of one challenge: every GPU's report (for the nonces derived from
+the challenge), the CPU report whose report_data binds the challenge, the GPU evidence digest
+and the appliance's attestation public key, and that public key itself.
+
+The seams are Protocols, so that a test can put synthetic devices (a test CA shaped like
+NVIDIA's, a synthetic SEV-SNP chain) where NVML and configfs-tsm sit on a real machine, while
+the collection logic, the binding and the verifiers stay the real ones.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from typing import TYPE_CHECKING, Any, Protocol
+
+from audit.canonical import canonicalize
+
+if TYPE_CHECKING:
+    from attestation.cpu.evidence import CpuEvidence
+    from attestation.gpu.evidence import GpuEvidence
+    from attestation.verdict import Verdict
+
+
+@dataclass(frozen=True, slots=True)
+class TeeEvidence:
+    """The evidence of one challenge. `report_data` and `gpu_evidence_digest` are what the
+    collector bound into the CPU report; a verifier recomputes both and never trusts these."""
+
+    challenge: bytes
+    public_key: bytes
+    gpu: tuple[GpuEvidence, ...]
+    cpu: CpuEvidence
+    gpu_evidence_digest: bytes
+    report_data: bytes
+
+    def to_json(self) -> dict[str, Any]:
+        """The evidence as `/v1/attestation` returns it: the GPU list in the format of
+        `python -m attestation verify-gpu --evidence`, the CPU report in its own format."""
+        return {
+            "challenge": self.challenge.hex(),
+            "attestation_public_key": self.public_key.hex(),
+            "gpu": [item.to_json() for item in self.gpu],
+            "cpu": self.cpu.to_json(),
+            "gpu_evidence_digest": self.gpu_evidence_digest.hex(),
+            "report_data": self.report_data.hex(),
+        }
+
+    def digest(self) -> str:
+        """`sha256:` of the RFC 8785 canonical JSON of `to_json()`: what the audit log and the
+        signed verdict name instead of the raw evidence."""
+        return "sha256:" + hashlib.sha256(canonicalize(self.to_json())).hexdigest()
+
+
+class GpuEvidenceSource(Protocol):
+    """The GPUs of this machine (NVML on a real one)."""
+
+    def num_gpus(self) -> int:
+        """How many GPUs there are to attest. Raises CollectionError if that cannot be told."""
+        ...
+
+    def collect(self, nonces: Sequence[bytes]) -> Sequence[GpuEvidence]:
+        """One report per GPU, GPU `i` signing `nonces[i]`. Raises CollectionError (CC off, no
+        driver, a timeout) saying which GPU and why."""
+        ...
+
+
+class CpuEvidenceSource(Protocol):
+    """The confidential VM's CPU report (configfs-tsm on a real machine)."""
+
+    def collect(self, report_data: bytes) -> CpuEvidence:
+        """A report binding the 64 bytes `report_data`. Raises CollectionError saying why none
+        could be had."""
+        ...
+
+
+class EvidenceCollector(Protocol):
+    def collect(self, challenge: bytes, public_key: bytes) -> TeeEvidence:
+        """The evidence for `challenge`, bound to `public_key`. Raises CollectionError."""
+        ...
+
+
+class EvidenceVerifier(Protocol):
+    def verify(self, evidence: TeeEvidence, *, at: datetime) -> Verdict:
+        """Every check of `evidence` at the validation time `at`, as one Verdict. Raises
+        AttestationError only where no verdict can be formed (a policy that cannot be read);
+        the caller turns that into a failed check."""
+        ...

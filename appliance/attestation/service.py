@@ -1,0 +1,160 @@
+"""The TEE service: runs attestations, holds the standing verdict, and signs verdicts.
+
+The standing state is what every response's `X-Inferno-TEE` header, `/health` and the boot
+gate read:
+
+    PENDING     tee.mode = required, no attestation finished yet
+    VERIFIED    the last attestation passed (and none failed since boot)
+    FAILED      an attestation failed; sticky until restart (fail closed: after a failure the
+                appliance does not come back by itself, since what failed may still be wrong
+                in a way the next check does not see)
+    UNVERIFIED  tee.mode = insecure-dev: nothing is attested
+
+Everything that can go wrong in an attestation becomes a failed check of its verdict, never an
+exception that could be mistaken for "no answer yet": a collection that fails (CC off, no
+configfs-tsm), a policy that cannot be read, a verifier that crashes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any, Literal
+
+from appliance.attestation.challenge import new_challenge
+from appliance.attestation.evidence import EvidenceCollector, EvidenceVerifier, TeeEvidence
+from appliance.attestation.signing import STATEMENT_TYPE, AttestationKey
+from appliance.config import TeeMode
+from attestation.errors import AttestationError, CollectionError
+from attestation.verdict import Check, Verdict
+
+logger = logging.getLogger(__name__)
+
+TeeState = Literal["PENDING", "VERIFIED", "FAILED", "UNVERIFIED"]
+Trigger = Literal["boot", "reattest", "client"]
+
+
+@dataclass(frozen=True, slots=True)
+class Attestation:
+    """One attestation: its challenge, the evidence (None if it could not be collected), and
+    the verdict."""
+
+    trigger: Trigger
+    challenge: bytes
+    evidence: TeeEvidence | None
+    verdict: Verdict
+
+    def summary(self) -> str:
+        """The failed checks in one line, for /health and the server log (names and the
+        verifiers' reasons; never raw evidence)."""
+        if self.verdict.trusted:
+            return "attestation passed"
+        failures = self.verdict.failures or (Check("attestation", False, "no check ran"),)
+        return "; ".join(f"{c.name}: {c.detail}" if c.detail else c.name for c in failures)
+
+
+class TeeService:
+    """Runs attestations through `collector` and `verifier`, one at a time."""
+
+    def __init__(
+        self,
+        mode: TeeMode,
+        collector: EvidenceCollector | None,
+        verifier: EvidenceVerifier | None,
+        *,
+        key: AttestationKey | None = None,
+        clock: Callable[[], datetime] = lambda: datetime.now(UTC),
+    ) -> None:
+        if mode == "required" and (collector is None or verifier is None):
+            raise ValueError('tee.mode = "required" needs an evidence collector and a verifier')
+        self.mode = mode
+        self.collector = collector
+        self.verifier = verifier
+        self.key = key or AttestationKey.generate()
+        self.clock = clock
+        self._standing: Attestation | None = None
+        self._failed = False
+        self._lock = asyncio.Lock()
+
+    def state(self) -> TeeState:
+        if self.mode == "insecure-dev":
+            return "UNVERIFIED"
+        if self._failed:
+            return "FAILED"
+        return "VERIFIED" if self._standing is not None else "PENDING"
+
+    @property
+    def standing(self) -> Attestation | None:
+        """The last boot or re-attestation (None before the first, and in insecure-dev)."""
+        return self._standing
+
+    async def attest(self, trigger: Literal["boot", "reattest"]) -> Attestation:
+        """Attest for a fresh challenge and make the result the standing verdict. A failure
+        makes the state FAILED for good."""
+        attestation = await self._run(trigger, new_challenge())
+        self._standing = attestation
+        if not attestation.verdict.trusted:
+            self._failed = True
+        return attestation
+
+    async def attest_for_client(self, challenge: bytes) -> Attestation:
+        """Attest for a client's challenge; the standing verdict is left as it is (a client
+        chooses when this runs, and must not be able to stop inference with it)."""
+        return await self._run("client", challenge)
+
+    async def _run(self, trigger: Trigger, challenge: bytes) -> Attestation:
+        if self.mode != "required":
+            raise RuntimeError("nothing is attested in insecure-dev mode")
+        async with self._lock:  # one collection at a time: the devices serialize it anyway
+            return await asyncio.to_thread(self._attest, trigger, challenge)
+
+    def _attest(self, trigger: Trigger, challenge: bytes) -> Attestation:
+        assert self.collector is not None and self.verifier is not None, "checked in __init__"
+        at = self.clock()
+        try:
+            evidence = self.collector.collect(challenge, self.key.public_bytes)
+        except CollectionError as exc:
+            return self._failed_attestation(trigger, challenge, at, "collect", str(exc))
+        except Exception as exc:
+            logger.exception("collecting TEE evidence failed unexpectedly")
+            return self._failed_attestation(
+                trigger, challenge, at, "collect", f"{type(exc).__name__}; see the server log"
+            )
+        if (evidence.challenge, evidence.public_key) != (challenge, self.key.public_bytes):
+            return self._failed_attestation(
+                trigger, challenge, at, "collect", "the evidence answers another challenge or key"
+            )
+        try:
+            verdict = self.verifier.verify(evidence, at=at)
+        except AttestationError as exc:
+            verdict = Verdict((Check("verify", False, str(exc)),), at)
+        except Exception as exc:
+            logger.exception("verifying TEE evidence failed unexpectedly")
+            verdict = Verdict(
+                (Check("verify", False, f"{type(exc).__name__}; see the server log"),), at
+            )
+        return Attestation(trigger, challenge, evidence, verdict)
+
+    @staticmethod
+    def _failed_attestation(
+        trigger: Trigger, challenge: bytes, at: datetime, step: str, detail: str
+    ) -> Attestation:
+        return Attestation(trigger, challenge, None, Verdict((Check(step, False, detail),), at))
+
+    def signed_statement(self, attestation: Attestation) -> dict[str, Any]:
+        """The appliance's signed verdict on `attestation` (appliance.attestation.signing): the
+        challenge, the evidence digest, the verdict and the standing TEE state."""
+        evidence = attestation.evidence
+        statement = {
+            "type": STATEMENT_TYPE,
+            "challenge": attestation.challenge.hex(),
+            "attestation_public_key": self.key.public_bytes.hex(),
+            "evidence_digest": None if evidence is None else evidence.digest(),
+            "report_data": None if evidence is None else evidence.report_data.hex(),
+            "verdict": attestation.verdict.to_json(),
+            "tee": self.state(),
+        }
+        return self.key.sign(statement)

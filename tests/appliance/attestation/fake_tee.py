@@ -1,0 +1,67 @@
+"""A scripted TEE for tests of the service and the boot gate: a collector whose next
+collections succeed or fail as a test says, and a verifier that passes or fails them with the
+checks a test names. The end-to-end tests (tests/e2e/test_boot_gate.py) use the real
+collection and verifiers over synthetic devices instead."""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any
+
+from appliance.attestation.evidence import TeeEvidence
+from attestation.errors import CollectionError
+from attestation.verdict import Check, Verdict
+
+
+@dataclass(frozen=True)
+class FakeReport:
+    """Stands for a GPU's or the CPU's evidence: JSON-serializable, like the real ones."""
+
+    kind: str
+    bound_to: bytes
+
+    def to_json(self) -> dict[str, Any]:
+        return {"kind": self.kind, "bound_to": self.bound_to.hex()}
+
+
+@dataclass
+class FakeCollector:
+    """Collects fake evidence for the challenge it is given; `fail_with` makes collections
+    raise CollectionError with that message."""
+
+    fail_with: str | None = None
+    num_collections: int = 0
+
+    def collect(self, challenge: bytes, public_key: bytes) -> TeeEvidence:
+        self.num_collections += 1
+        if self.fail_with is not None:
+            raise CollectionError(self.fail_with)
+        gpu = (FakeReport("gpu", challenge),)
+        digest = hashlib.sha256(challenge).digest()
+        bound = hashlib.sha512(challenge + digest + public_key).digest()
+        return TeeEvidence(challenge, public_key, gpu, FakeReport("cpu", bound), digest, bound)  # type: ignore[arg-type]
+
+
+@dataclass
+class FakeVerifier:
+    """Passes every evidence with one check, unless `failures` names checks to fail (with their
+    reasons); `verdicts` records every verdict given."""
+
+    failures: dict[str, str] = field(default_factory=dict)
+    raises: Exception | None = None
+    verdicts: list[Verdict] = field(default_factory=list)
+    on_verify: Callable[[TeeEvidence], None] | None = None
+
+    def verify(self, evidence: TeeEvidence, *, at: datetime) -> Verdict:
+        if self.on_verify is not None:
+            self.on_verify(evidence)
+        if self.raises is not None:
+            raise self.raises
+        checks = [Check("gpu0.signature", True)]
+        checks += [Check(name, False, detail) for name, detail in self.failures.items()]
+        verdict = Verdict(tuple(checks), at, {"gpu": {"driver_version": "550.90.07"}})
+        self.verdicts.append(verdict)
+        return verdict

@@ -1,0 +1,121 @@
+"""The TEE service: every way an attestation can go wrong is a failed check of its verdict;
+a failure is sticky; a client's attestation never changes the standing verdict."""
+
+from __future__ import annotations
+
+import asyncio
+from datetime import UTC, datetime
+
+import pytest
+
+from appliance.attestation.service import TeeService
+from appliance.attestation.signing import verify_signed_verdict
+from attestation.errors import PolicyError
+from tests.appliance.attestation.fake_tee import FakeCollector, FakeVerifier
+
+AT = datetime(2026, 1, 2, 3, 4, 5, tzinfo=UTC)
+
+
+def _service(collector: FakeCollector, verifier: FakeVerifier) -> TeeService:
+    return TeeService("required", collector, verifier, clock=lambda: AT)
+
+
+def test_required_mode_is_pending_until_a_passing_attestation_then_verified() -> None:
+    tee = _service(FakeCollector(), FakeVerifier())
+    assert tee.state() == "PENDING"
+    attestation = asyncio.run(tee.attest("boot"))
+    assert attestation.verdict.trusted
+    assert attestation.verdict.at == AT
+    assert tee.state() == "VERIFIED"
+    assert tee.standing is attestation
+
+
+def test_a_failed_collection_is_a_failed_check_not_an_exception() -> None:
+    tee = _service(FakeCollector(fail_with="GPU 0: CC mode is off"), FakeVerifier())
+    attestation = asyncio.run(tee.attest("boot"))
+    assert attestation.evidence is None
+    assert not attestation.verdict.trusted
+    assert attestation.summary() == "collect: GPU 0: CC mode is off"
+    assert tee.state() == "FAILED"
+
+
+@pytest.mark.parametrize(
+    ("raises", "detail"),
+    [
+        (PolicyError("policy file p.toml is empty: an empty policy never passes"), "is empty"),
+        (KeyError("boom"), "KeyError; see the server log"),
+    ],
+)
+def test_a_verifier_that_raises_gives_a_failed_verdict(raises: Exception, detail: str) -> None:
+    tee = _service(FakeCollector(), FakeVerifier(raises=raises))
+    attestation = asyncio.run(tee.attest("boot"))
+    [check] = attestation.verdict.checks
+    assert (check.name, check.passed) == ("verify", False)
+    assert detail in check.detail
+    assert tee.state() == "FAILED"
+
+
+def test_evidence_for_another_challenge_or_key_fails_before_verification() -> None:
+    verifier = FakeVerifier()
+    collector = FakeCollector()
+    tee = _service(collector, verifier)
+    original = collector.collect
+
+    def replayed(challenge: bytes, public_key: bytes):  # type: ignore[no-untyped-def]
+        return original(bytes(32), public_key)
+
+    collector.collect = replayed  # type: ignore[method-assign]
+    attestation = asyncio.run(tee.attest("boot"))
+    assert attestation.summary() == "collect: the evidence answers another challenge or key"
+    assert verifier.verdicts == []
+
+
+def test_a_failure_stays_failed_even_if_a_later_attestation_passes() -> None:
+    verifier = FakeVerifier()
+    tee = _service(FakeCollector(), verifier)
+    asyncio.run(tee.attest("boot"))
+    verifier.failures = {"gpu0.driver_version": "550.54.14 is not allowed"}
+    asyncio.run(tee.attest("reattest"))
+    verifier.failures = {}
+    later = asyncio.run(tee.attest("reattest"))
+    assert later.verdict.trusted
+    assert tee.state() == "FAILED"
+
+
+def test_a_clients_attestation_leaves_the_standing_verdict_alone() -> None:
+    verifier = FakeVerifier()
+    tee = _service(FakeCollector(), verifier)
+    boot = asyncio.run(tee.attest("boot"))
+    verifier.failures = {"cpu.report_data": "differs"}
+    fresh = asyncio.run(tee.attest_for_client(bytes(range(32))))
+    assert not fresh.verdict.trusted
+    assert fresh.challenge == bytes(range(32))
+    assert (tee.state(), tee.standing) == ("VERIFIED", boot)
+
+
+def test_the_signed_statement_names_challenge_evidence_key_and_verdict() -> None:
+    verifier = FakeVerifier(failures={"gpu0.dev_tools": "dev-tools mode is on"})
+    tee = _service(FakeCollector(), verifier)
+    attestation = asyncio.run(tee.attest_for_client(bytes(range(32))))
+    statement = verify_signed_verdict(tee.signed_statement(attestation))
+    assert statement["challenge"] == bytes(range(32)).hex()
+    assert statement["attestation_public_key"] == tee.key.public_bytes.hex()
+    assert attestation.evidence is not None
+    assert statement["evidence_digest"] == attestation.evidence.digest()
+    assert statement["report_data"] == attestation.evidence.report_data.hex()
+    assert statement["verdict"]["result"] == "not trusted"
+    assert statement["verdict"]["failed"] == [
+        {"name": "gpu0.dev_tools", "passed": False, "detail": "dev-tools mode is on"}
+    ]
+
+
+def test_insecure_dev_is_unverified_and_attests_nothing() -> None:
+    tee = TeeService("insecure-dev", None, None)
+    assert tee.state() == "UNVERIFIED"
+    with pytest.raises(RuntimeError, match="insecure-dev"):
+        asyncio.run(tee.attest("boot"))
+
+
+def test_required_mode_needs_a_collector_and_a_verifier() -> None:
+    with pytest.raises(ValueError, match="needs an evidence collector"):
+        TeeService("required", None, FakeVerifier())

@@ -1,0 +1,313 @@
+"""The boot gate in the app (ARCHITECTURE.md, "Start-up", steps 1, 3, 4 and 8), with a scripted
+TEE (tests/appliance/attestation/fake_tee.py): no weight loads before a passing verdict, a
+closed gate says why everywhere (/health, /v1/attestation, the header, the audit log), and a
+failed re-attestation stops inference. The same gate over synthetic devices and the real
+verifiers, with a sealed model, is tests/e2e/test_boot_gate.py."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from fastapi.testclient import TestClient
+
+from appliance.app import build
+from appliance.attestation.service import TeeService
+from appliance.attestation.signing import verify_signed_verdict
+from appliance.auth.local_issuer import LocalIssuer
+from appliance.auth.roles import Role
+from appliance.boot import open_audit_log, start_audit_log
+from appliance.config import Settings, settings_from_mapping
+from appliance.engine.engine import Engine, EngineConfig
+from appliance.errors import BootError, ConfigError
+from appliance.weights import LoadedModel
+from tests.appliance.attestation.fake_tee import FakeCollector, FakeVerifier
+
+NONCE = "5a" * 32
+
+
+@pytest.fixture(scope="module")
+def engine(smollm2_dir: Path) -> Engine:
+    return Engine.from_config(
+        EngineConfig(model_dir=smollm2_dir, max_model_len=256, num_kv_blocks=64)
+    )
+
+
+def _settings(directory: Path, model_dir: Path, **tee: Any) -> Settings:
+    return settings_from_mapping(
+        {
+            "model": {"dir": str(model_dir), "name": "smollm2"},
+            "server": {"insecure_http": True},
+            "audit": {"origin": "inferno.test/gate", "data_dir": str(directory / "audit")},
+            "auth": {"local_issuer": "demo", "local_issuer_key_file": "issuer.pem"},
+            "appliance": {"profile": "development"},
+            "tee": {
+                "mode": "required",
+                "policy_file": "policy.toml",
+                "gpu_rims_dir": "rims",
+                "cpu_trust_dir": "cpu",
+                **tee,
+            },
+        },
+        base_dir=directory,
+    )
+
+
+class LoadSpy:
+    """Stands in for LoadedModel.load: records each call, serves the shared engine."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self.num_calls = 0
+
+    def __call__(self, config: EngineConfig) -> LoadedModel:
+        self.num_calls += 1
+        return LoadedModel(self.engine, "sha256:" + "00" * 32)
+
+
+@pytest.fixture
+def load_spy(engine: Engine, monkeypatch: pytest.MonkeyPatch) -> LoadSpy:
+    spy = LoadSpy(engine)
+    monkeypatch.setattr(LoadedModel, "load", spy)
+    return spy
+
+
+def _serve(settings: Settings, tee: TeeService) -> Iterator[TestClient]:
+    log = start_audit_log(settings)
+    app = build(settings, log, tee=tee)
+    with TestClient(app) as client:
+        deadline = time.monotonic() + 60
+        while client.get("/health").json()["status"] == "loading":
+            assert time.monotonic() < deadline, "the start-up sequence never ended"
+            time.sleep(0.02)
+        yield client
+
+
+def _token(settings: Settings) -> dict[str, str]:
+    issuer = LocalIssuer.from_settings(settings.auth)
+    assert issuer is not None
+    return {"Authorization": f"Bearer {issuer.mint(Role.USER, 'gate-test', time.time())}"}
+
+
+def _chat(client: TestClient, settings: Settings) -> Any:
+    body = {"model": "smollm2", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
+    return client.post("/v1/chat/completions", json=body, headers=_token(settings))
+
+
+def _entries(settings: Settings) -> list[dict[str, Any]]:
+    with open_audit_log(settings.audit) as log:
+        return [json.loads(leaf) for _, leaf in log.store.entries(0, log.store.size() - 1)]
+
+
+def _actions(entries: list[dict[str, Any]]) -> list[tuple[str, str]]:
+    boot = ("boot.", "attestation.")
+    return [(e["action"], e["outcome"]) for e in entries if e["action"].startswith(boot)]
+
+
+def test_a_passing_verdict_loads_the_model_then_serves_verified(
+    tmp_path: Path, smollm2_dir: Path, load_spy: LoadSpy
+) -> None:
+    settings = _settings(tmp_path, smollm2_dir)
+    tee = TeeService("required", FakeCollector(), FakeVerifier())
+    for client in _serve(settings, tee):
+        health = client.get("/health")
+        assert (health.status_code, health.headers["x-inferno-tee"]) == (200, "VERIFIED")
+        reply = _chat(client, settings)
+        assert reply.status_code == 200, reply.text
+        assert reply.headers["x-inferno-tee"] == "VERIFIED"
+    assert load_spy.num_calls == 1
+    entries = _entries(settings)
+    assert _actions(entries) == [
+        ("boot.start", "success"),
+        ("attestation.verdict", "success"),
+        ("boot.ready", "success"),
+    ]
+    [verdict] = [e for e in entries if e["action"] == "attestation.verdict"]
+    assert verdict["details"]["result"] == "trusted"
+    assert verdict["details"]["trigger"] == "boot"
+    assert verdict["details"]["attestation_public_key"] == tee.key.public_bytes.hex()
+    [ready] = [e for e in entries if e["action"] == "boot.ready"]
+    assert ready["details"]["tee"] == "VERIFIED"
+
+
+@pytest.mark.parametrize(
+    ("collector", "verifier", "reason"),
+    [
+        (
+            FakeCollector(),
+            FakeVerifier(failures={"gpu0.driver_version": "550.54.14 is not allowed"}),
+            "attestation failed: gpu0.driver_version: 550.54.14 is not allowed",
+        ),
+        (
+            FakeCollector(fail_with="GPU 0: confidential computing is off"),
+            FakeVerifier(),
+            "attestation failed: collect: GPU 0: confidential computing is off",
+        ),
+    ],
+    ids=["failing-check", "collection-failed"],
+)
+def test_a_closed_gate_loads_nothing_and_says_why_everywhere(
+    tmp_path: Path,
+    smollm2_dir: Path,
+    load_spy: LoadSpy,
+    collector: FakeCollector,
+    verifier: FakeVerifier,
+    reason: str,
+) -> None:
+    settings = _settings(tmp_path, smollm2_dir)
+    for client in _serve(settings, TeeService("required", collector, verifier)):
+        health = client.get("/health")
+        assert health.status_code == 503
+        assert health.json() == {"status": "failed", "reason": reason}
+        assert health.headers["x-inferno-tee"] == "FAILED"
+        refused = _chat(client, settings)
+        assert refused.status_code == 503
+        assert reason in refused.json()["error"]["message"]
+        shown = client.get("/v1/attestation", params={"nonce": NONCE})
+        assert shown.status_code == 200
+        body = shown.json()
+        assert body["tee"] == "FAILED"
+        assert body["standing_verdict"]["result"] == "not trusted"
+        failed = body["standing_verdict"]["failed"]
+        assert reason.removeprefix("attestation failed: ").startswith(failed[0]["name"])
+    assert load_spy.num_calls == 0
+    entries = _entries(settings)
+    assert ("boot.ready", "success") not in _actions(entries)
+    [verdict] = [e for e in entries if e["action"] == "attestation.verdict"]
+    assert (verdict["outcome"], verdict["details"]["result"]) == ("failure", "not trusted")
+    assert verdict["details"]["failed"] == body["standing_verdict"]["failed"]
+
+
+def test_a_failed_reattestation_stops_inference_and_is_recorded(
+    tmp_path: Path, smollm2_dir: Path, load_spy: LoadSpy
+) -> None:
+    settings = _settings(tmp_path, smollm2_dir, reattest_interval_s=0.2)
+    verifier = FakeVerifier()
+    for client in _serve(settings, TeeService("required", FakeCollector(), verifier)):
+        assert _chat(client, settings).status_code == 200
+        verifier.failures = {"cpu.snp.tcb": "microcode 200 is below the minimum 213"}
+        deadline = time.monotonic() + 30
+        while client.get("/health").status_code == 200:
+            assert time.monotonic() < deadline, "inference was never stopped"
+            time.sleep(0.05)
+        health = client.get("/health").json()
+        assert health == {
+            "status": "failed",
+            "reason": "re-attestation failed: cpu.snp.tcb: microcode 200 is below the minimum 213",
+        }
+        refused = _chat(client, settings)
+        assert (refused.status_code, refused.headers["x-inferno-tee"]) == (503, "FAILED")
+        verifier.failures = {}
+        time.sleep(0.5)  # a later pass does not bring it back
+        assert client.get("/health").status_code == 503
+    verdicts = [e for e in _entries(settings) if e["action"] == "attestation.verdict"]
+    assert [(v["details"]["trigger"], v["outcome"]) for v in verdicts][-1] == (
+        "reattest",
+        "failure",
+    )
+    assert verdicts[0]["details"]["trigger"] == "boot"
+
+
+def test_v1_attestation_returns_fresh_evidence_and_a_signed_verdict_for_the_nonce(
+    tmp_path: Path, smollm2_dir: Path, load_spy: LoadSpy
+) -> None:
+    settings = _settings(tmp_path, smollm2_dir)
+    tee = TeeService("required", FakeCollector(), FakeVerifier())
+    for client in _serve(settings, tee):
+        body = client.get("/v1/attestation", params={"nonce": NONCE}).json()
+        for bad in ("5a" * 31, "not hex"):
+            refused = client.get("/v1/attestation", params={"nonce": bad})
+            assert (refused.status_code, refused.json()["error"]["param"]) == (400, "nonce")
+    assert body["tee"] == "VERIFIED"
+    assert body["nonce"] == NONCE
+    assert body["evidence"]["challenge"] == NONCE
+    assert body["verdict"]["result"] == "trusted"
+    statement = verify_signed_verdict(body["signed_verdict"])
+    assert statement["challenge"] == NONCE
+    assert statement["attestation_public_key"] == body["evidence"]["attestation_public_key"]
+    assert statement["report_data"] == body["evidence"]["report_data"]
+    assert statement["verdict"] == body["verdict"]
+
+
+def test_insecure_dev_serves_unverified_and_the_log_says_nothing_was_attested(
+    tmp_path: Path, smollm2_dir: Path, load_spy: LoadSpy
+) -> None:
+    settings = _settings(tmp_path, smollm2_dir, mode="insecure-dev")
+    for client in _serve(settings, TeeService("insecure-dev", None, None)):
+        reply = _chat(client, settings)
+        assert (reply.status_code, reply.headers["x-inferno-tee"]) == (200, "UNVERIFIED")
+        assert client.get("/health").headers["x-inferno-tee"] == "UNVERIFIED"
+        shown = client.get("/v1/attestation", params={"nonce": NONCE})
+        assert (shown.status_code, shown.json()["error"]["code"]) == (503, "tee_unverified")
+    entries = _entries(settings)
+    [skipped] = [e for e in entries if e["action"] == "attestation.verdict"]
+    assert skipped["outcome"] == "failure"
+    assert skipped["details"]["tee"] == "UNVERIFIED"
+    assert skipped["details"]["result"] == "skipped"
+    [ready] = [e for e in entries if e["action"] == "boot.ready"]
+    assert ready["details"]["tee"] == "UNVERIFIED"
+
+
+def test_a_model_loaded_before_the_gate_is_refused_in_required_mode(
+    tmp_path: Path, smollm2_dir: Path, engine: Engine
+) -> None:
+    settings = _settings(tmp_path, smollm2_dir)
+    tee = TeeService("required", FakeCollector(), FakeVerifier())
+    with start_audit_log(settings) as log, pytest.raises(BootError, match="before the TEE gate"):
+        build(settings, log, model=LoadedModel(engine, "sha256:00"), tee=tee)
+
+
+def _production(directory: Path, model_dir: Path, **sections: Any) -> dict[str, Any]:
+    return {
+        "model": {"dir": str(model_dir)},
+        "tls": {"cert_file": "c.pem", "key_file": "k.pem", "self_signed": True},
+        "audit": {"origin": "inferno.test/gate", "data_dir": "audit"},
+        "auth": {"local_issuer": "break-glass", "local_issuer_key_file": "i.pem"} | {
+            "issuers": [
+                {"issuer": "https://idp.example.com", "audience": "inferno",
+                 "jwks_file": "jwks.json", "role_claims": ["roles"], "roles": {"user": ["u"]}}
+            ]
+        },
+        "tee": {"policy_file": "p.toml", "gpu_rims_dir": "rims", "cpu_trust_dir": "cpu"},
+        **sections,
+    }  # fmt: skip
+
+
+def test_production_is_the_default_and_accepts_a_secure_config(
+    tmp_path: Path, smollm2_dir: Path
+) -> None:
+    settings = settings_from_mapping(_production(tmp_path, smollm2_dir), base_dir=tmp_path)
+    assert (settings.appliance.profile, settings.tee.mode) == ("production", "required")
+
+
+@pytest.mark.parametrize(
+    ("change", "refusal"),
+    [
+        ({"tee": {"mode": "insecure-dev"}}, 'tee.mode = "insecure-dev"'),
+        ({"server": {"insecure_http": True}, "tls": {}}, "server.insecure_http = true"),
+        (
+            {"auth": {"local_issuer": "demo", "local_issuer_key_file": "i.pem"}},
+            'auth.local_issuer = "demo"',
+        ),
+    ],
+    ids=["tee-insecure-dev", "plain-http", "demo-issuer"],
+)
+def test_production_refuses_each_insecure_setting_by_name(
+    tmp_path: Path, smollm2_dir: Path, change: dict[str, Any], refusal: str
+) -> None:
+    raw = _production(tmp_path, smollm2_dir, **change)
+    with pytest.raises(ConfigError, match=f'appliance.profile = "production" refuses {refusal}'):
+        settings_from_mapping(raw, base_dir=tmp_path)
+    development = {**raw, "appliance": {"profile": "development"}}
+    settings_from_mapping(development, base_dir=tmp_path)
+
+
+def test_a_config_silent_about_the_tee_is_refused(tmp_path: Path, smollm2_dir: Path) -> None:
+    raw = _production(tmp_path, smollm2_dir)
+    del raw["tee"]
+    with pytest.raises(ConfigError, match='tee: mode "required" needs policy_file, gpu_rims_dir'):
+        settings_from_mapping(raw, base_dir=tmp_path)
