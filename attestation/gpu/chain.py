@@ -32,6 +32,29 @@ _UNDERSTOOD_CRITICAL = {
 }
 
 
+def load_certificates(data: bytes, *, pem: bool, error: type[Exception]) -> list[x509.Certificate]:
+    """Parse certificates (a PEM bundle, or one DER certificate) and touch every field a check
+    reads: `cryptography` parses some fields lazily, and a corrupted name or extension would
+    otherwise surface later as a KeyError or ValueError in the middle of a check. Raises
+    `error` for anything that does not parse."""
+    try:
+        certs = (
+            x509.load_pem_x509_certificates(data) if pem else [x509.load_der_x509_certificate(data)]
+        )
+        for cert in certs:
+            cert.subject.rfc4514_string()
+            cert.issuer.rfc4514_string()
+            list(cert.extensions)
+            cert.public_key()
+            cert.not_valid_before_utc, cert.not_valid_after_utc  # noqa: B018
+            cert.signature_hash_algorithm  # noqa: B018
+    # Broad on purpose: the bytes are hostile and cryptography raises ValueError, KeyError,
+    # DuplicateExtension (an Exception) or UnsupportedAlgorithm for different corruptions.
+    except Exception as exc:
+        raise error(f"certificate does not parse: {exc!r}") from exc
+    return certs
+
+
 def verify_links(
     chain: Sequence[x509.Certificate],
     root: x509.Certificate,

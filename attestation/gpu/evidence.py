@@ -17,6 +17,7 @@ from typing import Any
 
 from cryptography import x509
 
+from attestation.gpu.chain import load_certificates
 from attestation.gpu.errors import GpuEvidenceFormatError
 
 CC_MODES = ("on", "off", "devtools")
@@ -38,10 +39,9 @@ class GpuEvidence:
 
     def certificates(self) -> tuple[x509.Certificate, ...]:
         """The chain parsed, leaf first. Raises GpuEvidenceFormatError."""
-        try:
-            return tuple(x509.load_pem_x509_certificates(self.certificate_chain))
-        except ValueError as exc:
-            raise GpuEvidenceFormatError(f"certificate chain is not PEM: {exc}") from exc
+        return tuple(
+            load_certificates(self.certificate_chain, pem=True, error=GpuEvidenceFormatError)
+        )
 
     def to_json(self) -> dict[str, Any]:
         item: dict[str, Any] = {

@@ -37,6 +37,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.hazmat.primitives.asymmetric.utils import encode_dss_signature
 from lxml import etree
 
+from attestation.gpu.chain import load_certificates
 from attestation.gpu.errors import RimFormatError, RimSignatureError
 
 DS = "http://www.w3.org/2000/09/xmldsig#"
@@ -187,12 +188,10 @@ def _key_info_certificates(signature: etree._Element) -> tuple[x509.Certificate,
     elements = signature.findall(f"{{{DS}}}KeyInfo/{{{DS}}}X509Data/{{{DS}}}X509Certificate")
     if not elements:
         raise RimFormatError("KeyInfo carries no X509Certificate: the signer is unknown")
-    certificates = []
-    for element in elements:
-        try:
-            certificates.append(
-                x509.load_der_x509_certificate(_base64(element.text, "X509Certificate"))
-            )
-        except ValueError as exc:
-            raise RimFormatError(f"KeyInfo certificate does not parse: {exc}") from exc
-    return tuple(certificates)
+    return tuple(
+        cert
+        for element in elements
+        for cert in load_certificates(
+            _base64(element.text, "X509Certificate"), pem=False, error=RimFormatError
+        )
+    )
