@@ -1,0 +1,233 @@
+"""TDX quotes through dcap-qvl: the dcap-qvl vector is UpToDate at a time inside its collateral
+window and refused as expired collateral today; go-tdx-guest's production quotes parse and chain
+to Intel's SGX root but have no bundled collateral; hostile quotes and roots are refused."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+
+import pytest
+
+from attestation.cpu import CpuPolicy, CpuTrust, verify_cpu_evidence
+from attestation.cpu.errors import (
+    TdxCollateralError,
+    TdxQuoteFormatError,
+    TdxQuoteVerificationError,
+)
+from attestation.cpu.evidence import CpuEvidence
+from attestation.cpu.policy import TdxPolicy
+from attestation.cpu.tdx import TdxQuote, verify_pck_chain, verify_tdx_quote
+from attestation.errors import EvidenceError, PolicyError
+from tests.attestation.cpu.conftest import DCAP, TDX, TDX_AT
+from tests.attestation.cpu.synthetic import SyntheticSnp
+
+QUOTE = (DCAP / "tdx_quote").read_bytes()
+MR_TD = (
+    "91eb2b44d141d4ece09f0c75c2c53d247a3c68edd7fafe8a"
+    "3520c942a604a407de03ae6dc5f87f27428b2538873118b7"
+)
+REPORT_DATA = bytes.fromhex(
+    "9a9d48e7f6799642d3d1b34e1e5e1742d4bb02dd6ddd551862c1211d35c304f9"
+    "eca3efdbb481601c163cf52493d6e44aed55d51ec39b7e518fadb92c2b523f20"
+)
+GO_TDX_QUOTES = [
+    "testing_testdata_tdx_prod_quote_SPR_E4.dat",
+    "testing_testdata_ccel_cos-113-tdx-quote.dat",
+]
+
+
+def _policy(**overrides: object) -> CpuPolicy:
+    table: dict[str, object] = {"mrtd": [MR_TD], "tcb_statuses": ["UpToDate"]}
+    table.update(overrides)
+    return CpuPolicy.from_tables({"tdx": table})
+
+
+def _verify(trust: CpuTrust, at: datetime, quote: bytes = QUOTE, **policy: object):
+    return verify_cpu_evidence(
+        CpuEvidence("tdx", quote, provider="tdx_guest"),
+        expected_report_data=REPORT_DATA,
+        policy=_policy(**policy),
+        trust=trust,
+        at=at,
+    )
+
+
+def test_dcap_quote_is_up_to_date_inside_the_collateral_window(dcap_trust: CpuTrust) -> None:
+    verdict = _verify(dcap_trust, TDX_AT)
+    assert verdict.trusted, verdict.failures
+    assert verdict.claims["tcb_status"] == "UpToDate"
+    assert verdict.claims["mr_td"] == MR_TD
+    assert verdict.claims["fmspc"] == "B0C06F000000"
+
+
+def test_dcap_quote_is_refused_as_expired_collateral_today(dcap_trust: CpuTrust) -> None:
+    verdict = _verify(dcap_trust, datetime.now(UTC))
+    assert [check.name for check in verdict.failures] == ["tdx.quote"]
+    assert "not valid at" in verdict.failures[0].detail
+    assert "xpired" in verdict.failures[0].detail
+
+
+def test_dcap_quote_is_refused_before_its_collateral_was_issued(dcap_trust: CpuTrust) -> None:
+    verdict = _verify(dcap_trust, datetime(2025, 1, 1, tzinfo=UTC))
+    assert [check.name for check in verdict.failures] == ["tdx.quote"]
+
+
+def test_dcap_quote_for_another_challenge_fails_the_report_data_step(dcap_trust: CpuTrust) -> None:
+    verdict = verify_cpu_evidence(
+        CpuEvidence("tdx", QUOTE),
+        expected_report_data=bytes(64),
+        policy=_policy(),
+        trust=dcap_trust,
+        at=TDX_AT,
+    )
+    assert [check.name for check in verdict.failures] == ["tdx.report_data"]
+
+
+@pytest.mark.parametrize(
+    ("overrides", "failed"),
+    [
+        ({"mrtd": ["00" * 48]}, "tdx.policy.mrtd"),
+        ({"rtmr0": ["00" * 48]}, "tdx.policy.rtmr0"),
+    ],
+)
+def test_dcap_quote_outside_the_policy_fails_the_named_check(
+    dcap_trust: CpuTrust, overrides: dict[str, object], failed: str
+) -> None:
+    verdict = _verify(dcap_trust, TDX_AT, **overrides)
+    assert [check.name for check in verdict.failures] == [failed]
+
+
+def test_td_with_debug_attribute_is_refused_by_policy() -> None:
+    policy = TdxPolicy.from_table({"mrtd": [MR_TD], "tcb_statuses": ["UpToDate"]})
+    checks = policy.evaluate(
+        td_attributes=bytes([1, 0, 0, 0x10, 0, 0, 0, 0]),
+        mr_td=bytes.fromhex(MR_TD),
+        rtmrs=[bytes(48)] * 4,
+        tcb_status="UpToDate",
+        advisory_ids=[],
+    )
+    failed = [check for check in checks if not check.passed]
+    assert [check.name for check in failed] == ["tdx.policy.debug"]
+    assert "debug must be off" in failed[0].detail
+
+
+def test_out_of_date_tcb_and_rejected_advisory_are_refused_by_policy() -> None:
+    policy = TdxPolicy.from_table(
+        {"mrtd": [MR_TD], "tcb_statuses": ["UpToDate"], "rejected_advisories": ["INTEL-SA-00837"]}
+    )
+    checks = policy.evaluate(
+        td_attributes=bytes(8),
+        mr_td=bytes.fromhex(MR_TD),
+        rtmrs=[bytes(48)] * 4,
+        tcb_status="OutOfDate",
+        advisory_ids=["INTEL-SA-00837"],
+    )
+    assert {c.name for c in checks if not c.passed} == {
+        "tdx.policy.tcb_status",
+        "tdx.policy.advisories",
+    }
+
+
+@pytest.mark.parametrize("offset", [48 + 136, 48 + 300, 48 + 584 - 1, 700, 1000, 4000])
+def test_flipped_bit_in_the_dcap_quote_is_refused(dcap_trust: CpuTrust, offset: int) -> None:
+    quote = bytearray(QUOTE)
+    quote[offset] ^= 0x01
+    try:
+        verdict = _verify(dcap_trust, TDX_AT, quote=bytes(quote))
+    except EvidenceError:
+        return  # no longer parses as a TDX quote
+    assert not verdict.trusted
+    assert verdict.failures[0].name in {"tdx.quote", "tdx.report_data"}
+
+
+def test_flipped_bit_in_the_td_report_fails_dcap_verification(dcap_trust: CpuTrust) -> None:
+    quote = bytearray(QUOTE)
+    quote[48 + 136] ^= 0x01  # inside MRTD of the TD report body
+    with pytest.raises(TdxQuoteVerificationError, match="dcap-qvl rejected"):
+        verify_tdx_quote(
+            TdxQuote.parse(bytes(quote)),
+            collateral=dcap_trust.tdx_collateral,
+            root_ca_der=dcap_trust.tdx_root_ca_der,
+            at=TDX_AT,
+        )
+
+
+def test_wrong_pinned_intel_root_is_refused(dcap_trust: CpuTrust) -> None:
+    from cryptography.hazmat.primitives.serialization import Encoding
+
+    impostor = SyntheticSnp.create().ark.public_bytes(Encoding.DER)
+    trust = CpuTrust(tdx_root_ca_der=impostor, tdx_collateral=dcap_trust.tdx_collateral)
+    verdict = _verify(trust, TDX_AT)
+    assert [check.name for check in verdict.failures] == ["tdx.quote"]
+
+
+def test_no_pinned_intel_root_never_verifies(dcap_trust: CpuTrust) -> None:
+    trust = CpuTrust(tdx_collateral=dcap_trust.tdx_collateral)
+    verdict = _verify(trust, TDX_AT)
+    assert "no Intel SGX Root CA is pinned" in verdict.failures[0].detail
+
+
+@pytest.mark.parametrize("name", GO_TDX_QUOTES)
+def test_go_tdx_guest_quotes_parse_and_chain_to_the_intel_root(
+    name: str, intel_root_der: bytes
+) -> None:
+    quote = TdxQuote.parse((TDX / name).read_bytes())
+    assert quote.version == 4
+    chain = verify_pck_chain(quote, intel_root_der, datetime.now(UTC))
+    assert len(chain) == 3
+    assert "Intel SGX PCK Certificate" in chain[0].subject.rfc4514_string()
+
+
+@pytest.mark.parametrize("name", GO_TDX_QUOTES)
+def test_go_tdx_guest_quotes_have_no_bundled_collateral(name: str, dcap_trust: CpuTrust) -> None:
+    quote = TdxQuote.parse((TDX / name).read_bytes())
+    with pytest.raises(TdxCollateralError, match=f"FMSPC {quote.fmspc}"):
+        verify_tdx_quote(
+            quote,
+            collateral=dcap_trust.tdx_collateral,
+            root_ca_der=dcap_trust.tdx_root_ca_der,
+            at=TDX_AT,
+        )
+
+
+def test_pck_chain_of_a_go_tdx_guest_quote_does_not_reach_an_impostor_root() -> None:
+    from cryptography.hazmat.primitives.serialization import Encoding
+
+    quote = TdxQuote.parse((TDX / GO_TDX_QUOTES[0]).read_bytes())
+    impostor = SyntheticSnp.create().ark.public_bytes(Encoding.DER)
+    with pytest.raises(TdxQuoteVerificationError, match="pinned Intel root"):
+        verify_pck_chain(quote, impostor, datetime.now(UTC))
+
+
+def test_an_snp_report_is_not_a_tdx_quote() -> None:
+    report = SyntheticSnp.create().report(bytes(64))
+    with pytest.raises(TdxQuoteFormatError):
+        TdxQuote.parse(report)
+
+
+def test_tdx_evidence_without_a_tdx_policy_table_is_a_policy_error(dcap_trust: CpuTrust) -> None:
+    snp_only = CpuPolicy.from_tables(
+        {
+            "snp": {
+                "measurements": ["00" * 48],
+                "min_tcb": dict.fromkeys(("bootloader", "tee", "snp", "microcode"), 0),
+            }
+        }
+    )
+    with pytest.raises(PolicyError, match=r"no \[tdx\] table"):
+        verify_cpu_evidence(
+            CpuEvidence("tdx", QUOTE), expected_report_data=REPORT_DATA, policy=snp_only,
+            trust=dcap_trust, at=TDX_AT,
+        )  # fmt: skip
+
+
+def test_trust_directory_with_intel_root_and_collateral_loads(tmp_path, dcap_trust) -> None:
+    (tmp_path / "tdx" / "collateral").mkdir(parents=True)
+    (tmp_path / "tdx" / "root_ca.pem").write_bytes((TDX / "verify_trusted_root.pem").read_bytes())
+    (tmp_path / "tdx" / "collateral" / "b0c06f.json").write_text(
+        (DCAP / "tdx_quote_collateral.json").read_text()
+    )
+    trust = CpuTrust.load(tmp_path)
+    assert trust.tdx_root_ca_der == dcap_trust.tdx_root_ca_der
+    assert set(trust.tdx_collateral) == {"B0C06F000000"}
+    assert _verify(trust, TDX_AT).trusted
