@@ -2,6 +2,8 @@
 
     verify-gpu --evidence FILE.json --rims DIR --policy FILE [--at RFC3339] [--roots DIR]
                [--revocation DIR] [--nonce HEX ...]
+    verify-cpu --evidence FILE.json --policy FILE --trust DIR [--at RFC3339]
+               (--report-data HEX | --binding NONCE GPU_DIGEST PUBLIC_KEY)
 
 prints the JSON verdict (`Verdict.to_json()`: result, validation time, failed checks with their
 reasons, every check, per-GPU claims) and exits 0 when trusted, 1 when not trusted, 2 when the
@@ -83,6 +85,49 @@ def _run_verify_gpu(args: argparse.Namespace) -> Verdict:
 
 
 SUBCOMMANDS["verify-gpu"] = (_add_verify_gpu, _run_verify_gpu)
+
+
+def _add_verify_cpu(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--evidence", type=Path, required=True, help="CPU evidence JSON object")
+    parser.add_argument("--policy", type=Path, required=True, help="policy TOML, [snp]/[tdx]")
+    parser.add_argument("--trust", type=Path, required=True, help="CpuTrust directory")
+    parser.add_argument("--at", help="validation time, RFC 3339 (default: now)")
+    parser.add_argument("--report-data", help="expected report_data (128 hex digits)")
+    parser.add_argument(
+        "--binding",
+        nargs=3,
+        metavar=("NONCE", "GPU_DIGEST", "PUBLIC_KEY"),
+        help="expected report_data as attestation.binding.report_data of these three hex values",
+    )
+
+
+def _run_verify_cpu(args: argparse.Namespace) -> Verdict:
+    from attestation.binding import report_data
+    from attestation.cpu import CpuEvidence, CpuPolicy, CpuTrust, verify_cpu_evidence
+    from attestation.policy import read_policy_file
+
+    if (args.report_data is None) == (args.binding is None):
+        raise PolicyError("give exactly one of --report-data and --binding")
+    try:
+        evidence = CpuEvidence.from_json(json.loads(args.evidence.read_bytes()))
+        if args.binding is not None:
+            expected = report_data(*(bytes.fromhex(value) for value in args.binding))
+        else:
+            expected = bytes.fromhex(args.report_data)
+    except (OSError, ValueError) as exc:
+        raise EvidenceError(f"unusable evidence or expected report_data: {exc}") from exc
+    if len(expected) != 64:
+        raise EvidenceError("the expected report_data must be 64 bytes")
+    return verify_cpu_evidence(
+        evidence,
+        expected_report_data=expected,
+        policy=CpuPolicy.from_tables(read_policy_file(args.policy)),
+        trust=CpuTrust.load(args.trust),
+        at=validation_time(args.at),
+    )
+
+
+SUBCOMMANDS["verify-cpu"] = (_add_verify_cpu, _run_verify_cpu)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,0 +1,74 @@
+"""`python -m attestation verify-cpu`: exit 0 for trusted synthetic evidence, 1 for the real
+SEV-SNP report (debug allowed), 2 for unusable input; the verdict is printed as JSON."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from cryptography.hazmat.primitives.serialization import Encoding
+
+from attestation.__main__ import main
+from attestation.binding import report_data
+from tests.attestation.cpu.conftest import RealSnp
+from tests.attestation.cpu.synthetic import SyntheticSnp
+
+MIN_TCB = "{ bootloader = 2, tee = 0, snp = 5, microcode = 68 }"
+
+
+def _write(tmp_path: Path, evidence: dict[str, object], policy: str) -> tuple[Path, Path]:
+    evidence_path = tmp_path / "cpu.json"
+    evidence_path.write_text(json.dumps(evidence))
+    policy_path = tmp_path / "policy.toml"
+    policy_path.write_text(policy)
+    return evidence_path, policy_path
+
+
+def test_verify_cpu_exits_0_for_trusted_synthetic_evidence_bound_to_a_challenge(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    platform = SyntheticSnp.create()
+    nonce, digest, key = bytes(32), bytes(range(32)), b"\x07" * 32
+    evidence = platform.evidence(report_data(nonce, digest, key))
+    table = platform.policy_table()
+    tcb = ", ".join(f"{k} = {v}" for k, v in table["min_tcb"].items())
+    policy = f'[snp]\nmeasurements = ["{table["measurements"][0]}"]\nmin_tcb = {{ {tcb} }}\n'
+    evidence_path, policy_path = _write(tmp_path, evidence.to_json(), policy)
+    trust = platform.write_trust_directory(tmp_path / "trust")
+    binding = [nonce.hex(), digest.hex(), key.hex()]
+    status = main(["verify-cpu", "--evidence", str(evidence_path), "--policy", str(policy_path),
+                   "--trust", str(trust), "--binding", *binding])  # fmt: skip
+    assert status == 0, capsys.readouterr().out
+    assert json.loads(capsys.readouterr().out)["result"] == "trusted"
+
+
+def test_verify_cpu_exits_1_for_the_real_snp_report_with_debug(
+    real_snp: RealSnp, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    policy = f'[snp]\nmeasurements = ["{real_snp.parsed.measurement.hex()}"]\nmin_tcb = {MIN_TCB}\n'
+    evidence_path, policy_path = _write(tmp_path, real_snp.evidence().to_json(), policy)
+    (tmp_path / "trust" / "snp").mkdir(parents=True)
+    (tmp_path / "trust" / "snp" / "ark-milan.pem").write_bytes(
+        real_snp.ark.public_bytes(Encoding.PEM)
+    )
+    status = main(["verify-cpu", "--evidence", str(evidence_path), "--policy", str(policy_path),
+                   "--trust", str(tmp_path / "trust"), "--at", "2025-01-01T00:00:00Z",
+                   "--report-data", real_snp.parsed.report_data.hex()])  # fmt: skip
+    verdict = json.loads(capsys.readouterr().out)
+    assert status == 1
+    assert [failure["name"] for failure in verdict["failed"]] == ["snp.policy.debug"]
+
+
+@pytest.mark.parametrize(
+    "evidence", [{"kind": "snp", "report": "AAAA"}, {"kind": "nope", "report": "AAAA"}]
+)
+def test_verify_cpu_exits_2_for_unusable_evidence(
+    evidence: dict[str, object], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    policy = f'[snp]\nmeasurements = ["{"00" * 48}"]\nmin_tcb = {MIN_TCB}\n'
+    evidence_path, policy_path = _write(tmp_path, evidence, policy)
+    status = main(["verify-cpu", "--evidence", str(evidence_path), "--policy", str(policy_path),
+                   "--trust", str(tmp_path), "--report-data", "00" * 64])  # fmt: skip
+    assert status == 2
+    assert json.loads(capsys.readouterr().out)["result"] == "unusable input"
