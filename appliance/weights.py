@@ -4,16 +4,27 @@ Every inference audit entry names the weights that answered it by this digest:
 `sha256:` and the SHA-256 of a `sha256sum`-style listing of the model directory's
 `*.safetensors` files (`<hex>  <name>\\n` per file, sorted by name). Whoever holds the files can
 recompute it: `cd DIR && LC_ALL=C sha256sum *.safetensors | sha256sum`.
+
+A sealed model (attestation.sealed) has the same digest as the model it was sealed from: the
+listing is made from the plaintext digests in its signed manifest, without decrypting anything.
 """
 
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
 from appliance.engine.engine import Engine, EngineConfig
+from appliance.engine.models.config import ModelConfig
+from appliance.engine.models.loader import load_model
+from appliance.engine.tokenizer import Tokenizer
 from appliance.errors import ModelFilesError
+from attestation.sealed import SealedModel
+from kernels.backend import kernel_ops_for
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,6 +39,44 @@ class LoadedModel:
         engine = Engine.from_config(config)
         return cls(engine, digest_weights(Path(config.model_dir)))
 
+    @classmethod
+    def load_sealed(
+        cls, config: EngineConfig, sealed: SealedModel, data_key: bytes, *, workers: int | None
+    ) -> LoadedModel:
+        """Load the engine from an opened sealed model (`config.model_dir` must be its
+        directory, whose plain config and tokenizer `SealedModel.open` verified): decrypt the
+        weights with `data_key` in `workers` threads into host memory (pinned when the engine
+        runs on a GPU), fill the model from there, and let the plaintext go. No plaintext
+        weight byte touches the disk. Raises SealedModelError for a wrong key or a tampered
+        chunk, EngineError for an unusable model."""
+        if Path(config.model_dir).resolve() != sealed.directory.resolve():
+            raise ModelFilesError(
+                f"model.dir {config.model_dir} is not the sealed directory {sealed.directory}"
+            )
+        ModelConfig.from_model_dir(sealed.directory)  # the clearest errors first
+        tokenizer = Tokenizer.from_model_dir(sealed.directory)
+        device = config.torch_device
+        images = {
+            entry.name: torch.empty(entry.size, dtype=torch.uint8, pin_memory=config.on_gpu)
+            for entry in sealed.manifest.sealed_files
+        }
+        views = {name: memoryview(image.numpy()) for name, image in images.items()}
+        sealed.decrypt_files(data_key, views, workers=workers)
+        model = load_model(
+            sealed.directory,
+            dtype=config.torch_dtype,
+            device=device,
+            ops=kernel_ops_for(device),
+            weights=views,
+        )
+        del views, images
+        return cls(Engine.build(config, model, tokenizer), digest_sealed_weights(sealed))
+
+
+def digest_sealed_weights(sealed: SealedModel) -> str:
+    """The digest of a sealed model's weights, from its signed manifest (module docstring)."""
+    return _digest_listing((entry.sha256, entry.name) for entry in sealed.manifest.sealed_files)
+
 
 def digest_weights(model_dir: Path) -> str:
     """`sha256:<hex>` of the listing of `model_dir`'s weight files (see the module docstring)."""
@@ -41,5 +90,11 @@ def digest_weights(model_dir: Path) -> str:
                 digest = hashlib.file_digest(f, "sha256").hexdigest()
         except OSError as exc:
             raise ModelFilesError(f"cannot read {path} for its digest: {exc.strerror}") from exc
-        listing.append(f"{digest}  {path.name}\n")
-    return "sha256:" + hashlib.sha256("".join(listing).encode()).hexdigest()
+        listing.append((digest, path.name))
+    return _digest_listing(listing)
+
+
+def _digest_listing(listing: Iterable[tuple[str, str]]) -> str:
+    """`sha256:` and the SHA-256 of `<hex>  <name>\n` lines sorted by name (sha256sum's format)."""
+    lines = [f"{digest}  {name}\n" for digest, name in sorted(listing, key=lambda x: x[1])]
+    return "sha256:" + hashlib.sha256("".join(lines).encode()).hexdigest()

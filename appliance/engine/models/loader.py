@@ -3,13 +3,18 @@
 The model is built on the meta device and materialised empty on the target device; each
 checkpoint tensor is then read (memory-mapped), converted and copied into its slice of the fused
 parameter, and dropped. Peak host memory is the model plus one tensor, never two models.
+
+A sealed model's weights never exist as files: they are decrypted into memory
+(attestation.sealed) and handed over as `weights`, safetensors images by file name, whose
+tensors are read in place (`torch.frombuffer`, no copy) after their header is validated here.
 """
 
 from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterator
+import struct
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 import torch
@@ -39,12 +44,15 @@ def load_model(
     dtype: torch.dtype = torch.float32,
     device: torch.device | str = "cpu",
     ops: KernelOps | None = None,
+    weights: Mapping[str, memoryview | bytearray] | None = None,
 ) -> LlamaForCausalLM:
-    """Build the architecture in `model_dir/config.json` and fill it from its safetensors.
+    """Build the architecture in `model_dir/config.json` and fill it from its safetensors, or,
+    when `weights` is given, from those in-memory safetensors images (by file name) instead of
+    the directory's files.
 
     Raises ModelLoadError naming the file for a missing directory or config, an unsupported
-    architecture, a corrupt or truncated safetensors file, or missing/unexpected/misshapen
-    tensors.
+    architecture, a corrupt or truncated safetensors file or image, or missing/unexpected/
+    misshapen tensors.
     """
     config = ModelConfig.from_model_dir(model_dir)
     with torch.device("meta"):
@@ -54,7 +62,10 @@ def load_model(
     params = dict(model.named_parameters())
     shard_sizes = _shard_sizes(config)
     missing = {(name, shard) for name in params for shard in _shards_of(name, shard_sizes)}
-    for path, name, tensor in _read_tensors(Path(model_dir)):
+    tensors = (
+        _read_tensors(Path(model_dir)) if weights is None else _read_images(model_dir, weights)
+    )
+    for path, name, tensor in tensors:
         if _IGNORED.search(name) or (name == "lm_head.weight" and config.tie_word_embeddings):
             continue
         target, fused, shard = _map_name(name)
@@ -124,6 +135,75 @@ def _read_tensors(model_dir: Path) -> Iterator[tuple[Path, str, torch.Tensor]]:
             raise ModelLoadError(
                 f"{path} is not a valid safetensors file ({exc}); re-convert or re-copy the model"
             ) from exc
+
+
+# safetensors dtype names -> torch dtypes (https://github.com/huggingface/safetensors, format).
+_SAFETENSORS_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
+    "U8": torch.uint8, "BOOL": torch.bool,
+}  # fmt: skip
+
+
+def _read_images(
+    model_dir: Path, weights: Mapping[str, memoryview | bytearray]
+) -> Iterator[tuple[Path, str, torch.Tensor]]:
+    """The tensors of in-memory safetensors images, viewed in place (no copy)."""
+    for file_name in sorted(weights):
+        image = memoryview(weights[file_name]).cast("B")
+        path = Path(model_dir) / file_name
+        for name, tensor in _image_tensors(path, image):
+            yield path, name, tensor
+
+
+def _image_tensors(path: Path, image: memoryview) -> Iterator[tuple[str, torch.Tensor]]:
+    """Parse a safetensors image strictly: an 8-byte little-endian header size, a JSON header
+    of {name: {dtype, shape, data_offsets}}, then the data, which the tensors must tile exactly
+    (as the safetensors library itself requires)."""
+
+    def invalid(why: str) -> ModelLoadError:
+        return ModelLoadError(f"{path} is not a valid safetensors image ({why})")
+
+    if len(image) < 8:
+        raise invalid("shorter than its header size")
+    (header_size,) = struct.unpack("<Q", image[:8])
+    if header_size > min(len(image) - 8, 100 << 20):
+        raise invalid(f"header size {header_size} exceeds the image")
+    try:
+        header = json.loads(bytes(image[8 : 8 + header_size]))
+    except ValueError as exc:
+        raise invalid(f"header is not JSON: {exc}") from None
+    if not isinstance(header, dict):
+        raise invalid("header is not a JSON object")
+    header.pop("__metadata__", None)
+    data_start, spans = 8 + header_size, []
+    for name, info in header.items():
+        try:
+            dtype = _SAFETENSORS_DTYPES[info["dtype"]]
+            shape = [int(n) for n in info["shape"]]
+            begin, end = (int(n) for n in info["data_offsets"])
+        except (KeyError, TypeError, ValueError):
+            raise invalid(f"tensor {name!r} has an unusable dtype, shape or data_offsets") from None
+        numel = 1
+        for n in shape:
+            numel *= n
+        if min(shape, default=0) < 0 or end - begin != numel * dtype.itemsize or begin < 0:
+            raise invalid(f"tensor {name!r} spans {begin}..{end}, not {shape} of {dtype}")
+        spans.append((begin, end, name, dtype, shape, numel))
+    spans.sort()
+    position = 0
+    for begin, end, name, *_ in spans:
+        if begin != position:
+            raise invalid(f"tensor {name!r} does not follow the previous one in the data")
+        position = end
+    if data_start + position != len(image):
+        raise invalid(f"the tensors cover {position} data bytes of {len(image) - data_start}")
+    for begin, _, name, dtype, shape, numel in spans:
+        if numel == 0:
+            yield name, torch.empty(shape, dtype=dtype)
+            continue
+        flat = torch.frombuffer(image, dtype=dtype, count=numel, offset=data_start + begin)
+        yield name, flat.view(shape)
 
 
 def _safetensors_files(model_dir: Path) -> list[Path]:

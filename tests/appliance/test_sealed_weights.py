@@ -1,0 +1,83 @@
+"""The served model from a sealed directory: the embedded SmolLM2 sealed, its key released by the
+`file` provider against a trusted verdict, decrypted in memory and loaded: it answers exactly as
+the plaintext model does and carries the same weights digest. A wrong key loads nothing."""
+
+from __future__ import annotations
+
+import os
+from datetime import UTC, datetime
+from pathlib import Path
+
+import pytest
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+from appliance.engine.engine import Engine, EngineConfig
+from appliance.engine.sampling_params import SamplingParams
+from appliance.errors import ModelFilesError
+from appliance.weights import LoadedModel, digest_sealed_weights, digest_weights
+from attestation.errors import SealedModelError
+from attestation.keys.file import FileKeyProvider
+from attestation.sealed import SealedModel, seal_model
+from attestation.verdict import Check, Verdict
+
+TRUSTED = Verdict(checks=(Check("test", True),), at=datetime(2026, 1, 1, tzinfo=UTC))
+
+
+@pytest.fixture(scope="module")
+def sealed_smollm2(
+    smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> tuple[SealedModel, bytes]:
+    keys = tmp_path_factory.mktemp("keys")
+    provider = FileKeyProvider(keys, production=False)
+    provider.create_key("dev-kek")
+    signing_key = Ed25519PrivateKey.generate()
+    out = tmp_path_factory.mktemp("sealed") / "smollm2"
+    seal_model(
+        smollm2_dir, out, model_id="HuggingFaceTB/SmolLM2-135M-Instruct", key_id="dev-kek",
+        wrap_data_key=provider.wrap_data_key, signing_key=signing_key, chunk_size=8 << 20,
+        workers=2,
+    )  # fmt: skip
+    sealed = SealedModel.open(out, manifest_key=signing_key.public_key())
+    manifest = sealed.manifest
+    data_key = provider.release_data_key(manifest.key_id, manifest.wrapped_key, TRUSTED)
+    return sealed, data_key
+
+
+@pytest.mark.slow
+def test_a_sealed_model_answers_as_the_plaintext_model_does(
+    smollm2_dir: Path, sealed_smollm2: tuple[SealedModel, bytes]
+) -> None:
+    sealed, data_key = sealed_smollm2
+    loaded = LoadedModel.load_sealed(
+        EngineConfig(model_dir=sealed.directory), sealed, data_key, workers=2
+    )
+    plain = Engine.from_config(EngineConfig(model_dir=smollm2_dir))
+    params = SamplingParams(temperature=0.0, max_tokens=16)
+    prompt = "The capital of France is"
+    [expected] = plain.generate([prompt], params)
+    [answer] = loaded.engine.generate([prompt], params)
+    assert answer.token_ids == expected.token_ids and answer.text
+    assert loaded.weights_digest == digest_weights(smollm2_dir)
+
+
+def test_the_sealed_digest_equals_the_plaintext_digest_without_decrypting(
+    smollm2_dir: Path, sealed_smollm2: tuple[SealedModel, bytes]
+) -> None:
+    sealed, _ = sealed_smollm2
+    assert digest_sealed_weights(sealed) == digest_weights(smollm2_dir)
+
+
+def test_a_wrong_key_loads_nothing(sealed_smollm2: tuple[SealedModel, bytes]) -> None:
+    sealed, _ = sealed_smollm2
+    with pytest.raises(SealedModelError, match="not the key this model was sealed with"):
+        LoadedModel.load_sealed(
+            EngineConfig(model_dir=sealed.directory), sealed, os.urandom(32), workers=2
+        )
+
+
+def test_the_engine_config_must_name_the_sealed_directory(
+    smollm2_dir: Path, sealed_smollm2: tuple[SealedModel, bytes]
+) -> None:
+    sealed, data_key = sealed_smollm2
+    with pytest.raises(ModelFilesError, match="is not the sealed directory"):
+        LoadedModel.load_sealed(EngineConfig(model_dir=smollm2_dir), sealed, data_key, workers=2)
