@@ -72,3 +72,47 @@ def test_synthetic_evidence_is_not_trusted_under_another_platforms_ark(
 def test_synthetic_trust_directory_loads_back(platform: SyntheticSnp, tmp_path) -> None:
     trust = CpuTrust.load(platform.write_trust_directory(tmp_path))
     assert trust.snp_arks == {"Milan": platform.ark}
+
+
+@pytest.mark.parametrize("product", ["Genoa", "Turin"])
+def test_synthetic_report_of_other_processor_lines_verifies_with_their_tcb_layout(
+    product: str,
+) -> None:
+    platform = SyntheticSnp.create(product)  # type: ignore[arg-type]
+    verdict = verify_cpu_evidence(
+        platform.evidence(BINDING),
+        expected_report_data=BINDING,
+        policy=platform.policy(),
+        trust=platform.trust(),
+        at=NOW,
+    )
+    assert verdict.trusted, verdict.failures
+    assert verdict.claims["product"] == product
+    assert verdict.claims["reported_tcb"] == platform.tcb.to_json()
+
+
+def test_synthetic_report_below_the_minimum_tcb_is_refused(platform: SyntheticSnp) -> None:
+    minimum = {**platform.tcb.to_json(), "snp": platform.tcb.snp + 1}
+    verdict = verify_cpu_evidence(
+        platform.evidence(BINDING),
+        expected_report_data=BINDING,
+        policy=platform.policy(min_tcb=minimum),
+        trust=platform.trust(),
+        at=NOW,
+    )
+    assert [check.name for check in verdict.failures] == ["snp.policy.min_tcb"]
+
+
+@pytest.mark.parametrize("version", [3, 5])
+def test_synthetic_reports_of_later_abi_versions_verify(
+    platform: SyntheticSnp, version: int
+) -> None:
+    verdict = verify_cpu_evidence(
+        platform.evidence(BINDING, version=version),
+        expected_report_data=BINDING,
+        policy=platform.policy(),
+        trust=platform.trust(),
+        at=NOW,
+    )
+    assert verdict.trusted, verdict.failures
+    assert verdict.claims["version"] == version
