@@ -4,10 +4,10 @@ machine (`-m gpu`), where CC is off: collection must say so, promptly, instead o
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
 import sys
 import threading
 import time
+from collections.abc import Callable
 from types import SimpleNamespace
 
 import pytest
