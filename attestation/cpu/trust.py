@@ -2,13 +2,16 @@
 of AMD ASK/VCEK certificates for reports that carry none, the pinned Intel SGX Root CA, and the
 bundled Intel DCAP collateral (per platform FMSPC) for TDX quotes.
 
-On disk (`CpuTrust.load(directory)`):
-  snp/ark-*.pem            pinned ARKs; each self-signed (RSA-PSS SHA-384), CN "ARK-<product>"
-  snp/certificates/*.pem   optional ASK and VCEK certificates (PEM or DER)
-  tdx/root_ca.pem          the Intel SGX Root CA
+The roots are built in (`attestation.cpu.roots`: AMD's ARKs, Intel's SGX Root CA). On disk
+(`CpuTrust.load(directory)`), every part is optional:
+  snp/ark-<product>.pem    an ARK pinned instead of AMD's for that product (a test CA); each
+                           self-signed (RSA-PSS SHA-384), CN "ARK-<product>"
+  snp/certificates/*       ASK and VCEK certificates (PEM or DER) for reports without any
+  tdx/root_ca.pem          a root pinned instead of Intel's SGX Root CA
   tdx/collateral/*.json    dcap-qvl QuoteCollateralV3 JSON, one file per FMSPC
-A missing directory or file means that kind of evidence can never verify; it is not an error
-to load, so that an SNP-only appliance needs no Intel files.
+Without collateral, TDX evidence can never verify (an air-gapped appliance cannot fetch it);
+that is reported by verification, not refused at load, so an SNP-only appliance needs no Intel
+files.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from cryptography import x509
 from cryptography.hazmat.primitives.serialization import Encoding
 from cryptography.x509.oid import NameOID
 
+from attestation.cpu.roots import amd_arks, intel_sgx_root_ca_der
 from attestation.cpu.snp import PRODUCTS, Product, load_amd_certificate, verify_amd_signature
 from attestation.errors import AttestationError, PolicyError
 
@@ -37,10 +41,17 @@ class CpuTrust:
     tdx_collateral: Mapping[str, str] = field(default_factory=dict)
 
     @classmethod
-    def load(cls, directory: Path) -> CpuTrust:
-        """Load the layout of the module docstring. Raises PolicyError on an unreadable or
-        malformed file, an ARK that is not self-signed, or collateral without an FMSPC."""
+    def builtin(cls) -> CpuTrust:
+        """AMD's ARKs and Intel's SGX Root CA, and no collateral."""
+        return cls(snp_arks=amd_arks(), tdx_root_ca_der=intel_sgx_root_ca_der())
+
+    @classmethod
+    def load(cls, directory: Path, *, builtin_roots: bool = True) -> CpuTrust:
+        """Load the layout of the module docstring on top of the built-in roots (or of none,
+        with `builtin_roots=False`). Raises PolicyError on an unreadable or malformed file, an
+        ARK that is not self-signed, or collateral without an FMSPC."""
         directory = Path(directory)
+        builtin = cls.builtin() if builtin_roots else cls()
         arks: dict[Product, x509.Certificate] = {}
         for path in sorted((directory / "snp").glob("ark-*.pem")):
             ark = _load_certificate(path)
@@ -61,7 +72,7 @@ class CpuTrust:
         for path in sorted((directory / "tdx" / "collateral").glob("*.json")):
             text = path.read_text(encoding="utf-8")
             collateral[collateral_fmspc(text, path)] = text
-        return cls(arks, cache, root, collateral)
+        return cls({**builtin.snp_arks, **arks}, cache, root, collateral)
 
 
 def ark_product(ark: x509.Certificate) -> Product:

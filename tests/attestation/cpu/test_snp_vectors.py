@@ -103,7 +103,7 @@ def test_trust_directory_with_the_milan_ark_loads_and_pins_it(
     (tmp_path / "snp" / "ark-milan.pem").write_bytes(real_snp.ark.public_bytes(Encoding.PEM))
     (tmp_path / "snp" / "certificates").mkdir()
     shutil.copy(SEV / "verify_testdata_vcek.testcer", tmp_path / "snp" / "certificates")
-    trust = CpuTrust.load(tmp_path)
+    trust = CpuTrust.load(tmp_path, builtin_roots=False)
     assert trust.snp_arks == {"Milan": real_snp.ark}
     assert len(trust.snp_certificates) == 1
 
