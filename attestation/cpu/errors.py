@@ -10,6 +10,11 @@ class SnpReportFormatError(EvidenceError):
     """Step 1 (SEV-SNP): the report is not a well-formed 1184-byte ATTESTATION_REPORT."""
 
 
+class SnpCertificatesMissingError(VerificationError):
+    """Step 2 (SEV-SNP): no VCEK or ASK for this chip, neither in the evidence's certificate
+    table nor in the trust store's offline cache."""
+
+
 class SnpCertificateChainError(VerificationError):
     """Step 2 (SEV-SNP): the VCEK does not chain to a pinned ARK through the ASK (RSA-PSS
     SHA-384), or a certificate is outside its validity at the validation time."""

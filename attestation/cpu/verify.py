@@ -18,7 +18,7 @@ from typing import Any
 from cryptography import x509
 from cryptography.x509.oid import NameOID
 
-from attestation.cpu.errors import ReportDataMismatchError
+from attestation.cpu.errors import ReportDataMismatchError, SnpCertificatesMissingError
 from attestation.cpu.evidence import CpuEvidence
 from attestation.cpu.policy import CpuPolicy
 from attestation.cpu.snp import (
@@ -70,9 +70,10 @@ def _verify_snp(
         raise PolicyError("the policy has no [snp] table: SEV-SNP evidence is never accepted")
     report = SnpReport.parse(evidence.report)
     checks: list[Check] = []
+    step = "snp.certificates"
     try:
         vcek, ask = _snp_certificates(report, evidence, trust)
-        checks.append(Check("snp.certificates", True))
+        checks.append(Check(step, True))
         step = "snp.certificate_chain"
         product = verify_snp_chain(vcek, ask, trust.snp_arks, at)
         checks.append(Check(step, True))
@@ -85,8 +86,6 @@ def _verify_snp(
         step = "snp.report_data"
         _verify_report_data(report.report_data, expected)
         checks.append(Check(step, True))
-    except _MissingCertificates as exc:
-        return Verdict((*checks, Check("snp.certificates", False, str(exc))), at)
     except VerificationError as exc:
         return Verdict((*checks, Check(step, False, str(exc))), at)
     checks.extend(policy.snp.evaluate(report, product))
@@ -107,10 +106,6 @@ def _verify_snp(
     return Verdict(tuple(checks), at, claims)
 
 
-class _MissingCertificates(VerificationError):
-    pass
-
-
 def _snp_certificates(
     report: SnpReport, evidence: CpuEvidence, trust: CpuTrust
 ) -> tuple[x509.Certificate, x509.Certificate]:
@@ -120,7 +115,7 @@ def _snp_certificates(
     table = parse_certificate_table(evidence.auxblob) if evidence.auxblob else {}
     vcek = _certificate(table, VCEK_GUID) or _cached_vcek(report, trust)
     if vcek is None:
-        raise _MissingCertificates(
+        raise SnpCertificatesMissingError(
             f"no VCEK for chip {report.chip_id[:8].hex()}...: the evidence carries no "
             "certificate table and the trust store caches none for this chip"
         )
@@ -128,7 +123,7 @@ def _snp_certificates(
         (cert for cert in trust.snp_certificates if cert.subject == vcek.issuer), None
     )
     if ask is None:
-        raise _MissingCertificates(f"no ASK named {vcek.issuer.rfc4514_string()}")
+        raise SnpCertificatesMissingError(f"no ASK named {vcek.issuer.rfc4514_string()}")
     return vcek, ask
 
 
