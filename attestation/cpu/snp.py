@@ -468,15 +468,8 @@ def verify_vcek_binding(report: SnpReport, vcek: x509.Certificate, product: Prod
         return
     # Turin VCEKs carry only the first 8 bytes of the chip id.
     expected = report.chip_id[:8] if product == "Turin" else report.chip_id
-    if (
-        hwid is None
-        or hwid[-len(expected) :] != expected
-        or len(hwid)
-        not in (
-            len(expected),
-            len(expected) + 2,
-        )
-    ):
+    # The extension holds the raw bytes; some issuers wrap them in one DER OCTET STRING.
+    if hwid not in (expected, b"\x04" + bytes([len(expected)]) + expected):
         raise SnpVcekMismatchError("the VCEK is for another chip (hwID differs from CHIP_ID)")
 
 
