@@ -92,14 +92,22 @@ def seal_model(
     out_dir.mkdir(parents=True, exist_ok=True)
     data_key = os.urandom(DATA_KEY_SIZE)
     seal_id = os.urandom(SEAL_ID_SIZE)
-    entries = []
-    with ThreadPoolExecutor(max_workers=max(1, workers), thread_name_prefix="seal") as pool:
-        for path in files:
-            if path.name.endswith(".safetensors"):
-                sealer = _FileSealer(pool, max(1, workers), data_key, seal_id, model_id, chunk_size)
-                entries.append(sealer.seal(path, out_dir, progress))
-            else:
-                entries.append(_copy_plain(path, out_dir, progress))
+    workers = max(1, workers)
+    # SHA-256 of a file is one sequential pass (about 1-2 GB/s), so files are read and hashed
+    # concurrently, one thread each, while their chunks are encrypted on the shared pool.
+    with (
+        ThreadPoolExecutor(max_workers=workers, thread_name_prefix="seal") as pool,
+        ThreadPoolExecutor(max_workers=workers, thread_name_prefix="seal-file") as readers,
+    ):
+        slots = threading.BoundedSemaphore(2 * workers)
+        sealer = _FileSealer(pool, slots, data_key, seal_id, model_id, chunk_size)
+        futures = [
+            readers.submit(sealer.seal, path, out_dir, progress)
+            if path.name.endswith(".safetensors")
+            else readers.submit(_copy_plain, path, out_dir, progress)
+            for path in files
+        ]
+        entries = [future.result() for future in futures]
     manifest = SealedManifest(
         model_id=model_id,
         seal_id=seal_id,
@@ -130,7 +138,8 @@ class _FileSealer:
     """Seals weight files of one model under one data key, chunks encrypted on `pool`."""
 
     pool: ThreadPoolExecutor
-    workers: int
+    # Chunks read but not yet written, across all files: at most 2 × workers in memory.
+    slots: threading.BoundedSemaphore
     data_key: bytes
     seal_id: bytes
     model_id: str
@@ -140,12 +149,11 @@ class _FileSealer:
         self, path: Path, out_dir: Path, progress: Callable[[int], None] | None
     ) -> ManifestFile:
         """Read `path` once, in order, hashing the plaintext; encrypt its chunks on the pool,
-        each written at its own offset. At most 2 × workers chunks are in memory at a time."""
+        each written at its own offset."""
         size = path.stat().st_size
         chunk_size = self.chunk_size
         num_chunks = num_chunks_of(size, chunk_size)
         digest = hashlib.sha256()
-        slots = threading.BoundedSemaphore(2 * self.workers)
         pending: list[Future[None]] = []
         with path.open("rb") as source, (out_dir / (path.name + ".sealed")).open("wb") as sink:
             out_fd = sink.fileno()
@@ -161,7 +169,7 @@ class _FileSealer:
                     if progress is not None:
                         progress(len(plaintext))
                 finally:
-                    slots.release()
+                    self.slots.release()
 
             try:
                 for index in range(num_chunks):
@@ -170,7 +178,7 @@ class _FileSealer:
                     if source.readinto(plaintext) != length:
                         raise SealedModelError(f"{path} changed size while it was being sealed")
                     digest.update(plaintext)
-                    slots.acquire()
+                    self.slots.acquire()
                     pending.append(self.pool.submit(encrypt, index, plaintext))
                     pending = [future for future in pending if not _finished(future)]
             finally:
