@@ -11,8 +11,9 @@ import asyncio
 import importlib.metadata
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
@@ -27,6 +28,7 @@ from appliance.api.metrics import ServerMetrics
 from appliance.api.middleware import AuditEntryHeader, BodySizeLimit, TeeStateHeader
 from appliance.api.models import ServedModel
 from appliance.api.readiness import Readiness
+from appliance.attestation.release import key_provider, release_and_load
 from appliance.attestation.service import TeeService
 from appliance.auth.authenticator import Authenticator
 from appliance.auth.denials import DenialReporter
@@ -49,6 +51,8 @@ from appliance.engine.errors import EngineError
 from appliance.engine.models.config import ModelConfig
 from appliance.errors import BootError, ModelFilesError
 from appliance.weights import LoadedModel
+from attestation.errors import AttestationError, KeyReleaseError
+from attestation.keys import KeyProvider
 from audit.errors import AuditError
 from audit.log import AuditLog
 
@@ -73,6 +77,7 @@ def build(
     *,
     model: LoadedModel | None = None,
     tee: TeeService | None = None,
+    keys: KeyProvider | None = None,
 ) -> FastAPI:
     """The appliance's HTTP app.
 
@@ -86,7 +91,8 @@ def build(
     "loading" (or why the gate or the load failed). With `model` (the demo, tests, benchmarks),
     that model is served once the gate passes; its engine is not closed afterwards, so several
     apps in turn can share one. A model loaded before the gate ran is refused unless
-    `tee.mode = insecure-dev`: weights must never be in memory before a verdict.
+    `tee.mode = insecure-dev`: weights must never be in memory before a verdict. A sealed
+    model's data key comes from `keys`, by default the provider `settings.sealed` names.
     """
     if tee is None:
         tee = _tee_service(settings)
@@ -96,6 +102,13 @@ def build(
             "weights load only after a passing verdict"
         )
     config = engine_config(settings) if model is None else None
+    if keys is None and settings.sealed.enabled:
+        try:
+            keys = key_provider(
+                settings.sealed, production=settings.appliance.profile == "production"
+            )
+        except AttestationError as exc:
+            raise BootError(f"the key provider cannot be used: {exc}") from exc
     readiness = Readiness()
     admission = Admission(settings.server.max_concurrent_requests, settings.server.retry_after_s)
     server_metrics = ServerMetrics(settings.served_model_name)
@@ -110,26 +123,15 @@ def build(
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        reattesting: list[asyncio.Task[None]] = []
-        starting = asyncio.create_task(
-            _start(
-                settings,
-                tee,
-                config,
-                model,
-                readiness,
-                admission,
-                server_metrics,
-                trail,
-                reattesting,
-            )
+        start = _StartUp(
+            settings, tee, config, model, keys, readiness, admission, server_metrics, trail
         )
+        starting = asyncio.create_task(start.run())
         try:
             yield
         finally:
             async_engine = await starting  # a load in progress cannot be interrupted
-            for task in reattesting:
-                task.cancel()
+            start.stop()
             readiness.set_stopped()
             if async_engine is not None:
                 await async_engine.shutdown()  # requests still running end aborted
@@ -199,44 +201,65 @@ def _tee_service(settings: Settings) -> TeeService:
     return device_tee_service(settings.tee)
 
 
-async def _start(
-    settings: Settings,
-    tee: TeeService,
-    config: EngineConfig | None,
-    model: LoadedModel | None,
-    readiness: Readiness,
-    admission: Admission,
-    metrics: ServerMetrics,
-    trail: AuditTrail,
-    reattesting: list[asyncio.Task[None]],
-) -> AsyncEngine | None:
-    """The start-up sequence after the audit log (appliance.boot): the TEE gate, then the
-    model, then the re-attestation timer. A closed gate leaves the server up, failed, with the
-    reason: no key released, no weight loaded."""
-    readiness.set_loading("attesting the TEE" if tee.mode == "required" else "the model is loading")
-    try:
-        await pass_tee_gate(tee, trail.log)
-    except TeeGateError as exc:
-        logger.error("the TEE gate is closed: %s", exc)
-        readiness.set_failed(str(exc))
-        return None
-    readiness.set_loading("the model is loading")
-    async_engine = await _start_engine(config, model, readiness, metrics, trail, tee)
-    if async_engine is not None and tee.mode == "required":
+@dataclass
+class _StartUp:
+    """The start-up sequence after the audit log (appliance.boot), run by the app's lifespan:
+    the TEE gate; only after it passes, the key release and the model load; then serving and
+    the re-attestation timer. A closed gate, a refused key or a failed load leaves the server
+    up, failed, with the reason."""
 
+    settings: Settings
+    tee: TeeService
+    config: EngineConfig | None
+    model: LoadedModel | None
+    keys: KeyProvider | None
+    readiness: Readiness
+    admission: Admission
+    metrics: ServerMetrics
+    trail: AuditTrail
+    reattesting: asyncio.Task[None] | None = None
+
+    async def run(self) -> AsyncEngine | None:
+        readiness, tee = self.readiness, self.tee
+        attesting = tee.mode == "required"
+        readiness.set_loading("attesting the TEE" if attesting else "the model is loading")
+        try:
+            attestation = await pass_tee_gate(tee, self.trail.log)
+        except TeeGateError as exc:
+            logger.error("the TEE gate is closed: %s", exc)
+            readiness.set_failed(str(exc))
+            return None
+        readiness.set_loading("the model is loading")
+        load = None
+        if self.model is None:
+            assert self.config is not None, "build() passes a config when it is given no model"
+            load = partial(LoadedModel.load, self.config)
+            if self.settings.sealed.enabled:
+                assert attestation is not None and self.keys is not None, "checked by Settings"
+                load = partial(
+                    release_and_load,
+                    self.config,
+                    self.settings.sealed,
+                    self.keys,
+                    attestation.verdict,
+                )
+        async_engine = await _start_engine(load, self.model, self)
+        if async_engine is not None and tee.mode == "required":
+            self.reattesting = asyncio.create_task(self._reattest(async_engine))
+        return async_engine
+
+    async def _reattest(self, async_engine: AsyncEngine) -> None:
         async def stop_inference(reason: str) -> None:
-            readiness.set_failed(reason)
-            await _drain(admission, settings.server.drain_timeout_s)
+            self.readiness.set_failed(reason)
+            await _drain(self.admission, self.settings.server.drain_timeout_s)
             await async_engine.shutdown()
 
-        reattesting.append(
-            asyncio.create_task(
-                reattest_periodically(
-                    tee, trail.log, settings.tee.reattest_interval_s, stop_inference
-                )
-            )
-        )
-    return async_engine
+        interval_s = self.settings.tee.reattest_interval_s
+        await reattest_periodically(self.tee, self.trail.log, interval_s, stop_inference)
+
+    def stop(self) -> None:
+        if self.reattesting is not None:
+            self.reattesting.cancel()
 
 
 async def _drain(admission: Admission, timeout_s: float) -> None:
@@ -247,23 +270,19 @@ async def _drain(admission: Admission, timeout_s: float) -> None:
 
 
 async def _start_engine(
-    config: EngineConfig | None,
-    model: LoadedModel | None,
-    readiness: Readiness,
-    metrics: ServerMetrics,
-    trail: AuditTrail,
-    tee: TeeService,
+    load: Callable[[], LoadedModel] | None, model: LoadedModel | None, start: _StartUp
 ) -> AsyncEngine | None:
-    """Start `model`, or load it from `config` first; record `boot.ready`; then mark the server
-    ready. On a failed load, or a log that cannot record it, mark the server failed with the
-    reason (it stays up to report it)."""
+    """Start `model`, or `load()` it first; record `boot.ready`; then mark the server ready. On
+    a refused key or a failed load, or a log that cannot record it, mark the server failed with
+    the reason (it stays up to report it)."""
+    readiness, trail = start.readiness, start.trail
     load_ms = None
     if model is None:
-        assert config is not None, "build() passes a config when it is given no model"
+        assert load is not None, "a loader is given when a model is not"
         started_s = time.monotonic()
         try:
-            model = await asyncio.to_thread(LoadedModel.load, config)
-        except (EngineError, ModelFilesError) as exc:
+            model = await asyncio.to_thread(load)
+        except (EngineError, ModelFilesError, AttestationError) as exc:
             logger.error("the model could not be loaded: %s", exc)
             await _record_failed_load(trail.log, exc)
             readiness.set_failed(f"the model could not be loaded: {exc}")
@@ -279,7 +298,7 @@ async def _start_engine(
         model=trail.model_name,
         weights_digest=model.weights_digest,
         model_load_ms=load_ms,
-        tee=tee.state(),
+        tee=start.tee.state(),
     )
     try:
         await trail.log.append_async(ready)
@@ -289,13 +308,14 @@ async def _start_engine(
         return None
     async_engine = AsyncEngine(model.engine)
     async_engine.start()
-    metrics.watch(model.engine)
+    start.metrics.watch(model.engine)
     readiness.set_ready(async_engine)
     return async_engine
 
 
 async def _record_failed_load(log: AuditLog, exc: BaseException) -> None:
     try:
-        await log.append_async(boot_phase_failed("model_load", exc))
+        phase = "key_release" if isinstance(exc, KeyReleaseError) else "model_load"
+        await log.append_async(boot_phase_failed(phase, exc))
     except AuditError as audit_exc:
         logger.error("the audit log cannot record the failed model load: %s", audit_exc)

@@ -231,8 +231,8 @@ class TeeSettings(_Section):
     )
     cpu_trust_dir: Path | None = Field(
         default=None,
-        description="pinned CPU roots and offline collateral: snp/ark-*.pem, snp/certificates/, "
-        "tdx/root_ca.pem, tdx/collateral/*.json",
+        description="CPU roots pinned beside AMD's and Intel's, and offline collateral: "
+        "snp/ark-*.pem, snp/certificates/, tdx/root_ca.pem, tdx/collateral/*.json",
     )
     tsm_report_dir: Path = Field(
         default=Path("/sys/kernel/config/tsm/report"),
@@ -246,17 +246,60 @@ class TeeSettings(_Section):
     def _check(self) -> Self:
         if self.mode != "required":
             return self
-        missing = [
-            name
-            for name in ("policy_file", "gpu_rims_dir", "cpu_trust_dir")
-            if getattr(self, name) is None
-        ]
+        missing = [name for name in ("policy_file", "gpu_rims_dir") if getattr(self, name) is None]
         if missing:
             raise ValueError(
-                f'mode "required" needs {", ".join(missing)}: without the policy, the GPU '
-                "reference manifests and the pinned CPU roots nothing can pass "
+                f'mode "required" needs {", ".join(missing)}: without the policy and the GPU '
+                "reference manifests nothing can pass "
                 '(mode = "insecure-dev" is for development)'
             )
+        return self
+
+
+class SealedSettings(_Section):
+    """A sealed model (docs/ATTESTATION.md): `model.dir` holds a signed manifest and encrypted
+    weights, whose data key the key provider releases only to a passing verdict."""
+
+    manifest_public_key_file: Path | None = Field(
+        default=None,
+        description="Ed25519 key (PEM) the model's manifest must verify under; set: model.dir "
+        "is a sealed model",
+    )
+    key_provider: Literal["file", "pkcs11"] | None = Field(
+        default=None, description="who releases the data key: file (development) or pkcs11"
+    )
+    file_key_dir: Path | None = Field(
+        default=None, description="file provider: directory of <key_id>.kek files"
+    )
+    hsm_module: Path | None = Field(
+        default=None, description="pkcs11 provider: the HSM vendor's PKCS#11 module (.so)"
+    )
+    hsm_token_label: str | None = Field(
+        default=None, min_length=1, description="pkcs11 provider: the token's label"
+    )
+    hsm_pin_file: Path | None = Field(
+        default=None, description="pkcs11 provider: file holding the user PIN (mode 0600)"
+    )
+    decrypt_workers: int | None = Field(
+        default=None, ge=1, le=256, description="decryption threads; default one per CPU, ≤ 16"
+    )
+
+    @property
+    def enabled(self) -> bool:
+        return self.manifest_public_key_file is not None
+
+    @model_validator(mode="after")
+    def _check(self) -> Self:
+        if not self.enabled:
+            return self
+        needed = {
+            None: ("key_provider",),
+            "file": ("file_key_dir",),
+            "pkcs11": ("hsm_module", "hsm_token_label", "hsm_pin_file"),
+        }[self.key_provider]
+        missing = [name for name in needed if getattr(self, name) is None]
+        if missing:
+            raise ValueError(f"a sealed model needs {', '.join(missing)}")
         return self
 
 
@@ -278,10 +321,20 @@ class Settings(_Section):
     # Validated when absent too: the default mode is "required", which needs a policy file, so
     # a config that says nothing about the TEE is refused rather than run unattested.
     tee: TeeSettings = Field(default={}, validate_default=True)  # type: ignore[assignment]
+    sealed: SealedSettings = SealedSettings()
 
     @property
     def served_model_name(self) -> str:
         return self.model.name or self.model.dir.name
+
+    @model_validator(mode="after")
+    def _check_sealed(self) -> Self:
+        if self.sealed.enabled and self.tee.mode != "required":
+            raise ValueError(
+                'a sealed model needs tee.mode = "required": its key is released only to a '
+                "passing attestation verdict, which insecure-dev never has"
+            )
+        return self
 
     @model_validator(mode="after")
     def _check_production(self) -> Self:
@@ -294,6 +347,11 @@ class Settings(_Section):
             refused.append(f'tee.mode = "{self.tee.mode}" (production needs "required")')
         if self.server.insecure_http:
             refused.append("server.insecure_http = true (production serves TLS only)")
+        if self.sealed.enabled and self.sealed.key_provider == "file":
+            refused.append(
+                'sealed.key_provider = "file" (whoever reads its key file unseals the model; '
+                'use "pkcs11")'
+            )
         if self.auth.local_issuer == "demo":
             refused.append(
                 'auth.local_issuer = "demo" (configure [[auth.issuers]]; "break-glass" '

@@ -49,7 +49,6 @@ def _settings(directory: Path, model_dir: Path, **tee: Any) -> Settings:
                 "mode": "required",
                 "policy_file": "policy.toml",
                 "gpu_rims_dir": "rims",
-                "cpu_trust_dir": "cpu",
                 **tee,
             },
         },
@@ -272,7 +271,7 @@ def _production(directory: Path, model_dir: Path, **sections: Any) -> dict[str, 
                  "jwks_file": "jwks.json", "role_claims": ["roles"], "roles": {"user": ["u"]}}
             ]
         },
-        "tee": {"policy_file": "p.toml", "gpu_rims_dir": "rims", "cpu_trust_dir": "cpu"},
+        "tee": {"policy_file": "p.toml", "gpu_rims_dir": "rims"},
         **sections,
     }  # fmt: skip
 
@@ -309,5 +308,5 @@ def test_production_refuses_each_insecure_setting_by_name(
 def test_a_config_silent_about_the_tee_is_refused(tmp_path: Path, smollm2_dir: Path) -> None:
     raw = _production(tmp_path, smollm2_dir)
     del raw["tee"]
-    with pytest.raises(ConfigError, match='tee: mode "required" needs policy_file, gpu_rims_dir'):
+    with pytest.raises(ConfigError, match='tee: mode "required" needs policy_file, gpu_rims_dir:'):
         settings_from_mapping(raw, base_dir=tmp_path)

@@ -1,0 +1,57 @@
+"""Start-up steps 5 and 6 (ARCHITECTURE.md): the sealed model's data key is released to the
+passing verdict, then its weights are decrypted straight into memory and loaded.
+
+Order, each step failing closed:
+  1. the manifest verifies under the pinned manifest key and every listed file is present
+     (SealedModel.open): a tampered directory never gets a key released for it;
+  2. the key provider releases the data key for the manifest's key id and wrapped key, given
+     the verdict (every provider refuses an untrusted one before touching a key);
+  3. the weights are decrypted in parallel into host memory and loaded
+     (LoadedModel.load_sealed); the data key is not kept.
+"""
+
+from __future__ import annotations
+
+from appliance.config import SealedSettings
+from appliance.engine.engine import EngineConfig
+from appliance.weights import LoadedModel
+from attestation.keys import (
+    FileKeySettings,
+    KeyProvider,
+    KeyProviderSettings,
+    Pkcs11KeySettings,
+    open_key_provider,
+)
+from attestation.sealed import SealedModel
+from attestation.sealed.manifest import load_manifest_public_key
+from attestation.verdict import Verdict
+
+
+def key_provider(settings: SealedSettings, *, production: bool) -> KeyProvider:
+    """The provider `settings` name (opens no device and reads no key yet). Raises
+    KeyReleaseError for the file provider in production."""
+    provider_settings: KeyProviderSettings
+    if settings.key_provider == "file":
+        assert settings.file_key_dir is not None, "checked by SealedSettings"
+        provider_settings = FileKeySettings(settings.file_key_dir)
+    else:
+        assert settings.hsm_module and settings.hsm_token_label and settings.hsm_pin_file, (
+            "checked by SealedSettings"
+        )
+        provider_settings = Pkcs11KeySettings(
+            settings.hsm_module, settings.hsm_token_label, settings.hsm_pin_file
+        )
+    return open_key_provider(provider_settings, production=production)
+
+
+def release_and_load(
+    config: EngineConfig, settings: SealedSettings, provider: KeyProvider, verdict: Verdict
+) -> LoadedModel:
+    """Steps 1-3 of the module docstring. Raises SealedModelError (manifest, files, chunks),
+    KeyReleaseError (the provider refused or failed) or EngineError (an unusable model)."""
+    assert settings.manifest_public_key_file is not None, "a sealed model is configured"
+    manifest_key = load_manifest_public_key(settings.manifest_public_key_file)
+    sealed = SealedModel.open(config.model_dir, manifest_key=manifest_key)
+    manifest = sealed.manifest
+    data_key = provider.release_data_key(manifest.key_id, manifest.wrapped_key, verdict)
+    return LoadedModel.load_sealed(config, sealed, data_key, workers=settings.decrypt_workers)

@@ -1,0 +1,394 @@
+"""End to end: the boot gate over synthetic devices, with the real collection, binding and
+offline verifiers, a sealed model and a key provider that is watched.
+
+The devices are synthetic (tests/attestation/gpu/synthetic.py: a test CA shaped like NVIDIA's
+5-certificate chain signing SPDM reports for any nonce, RIMs under a test CoRIM root;
+tests/attestation/cpu/synthetic.py: a test ARK/ASK/VCEK chain signing SEV-SNP reports). They are
+trusted only because this test's `[tee]` settings pin their roots, exactly as a deployment pins
+NVIDIA's and AMD's. The model is the embedded SmolLM2, sealed with the `file` key provider.
+
+Shown: a pass releases the key, loads the sealed weights and serves inference, and a client can
+verify the appliance through /v1/attestation; each policy violation (wrong driver version,
+dev-tools on, a debug CPU, a replayed nonce, a bad measurement) releases no key (the provider is
+never called), loads no weight, and /health and /v1/attestation say why; a failed
+re-attestation stops inference.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import pytest
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
+from fastapi.testclient import TestClient
+
+from appliance.app import build
+from appliance.attestation.challenge import gpu_nonces
+from appliance.attestation.devices import EvidenceCollection, OfflineVerifier
+from appliance.attestation.service import TeeService
+from appliance.attestation.signing import verify_signed_verdict
+from appliance.auth.local_issuer import LocalIssuer
+from appliance.auth.roles import Role
+from appliance.boot import open_audit_log, start_audit_log
+from appliance.config import Settings, settings_from_mapping
+from appliance.weights import LoadedModel, digest_weights
+from attestation.binding import report_data
+from attestation.cpu import CpuEvidence, CpuTrust, verify_cpu_evidence
+from attestation.gpu import GpuEvidence, GpuTrust, gpu_evidence_digest, verify_gpu_evidence
+from attestation.keys.file import FileKeyProvider
+from attestation.sealed.writer import seal_model
+from attestation.verdict import Verdict
+from tests.attestation.cpu.synthetic import SyntheticSnp
+from tests.attestation.gpu.synthetic import SyntheticGpuSetup, synthetic_gpu_setup
+
+KEY_ID = "smollm2-kek"
+NUM_GPUS = 2
+
+pytestmark = pytest.mark.slow
+
+
+@dataclass
+class SyntheticGpus:
+    """The GpuEvidenceSource of synthetic GPUs; `overrides` change what they report, and
+    `replay_challenge` makes them sign the nonces of another challenge (a replayed report)."""
+
+    setup: SyntheticGpuSetup
+    overrides: dict[str, Any] = field(default_factory=dict)
+    replay_challenge: bytes | None = None
+
+    def num_gpus(self) -> int:
+        return len(self.setup.gpus)
+
+    def collect(self, nonces: Sequence[bytes]) -> Sequence[GpuEvidence]:
+        if self.replay_challenge is not None:
+            nonces = gpu_nonces(self.replay_challenge, len(nonces))
+        return self.setup.collect(nonces, **self.overrides)
+
+
+@dataclass
+class SyntheticCpu:
+    """The CpuEvidenceSource of a synthetic SEV-SNP guest; `options` change its report."""
+
+    platform: SyntheticSnp
+    options: dict[str, Any] = field(default_factory=dict)
+
+    def collect(self, report_data: bytes) -> CpuEvidence:
+        return self.platform.evidence(report_data, **self.options)
+
+
+class KeyProviderSpy:
+    """The file provider, with every release recorded (and the verdict it was given)."""
+
+    def __init__(self, key_dir: Path) -> None:
+        self.provider = FileKeyProvider(key_dir, production=False)
+        self.releases: list[Verdict] = []
+
+    def wrap_data_key(self, key_id: str, data_key: bytes) -> bytes:
+        return self.provider.wrap_data_key(key_id, data_key)
+
+    def release_data_key(self, key_id: str, wrapped_key: bytes, verdict: Verdict) -> bytes:
+        self.releases.append(verdict)
+        return self.provider.release_data_key(key_id, wrapped_key, verdict)
+
+
+@dataclass(frozen=True)
+class Deployment:
+    """What an operator installs: the sealed model and its keys, the pinned roots, the RIMs and
+    the policy; and the synthetic machine it runs on."""
+
+    directory: Path
+    sealed_dir: Path
+    manifest_key_file: Path
+    key_dir: Path
+    weights_digest: str
+    gpus: SyntheticGpuSetup
+    snp: SyntheticSnp
+    policy_file: Path
+    cpu_trust_dir: Path
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int | str):
+        return json.dumps(value)
+    if isinstance(value, list | tuple):
+        return "[" + ", ".join(_toml_value(item) for item in value) + "]"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{k} = {_toml_value(v)}" for k, v in value.items()) + "}"
+    raise TypeError(f"no TOML for {value!r}")
+
+
+def _write_policy(path: Path, tables: dict[str, dict[str, Any]]) -> Path:
+    lines = []
+    for name, table in tables.items():
+        lines.append(f"[{name}]")
+        lines += [f"{key} = {_toml_value(value)}" for key, value in table.items()]
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+@pytest.fixture(scope="module")
+def deployment(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Deployment:
+    directory = tmp_path_factory.mktemp("deployment")
+    key_dir = directory / "keks"
+    sealer = FileKeyProvider(key_dir, production=False)
+    sealer.create_key(KEY_ID)
+    signing_key = Ed25519PrivateKey.generate()
+    manifest_key_file = directory / "manifest-key.pem"
+    manifest_key_file.write_bytes(
+        signing_key.public_key().public_bytes(Encoding.PEM, PublicFormat.SubjectPublicKeyInfo)
+    )
+    sealed_dir = directory / "sealed-smollm2"
+    seal_model(
+        smollm2_dir,
+        sealed_dir,
+        model_id="smollm2",
+        key_id=KEY_ID,
+        wrap_data_key=sealer.wrap_data_key,
+        signing_key=signing_key,
+    )
+    assert not list(sealed_dir.glob("*.safetensors")), "no plaintext weight in the sealed dir"
+    gpus = synthetic_gpu_setup(directory / "gpu", num_gpus=NUM_GPUS)
+    snp = SyntheticSnp.create()
+    policy = {"gpu": gpus.policy_table(), "snp": snp.policy_table()}
+    return Deployment(
+        directory=directory,
+        sealed_dir=sealed_dir,
+        manifest_key_file=manifest_key_file,
+        key_dir=key_dir,
+        weights_digest=digest_weights(smollm2_dir),
+        gpus=gpus,
+        snp=snp,
+        policy_file=_write_policy(directory / "attestation-policy.toml", policy),
+        cpu_trust_dir=snp.write_trust_directory(directory / "cpu-trust"),
+    )
+
+
+def _settings(deployment: Deployment, directory: Path, **tee: Any) -> Settings:
+    return settings_from_mapping(
+        {
+            "model": {"dir": str(deployment.sealed_dir), "name": "smollm2"},
+            "engine": {"max_model_len": 256, "num_kv_blocks": 64},
+            "server": {"insecure_http": True},
+            "audit": {"origin": "inferno.test/e2e-gate", "data_dir": str(directory / "audit")},
+            "auth": {"local_issuer": "demo", "local_issuer_key_file": "issuer.pem"},
+            "appliance": {"profile": "development"},  # for the file key provider
+            "tee": {
+                "mode": "required",
+                "policy_file": str(deployment.policy_file),
+                "gpu_rims_dir": str(deployment.gpus.rim_dir),
+                "gpu_roots_dir": str(deployment.gpus.roots_dir),
+                "cpu_trust_dir": str(deployment.cpu_trust_dir),
+                **tee,
+            },
+            "sealed": {
+                "manifest_public_key_file": str(deployment.manifest_key_file),
+                "key_provider": "file",
+                "file_key_dir": str(deployment.key_dir),
+            },
+        },
+        base_dir=directory,
+    )
+
+
+@dataclass
+class Appliance:
+    client: TestClient
+    settings: Settings
+    tee: TeeService
+    gpus: SyntheticGpus
+    cpu: SyntheticCpu
+
+    def chat(self) -> Any:
+        issuer = LocalIssuer.from_settings(self.settings.auth)
+        assert issuer is not None
+        token = issuer.mint(Role.USER, "e2e", time.time())
+        body = {
+            "model": "smollm2",
+            "messages": [{"role": "user", "content": "What is the capital of France?"}],
+            "max_tokens": 8,
+            "temperature": 0,
+        }
+        return self.client.post(
+            "/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {token}"}
+        )
+
+    def entries(self) -> list[dict[str, Any]]:
+        with open_audit_log(self.settings.audit) as log:
+            return [json.loads(leaf) for _, leaf in log.store.entries(0, log.store.size() - 1)]
+
+
+def _boot(
+    deployment: Deployment,
+    directory: Path,
+    keys: KeyProviderSpy,
+    gpus: SyntheticGpus,
+    cpu: SyntheticCpu,
+    **tee: Any,
+) -> Iterator[Appliance]:
+    settings = _settings(deployment, directory, **tee)
+    service = TeeService("required", EvidenceCollection(gpus, cpu), OfflineVerifier(settings.tee))
+    app = build(settings, start_audit_log(settings), tee=service, keys=keys)
+    with TestClient(app) as client:
+        deadline = time.monotonic() + 120
+        while client.get("/health").json()["status"] == "loading":
+            assert time.monotonic() < deadline, "the start-up sequence never ended"
+            time.sleep(0.05)
+        yield Appliance(client, settings, service, gpus, cpu)
+
+
+class LoadSpy:
+    def __init__(self) -> None:
+        self.num_calls = 0
+
+
+@pytest.fixture
+def sealed_loads(monkeypatch: pytest.MonkeyPatch) -> LoadSpy:
+    """Counts sealed weight loads (and plain ones, which must never happen here)."""
+    spy = LoadSpy()
+    load_sealed = LoadedModel.load_sealed
+
+    def counted(*args: Any, **kwargs: Any) -> LoadedModel:
+        spy.num_calls += 1
+        return load_sealed(*args, **kwargs)
+
+    def refused(*args: Any, **kwargs: Any) -> LoadedModel:
+        raise AssertionError("a sealed deployment loaded a plain model")
+
+    monkeypatch.setattr(LoadedModel, "load_sealed", counted)
+    monkeypatch.setattr(LoadedModel, "load", refused)
+    return spy
+
+
+def _client_verifies(deployment: Deployment, body: dict[str, Any], nonce: bytes) -> None:
+    """What a client does with /v1/attestation, with its own pinned roots and policy: the
+    signature of the verdict, the key binding in the CPU report, and both verifications."""
+    statement = verify_signed_verdict(body["signed_verdict"])
+    evidence = body["evidence"]
+    public_key = bytes.fromhex(statement["attestation_public_key"])
+    gpu = [GpuEvidence.from_json(item) for item in evidence["gpu"]]
+    expected = report_data(nonce, gpu_evidence_digest(gpu), public_key)
+    assert statement["report_data"] == expected.hex()
+    now = datetime.now(UTC)
+    cpu = verify_cpu_evidence(
+        CpuEvidence.from_json(evidence["cpu"]),
+        expected_report_data=expected,
+        policy=deployment.snp.policy(),
+        trust=CpuTrust.load(deployment.cpu_trust_dir),
+        at=now,
+    )
+    gpus = verify_gpu_evidence(
+        gpu,
+        expected_nonces=gpu_nonces(nonce, len(gpu)),
+        policy=deployment.gpus.policy(),
+        trust=GpuTrust.from_paths(
+            rim_dir=deployment.gpus.rim_dir, roots_dir=deployment.gpus.roots_dir
+        ),
+        at=now,
+    )
+    assert cpu.trusted and gpus.trusted, (cpu.failures, gpus.failures)
+    assert statement["verdict"]["result"] == "trusted"
+
+
+def test_a_passing_tee_releases_the_key_loads_the_sealed_weights_and_serves(
+    deployment: Deployment, tmp_path: Path, sealed_loads: LoadSpy
+) -> None:
+    keys = KeyProviderSpy(deployment.key_dir)
+    gpus, cpu = SyntheticGpus(deployment.gpus), SyntheticCpu(deployment.snp)
+    for appliance in _boot(deployment, tmp_path, keys, gpus, cpu):
+        health = appliance.client.get("/health")
+        assert (health.status_code, health.headers["x-inferno-tee"]) == (200, "VERIFIED")
+        reply = appliance.chat()
+        assert reply.status_code == 200, reply.text
+        assert reply.json()["choices"][0]["message"]["content"]
+        assert reply.headers["x-inferno-tee"] == "VERIFIED"
+        nonce = bytes(range(32))
+        shown = appliance.client.get("/v1/attestation", params={"nonce": nonce.hex()})
+        _client_verifies(deployment, shown.json(), nonce)
+    assert [verdict.trusted for verdict in keys.releases] == [True]
+    assert sealed_loads.num_calls == 1
+    entries = appliance.entries()
+    [verdict] = [e for e in entries if e["action"] == "attestation.verdict"]
+    assert verdict["outcome"] == "success"
+    assert verdict["details"]["claims"]["gpu"], "the verified GPU claims are recorded"
+    [ready] = [e for e in entries if e["action"] == "boot.ready"]
+    # The sealed model is named by the same digest as the plain one it was sealed from.
+    assert ready["details"]["weights_digest"] == deployment.weights_digest
+    assert ready["details"]["tee"] == "VERIFIED"
+
+
+VIOLATIONS = {
+    "wrong-driver-version": (
+        {"overrides": {"driver_version": "550.54.14"}},
+        {},
+        "gpu0.policy.driver_version",
+    ),
+    "dev-tools-on": ({"overrides": {"dev_tools_mode": True}}, {}, "gpu0.policy.dev_tools"),
+    "debug-cpu": ({}, {"options": {"debug": True}}, "snp.policy.debug"),
+    "replayed-nonce": ({"replay_challenge": bytes(32)}, {}, "gpu0.nonce"),
+    "bad-measurement": (
+        {"overrides": {"measurements": {5: bytes(48)}}},
+        {},
+        "gpu0.measurements",
+    ),
+}
+
+
+@pytest.mark.parametrize("violation", VIOLATIONS)
+def test_each_policy_violation_releases_no_key_loads_nothing_and_says_why(
+    deployment: Deployment, tmp_path: Path, sealed_loads: LoadSpy, violation: str
+) -> None:
+    gpu_options, cpu_options, failed_check = VIOLATIONS[violation]
+    keys = KeyProviderSpy(deployment.key_dir)
+    gpus = SyntheticGpus(deployment.gpus, **gpu_options)
+    cpu = SyntheticCpu(deployment.snp, **cpu_options)
+    for appliance in _boot(deployment, tmp_path, keys, gpus, cpu):
+        health = appliance.client.get("/health")
+        assert health.status_code == 503
+        assert health.headers["x-inferno-tee"] == "FAILED"
+        reason = health.json()["reason"]
+        assert reason.startswith("attestation failed: ")
+        assert f"{failed_check}: " in reason
+        assert appliance.chat().status_code == 503
+        shown = appliance.client.get("/v1/attestation", params={"nonce": "11" * 32}).json()
+        assert failed_check in {c["name"] for c in shown["standing_verdict"]["failed"]}
+        assert failed_check in {c["name"] for c in shown["verdict"]["failed"]}
+        assert shown["tee"] == "FAILED"
+    assert keys.releases == [], "the key provider was called"
+    assert sealed_loads.num_calls == 0
+    actions = [e["action"] for e in appliance.entries()]
+    assert "boot.ready" not in actions
+    assert actions.count("attestation.verdict") == 1
+
+
+def test_a_failed_reattestation_stops_inference(
+    deployment: Deployment, tmp_path: Path, sealed_loads: LoadSpy
+) -> None:
+    keys = KeyProviderSpy(deployment.key_dir)
+    gpus, cpu = SyntheticGpus(deployment.gpus), SyntheticCpu(deployment.snp)
+    for appliance in _boot(deployment, tmp_path, keys, gpus, cpu, reattest_interval_s=0.5):
+        assert appliance.chat().status_code == 200
+        cpu.options = {"debug": True}  # the guest is now debuggable
+        deadline = time.monotonic() + 60
+        while appliance.client.get("/health").status_code == 200:
+            assert time.monotonic() < deadline, "inference was never stopped"
+            time.sleep(0.05)
+        health = appliance.client.get("/health")
+        assert health.json()["reason"].startswith("re-attestation failed: snp.policy.debug: ")
+        assert appliance.chat().status_code == 503
+        assert health.headers["x-inferno-tee"] == "FAILED"
+    verdicts = [e for e in appliance.entries() if e["action"] == "attestation.verdict"]
+    assert verdicts[0]["details"]["trigger"] == "boot"
+    assert (verdicts[-1]["details"]["trigger"], verdicts[-1]["outcome"]) == (
+        "reattest",
+        "failure",
+    )
+    assert len(keys.releases) == 1, "the key is released once, at boot"
