@@ -5,8 +5,9 @@ report over a caller-supplied 32-byte nonce.
 This is the device edge: nothing here verifies anything. Every NVML call runs in a worker thread
 with a deadline, so a wedged driver turns into a CollectionError instead of a hung boot (the
 stuck thread is abandoned as a daemon; NVML offers no way to cancel a call). With CC off, the
-report call fails with NVML_ERROR_UNKNOWN (as on a development H100); that is reported as
-"confidential computing is off", not as an obscure driver error.
+certificate and report calls fail with NVML_ERROR_UNKNOWN (seen on an H200 with CC off); the
+system CC state is read first, so this is reported as "confidential computing is off", not as
+an obscure driver error.
 """
 
 from __future__ import annotations
@@ -52,10 +53,18 @@ def _collect(nvml: Any, nonces: list[bytes]) -> list[GpuEvidence]:
         state = nvml.nvmlSystemGetConfComputeState()
         cc_on = state.ccFeature == nvml.NVML_CC_SYSTEM_FEATURE_ENABLED
         dev_tools = state.devToolsMode == nvml.NVML_CC_SYSTEM_DEVTOOLS_MODE_ON
+        if not cc_on:
+            # Seen on an H200 with CC off: the certificate call fails with NVML_ERROR_UNKNOWN
+            # before the report call is reached, so the system state is checked first.
+            raise CollectionError(
+                "confidential computing is off on this system (NVML CC feature disabled): "
+                "no attestation evidence exists; enable CC mode (nvidia-smi conf-compute) in "
+                "a confidential VM"
+            )
         num_gpus = nvml.nvmlDeviceGetCount()
         if num_gpus != len(nonces):
             raise CollectionError(f"{num_gpus} GPUs present but {len(nonces)} nonces given")
-        return [_collect_one(nvml, i, nonce, cc_on, dev_tools) for i, nonce in enumerate(nonces)]
+        return [_collect_one(nvml, i, nonce, dev_tools) for i, nonce in enumerate(nonces)]
     except nvml.NVMLError as exc:
         raise CollectionError(f"NVML call failed: {exc}") from exc
     finally:
@@ -63,20 +72,19 @@ def _collect(nvml: Any, nonces: list[bytes]) -> list[GpuEvidence]:
             nvml.nvmlShutdown()
 
 
-def _collect_one(nvml: Any, index: int, nonce: bytes, cc_on: bool, dev_tools: bool) -> GpuEvidence:
+def _collect_one(nvml: Any, index: int, nonce: bytes, dev_tools: bool) -> GpuEvidence:
     handle = nvml.nvmlDeviceGetHandleByIndex(index)
     architecture = nvml.nvmlDeviceGetArchitecture(handle)
     arch = "HOPPER" if architecture == nvml.NVML_DEVICE_ARCH_HOPPER else f"NVML_ARCH_{architecture}"
-    certificate = nvml.nvmlDeviceGetConfComputeGpuCertificate(handle)
-    chain = bytes(certificate.attestationCertChain[: certificate.attestationCertChainSize])
     try:
+        certificate = nvml.nvmlDeviceGetConfComputeGpuCertificate(handle)
+        chain = bytes(certificate.attestationCertChain[: certificate.attestationCertChainSize])
         report = nvml.nvmlDeviceGetConfComputeGpuAttestationReport(handle, nonce)
     except nvml.NVMLError as exc:
-        if not cc_on or exc.value == nvml.NVML_ERROR_UNKNOWN:
+        if exc.value == nvml.NVML_ERROR_UNKNOWN:
             raise CollectionError(
-                f"GPU {index}: no attestation report: confidential computing is "
-                f"{'off' if not cc_on else 'not ready'} on this system ({exc}); enable CC mode "
-                "(nvidia-smi conf-compute) in a confidential VM"
+                f"GPU {index}: no attestation evidence ({exc}): confidential computing is not "
+                "ready on this GPU although the system reports it on"
             ) from exc
         raise
     return GpuEvidence(
@@ -84,7 +92,7 @@ def _collect_one(nvml: Any, index: int, nonce: bytes, cc_on: bool, dev_tools: bo
         nonce=nonce,
         report=bytes(report.attestationReport[: report.attestationReportSize]),
         certificate_chain=chain,
-        cc_mode="devtools" if cc_on and dev_tools else ("on" if cc_on else "off"),
+        cc_mode="devtools" if dev_tools else "on",
         dev_tools_mode=dev_tools,
     )
 
