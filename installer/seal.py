@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import threading
 from pathlib import Path
 
 from cryptography.hazmat.primitives import serialization
@@ -105,6 +106,12 @@ def run_seal(args: argparse.Namespace) -> int:
         with tqdm(
             total=total, unit="B", unit_scale=True, desc="sealing", disable=not sys.stderr.isatty()
         ) as bar:
+            lock = threading.Lock()  # chunks finish on several threads; tqdm counts on one
+
+            def advance(num_bytes: int) -> None:
+                with lock:
+                    bar.update(num_bytes)
+
             manifest = seal_model(
                 args.source,
                 args.out,
@@ -114,7 +121,7 @@ def run_seal(args: argparse.Namespace) -> int:
                 signing_key=signing_key,
                 chunk_size=args.chunk_mib << 20,
                 workers=args.workers,
-                progress=bar.update,
+                progress=advance,
             )
     except (AttestationError, OSError) as exc:
         print(f"installer seal: {exc}", file=sys.stderr)

@@ -46,9 +46,10 @@ MANIFEST_NAME = "manifest.json"
 SIGNATURE_NAME = "manifest.sig"
 SEALED_SUFFIX = ".sealed"
 _SIGNING_CONTEXT = FORMAT.encode() + b" manifest\n"
-# A chunk is decrypted into the caller's buffer whole; 1 GiB bounds one worker's scratch space.
+# Each decryption worker reads one whole sealed chunk into its own scratch buffer: the upper
+# bound keeps 16 workers' scratch within 4 GiB whatever a manifest says.
 MIN_CHUNK_SIZE = 4096
-MAX_CHUNK_SIZE = 1 << 30
+MAX_CHUNK_SIZE = 256 << 20
 _NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._+-]{0,254}$")
 _MANIFEST_KEYS = {
     "format", "model_id", "seal_id", "key_id", "wrapped_key", "key_check", "chunk_size", "files"
