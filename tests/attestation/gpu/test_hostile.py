@@ -99,9 +99,12 @@ def test_report_for_another_nonce_fails_the_nonce_step_only(
     gpu_550: RealGpu, trust_no_rims: GpuTrust
 ) -> None:
     verdict = verify_gpu_evidence(
-        [gpu_550.evidence], expected_nonces=[bytes(32)], policy=gpu_550.policy,
-        trust=trust_no_rims, at=TODAY,
-    )  # fmt: skip
+        [gpu_550.evidence],
+        expected_nonces=[bytes(32)],
+        policy=gpu_550.policy,
+        trust=trust_no_rims,
+        at=TODAY,
+    )
     assert first_failure(verdict) == ("gpu0.nonce", "NonceMismatchError")
     assert [c.passed for c in verdict.checks if c.name == "gpu0.signature"] == [True]
 

@@ -36,8 +36,9 @@ class FakeNvml:
     NVML_CC_SYSTEM_DEVTOOLS_MODE_ON = 1
     NVML_DEVICE_ARCH_HOPPER = 9
 
-    def __init__(self, *, num_gpus: int = 2, cc_on: bool = True, dev_tools: bool = False,
-                 hang_s: float = 0.0) -> None:  # fmt: skip
+    def __init__(
+        self, *, num_gpus: int = 2, cc_on: bool = True, dev_tools: bool = False, hang_s: float = 0.0
+    ) -> None:
         self.gpus = [SyntheticGpuCa.create().device() for _ in range(num_gpus)]
         self.cc_on, self.dev_tools, self.hang_s = cc_on, dev_tools, hang_s
         self.shut_down = False
@@ -66,8 +67,9 @@ class FakeNvml:
         if not self.cc_on:
             raise FakeNVMLError(NVML_ERROR_UNKNOWN)  # as the real driver does with CC off
         chain = self.gpus[handle].chain_pem
-        return SimpleNamespace(attestationCertChain=list(chain) + [0] * 16,
-                               attestationCertChainSize=len(chain))  # fmt: skip
+        return SimpleNamespace(
+            attestationCertChain=list(chain) + [0] * 16, attestationCertChainSize=len(chain)
+        )
 
     def nvmlDeviceGetConfComputeGpuAttestationReport(
         self, handle: int, nonce: bytes
@@ -81,8 +83,9 @@ class FakeNvml:
             vbios_version="96.00.9F.00.01",
             measurements=default_measurements(),
         )
-        return SimpleNamespace(attestationReport=list(report) + [0] * 32,
-                               attestationReportSize=len(report))  # fmt: skip
+        return SimpleNamespace(
+            attestationReport=list(report) + [0] * 32, attestationReportSize=len(report)
+        )
 
 
 InstallNvml = Callable[..., FakeNvml]

@@ -35,17 +35,26 @@ def pairs(setup: SyntheticGpuSetup) -> list[tuple[Issued, Issued]]:
     return [(chain[i], chain[i + 1]) for i in range(4)] + rim_chain
 
 
-def write_ocsp(setup: SyntheticGpuSetup, directory: Path, *, this_update: datetime = FRESH,
-               revoked: set[str] = frozenset(), skip: set[str] = frozenset()) -> None:  # fmt: skip
+def write_ocsp(
+    setup: SyntheticGpuSetup,
+    directory: Path,
+    *,
+    this_update: datetime = FRESH,
+    revoked: set[str] = frozenset(),
+    skip: set[str] = frozenset(),
+) -> None:
     directory.mkdir(exist_ok=True)
     for n, (cert, issuer) in enumerate(pairs(setup)):
         name = cert.cert.subject.rfc4514_string()
         if any(s in name for s in skip):
             continue
         response = setup.ca.ocsp_response(
-            cert.cert, issuer, revoked=any(r in name for r in revoked), this_update=this_update,
+            cert.cert,
+            issuer,
+            revoked=any(r in name for r in revoked),
+            this_update=this_update,
             next_update=this_update + timedelta(days=30),
-        )  # fmt: skip
+        )
         (directory / f"{n}.ocsp").write_bytes(response)
     setup.revocation_dir = directory
 
@@ -53,9 +62,12 @@ def write_ocsp(setup: SyntheticGpuSetup, directory: Path, *, this_update: dateti
 def verify(setup: SyntheticGpuSetup, **policy: object) -> Verdict:
     nonce = os.urandom(32)
     return verify_gpu_evidence(
-        setup.collect([nonce]), expected_nonces=[nonce], policy=setup.policy(**policy),
-        trust=setup.trust(), at=NOW,
-    )  # fmt: skip
+        setup.collect([nonce]),
+        expected_nonces=[nonce],
+        policy=setup.policy(**policy),
+        trust=setup.trust(),
+        at=NOW,
+    )
 
 
 def revocation_check(verdict: Verdict) -> Check:
@@ -128,8 +140,12 @@ def test_no_bundle_is_unchecked_and_fails_a_policy_that_wants_good(
 def test_crl_listing_an_intermediate_revokes_it(setup: SyntheticGpuSetup, tmp_path: Path) -> None:
     write_ocsp(setup, tmp_path / "bundle", skip={"BROM"})
     brom, provisioner = setup.gpus[0].chain[1], setup.gpus[0].chain[2]
-    crl = setup.ca.crl(provisioner, revoked_serials=[brom.cert.serial_number],
-                       last_update=FRESH, next_update=NOW + timedelta(days=7))  # fmt: skip
+    crl = setup.ca.crl(
+        provisioner,
+        revoked_serials=[brom.cert.serial_number],
+        last_update=FRESH,
+        next_update=NOW + timedelta(days=7),
+    )
     (tmp_path / "bundle" / "provisioner.crl").write_bytes(crl)
     assert "revoked" in revocation_check(verify(setup)).detail
 
@@ -161,10 +177,15 @@ def test_ocsp_signed_by_a_responder_the_issuer_never_named_is_a_revocation_error
     leaf, brom = setup.gpus[0].chain[0], setup.gpus[0].chain[1]
     impostor = issue("impostor responder", None, ca=False)
     builder = ocsp.OCSPResponseBuilder().add_response(
-        cert=leaf.cert, issuer=brom.cert, algorithm=hashes.SHA1(),
-        cert_status=ocsp.OCSPCertStatus.GOOD, this_update=FRESH, next_update=None,
-        revocation_time=None, revocation_reason=None,
-    )  # fmt: skip
+        cert=leaf.cert,
+        issuer=brom.cert,
+        algorithm=hashes.SHA1(),
+        cert_status=ocsp.OCSPCertStatus.GOOD,
+        this_update=FRESH,
+        next_update=None,
+        revocation_time=None,
+        revocation_reason=None,
+    )
     builder = builder.responder_id(ocsp.OCSPResponderEncoding.HASH, impostor.cert)
     response = builder.sign(impostor.key, hashes.SHA384()).public_bytes(Encoding.DER)
     (tmp_path / "bundle" / "leaf.ocsp").write_bytes(response)

@@ -169,9 +169,12 @@ def test_duplicate_measurement_index_is_refused(setup: SyntheticGpuSetup) -> Non
 def verify_setup(setup: SyntheticGpuSetup, **collect: object) -> Verdict:
     nonce = os.urandom(32)
     return verify_gpu_evidence(
-        setup.collect([nonce], **collect), expected_nonces=[nonce], policy=setup.policy(),
-        trust=setup.trust(), at=NOW,
-    )  # fmt: skip
+        setup.collect([nonce], **collect),
+        expected_nonces=[nonce],
+        policy=setup.policy(),
+        trust=setup.trust(),
+        at=NOW,
+    )
 
 
 def test_one_matching_alternative_suffices(tmp_path: Path) -> None:
@@ -195,9 +198,12 @@ def test_mismatch_fails_unless_policy_allows_that_block(setup: SyntheticGpuSetup
     assert list(failed) == ["gpu0.measurements"]
     assert "[20]" in failed["gpu0.measurements"]
     lenient = verify_gpu_evidence(
-        evidence, expected_nonces=[nonce], policy=setup.policy(allowed_mismatch_indices=[20]),
-        trust=setup.trust(), at=NOW,
-    )  # fmt: skip
+        evidence,
+        expected_nonces=[nonce],
+        policy=setup.policy(allowed_mismatch_indices=[20]),
+        trust=setup.trust(),
+        at=NOW,
+    )
     assert lenient.trusted
     assert lenient.claims["gpus"][0]["mismatched_blocks"] == [20]
 
@@ -242,8 +248,9 @@ def test_rim_under_a_debug_root_in_the_rim_directory_fails_the_rim_check(tmp_pat
     debug_signer = issue("Synthetic RIM L4 Signer", debug_root, ca=False)
     driver = next(setup.rim_dir.glob("NV_GPU_DRIVER_*"))
     golden = {i: [setup.measurements[i + 1]] for i in range(12, 33)}
-    driver.write_bytes(setup.ca.sign_rim(setup.driver_version, golden,
-                                         signer_chain=[debug_signer, debug_root]))  # fmt: skip
+    driver.write_bytes(
+        setup.ca.sign_rim(setup.driver_version, golden, signer_chain=[debug_signer, debug_root])
+    )
     verdict = verify_setup(setup)
     detail = {c.name: c.detail for c in verdict.failures}["gpu0.rim.driver"]
     assert detail.startswith("RimChainError") and "not the pinned CoRIM root" in detail

@@ -43,9 +43,12 @@ def test_synthetic_evidence_fails_under_nvidia_roots(setup: SyntheticGpuSetup) -
     expected = nonces()
     nvidia_trust = GpuTrust.from_paths(rim_dir=setup.rim_dir)
     verdict = verify_gpu_evidence(
-        setup.collect(expected), expected_nonces=expected, policy=setup.policy(),
-        trust=nvidia_trust, at=NOW,
-    )  # fmt: skip
+        setup.collect(expected),
+        expected_nonces=expected,
+        policy=setup.policy(),
+        trust=nvidia_trust,
+        at=NOW,
+    )
     assert not verdict.trusted
     assert {c.name for c in verdict.failures} == {
         "gpu0.certificate_chain",
@@ -68,9 +71,12 @@ def test_synthetic_overrides_violate_policy_at_the_named_check(
 ) -> None:
     expected = nonces()
     verdict = verify_gpu_evidence(
-        setup.collect(expected, **override), expected_nonces=expected, policy=setup.policy(),
-        trust=setup.trust(), at=NOW,
-    )  # fmt: skip
+        setup.collect(expected, **override),
+        expected_nonces=expected,
+        policy=setup.policy(),
+        trust=setup.trust(),
+        at=NOW,
+    )
     assert failed_check in {c.name for c in verdict.failures}
 
 
@@ -79,7 +85,10 @@ def test_synthetic_report_for_another_nonce_fails_the_nonce_check(
 ) -> None:
     expected = nonces()
     verdict = verify_gpu_evidence(
-        setup.collect(nonces()), expected_nonces=expected, policy=setup.policy(),
-        trust=setup.trust(), at=NOW,
-    )  # fmt: skip
+        setup.collect(nonces()),
+        expected_nonces=expected,
+        policy=setup.policy(),
+        trust=setup.trust(),
+        at=NOW,
+    )
     assert {c.name for c in verdict.failures} == {"gpu0.nonce", "gpu1.nonce"}

@@ -66,9 +66,12 @@ def test_545_passes_with_all_33_measurements_before_rim_expiry(
     gpu_545: RealGpu, trust_545: GpuTrust
 ) -> None:
     verdict = verify_gpu_evidence(
-        [gpu_545.evidence], expected_nonces=[gpu_545.nonce], policy=gpu_545.policy,
-        trust=trust_545, at=BEFORE_RIM_EXPIRY,
-    )  # fmt: skip
+        [gpu_545.evidence],
+        expected_nonces=[gpu_545.nonce],
+        policy=gpu_545.policy,
+        trust=trust_545,
+        at=BEFORE_RIM_EXPIRY,
+    )
     assert verdict.trusted, verdict.failures
     claims = verdict.claims["gpus"][0]
     assert claims["num_measurements_compared"] == 33
@@ -83,9 +86,12 @@ def test_545_today_fails_with_rim_certificate_expired(
     gpu_545: RealGpu, trust_545: GpuTrust
 ) -> None:
     verdict = verify_gpu_evidence(
-        [gpu_545.evidence], expected_nonces=[gpu_545.nonce], policy=gpu_545.policy,
-        trust=trust_545, at=TODAY,
-    )  # fmt: skip
+        [gpu_545.evidence],
+        expected_nonces=[gpu_545.nonce],
+        policy=gpu_545.policy,
+        trust=trust_545,
+        at=TODAY,
+    )
     assert not verdict.trusted
     assert {c.name for c in verdict.failures} == {"gpu0.rim.driver", "gpu0.rim.vbios"}
     for check in verdict.failures:
@@ -98,9 +104,12 @@ def test_545_today_passes_when_policy_accepts_expired_rim_certificates(
 ) -> None:
     policy = real_policy("545.00", "96.00.5E.00.01", expired_rim_certificate="accept")
     verdict = verify_gpu_evidence(
-        [gpu_545.evidence], expected_nonces=[gpu_545.nonce], policy=policy, trust=trust_545,
+        [gpu_545.evidence],
+        expected_nonces=[gpu_545.nonce],
+        policy=policy,
+        trust=trust_545,
         at=TODAY,
-    )  # fmt: skip
+    )
     assert verdict.trusted, verdict.failures
     assert "RIM certificate expired" in checks_by_name(verdict)["gpu0.rim.driver"].detail
 
@@ -109,9 +118,12 @@ def test_550_signature_chain_and_fwid_verify_and_no_rims_are_public(
     gpu_550: RealGpu, trust_no_rims: GpuTrust
 ) -> None:
     verdict = verify_gpu_evidence(
-        [gpu_550.evidence], expected_nonces=[gpu_550.nonce], policy=gpu_550.policy,
-        trust=trust_no_rims, at=TODAY,
-    )  # fmt: skip
+        [gpu_550.evidence],
+        expected_nonces=[gpu_550.nonce],
+        policy=gpu_550.policy,
+        trust=trust_no_rims,
+        at=TODAY,
+    )
     checks = checks_by_name(verdict)
     assert all(checks[f"gpu0.{step}"].passed for step in MECHANISM)
     assert checks["gpu0.fwid"].detail == ""  # compared, not skipped
@@ -126,9 +138,12 @@ def test_nvat_format_evidence_signature_chain_and_fwid_verify(trust_no_rims: Gpu
     assert json.loads(path.read_text()) == [item.to_json() for item in evidence]
     policy = real_policy("590.12", "96.00.A5.00.01", chips=["GH100"])
     verdict = verify_gpu_evidence(
-        evidence, expected_nonces=[evidence[0].nonce], policy=policy, trust=trust_no_rims,
+        evidence,
+        expected_nonces=[evidence[0].nonce],
+        policy=policy,
+        trust=trust_no_rims,
         at=TODAY,
-    )  # fmt: skip
+    )
     checks = checks_by_name(verdict)
     assert all(checks[f"gpu0.{step}"].passed for step in MECHANISM)
     assert verdict.claims["gpus"][0]["board"] == "G520_0200_885"
@@ -142,9 +157,12 @@ def test_negative_report_has_invalid_signature_and_fwid_mismatch(
         "h100-550", gpu_550.nonce, VECTORS / "negative" / "attestation_report_invalid_signature.hex"
     )
     verdict = verify_gpu_evidence(
-        [evidence], expected_nonces=[evidence.nonce], policy=gpu_550.policy,
-        trust=trust_no_rims, at=TODAY,
-    )  # fmt: skip
+        [evidence],
+        expected_nonces=[evidence.nonce],
+        policy=gpu_550.policy,
+        trust=trust_no_rims,
+        at=TODAY,
+    )
     checks = checks_by_name(verdict)
     assert not verdict.trusted
     assert "ReportSignatureError" in checks["gpu0.signature"].detail
@@ -197,8 +215,11 @@ def test_validation_time_is_the_callers_not_the_clock(
     gpu_545: RealGpu, trust_545: GpuTrust
 ) -> None:
     verdict = verify_gpu_evidence(
-        [gpu_545.evidence], expected_nonces=[gpu_545.nonce], policy=gpu_545.policy,
-        trust=trust_545, at=datetime(2025, 6, 23, tzinfo=UTC),
-    )  # fmt: skip
+        [gpu_545.evidence],
+        expected_nonces=[gpu_545.nonce],
+        policy=gpu_545.policy,
+        trust=trust_545,
+        at=datetime(2025, 6, 23, tzinfo=UTC),
+    )
     failed = {c.name for c in verdict.failures}
     assert failed == {"gpu0.rim.vbios"}  # the VBIOS signer expired 2025-06-22, the driver's 06-26
