@@ -21,6 +21,9 @@ Fail closed, explained where chosen:
   products = ["Milan", "Genoa", "Turin"]    processor lines accepted (default: all pinned)
   host_data = ["<64 hex>", ...]             optional allow-list of HOST_DATA
   id_key_digests = ["<96 hex>", ...]        optional allow-list of ID_KEY_DIGEST
+  revocation_accept = ["good"]              states of `attestation.cpu.revocation` accepted:
+                                             a subset of good, stale, unchecked; never revoked
+  revocation_max_age_s = 604800             a CRL issued longer ago than this is stale
 `[tdx]` keys:
   mrtd = ["<96 hex>", ...]                  TD build measurements allowed (required)
   rtmr0 .. rtmr3 = ["<96 hex>", ...]        optional allow-lists of runtime measurements
@@ -34,6 +37,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from attestation.cpu.revocation import REVOCATION_STATES, RevocationStatus
 from attestation.cpu.snp import PRODUCTS, Product, SnpReport, TcbVersion
 from attestation.errors import PolicyError
 from attestation.verdict import Check
@@ -105,13 +109,16 @@ class SnpPolicy:
     products: frozenset[Product] = frozenset(PRODUCTS)
     host_data: frozenset[bytes] = frozenset()
     id_key_digests: frozenset[bytes] = frozenset()
+    revocation_accept: frozenset[str] = frozenset({"good"})
+    revocation_max_age_s: int = 7 * 24 * 3600
 
     @classmethod
     def from_table(cls, table: Mapping[str, Any]) -> SnpPolicy:
         """Parse the `[snp]` table. Raises PolicyError on a missing, empty or malformed value."""
         known = {
             "measurements", "min_tcb", "allowed_vmpls", "min_guest_svn", "allow_migrate_ma",
-            "allow_smt", "products", "host_data", "id_key_digests",
+            "allow_smt", "products", "host_data", "id_key_digests", "revocation_accept",
+            "revocation_max_age_s",
         }  # fmt: skip
         _refuse_unknown(table, "snp", known)
         min_tcb = table.get("min_tcb")
@@ -129,6 +136,15 @@ class SnpPolicy:
         products = table.get("products", list(PRODUCTS))
         if not isinstance(products, list) or not products or set(products) - set(PRODUCTS):
             raise PolicyError(f"policy [snp] `products` must be a non-empty subset of {PRODUCTS}")
+        revocation = table.get("revocation_accept", ["good"])
+        if not isinstance(revocation, list) or not revocation:
+            raise PolicyError("policy [snp] `revocation_accept` must be a non-empty list")
+        if "revoked" in revocation:
+            raise PolicyError("policy [snp] `revocation_accept` may never accept revoked")
+        if set(revocation) - set(REVOCATION_STATES):
+            raise PolicyError(f"policy [snp] `revocation_accept` must be among {REVOCATION_STATES}")
+        max_age = _int(table.get("revocation_max_age_s", 7 * 24 * 3600),
+                       "revocation_max_age_s", 1, 10 * 365 * 24 * 3600)  # fmt: skip
         return cls(
             measurements=_hex_list(table, "measurements", 48, required=True),
             min_tcb=TcbVersion(
@@ -141,10 +157,15 @@ class SnpPolicy:
             products=frozenset(products),
             host_data=_hex_list(table, "host_data", 32, required=False),
             id_key_digests=_hex_list(table, "id_key_digests", 48, required=False),
+            revocation_accept=frozenset(revocation),
+            revocation_max_age_s=max_age,
         )
 
-    def evaluate(self, report: SnpReport, product: Product) -> list[Check]:
-        """The policy checks of a report whose signatures verified (`snp.policy.*`)."""
+    def evaluate(
+        self, report: SnpReport, product: Product, revocation: RevocationStatus
+    ) -> list[Check]:
+        """The policy checks of a report whose signatures verified (`snp.policy.*`), with the
+        revocation state of its chain."""
         tcb = TcbVersion.from_bytes(report.reported_tcb, product)
         checks = [
             _check("snp.policy.debug", not report.debug_allowed, "debug must be off: the guest "
@@ -164,6 +185,9 @@ class SnpPolicy:
                    "the guest policy allows SMT, which the policy refuses"),
             _check("snp.policy.product", product in self.products,
                    f"processor line {product} is not allowed"),
+            _check("snp.policy.revocation", revocation.state in self.revocation_accept,
+                   f"revocation state {revocation.state} is not accepted "
+                   f"({sorted(self.revocation_accept)}): {revocation.detail}"),
         ]  # fmt: skip
         if self.host_data:
             checks.append(_check("snp.policy.host_data", report.host_data in self.host_data,

@@ -7,6 +7,7 @@ The roots are built in (`attestation.cpu.roots`: AMD's ARKs, Intel's SGX Root CA
   snp/ark-<product>.pem    an ARK pinned instead of AMD's for that product (a test CA); each
                            self-signed (RSA-PSS SHA-384), CN "ARK-<product>"
   snp/certificates/*       ASK and VCEK certificates (PEM or DER) for reports without any
+  snp/crl-<product>.der    AMD's CRL for that product (PEM or DER; `attestation.cpu.revocation`)
   tdx/root_ca.pem          a root pinned instead of Intel's SGX Root CA
   tdx/collateral/*.json    dcap-qvl QuoteCollateralV3 JSON, one file per FMSPC
 Without collateral, TDX evidence can never verify (an air-gapped appliance cannot fetch it);
@@ -37,6 +38,7 @@ class CpuTrust:
 
     snp_arks: Mapping[Product, x509.Certificate] = field(default_factory=dict)
     snp_certificates: tuple[x509.Certificate, ...] = ()
+    snp_crls: Mapping[Product, x509.CertificateRevocationList] = field(default_factory=dict)
     tdx_root_ca_der: bytes | None = None
     tdx_collateral: Mapping[str, str] = field(default_factory=dict)
 
@@ -64,6 +66,10 @@ class CpuTrust:
             for path in sorted((directory / "snp" / "certificates").glob("*"))
             if path.is_file()
         )
+        crls: dict[Product, x509.CertificateRevocationList] = {}
+        for path in sorted((directory / "snp").glob("crl-*")):
+            crl = _load_crl(path)
+            crls[_crl_product(crl, path)] = crl
         root_path = directory / "tdx" / "root_ca.pem"
         root = (
             _load_certificate(root_path).public_bytes(Encoding.DER) if root_path.exists() else None
@@ -72,7 +78,7 @@ class CpuTrust:
         for path in sorted((directory / "tdx" / "collateral").glob("*.json")):
             text = path.read_text(encoding="utf-8")
             collateral[collateral_fmspc(text, path)] = text
-        return cls({**builtin.snp_arks, **arks}, cache, root, collateral)
+        return cls({**builtin.snp_arks, **arks}, cache, crls, root, collateral)
 
 
 def ark_product(ark: x509.Certificate) -> Product:
@@ -97,6 +103,24 @@ def collateral_fmspc(text: str, source: Path | str) -> str:
         return str(tcb_info["fmspc"]).upper()
     except (ValueError, KeyError, TypeError) as exc:
         raise PolicyError(f"{source}: not dcap-qvl collateral JSON with a TCB info FMSPC") from exc
+
+
+def _load_crl(path: Path) -> x509.CertificateRevocationList:
+    try:
+        data = path.read_bytes()
+        if data.lstrip().startswith(b"-----BEGIN"):
+            return x509.load_pem_x509_crl(data)
+        return x509.load_der_x509_crl(data)
+    except (OSError, ValueError) as exc:
+        raise PolicyError(f"cannot load CRL {path}: {exc}") from exc
+
+
+def _crl_product(crl: x509.CertificateRevocationList, path: Path) -> Product:
+    names = crl.issuer.get_attributes_for_oid(NameOID.COMMON_NAME)
+    product = str(names[0].value).removeprefix("ARK-") if names else ""
+    if product not in PRODUCTS:
+        raise PolicyError(f"{path}: a CRL not issued by an ARK-<product> ({PRODUCTS})")
+    return product  # type: ignore[return-value]
 
 
 def _load_certificate(path: Path) -> x509.Certificate:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import hmac
 import uuid
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Any
 
 from cryptography import x509
@@ -21,6 +21,7 @@ from cryptography.x509.oid import NameOID
 from attestation.cpu.errors import ReportDataMismatchError, SnpCertificatesMissingError
 from attestation.cpu.evidence import CpuEvidence
 from attestation.cpu.policy import CpuPolicy
+from attestation.cpu.revocation import check_snp_revocation
 from attestation.cpu.snp import (
     ASK_GUID,
     OID_HWID,
@@ -88,7 +89,14 @@ def _verify_snp(
         checks.append(Check(step, True))
     except VerificationError as exc:
         return Verdict((*checks, Check(step, False, str(exc))), at)
-    checks.extend(policy.snp.evaluate(report, product))
+    revocation = check_snp_revocation(
+        ask=ask,
+        ark=trust.snp_arks[product],
+        crl=trust.snp_crls.get(product),
+        at=at,
+        max_age=timedelta(seconds=policy.snp.revocation_max_age_s),
+    )
+    checks.extend(policy.snp.evaluate(report, product, revocation))
     claims: dict[str, Any] = {
         "kind": "snp",
         "product": product,
@@ -102,6 +110,7 @@ def _verify_snp(
         "guest_svn": report.guest_svn,
         "reported_tcb": TcbVersion.from_bytes(report.reported_tcb, product).to_json(),
         "chip_id": report.chip_id.hex(),
+        "revocation": revocation.state,
     }
     return Verdict(tuple(checks), at, claims)
 

@@ -24,7 +24,7 @@ import struct
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -167,6 +167,7 @@ class SyntheticSnp:
 
     product: Product
     ark: x509.Certificate
+    ark_key: rsa.RSAPrivateKey
     ask: x509.Certificate
     vcek: x509.Certificate
     vcek_key: ec.EllipticCurvePrivateKey
@@ -196,7 +197,7 @@ class SyntheticSnp:
         )
         ask = _ca_certificate(f"SEV-{product}", f"ARK-{product}", ark_key, ask_key.public_key(), 0)
         vcek = _vcek_certificate(product, ask_key, vcek_key.public_key(), tcb, chip_id)
-        return cls(product, ark, ask, vcek, vcek_key, chip_id, tcb)
+        return cls(product, ark, ark_key, ask, vcek, vcek_key, chip_id, tcb)
 
     def report(
         self,
@@ -265,9 +266,35 @@ class SyntheticSnp:
             provider="sev_guest",
         )
 
-    def trust(self) -> CpuTrust:
-        """A CpuTrust pinning only this test ARK."""
-        return CpuTrust(snp_arks={self.product: self.ark})
+    def crl(
+        self, *, issued: datetime | None = None, revoke_ask: bool = False
+    ) -> x509.CertificateRevocationList:
+        """A CRL signed by the test ARK as AMD signs theirs (RSA-PSS SHA-384), issued at
+        `issued` (default: an hour ago) with a week to its nextUpdate; it lists the ASK if
+        `revoke_ask`."""
+        issued = issued or datetime.now(UTC) - timedelta(hours=1)
+        builder = (
+            x509.CertificateRevocationListBuilder()
+            .issuer_name(self.ark.subject)
+            .last_update(issued)
+            .next_update(issued + timedelta(days=7))
+        )
+        if revoke_ask:
+            builder = builder.add_revoked_certificate(
+                x509.RevokedCertificateBuilder()
+                .serial_number(self.ask.serial_number)
+                .revocation_date(issued)
+                .build()
+            )
+        return builder.sign(self.ark_key, hashes.SHA384(), rsa_padding=AMD_PSS)
+
+    def trust(self, at: datetime | None = None) -> CpuTrust:
+        """A CpuTrust pinning only this test ARK, with a fresh CRL for a validation time `at`
+        (default: now)."""
+        issued = (at or datetime.now(UTC)) - timedelta(hours=1)
+        return CpuTrust(
+            snp_arks={self.product: self.ark}, snp_crls={self.product: self.crl(issued=issued)}
+        )
 
     def policy_table(self, **overrides: Any) -> dict[str, Any]:
         """An `[snp]` table that the default `report()` satisfies; `overrides` replace keys."""
@@ -282,11 +309,16 @@ class SyntheticSnp:
     def policy(self, **overrides: Any) -> CpuPolicy:
         return CpuPolicy.from_tables({"snp": self.policy_table(**overrides)})
 
-    def write_trust_directory(self, directory: Path) -> Path:
-        """Write the `CpuTrust.load` layout pinning this test ARK; returns `directory`."""
+    def write_trust_directory(self, directory: Path, at: datetime | None = None) -> Path:
+        """Write the `CpuTrust.load` layout pinning this test ARK, with a CRL fresh at `at`
+        (default: now; the policy's default maximum age is a week); returns `directory`."""
         (directory / "snp").mkdir(parents=True, exist_ok=True)
         (directory / "snp" / f"ark-{self.product.lower()}.pem").write_bytes(
             self.ark.public_bytes(Encoding.PEM)
+        )
+        issued = (at or datetime.now(UTC)) - timedelta(hours=1)
+        (directory / "snp" / f"crl-{self.product.lower()}.der").write_bytes(
+            self.crl(issued=issued).public_bytes(Encoding.DER)
         )
         return directory
 

@@ -46,7 +46,11 @@ def test_verify_cpu_exits_0_for_trusted_synthetic_evidence_bound_to_a_challenge(
 def test_verify_cpu_exits_1_for_the_real_snp_report_with_debug(
     real_snp: RealSnp, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    policy = f'[snp]\nmeasurements = ["{real_snp.parsed.measurement.hex()}"]\nmin_tcb = {MIN_TCB}\n'
+    measurement = real_snp.parsed.measurement.hex()
+    policy = (
+        f'[snp]\nmeasurements = ["{measurement}"]\nmin_tcb = {MIN_TCB}\n'
+        'revocation_accept = ["good", "unchecked"]  # no AMD CRL among the vectors\n'
+    )
     evidence_path, policy_path = _write(tmp_path, real_snp.evidence().to_json(), policy)
     (tmp_path / "trust" / "snp").mkdir(parents=True)
     (tmp_path / "trust" / "snp" / "ark-milan.pem").write_bytes(

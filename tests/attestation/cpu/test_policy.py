@@ -63,6 +63,10 @@ def test_policy_without_snp_or_tdx_table_is_refused() -> None:
         ({**SNP, "allowed_vmpls": [4]}, "0..3"),
         ({**SNP, "products": ["Naples"]}, "products"),
         ({**SNP, "allow_migrate_ma": "no"}, "true or false"),
+        ({**SNP, "revocation_accept": ["good", "revoked"]}, "never accept revoked"),
+        ({**SNP, "revocation_accept": ["fine"]}, "must be among"),
+        ({**SNP, "revocation_accept": []}, "non-empty list"),
+        ({**SNP, "revocation_max_age_s": 0}, "revocation_max_age_s"),
     ],
 )
 def test_malformed_snp_table_is_refused(table: dict[str, object], message: str) -> None:

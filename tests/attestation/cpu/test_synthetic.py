@@ -26,7 +26,7 @@ def test_synthetic_report_verifies_under_its_test_trust_and_policy(platform: Syn
         platform.evidence(BINDING),
         expected_report_data=BINDING,
         policy=platform.policy(),
-        trust=platform.trust(),
+        trust=platform.trust(NOW),
         at=NOW,
     )
     assert verdict.trusted, verdict.failures
@@ -49,7 +49,7 @@ def test_synthetic_policy_violation_is_refused_by_name(
         platform.evidence(BINDING, **options),
         expected_report_data=BINDING,
         policy=platform.policy(),
-        trust=platform.trust(),
+        trust=platform.trust(NOW),
         at=NOW,
     )
     assert [check.name for check in verdict.failures] == [failed_check]
@@ -85,7 +85,7 @@ def test_synthetic_report_of_other_processor_lines_verifies_with_their_tcb_layou
         platform.evidence(BINDING),
         expected_report_data=BINDING,
         policy=platform.policy(),
-        trust=platform.trust(),
+        trust=platform.trust(NOW),
         at=NOW,
     )
     assert verdict.trusted, verdict.failures
@@ -99,7 +99,7 @@ def test_synthetic_report_below_the_minimum_tcb_is_refused(platform: SyntheticSn
         platform.evidence(BINDING),
         expected_report_data=BINDING,
         policy=platform.policy(min_tcb=minimum),
-        trust=platform.trust(),
+        trust=platform.trust(NOW),
         at=NOW,
     )
     assert [check.name for check in verdict.failures] == ["snp.policy.min_tcb"]
@@ -113,7 +113,7 @@ def test_synthetic_reports_of_later_abi_versions_verify(
         platform.evidence(BINDING, version=version),
         expected_report_data=BINDING,
         policy=platform.policy(),
-        trust=platform.trust(),
+        trust=platform.trust(NOW),
         at=NOW,
     )
     assert verdict.trusted, verdict.failures
