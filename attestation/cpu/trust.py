@@ -33,8 +33,11 @@ from attestation.errors import AttestationError, PolicyError
 
 @dataclass(frozen=True, slots=True)
 class CpuTrust:
-    """Trust anchors and offline collateral. `tdx_collateral` maps an upper-case FMSPC hex
-    string to the collateral JSON text for that platform."""
+    """Trust anchors and offline collateral: the pinned ARK per product, cached ASK/VCEK
+    certificates, AMD's CRL per product, the pinned Intel root (DER), and `tdx_collateral`
+    mapping an upper-case FMSPC hex string to dcap-qvl collateral JSON for that platform.
+    An empty field means that part of verification can never pass (or, for CRLs, reports
+    "unchecked"); it is never skipped."""
 
     snp_arks: Mapping[Product, x509.Certificate] = field(default_factory=dict)
     snp_certificates: tuple[x509.Certificate, ...] = ()
