@@ -5,11 +5,15 @@ refused, at the step its defect belongs to."""
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import hashlib
 
 import pytest
 from cryptography import x509
 from cryptography.hazmat.primitives.serialization import Encoding
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from attestation.cpu import CpuTrust, verify_cpu_evidence
 from attestation.cpu.errors import (
@@ -27,6 +31,7 @@ from attestation.cpu.snp import (
     SnpReport,
     build_certificate_table,
     load_amd_certificate,
+    parse_certificate_table,
     verify_report_signature,
     verify_snp_report,
     verify_vcek_binding,
@@ -266,3 +271,47 @@ def test_synthetic_report_from_another_chip_is_refused() -> None:
     )
     assert [check.name for check in verdict.failures] == ["snp.vcek"]
     assert "another chip" in verdict.failures[0].detail
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.binary(min_size=0, max_size=2 * REPORT_SIZE))
+def test_arbitrary_bytes_are_refused_only_as_malformed_reports(data: bytes) -> None:
+    with contextlib.suppress(SnpReportFormatError):
+        SnpReport.parse(data)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.binary(max_size=400))
+def test_arbitrary_certificate_tables_are_refused_only_as_malformed(data: bytes) -> None:
+    with contextlib.suppress(SnpReportFormatError):
+        parse_certificate_table(data)
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.integers(min_value=0, max_value=REPORT_SIZE - 1), st.integers(0, 255))
+def test_arbitrary_byte_changes_to_a_synthetic_report_are_never_trusted(
+    offset: int, value: int
+) -> None:
+    platform, genuine = _synthetic()
+    report = bytearray(genuine)
+    if report[offset] == value:
+        return
+    report[offset] = value
+    evidence = CpuEvidence("snp", bytes(report), platform.certificate_table())
+    try:
+        verdict = verify_cpu_evidence(
+            evidence,
+            expected_report_data=bytes(64),
+            policy=platform.policy(),
+            trust=platform.trust(SNP_AT),
+            at=SNP_AT,
+        )
+    except SnpReportFormatError:
+        return
+    assert not verdict.trusted
+
+
+@functools.cache
+def _synthetic() -> tuple[SyntheticSnp, bytes]:
+    platform = SyntheticSnp.create()
+    return platform, platform.report(bytes(64))
