@@ -22,7 +22,7 @@ from pydantic import BaseModel
 from appliance.api.errors import APIError
 from appliance.api.schemas import ErrorResponse
 from appliance.attestation.challenge import parse_challenge
-from appliance.attestation.service import TeeService, TeeState
+from appliance.attestation.service import AttestationBusyError, TeeService, TeeState
 from appliance.attestation.signing import json_safe
 
 router = APIRouter()
@@ -42,6 +42,7 @@ class AttestationResponse(BaseModel):
     response_model=AttestationResponse,
     responses={
         400: {"model": ErrorResponse, "description": "the nonce is not 32 bytes in hex"},
+        429: {"model": ErrorResponse, "description": "an attestation is being collected"},
         503: {"model": ErrorResponse, "description": "tee.mode = insecure-dev: nothing attested"},
     },
 )
@@ -62,7 +63,12 @@ async def attestation(
         challenge = parse_challenge(nonce)
     except ValueError as exc:
         raise APIError(400, str(exc), param="nonce") from None
-    fresh = await tee.attest_for_client(challenge)
+    try:
+        fresh = await tee.attest_for_client(challenge)
+    except AttestationBusyError as exc:
+        raise APIError(
+            429, str(exc), type="requests", code="attestation_busy", headers={"Retry-After": "1"}
+        ) from None
     standing = tee.standing
     body = AttestationResponse(
         tee=tee.state(),

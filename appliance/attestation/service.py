@@ -34,6 +34,13 @@ from attestation.verdict import Check, Verdict
 logger = logging.getLogger(__name__)
 
 TeeState = Literal["PENDING", "VERIFIED", "FAILED", "UNVERIFIED"]
+
+
+class AttestationBusyError(Exception):
+    """A client asked for an attestation while one is being collected: the devices answer one
+    at a time, and clients must not be able to queue up work without bound."""
+
+
 Trigger = Literal["boot", "reattest", "client"]
 
 
@@ -102,7 +109,10 @@ class TeeService:
 
     async def attest_for_client(self, challenge: bytes) -> Attestation:
         """Attest for a client's challenge; the standing verdict is left as it is (a client
-        chooses when this runs, and must not be able to stop inference with it)."""
+        chooses when this runs, and must not be able to stop inference with it). Raises
+        AttestationBusyError at once if a collection is running."""
+        if self._lock.locked():
+            raise AttestationBusyError("an attestation is being collected; retry shortly")
         return await self._run("client", challenge)
 
     async def _run(self, trigger: Trigger, challenge: bytes) -> Attestation:

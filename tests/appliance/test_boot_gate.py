@@ -292,8 +292,18 @@ def test_production_is_the_default_and_accepts_a_secure_config(
             {"auth": {"local_issuer": "demo", "local_issuer_key_file": "i.pem"}},
             'auth.local_issuer = "demo"',
         ),
+        (
+            {
+                "sealed": {
+                    "manifest_public_key_file": "m.pem",
+                    "key_provider": "file",
+                    "file_key_dir": "keks",
+                }
+            },
+            'sealed.key_provider = "file"',
+        ),
     ],
-    ids=["tee-insecure-dev", "plain-http", "demo-issuer"],
+    ids=["tee-insecure-dev", "plain-http", "demo-issuer", "file-key-provider"],
 )
 def test_production_refuses_each_insecure_setting_by_name(
     tmp_path: Path, smollm2_dir: Path, change: dict[str, Any], refusal: str
@@ -310,3 +320,26 @@ def test_a_config_silent_about_the_tee_is_refused(tmp_path: Path, smollm2_dir: P
     del raw["tee"]
     with pytest.raises(ConfigError, match='tee: mode "required" needs policy_file, gpu_rims_dir:'):
         settings_from_mapping(raw, base_dir=tmp_path)
+
+
+def test_a_sealed_model_needs_the_tee_and_a_complete_key_provider(
+    tmp_path: Path, smollm2_dir: Path
+) -> None:
+    sealed = {"manifest_public_key_file": "m.pem", "key_provider": "pkcs11"}
+    raw = _production(tmp_path, smollm2_dir, sealed=sealed)
+    with pytest.raises(
+        ConfigError, match="sealed: a sealed model needs hsm_module, hsm_token_label"
+    ):
+        settings_from_mapping(raw, base_dir=tmp_path)
+    sealed |= {"hsm_module": "p11.so", "hsm_token_label": "inferno", "hsm_pin_file": "pin"}
+    development = {
+        **_production(tmp_path, smollm2_dir, sealed=sealed),
+        "appliance": {"profile": "development"},
+        "tee": {"mode": "insecure-dev"},
+    }
+    with pytest.raises(ConfigError, match=r'a sealed model needs tee\.mode = "required"'):
+        settings_from_mapping(development, base_dir=tmp_path)
+    settings = settings_from_mapping(
+        _production(tmp_path, smollm2_dir, sealed=sealed), base_dir=tmp_path
+    )
+    assert settings.sealed.enabled

@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Iterator
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -45,6 +45,7 @@ from attestation.gpu import GpuEvidence, GpuTrust, gpu_evidence_digest, verify_g
 from attestation.keys.file import FileKeyProvider
 from attestation.sealed.writer import seal_model
 from attestation.verdict import Verdict
+from tests.appliance.attestation.synthetic_tee import SyntheticCpu, SyntheticGpus, write_policy
 from tests.attestation.cpu.synthetic import SyntheticSnp
 from tests.attestation.gpu.synthetic import SyntheticGpuSetup, synthetic_gpu_setup
 
@@ -52,35 +53,6 @@ KEY_ID = "smollm2-kek"
 NUM_GPUS = 2
 
 pytestmark = pytest.mark.slow
-
-
-@dataclass
-class SyntheticGpus:
-    """The GpuEvidenceSource of synthetic GPUs; `overrides` change what they report, and
-    `replay_challenge` makes them sign the nonces of another challenge (a replayed report)."""
-
-    setup: SyntheticGpuSetup
-    overrides: dict[str, Any] = field(default_factory=dict)
-    replay_challenge: bytes | None = None
-
-    def num_gpus(self) -> int:
-        return len(self.setup.gpus)
-
-    def collect(self, nonces: Sequence[bytes]) -> Sequence[GpuEvidence]:
-        if self.replay_challenge is not None:
-            nonces = gpu_nonces(self.replay_challenge, len(nonces))
-        return self.setup.collect(nonces, **self.overrides)
-
-
-@dataclass
-class SyntheticCpu:
-    """The CpuEvidenceSource of a synthetic SEV-SNP guest; `options` change its report."""
-
-    platform: SyntheticSnp
-    options: dict[str, Any] = field(default_factory=dict)
-
-    def collect(self, report_data: bytes) -> CpuEvidence:
-        return self.platform.evidence(report_data, **self.options)
 
 
 class KeyProviderSpy:
@@ -112,27 +84,6 @@ class Deployment:
     snp: SyntheticSnp
     policy_file: Path
     cpu_trust_dir: Path
-
-
-def _toml_value(value: Any) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, int | str):
-        return json.dumps(value)
-    if isinstance(value, list | tuple):
-        return "[" + ", ".join(_toml_value(item) for item in value) + "]"
-    if isinstance(value, dict):
-        return "{" + ", ".join(f"{k} = {_toml_value(v)}" for k, v in value.items()) + "}"
-    raise TypeError(f"no TOML for {value!r}")
-
-
-def _write_policy(path: Path, tables: dict[str, dict[str, Any]]) -> Path:
-    lines = []
-    for name, table in tables.items():
-        lines.append(f"[{name}]")
-        lines += [f"{key} = {_toml_value(value)}" for key, value in table.items()]
-    path.write_text("\n".join(lines) + "\n")
-    return path
 
 
 @pytest.fixture(scope="module")
@@ -167,7 +118,7 @@ def deployment(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> D
         weights_digest=digest_weights(smollm2_dir),
         gpus=gpus,
         snp=snp,
-        policy_file=_write_policy(directory / "attestation-policy.toml", policy),
+        policy_file=write_policy(directory / "attestation-policy.toml", policy),
         cpu_trust_dir=snp.write_trust_directory(directory / "cpu-trust"),
     )
 
@@ -392,3 +343,45 @@ def test_a_failed_reattestation_stops_inference(
         "failure",
     )
     assert len(keys.releases) == 1, "the key is released once, at boot"
+
+
+def test_a_manifest_signed_by_another_key_is_refused_before_any_key_is_released(
+    deployment: Deployment, tmp_path: Path, sealed_loads: LoadSpy
+) -> None:
+    impostor = tmp_path / "impostor.pem"
+    impostor.write_bytes(
+        Ed25519PrivateKey.generate()
+        .public_key()
+        .public_bytes(Encoding.PEM, PublicFormat.SubjectPublicKeyInfo)
+    )
+    pinned = Deployment(**{**deployment.__dict__, "manifest_key_file": impostor})
+    keys = KeyProviderSpy(deployment.key_dir)
+    gpus, cpu = SyntheticGpus(deployment.gpus), SyntheticCpu(deployment.snp)
+    for appliance in _boot(pinned, tmp_path, keys, gpus, cpu):
+        health = appliance.client.get("/health")
+        assert health.status_code == 503
+        assert health.headers["x-inferno-tee"] == "VERIFIED"  # the TEE is fine; the model is not
+        assert health.json()["reason"].startswith("the model could not be loaded: ")
+        assert "signature" in health.json()["reason"]
+    assert keys.releases == []
+    assert sealed_loads.num_calls == 0
+    [failed] = [e for e in appliance.entries() if e["action"] == "boot.phase"]
+    assert (failed["outcome"], failed["details"]["phase"]) == ("failure", "model_load")
+
+
+def test_a_key_the_provider_cannot_unwrap_loads_nothing_and_is_recorded(
+    deployment: Deployment, tmp_path: Path, sealed_loads: LoadSpy
+) -> None:
+    other_keks = tmp_path / "other-keks"
+    FileKeyProvider(other_keks, production=False).create_key(KEY_ID)  # same id, other key
+    keys = KeyProviderSpy(other_keks)
+    gpus, cpu = SyntheticGpus(deployment.gpus), SyntheticCpu(deployment.snp)
+    for appliance in _boot(deployment, tmp_path, keys, gpus, cpu):
+        health = appliance.client.get("/health")
+        assert health.status_code == 503
+        assert health.json()["reason"].startswith("the model could not be loaded: ")
+        assert appliance.chat().status_code == 503
+    assert [verdict.trusted for verdict in keys.releases] == [True]
+    assert sealed_loads.num_calls == 0
+    [failed] = [e for e in appliance.entries() if e["action"] == "boot.phase"]
+    assert (failed["outcome"], failed["details"]["phase"]) == ("failure", "key_release")

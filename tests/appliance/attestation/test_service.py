@@ -4,11 +4,12 @@ a failure is sticky; a client's attestation never changes the standing verdict."
 from __future__ import annotations
 
 import asyncio
+import threading
 from datetime import UTC, datetime
 
 import pytest
 
-from appliance.attestation.service import TeeService
+from appliance.attestation.service import AttestationBusyError, TeeService
 from appliance.attestation.signing import verify_signed_verdict
 from attestation.errors import PolicyError
 from tests.appliance.attestation.fake_tee import FakeCollector, FakeVerifier
@@ -119,3 +120,19 @@ def test_insecure_dev_is_unverified_and_attests_nothing() -> None:
 def test_required_mode_needs_a_collector_and_a_verifier() -> None:
     with pytest.raises(ValueError, match="needs an evidence collector"):
         TeeService("required", None, FakeVerifier())
+
+
+def test_a_client_asking_while_a_collection_runs_is_turned_away_not_queued() -> None:
+    started, release = threading.Event(), threading.Event()
+    verifier = FakeVerifier(on_verify=lambda evidence: (started.set(), release.wait(10)))
+    tee = _service(FakeCollector(), verifier)
+
+    async def scenario() -> None:
+        first = asyncio.create_task(tee.attest_for_client(bytes(32)))
+        await asyncio.to_thread(started.wait, 10)
+        with pytest.raises(AttestationBusyError, match="retry shortly"):
+            await tee.attest_for_client(bytes(32))
+        release.set()
+        assert (await first).verdict.trusted
+
+    asyncio.run(scenario())

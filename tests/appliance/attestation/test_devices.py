@@ -1,0 +1,197 @@
+"""The real collection and verification of appliance.attestation.devices over synthetic
+devices: the binding of the CPU report to the challenge, the GPU evidence and the attestation
+key; the policy read fail-closed; and the NVML and configfs-tsm edges driven through emulated
+drivers (the GPU and CPU helpers' fakes)."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from collections.abc import Iterator
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from appliance.attestation.challenge import gpu_nonces
+from appliance.attestation.devices import (
+    ConfigfsTsmCpu,
+    EvidenceCollection,
+    NvmlGpus,
+    OfflineVerifier,
+)
+from appliance.attestation.service import TeeService
+from appliance.config import TeeSettings
+from attestation.binding import report_data
+from attestation.cpu import verify_cpu_evidence
+from attestation.errors import CollectionError
+from attestation.gpu import gpu_evidence_digest
+from tests.appliance.attestation.synthetic_tee import SyntheticCpu, SyntheticGpus, write_policy
+from tests.attestation.cpu.synthetic import FakeConfigfsTsm, SyntheticSnp
+from tests.attestation.gpu.synthetic import SyntheticGpuSetup, synthetic_gpu_setup
+from tests.attestation.gpu.test_nvml import FakeNvml
+
+CHALLENGE = bytes(range(32))
+KEY = bytes(range(100, 132))
+
+
+@pytest.fixture(scope="module")
+def gpus(tmp_path_factory: pytest.TempPathFactory) -> SyntheticGpuSetup:
+    return synthetic_gpu_setup(tmp_path_factory.mktemp("gpus"), num_gpus=2)
+
+
+@pytest.fixture(scope="module")
+def snp() -> SyntheticSnp:
+    return SyntheticSnp.create()
+
+
+def _tee_settings(
+    gpus: SyntheticGpuSetup, snp: SyntheticSnp, directory: Path, policy: dict[str, Any]
+) -> TeeSettings:
+    return TeeSettings(
+        mode="required",
+        policy_file=write_policy(directory / "policy.toml", policy),
+        gpu_rims_dir=gpus.rim_dir,
+        gpu_roots_dir=gpus.roots_dir,
+        cpu_trust_dir=snp.write_trust_directory(directory / "cpu"),
+    )
+
+
+def test_the_cpu_report_binds_challenge_gpu_evidence_and_key(
+    gpus: SyntheticGpuSetup, snp: SyntheticSnp
+) -> None:
+    evidence = EvidenceCollection(SyntheticGpus(gpus), SyntheticCpu(snp)).collect(CHALLENGE, KEY)
+    assert [item.nonce for item in evidence.gpu] == gpu_nonces(CHALLENGE, 2)
+    assert evidence.gpu_evidence_digest == gpu_evidence_digest(evidence.gpu)
+    bound = report_data(CHALLENGE, gpu_evidence_digest(evidence.gpu), KEY)
+    assert evidence.report_data == bound
+    verdict = verify_cpu_evidence(
+        evidence.cpu,
+        expected_report_data=bound,
+        policy=snp.policy(),
+        trust=snp.trust(),
+        at=datetime.now(UTC),
+    )
+    assert verdict.trusted, verdict.failures
+
+
+def test_the_offline_verifier_passes_genuine_devices_with_gpu_and_cpu_checks(
+    gpus: SyntheticGpuSetup, snp: SyntheticSnp, tmp_path: Path
+) -> None:
+    settings = _tee_settings(gpus, snp, tmp_path, {"gpu": gpus.policy_table(),
+                                                   "snp": snp.policy_table()})  # fmt: skip
+    tee = TeeService(
+        "required",
+        EvidenceCollection(SyntheticGpus(gpus), SyntheticCpu(snp)),
+        OfflineVerifier(settings),
+    )
+    attestation = asyncio.run(tee.attest("boot"))
+    assert attestation.verdict.trusted, attestation.verdict.failures
+    names = {check.name for check in attestation.verdict.checks}
+    assert {"gpu0.nonce", "gpu1.nonce", "snp.policy.debug"} <= names
+    assert set(attestation.verdict.claims) == {"gpu", "cpu"}
+
+
+def test_gpu_evidence_spliced_from_another_collection_fails_the_cpu_binding(
+    gpus: SyntheticGpuSetup, snp: SyntheticSnp, tmp_path: Path
+) -> None:
+    """Another machine's (or another moment's) GPU evidence, with valid signatures for this
+    challenge's nonces, next to this CPU report: the report_data no longer matches."""
+    settings = _tee_settings(gpus, snp, tmp_path, {"gpu": gpus.policy_table(),
+                                                   "snp": snp.policy_table()})  # fmt: skip
+    collection = EvidenceCollection(SyntheticGpus(gpus), SyntheticCpu(snp))
+    evidence = collection.collect(CHALLENGE, KEY)
+    other = gpus.collect(gpu_nonces(CHALLENGE, 2))  # ECDSA: fresh signatures, other bytes
+    spliced = type(evidence)(CHALLENGE, KEY, tuple(other), evidence.cpu,
+                             evidence.gpu_evidence_digest, evidence.report_data)  # fmt: skip
+    verdict = OfflineVerifier(settings).verify(spliced, at=datetime.now(UTC))
+    assert gpu_evidence_digest(other) != evidence.gpu_evidence_digest
+    assert {check.name for check in verdict.failures} == {"snp.report_data"}, verdict.failures
+
+
+@pytest.mark.parametrize(
+    ("with_gpu_table", "reason"),
+    [
+        (False, "is empty: an empty policy never passes"),
+        (True, "neither an [snp] nor a [tdx] table"),
+    ],
+    ids=["empty", "no-cpu-table"],
+)
+def test_a_policy_that_cannot_judge_the_evidence_fails_the_verdict(
+    gpus: SyntheticGpuSetup, snp: SyntheticSnp, tmp_path: Path, with_gpu_table: bool, reason: str
+) -> None:
+    policy = {"gpu": gpus.policy_table()} if with_gpu_table else {}
+    settings = _tee_settings(gpus, snp, tmp_path, policy)
+    tee = TeeService(
+        "required",
+        EvidenceCollection(SyntheticGpus(gpus), SyntheticCpu(snp)),
+        OfflineVerifier(settings),
+    )
+    attestation = asyncio.run(tee.attest("boot"))
+    [check] = attestation.verdict.checks
+    assert (check.name, check.passed) == ("verify", False)
+    assert reason in check.detail
+    assert tee.state() == "FAILED"
+
+
+@pytest.fixture
+def configfs(snp: SyntheticSnp, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    fake = FakeConfigfsTsm(tmp_path / "tsm" / "report", snp)
+    with fake.installed(monkeypatch):
+        yield fake.root
+
+
+def test_the_nvml_and_configfs_tsm_sources_collect_a_bound_report(
+    snp: SyntheticSnp, configfs: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setitem(sys.modules, "pynvml", FakeNvml(num_gpus=2))
+    collection = EvidenceCollection(NvmlGpus(), ConfigfsTsmCpu(configfs))
+    evidence = collection.collect(CHALLENGE, KEY)
+    assert [item.nonce for item in evidence.gpu] == gpu_nonces(CHALLENGE, 2)
+    assert evidence.report_data == report_data(CHALLENGE, gpu_evidence_digest(evidence.gpu), KEY)
+    verdict = verify_cpu_evidence(
+        evidence.cpu,
+        expected_report_data=evidence.report_data,
+        policy=snp.policy(),
+        trust=snp.trust(),
+        at=datetime.now(UTC),
+    )
+    assert verdict.trusted, verdict.failures
+
+
+def test_gpus_with_cc_off_fail_the_boot_with_that_reason(
+    snp: SyntheticSnp, configfs: Path, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setitem(sys.modules, "pynvml", FakeNvml(num_gpus=1, cc_on=False))
+    collection = EvidenceCollection(NvmlGpus(), ConfigfsTsmCpu(configfs))
+
+    class Unused:
+        def verify(self, evidence: object, *, at: datetime) -> None:
+            raise AssertionError("nothing to verify when nothing was collected")
+
+    tee = TeeService("required", collection, Unused())  # type: ignore[arg-type]
+    attestation = asyncio.run(tee.attest("boot"))
+    assert attestation.evidence is None
+    assert attestation.summary().startswith("collect: ")
+    assert "confidential computing is off" in attestation.summary()
+
+
+def test_no_configfs_tsm_fails_the_boot_with_that_reason(
+    gpus: SyntheticGpuSetup, tmp_path: Path
+) -> None:
+    collection = EvidenceCollection(SyntheticGpus(gpus), ConfigfsTsmCpu(tmp_path / "absent"))
+    with pytest.raises(CollectionError, match="configfs-tsm is not available"):
+        collection.collect(CHALLENGE, KEY)
+
+
+def test_missing_nvml_bindings_are_a_collection_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "pynvml", None)
+    with pytest.raises(CollectionError, match="install nvidia-ml-py"):
+        NvmlGpus().num_gpus()
+
+
+def test_a_wedged_driver_cannot_hang_the_gpu_count(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "pynvml", FakeNvml(num_gpus=1, hang_s=2.0))
+    with pytest.raises(CollectionError, match="did not tell the number of GPUs"):
+        NvmlGpus(timeout_s=0.1).num_gpus()
