@@ -24,7 +24,8 @@ Per GPU `gpuN` (a step marked ■ gates the rest: once it fails, nothing later i
   8   gpuN.revocation      device chain and RIM signing chains against the revocation bundle:
                            good / revoked / stale / unchecked, accepted per policy
   9   gpuN.policy.*        architecture, chip, driver and VBIOS versions, CC on, dev tools off
-and once: gpu.count (number of GPUs allowed by policy, one expected nonce per GPU).
+and once: gpu.count (number of GPUs allowed by policy, one expected nonce per GPU) and
+gpu.distinct (no device key verified twice: one GPU's evidence cannot count as two).
 """
 
 from __future__ import annotations
@@ -75,25 +76,34 @@ def verify_gpu_evidence(
     """Verify every GPU's evidence (steps in the module docstring) at the validation time `at`
     (timezone-aware). `expected_nonces[i]` is the nonce GPU i must have signed. Never raises for
     hostile evidence: each failure is a failed `Check` whose detail says why."""
+    if at.tzinfo is None:
+        raise ValueError("the validation time must be timezone-aware")
     checks: list[Check] = []
     count_ok = len(evidence) in policy.num_gpus and len(evidence) == len(expected_nonces)
-    checks.append(
-        Check(
-            "gpu.count",
-            count_ok,
-            ""
-            if count_ok
-            else f"{len(evidence)} GPUs with {len(expected_nonces)} "
-            f"expected nonces; policy allows {sorted(policy.num_gpus)} GPUs",
-        )
+    count_detail = (
+        f"{len(evidence)} GPUs with {len(expected_nonces)} expected nonces; "
+        f"policy allows {sorted(policy.num_gpus)} GPUs"
     )
+    checks.append(Check("gpu.count", count_ok, "" if count_ok else count_detail))
     gpus: list[dict[str, Any]] = []
+    leaves: list[bytes] = []
     for index, item in enumerate(evidence):
         nonce = expected_nonces[index] if index < len(expected_nonces) else None
         run = _GpuRun(f"gpu{index}", item, nonce, policy, trust, at)
         run.verify()
         checks.extend(run.checks)
         gpus.append(run.claims)
+        leaves.extend(run.verified_leaf)
+    # One GPU's evidence listed twice must not count as two GPUs (a caller deriving the same
+    # nonce for every GPU would otherwise accept it): each verified device key appears once.
+    distinct = len(set(leaves)) == len(leaves)
+    checks.append(
+        Check(
+            "gpu.distinct",
+            distinct,
+            "" if distinct else "the same GPU's evidence appears more than once",
+        )
+    )
     return Verdict(tuple(checks), at, {"num_gpus": len(evidence), "gpus": gpus})
 
 
@@ -113,6 +123,7 @@ class _GpuRun:
         self.policy, self.trust, self.at = policy, trust, at
         self.checks: list[Check] = []
         self.claims: dict[str, Any] = {"arch": evidence.arch}
+        self.verified_leaf: list[bytes] = []  # the leaf's DER, once its signature verified
 
     def step(self, label: str, body: Callable[[], str | None]) -> bool:
         """Run one step; record it as a check. Returns whether it passed."""
@@ -133,6 +144,7 @@ class _GpuRun:
         self.step("fwid", self._fwid)
         if not self.step("signature", self._signature):
             return
+        self.verified_leaf.append(self.certs[0].public_bytes(Encoding.DER))
         self._claim_report()
         rims = [rim for kind in ("driver", "vbios") if (rim := self._rim(kind)) is not None]
         if len(rims) == 2:

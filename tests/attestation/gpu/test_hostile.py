@@ -243,3 +243,32 @@ def test_evidence_json_with_a_bad_chain_is_unusable_input(gpu_550: RealGpu) -> N
     item["certificate"] = base64.b64encode(b"not a certificate").decode()
     with pytest.raises(GpuEvidenceFormatError):
         GpuEvidence.from_json(item)
+
+
+def test_one_gpus_evidence_twice_does_not_count_as_two_gpus(
+    gpu_550: RealGpu, trust_no_rims: GpuTrust
+) -> None:
+    policy = replace(gpu_550.policy, num_gpus=frozenset({2}))
+    verdict = verify_gpu_evidence(
+        [gpu_550.evidence, gpu_550.evidence],
+        expected_nonces=[gpu_550.nonce, gpu_550.nonce],
+        policy=policy,
+        trust=trust_no_rims,
+        at=TODAY,
+    )
+    distinct = next(c for c in verdict.checks if c.name == "gpu.distinct")
+    assert not distinct.passed
+    assert "more than once" in distinct.detail
+
+
+def test_naive_validation_time_is_a_programming_error(
+    gpu_550: RealGpu, trust_no_rims: GpuTrust
+) -> None:
+    with pytest.raises(ValueError, match="timezone-aware"):
+        verify_gpu_evidence(
+            [gpu_550.evidence],
+            expected_nonces=[gpu_550.nonce],
+            policy=gpu_550.policy,
+            trust=trust_no_rims,
+            at=TODAY.replace(tzinfo=None),
+        )
