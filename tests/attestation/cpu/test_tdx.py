@@ -33,6 +33,7 @@ REPORT_DATA = bytes.fromhex(
 GO_TDX_QUOTES = [
     "testing_testdata_tdx_prod_quote_SPR_E4.dat",
     "testing_testdata_ccel_cos-113-tdx-quote.dat",
+    "testing_testdata_quote_v5_sample.dat",  # quote v5, TDX 1.5 TD report
 ]
 
 
@@ -172,7 +173,7 @@ def test_go_tdx_guest_quotes_parse_and_chain_to_the_intel_root(
     name: str, intel_root_der: bytes
 ) -> None:
     quote = TdxQuote.parse((TDX / name).read_bytes())
-    assert quote.version == 4
+    assert quote.version == (5 if "v5" in name else 4)
     chain = verify_pck_chain(quote, intel_root_der, datetime.now(UTC))
     assert len(chain) == 3
     assert "Intel SGX PCK Certificate" in chain[0].subject.rfc4514_string()
