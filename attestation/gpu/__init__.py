@@ -6,7 +6,7 @@ Importing this package touches no device: NVML is loaded only when evidence is c
 """
 
 from attestation.gpu.evidence import GpuEvidence, gpu_evidence_digest
-from attestation.gpu.nvml import collect_gpu_evidence
+from attestation.gpu.nvml import collect_gpu_evidence, set_gpus_ready
 from attestation.gpu.policy import GpuPolicy
 from attestation.gpu.trust import GpuTrust
 from attestation.gpu.verify import verify_gpu_evidence
@@ -17,5 +17,6 @@ __all__ = [
     "GpuTrust",
     "collect_gpu_evidence",
     "gpu_evidence_digest",
+    "set_gpus_ready",
     "verify_gpu_evidence",
 ]

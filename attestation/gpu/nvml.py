@@ -37,6 +37,28 @@ def collect_gpu_evidence(
     return _call_with_deadline(lambda: _collect(_load_pynvml(), list(nonces)), timeout_s)
 
 
+def set_gpus_ready(*, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+    """Tell the driver that attestation passed, so the GPUs accept work (NVML's CC "GPUs ready
+    state", ARCHITECTURE.md start-up step 4). Call it only with a trusted verdict in hand; in CC
+    mode the GPUs refuse work until it is set. Raises CollectionError if NVML refuses or hangs."""
+
+    def run() -> None:
+        nvml = _load_pynvml()
+        try:
+            nvml.nvmlInit()
+        except nvml.NVMLError as exc:
+            raise CollectionError(f"NVML cannot start (no NVIDIA driver?): {exc}") from exc
+        try:
+            nvml.nvmlSystemSetConfComputeGpusReadyState(nvml.NVML_CC_ACCEPTING_CLIENT_REQUESTS_TRUE)
+        except nvml.NVMLError as exc:
+            raise CollectionError(f"NVML refused to set the GPUs ready state: {exc}") from exc
+        finally:
+            with contextlib.suppress(nvml.NVMLError):
+                nvml.nvmlShutdown()
+
+    _call_with_deadline(run, timeout_s)
+
+
 def _load_pynvml() -> Any:
     try:
         return importlib.import_module("pynvml")

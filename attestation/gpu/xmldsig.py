@@ -13,7 +13,8 @@ Verification plan (each step raises the error named):
   5. Verify SignatureValue (raw r ‖ s, 96 bytes) over canonical SignedInfo with the public key of
      the first KeyInfo certificate (RimSignatureError). The chain is checked by the caller.
 
-Canonicalization: lxml (libxml2) implements Canonical XML 1.0; 1.1 differs from 1.0 only in how
+Canonicalization: lxml exposes only Canonical XML 1.0 (libxml2's 1.1 mode is not reachable
+through it); 1.1 differs from 1.0 only in how
 xml:id and xml:base attributes are inherited into a document subset from ancestors outside it.
 For the whole document there is no such ancestor, and for SignedInfo the only ancestors are the
 Signature and root elements; a document carrying any xml:* attribute on those is refused, so the

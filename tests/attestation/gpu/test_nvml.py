@@ -13,7 +13,7 @@ from types import SimpleNamespace
 import pytest
 
 from attestation.errors import CollectionError
-from attestation.gpu import collect_gpu_evidence
+from attestation.gpu import collect_gpu_evidence, set_gpus_ready
 from attestation.gpu.report import GpuReport
 from tests.attestation.gpu.synthetic import SyntheticGpuCa, build_report, default_measurements
 
@@ -35,6 +35,7 @@ class FakeNvml:
     NVML_CC_SYSTEM_FEATURE_ENABLED = 1
     NVML_CC_SYSTEM_DEVTOOLS_MODE_ON = 1
     NVML_DEVICE_ARCH_HOPPER = 9
+    NVML_CC_ACCEPTING_CLIENT_REQUESTS_TRUE = 1
 
     def __init__(
         self, *, num_gpus: int = 2, cc_on: bool = True, dev_tools: bool = False, hang_s: float = 0.0
@@ -42,12 +43,18 @@ class FakeNvml:
         self.gpus = [SyntheticGpuCa.create().device() for _ in range(num_gpus)]
         self.cc_on, self.dev_tools, self.hang_s = cc_on, dev_tools, hang_s
         self.shut_down = False
+        self.ready_state: int | None = None
 
     def nvmlInit(self) -> None:
         time.sleep(self.hang_s)
 
     def nvmlShutdown(self) -> None:
         self.shut_down = True
+
+    def nvmlSystemSetConfComputeGpusReadyState(self, state: int) -> None:
+        if not self.cc_on:
+            raise FakeNVMLError(NVML_ERROR_UNKNOWN)
+        self.ready_state = state
 
     def nvmlSystemGetConfComputeState(self) -> SimpleNamespace:
         return SimpleNamespace(
@@ -150,6 +157,19 @@ def test_nonce_count_must_match_gpu_count(fake_nvml: InstallNvml) -> None:
     fake_nvml(num_gpus=2)
     with pytest.raises(CollectionError, match="2 GPUs present but 1 nonces"):
         collect_gpu_evidence([os.urandom(32)])
+
+
+def test_gpus_ready_state_is_set(fake_nvml: InstallNvml) -> None:
+    fake = fake_nvml(num_gpus=1)
+    set_gpus_ready()
+    assert fake.ready_state == 1
+    assert fake.shut_down
+
+
+def test_gpus_ready_state_refused_is_a_collection_error(fake_nvml: InstallNvml) -> None:
+    fake_nvml(num_gpus=1, cc_on=False)
+    with pytest.raises(CollectionError, match="ready state"):
+        set_gpus_ready()
 
 
 def test_nonce_must_be_32_bytes() -> None:
