@@ -93,7 +93,7 @@ class GpuReport:
         signature = reader.take(SIGNATURE_LEN)
         if reader.remaining:
             raise ReportFormatError(f"{reader.remaining} bytes trail the signature")
-        return cls(
+        report = cls(
             request=request,
             response=response,
             nonce=nonce,
@@ -103,6 +103,9 @@ class GpuReport:
             opaque=MappingProxyType(opaque),
             signature=signature,
         )
+        # Decode now the opaque fields read later, so that a malformed one fails here.
+        _ = (report.driver_version, report.vbios_version, report.board)
+        return report
 
     @property
     def driver_version(self) -> str | None:

@@ -5,6 +5,7 @@ attestation.gpu.verify; a check's detail starts with the error type of its step.
 from __future__ import annotations
 
 import base64
+import random
 from collections.abc import Iterator
 from dataclasses import replace
 
@@ -272,3 +273,24 @@ def test_naive_validation_time_is_a_programming_error(
             trust=trust_no_rims,
             at=TODAY.replace(tzinfo=None),
         )
+
+
+def test_random_byte_changes_anywhere_in_the_report_never_verify(
+    gpu_550: RealGpu, trust_no_rims: GpuTrust
+) -> None:
+    """Every byte of a report is either signed or the signature itself, so no change can pass
+    step 5; a change that breaks the framing fails step 1. Nothing raises."""
+    rng = random.Random(550)
+    report = gpu_550.evidence.report
+    for _ in range(400):
+        offset = rng.randrange(len(report))
+        changed = put_byte(report, offset, rng.randrange(1, 256))
+        verdict = verify(gpu_550, with_report(gpu_550.evidence, changed), trust_no_rims)
+        passed = {c.name for c in verdict.checks if c.passed}
+        assert "gpu0.signature" not in passed, offset
+
+
+def put_byte(data: bytes, offset: int, xor: int) -> bytes:
+    out = bytearray(data)
+    out[offset] ^= xor
+    return bytes(out)

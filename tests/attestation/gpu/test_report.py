@@ -86,6 +86,13 @@ def test_duplicate_opaque_field_is_refused() -> None:
         GpuReport.parse(duplicated)
 
 
+def test_non_ascii_driver_version_is_refused_when_parsing() -> None:
+    good = report(driver_version="550.90.07")
+    bad = good.replace(b"550.90.07\0", b"550.90.0\xff\0")
+    with pytest.raises(ReportFormatError, match="driver version is not ASCII"):
+        GpuReport.parse(bad)
+
+
 def test_malformed_vbios_version_field_is_refused() -> None:
     parsed = GpuReport.parse(report())
     broken = GpuReport(
