@@ -9,7 +9,8 @@
    verdict, or one the log cannot record, ends the sequence here: no key, no weights, no
    inference; `/health` says why. With `insecure-dev` the gate is skipped, and the log records
    that nothing was attested.
-4-6. Only after a pass (or in insecure-dev): the model's key is released to the verdict and the
+4. After a pass, the GPUs are set ready (NVML's CC "GPUs ready" state), or the gate stays shut.
+5-6. Only after a pass (or in insecure-dev): the model's key is released to the verdict and the
    weights load (`load_model`); `boot.ready` records them, and only then is inference served
    (appliance.app). A failed load is recorded as a failed `boot.phase`.
 8. Re-attestation on a timer (`reattest_periodically`); a failure is recorded and stops
@@ -31,6 +32,7 @@ from appliance.attestation.service import Attestation, TeeService, TeeState
 from appliance.attestation.signing import json_safe
 from appliance.config import AuditSettings, Settings
 from appliance.errors import BootError
+from attestation.errors import CollectionError
 from audit.canonical import canonicalize
 from audit.errors import AuditError
 from audit.event import Action, AuditEvent, Outcome, system_event
@@ -177,6 +179,12 @@ async def pass_tee_gate(tee: TeeService, log: AuditLog) -> Attestation | None:
         raise TeeGateError(f"the audit log cannot record the attestation verdict: {exc}") from exc
     if not attestation.verdict.trusted:
         raise TeeGateError(f"attestation failed: {attestation.summary()}")
+    try:
+        await tee.set_gpus_ready()  # step 4
+    except CollectionError as exc:
+        raise TeeGateError(
+            f"the GPUs could not be set ready after a passing verdict: {exc}"
+        ) from exc
     return attestation
 
 

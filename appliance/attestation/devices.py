@@ -56,6 +56,9 @@ class EvidenceCollection:
         cpu = self.cpu.collect(bound)
         return TeeEvidence(challenge, public_key, gpu, cpu, digest, bound)
 
+    def set_gpus_ready(self) -> None:
+        self.gpus.set_ready()
+
 
 class OfflineVerifier:
     """The EvidenceVerifier of appliance.attestation.evidence: the GPU and CPU verifiers of the
@@ -141,6 +144,11 @@ class NvmlGpus:
 
     def collect(self, nonces: Sequence[bytes]) -> Sequence[GpuEvidence]:
         return collect_gpu_evidence(nonces, timeout_s=self.timeout_s)
+
+    def set_ready(self) -> None:
+        from attestation.gpu.nvml import set_gpus_ready
+
+        set_gpus_ready(timeout_s=self.timeout_s)
 
 
 def _nvml_device_count() -> int:

@@ -67,6 +67,11 @@ class GpuEvidenceSource(Protocol):
         driver, a timeout) saying which GPU and why."""
         ...
 
+    def set_ready(self) -> None:
+        """Let the GPUs accept work (start-up step 4; in CC mode they refuse it until then).
+        Called only after a passing, recorded verdict. Raises CollectionError."""
+        ...
+
 
 class CpuEvidenceSource(Protocol):
     """The confidential VM's CPU report (configfs-tsm on a real machine)."""
@@ -80,6 +85,10 @@ class CpuEvidenceSource(Protocol):
 class EvidenceCollector(Protocol):
     def collect(self, challenge: bytes, public_key: bytes) -> TeeEvidence:
         """The evidence for `challenge`, bound to `public_key`. Raises CollectionError."""
+        ...
+
+    def set_gpus_ready(self) -> None:
+        """GpuEvidenceSource.set_ready of the GPUs it collects from."""
         ...
 
 

@@ -154,6 +154,14 @@ class TeeService:
     ) -> Attestation:
         return Attestation(trigger, challenge, None, Verdict((Check(step, False, detail),), at))
 
+    async def set_gpus_ready(self) -> None:
+        """Start-up step 4, once the boot verdict passed: let the GPUs accept work. Raises
+        CollectionError."""
+        assert self.collector is not None, "only in required mode"
+        if self.state() != "VERIFIED":
+            raise RuntimeError("the GPUs are set ready only after a passing verdict")
+        await asyncio.to_thread(self.collector.set_gpus_ready)
+
     def signed_statement(self, attestation: Attestation) -> dict[str, Any]:
         """The appliance's signed verdict on `attestation` (appliance.attestation.signing): the
         challenge, the evidence digest, the verdict and the standing TEE state."""

@@ -25,6 +25,7 @@ from appliance.config import Settings, settings_from_mapping
 from appliance.engine.engine import Engine, EngineConfig
 from appliance.errors import BootError, ConfigError
 from appliance.weights import LoadedModel
+from attestation.errors import CollectionError
 from tests.appliance.attestation.fake_tee import FakeCollector, FakeVerifier
 
 NONCE = "5a" * 32
@@ -111,10 +112,12 @@ def test_a_passing_verdict_loads_the_model_then_serves_verified(
     tmp_path: Path, smollm2_dir: Path, load_spy: LoadSpy
 ) -> None:
     settings = _settings(tmp_path, smollm2_dir)
-    tee = TeeService("required", FakeCollector(), FakeVerifier())
+    collector = FakeCollector()
+    tee = TeeService("required", collector, FakeVerifier())
     for client in _serve(settings, tee):
         health = client.get("/health")
         assert (health.status_code, health.headers["x-inferno-tee"]) == (200, "VERIFIED")
+        assert collector.num_gpus_ready == 1
         reply = _chat(client, settings)
         assert reply.status_code == 200, reply.text
         assert reply.headers["x-inferno-tee"] == "VERIFIED"
@@ -174,11 +177,27 @@ def test_a_closed_gate_loads_nothing_and_says_why_everywhere(
         failed = body["standing_verdict"]["failed"]
         assert reason.removeprefix("attestation failed: ").startswith(failed[0]["name"])
     assert load_spy.num_calls == 0
+    assert collector.num_gpus_ready == 0
     entries = _entries(settings)
     assert ("boot.ready", "success") not in _actions(entries)
     [verdict] = [e for e in entries if e["action"] == "attestation.verdict"]
     assert (verdict["outcome"], verdict["details"]["result"]) == ("failure", "not trusted")
     assert verdict["details"]["failed"] == body["standing_verdict"]["failed"]
+
+
+def test_gpus_that_cannot_be_set_ready_keep_the_gate_shut(
+    tmp_path: Path, smollm2_dir: Path, load_spy: LoadSpy
+) -> None:
+    class GpusRefuseReady(FakeCollector):
+        def set_gpus_ready(self) -> None:
+            raise CollectionError("NVML refused to set the GPUs ready state: NVML error 3")
+
+    settings = _settings(tmp_path, smollm2_dir)
+    for client in _serve(settings, TeeService("required", GpusRefuseReady(), FakeVerifier())):
+        health = client.get("/health").json()
+        assert health["status"] == "failed"
+        assert health["reason"].startswith("the GPUs could not be set ready after a passing")
+    assert load_spy.num_calls == 0
 
 
 def test_a_failed_reattestation_stops_inference_and_is_recorded(

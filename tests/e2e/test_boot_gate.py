@@ -266,6 +266,7 @@ def test_a_passing_tee_releases_the_key_loads_the_sealed_weights_and_serves(
         _client_verifies(deployment, shown.json(), nonce)
     assert [verdict.trusted for verdict in keys.releases] == [True]
     assert sealed_loads.num_calls == 1
+    assert gpus.num_set_ready == 1
     entries = appliance.entries()
     [verdict] = [e for e in entries if e["action"] == "attestation.verdict"]
     assert verdict["outcome"] == "success"
@@ -315,6 +316,7 @@ def test_each_policy_violation_releases_no_key_loads_nothing_and_says_why(
         assert shown["tee"] == "FAILED"
     assert keys.releases == [], "the key provider was called"
     assert sealed_loads.num_calls == 0
+    assert gpus.num_set_ready == 0, "the GPUs were set ready"
     actions = [e["action"] for e in appliance.entries()]
     assert "boot.ready" not in actions
     assert actions.count("attestation.verdict") == 1

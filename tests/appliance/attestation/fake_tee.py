@@ -34,6 +34,7 @@ class FakeCollector:
 
     fail_with: str | None = None
     num_collections: int = 0
+    num_gpus_ready: int = 0
 
     def collect(self, challenge: bytes, public_key: bytes) -> TeeEvidence:
         self.num_collections += 1
@@ -43,6 +44,9 @@ class FakeCollector:
         digest = hashlib.sha256(challenge).digest()
         bound = hashlib.sha512(challenge + digest + public_key).digest()
         return TeeEvidence(challenge, public_key, gpu, FakeReport("cpu", bound), digest, bound)  # type: ignore[arg-type]
+
+    def set_gpus_ready(self) -> None:
+        self.num_gpus_ready += 1
 
 
 @dataclass

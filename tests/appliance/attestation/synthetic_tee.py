@@ -26,6 +26,7 @@ class SyntheticGpus:
     setup: SyntheticGpuSetup
     overrides: dict[str, Any] = field(default_factory=dict)
     replay_challenge: bytes | None = None
+    num_set_ready: int = 0
 
     def num_gpus(self) -> int:
         return len(self.setup.gpus)
@@ -34,6 +35,9 @@ class SyntheticGpus:
         if self.replay_challenge is not None:
             nonces = gpu_nonces(self.replay_challenge, len(nonces))
         return self.setup.collect(nonces, **self.overrides)
+
+    def set_ready(self) -> None:
+        self.num_set_ready += 1
 
 
 @dataclass
