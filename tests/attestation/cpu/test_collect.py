@@ -4,6 +4,7 @@ absent configfs-tsm, a racing writer or an unknown provider is a CollectionError
 
 from __future__ import annotations
 
+import threading
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -83,3 +84,23 @@ def test_entry_that_cannot_be_created_is_a_collection_error(
 def test_report_data_of_the_wrong_size_is_a_caller_error(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="64 bytes"):
         collect_cpu_evidence(bytes(32), tsm_root=tmp_path)
+
+
+def test_provider_that_never_answers_times_out_instead_of_hanging(
+    platform: SyntheticSnp, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    fake = FakeConfigfsTsm(tmp_path / "report", platform)
+    release = threading.Event()
+    real_read = fake.read
+
+    def stuck(path: Path) -> bytes:
+        if path.name == "outblob":
+            release.wait(10)
+        return real_read(path)
+
+    monkeypatch.setattr(fake, "read", stuck)
+    try:
+        with fake.installed(monkeypatch), pytest.raises(CollectionError, match="did not answer"):
+            collect_cpu_evidence(REPORT_DATA, tsm_root=fake.root, timeout_s=0.2)
+    finally:
+        release.set()
