@@ -7,7 +7,9 @@ Regenerate: the files under tests/attestation/vectors/nvidia are copies of the s
 from __future__ import annotations
 
 import json
+import shutil
 from datetime import UTC, datetime
+from pathlib import Path
 
 import pytest
 
@@ -223,3 +225,33 @@ def test_validation_time_is_the_callers_not_the_clock(
     )
     failed = {c.name for c in verdict.failures}
     assert failed == {"gpu0.rim.vbios"}  # the VBIOS signer expired 2025-06-22, the driver's 06-26
+
+
+def test_545_against_the_production_vbios_rim_of_its_version_mismatches_four_blocks(
+    gpu_545: RealGpu, tmp_path: Path
+) -> None:
+    """The 545 GPU ran a test VBIOS (its RIM is named `_test`): NVIDIA's production RIM of the
+    same version, chosen from the PROD set by board id and version, signs other values for
+    blocks 2, 3, 4 and 10. The comparison is block by block, not all-or-nothing."""
+    shutil.copy(VECTORS / "h100-545" / "driver_rim_545.00.swidtag", tmp_path)
+    for path in (VECTORS / "rims").glob("*_PROD.swidtag"):
+        shutil.copy(path, tmp_path)
+    verdict = verify_gpu_evidence(
+        [gpu_545.evidence],
+        expected_nonces=[gpu_545.nonce],
+        policy=gpu_545.policy,
+        trust=GpuTrust.from_paths(rim_dir=tmp_path),
+        at=BEFORE_RIM_EXPIRY,
+    )
+    claims = verdict.claims["gpus"][0]
+    assert claims["rims"]["vbios"] == "1010_0200_882_96005E0001_PROD.swidtag"
+    assert claims["mismatched_blocks"] == [2, 3, 4, 10]
+    assert [c.name for c in verdict.failures] == ["gpu0.measurements"]
+    allowing = real_policy("545.00", "96.00.5E.00.01", allowed_mismatch_indices=[2, 3, 4, 10])
+    assert verify_gpu_evidence(
+        [gpu_545.evidence],
+        expected_nonces=[gpu_545.nonce],
+        policy=allowing,
+        trust=GpuTrust.from_paths(rim_dir=tmp_path),
+        at=BEFORE_RIM_EXPIRY,
+    ).trusted
