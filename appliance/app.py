@@ -229,6 +229,10 @@ class _StartUp:
             logger.error("the TEE gate is closed: %s", exc)
             readiness.set_failed(str(exc))
             return None
+        except Exception as exc:  # fail closed, visibly: never stay "loading" forever
+            logger.exception("the TEE gate failed unexpectedly")
+            readiness.set_failed(f"the TEE gate failed ({type(exc).__name__}); see the server log")
+            return None
         readiness.set_loading("the model is loading")
         load = None
         if self.model is None:

@@ -185,18 +185,29 @@ def test_a_closed_gate_loads_nothing_and_says_why_everywhere(
     assert verdict["details"]["failed"] == body["standing_verdict"]["failed"]
 
 
+@pytest.mark.parametrize(
+    ("error", "reason"),
+    [
+        (
+            CollectionError("NVML refused to set the GPUs ready state: NVML error 3"),
+            "the GPUs could not be set ready after a passing verdict: NVML refused",
+        ),
+        (ImportError("no set_gpus_ready"), "the TEE gate failed (ImportError); see the server log"),
+    ],
+    ids=["refused", "unexpected"],
+)
 def test_gpus_that_cannot_be_set_ready_keep_the_gate_shut(
-    tmp_path: Path, smollm2_dir: Path, load_spy: LoadSpy
+    tmp_path: Path, smollm2_dir: Path, load_spy: LoadSpy, error: Exception, reason: str
 ) -> None:
     class GpusRefuseReady(FakeCollector):
         def set_gpus_ready(self) -> None:
-            raise CollectionError("NVML refused to set the GPUs ready state: NVML error 3")
+            raise error
 
     settings = _settings(tmp_path, smollm2_dir)
     for client in _serve(settings, TeeService("required", GpusRefuseReady(), FakeVerifier())):
         health = client.get("/health").json()
         assert health["status"] == "failed"
-        assert health["reason"].startswith("the GPUs could not be set ready after a passing")
+        assert health["reason"].startswith(reason)
     assert load_spy.num_calls == 0
 
 
