@@ -6,6 +6,8 @@
     num_gpus = [8]                             # required: allowed GPU counts (or one integer)
     architectures = ["HOPPER"]                 # evidence "arch" values (default HOPPER)
     chips = ["GH100"]                          # chip named by the signed device certificate
+    boards = ["G520_0200_885"]                 # optional: signed board ids (project_sku_chipsku);
+                                               # tells an H200 board from an H100 of one chip
     require_cc_on = true                       # NVML CC state must be "on" (default true)
     require_dev_tools_off = true               # NVML dev-tools mode must be off (default true)
     allowed_mismatch_indices = []              # measurement blocks (1-based) allowed to differ
@@ -34,6 +36,7 @@ _REQUIRED = {"driver_versions", "vbios_versions", "num_gpus"}
 _KEYS = _REQUIRED | {
     "architectures",
     "chips",
+    "boards",
     "require_cc_on",
     "require_dev_tools_off",
     "allowed_mismatch_indices",
@@ -52,6 +55,7 @@ class GpuPolicy:
     num_gpus: frozenset[int]
     architectures: frozenset[str] = frozenset({"HOPPER"})
     chips: frozenset[str] = frozenset({"GH100"})
+    boards: frozenset[str] | None = None  # None: any board of an allowed chip
     require_cc_on: bool = True
     require_dev_tools_off: bool = True
     allowed_mismatch_indices: frozenset[int] = frozenset()
@@ -94,6 +98,11 @@ class GpuPolicy:
             num_gpus=_counts(table, source),
             architectures=_strings(table, "architectures", ["HOPPER"], source),
             chips=_strings(table, "chips", ["GH100"], source),
+            boards=(
+                frozenset(b.upper() for b in _strings(table, "boards", None, source))
+                if "boards" in table
+                else None
+            ),
             require_cc_on=_bool(table, "require_cc_on", source),
             require_dev_tools_off=_bool(table, "require_dev_tools_off", source),
             allowed_mismatch_indices=_indices(table, source),

@@ -309,6 +309,11 @@ class _GpuRun:
         self._policy_check(
             "chip", self.chip in policy.chips, f"chip {self.chip} not in {sorted(policy.chips)}"
         )
+        if policy.boards is not None:
+            board = (claims["board"] or "").upper()
+            self._policy_check(
+                "board", board in policy.boards, f"board {board} not in {sorted(policy.boards)}"
+            )
         self._policy_check(
             "driver_version",
             claims["driver_version"] in policy.driver_versions,

@@ -46,6 +46,15 @@ def test_unsafe_or_malformed_table_is_refused(defect: str, table: dict, message:
         GpuPolicy.from_table(table)
 
 
+def test_boards_are_optional_and_never_empty() -> None:
+    assert GpuPolicy.from_table(MINIMAL).boards is None
+    assert GpuPolicy.from_table({**MINIMAL, "boards": ["g520_0200_885"]}).boards == {
+        "G520_0200_885"
+    }
+    with pytest.raises(PolicyError, match="boards must be a non-empty list"):
+        GpuPolicy.from_table({**MINIMAL, "boards": []})
+
+
 def test_policy_file_without_a_gpu_table_is_refused(tmp_path: Path) -> None:
     path = tmp_path / "policy.toml"
     path.write_text("[snp]\nallow_debug = false\n")

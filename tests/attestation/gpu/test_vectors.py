@@ -150,6 +150,15 @@ def test_nvat_format_evidence_signature_chain_and_fwid_verify(trust_no_rims: Gpu
     assert all(checks[f"gpu0.{step}"].passed for step in MECHANISM)
     assert verdict.claims["gpus"][0]["board"] == "G520_0200_885"
     assert checks["gpu0.policy.driver_version"].passed
+    h100_only = real_policy("590.12", "96.00.A5.00.01", boards=["1010_0200_882"])
+    verdict = verify_gpu_evidence(
+        evidence,
+        expected_nonces=[evidence[0].nonce],
+        policy=h100_only,
+        trust=trust_no_rims,
+        at=TODAY,
+    )
+    assert "board G520_0200_885 not in" in checks_by_name(verdict)["gpu0.policy.board"].detail
 
 
 def test_negative_report_has_invalid_signature_and_fwid_mismatch(
