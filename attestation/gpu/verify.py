@@ -23,7 +23,8 @@ Per GPU `gpuN` (a step marked ■ gates the rest: once it fails, nothing later i
                            suffices); mismatches outside policy's allowed indices fail
   8   gpuN.revocation      device chain and RIM signing chains against the revocation bundle:
                            good / revoked / stale / unchecked, accepted per policy
-  9   gpuN.policy.*        architecture, chip, driver and VBIOS versions, CC on, dev tools off
+  9   gpuN.policy.*        architecture, chip, board (if listed), driver and VBIOS versions,
+                           CC on, dev tools off
 and once: gpu.count (number of GPUs allowed by policy, one expected nonce per GPU) and
 gpu.distinct (no device key verified twice: one GPU's evidence cannot count as two).
 """
