@@ -16,11 +16,10 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-
 from appliance.engine.engine import Engine, EngineConfig
 from appliance.engine.models.config import ModelConfig
 from appliance.engine.models.loader import load_model
+from appliance.engine.models.sealed_images import SealedImages
 from appliance.engine.tokenizer import Tokenizer
 from appliance.errors import ModelFilesError
 from attestation.sealed import SealedModel
@@ -44,11 +43,11 @@ class LoadedModel:
         cls, config: EngineConfig, sealed: SealedModel, data_key: bytes, *, workers: int | None
     ) -> LoadedModel:
         """Load the engine from an opened sealed model (`config.model_dir` must be its
-        directory, whose plain config and tokenizer `SealedModel.open` verified): decrypt the
-        weights with `data_key` in `workers` threads into host memory (pinned when the engine
-        runs on a GPU), fill the model from there, and let the plaintext go. No plaintext
-        weight byte touches the disk. Raises SealedModelError for a wrong key or a tampered
-        chunk, EngineError for an unusable model."""
+        directory, whose plain config and tokenizer `SealedModel.open` verified): decrypt each
+        weight file with `data_key` in `workers` threads into memory on the engine's device (on
+        a GPU through a small ring of pinned chunks), fill the model from it, and let the
+        plaintext go. No plaintext weight byte touches the disk. Raises SealedModelError for a
+        wrong key or a tampered chunk, EngineError for an unusable model."""
         if Path(config.model_dir).resolve() != sealed.directory.resolve():
             raise ModelFilesError(
                 f"model.dir {config.model_dir} is not the sealed directory {sealed.directory}"
@@ -56,20 +55,13 @@ class LoadedModel:
         ModelConfig.from_model_dir(sealed.directory)  # the clearest errors first
         tokenizer = Tokenizer.from_model_dir(sealed.directory)
         device = config.torch_device
-        images = {
-            entry.name: torch.empty(entry.size, dtype=torch.uint8, pin_memory=config.on_gpu)
-            for entry in sealed.manifest.sealed_files
-        }
-        views = {name: memoryview(image.numpy()) for name, image in images.items()}
-        sealed.decrypt_files(data_key, views, workers=workers)
         model = load_model(
             sealed.directory,
             dtype=config.torch_dtype,
             device=device,
             ops=kernel_ops_for(device),
-            weights=views,
+            weights=SealedImages(sealed, data_key, device, workers=workers),
         )
-        del views, images
         return cls(Engine.build(config, model, tokenizer), digest_sealed_weights(sealed))
 
 

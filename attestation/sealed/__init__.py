@@ -7,11 +7,12 @@ from attestation.sealed.manifest import (
     load_manifest_public_key,
     load_manifest_signing_key,
 )
-from attestation.sealed.model import SealedModel, default_workers
+from attestation.sealed.model import ChunkReader, SealedModel, default_workers
 from attestation.sealed.writer import DEFAULT_CHUNK_SIZE, seal_model, source_files
 
 __all__ = [
     "DEFAULT_CHUNK_SIZE",
+    "ChunkReader",
     "ManifestFile",
     "SealedManifest",
     "SealedModel",

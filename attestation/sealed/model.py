@@ -118,7 +118,6 @@ class SealedModel:
         """Decrypt several sealed files at once, each into its buffer, all chunks of all files
         sharing one pool of `workers` threads. `progress`, if given, is called with the number
         of plaintext bytes of each chunk once it is authenticated (from worker threads)."""
-        verify_data_key(data_key, self.manifest.seal_id, self.manifest.key_check)
         targets = {name: (self.manifest.file(name), _byte_view(name, buffer)) for name, buffer
                    in buffers.items()}  # fmt: skip
         for name, (entry, view) in targets.items():
@@ -128,87 +127,112 @@ class SealedModel:
                 raise SealedModelError(
                     f"the buffer for {name} has {len(view)} bytes, its plaintext has {entry.size}"
                 )
-        with self._opened({name: entry for name, (entry, _) in targets.items()}) as fds:
-            jobs = [
-                (entry, fds[name], view, index)
-                for name, (entry, view) in targets.items()
-                for index in range(entry.num_chunks)
-            ]
+        with self.chunk_reader(data_key) as reader:
+            jobs = []
+            for name, (entry, view) in targets.items():
+                for index in range(entry.num_chunks):
+                    start, length = reader.chunk_span(name, index)
+                    jobs.append((name, index, view[start : start + length]))
             try:
-                self._run(data_key, jobs, workers or default_workers(), progress)
+                _run_all(reader, jobs, workers or default_workers(), progress)
             except BaseException:
                 for _, view in targets.values():
                     _zero(view, self.manifest.chunk_size)
                 raise
 
-    def _run(
-        self,
-        data_key: bytes,
-        jobs: list[tuple[ManifestFile, int, memoryview, int]],
-        workers: int,
-        progress: Callable[[int], None] | None,
-    ) -> None:
-        chunk_size = self.manifest.chunk_size
-        local = threading.local()
-        failed = threading.Event()
-
-        def decrypt(entry: ManifestFile, fd: int, view: memoryview, index: int) -> None:
-            if failed.is_set():
-                return
-            if not hasattr(local, "scratch"):
-                local.scratch = memoryview(bytearray(chunk_size + TAG_SIZE))
-            start = index * chunk_size
-            length = min(chunk_size, entry.size - start)
-            sealed = local.scratch[: length + TAG_SIZE]
-            where = f"chunk {index} of {entry.num_chunks} of {entry.name}"
-            try:
-                num_read = os.preadv(fd, [sealed], index * (chunk_size + TAG_SIZE))
-            except OSError as exc:
-                raise SealedFileError(f"cannot read {where}: {exc.strerror}") from exc
-            if num_read != len(sealed):
-                raise SealedFileError(f"{where} is cut short: {entry.stored_name} was truncated")
-            context = chunk_context(
-                self.manifest.seal_id, self.manifest.model_id, entry.name, index, entry.num_chunks
-            )
-            decrypt_chunk_into(data_key, context, sealed, view[start : start + length], where)
-            if progress is not None:
-                progress(length)
-
-        def guarded(job: tuple[ManifestFile, int, memoryview, int]) -> None:
-            try:
-                decrypt(*job)
-            except BaseException:
-                failed.set()
-                raise
-
-        with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="unseal") as pool:
-            futures = [pool.submit(guarded, job) for job in jobs]
-            wait(futures, return_when=FIRST_EXCEPTION)
-            for future in futures:
-                future.cancel()
-            # After a failure, the remaining chunks are cancelled or return at once; the pool's
-            # exit waits for those in flight before the caller zeroes the buffers.
-            errors = (future.exception() for future in futures if not future.cancelled())
-            first = next((error for error in errors if error is not None), None)
-            if first is not None:
-                raise first
-
     @contextmanager
-    def _opened(self, entries: Mapping[str, ManifestFile]) -> Iterator[dict[str, int]]:
+    def chunk_reader(self, data_key: bytes) -> Iterator[ChunkReader]:
+        """Step 4, then a reader that decrypts single chunks (for callers that stream chunks
+        elsewhere, such as through pinned staging buffers to a GPU). The files stay open, and
+        their sizes are checked again, for as long as the context lasts."""
+        verify_data_key(data_key, self.manifest.seal_id, self.manifest.key_check)
         fds: dict[str, int] = {}
         try:
-            for name, entry in entries.items():
+            for entry in self.manifest.sealed_files:
                 path = self.directory / entry.stored_name
                 try:
-                    fds[name] = os.open(path, os.O_RDONLY)
+                    fds[entry.name] = os.open(path, os.O_RDONLY)
                 except OSError as exc:
                     raise SealedFileError(f"cannot open {path}: {exc.strerror}") from exc
-                size = os.fstat(fds[name]).st_size
+                size = os.fstat(fds[entry.name]).st_size
                 _check_sealed_size(path, size, entry, self.manifest.chunk_size)
-            yield fds
+            yield ChunkReader(self.manifest, data_key, fds)
         finally:
             for fd in fds.values():
                 os.close(fd)
+
+
+class ChunkReader:
+    """Decrypts one chunk at a time (step 5); safe to call from several threads at once. Made
+    by `SealedModel.chunk_reader`, valid inside its context only."""
+
+    def __init__(self, manifest: SealedManifest, data_key: bytes, fds: Mapping[str, int]):
+        self.manifest = manifest
+        self._data_key = data_key
+        self._fds = fds
+        self._local = threading.local()
+
+    def chunk_span(self, file_name: str, index: int) -> tuple[int, int]:
+        """(offset, length) of chunk `index` of `file_name` in the plaintext."""
+        entry = self.manifest.file(file_name)
+        if not entry.sealed or not 0 <= index < entry.num_chunks:
+            raise SealedModelError(f"{file_name} has no sealed chunk {index}")
+        start = index * self.manifest.chunk_size
+        return start, min(self.manifest.chunk_size, entry.size - start)
+
+    def decrypt_chunk_into(self, file_name: str, index: int, out: memoryview) -> None:
+        """Decrypt chunk `index` of `file_name` into `out` (exactly its length). On
+        ChunkAuthenticationError `out` holds unauthenticated bytes: the caller must zero it."""
+        chunk_size = self.manifest.chunk_size
+        entry = self.manifest.file(file_name)
+        _, length = self.chunk_span(file_name, index)
+        if not hasattr(self._local, "scratch"):
+            self._local.scratch = memoryview(bytearray(chunk_size + TAG_SIZE))
+        sealed = self._local.scratch[: length + TAG_SIZE]
+        where = f"chunk {index} of {entry.num_chunks} of {entry.name}"
+        try:
+            num_read = os.preadv(self._fds[file_name], [sealed], index * (chunk_size + TAG_SIZE))
+        except OSError as exc:
+            raise SealedFileError(f"cannot read {where}: {exc.strerror}") from exc
+        if num_read != len(sealed):
+            raise SealedFileError(f"{where} is cut short: {entry.stored_name} was truncated")
+        context = chunk_context(
+            self.manifest.seal_id, self.manifest.model_id, entry.name, index, entry.num_chunks
+        )
+        decrypt_chunk_into(self._data_key, context, sealed, _byte_view(file_name, out), where)
+
+
+def _run_all(
+    reader: ChunkReader,
+    jobs: list[tuple[str, int, memoryview]],
+    workers: int,
+    progress: Callable[[int], None] | None,
+) -> None:
+    """Decrypt every (file, chunk, destination) job on a pool; the first error stops the rest."""
+    failed = threading.Event()
+
+    def decrypt(name: str, index: int, out: memoryview) -> None:
+        if failed.is_set():
+            return
+        try:
+            reader.decrypt_chunk_into(name, index, out)
+        except BaseException:
+            failed.set()
+            raise
+        if progress is not None:
+            progress(len(out))
+
+    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="unseal") as pool:
+        futures = [pool.submit(decrypt, *job) for job in jobs]
+        wait(futures, return_when=FIRST_EXCEPTION)
+        for future in futures:
+            future.cancel()
+        # After a failure, the remaining chunks are cancelled or return at once; the pool's
+        # exit waits for those in flight before the caller zeroes the buffers.
+        errors = (future.exception() for future in futures if not future.cancelled())
+        first = next((error for error in errors if error is not None), None)
+        if first is not None:
+            raise first
 
 
 def _read_small(path: Path) -> bytes:

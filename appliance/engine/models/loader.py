@@ -44,7 +44,7 @@ def load_model(
     dtype: torch.dtype = torch.float32,
     device: torch.device | str = "cpu",
     ops: KernelOps | None = None,
-    weights: Mapping[str, memoryview | bytearray] | None = None,
+    weights: Mapping[str, memoryview | bytearray | torch.Tensor] | None = None,
 ) -> LlamaForCausalLM:
     """Build the architecture in `model_dir/config.json` and fill it from its safetensors, or,
     when `weights` is given, from those in-memory safetensors images (by file name) instead of
@@ -146,17 +146,22 @@ _SAFETENSORS_DTYPES = {
 
 
 def _read_images(
-    model_dir: Path, weights: Mapping[str, memoryview | bytearray]
+    model_dir: Path, weights: Mapping[str, memoryview | bytearray | torch.Tensor]
 ) -> Iterator[tuple[Path, str, torch.Tensor]]:
-    """The tensors of in-memory safetensors images, viewed in place (no copy)."""
+    """The tensors of in-memory safetensors images (host buffers, or uint8 tensors on any
+    device), viewed in place (no copy). Images are taken one at a time, in name order."""
     for file_name in sorted(weights):
-        image = memoryview(weights[file_name]).cast("B")
+        image = weights[file_name]
+        if not isinstance(image, torch.Tensor):
+            image = memoryview(image).cast("B")
         path = Path(model_dir) / file_name
         for name, tensor in _image_tensors(path, image):
             yield path, name, tensor
 
 
-def _image_tensors(path: Path, image: memoryview) -> Iterator[tuple[str, torch.Tensor]]:
+def _image_tensors(
+    path: Path, image: memoryview | torch.Tensor
+) -> Iterator[tuple[str, torch.Tensor]]:
     """Parse a safetensors image strictly: an 8-byte little-endian header size, a JSON header
     of {name: {dtype, shape, data_offsets}}, then the data, which the tensors must tile exactly
     (as the safetensors library itself requires)."""
@@ -164,13 +169,19 @@ def _image_tensors(path: Path, image: memoryview) -> Iterator[tuple[str, torch.T
     def invalid(why: str) -> ModelLoadError:
         return ModelLoadError(f"{path} is not a valid safetensors image ({why})")
 
-    if len(image) < 8:
+    def read(start: int, end: int) -> bytes:
+        if isinstance(image, torch.Tensor):
+            return image[start:end].cpu().numpy().tobytes()
+        return bytes(image[start:end])
+
+    image_size = image.numel() if isinstance(image, torch.Tensor) else len(image)
+    if image_size < 8:
         raise invalid("shorter than its header size")
-    (header_size,) = struct.unpack("<Q", image[:8])
-    if header_size > min(len(image) - 8, 100 << 20):
+    (header_size,) = struct.unpack("<Q", read(0, 8))
+    if header_size > min(image_size - 8, 100 << 20):
         raise invalid(f"header size {header_size} exceeds the image")
     try:
-        header = json.loads(bytes(image[8 : 8 + header_size]))
+        header = json.loads(read(8, 8 + header_size))
     except ValueError as exc:
         raise invalid(f"header is not JSON: {exc}") from None
     if not isinstance(header, dict):
@@ -196,14 +207,20 @@ def _image_tensors(path: Path, image: memoryview) -> Iterator[tuple[str, torch.T
         if begin != position:
             raise invalid(f"tensor {name!r} does not follow the previous one in the data")
         position = end
-    if data_start + position != len(image):
-        raise invalid(f"the tensors cover {position} data bytes of {len(image) - data_start}")
-    for begin, _, name, dtype, shape, numel in spans:
+    if data_start + position != image_size:
+        raise invalid(f"the tensors cover {position} data bytes of {image_size - data_start}")
+    for begin, end, name, dtype, shape, numel in spans:
         if numel == 0:
             yield name, torch.empty(shape, dtype=dtype)
-            continue
-        flat = torch.frombuffer(image, dtype=dtype, count=numel, offset=data_start + begin)
-        yield name, flat.view(shape)
+        elif isinstance(image, torch.Tensor):
+            data = image[data_start + begin : data_start + end]
+            # A dtype view needs an aligned start; safetensors aligns its data, others may not.
+            if (data_start + begin) % dtype.itemsize:
+                data = data.clone()
+            yield name, data.view(dtype).view(shape)
+        else:
+            flat = torch.frombuffer(image, dtype=dtype, count=numel, offset=data_start + begin)
+            yield name, flat.view(shape)
 
 
 def _safetensors_files(model_dir: Path) -> list[Path]:

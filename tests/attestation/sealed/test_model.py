@@ -318,3 +318,19 @@ def test_sealing_refuses_a_nested_directory(sealed: SealedFixture, tmp_path: Pat
     (source / "sub").mkdir()
     with pytest.raises(SealedModelError, match="flat directory"):
         seal(source, tmp_path / "out")
+
+
+def test_the_chunk_reader_decrypts_single_chunks(sealed: SealedFixture) -> None:
+    plaintext = (sealed.source / SHARD_2).read_bytes()
+    with _open(sealed).chunk_reader(sealed.data_key) as reader:
+        start, length = reader.chunk_span(SHARD_2, 1)
+        out = bytearray(length)
+        reader.decrypt_chunk_into(SHARD_2, 1, memoryview(out))
+        assert (start, bytes(out)) == (CHUNK_SIZE, plaintext[CHUNK_SIZE : CHUNK_SIZE + length])
+        with pytest.raises(SealedModelError, match="has no sealed chunk 99"):
+            reader.chunk_span(SHARD_2, 99)
+
+
+def test_the_chunk_reader_checks_the_key_first(sealed: SealedFixture) -> None:
+    with pytest.raises(DataKeyMismatchError), _open(sealed).chunk_reader(os.urandom(32)):
+        pass

@@ -1,0 +1,87 @@
+"""A sealed model's weight files decrypted onto the engine's device: straight into the image on
+the CPU, through the ring of staging chunks elsewhere (exercised on the CPU with staging=True,
+and on a GPU through pinned memory). Same bytes as the source; a bad chunk leaves nothing."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from appliance.engine.models.loader import load_model
+from appliance.engine.models.sealed_images import SealedImages, _StagingRing
+from attestation.sealed import SealedModel
+from attestation.sealed.errors import ChunkAuthenticationError
+from tests.attestation.sealed.conftest import SealedFixture, flip_bit, seal, write_model
+
+from .conftest import build_hf_model, save_checkpoint
+
+
+@pytest.fixture
+def sealed(tmp_path: Path) -> SealedFixture:
+    return seal(write_model(tmp_path / "src"), tmp_path / "sealed")
+
+
+def _open(fixture: SealedFixture) -> SealedModel:
+    return SealedModel.open(fixture.sealed, manifest_key=fixture.public_key)
+
+
+@pytest.mark.parametrize(("staging", "workers"), [(False, 2), (True, 1), (True, 2), (True, 8)])
+def test_every_file_arrives_byte_for_byte(
+    sealed: SealedFixture, staging: bool, workers: int
+) -> None:
+    images = SealedImages(
+        _open(sealed), sealed.data_key, torch.device("cpu"), workers=workers, staging=staging
+    )
+    assert list(images) == sorted(e.name for e in sealed.manifest.sealed_files)
+    for name in images:
+        # With 1 or 2 workers the ring (2 x workers slots) is smaller than the file: reused.
+        assert sealed.manifest.file(name).num_chunks > 4
+        assert images[name].numpy().tobytes() == (sealed.source / name).read_bytes()
+
+
+def test_a_bad_chunk_leaves_a_zeroed_image_and_zeroed_slots(sealed: SealedFixture) -> None:
+    name = "model-00001-of-00002.safetensors"
+    path = sealed.sealed / (name + ".sealed")
+    flip_bit(path, path.stat().st_size - 1)  # the tag of the last chunk
+    model = _open(sealed)
+    image = torch.full((model.manifest.file(name).size,), 7, dtype=torch.uint8)
+    with model.chunk_reader(sealed.data_key) as reader:
+        ring = _StagingRing(reader, workers=2, pinned=False)
+        with pytest.raises(ChunkAuthenticationError, match="failed authentication"):
+            ring.copy(name, image)
+    assert not image.any()
+    assert not any(slot.any() for slot in ring.slots)
+
+
+def test_the_slots_hold_no_plaintext_after_a_good_copy(sealed: SealedFixture) -> None:
+    name = "model-00002-of-00002.safetensors"
+    model = _open(sealed)
+    image = torch.empty(model.manifest.file(name).size, dtype=torch.uint8)
+    with model.chunk_reader(sealed.data_key) as reader:
+        ring = _StagingRing(reader, workers=2, pinned=False)
+        ring.copy(name, image)
+    assert image.numpy().tobytes() == (sealed.source / name).read_bytes()
+    assert not any(slot.any() for slot in ring.slots)
+
+
+def test_a_sealed_checkpoint_loads_the_same_model_as_its_files(tmp_path: Path) -> None:
+    source = save_checkpoint(build_hf_model("llama2"), tmp_path / "m", max_shard_size="100KB")
+    fixture = seal(source, tmp_path / "sealed")
+    model = _open(fixture)
+    images = SealedImages(model, fixture.data_key, torch.device("cpu"), workers=2, staging=True)
+    from_sealed = load_model(fixture.sealed, weights=images)
+    from_files = load_model(source)
+    files_params = dict(from_files.named_parameters())
+    for name, param in from_sealed.named_parameters():
+        assert torch.equal(param, files_params[name]), name
+
+
+@pytest.mark.gpu
+def test_the_pinned_ring_delivers_every_file_to_the_gpu(sealed: SealedFixture) -> None:
+    images = SealedImages(_open(sealed), sealed.data_key, torch.device("cuda"), workers=2)
+    for name in images:
+        image = images[name]
+        assert image.is_cuda
+        assert image.cpu().numpy().tobytes() == (sealed.source / name).read_bytes()
