@@ -12,6 +12,9 @@ decrypts it with the appliance's code path, reporting GB/s (10^9 bytes per secon
   decrypt→pinned       every shard decrypted into pinned host memory, all workers
   →GPU                 the pinned buffers copied to the GPU
   decrypt→GPU overlap  each shard's host-to-device copy overlapping the next shard's decryption
+  ring→device          the appliance's own path (appliance.engine.models.sealed_images): each
+                       shard decrypted through a ring of 2 × workers pinned chunks into its GPU
+                       image, with no whole-file pinned buffer (on the CPU: a CPU image)
 
 The shard contents are one random 64 MiB block repeated (AES-GCM's speed does not depend on the
 data; every chunk's ciphertext still differs, since every nonce does). Files are written under
@@ -43,7 +46,8 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from attestation.sealed import SealedModel, seal_model  # after the path fix
+from appliance.engine.models.sealed_images import SealedImages  # after the path fix
+from attestation.sealed import SealedModel, seal_model
 
 T = TypeVar("T")
 GB = 1e9
@@ -94,6 +98,64 @@ def read_all(paths: list[Path]) -> None:
                 pass
 
 
+def through_ring(images: SealedImages, cuda: bool) -> None:
+    """Every image through the staging ring, one alive at a time (as the loader takes them)."""
+    for name in images:
+        image = images[name]
+        del image
+    if cuda:
+        torch.cuda.synchronize()
+
+
+def measure_whole_file_buffers(
+    model: SealedModel, data_key: bytes, workers: int, cuda: bool, results: dict[str, float]
+) -> None:
+    """The alternative to the ring: one pinned host buffer per file, then the copies."""
+    entries = model.manifest.sealed_files
+    size = sum(e.size for e in entries)
+    # Pinned memory is populated when allocated; pageable memory at first touch, so it is
+    # touched here to keep page faults out of the decryption rows.
+    buffers = timed("allocate host buffers", size, results, lambda: {
+        e.name: torch.empty(e.size, dtype=torch.uint8, pin_memory=cuda).fill_(0)
+        for e in entries
+    })  # fmt: skip
+    views = {name: memoryview(t.numpy()) for name, t in buffers.items()}
+    first = entries[0]
+    for num_workers in sorted({1, 2, 4, 8, workers}):
+        if num_workers > workers:
+            continue
+        timed(f"decrypt/workers={num_workers}", first.size, results, lambda w=num_workers: (
+            model.decrypt_into(data_key, first.name, views[first.name], workers=w)
+        ))  # fmt: skip
+    timed("decrypt→pinned", size, results, lambda: model.decrypt_files(
+        data_key, views, workers=workers
+    ))  # fmt: skip
+    sample = bytes(views[first.name][: 1 << 20])
+    assert sample == np.random.default_rng(0).bytes(BLOCK)[: 1 << 20], "wrong plaintext"
+    if not cuda:
+        return
+    device = {n: torch.empty(t.numel(), dtype=torch.uint8, device="cuda")
+              for n, t in buffers.items()}  # fmt: skip
+
+    def to_gpu() -> None:
+        for name, host in buffers.items():
+            device[name].copy_(host, non_blocking=True)
+        torch.cuda.synchronize()
+
+    to_gpu()
+    timed("→GPU", size, results, to_gpu)
+
+    def overlapped() -> None:
+        stream = torch.cuda.Stream()
+        for entry in entries:
+            model.decrypt_into(data_key, entry.name, views[entry.name], workers=workers)
+            with torch.cuda.stream(stream):
+                device[entry.name].copy_(buffers[entry.name], non_blocking=True)
+        torch.cuda.synchronize()
+
+    timed("decrypt→GPU overlap", size, results, overlapped)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--size-gb", type=float, default=16.0)
@@ -138,48 +200,10 @@ def main() -> None:
             [base / "sealed" / e.stored_name for e in entries]
         ))  # fmt: skip
 
-        # Pinned memory is populated when allocated; pageable memory at first touch, so it is
-        # touched here to keep page faults out of the decryption rows.
-        buffers = timed("allocate host buffers", size, results, lambda: {
-            e.name: torch.empty(e.size, dtype=torch.uint8, pin_memory=cuda).fill_(0)
-            for e in entries
-        })  # fmt: skip
-        views = {name: memoryview(t.numpy()) for name, t in buffers.items()}
-        first = entries[0]
-        for workers in sorted({1, 2, 4, 8, args.workers}):
-            if workers > args.workers:
-                continue
-            timed(f"decrypt/workers={workers}", first.size, results, lambda w=workers: (
-                model.decrypt_into(data_key, first.name, views[first.name], workers=w)
-            ))  # fmt: skip
-        timed("decrypt→pinned", size, results, lambda: model.decrypt_files(
-            data_key, views, workers=args.workers
-        ))  # fmt: skip
-        sample = bytes(views[first.name][: 1 << 20])
-        assert sample == np.random.default_rng(0).bytes(BLOCK)[: 1 << 20], "wrong plaintext"
-
-        if cuda:
-            device = {n: torch.empty(t.numel(), dtype=torch.uint8, device="cuda")
-                      for n, t in buffers.items()}  # fmt: skip
-
-            def to_gpu() -> None:
-                for name, host in buffers.items():
-                    device[name].copy_(host, non_blocking=True)
-                torch.cuda.synchronize()
-
-            to_gpu()
-            timed("→GPU", size, results, to_gpu)
-
-            def overlapped() -> None:
-                stream = torch.cuda.Stream()
-                for entry in entries:
-                    model.decrypt_into(data_key, entry.name, views[entry.name],
-                                       workers=args.workers)  # fmt: skip
-                    with torch.cuda.stream(stream):
-                        device[entry.name].copy_(buffers[entry.name], non_blocking=True)
-                torch.cuda.synchronize()
-
-            timed("decrypt→GPU overlap", size, results, overlapped)
+        target = torch.device("cuda" if cuda else "cpu")
+        images = SealedImages(model, data_key, target, workers=args.workers, staging=True)
+        timed(f"ring→{target.type}", size, results, lambda: through_ring(images, cuda))
+        measure_whole_file_buffers(model, data_key, args.workers, cuda, results)
         print(json.dumps({"size_gb": size / GB, "workers": args.workers, **results}))
     finally:
         if args.keep:
