@@ -8,7 +8,8 @@ Opening, in order (each step has its own error, attestation.sealed.errors):
   2. the manifest parses strictly (attestation.sealed.manifest);
   3. every listed file is there: each sealed file has exactly the size its chunks need (so a
      truncated or extended file is named before any decryption), each plain file the listed
-     size and SHA-256.
+     size and SHA-256; and nothing else is there (an unlisted generation_config.json, say,
+     would otherwise be read by the engine unsigned).
 Decrypting, in order:
   4. the data key is the one the manifest commits to (`key_check`);
   5. every chunk decrypts, in parallel threads, straight into the caller's buffer, and its tag
@@ -75,6 +76,7 @@ class SealedModel:
         manifest = SealedManifest.verify_and_parse(body, signature, manifest_key)
         for entry in manifest.files:
             _check_present(directory, entry, manifest.chunk_size)
+        _check_nothing_unlisted(directory, manifest)
         return cls(directory, manifest)
 
     def decrypt_into(
@@ -248,6 +250,20 @@ def _read_small(path: Path) -> bytes:
     if len(data) > _MAX_MANIFEST_BYTES:
         raise ManifestSignatureError(f"{path} is larger than any manifest")
     return data
+
+
+def _check_nothing_unlisted(directory: Path, manifest: SealedManifest) -> None:
+    listed = {entry.stored_name for entry in manifest.files} | {MANIFEST_NAME, SIGNATURE_NAME}
+    try:
+        present = {path.name for path in directory.iterdir()}
+    except OSError as exc:
+        raise SealedFileError(f"cannot list {directory}: {exc.strerror}") from exc
+    unlisted = sorted(present - listed)
+    if unlisted:
+        raise SealedFileError(
+            f"{directory} holds files its manifest does not list ({', '.join(unlisted[:5])}): "
+            "remove them, or re-copy the sealed model from its source"
+        )
 
 
 def _check_present(directory: Path, entry: ManifestFile, chunk_size: int) -> None:

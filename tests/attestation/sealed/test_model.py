@@ -334,3 +334,12 @@ def test_the_chunk_reader_decrypts_single_chunks(sealed: SealedFixture) -> None:
 def test_the_chunk_reader_checks_the_key_first(sealed: SealedFixture) -> None:
     with pytest.raises(DataKeyMismatchError), _open(sealed).chunk_reader(os.urandom(32)):
         pass
+
+
+@pytest.mark.parametrize(
+    "name", ["generation_config.json", "model.safetensors", ".hidden", "extra.safetensors.sealed"]
+)
+def test_open_rejects_an_unlisted_file(sealed: SealedFixture, name: str) -> None:
+    (sealed.sealed / name).write_text("{}")
+    with pytest.raises(SealedFileError, match="does not list"):
+        _open(sealed)
