@@ -24,8 +24,8 @@ from appliance.tls import certificate_fingerprint
 
 AUDIT = (
     '[audit]\norigin = "inferno.test/cli"\ndata_dir = "audit"\n'
-    '[auth]\nlocal_issuer = "demo"\nlocal_issuer_key_file = "auth/issuer.pem"\n'
     '[appliance]\nprofile = "development"\n[tee]\nmode = "insecure-dev"\n'
+    '[auth]\nlocal_issuer = "demo"\nlocal_issuer_key_file = "auth/issuer.pem"\n'
 )
 
 
