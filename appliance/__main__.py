@@ -303,6 +303,9 @@ Audit log verifier key (auditors pin it to verify exports offline):
   {vkey}
 Export the log: inferno audit export OUT --config {config_path}
 
+TEE: UNVERIFIED. A demo runs with tee.mode = "insecure-dev": nothing about this machine is
+attested, and every response says so (X-Inferno-TEE: UNVERIFIED).
+
 Health: {url}/health   Metrics (admin token): {url}/metrics   Settings: {config_path}"""
 
 

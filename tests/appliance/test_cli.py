@@ -181,6 +181,9 @@ def test_demo_serves_the_embedded_model_over_https_and_says_how_to_call_it(
             )
             assert raw.parse().choices[0].message.content
             assert raw.headers["audit-entry"].startswith("inferno-demo.localhost/audit ")
+            # Nothing is attested in a demo, and both the banner and every response say so.
+            assert raw.headers["x-inferno-tee"] == "UNVERIFIED"
+            assert _line(banner, "TEE: UNVERIFIED")
             # The banner's vkey is the one `inferno audit vkey` shows for the demo's settings.
             vkey = banner[banner.index(next(x for x in banner if "verifier key" in x)) + 1]
             config = tmp_path / "data" / "inferno" / "demo" / "inferno.toml"
