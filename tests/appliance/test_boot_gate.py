@@ -373,3 +373,24 @@ def test_a_sealed_model_needs_the_tee_and_a_complete_key_provider(
         _production(tmp_path, smollm2_dir, sealed=sealed), base_dir=tmp_path
     )
     assert settings.sealed.enabled
+
+
+def test_this_machine_is_no_tee_so_the_real_gate_stays_shut_and_says_why(
+    tmp_path: Path, smollm2_dir: Path, load_spy: LoadSpy
+) -> None:
+    """The default service attests the machine's own devices (NVML, configfs-tsm). A test
+    machine has no confidential VM (and, in CI, no NVIDIA driver): the gate stays shut, saying
+    what could not be collected."""
+    (tmp_path / "policy.toml").write_text('[gpu]\ndriver_versions = ["550.90.07"]\n')
+    (tmp_path / "rims").mkdir()
+    settings = _settings(tmp_path, smollm2_dir, tsm_report_dir=str(tmp_path / "no-tsm"))
+    log = start_audit_log(settings)
+    with TestClient(build(settings, log)) as client:
+        deadline = time.monotonic() + 120
+        while (health := client.get("/health")).json()["status"] == "loading":
+            assert time.monotonic() < deadline, "the start-up sequence never ended"
+            time.sleep(0.05)
+        assert health.status_code == 503
+        assert health.json()["reason"].startswith("attestation failed: collect: ")
+        assert health.headers["x-inferno-tee"] == "FAILED"
+    assert load_spy.num_calls == 0
