@@ -96,6 +96,8 @@ def build(
     """
     if tee is None:
         tee = _tee_service(settings)
+    if tee.mode != settings.tee.mode:
+        raise BootError(f"the TEE service runs {tee.mode!r}; tee.mode is {settings.tee.mode!r}")
     if model is not None and tee.mode != "insecure-dev":
         raise BootError(
             'a model loaded before the TEE gate is refused with tee.mode = "required": the '
