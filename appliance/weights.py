@@ -55,13 +55,14 @@ class LoadedModel:
         ModelConfig.from_model_dir(sealed.directory)  # the clearest errors first
         tokenizer = Tokenizer.from_model_dir(sealed.directory)
         device = config.torch_device
-        model = load_model(
-            sealed.directory,
-            dtype=config.torch_dtype,
-            device=device,
-            ops=kernel_ops_for(device),
-            weights=SealedImages(sealed, data_key, device, workers=workers),
-        )
+        with SealedImages(sealed, data_key, device, workers=workers) as images:
+            model = load_model(
+                sealed.directory,
+                dtype=config.torch_dtype,
+                device=device,
+                ops=kernel_ops_for(device),
+                weights=images,
+            )
         return cls(Engine.build(config, model, tokenizer), digest_sealed_weights(sealed))
 
 

@@ -12,9 +12,10 @@ decrypts it with the appliance's code path, reporting GB/s (10^9 bytes per secon
   decrypt→pinned       every shard decrypted into pinned host memory, all workers
   →GPU                 the pinned buffers copied to the GPU
   decrypt→GPU overlap  each shard's host-to-device copy overlapping the next shard's decryption
+  allocate ring        the appliance's staging ring: 2 × workers pinned chunks, allocated once
   ring→device          the appliance's own path (appliance.engine.models.sealed_images): each
-                       shard decrypted through a ring of 2 × workers pinned chunks into its GPU
-                       image, with no whole-file pinned buffer (on the CPU: a CPU image)
+                       shard decrypted through the ring into its GPU image, with no whole-file
+                       pinned buffer (on the CPU: a CPU image)
 
 The shard contents are one random 64 MiB block repeated (AES-GCM's speed does not depend on the
 data; every chunk's ciphertext still differs, since every nonce does). Files are written under
@@ -201,8 +202,10 @@ def main() -> None:
         ))  # fmt: skip
 
         target = torch.device("cuda" if cuda else "cpu")
-        images = SealedImages(model, data_key, target, workers=args.workers, staging=True)
-        timed(f"ring→{target.type}", size, results, lambda: through_ring(images, cuda))
+        with SealedImages(model, data_key, target, workers=args.workers, staging=True) as images:
+            ring_bytes = 2 * args.workers * (args.chunk_mib << 20)
+            timed("allocate ring", ring_bytes, results, images.prepare)
+            timed(f"ring→{target.type}", size, results, lambda: through_ring(images, cuda))
         measure_whole_file_buffers(model, data_key, args.workers, cuda, results)
         print(json.dumps({"size_gb": size / GB, "workers": args.workers, **results}))
     finally:

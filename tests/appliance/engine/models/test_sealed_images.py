@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from appliance.engine.models.loader import load_model
-from appliance.engine.models.sealed_images import SealedImages, _StagingRing
+from appliance.engine.models.sealed_images import SealedImages, StagingRing
 from attestation.sealed import SealedModel
 from attestation.sealed.errors import ChunkAuthenticationError
 from tests.attestation.sealed.conftest import SealedFixture, flip_bit, seal, write_model
@@ -47,23 +47,31 @@ def test_a_bad_chunk_leaves_a_zeroed_image_and_zeroed_slots(sealed: SealedFixtur
     flip_bit(path, path.stat().st_size - 1)  # the tag of the last chunk
     model = _open(sealed)
     image = torch.full((model.manifest.file(name).size,), 7, dtype=torch.uint8)
-    with model.chunk_reader(sealed.data_key) as reader:
-        ring = _StagingRing(reader, workers=2, pinned=False)
-        with pytest.raises(ChunkAuthenticationError, match="failed authentication"):
-            ring.copy(name, image)
+    ring = StagingRing(model.manifest.chunk_size, workers=2, pinned=False)
+    with (
+        model.chunk_reader(sealed.data_key) as reader,
+        pytest.raises(ChunkAuthenticationError, match="failed authentication"),
+    ):
+        ring.copy(reader, name, image)
     assert not image.any()
     assert not any(slot.any() for slot in ring.slots)
 
 
-def test_the_slots_hold_no_plaintext_after_a_good_copy(sealed: SealedFixture) -> None:
-    name = "model-00002-of-00002.safetensors"
-    model = _open(sealed)
-    image = torch.empty(model.manifest.file(name).size, dtype=torch.uint8)
-    with model.chunk_reader(sealed.data_key) as reader:
-        ring = _StagingRing(reader, workers=2, pinned=False)
-        ring.copy(name, image)
-    assert image.numpy().tobytes() == (sealed.source / name).read_bytes()
+def test_one_ring_serves_every_file_and_holds_no_plaintext_once_closed(
+    sealed: SealedFixture,
+) -> None:
+    images = SealedImages(
+        _open(sealed), sealed.data_key, torch.device("cpu"), workers=2, staging=True
+    )
+    with images:
+        images.prepare()
+        ring = images._ring
+        for name in images:
+            assert images[name].numpy().tobytes() == (sealed.source / name).read_bytes()
+            assert images._ring is ring
+        assert ring is not None and any(slot.any() for slot in ring.slots)
     assert not any(slot.any() for slot in ring.slots)
+    assert images._ring is None
 
 
 def test_a_sealed_checkpoint_loads_the_same_model_as_its_files(tmp_path: Path) -> None:
@@ -85,3 +93,20 @@ def test_the_pinned_ring_delivers_every_file_to_the_gpu(sealed: SealedFixture) -
         image = images[name]
         assert image.is_cuda
         assert image.cpu().numpy().tobytes() == (sealed.source / name).read_bytes()
+
+
+@pytest.mark.gpu
+def test_a_bad_chunk_on_the_gpu_leaves_a_zeroed_device_image(sealed: SealedFixture) -> None:
+    name = "model-00001-of-00002.safetensors"
+    path = sealed.sealed / (name + ".sealed")
+    flip_bit(path, path.stat().st_size - 1)
+    model = _open(sealed)
+    image = torch.full((model.manifest.file(name).size,), 7, dtype=torch.uint8, device="cuda")
+    ring = StagingRing(model.manifest.chunk_size, workers=2, pinned=True)
+    with (
+        model.chunk_reader(sealed.data_key) as reader,
+        pytest.raises(ChunkAuthenticationError),
+    ):
+        ring.copy(reader, name, image)
+    assert not image.any().item()
+    assert not any(slot.any() for slot in ring.slots)
