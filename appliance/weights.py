@@ -19,7 +19,7 @@ from pathlib import Path
 from appliance.engine.engine import Engine, EngineConfig
 from appliance.engine.models.config import ModelConfig
 from appliance.engine.models.loader import load_model
-from appliance.engine.models.sealed_images import SealedImages
+from appliance.engine.models.sealed_images import SealedImages, StagingRing
 from appliance.engine.tokenizer import Tokenizer
 from appliance.errors import ModelFilesError
 from attestation.sealed import SealedModel
@@ -40,14 +40,22 @@ class LoadedModel:
 
     @classmethod
     def load_sealed(
-        cls, config: EngineConfig, sealed: SealedModel, data_key: bytes, *, workers: int | None
+        cls,
+        config: EngineConfig,
+        sealed: SealedModel,
+        data_key: bytes,
+        *,
+        workers: int | None,
+        ring: StagingRing | None = None,
     ) -> LoadedModel:
         """Load the engine from an opened sealed model (`config.model_dir` must be its
         directory, whose plain config and tokenizer `SealedModel.open` verified): decrypt each
         weight file with `data_key` in `workers` threads into memory on the engine's device (on
         a GPU through a small ring of pinned chunks), fill the model from it, and let the
-        plaintext go. No plaintext weight byte touches the disk. Raises SealedModelError for a
-        wrong key or a tampered chunk, EngineError for an unusable model."""
+        plaintext go. No plaintext weight byte touches the disk. `ring`: a staging ring made
+        beforehand (it needs no key: allocate it while attestation runs; pinning costs ~1 s per
+        GB). Raises SealedModelError for a wrong key or a tampered chunk, EngineError for an
+        unusable model."""
         if Path(config.model_dir).resolve() != sealed.directory.resolve():
             raise ModelFilesError(
                 f"model.dir {config.model_dir} is not the sealed directory {sealed.directory}"
@@ -55,7 +63,7 @@ class LoadedModel:
         ModelConfig.from_model_dir(sealed.directory)  # the clearest errors first
         tokenizer = Tokenizer.from_model_dir(sealed.directory)
         device = config.torch_device
-        with SealedImages(sealed, data_key, device, workers=workers) as images:
+        with SealedImages(sealed, data_key, device, workers=workers, ring=ring) as images:
             model = load_model(
                 sealed.directory,
                 dtype=config.torch_dtype,

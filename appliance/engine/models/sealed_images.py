@@ -6,11 +6,11 @@ file at a time, so only one image is alive at a time, next to the model).
 
 On a GPU the plaintext goes through a ring of pinned host chunks instead of one pinned buffer
 per file: pinning host memory runs at about 1 GB/s (measured on an H200 host: 14 s for 16 GB),
-so the ring is kept small (2 × workers chunks) and allocated once; `prepare()` allocates it
-ahead of time, for instance while attestation runs, since it needs no key. Worker threads
-decrypt chunk i into slot i mod S while the copy engine moves earlier slots to the device
-image; a slot is reused only after its copy's event has completed. On any failure the ring and
-the partial device image are zeroed before the error propagates; `close()` zeroes and releases
+so the ring is kept small (2 × workers chunks) and allocated once. It needs no key, so it can be
+allocated ahead of time, while attestation runs (a `StagingRing` passed in, or `prepare()`).
+Worker threads decrypt chunk i into slot i mod S while the copy engine moves earlier slots to
+the device image; a slot is reused only after its copy's event has completed. On any failure
+the ring and the partial device image are zeroed before the error propagates; `close()` zeroes
 the ring. On the CPU each file is decrypted straight into its image (no ring), unless
 `staging=True` (tests).
 """
@@ -40,7 +40,10 @@ class SealedImages(Mapping[str, torch.Tensor]):
         *,
         workers: int | None = None,
         staging: bool | None = None,
+        ring: StagingRing | None = None,
     ) -> None:
+        """`ring`, if given, is a staging ring allocated beforehand (for `workers` threads and
+        at least this model's chunk size); it is wiped, not freed, at close."""
         self._sealed = sealed
         self._data_key = data_key
         self._device = torch.device(device)
@@ -48,7 +51,9 @@ class SealedImages(Mapping[str, torch.Tensor]):
         # Anything but the CPU is reached through the staging ring; on the CPU it is optional.
         self._staging = self._device.type != "cpu" or bool(staging)
         self._names = sorted(entry.name for entry in sealed.manifest.sealed_files)
-        self._ring: StagingRing | None = None
+        if ring is not None and ring.chunk_size < sealed.manifest.chunk_size:
+            raise ValueError("the staging ring's chunks are smaller than the model's")
+        self._ring = ring
 
     def prepare(self) -> None:
         """Allocate the staging ring now rather than at the first file."""
@@ -102,6 +107,7 @@ class StagingRing:
     """2 × `workers` host chunks (pinned for a GPU) through which chunks reach device images."""
 
     def __init__(self, chunk_size: int, workers: int, *, pinned: bool) -> None:
+        self.chunk_size = chunk_size
         self.workers = workers
         self.pinned = pinned
         self.slots = [

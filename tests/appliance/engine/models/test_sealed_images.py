@@ -110,3 +110,19 @@ def test_a_bad_chunk_on_the_gpu_leaves_a_zeroed_device_image(sealed: SealedFixtu
         ring.copy(reader, name, image)
     assert not image.any().item()
     assert not any(slot.any() for slot in ring.slots)
+
+
+def test_a_ring_made_beforehand_is_used_and_wiped_not_dropped(sealed: SealedFixture) -> None:
+    model = _open(sealed)
+    ring = StagingRing(model.manifest.chunk_size, workers=2, pinned=False)
+    with SealedImages(model, sealed.data_key, torch.device("cpu"), workers=2, ring=ring) as images:
+        for name in images:
+            assert images[name].numpy().tobytes() == (sealed.source / name).read_bytes()
+        assert any(slot.any() for slot in ring.slots)
+    assert not any(slot.any() for slot in ring.slots)
+
+
+def test_a_ring_with_smaller_chunks_than_the_model_is_refused(sealed: SealedFixture) -> None:
+    ring = StagingRing(1024, workers=1, pinned=False)
+    with pytest.raises(ValueError, match="smaller than the model's"):
+        SealedImages(_open(sealed), sealed.data_key, torch.device("cpu"), ring=ring)
