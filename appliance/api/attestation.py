@@ -43,7 +43,7 @@ class AttestationResponse(BaseModel):
     responses={
         400: {"model": ErrorResponse, "description": "the nonce is not 32 bytes in hex"},
         429: {"model": ErrorResponse, "description": "an attestation is being collected"},
-        503: {"model": ErrorResponse, "description": "tee.mode = insecure-dev: nothing attested"},
+        409: {"model": ErrorResponse, "description": "tee.mode = insecure-dev: nothing attested"},
     },
 )
 async def attestation(
@@ -52,11 +52,11 @@ async def attestation(
 ) -> JSONResponse:
     tee: TeeService = request.app.state.tee
     if tee.mode == "insecure-dev":
+        # 409: the request is fine, the appliance's mode has nothing to answer it with.
         raise APIError(
-            503,
+            409,
             "this appliance runs with tee.mode = insecure-dev: its TEE is not attested and "
             "there is no evidence to show (X-Inferno-TEE: UNVERIFIED)",
-            type="server_error",
             code="tee_unverified",
         )
     try:

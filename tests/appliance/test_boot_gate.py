@@ -271,7 +271,7 @@ def test_insecure_dev_serves_unverified_and_the_log_says_nothing_was_attested(
         assert (reply.status_code, reply.headers["x-inferno-tee"]) == (200, "UNVERIFIED")
         assert client.get("/health").headers["x-inferno-tee"] == "UNVERIFIED"
         shown = client.get("/v1/attestation", params={"nonce": NONCE})
-        assert (shown.status_code, shown.json()["error"]["code"]) == (503, "tee_unverified")
+        assert (shown.status_code, shown.json()["error"]["code"]) == (409, "tee_unverified")
     entries = _entries(settings)
     [skipped] = [e for e in entries if e["action"] == "attestation.verdict"]
     assert skipped["outcome"] == "failure"

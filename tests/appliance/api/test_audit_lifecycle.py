@@ -55,8 +55,11 @@ def test_the_log_opens_with_boot_entries_and_closes_with_a_checkpoint_of_every_e
         assert http.post("/v1/completions", json=body).status_code == 200
     entries, signed_size = _stored(settings)
     assert signed_size == len(entries)  # the final checkpoint, signed as the server stopped
-    start, ready, accepted, completed = entries
+    start, attested, ready, accepted, completed = entries
     assert start["action"] == "boot.start"
+    # These settings are insecure-dev: the log says that nothing was attested.
+    assert (attested["action"], attested["outcome"]) == ("attestation.verdict", "failure")
+    assert attested["details"]["result"] == "skipped"
     assert start["details"]["config_digest"] == config_digest(settings)
     assert start["details"]["software_version"]
     assert ready["action"] == "boot.ready"
@@ -64,6 +67,7 @@ def test_the_log_opens_with_boot_entries_and_closes_with_a_checkpoint_of_every_e
         "model": MODEL_NAME,
         "weights_digest": weights_digest(smollm2_dir),
         "model_load_ms": None,  # loaded before the app was built
+        "tee": "UNVERIFIED",
     }
     assert [accepted["action"], completed["action"]] == ["inference.request", "inference.complete"]
 
@@ -83,6 +87,6 @@ def test_a_failed_model_load_is_logged_and_nothing_is_served(
             assert time.monotonic() < deadline
             time.sleep(0.05)
     entries, _ = _stored(settings)
-    assert [e["action"] for e in entries] == ["boot.start", "boot.phase"]
-    assert entries[1]["outcome"] == "failure"
-    assert entries[1]["details"] == {"phase": "model_load", "error": "ModelLoadError"}
+    assert [e["action"] for e in entries] == ["boot.start", "attestation.verdict", "boot.phase"]
+    assert entries[2]["outcome"] == "failure"
+    assert entries[2]["details"] == {"phase": "model_load", "error": "ModelLoadError"}
