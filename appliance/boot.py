@@ -195,22 +195,33 @@ async def reattest_periodically(
     on_failure: Callable[[str], Awaitable[None]],
 ) -> None:
     """Step 8: every `interval_s`, attest again and record the verdict. On the first failure
-    (or a verdict the log cannot record) await `on_failure(reason)` and return: inference stays
-    stopped until restart. Runs until cancelled."""
+    (or a verdict the log cannot record, or anything unexpected: a timer that dies silently
+    would be a gate left open) await `on_failure(reason)` and return: inference stays stopped
+    until restart. Runs until cancelled."""
     while True:
         await asyncio.sleep(interval_s)
-        attestation = await tee.attest("reattest")
-        reason = None
-        if not attestation.verdict.trusted:
-            reason = f"re-attestation failed: {attestation.summary()}"
         try:
-            await log.append_async(attestation_verdict(attestation, tee.state()))
-        except AuditError as exc:
-            reason = reason or f"the audit log cannot record a re-attestation verdict: {exc}"
+            reason = await _reattest_once(tee, log)
+        except Exception as exc:
+            logger.exception("re-attestation failed unexpectedly")
+            reason = f"re-attestation failed ({type(exc).__name__}); see the server log"
         if reason is not None:
             logger.error("%s; inference stops", reason)
             await on_failure(reason)
             return
+
+
+async def _reattest_once(tee: TeeService, log: AuditLog) -> str | None:
+    """One re-attestation, recorded; the reason to stop inference, or None."""
+    attestation = await tee.attest("reattest")
+    reason = None
+    if not attestation.verdict.trusted:
+        reason = f"re-attestation failed: {attestation.summary()}"
+    try:
+        await log.append_async(attestation_verdict(attestation, tee.state()))
+    except AuditError as exc:
+        reason = reason or f"the audit log cannot record a re-attestation verdict: {exc}"
+    return reason
 
 
 def boot_phase_failed(phase: str, exc: BaseException) -> AuditEvent:
