@@ -16,8 +16,10 @@ re-attestation stops inference.
 
 from __future__ import annotations
 
+import base64
 import json
 import time
+import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -43,11 +45,13 @@ from attestation.binding import report_data
 from attestation.cpu import CpuEvidence, CpuTrust, verify_cpu_evidence
 from attestation.gpu import GpuEvidence, GpuTrust, gpu_evidence_digest, verify_gpu_evidence
 from attestation.keys.file import FileKeyProvider
+from attestation.keys.pkcs11 import Pkcs11KeyProvider
 from attestation.sealed.writer import seal_model
 from attestation.verdict import Verdict
 from tests.appliance.attestation.synthetic_tee import SyntheticCpu, SyntheticGpus, write_policy
 from tests.attestation.cpu.synthetic import SyntheticSnp
 from tests.attestation.gpu.synthetic import SyntheticGpuSetup, synthetic_gpu_setup
+from tests.attestation.keys.softhsm import softhsm_module, softhsm_token
 
 KEY_ID = "smollm2-kek"
 NUM_GPUS = 2
@@ -76,6 +80,7 @@ class Deployment:
     the policy; and the synthetic machine it runs on."""
 
     directory: Path
+    plain_dir: Path
     sealed_dir: Path
     manifest_key_file: Path
     key_dir: Path
@@ -112,6 +117,7 @@ def deployment(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> D
     policy = {"gpu": gpus.policy_table(), "snp": snp.policy_table()}
     return Deployment(
         directory=directory,
+        plain_dir=smollm2_dir,
         sealed_dir=sealed_dir,
         manifest_key_file=manifest_key_file,
         key_dir=key_dir,
@@ -387,3 +393,80 @@ def test_a_key_the_provider_cannot_unwrap_loads_nothing_and_is_recorded(
     assert sealed_loads.num_calls == 0
     [failed] = [e for e in appliance.entries() if e["action"] == "boot.phase"]
     assert (failed["outcome"], failed["details"]["phase"]) == ("failure", "key_release")
+
+
+def test_a_production_appliance_unseals_through_the_hsm_after_a_passing_verdict(
+    deployment: Deployment, tmp_path: Path
+) -> None:
+    """The production profile end to end: TLS settings, an identity provider (here with the
+    local issuer as its break-glass companion, to mint the test's token), the TEE required, and
+    the sealed model's key unwrapped inside a PKCS#11 token (SoftHSM2) by the provider the
+    settings name, not a test double."""
+    if softhsm_module() is None:
+        pytest.skip("SoftHSM2 is not installed (./bootstrap test installs Debian's softhsm2)")
+    token = softhsm_token()
+    key_label = f"boot-gate-{uuid.uuid4().hex[:8]}"
+    hsm = Pkcs11KeyProvider.from_settings(token)
+    hsm.create_key(key_label)
+    signing_key = Ed25519PrivateKey.generate()
+    manifest_key_file = tmp_path / "manifest-key.pem"
+    manifest_key_file.write_bytes(
+        signing_key.public_key().public_bytes(Encoding.PEM, PublicFormat.SubjectPublicKeyInfo)
+    )
+    sealed_dir = tmp_path / "sealed"
+    seal_model(
+        deployment.plain_dir,
+        sealed_dir,
+        model_id="smollm2",
+        key_id=key_label,
+        wrap_data_key=hsm.wrap_data_key,
+        signing_key=signing_key,
+    )
+    idp_key = Ed25519PrivateKey.generate().public_key().public_bytes(Encoding.Raw, PublicFormat.Raw)
+    jwk = {"kty": "OKP", "crv": "Ed25519", "kid": "idp-1", "use": "sig", "alg": "EdDSA",
+           "x": base64.urlsafe_b64encode(idp_key).rstrip(b"=").decode()}  # fmt: skip
+    (tmp_path / "jwks.json").write_text(json.dumps({"keys": [jwk]}))
+    raw = {
+        "model": {"dir": str(sealed_dir), "name": "smollm2"},
+        "engine": {"max_model_len": 256, "num_kv_blocks": 64},
+        "tls": {"cert_file": "tls/cert.pem", "key_file": "tls/key.pem", "self_signed": True},
+        "audit": {"origin": "inferno.test/e2e-production", "data_dir": "audit"},
+        "auth": {
+            "issuers": [
+                {"issuer": "https://idp.example.com", "audience": "inferno",
+                 "jwks_file": "jwks.json", "role_claims": ["roles"], "roles": {"user": ["u"]}}
+            ],
+            "local_issuer": "break-glass",
+            "local_issuer_key_file": "issuer.pem",
+        },
+        "tee": {
+            "policy_file": str(deployment.policy_file),
+            "gpu_rims_dir": str(deployment.gpus.rim_dir),
+            "gpu_roots_dir": str(deployment.gpus.roots_dir),
+            "cpu_trust_dir": str(deployment.cpu_trust_dir),
+        },
+        "sealed": {
+            "manifest_public_key_file": str(manifest_key_file),
+            "key_provider": "pkcs11",
+            "hsm_module": str(token.module_path),
+            "hsm_token_label": token.token_label,
+            "hsm_pin_file": str(token.pin_file),
+        },
+    }  # fmt: skip
+    settings = settings_from_mapping(raw, base_dir=tmp_path)
+    assert settings.appliance.profile == "production"
+    gpus, cpu = SyntheticGpus(deployment.gpus), SyntheticCpu(deployment.snp)
+    service = TeeService("required", EvidenceCollection(gpus, cpu), OfflineVerifier(settings.tee))
+    app = build(settings, start_audit_log(settings), tee=service)
+    with TestClient(app) as client:
+        deadline = time.monotonic() + 120
+        while (health := client.get("/health")).json()["status"] == "loading":
+            assert time.monotonic() < deadline, "the start-up sequence never ended"
+            time.sleep(0.05)
+        assert (health.status_code, health.headers["x-inferno-tee"]) == (200, "VERIFIED")
+        appliance = Appliance(client, settings, service, gpus, cpu)
+        reply = appliance.chat()
+        assert reply.status_code == 200, reply.text
+        assert reply.headers["x-inferno-tee"] == "VERIFIED"
+    [ready] = [e for e in appliance.entries() if e["action"] == "boot.ready"]
+    assert ready["details"]["weights_digest"] == deployment.weights_digest
