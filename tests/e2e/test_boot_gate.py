@@ -405,7 +405,7 @@ def test_a_production_appliance_unseals_through_the_hsm_after_a_passing_verdict(
     if softhsm_module() is None:
         pytest.skip("SoftHSM2 is not installed (./bootstrap test installs Debian's softhsm2)")
     token = softhsm_token()
-    key_label = f"boot-gate-{uuid.uuid4().hex[:8]}"
+    key_label = f"kek-boot-gate-{uuid.uuid4().hex[:8]}"  # the shared token holds only kek-*
     hsm = Pkcs11KeyProvider.from_settings(token)
     hsm.create_key(key_label)
     signing_key = Ed25519PrivateKey.generate()
