@@ -220,11 +220,13 @@ class _StartUp:
     metrics: ServerMetrics
     trail: AuditTrail
     reattesting: asyncio.Task[None] | None = None
+    attestation_ms: float | None = None
 
     async def run(self) -> AsyncEngine | None:
         readiness, tee = self.readiness, self.tee
         attesting = tee.mode == "required"
         readiness.set_loading("attesting the TEE" if attesting else "the model is loading")
+        started_s = time.monotonic()
         try:
             attestation = await pass_tee_gate(tee, self.trail.log)
         except TeeGateError as exc:
@@ -235,6 +237,8 @@ class _StartUp:
             logger.exception("the TEE gate failed unexpectedly")
             readiness.set_failed(f"the TEE gate failed ({type(exc).__name__}); see the server log")
             return None
+        if attesting:
+            self.attestation_ms = (time.monotonic() - started_s) * 1000
         readiness.set_loading("the model is loading")
         load = None
         if self.model is None:
@@ -304,6 +308,7 @@ async def _start_engine(
         model=trail.model_name,
         weights_digest=model.weights_digest,
         model_load_ms=load_ms,
+        attestation_ms=start.attestation_ms,
         tee=start.tee.state(),
     )
     try:

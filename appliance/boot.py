@@ -93,10 +93,17 @@ def start_audit_log(settings: Settings) -> AuditLog:
 
 
 def boot_ready(
-    *, model: str, weights_digest: str, model_load_ms: float | None, tee: TeeState
+    *,
+    model: str,
+    weights_digest: str,
+    model_load_ms: float | None,
+    tee: TeeState,
+    attestation_ms: float | None = None,
 ) -> AuditEvent:
-    """Step 7's record: the model served from now on, and the TEE state it is served in;
-    `model_load_ms` is None for a model loaded before the app was built (the demo, tests)."""
+    """Step 7's record: the model served from now on, the TEE state it is served in, and the
+    time of each phase: `attestation_ms` (collection, verification and recording; None when
+    nothing was attested) and `model_load_ms` (key release, decryption and load; None for a
+    model loaded before the app was built: the demo, tests)."""
     return system_event(
         Action.BOOT_READY,
         time=datetime.now(UTC),
@@ -105,6 +112,7 @@ def boot_ready(
             "model": model,
             "weights_digest": weights_digest,
             "model_load_ms": None if model_load_ms is None else round(model_load_ms, 3),
+            "attestation_ms": None if attestation_ms is None else round(attestation_ms, 3),
             "tee": tee,
         },
     )

@@ -281,6 +281,8 @@ def test_a_passing_tee_releases_the_key_loads_the_sealed_weights_and_serves(
     # The sealed model is named by the same digest as the plain one it was sealed from.
     assert ready["details"]["weights_digest"] == deployment.weights_digest
     assert ready["details"]["tee"] == "VERIFIED"
+    assert ready["details"]["attestation_ms"] > 0
+    assert ready["details"]["model_load_ms"] > 0
 
 
 VIOLATIONS = {
