@@ -100,7 +100,7 @@ LONE_SURROGATE = "\ud800"
         (
             CHAT,
             {"messages": [{"role": "user", "content": [{"type": "text", "text": LONE_SURROGATE}]}]},
-            "messages.0.content.0.text",
+            "messages.0.content",
         ),
         (CHAT, {"messages": HI, "stop": LONE_SURROGATE}, "stop"),
         ("/v1/completions", {"prompt": f"a{LONE_SURROGATE}b"}, "prompt"),
