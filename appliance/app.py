@@ -111,7 +111,7 @@ def build(
             )
         except AttestationError as exc:
             raise BootError(f"the key provider cannot be used: {exc}") from exc
-    readiness = Readiness()
+    readiness = Readiness(lambda: audit_log.failure)
     admission = Admission(settings.server.max_concurrent_requests, settings.server.retry_after_s)
     server_metrics = ServerMetrics(settings.served_model_name)
     trail = AuditTrail(audit_log, server_metrics, settings.served_model_name)

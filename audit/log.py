@@ -96,6 +96,8 @@ class AuditLog:
         self._signer = signer
         self._settings = settings
         self._queue: queue.SimpleQueue[object] = queue.SimpleQueue()
+        # The batch the writer took off the queue: failed too if the writer dies holding it.
+        self._in_hand: list[object] = []
         self._closed = threading.Event()
         self._broken: str | None = None
         self._checkpointed_size = checkpointed_size
@@ -150,15 +152,22 @@ class AuditLog:
         """The verifier key admins pin out of band to verify checkpoints and exports."""
         return str(self._signer.verifier)
 
+    @property
+    def failure(self) -> str | None:
+        """Why the log refuses every new entry for good (its writer died, or the database no
+        longer extends what it signed), or None while it takes entries. Closing is not a
+        failure, and neither is one append that failed (the next may succeed)."""
+        return self._broken
+
     # -- appending -------------------------------------------------------------------------
 
     def submit(self, event: AuditEvent) -> Future[AuditReceipt]:
         """Queue `event`; the future resolves to its receipt once stored, or to the error."""
         future: Future[AuditReceipt] = Future()
-        if self._closed.is_set():
-            future.set_exception(AuditClosedError("the audit log is closed"))
-        elif self._broken is not None:
+        if self._broken is not None:
             future.set_exception(AuditWriteError(self._broken))
+        elif self._closed.is_set():
+            future.set_exception(AuditClosedError("the audit log is closed"))
         else:
             self._queue.put(_Append(event, future))
         return future
@@ -216,10 +225,9 @@ class AuditLog:
     def _run(self) -> None:
         try:
             self._write_until_stopped()
-        except BaseException:
+        except BaseException:  # logged with its traceback; every waiting append fails below
             logger.exception("audit writer stopped unexpectedly; the log refuses new entries")
             self._broken = "the audit writer stopped unexpectedly"
-            raise
         finally:
             self._closed.set()
             self._fail_queued()
@@ -233,7 +241,7 @@ class AuditLog:
                 last_append_at=self._last_append_at,
                 now=time.monotonic(),
             )
-            batch = self._take_batch(timeout)
+            batch = self._in_hand = self._take_batch(timeout)
             appends = [item for item in batch if isinstance(item, _Append)]
             if appends:
                 self._commit(appends)
@@ -316,13 +324,16 @@ class AuditLog:
         logger.debug("audit checkpoint signed at size %d", size)
 
     def _fail_queued(self) -> None:
+        """Fail every append and checkpoint still waiting: queued, or in the batch in hand."""
         error = AuditClosedError(self._broken or "the audit log is closed")
+        waiting = self._in_hand
         while True:
             try:
-                item = self._queue.get_nowait()
+                waiting.append(self._queue.get_nowait())
             except queue.Empty:
-                return
-            if isinstance(item, _Append | _Checkpoint):
+                break
+        for item in waiting:
+            if isinstance(item, _Append | _Checkpoint) and not item.future.done():
                 item.future.set_exception(error)
 
 

@@ -8,6 +8,7 @@ in a crash loop.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Annotated, Literal
 
 from fastapi import Depends, Request
@@ -19,7 +20,11 @@ Status = Literal["ready", "loading", "failed", "stopped"]
 
 
 class Readiness:
-    def __init__(self) -> None:
+    def __init__(self, audit_failure: Callable[[], str | None] = lambda: None) -> None:
+        """`audit_failure` says why the audit log refuses all entries, if it does: then nothing
+        can be served (every request must be logged first), and health says so at once rather
+        than after the first refused request."""
+        self._audit_failure = audit_failure
         self._engine: AsyncEngine | None = None
         self._status: Status = "loading"
         self._reason: str | None = "the model is loading"
@@ -44,6 +49,8 @@ class Readiness:
         self._status, self._reason = "stopped", "the server is shutting down"
 
     def state(self) -> tuple[Status, str | None]:
+        if (failure := self._audit_failure()) is not None:
+            return "failed", f"nothing can be served without the audit log: {failure}"
         if self._engine is not None and not self._engine.is_running:
             return "stopped", "the engine stopped on an error; see the server log"
         return self._status, self._reason
@@ -56,7 +63,7 @@ class Readiness:
         return self._engine
 
 
-def _ready_engine(request: Request) -> AsyncEngine:
+async def _ready_engine(request: Request) -> AsyncEngine:
     readiness: Readiness = request.app.state.readiness
     return readiness.engine()
 

@@ -161,6 +161,25 @@ def test_a_configured_commitment_key_is_used_instead_of_the_key_dirs(
         AuditLog.open(missing)
 
 
+def test_a_writer_that_dies_fails_its_batch_and_every_later_append(
+    log_settings: MakeSettings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with AuditLog.open(log_settings()) as log:
+        log.append(_event(0))
+        assert log.failure is None
+
+        def crash(events: object) -> object:
+            raise RuntimeError("a bug in the writer")
+
+        monkeypatch.setattr(log.store, "append", crash)
+        # The append in the writer's hands when it dies fails, rather than waiting forever.
+        with pytest.raises(AuditClosedError, match="stopped unexpectedly"):
+            log.submit(_event(1)).result(timeout=10)
+        assert log.failure == "the audit writer stopped unexpectedly"
+        with pytest.raises(AuditWriteError, match="stopped unexpectedly"):
+            log.append(_event(2))
+
+
 def test_append_after_close_raises(log_settings: MakeSettings) -> None:
     log = AuditLog.open(log_settings())
     log.close()

@@ -79,3 +79,27 @@ def test_health_is_503_with_the_reason_when_the_model_fails_to_load(
         assert http.get("/live").status_code == 200
         refused = http.post("/v1/completions", json={"model": MODEL_NAME, "prompt": "Hi"})
         assert refused.status_code == 503
+
+
+def test_health_fails_at_once_when_the_audit_log_refuses_all_entries(
+    api_engine: Engine, smollm2_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with (
+        running_server(make_settings(tmp_path, smollm2_dir), api_engine) as running,
+        running.http() as http,
+    ):
+        assert http.get("/health").status_code == 200
+        log = running.app.state.audit_trail.log
+
+        def crash(events: object) -> object:
+            raise RuntimeError("disk controller gone")
+
+        monkeypatch.setattr(log.store, "append", crash)
+        body = {"model": MODEL_NAME, "prompt": "Hi", "max_tokens": 1}
+        first = http.post("/v1/completions", json=body)  # the append that kills the writer
+        assert first.status_code == 503
+        response = http.get("/health")
+        assert response.status_code == 503
+        assert response.json()["status"] == "failed"
+        assert "audit writer stopped unexpectedly" in response.json()["reason"]
+        assert http.post("/v1/completions", json=body).status_code == 503
