@@ -96,7 +96,11 @@ LONE_SURROGATE = "\ud800"
 @pytest.mark.parametrize(
     ("route", "body", "param"),
     [
-        (CHAT, {"messages": [{"role": "user", "content": f"Hi {LONE_SURROGATE}"}]}, "messages.0.content"),
+        (
+            CHAT,
+            {"messages": [{"role": "user", "content": f"Hi {LONE_SURROGATE}"}]},
+            "messages.0.content",
+        ),
         (
             CHAT,
             {"messages": [{"role": "user", "content": [{"type": "text", "text": LONE_SURROGATE}]}]},
