@@ -20,6 +20,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import importlib.metadata
 import logging
@@ -202,12 +203,15 @@ async def reattest_periodically(
     interval_s: float,
     on_failure: Callable[[str], Awaitable[None]],
 ) -> None:
-    """Step 8: every `interval_s`, attest again and record the verdict. On the first failure
-    (or a verdict the log cannot record, or anything unexpected: a timer that dies silently
-    would be a gate left open) await `on_failure(reason)` and return: inference stays stopped
-    until restart. Runs until cancelled."""
+    """Step 8: every `interval_s`, or at once when a client's attestation failed
+    (`tee.reattest_requested`), attest again and record the verdict. On the first failure (or a
+    verdict the log cannot record, or anything unexpected: a timer that dies silently would be
+    a gate left open) await `on_failure(reason)` and return: inference stays stopped until
+    restart. Runs until cancelled."""
     while True:
-        await asyncio.sleep(interval_s)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(tee.reattest_requested.wait(), timeout=interval_s)
+        tee.reattest_requested.clear()
         try:
             reason = await _reattest_once(tee, log)
         except Exception as exc:

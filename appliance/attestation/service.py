@@ -85,6 +85,8 @@ class TeeService:
         self._standing: Attestation | None = None
         self._failed = False
         self._lock = asyncio.Lock()
+        # Set when a client's attestation failed: the re-attestation timer runs at once.
+        self.reattest_requested = asyncio.Event()
 
     def state(self) -> TeeState:
         if self.mode == "insecure-dev":
@@ -108,12 +110,20 @@ class TeeService:
         return attestation
 
     async def attest_for_client(self, challenge: bytes) -> Attestation:
-        """Attest for a client's challenge; the standing verdict is left as it is (a client
-        chooses when this runs, and must not be able to stop inference with it). Raises
-        AttestationBusyError at once if a collection is running."""
+        """Attest for a client's challenge. The standing verdict is left as it is (a client
+        chooses when this runs, and must not be able to stop inference with it), but a failure
+        asks for a re-attestation now (`reattest_requested`) rather than at the next interval:
+        what the client saw fail, the appliance checks for itself at once, and stops inference
+        if it fails again. Raises AttestationBusyError at once if a collection is running."""
         if self._lock.locked():
             raise AttestationBusyError("an attestation is being collected; retry shortly")
-        return await self._run("client", challenge)
+        attestation = await self._run("client", challenge)
+        if not attestation.verdict.trusted and self.state() == "VERIFIED":
+            logger.warning(
+                "a client's attestation failed (%s); re-attesting now", attestation.summary()
+            )
+            self.reattest_requested.set()
+        return attestation
 
     async def _run(self, trigger: Trigger, challenge: bytes) -> Attestation:
         if self.mode != "required":

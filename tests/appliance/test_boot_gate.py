@@ -241,6 +241,40 @@ def test_a_failed_reattestation_stops_inference_and_is_recorded(
     assert verdicts[0]["details"]["trigger"] == "boot"
 
 
+def test_a_failure_a_client_sees_makes_the_appliance_reattest_at_once(
+    tmp_path: Path, smollm2_dir: Path, load_spy: LoadSpy
+) -> None:
+    # An hour between re-attestations: only the client's failed attestation can start one.
+    settings = _settings(tmp_path, smollm2_dir, reattest_interval_s=3600)
+    verifier = FakeVerifier()
+    for client in _serve(settings, TeeService("required", FakeCollector(), verifier)):
+        assert _chat(client, settings).status_code == 200
+        verifier.failures = {"gpu0.measurements": "block 4 differs from the RIM"}
+        seen = client.get("/v1/attestation", params={"nonce": NONCE}).json()
+        assert seen["verdict"]["result"] == "not trusted"
+        deadline = time.monotonic() + 30
+        while client.get("/health").status_code == 200:
+            assert time.monotonic() < deadline, "the failure a client saw was never re-checked"
+            time.sleep(0.05)
+        assert client.get("/health").json()["reason"] == (
+            "re-attestation failed: gpu0.measurements: block 4 differs from the RIM"
+        )
+        assert _chat(client, settings).status_code == 503
+    verdicts = [e for e in _entries(settings) if e["action"] == "attestation.verdict"]
+    assert [v["details"]["trigger"] for v in verdicts] == ["boot", "reattest"]
+
+
+def test_a_client_attestation_that_passes_leaves_the_timer_alone(
+    tmp_path: Path, smollm2_dir: Path, load_spy: LoadSpy
+) -> None:
+    settings = _settings(tmp_path, smollm2_dir, reattest_interval_s=3600)
+    tee = TeeService("required", FakeCollector(), FakeVerifier())
+    for client in _serve(settings, tee):
+        client.get("/v1/attestation", params={"nonce": NONCE})
+        assert not tee.reattest_requested.is_set()
+        assert client.get("/health").status_code == 200
+
+
 def test_v1_attestation_returns_fresh_evidence_and_a_signed_verdict_for_the_nonce(
     tmp_path: Path, smollm2_dir: Path, load_spy: LoadSpy
 ) -> None:
