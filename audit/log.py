@@ -15,10 +15,12 @@ transaction (group commit), then signs a checkpoint when the policy says so. App
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import queue
 import threading
 import time
+from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -66,8 +68,46 @@ class AuditLogSettings:
 
 @dataclass
 class _Append:
+    """An event to store, and where its outcome goes: a thread's Future (`loop` None), or an
+    asyncio future of `loop`, which the writer settles with one call into that loop per batch
+    rather than one wake-up per entry."""
+
     event: AuditEvent
-    future: Future[AuditReceipt]
+    future: Future[AuditReceipt] | asyncio.Future[AuditReceipt]
+    loop: asyncio.AbstractEventLoop | None = None
+
+
+_Result = AuditReceipt | BaseException
+
+
+def _settle(appends: Sequence[_Append], outcomes: Sequence[_Result]) -> None:
+    """Give each append its receipt or error; a future already done (its waiter cancelled)
+    is left alone. Thread futures are set here, each loop's futures in that loop."""
+    by_loop: dict[asyncio.AbstractEventLoop, list[tuple[_Append, _Result]]] = {}
+    for append, outcome in zip(appends, outcomes, strict=True):
+        if append.loop is None:
+            _set_outcome(append.future, outcome)
+        else:
+            by_loop.setdefault(append.loop, []).append((append, outcome))
+    for loop, settled in by_loop.items():
+        with contextlib.suppress(RuntimeError):  # the loop closed: nobody waits any more
+            loop.call_soon_threadsafe(_set_outcomes, settled)
+
+
+def _set_outcomes(settled: list[tuple[_Append, _Result]]) -> None:
+    for append, outcome in settled:
+        _set_outcome(append.future, outcome)
+
+
+def _set_outcome(
+    future: Future[AuditReceipt] | asyncio.Future[AuditReceipt], outcome: _Result
+) -> None:
+    if future.done():
+        return
+    if isinstance(outcome, BaseException):
+        future.set_exception(outcome)
+    else:
+        future.set_result(outcome)
 
 
 @dataclass
@@ -164,12 +204,7 @@ class AuditLog:
     def submit(self, event: AuditEvent) -> Future[AuditReceipt]:
         """Queue `event`; the future resolves to its receipt once stored, or to the error."""
         future: Future[AuditReceipt] = Future()
-        if self._broken is not None:
-            future.set_exception(AuditWriteError(self._broken))
-        elif self._closed.is_set():
-            future.set_exception(AuditClosedError("the audit log is closed"))
-        else:
-            self._queue.put(_Append(event, future))
+        self._enqueue(_Append(event, future))
         return future
 
     def append(self, event: AuditEvent) -> AuditReceipt:
@@ -178,7 +213,18 @@ class AuditLog:
 
     async def append_async(self, event: AuditEvent) -> AuditReceipt:
         """`append` for the event loop: waits for the writer without blocking the loop."""
-        return await asyncio.wrap_future(self.submit(event))
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[AuditReceipt] = loop.create_future()
+        self._enqueue(_Append(event, future, loop))
+        return await future
+
+    def _enqueue(self, append: _Append) -> None:
+        if self._broken is not None:
+            append.future.set_exception(AuditWriteError(self._broken))
+        elif self._closed.is_set():
+            append.future.set_exception(AuditClosedError("the audit log is closed"))
+        else:
+            self._queue.put(append)
 
     def checkpoint(self) -> StoredCheckpoint | None:
         """Sign a checkpoint of everything appended so far (None while the log is empty)."""
@@ -292,11 +338,9 @@ class AuditLog:
                     self._oldest_pending_at = time.monotonic()
                 self._size = receipts[-1].index + 1
                 self._last_append_at = time.monotonic()
-                for a, receipt in zip(appends, receipts, strict=True):
-                    a.future.set_result(receipt)
+                _settle(appends, receipts)
                 return
-        for a in appends:
-            a.future.set_exception(error)
+        _settle(appends, [error] * len(appends))
 
     def _checkpoint(self) -> None:
         """Sign and store a checkpoint of the current size, if it grew since the last one."""
@@ -332,8 +376,10 @@ class AuditLog:
                 waiting.append(self._queue.get_nowait())
             except queue.Empty:
                 break
+        appends = [item for item in waiting if isinstance(item, _Append)]
+        _settle(appends, [error] * len(appends))
         for item in waiting:
-            if isinstance(item, _Append | _Checkpoint) and not item.future.done():
+            if isinstance(item, _Checkpoint) and not item.future.done():
                 item.future.set_exception(error)
 
 

@@ -61,6 +61,25 @@ def test_append_async_returns_the_receipt_without_blocking_the_loop(
         assert sorted(asyncio.run(run(log))) == list(range(20))
 
 
+def test_an_async_append_whose_waiter_is_cancelled_is_stored_and_the_log_goes_on(
+    log_settings: MakeSettings,
+) -> None:
+    async def run(log: AuditLog) -> int:
+        waiters = [asyncio.ensure_future(log.append_async(_event(i))) for i in range(10)]
+        await asyncio.sleep(0)  # queued
+        for waiter in waiters:
+            waiter.cancel()
+        await asyncio.gather(*waiters, return_exceptions=True)
+        return (await log.append_async(_event(10))).index
+
+    with AuditLog.open(log_settings()) as log:
+        # The cancelled appends were stored all the same (the writer had them): no gap, and
+        # settling their cancelled futures did not stop the writer.
+        assert asyncio.run(run(log)) == 10
+        assert log.failure is None
+        assert log.append(_event(11)).index == 11
+
+
 def test_checkpoints_every_n_entries_and_on_close(log_settings: MakeSettings) -> None:
     settings = log_settings(every_entries=10, every_s=3600)
     log = AuditLog.open(settings)
