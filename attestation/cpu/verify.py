@@ -88,7 +88,7 @@ def _verify_snp(
         _verify_report_data(report.report_data, expected)
         checks.append(Check(step, True))
     except VerificationError as exc:
-        return Verdict((*checks, Check(step, False, str(exc))), at)
+        return _failed_at(step, exc, checks, at)
     revocation = check_snp_revocation(
         ask=ask,
         ark=trust.snp_arks[product],
@@ -181,7 +181,7 @@ def _verify_tdx(
         _verify_report_data(claims.report_data, expected)
         checks.append(Check(step, True))
     except VerificationError as exc:
-        return Verdict((*checks, Check(step, False, str(exc))), at)
+        return _failed_at(step, exc, checks, at)
     checks.extend(
         policy.tdx.evaluate(
             td_attributes=claims.td_attributes,
@@ -192,3 +192,9 @@ def _verify_tdx(
         )
     )
     return Verdict(tuple(checks), at, {"kind": "tdx", **claims.to_json()})
+
+
+def _failed_at(step: str, exc: VerificationError, passed: list[Check], at: datetime) -> Verdict:
+    """The verdict of evidence whose mechanism `step` failed: the steps that passed, then the
+    failed one. No policy check runs and no claims are reported (see the module docstring)."""
+    return Verdict((*passed, Check(step, False, str(exc))), at)
