@@ -27,18 +27,24 @@ Fail closed, explained where chosen:
 `[tdx]` keys:
   mrtd = ["<96 hex>", ...]                  TD build measurements allowed (required)
   rtmr0 .. rtmr3 = ["<96 hex>", ...]        optional allow-lists of runtime measurements
+  mrseam, mrconfigid, mrowner, mrownerconfig = ["<96 hex>", ...]   optional allow-lists of
+                                             MRSEAM (the TDX module), MRCONFIGID, MROWNER,
+                                             MROWNERCONFIG
+  min_tee_tcb_svn = "<32 hex>"              optional minimum TEE_TCB_SVN, byte by byte (as
+                                             Intel's TCB info compares its 16 components)
   tcb_statuses = ["UpToDate"]               acceptable TCB statuses (required; never Revoked)
   rejected_advisories = ["INTEL-SA-...", ...]
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from attestation.cpu.revocation import REVOCATION_STATES, RevocationStatus
 from attestation.cpu.snp import PRODUCTS, Product, SnpReport, TcbVersion
+from attestation.cpu.tdx import TdxClaims
 from attestation.errors import PolicyError
 from attestation.verdict import Check
 
@@ -51,6 +57,14 @@ TDX_TCB_STATUSES = (
     "OutOfDateConfigurationNeeded",
 )
 TD_ATTRIBUTES_DEBUG = 1 << 0
+TEE_TCB_SVN_SIZE = 16
+# The optional TD allow-lists: policy key (also its check's name) -> (label, TdxClaims field).
+TDX_ALLOW_LISTS = {
+    "mrseam": ("MRSEAM", "mr_seam"),
+    "mrconfigid": ("MRCONFIGID", "mr_config_id"),
+    "mrowner": ("MROWNER", "mr_owner"),
+    "mrownerconfig": ("MROWNERCONFIG", "mr_owner_config"),
+}
 
 
 def _hex_list(table: Mapping[str, Any], key: str, size: int, *, required: bool) -> frozenset[bytes]:
@@ -208,11 +222,14 @@ class TdxPolicy:
         frozenset(), frozenset(), frozenset(), frozenset(),
     )  # fmt: skip
     rejected_advisories: frozenset[str] = frozenset()
+    td_allow_lists: tuple[tuple[str, frozenset[bytes]], ...] = ()
+    min_tee_tcb_svn: bytes | None = None
 
     @classmethod
     def from_table(cls, table: Mapping[str, Any]) -> TdxPolicy:
         """Parse the `[tdx]` table. Raises PolicyError on a missing, empty or malformed value."""
-        known = {"mrtd", "rtmr0", "rtmr1", "rtmr2", "rtmr3", "tcb_statuses", "rejected_advisories"}
+        known = {"mrtd", "rtmr0", "rtmr1", "rtmr2", "rtmr3", "tcb_statuses", "rejected_advisories",
+                 "min_tee_tcb_svn", *TDX_ALLOW_LISTS}  # fmt: skip
         _refuse_unknown(table, "tdx", known)
         statuses = table.get("tcb_statuses")
         if not isinstance(statuses, list) or not statuses:
@@ -225,25 +242,21 @@ class TdxPolicy:
         if not isinstance(advisories, list) or not all(isinstance(a, str) for a in advisories):
             raise PolicyError("policy [tdx] `rejected_advisories` must be a list of strings")
         rtmrs = tuple(_hex_list(table, f"rtmr{i}", 48, required=False) for i in range(4))
+        allow_lists = {key: _hex_list(table, key, 48, required=False) for key in TDX_ALLOW_LISTS}
         return cls(
             mrtd=_hex_list(table, "mrtd", 48, required=True),
             tcb_statuses=frozenset(statuses),
             rtmrs=rtmrs,  # type: ignore[arg-type]
             rejected_advisories=frozenset(advisories),
+            td_allow_lists=tuple((key, values) for key, values in allow_lists.items() if values),
+            min_tee_tcb_svn=_tee_tcb_svn(table.get("min_tee_tcb_svn")),
         )
 
-    def evaluate(
-        self,
-        *,
-        td_attributes: bytes,
-        mr_td: bytes,
-        rtmrs: Sequence[bytes],
-        tcb_status: str,
-        advisory_ids: Sequence[str],
-    ) -> list[Check]:
+    def evaluate(self, claims: TdxClaims) -> list[Check]:
         """The policy checks of a quote that dcap-qvl verified (`tdx.policy.*`)."""
-        attributes = int.from_bytes(td_attributes, "little")
-        rejected = sorted(set(advisory_ids) & self.rejected_advisories)
+        attributes = int.from_bytes(claims.td_attributes, "little")
+        mr_td, tcb_status, rtmrs = claims.mr_td, claims.tcb_status, claims.rtmrs
+        rejected = sorted(set(claims.advisory_ids) & self.rejected_advisories)
         checks = [
             _check("tdx.policy.debug", not attributes & TD_ATTRIBUTES_DEBUG,
                    "debug must be off: TD attribute DEBUG is set, so the VMM can read and "
@@ -259,7 +272,33 @@ class TdxPolicy:
             if allowed:
                 detail = f"RTMR{index} {rtmrs[index].hex()} is not allowed"
                 checks.append(_check(f"tdx.policy.rtmr{index}", rtmrs[index] in allowed, detail))
+        for key, allowed in self.td_allow_lists:
+            label, attribute = TDX_ALLOW_LISTS[key]
+            value: bytes = getattr(claims, attribute)
+            checks.append(_check(f"tdx.policy.{key}", value in allowed,
+                                 f"{label} {value.hex()} is not an allowed value"))  # fmt: skip
+        if self.min_tee_tcb_svn is not None:
+            svn, minimum = claims.tee_tcb_svn, self.min_tee_tcb_svn
+            checks.append(_check("tdx.policy.min_tee_tcb_svn",
+                                 len(svn) == len(minimum)
+                                 and all(a >= b for a, b in zip(svn, minimum, strict=True)),
+                                 f"TEE_TCB_SVN {svn.hex()} is below the minimum {minimum.hex()} "
+                                 "in at least one component"))  # fmt: skip
         return checks
+
+
+def _tee_tcb_svn(value: Any) -> bytes | None:
+    if value is None:
+        return None
+    try:
+        raw = bytes.fromhex(value) if isinstance(value, str) else b""
+    except ValueError:
+        raw = b""
+    if len(raw) != TEE_TCB_SVN_SIZE:
+        raise PolicyError(
+            f"policy [tdx] `min_tee_tcb_svn` must be {TEE_TCB_SVN_SIZE} bytes of hex, got {value!r}"
+        )
+    return raw
 
 
 @dataclass(frozen=True, slots=True)

@@ -48,6 +48,7 @@ class TdxClaims:
     mr_td: bytes
     mr_config_id: bytes
     mr_owner: bytes
+    mr_owner_config: bytes
     rtmrs: tuple[bytes, bytes, bytes, bytes]
     mr_seam: bytes
     tee_tcb_svn: bytes
@@ -63,6 +64,7 @@ class TdxClaims:
             "mr_td": self.mr_td.hex(),
             "mr_config_id": self.mr_config_id.hex(),
             "mr_owner": self.mr_owner.hex(),
+            "mr_owner_config": self.mr_owner_config.hex(),
             "rtmrs": [rtmr.hex() for rtmr in self.rtmrs],
             "mr_seam": self.mr_seam.hex(),
             "tee_tcb_svn": self.tee_tcb_svn.hex(),
@@ -177,6 +179,7 @@ def verify_tdx_quote(
             mr_td=bytes(td.mr_td),
             mr_config_id=bytes(td.mr_config_id),
             mr_owner=bytes(td.mr_owner),
+            mr_owner_config=bytes(td.mr_owner_config),
             rtmrs=(bytes(td.rt_mr0), bytes(td.rt_mr1), bytes(td.rt_mr2), bytes(td.rt_mr3)),
             mr_seam=bytes(td.mr_seam),
             tee_tcb_svn=bytes(td.tee_tcb_svn),

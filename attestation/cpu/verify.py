@@ -182,15 +182,7 @@ def _verify_tdx(
         checks.append(Check(step, True))
     except VerificationError as exc:
         return _failed_at(step, exc, checks, at)
-    checks.extend(
-        policy.tdx.evaluate(
-            td_attributes=claims.td_attributes,
-            mr_td=claims.mr_td,
-            rtmrs=claims.rtmrs,
-            tcb_status=claims.tcb_status,
-            advisory_ids=claims.advisory_ids,
-        )
-    )
+    checks.extend(policy.tdx.evaluate(claims))
     return Verdict(tuple(checks), at, {"kind": "tdx", **claims.to_json()})
 
 

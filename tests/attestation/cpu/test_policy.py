@@ -98,3 +98,23 @@ def test_min_tcb_compares_every_component() -> None:
     assert TcbVersion(9, 9, 99, 255).at_least(policy.min_tcb)
     for lower in (TcbVersion(2, 0, 20, 200), TcbVersion(3, 0, 19, 200), TcbVersion(3, 0, 20, 199)):
         assert not lower.at_least(policy.min_tcb)
+
+
+@pytest.mark.parametrize("key", ["mrseam", "mrconfigid", "mrowner", "mrownerconfig"])
+def test_empty_or_malformed_td_allow_list_is_refused(key: str) -> None:
+    with pytest.raises(PolicyError, match=f"`{key}` must be a non-empty list"):
+        TdxPolicy.from_table({**TDX, key: []})
+    with pytest.raises(PolicyError, match=f"`{key}` entry 'abcd' is not 48 bytes"):
+        TdxPolicy.from_table({**TDX, key: ["abcd"]})
+
+
+@pytest.mark.parametrize("value", ["06010300", "zz" * 16, 6, ["06"] * 16])
+def test_malformed_min_tee_tcb_svn_is_refused(value: object) -> None:
+    with pytest.raises(PolicyError, match="`min_tee_tcb_svn` must be 16 bytes of hex"):
+        TdxPolicy.from_table({**TDX, "min_tee_tcb_svn": value})
+
+
+def test_absent_optional_tdx_settings_judge_nothing() -> None:
+    policy = TdxPolicy.from_table(TDX)
+    assert policy.td_allow_lists == ()
+    assert policy.min_tee_tcb_svn is None

@@ -4,6 +4,7 @@ to Intel's SGX root but have no bundled collateral; hostile quotes and roots are
 
 from __future__ import annotations
 
+from dataclasses import replace
 from datetime import UTC, datetime
 
 import pytest
@@ -16,7 +17,7 @@ from attestation.cpu.errors import (
 )
 from attestation.cpu.evidence import CpuEvidence
 from attestation.cpu.policy import TdxPolicy
-from attestation.cpu.tdx import TdxQuote, verify_pck_chain, verify_tdx_quote
+from attestation.cpu.tdx import TdxClaims, TdxQuote, verify_pck_chain, verify_tdx_quote
 from attestation.errors import EvidenceError, PolicyError
 from tests.attestation.cpu.conftest import DCAP, TDX, TDX_AT
 from tests.attestation.cpu.synthetic import SyntheticSnp
@@ -30,6 +31,14 @@ REPORT_DATA = bytes.fromhex(
     "9a9d48e7f6799642d3d1b34e1e5e1742d4bb02dd6ddd551862c1211d35c304f9"
     "eca3efdbb481601c163cf52493d6e44aed55d51ec39b7e518fadb92c2b523f20"
 )
+# The TD report fields of QUOTE (`dcap_qvl.parse_quote(QUOTE).report`).
+MR_SEAM = (
+    "5b38e33a6487958b72c3c12a938eaa5e3fd4510c51aeeab5"
+    "8c7d5ecee41d7c436489d6c8e4f92f160b7cad34207b00c1"
+)
+TEE_TCB_SVN = "06010300000000000000000000000000"
+TD_FIELDS = {"mrseam": MR_SEAM, "mrconfigid": "00" * 48, "mrowner": "00" * 48,
+             "mrownerconfig": "00" * 48}  # fmt: skip
 GO_TDX_QUOTES = [
     "testing_testdata_tdx_prod_quote_SPR_E4.dat",
     "testing_testdata_ccel_cos-113-tdx-quote.dat",
@@ -41,6 +50,24 @@ def _policy(**overrides: object) -> CpuPolicy:
     table: dict[str, object] = {"mrtd": [MR_TD], "tcb_statuses": ["UpToDate"]}
     table.update(overrides)
     return CpuPolicy.from_tables({"tdx": table})
+
+
+def _claims(td_attributes: bytes, tcb_status: str, advisory_ids: list[str]) -> TdxClaims:
+    return TdxClaims(
+        tcb_status=tcb_status,
+        advisory_ids=tuple(advisory_ids),
+        fmspc="B0C06F000000",
+        td_attributes=td_attributes,
+        xfam=bytes(8),
+        mr_td=bytes.fromhex(MR_TD),
+        mr_config_id=bytes(48),
+        mr_owner=bytes(48),
+        mr_owner_config=bytes(48),
+        rtmrs=(bytes(48),) * 4,
+        mr_seam=bytes(48),
+        tee_tcb_svn=bytes(16),
+        report_data=bytes(64),
+    )
 
 
 def _verify(trust: CpuTrust, at: datetime, quote: bytes = QUOTE, **policy: object):
@@ -98,15 +125,51 @@ def test_dcap_quote_outside_the_policy_fails_the_named_check(
     assert [check.name for check in verdict.failures] == [failed]
 
 
+def test_dcap_quote_passes_allow_lists_and_minimum_tee_tcb_svn_it_meets(
+    dcap_trust: CpuTrust,
+) -> None:
+    verdict = _verify(dcap_trust, TDX_AT, min_tee_tcb_svn=TEE_TCB_SVN,
+                      **{key: [value] for key, value in TD_FIELDS.items()})  # fmt: skip
+    assert verdict.trusted, verdict.failures
+    names = {check.name for check in verdict.checks}
+    assert {f"tdx.policy.{key}" for key in TD_FIELDS} | {"tdx.policy.min_tee_tcb_svn"} <= names
+    assert verdict.claims["mr_seam"] == MR_SEAM
+    assert verdict.claims["tee_tcb_svn"] == TEE_TCB_SVN
+
+
+@pytest.mark.parametrize(
+    ("key", "label"),
+    [
+        ("mrseam", "MRSEAM"),
+        ("mrconfigid", "MRCONFIGID"),
+        ("mrowner", "MROWNER"),
+        ("mrownerconfig", "MROWNERCONFIG"),
+    ],
+)
+def test_dcap_quote_outside_a_td_allow_list_fails_its_named_check(
+    dcap_trust: CpuTrust, key: str, label: str
+) -> None:
+    verdict = _verify(dcap_trust, TDX_AT, **{key: ["ab" * 48]})
+    assert [check.name for check in verdict.failures] == [f"tdx.policy.{key}"]
+    assert verdict.failures[0].detail == f"{label} {TD_FIELDS[key]} is not an allowed value"
+
+
+@pytest.mark.parametrize("component", [0, 1, 2, 15])
+def test_dcap_quote_below_the_minimum_tee_tcb_svn_in_one_component_is_refused(
+    dcap_trust: CpuTrust, component: int
+) -> None:
+    minimum = bytearray.fromhex(TEE_TCB_SVN)
+    minimum[component] += 1
+    verdict = _verify(dcap_trust, TDX_AT, min_tee_tcb_svn=minimum.hex())
+    assert [check.name for check in verdict.failures] == ["tdx.policy.min_tee_tcb_svn"]
+    assert verdict.failures[0].detail == (
+        f"TEE_TCB_SVN {TEE_TCB_SVN} is below the minimum {minimum.hex()} in at least one component"
+    )
+
+
 def test_td_with_debug_attribute_is_refused_by_policy() -> None:
     policy = TdxPolicy.from_table({"mrtd": [MR_TD], "tcb_statuses": ["UpToDate"]})
-    checks = policy.evaluate(
-        td_attributes=bytes([1, 0, 0, 0x10, 0, 0, 0, 0]),
-        mr_td=bytes.fromhex(MR_TD),
-        rtmrs=[bytes(48)] * 4,
-        tcb_status="UpToDate",
-        advisory_ids=[],
-    )
+    checks = policy.evaluate(_claims(bytes([1, 0, 0, 0x10, 0, 0, 0, 0]), "UpToDate", []))
     failed = [check for check in checks if not check.passed]
     assert [check.name for check in failed] == ["tdx.policy.debug"]
     assert "debug must be off" in failed[0].detail
@@ -116,13 +179,7 @@ def test_out_of_date_tcb_and_rejected_advisory_are_refused_by_policy() -> None:
     policy = TdxPolicy.from_table(
         {"mrtd": [MR_TD], "tcb_statuses": ["UpToDate"], "rejected_advisories": ["INTEL-SA-00837"]}
     )
-    checks = policy.evaluate(
-        td_attributes=bytes(8),
-        mr_td=bytes.fromhex(MR_TD),
-        rtmrs=[bytes(48)] * 4,
-        tcb_status="OutOfDate",
-        advisory_ids=["INTEL-SA-00837"],
-    )
+    checks = policy.evaluate(_claims(bytes(8), "OutOfDate", ["INTEL-SA-00837"]))
     assert {c.name for c in checks if not c.passed} == {
         "tdx.policy.tcb_status",
         "tdx.policy.advisories",
@@ -232,3 +289,12 @@ def test_trust_directory_with_intel_root_and_collateral_loads(tmp_path, dcap_tru
     assert trust.tdx_root_ca_der == dcap_trust.tdx_root_ca_der
     assert set(trust.tdx_collateral) == {"B0C06F000000"}
     assert _verify(trust, TDX_AT).trusted
+
+
+def test_tee_tcb_svn_of_the_wrong_length_fails_the_minimum_instead_of_raising() -> None:
+    policy = TdxPolicy.from_table(
+        {"mrtd": [MR_TD], "tcb_statuses": ["UpToDate"], "min_tee_tcb_svn": "00" * 16}
+    )
+    claims = replace(_claims(bytes(8), "UpToDate", []), tee_tcb_svn=bytes(15))
+    failed = [check.name for check in policy.evaluate(claims) if not check.passed]
+    assert failed == ["tdx.policy.min_tee_tcb_svn"]
