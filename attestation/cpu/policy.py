@@ -17,7 +17,12 @@ Fail closed, explained where chosen:
   allowed_vmpls = [0]                       VMPLs a report may come from (default [0])
   min_guest_svn = 0
   allow_migrate_ma = false                  a migration agent could export the guest
-  allow_smt = true                          refuse simultaneous multithreading when false
+  min_tcb_current_and_committed = false     also hold CURRENT_TCB and COMMITTED_TCB to min_tcb
+  allow_smt = true                          when false, refuse a guest policy allowing SMT and
+                                             a platform with SMT enabled (PLATFORM_INFO SMT_EN)
+  require_tsme = false                      require PLATFORM_INFO TSME_EN
+  require_ciphertext_hiding = false         require PLATFORM_INFO CIPHERTEXT_HIDING_EN (report
+                                             version 3 on; older reports are refused)
   products = ["Milan", "Genoa", "Turin"]    processor lines accepted (default: all pinned)
   host_data = ["<64 hex>", ...]             optional allow-list of HOST_DATA
   id_key_digests = ["<96 hex>", ...]        optional allow-list of ID_KEY_DIGEST
@@ -119,7 +124,10 @@ class SnpPolicy:
     allowed_vmpls: frozenset[int] = frozenset({0})
     min_guest_svn: int = 0
     allow_migrate_ma: bool = False
+    min_tcb_current_and_committed: bool = False
     allow_smt: bool = True
+    require_tsme: bool = False
+    require_ciphertext_hiding: bool = False
     products: frozenset[Product] = frozenset(PRODUCTS)
     host_data: frozenset[bytes] = frozenset()
     id_key_digests: frozenset[bytes] = frozenset()
@@ -132,7 +140,8 @@ class SnpPolicy:
         known = {
             "measurements", "min_tcb", "allowed_vmpls", "min_guest_svn", "allow_migrate_ma",
             "allow_smt", "products", "host_data", "id_key_digests", "revocation_accept",
-            "revocation_max_age_s",
+            "revocation_max_age_s", "min_tcb_current_and_committed", "require_tsme",
+            "require_ciphertext_hiding",
         }  # fmt: skip
         _refuse_unknown(table, "snp", known)
         min_tcb = table.get("min_tcb")
@@ -167,7 +176,10 @@ class SnpPolicy:
             allowed_vmpls=frozenset(_int(v, "allowed_vmpls", 0, 3) for v in vmpls),
             min_guest_svn=_int(table.get("min_guest_svn", 0), "min_guest_svn", 0, 2**32 - 1),
             allow_migrate_ma=_bool(table, "allow_migrate_ma", False),
+            min_tcb_current_and_committed=_bool(table, "min_tcb_current_and_committed", False),
             allow_smt=_bool(table, "allow_smt", True),
+            require_tsme=_bool(table, "require_tsme", False),
+            require_ciphertext_hiding=_bool(table, "require_ciphertext_hiding", False),
             products=frozenset(products),
             host_data=_hex_list(table, "host_data", 32, required=False),
             id_key_digests=_hex_list(table, "id_key_digests", 48, required=False),
@@ -203,12 +215,39 @@ class SnpPolicy:
                    f"revocation state {revocation.state} is not accepted "
                    f"({sorted(self.revocation_accept)}): {revocation.detail}"),
         ]  # fmt: skip
+        checks.extend(self._platform_checks(report, product))
         if self.host_data:
             checks.append(_check("snp.policy.host_data", report.host_data in self.host_data,
                                  "HOST_DATA is not an allowed value"))  # fmt: skip
         if self.id_key_digests:
             checks.append(_check("snp.policy.id_key", report.id_key_digest in self.id_key_digests,
                                  "ID_KEY_DIGEST is not an allowed ID key"))  # fmt: skip
+        return checks
+
+    def _platform_checks(self, report: SnpReport, product: Product) -> list[Check]:
+        """The checks of the optional settings on the platform's TCB and PLATFORM_INFO."""
+        checks = []
+        if self.min_tcb_current_and_committed:
+            # REPORTED_TCB is what the VCEK certifies, but CURRENT_TCB is the firmware running
+            # now and COMMITTED_TCB the level it cannot be rolled back below.
+            for label, raw in ("current", report.current_tcb), ("committed", report.committed_tcb):
+                tcb = TcbVersion.from_bytes(raw, product)
+                checks.append(_check(f"snp.policy.min_{label}_tcb", tcb.at_least(self.min_tcb),
+                                     f"{label} TCB {tcb.to_json()} is below the minimum "
+                                     f"{self.min_tcb.to_json()}"))  # fmt: skip
+        if not self.allow_smt:
+            checks.append(_check("snp.policy.platform_smt", not report.platform_smt_enabled,
+                                 "the platform runs with SMT enabled (PLATFORM_INFO SMT_EN), "
+                                 "which the policy refuses"))  # fmt: skip
+        if self.require_tsme:
+            checks.append(_check("snp.policy.tsme", report.tsme_enabled,
+                                 "the platform does not run with TSME enabled "
+                                 "(PLATFORM_INFO TSME_EN), which the policy requires"))  # fmt: skip
+        if self.require_ciphertext_hiding:
+            checks.append(_check("snp.policy.ciphertext_hiding", report.ciphertext_hiding_enabled,
+                                 "the platform does not run with ciphertext hiding enabled "
+                                 "(PLATFORM_INFO CIPHERTEXT_HIDING_EN, report version 3 on), "
+                                 "which the policy requires"))  # fmt: skip
         return checks
 
 

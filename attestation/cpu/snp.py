@@ -76,6 +76,11 @@ POLICY_RESERVED_ONE = 1 << 17
 POLICY_MIGRATE_MA = 1 << 18
 POLICY_DEBUG = 1 << 19
 POLICY_SINGLE_SOCKET = 1 << 20
+# PLATFORM_INFO bits (SNP ABI spec, ATTESTATION_REPORT offset 0x40). CIPHERTEXT_HIDING_EN is
+# reserved (zero) before report version 3, so a policy requiring it refuses older reports.
+PLATFORM_SMT_EN = 1 << 0
+PLATFORM_TSME_EN = 1 << 1
+PLATFORM_CIPHERTEXT_HIDING_EN = 1 << 4
 
 
 @dataclass(frozen=True, slots=True)
@@ -173,6 +178,18 @@ class SnpReport:
     @property
     def smt_allowed(self) -> bool:
         return bool(self.policy & POLICY_SMT)
+
+    @property
+    def platform_smt_enabled(self) -> bool:
+        return bool(self.platform_info & PLATFORM_SMT_EN)
+
+    @property
+    def tsme_enabled(self) -> bool:
+        return bool(self.platform_info & PLATFORM_TSME_EN)
+
+    @property
+    def ciphertext_hiding_enabled(self) -> bool:
+        return self.version >= 3 and bool(self.platform_info & PLATFORM_CIPHERTEXT_HIDING_EN)
 
     @classmethod
     def parse(cls, raw: bytes) -> SnpReport:

@@ -50,6 +50,7 @@ from attestation.cpu.snp import (
     OID_PRODUCT_NAME,
     OID_SNP_SPL,
     OID_TEE_SPL,
+    PLATFORM_SMT_EN,
     POLICY_DEBUG,
     POLICY_RESERVED_ONE,
     POLICY_SMT,
@@ -205,26 +206,32 @@ class SyntheticSnp:
         *,
         measurement: bytes = DEFAULT_MEASUREMENT,
         debug: bool = False,
+        smt: bool = True,
         migrate_ma: bool = False,
         vmpl: int = 0,
         guest_svn: int = 0,
         host_data: bytes = bytes(32),
         reported_tcb: TcbVersion | None = None,
+        current_tcb: TcbVersion | None = None,
+        committed_tcb: TcbVersion | None = None,
+        platform_info: int = PLATFORM_SMT_EN,
         version: int = 2,
     ) -> bytes:
         """A signed 1184-byte ATTESTATION_REPORT (ABI spec Table 23) for `report_data` (64
         bytes). `reported_tcb` other than the chip's TCB makes a report the VCEK does not
-        certify. Each keyword is a way to violate a policy while keeping a valid signature."""
+        certify; `current_tcb` and `committed_tcb` default to the chip's TCB too, and
+        `platform_info` to SMT enabled only. Each keyword is a way to violate a policy while
+        keeping a valid signature."""
         if len(report_data) != 64:
             raise ValueError("report_data is 64 bytes")
-        policy = POLICY_RESERVED_ONE | POLICY_SMT | (POLICY_DEBUG if debug else 0)
+        policy = POLICY_RESERVED_ONE | (POLICY_SMT if smt else 0) | (POLICY_DEBUG if debug else 0)
         policy |= (1 << 18) if migrate_ma else 0
         tcb = (reported_tcb or self.tcb).to_bytes(self.product)
         body = bytearray(SIGNED_SIZE)
         struct.pack_into("<IIQ", body, 0x00, version, guest_svn, policy)
         struct.pack_into("<II", body, 0x30, vmpl, 1)
-        body[0x38:0x40] = tcb
-        struct.pack_into("<Q", body, 0x40, 1)
+        body[0x38:0x40] = (current_tcb or self.tcb).to_bytes(self.product)
+        struct.pack_into("<Q", body, 0x40, platform_info)
         body[0x50:0x90] = report_data
         body[0x90:0xC0] = measurement
         body[0xC0:0xE0] = host_data
@@ -232,7 +239,7 @@ class SyntheticSnp:
         body[0x160:0x180] = b"\xff" * 32
         body[0x180:0x188] = tcb
         body[0x1A0:0x1E0] = self.chip_id
-        body[0x1E0:0x1E8] = tcb
+        body[0x1E0:0x1E8] = (committed_tcb or self.tcb).to_bytes(self.product)
         body[0x1E8:0x1EB] = bytes([24, 55, 1])
         body[0x1EC:0x1EF] = bytes([24, 55, 1])
         body[0x1F0:0x1F8] = tcb

@@ -100,6 +100,20 @@ def test_min_tcb_compares_every_component() -> None:
         assert not lower.at_least(policy.min_tcb)
 
 
+@pytest.mark.parametrize(
+    ("table", "message"),
+    [
+        ({**SNP, "min_tcb_current_and_committed": 1}, "true or false"),
+        ({**SNP, "require_tsme": "yes"}, "true or false"),
+        ({**SNP, "require_ciphertext_hiding": None}, "true or false"),
+        ({**SNP, "require_tmse": True}, "unknown keys"),
+    ],
+)
+def test_malformed_snp_platform_setting_is_refused(table: dict[str, object], message: str) -> None:
+    with pytest.raises(PolicyError, match=message):
+        CpuPolicy.from_tables({"snp": table})
+
+
 @pytest.mark.parametrize("key", ["mrseam", "mrconfigid", "mrowner", "mrownerconfig"])
 def test_empty_or_malformed_td_allow_list_is_refused(key: str) -> None:
     with pytest.raises(PolicyError, match=f"`{key}` must be a non-empty list"):

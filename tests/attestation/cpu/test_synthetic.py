@@ -4,12 +4,15 @@ under its own pinned test ARK and policy, and each policy lever it offers is ref
 from __future__ import annotations
 
 import hashlib
+from dataclasses import replace
 from datetime import UTC, datetime
 
 import pytest
 
 from attestation.binding import report_data
 from attestation.cpu import CpuTrust, verify_cpu_evidence
+from attestation.cpu.snp import PLATFORM_CIPHERTEXT_HIDING_EN, PLATFORM_SMT_EN, PLATFORM_TSME_EN
+from attestation.verdict import Verdict
 from tests.attestation.cpu.synthetic import SyntheticSnp
 
 NOW = datetime(2026, 11, 22, tzinfo=UTC)
@@ -118,3 +121,70 @@ def test_synthetic_reports_of_later_abi_versions_verify(
     )
     assert verdict.trusted, verdict.failures
     assert verdict.claims["version"] == version
+
+
+def _verdict(platform: SyntheticSnp, policy: dict[str, object], **options: object) -> Verdict:
+    return verify_cpu_evidence(
+        platform.evidence(BINDING, **options),
+        expected_report_data=BINDING,
+        policy=platform.policy(**policy),
+        trust=platform.trust(NOW),
+        at=NOW,
+    )
+
+
+@pytest.mark.parametrize("field", ["current", "committed"])
+def test_synthetic_tcb_below_the_minimum_is_refused_only_when_the_policy_judges_it(
+    platform: SyntheticSnp, field: str
+) -> None:
+    older = replace(platform.tcb, microcode=platform.tcb.microcode - 1)
+    options = {f"{field}_tcb": older}
+    assert _verdict(platform, {}, **options).trusted
+    verdict = _verdict(platform, {"min_tcb_current_and_committed": True}, **options)
+    assert [check.name for check in verdict.failures] == [f"snp.policy.min_{field}_tcb"]
+    assert verdict.failures[0].detail.startswith(f"{field} TCB ")
+    assert "is below the minimum" in verdict.failures[0].detail
+    assert _verdict(platform, {"min_tcb_current_and_committed": True}).trusted
+
+
+def test_synthetic_platform_with_smt_enabled_is_refused_when_smt_is_not_allowed(
+    platform: SyntheticSnp,
+) -> None:
+    no_smt = {"allow_smt": False}
+    verdict = _verdict(platform, no_smt, smt=False, platform_info=PLATFORM_SMT_EN)
+    assert [check.name for check in verdict.failures] == ["snp.policy.platform_smt"]
+    assert "SMT enabled (PLATFORM_INFO SMT_EN)" in verdict.failures[0].detail
+    verdict = _verdict(platform, no_smt, smt=True, platform_info=0)
+    assert [check.name for check in verdict.failures] == ["snp.policy.smt"]
+    assert _verdict(platform, no_smt, smt=False, platform_info=0).trusted
+
+
+def test_synthetic_platform_without_tsme_is_refused_when_the_policy_requires_it(
+    platform: SyntheticSnp,
+) -> None:
+    verdict = _verdict(platform, {"require_tsme": True})
+    assert [check.name for check in verdict.failures] == ["snp.policy.tsme"]
+    assert "TSME enabled (PLATFORM_INFO TSME_EN)" in verdict.failures[0].detail
+    tsme = PLATFORM_SMT_EN | PLATFORM_TSME_EN
+    assert _verdict(platform, {"require_tsme": True}, platform_info=tsme).trusted
+
+
+@pytest.mark.parametrize(
+    ("version", "platform_info", "trusted"),
+    [
+        (3, PLATFORM_SMT_EN, False),
+        (3, PLATFORM_SMT_EN | PLATFORM_CIPHERTEXT_HIDING_EN, True),
+        (5, PLATFORM_SMT_EN | PLATFORM_CIPHERTEXT_HIDING_EN, True),
+        # Before version 3 the bit is reserved: set, it still proves nothing.
+        (2, PLATFORM_SMT_EN | PLATFORM_CIPHERTEXT_HIDING_EN, False),
+    ],
+)
+def test_synthetic_platform_without_ciphertext_hiding_is_refused_when_required(
+    platform: SyntheticSnp, version: int, platform_info: int, trusted: bool
+) -> None:
+    policy = {"require_ciphertext_hiding": True}
+    verdict = _verdict(platform, policy, version=version, platform_info=platform_info)
+    assert verdict.trusted is trusted
+    if not trusted:
+        assert [check.name for check in verdict.failures] == ["snp.policy.ciphertext_hiding"]
+        assert "ciphertext hiding enabled" in verdict.failures[0].detail
