@@ -7,7 +7,9 @@ from __future__ import annotations
 import argparse
 import sys
 
+from attestation.errors import AttestationError
 from installer import seal
+from installer.errors import InstallerError
 
 _COMMAND_MODULES = (seal,)
 
@@ -18,7 +20,12 @@ def main(argv: list[str] | None = None) -> int:
     for module in _COMMAND_MODULES:
         module.add_commands(commands)
     args = parser.parse_args(argv)
-    return int(args.run(args))
+    try:
+        return int(args.run(args))
+    except (InstallerError, AttestationError) as exc:
+        # Expected failures, each saying what to do: one line, no traceback.
+        print(f"python -m installer {args.command}: {exc}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

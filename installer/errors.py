@@ -10,3 +10,7 @@ class InstallerError(Exception):
 
 class EmbeddedModelNotFoundError(InstallerError):
     """The embedded default model's package, or the GGUF file inside it, cannot be found."""
+
+
+class SealingError(InstallerError):
+    """A model directory cannot be sealed, or sealing keys cannot be made."""

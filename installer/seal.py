@@ -28,7 +28,6 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from tqdm.auto import tqdm
 
-from attestation.errors import AttestationError
 from attestation.keys import Pkcs11KeySettings
 from attestation.keys.file import FileKeyProvider
 from attestation.keys.pkcs11 import Pkcs11KeyProvider
@@ -38,6 +37,7 @@ from attestation.sealed import (
     seal_model,
     source_files,
 )
+from installer.errors import SealingError
 
 SIGNING_KEY_NAME = "manifest-signing.pem"
 PUBLIC_KEY_NAME = "manifest.pub"
@@ -123,9 +123,8 @@ def run_seal(args: argparse.Namespace) -> int:
                 workers=args.workers,
                 progress=advance,
             )
-    except (AttestationError, OSError) as exc:
-        print(f"installer seal: {exc}", file=sys.stderr)
-        return 1
+    except OSError as exc:
+        raise SealingError(f"cannot seal {args.source}: {exc}") from exc
     num_sealed = len(manifest.sealed_files)
     print(
         f"sealed {args.model_id!r} into {args.out}: {num_sealed} weight file(s) encrypted, "
@@ -138,14 +137,9 @@ def run_seal_keys(args: argparse.Namespace) -> int:
     keys_dir: Path = args.keys_dir
     signing_path, public_path = keys_dir / SIGNING_KEY_NAME, keys_dir / PUBLIC_KEY_NAME
     if signing_path.exists():
-        print(f"installer seal-keys: {signing_path} already exists", file=sys.stderr)
-        return 1
-    try:
-        provider = _provider(args, default_key_dir=keys_dir)
-        provider.create_key(args.key_id)
-    except AttestationError as exc:
-        print(f"installer seal-keys: {exc}", file=sys.stderr)
-        return 1
+        raise SealingError(f"{signing_path} already exists: keys are never overwritten")
+    provider = _provider(args, default_key_dir=keys_dir)
+    provider.create_key(args.key_id)
     keys_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
     signing_key = Ed25519PrivateKey.generate()
     fd = os.open(signing_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
