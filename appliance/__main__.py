@@ -161,7 +161,7 @@ def _run_import_gguf(args: argparse.Namespace) -> int:
 
 def _run_serve(args: argparse.Namespace) -> int:
     from appliance.app import build
-    from appliance.boot import start_audit_log
+    from appliance.boot.startup import start_audit_log
     from appliance.config import load_settings
     from appliance.server import listen, serve
 
@@ -180,12 +180,12 @@ def _run_serve(args: argparse.Namespace) -> int:
 
 
 def _run_demo(args: argparse.Namespace) -> int:
-    from appliance.app import build, engine_config
-    from appliance.boot import start_audit_log
+    from appliance.app import build
+    from appliance.boot.startup import engine_config, start_audit_log
+    from appliance.boot.weights import LoadedModel
     from appliance.config import load_settings
     from appliance.engine.models.gguf_import import import_gguf
     from appliance.server import listen, serve
-    from appliance.weights import LoadedModel
     from installer.demo import DEMO_PORT, demo_dir, write_demo_config
     from installer.embedded_model import default_model_dir, find_embedded_gguf
 
@@ -254,7 +254,7 @@ def _mint(settings: Settings, log: AuditLog, role: Role, subject: str, command: 
 
 
 def _run_token(args: argparse.Namespace) -> int:
-    from appliance.boot import open_audit_log
+    from appliance.boot.startup import open_audit_log
     from appliance.config import load_settings
     from installer.demo import CONFIG_NAME, demo_dir
 
@@ -310,7 +310,7 @@ Health: {url}/health   Metrics (admin token): {url}/metrics   Settings: {config_
 
 
 def _run_audit_export(args: argparse.Namespace) -> int:
-    from appliance.boot import open_audit_log
+    from appliance.boot.startup import open_audit_log
     from appliance.config import load_settings
     from audit.export import ExportRequest, export_bundle
 

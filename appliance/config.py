@@ -195,6 +195,11 @@ class AuditSettings(_Section):
     def effective_key_dir(self) -> Path:
         return self.key_dir or self.data_dir / "keys"
 
+    @property
+    def redacted_database_url(self) -> str:
+        """The effective URL with its password hidden, for messages and the config digest."""
+        return make_url(self.effective_database_url).render_as_string(hide_password=True)
+
 
 Profile = Literal["production", "development"]
 TeeMode = Literal["required", "insecure-dev"]

@@ -1,5 +1,5 @@
-"""The audit log's append throughput through the real request path (issue 5's goal: 2,000
-entries/s on the 2-core development machine).
+"""The audit log's append throughput through the real request path (the goal: 2,000
+entries/s on the 2-core development machine; docs/BENCHMARKS.md).
 
 Starts the real server in its own process, as bench/server_load.py does (TLS on a loopback
 socket, its audit log in SQLite with synchronous=FULL), serving bench/engine_host.py's stub

@@ -60,12 +60,12 @@ def serve_built_model(kind: str, config_path: Path) -> None:
     """Serve the random-weight 8B (GPU) or the stub model exactly as `inferno serve` serves a
     model directory."""
     sys.path.insert(0, str(_HERE))
-    from appliance.app import build, engine_config
-    from appliance.boot import start_audit_log
+    from appliance.app import build
+    from appliance.boot.startup import engine_config, start_audit_log
+    from appliance.boot.weights import LoadedModel
     from appliance.config import load_settings
     from appliance.engine.engine import Engine
     from appliance.server import listen, serve
-    from appliance.weights import LoadedModel
 
     settings = load_settings(config_path)
     if kind == "random-8b":

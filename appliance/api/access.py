@@ -28,12 +28,12 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from appliance.api.audit_trail import ACTOR_STATE, RECEIPT_STATE
 from appliance.api.errors import APIError
 from appliance.auth.authenticator import Authenticator
-from appliance.auth.challenge import challenge
 from appliance.auth.denials import DenialReporter
 from appliance.auth.errors import AuthenticationError, AuthorizationError, Reason
 from appliance.auth.principal import Principal
 from appliance.auth.roles import Role
 from appliance.auth.sessions import SESSION_COOKIE, Session, SessionStore
+from appliance.auth.www_authenticate import challenge
 
 CSRF_HEADER = "x-csrf-token"
 _SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})

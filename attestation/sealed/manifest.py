@@ -20,7 +20,7 @@ directory is unsigned.
                 "num_chunks": int (sealed files only)}, ...]}
 
 `size` and `sha256` are always those of the plaintext, so the weights digest of a sealed model
-(`appliance.weights`) equals that of the model it was sealed from without decrypting anything.
+(`appliance.boot.weights`) equals that of the model it was sealed from without decrypting anything.
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ import jwt
 import openai
 import pytest
 
-from appliance.boot import open_audit_log
+from appliance.boot.startup import open_audit_log
 from appliance.config import load_settings
 from appliance.engine.engine import Engine, EngineConfig
 from appliance.engine.sampling_params import SamplingParams

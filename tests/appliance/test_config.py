@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from appliance.app import engine_config
 from appliance.auth.settings import IssuerSettings, RoleValues
+from appliance.boot.startup import engine_config
 from appliance.config import Settings, load_settings, setting_names
 from appliance.engine.engine import EngineConfig
 from appliance.errors import ConfigError

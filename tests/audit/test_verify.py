@@ -1,5 +1,5 @@
 """The offline verifier on real exports: an honest bundle passes, and every tampering is caught
-with a precise message (the tamper suite of issue 5), through `python -m audit verify`."""
+with a precise message (the tamper suite), through `python -m audit verify`."""
 
 from __future__ import annotations
 

@@ -38,9 +38,9 @@ from appliance.attestation.service import TeeService
 from appliance.attestation.signing import verify_signed_verdict
 from appliance.auth.local_issuer import LocalIssuer
 from appliance.auth.roles import Role
-from appliance.boot import open_audit_log, start_audit_log
+from appliance.boot.startup import open_audit_log, start_audit_log
+from appliance.boot.weights import LoadedModel, digest_weights
 from appliance.config import Settings, settings_from_mapping
-from appliance.weights import LoadedModel, digest_weights
 from attestation.binding import report_data
 from attestation.cpu import CpuEvidence, CpuTrust, verify_cpu_evidence
 from attestation.gpu import GpuEvidence, GpuTrust, gpu_evidence_digest, verify_gpu_evidence

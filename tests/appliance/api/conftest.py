@@ -23,11 +23,11 @@ from prometheus_client.parser import text_string_to_metric_families
 from appliance.app import build
 from appliance.auth.local_issuer import LocalIssuer
 from appliance.auth.roles import Role
-from appliance.boot import start_audit_log
+from appliance.boot.startup import start_audit_log
+from appliance.boot.weights import LoadedModel, digest_weights
 from appliance.config import Settings, settings_from_mapping
 from appliance.engine.engine import Engine, EngineConfig
 from appliance.server import listen, uvicorn_server
-from appliance.weights import LoadedModel, digest_weights
 
 MODEL_NAME = "smollm2"
 AUDIT_ORIGIN = "inferno.test/audit"

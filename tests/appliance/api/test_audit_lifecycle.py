@@ -13,7 +13,8 @@ from typing import Any
 
 import pytest
 
-from appliance.boot import audit_log_settings, config_digest
+from appliance.boot.audit_events import config_digest
+from appliance.boot.startup import audit_log_settings
 from appliance.engine.engine import Engine
 from audit.store import AuditStore
 from tests.appliance.api.conftest import (

@@ -11,7 +11,6 @@ import pytest
 
 from appliance.attestation.service import AttestationBusyError, TeeService
 from appliance.attestation.signing import verify_signed_verdict
-from appliance.boot import reattest_periodically
 from attestation.errors import PolicyError
 from tests.appliance.attestation.fake_tee import FakeCollector, FakeVerifier
 
@@ -137,18 +136,3 @@ def test_a_client_asking_while_a_collection_runs_is_turned_away_not_queued() -> 
         assert (await first).verdict.trusted
 
     asyncio.run(scenario())
-
-
-def test_a_reattestation_that_crashes_stops_inference_rather_than_the_timer() -> None:
-    class BrokenLog:
-        async def append_async(self, event: object) -> None:
-            raise RuntimeError("disk on fire")
-
-    reasons: list[str] = []
-
-    async def stop(reason: str) -> None:
-        reasons.append(reason)
-
-    tee = _service(FakeCollector(), FakeVerifier())
-    asyncio.run(reattest_periodically(tee, BrokenLog(), 0.01, stop))  # type: ignore[arg-type]
-    assert reasons == ["re-attestation failed (RuntimeError); see the server log"]

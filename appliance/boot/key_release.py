@@ -1,5 +1,5 @@
-"""Start-up steps 5 and 6 (ARCHITECTURE.md): the sealed model's data key is released to the
-passing verdict, then its weights are decrypted straight into memory and loaded.
+"""Start-up steps 5 and 6 (appliance.boot.startup): the sealed model's data key is released to
+the passing verdict, then its weights are decrypted straight into memory and loaded.
 
 Order, each step failing closed:
   1. the manifest verifies under the pinned manifest key and every listed file is present
@@ -12,9 +12,9 @@ Order, each step failing closed:
 
 from __future__ import annotations
 
+from appliance.boot.weights import LoadedModel
 from appliance.config import SealedSettings
 from appliance.engine.engine import EngineConfig
-from appliance.weights import LoadedModel
 from attestation.keys import (
     FileKeySettings,
     KeyProvider,

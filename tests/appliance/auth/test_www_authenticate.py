@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from appliance.auth.challenge import challenge
 from appliance.auth.errors import AuthenticationError, AuthorizationError, Reason
+from appliance.auth.www_authenticate import challenge
 
 
 def test_request_without_credentials_gets_a_bare_challenge() -> None:

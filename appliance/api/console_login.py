@@ -1,5 +1,5 @@
 """The console's login and logout routes: the OIDC authorization code flow with PKCE
-(`appliance.auth.login`) ending in a server-side session (`appliance.auth.sessions`).
+(`appliance.auth.oidc_login`) ending in a server-side session (`appliance.auth.sessions`).
 
 GET /console/login redirects to the IdP; GET /console/callback ends the login and sets the
 session cookie; GET /console/session tells the console who is logged in and its CSRF token;
@@ -17,7 +17,7 @@ from fastapi.responses import RedirectResponse
 from appliance.api.access import session_of
 from appliance.api.errors import APIError
 from appliance.auth.errors import LoginError
-from appliance.auth.login import LOGIN_COOKIE, PENDING_TTL_S, ConsoleLogin
+from appliance.auth.oidc_login import LOGIN_COOKIE, PENDING_TTL_S, ConsoleLogin
 from appliance.auth.sessions import Session, SessionStore, expired_cookie
 
 router = APIRouter(prefix="/console", include_in_schema=False)

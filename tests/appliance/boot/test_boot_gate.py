@@ -20,11 +20,11 @@ from appliance.attestation.service import TeeService
 from appliance.attestation.signing import verify_signed_verdict
 from appliance.auth.local_issuer import LocalIssuer
 from appliance.auth.roles import Role
-from appliance.boot import open_audit_log, start_audit_log
+from appliance.boot.startup import open_audit_log, start_audit_log
+from appliance.boot.weights import LoadedModel
 from appliance.config import Settings, settings_from_mapping
 from appliance.engine.engine import Engine, EngineConfig
 from appliance.errors import BootError, ConfigError
-from appliance.weights import LoadedModel
 from attestation.errors import CollectionError
 from tests.appliance.attestation.fake_tee import FakeCollector, FakeVerifier
 

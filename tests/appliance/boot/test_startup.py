@@ -1,8 +1,10 @@
-"""The start-up sequence's audit steps: the log opens first and records boot.start, or the
-appliance refuses to start, saying why without revealing secrets."""
+"""The start-up sequence's own steps: the log opens first and records boot.start, or the
+appliance refuses to start, saying why without revealing secrets; a re-attestation timer that
+crashes stops inference. The gate through the app is test_boot_gate.py."""
 
 from __future__ import annotations
 
+import asyncio
 import importlib.metadata
 import json
 import os
@@ -11,10 +13,13 @@ from typing import Any
 
 import pytest
 
-from appliance.boot import config_digest, open_audit_log, start_audit_log
+from appliance.attestation.service import TeeService
+from appliance.boot.audit_events import config_digest
+from appliance.boot.startup import open_audit_log, reattest_periodically, start_audit_log
 from appliance.config import Settings
 from appliance.errors import BootError
 from audit.log import SIGNING_KEY_FILE
+from tests.appliance.attestation.fake_tee import FakeCollector, FakeVerifier
 
 
 @pytest.fixture
@@ -80,3 +85,18 @@ def test_a_signing_key_open_to_others_stops_the_start(model_dir: Path, tmp_path:
     os.chmod(tmp_path / "audit" / "keys" / SIGNING_KEY_FILE, 0o644)
     with pytest.raises(BootError, match=r"mode 0644, open to group or others"):
         start_audit_log(settings)
+
+
+def test_a_reattestation_that_crashes_stops_inference_rather_than_the_timer() -> None:
+    class BrokenLog:
+        async def append_async(self, event: object) -> None:
+            raise RuntimeError("disk on fire")
+
+    reasons: list[str] = []
+
+    async def stop(reason: str) -> None:
+        reasons.append(reason)
+
+    tee = TeeService("required", FakeCollector(), FakeVerifier())
+    asyncio.run(reattest_periodically(tee, BrokenLog(), 0.01, stop))  # type: ignore[arg-type]
+    assert reasons == ["re-attestation failed (RuntimeError); see the server log"]

@@ -16,7 +16,7 @@ import pytest
 from appliance.auth.authenticator import Authenticator
 from appliance.auth.errors import LoginError
 from appliance.auth.idp_http import IdpHttp, idp_tls_context
-from appliance.auth.login import ConsoleLogin
+from appliance.auth.oidc_login import ConsoleLogin
 from appliance.auth.roles import Role
 from appliance.auth.settings import AuthSettings
 from tests.appliance.auth.idp import AUDIENCE, IdpCa, OidcProvider, log_in

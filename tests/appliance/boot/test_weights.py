@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from appliance.boot.weights import digest_weights
 from appliance.errors import ModelFilesError
-from appliance.weights import digest_weights
 
 
 def test_the_digest_is_the_documented_sha256sum_listing_of_every_weight_file(

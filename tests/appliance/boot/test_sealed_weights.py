@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
+from appliance.boot.weights import LoadedModel, digest_sealed_weights, digest_weights
 from appliance.engine.engine import Engine, EngineConfig
 from appliance.engine.sampling_params import SamplingParams
 from appliance.errors import ModelFilesError
-from appliance.weights import LoadedModel, digest_sealed_weights, digest_weights
 from attestation.errors import SealedModelError
 from attestation.keys.file import FileKeyProvider
 from attestation.sealed import SealedModel, seal_model

@@ -1,0 +1,374 @@
+"""The fail-closed start-up sequence (docs/ARCHITECTURE.md, "Start-up"), in one place: no key,
+no weights and no inference without a passing, recorded verdict.
+
+Before the server starts (the `inferno serve` and `inferno demo` commands):
+ 1. The settings are loaded and validated (`appliance.config.load_settings`): the production
+    profile refuses insecure settings there, and `StartUp.prepare` refuses what cannot start
+    (an unusable engine config, a key provider that cannot be used, weights loaded before the
+    gate outside insecure-dev).
+ 2. The audit log opens and records `boot.start` (`start_audit_log`). If either fails, the
+    appliance exits without serving.
+Then, as the server starts (`StartUp.run`; `/live` answers and `/health` says which step runs):
+ 3. Attest: evidence for a fresh challenge, verified offline against the policy and the pinned
+    roots; the verdict is recorded. A failing verdict, or one the log cannot record, closes the
+    gate. In insecure-dev nothing is attested, and the log records that.
+ 4. Only after a recorded pass: the GPUs are set ready.
+ 5. A sealed model's data key is released to that verdict by the key provider.
+ 6. The weights are decrypted straight into memory (sealed) or read from `model.dir`, and the
+    engine is built around them.
+ 7. Warm-up happens as the engine is built (the KV pool is profiled, the CUDA graphs captured);
+    `boot.ready` records the time of each phase, and only then is inference served.
+ 8. Re-attest every `tee.reattest_interval_s`, or at once when a client's attestation failed.
+    A failure is recorded, the requests in flight drain, and inference stops until restart.
+
+A step that fails leaves the server up and failed, its reason on `/health`; the log records the
+failing verdict, or a failed `boot.phase` for the key release and the load.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from functools import partial
+
+from appliance.api.admission import Admission
+from appliance.api.audit_trail import AuditTrail
+from appliance.api.metrics import ServerMetrics
+from appliance.api.readiness import Readiness
+from appliance.attestation.service import Attestation, TeeService
+from appliance.boot.audit_events import (
+    attestation_skipped,
+    attestation_verdict,
+    boot_phase_failed,
+    boot_ready,
+    boot_start,
+)
+from appliance.boot.key_release import key_provider, release_and_load
+from appliance.boot.weights import LoadedModel
+from appliance.config import AuditSettings, Settings
+from appliance.engine.async_engine import AsyncEngine
+from appliance.engine.engine import EngineConfig
+from appliance.engine.errors import EngineError
+from appliance.engine.models.config import ModelConfig
+from appliance.errors import BootError, ModelFilesError
+from attestation.errors import AttestationError, CollectionError, KeyReleaseError
+from attestation.keys import KeyProvider
+from audit.errors import AuditError
+from audit.event import AuditEvent
+from audit.log import AuditLog, AuditLogSettings
+from audit.policy import CheckpointPolicy
+
+logger = logging.getLogger(__name__)
+
+
+class StartUpError(BootError):
+    """A step of `StartUp.run` failed: nothing after it runs, and nothing is served."""
+
+
+def start_audit_log(settings: Settings) -> AuditLog:
+    """Step 2: open the audit log and record `boot.start`. Raises BootError if either fails:
+    the appliance must not serve without its log."""
+    log = open_audit_log(settings.audit)
+    try:
+        log.append(boot_start(settings))
+    except AuditError as exc:
+        log.close()
+        raise BootError(f"the audit log cannot record boot.start: {exc}") from exc
+    return log
+
+
+def open_audit_log(audit: AuditSettings) -> AuditLog:
+    """The audit log these settings name (the server's, or `inferno audit`'s). Raises
+    BootError saying why it cannot be opened."""
+    try:
+        audit.data_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        return AuditLog.open(audit_log_settings(audit))
+    except (AuditError, OSError) as exc:
+        raise BootError(
+            f"the audit log cannot be opened (audit.database_url = "
+            f"{audit.redacted_database_url}, audit.key_dir = {audit.effective_key_dir}): {exc}"
+        ) from exc
+
+
+def audit_log_settings(audit: AuditSettings) -> AuditLogSettings:
+    return AuditLogSettings(
+        origin=audit.origin,
+        database_url=audit.effective_database_url,
+        key_dir=audit.effective_key_dir,
+        policy=CheckpointPolicy(
+            every_entries=audit.checkpoint_every_entries,
+            every_s=audit.checkpoint_every_s,
+            heartbeat_s=audit.heartbeat_s,
+        ),
+        commitment_key_file=audit.commitment_key_file,
+    )
+
+
+def engine_config(settings: Settings) -> EngineConfig:
+    """The engine's config, checked as far as it can be without loading the model (device,
+    dtype, the model's config.json), so that such errors stop the start at once."""
+    config = EngineConfig(model_dir=settings.model.dir, **settings.engine.model_dump())
+    _ = (config.torch_device, config.torch_dtype)  # each raises EngineConfigError if unusable
+    ModelConfig.from_model_dir(config.model_dir)
+    return config
+
+
+def tee_service(settings: Settings) -> TeeService:
+    """The TEE service of `settings`: attesting this machine's own devices, or none at all in
+    insecure-dev mode."""
+    if settings.tee.mode == "insecure-dev":
+        return TeeService("insecure-dev", None, None)
+    from appliance.attestation.devices import device_tee_service  # NVML, configfs-tsm
+
+    return device_tee_service(settings.tee)
+
+
+@dataclass
+class StartUp:
+    """Steps 3 to 8, run by the app as it starts (`run`) and stopped as it stops (`stop`)."""
+
+    settings: Settings
+    tee: TeeService
+    trail: AuditTrail
+    readiness: Readiness
+    admission: Admission
+    metrics: ServerMetrics
+    # A model loaded before the app was built (the demo, tests: insecure-dev only), or the
+    # config to load one from once the gate passed.
+    model: LoadedModel | None
+    config: EngineConfig | None
+    keys: KeyProvider | None
+    engine: AsyncEngine | None = None
+    _reattesting: asyncio.Task[None] | None = field(default=None, repr=False)
+
+    @classmethod
+    def prepare(
+        cls,
+        settings: Settings,
+        *,
+        trail: AuditTrail,
+        readiness: Readiness,
+        admission: Admission,
+        metrics: ServerMetrics,
+        tee: TeeService | None = None,
+        model: LoadedModel | None = None,
+        keys: KeyProvider | None = None,
+    ) -> StartUp:
+        """The sequence for `settings`, refusing at once what could never pass step 1: a TEE
+        service of another mode, weights loaded before the gate outside insecure-dev, an
+        unusable engine config, a key provider that cannot be used. `tee` defaults to this
+        machine's devices, `keys` to the provider `settings.sealed` names. Raises BootError."""
+        if tee is None:
+            tee = tee_service(settings)
+        if tee.mode != settings.tee.mode:
+            raise BootError(f"the TEE service runs {tee.mode!r}; tee.mode is {settings.tee.mode!r}")
+        if model is not None and tee.mode != "insecure-dev":
+            raise BootError(
+                'a model loaded before the TEE gate is refused with tee.mode = "required": the '
+                "weights load only after a passing verdict"
+            )
+        config = engine_config(settings) if model is None else None
+        if keys is None and settings.sealed.enabled:
+            try:
+                keys = key_provider(
+                    settings.sealed, production=settings.appliance.profile == "production"
+                )
+            except AttestationError as exc:
+                raise BootError(f"the key provider cannot be used: {exc}") from exc
+        return cls(settings, tee, trail, readiness, admission, metrics, model, config, keys)
+
+    async def run(self) -> AsyncEngine | None:
+        """Steps 3 to 8; the running engine, or None when a step failed (then `/health` says
+        why, and the server stays up to report it)."""
+        try:
+            # 3. Attest; the verdict is recorded, and only a recorded pass goes on.
+            started_s = time.monotonic()
+            attestation = await self._attest()
+            # 4. The GPUs accept work only now.
+            if attestation is not None:
+                await self._set_gpus_ready()
+            attestation_ms = _ms_since(started_s) if attestation is not None else None
+            # 5-6. The key is released to the verdict; the weights are loaded (and 7, warmed up).
+            started_s = time.monotonic()
+            model = await self._load_model(attestation)
+            load_ms = _ms_since(started_s) if self.model is None else None
+            # 7. boot.ready is recorded; only then is inference served.
+            self.engine = await self._serve(model, load_ms, attestation_ms)
+        except StartUpError as exc:
+            logger.error("start-up stopped: %s", exc)
+            self.readiness.set_failed(str(exc))
+            return None
+        # 8. Re-attestation on a timer, for as long as the engine serves.
+        if self.tee.mode == "required":
+            self._reattesting = asyncio.create_task(self._reattest(self.engine))
+        return self.engine
+
+    async def stop(self) -> None:
+        """Stop re-attesting and serving; requests still running in the engine end aborted."""
+        if self._reattesting is not None:
+            self._reattesting.cancel()
+        self.readiness.set_stopped()
+        if self.engine is not None:
+            await self.engine.shutdown()
+
+    async def _attest(self) -> Attestation | None:
+        """Step 3: the passing attestation, or None in insecure-dev. Raises StartUpError saying
+        why the gate is closed: a failing verdict (its failed checks), one the audit log cannot
+        record (an unrecorded pass is no pass), or an unexpected error."""
+        if self.tee.mode == "insecure-dev":
+            logger.warning("tee.mode = insecure-dev: the TEE is not attested; serving UNVERIFIED")
+            await self._record(attestation_skipped(), "the skipped attestation")
+            return None
+        self.readiness.set_loading("attesting the TEE")
+        try:
+            attestation = await self.tee.attest("boot")
+        except Exception as exc:  # TeeService makes every expected failure a failed check
+            raise _unexpected("the TEE gate", exc) from exc
+        verdict = attestation_verdict(attestation, self.tee.state())
+        await self._record(verdict, "the attestation verdict")
+        if not attestation.verdict.trusted:
+            raise StartUpError(f"attestation failed: {attestation.summary()}")
+        return attestation
+
+    async def _set_gpus_ready(self) -> None:
+        """Step 4. Raises StartUpError: the gate stays shut."""
+        try:
+            await self.tee.set_gpus_ready()
+        except CollectionError as exc:
+            raise StartUpError(
+                f"the GPUs could not be set ready after a passing verdict: {exc}"
+            ) from exc
+        except Exception as exc:
+            raise _unexpected("the TEE gate", exc) from exc
+
+    async def _load_model(self, attestation: Attestation | None) -> LoadedModel:
+        """Steps 5 and 6 in a thread (the event loop keeps answering `/live` and `/health`), or
+        the model given ready-made. A failure is recorded as a failed `boot.phase` (key_release
+        or model_load). Raises StartUpError."""
+        if self.model is not None:
+            return self.model
+        self.readiness.set_loading("the model is loading")
+        assert self.config is not None, "prepare() makes a config when it is given no model"
+        load = partial(LoadedModel.load, self.config)
+        if self.settings.sealed.enabled:
+            assert attestation is not None and self.keys is not None, "checked by Settings"
+            load = partial(
+                release_and_load,
+                self.config,
+                self.settings.sealed,
+                self.keys,
+                attestation.verdict,
+            )
+        try:
+            return await asyncio.to_thread(load)
+        except Exception as exc:
+            phase = "key_release" if isinstance(exc, KeyReleaseError) else "model_load"
+            with contextlib.suppress(StartUpError):  # the failure to report is the load's
+                await self._record(boot_phase_failed(phase, exc), "the failed model load")
+            if isinstance(exc, EngineError | ModelFilesError | AttestationError):
+                raise StartUpError(f"the model could not be loaded: {exc}") from exc
+            raise _unexpected("the model load", exc) from exc
+
+    async def _serve(
+        self, model: LoadedModel, load_ms: float | None, attestation_ms: float | None
+    ) -> AsyncEngine:
+        """Step 7: record `boot.ready`, then start the engine and mark the server ready."""
+        self.trail.weights_digest = model.weights_digest
+        ready = boot_ready(
+            model=self.trail.model_name,
+            weights_digest=model.weights_digest,
+            model_load_ms=load_ms,
+            attestation_ms=attestation_ms,
+            tee=self.tee.state(),
+        )
+        try:
+            await self.trail.log.append_async(ready)
+        except AuditError as exc:
+            raise StartUpError(
+                f"the audit log cannot record boot.ready, so nothing is served: {exc}"
+            ) from exc
+        engine = AsyncEngine(model.engine)
+        engine.start()
+        self.metrics.watch(model.engine)
+        self.readiness.set_ready(engine)
+        logger.info("ready: serving %s (TEE %s)", self.trail.model_name, self.tee.state())
+        return engine
+
+    async def _reattest(self, engine: AsyncEngine) -> None:
+        """Step 8, until cancelled or the first failure, which drains and stops inference."""
+
+        async def stop_inference(reason: str) -> None:
+            self.readiness.set_failed(reason)
+            await _drain(self.admission, self.settings.server.drain_timeout_s)
+            await engine.shutdown()
+
+        interval_s = self.settings.tee.reattest_interval_s
+        await reattest_periodically(self.tee, self.trail.log, interval_s, stop_inference)
+
+    async def _record(self, event: AuditEvent, what: str) -> None:
+        """Append `event`, or raise StartUpError: a step the log cannot record did not pass."""
+        try:
+            await self.trail.log.append_async(event)
+        except AuditError as exc:
+            raise StartUpError(f"the audit log cannot record {what}: {exc}") from exc
+
+
+async def reattest_periodically(
+    tee: TeeService,
+    log: AuditLog,
+    interval_s: float,
+    on_failure: Callable[[str], Awaitable[None]],
+) -> None:
+    """Step 8: every `interval_s`, or at once when a client's attestation failed
+    (`tee.reattest_requested`), attest again and record the verdict. On the first failure (or a
+    verdict the log cannot record, or anything unexpected: a timer that dies silently would be
+    a gate left open) await `on_failure(reason)` and return: inference stays stopped until
+    restart. Runs until cancelled."""
+    while True:
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(tee.reattest_requested.wait(), timeout=interval_s)
+        tee.reattest_requested.clear()
+        try:
+            reason = await _reattest_once(tee, log)
+        except Exception as exc:
+            logger.exception("re-attestation failed unexpectedly")
+            reason = f"re-attestation failed ({type(exc).__name__}); see the server log"
+        if reason is not None:
+            logger.error("%s; inference stops", reason)
+            await on_failure(reason)
+            return
+
+
+async def _reattest_once(tee: TeeService, log: AuditLog) -> str | None:
+    """One re-attestation, recorded; the reason to stop inference, or None."""
+    attestation = await tee.attest("reattest")
+    reason = None
+    if not attestation.verdict.trusted:
+        reason = f"re-attestation failed: {attestation.summary()}"
+    try:
+        await log.append_async(attestation_verdict(attestation, tee.state()))
+    except AuditError as exc:
+        reason = reason or f"the audit log cannot record a re-attestation verdict: {exc}"
+    return reason
+
+
+async def _drain(admission: Admission, timeout_s: float) -> None:
+    """Wait up to `timeout_s` for the requests admitted before inference stopped to end."""
+    deadline = time.monotonic() + timeout_s
+    while admission.num_admitted > 0 and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+
+
+def _unexpected(step: str, exc: Exception) -> StartUpError:
+    """A failure no step expects: fail closed, visibly (never "loading" forever), with the
+    traceback in the server log and only the error's class on /health."""
+    logger.error("%s failed unexpectedly", step, exc_info=exc)
+    return StartUpError(f"{step} failed ({type(exc).__name__}); see the server log")
+
+
+def _ms_since(start_s: float) -> float:
+    return (time.monotonic() - start_s) * 1000

@@ -1,1 +1,0 @@
-"""Admin web console (a later issue)."""
