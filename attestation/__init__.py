@@ -1,1 +1,3 @@
-"""TEE evidence collection and offline verification, policy, key release (a later issue)."""
+"""TEE evidence: collection (NVML, configfs-tsm) and offline verification (`gpu/`, `cpu/`),
+policy, the verdict, key providers (`keys/`) and the sealed-model format (`sealed/`); the
+command line is `python -m attestation`."""

@@ -1,1 +1,2 @@
-"""Signed tamper-evident audit log and its offline verifier (issue #5)."""
+"""The signed, tamper-evident audit log (docs/AUDIT.md) and its offline verifier
+(`python -m audit`)."""

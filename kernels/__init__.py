@@ -1,2 +1,2 @@
-"""Inferno's compute kernels: plain-torch reference ops now, Triton kernels (issue #3) that must
-match them."""
+"""Inferno's compute kernels: the plain-torch reference ops (`reference`), the Triton kernels that
+must match them, and `backend`, which picks one set for a device."""
