@@ -53,8 +53,10 @@ class CpuTrust:
     @classmethod
     def load(cls, directory: Path, *, builtin_roots: bool = True) -> CpuTrust:
         """Load the layout of the module docstring on top of the built-in roots (or of none,
-        with `builtin_roots=False`). Raises PolicyError on an unreadable or malformed file, an
-        ARK that is not self-signed, or collateral without an FMSPC."""
+        with `builtin_roots=False`): `snp/ark-<product>.pem` replaces AMD's ARK of that product
+        only, `tdx/root_ca.pem` replaces Intel's root; a root the directory does not pin stays
+        the built-in one. Raises PolicyError on an unreadable or malformed file, an ARK that is
+        not self-signed, or collateral without an FMSPC."""
         directory = Path(directory)
         builtin = cls.builtin() if builtin_roots else cls()
         arks: dict[Product, x509.Certificate] = {}
@@ -73,9 +75,14 @@ class CpuTrust:
         for path in sorted((directory / "snp").glob("crl-*")):
             crl = _load_crl(path)
             crls[_crl_product(crl, path)] = crl
+        # Each pinned root replaces only its own built-in counterpart: a directory that brings
+        # only Intel's collateral (the usual case) keeps Intel's root, as one that pins a test
+        # ARK for one product keeps AMD's ARKs for the others.
         root_path = directory / "tdx" / "root_ca.pem"
         root = (
-            _load_certificate(root_path).public_bytes(Encoding.DER) if root_path.exists() else None
+            _load_certificate(root_path).public_bytes(Encoding.DER)
+            if root_path.exists()
+            else builtin.tdx_root_ca_der
         )
         collateral: dict[str, str] = {}
         for path in sorted((directory / "tdx" / "collateral").glob("*.json")):

@@ -19,18 +19,12 @@ from attestation.cpu.evidence import CpuEvidence
 from attestation.cpu.policy import TdxPolicy
 from attestation.cpu.tdx import TdxClaims, TdxQuote, verify_pck_chain, verify_tdx_quote
 from attestation.errors import EvidenceError, PolicyError
-from tests.attestation.cpu.conftest import DCAP, TDX, TDX_AT
+from tests.attestation.cpu.conftest import DCAP, DCAP_MR_TD, DCAP_REPORT_DATA, TDX, TDX_AT
 from tests.attestation.cpu.synthetic import SyntheticSnp
 
 QUOTE = (DCAP / "tdx_quote").read_bytes()
-MR_TD = (
-    "91eb2b44d141d4ece09f0c75c2c53d247a3c68edd7fafe8a"
-    "3520c942a604a407de03ae6dc5f87f27428b2538873118b7"
-)
-REPORT_DATA = bytes.fromhex(
-    "9a9d48e7f6799642d3d1b34e1e5e1742d4bb02dd6ddd551862c1211d35c304f9"
-    "eca3efdbb481601c163cf52493d6e44aed55d51ec39b7e518fadb92c2b523f20"
-)
+MR_TD = DCAP_MR_TD
+REPORT_DATA = DCAP_REPORT_DATA
 # The TD report fields of QUOTE (`dcap_qvl.parse_quote(QUOTE).report`).
 MR_SEAM = (
     "5b38e33a6487958b72c3c12a938eaa5e3fd4510c51aeeab5"
