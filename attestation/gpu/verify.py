@@ -15,7 +15,8 @@ Per GPU `gpuN` (a step marked ■ gates the rest: once it fails, nothing later i
   5 ■ gpuN.signature       ECDSA-P384/SHA-384 over request ‖ response by the leaf key
                            (ReportSignatureError)
   6   gpuN.rim.driver, gpuN.rim.vbios
-                           the RIM matching the signed version, XML signature, chain to the
+                           the RIM matching the signed version (of several, those that verify;
+                           ambiguous only if verifying RIMs differ), XML signature, chain to the
                            pinned CoRIM root, signer validity at `at` (RimNotFoundError,
                            RimFormatError, RimSignatureError, RimChainError,
                            RimCertificateExpiredError: accepted only if policy says so)
@@ -60,7 +61,7 @@ from attestation.gpu.policy import GpuPolicy
 from attestation.gpu.report import GpuReport
 from attestation.gpu.revocation import check_revocation, combine_states
 from attestation.gpu.rim import Rim, compare_measurements, rim_version, verify_rim
-from attestation.gpu.trust import GpuTrust
+from attestation.gpu.trust import GpuTrust, RimFile
 from attestation.verdict import Check, Verdict
 
 NUM_DEVICE_CERTS = 5
@@ -246,27 +247,47 @@ class _GpuRun:
         return found[0] if found else None
 
     def _select_rim(self, kind: str, version: str | None) -> Rim:
+        """The RIM for the signed `version`. Candidates are the files whose (unverified) version
+        names it; only those that verify count (signature, chain to the pinned CoRIM root,
+        signed version and kind), so a forged or foreign file beside the genuine one is passed
+        over. Of those, a VBIOS RIM named for this board wins, then those whose signer is valid
+        at `at` (NVIDIA re-signs a RIM whose signer expires). Raises the candidate's own error
+        when none verifies, and RimNotFoundError when there is no candidate or the remaining
+        ones list different golden values (ambiguous: never guess between two signed RIMs)."""
         if version is None:
             raise RimNotFoundError(f"the report carries no {kind} version")
-        wanted = version.upper() if kind == "vbios" else version
         candidates = [
             f
             for f in self.trust.rims
-            if (v := rim_version(f.data)) is not None
-            and (v.upper() if kind == "vbios" else v) == wanted
+            if (v := rim_version(f.data)) is not None and _same_version(kind, v, version)
         ]
-        if kind == "vbios" and len(candidates) > 1 and self.report.board:
-            board_id = "_".join([*self.report.board, version.replace(".", "")]).upper()
-            candidates = [f for f in candidates if board_id in f.name.upper()] or candidates
         if not candidates:
             raise RimNotFoundError(f"no {kind} RIM for version {version} in the RIM directory")
-        if len(candidates) > 1:
-            names = ", ".join(f.name for f in candidates)
-            raise RimNotFoundError(f"{len(candidates)} {kind} RIMs for version {version}: {names}")
-        rim = verify_rim(
-            candidates[0].data, name=candidates[0].name, corim_root=self.trust.corim_root
-        )
-        if (rim.version.upper() if kind == "vbios" else rim.version) != wanted or rim.kind != kind:
+        verified: list[Rim] = []
+        failures: list[tuple[str, AttestationError]] = []
+        for candidate in candidates:
+            try:
+                verified.append(self._verify_candidate(candidate, kind, version))
+            except AttestationError as exc:
+                failures.append((candidate.name, exc))
+        if not verified:
+            raise _no_rim_verifies(failures)
+        if kind == "vbios" and len(verified) > 1 and self.report.board:
+            board_id = "_".join([*self.report.board, version.replace(".", "")]).upper()
+            verified = [rim for rim in verified if board_id in rim.name.upper()] or verified
+        current = [rim for rim in verified if not validity_problems(rim.signer_chain, self.at)]
+        verified = current or verified
+        if len({tuple(sorted(rim.golden.items())) for rim in verified}) > 1:
+            names = ", ".join(rim.name for rim in verified)
+            raise RimNotFoundError(
+                f"{len(verified)} {kind} RIMs for version {version} verify but list different "
+                f"golden values: {names}"
+            )
+        return verified[0]
+
+    def _verify_candidate(self, candidate: RimFile, kind: str, version: str) -> Rim:
+        rim = verify_rim(candidate.data, name=candidate.name, corim_root=self.trust.corim_root)
+        if not _same_version(kind, rim.version, version) or rim.kind != kind:
             raise RimNotFoundError(f"verified RIM {rim.name} is for {rim.version}, not {version}")
         return rim
 
@@ -347,3 +368,17 @@ class _GpuRun:
 
     def _policy_check(self, label: str, passed: bool, failure: str) -> None:
         self.checks.append(Check(f"{self.name}.policy.{label}", passed, "" if passed else failure))
+
+
+def _same_version(kind: str, a: str, b: str) -> bool:
+    """VBIOS versions are hex bytes, compared without regard to case; driver versions exactly."""
+    return a.upper() == b.upper() if kind == "vbios" else a == b
+
+
+def _no_rim_verifies(failures: list[tuple[str, AttestationError]]) -> AttestationError:
+    """The error of a RIM check where no candidate verified: the candidate's own error when
+    there was one, else the first one's type naming every candidate's failure."""
+    if len(failures) == 1:
+        return failures[0][1]
+    first = failures[0][1]
+    return type(first)("; ".join(f"{name}: {exc}" for name, exc in failures))
