@@ -14,17 +14,20 @@ Per GPU `gpuN` (a step marked ■ gates the rest: once it fails, nothing later i
                            leaf's 2.23.133.5.4.1 extension (FwidMismatchError)
   5 ■ gpuN.signature       ECDSA-P384/SHA-384 over request ‖ response by the leaf key
                            (ReportSignatureError)
-  6   gpuN.rim.driver, gpuN.rim.vbios
+  6   gpuN.declared.driver_version, gpuN.declared.vbios_version
+                           only for evidence that declares them (NVIDIA's PPCIe shape): each
+                           equals the version the report signed (DeclaredVersionMismatchError)
+  7   gpuN.rim.driver, gpuN.rim.vbios
                            the RIM matching the signed version (of several, those that verify;
                            ambiguous only if verifying RIMs differ), XML signature, chain to the
                            pinned CoRIM root, signer validity at `at` (RimNotFoundError,
                            RimFormatError, RimSignatureError, RimChainError,
                            RimCertificateExpiredError: accepted only if policy says so)
-  7   gpuN.measurements    every active golden index i matches block i+1 (one alternative
+  8   gpuN.measurements    every active golden index i matches block i+1 (one alternative
                            suffices); mismatches outside policy's allowed indices fail
-  8   gpuN.revocation      device chain and RIM signing chains against the revocation bundle:
+  9   gpuN.revocation      device chain and RIM signing chains against the revocation bundle:
                            good / revoked / stale / unchecked, accepted per policy
-  9   gpuN.policy.*        architecture, chip, board (if listed), driver and VBIOS versions,
+ 10   gpuN.policy.*        architecture, chip, board (if listed), driver and VBIOS versions,
                            CC on, dev tools off
 and once: gpu.count (number of GPUs allowed by policy, one expected nonce per GPU) and
 gpu.distinct (no device key verified twice: one GPU's evidence cannot count as two).
@@ -48,6 +51,7 @@ from attestation.errors import AttestationError
 from attestation.gpu.chain import leaf_fwid, validity_problems, verify_links
 from attestation.gpu.errors import (
     CertificateChainError,
+    DeclaredVersionMismatchError,
     FwidMismatchError,
     MeasurementMismatchError,
     NonceMismatchError,
@@ -148,6 +152,12 @@ class _GpuRun:
             return
         self.verified_leaf.append(self.certs[0].public_bytes(Encoding.DER))
         self._claim_report()
+        for field, declared in (
+            ("driver_version", self.evidence.driver_version),
+            ("vbios_version", self.evidence.vbios_version),
+        ):
+            if declared is not None:
+                self.step(f"declared.{field}", lambda f=field, d=declared: self._declared(f, d))
         rims = [rim for kind in ("driver", "vbios") if (rim := self._rim(kind)) is not None]
         if len(rims) == 2:
             self.step("measurements", lambda: self._measurements(rims))
@@ -226,6 +236,13 @@ class _GpuRun:
             cc_mode=self.evidence.cc_mode,
             dev_tools_mode=self.evidence.dev_tools_mode,
         )
+
+    def _declared(self, field: str, declared: str) -> None:
+        signed = self.claims[field]
+        if signed is None or not _same_version(field.removesuffix("_version"), declared, signed):
+            raise DeclaredVersionMismatchError(
+                f"the evidence declares {field} {declared}, the signed report {signed}"
+            )
 
     def _rim(self, kind: str) -> Rim | None:
         version = self.report.driver_version if kind == "driver" else self.report.vbios_version

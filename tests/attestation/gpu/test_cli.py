@@ -133,3 +133,23 @@ def test_nvat_evidence_through_a_subprocess(tmp_path: Path) -> None:
     passed = {c["name"] for c in out["checks"] if c["passed"]}
     assert {"gpu0.signature", "gpu0.certificate_chain", "gpu0.fwid", "gpu0.nonce"} <= passed
     assert {f["name"] for f in out["failed"]} == {"gpu0.rim.driver", "gpu0.rim.vbios"}
+
+
+def test_ppcie_evidence_of_8_gpus_is_verified_not_refused_for_its_format(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Issue 13, defect 3: exit 1 (no RIMs are published for it), not 2 "unknown keys"."""
+    policy = tmp_path / "policy.toml"
+    policy.write_text(
+        POLICY_545.replace("545.00", "590.12")
+        .replace("96.00.5E.00.01", "96.00.A5.00.01")
+        .replace("num_gpus = 1", "num_gpus = 8")
+    )
+    status, out = run(
+        ["verify-gpu", "--evidence", str(VECTORS / "ppcie" / "gpu_evidence.json"),
+         "--rims", str(tmp_path), "--policy", str(policy), "--at", "2026-11-22T00:00:00Z"],
+        capsys,
+    )  # fmt: skip
+    assert status == 1, out
+    assert {f["name"].split(".", 1)[1] for f in out["failed"]} == {"rim.driver", "rim.vbios"}
+    assert len(out["claims"]["gpus"]) == 8
