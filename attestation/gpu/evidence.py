@@ -24,6 +24,7 @@ from cryptography import x509
 
 from attestation.gpu.chain import load_certificates
 from attestation.gpu.errors import GpuEvidenceFormatError
+from attestation.input_limits import MAX_GPU_EVIDENCE_BYTES, parse_json
 
 CC_MODES = ("on", "off", "devtools")
 EVIDENCE_FORMAT_VERSIONS = ("1.0",)
@@ -120,12 +121,15 @@ class GpuEvidence:
 
 
 def evidence_list_from_json(data: bytes | str) -> list[GpuEvidence]:
-    """The exchange format's JSON text, a non-empty list of entries. Raises
+    """The exchange format's JSON text, a non-empty list of entries, within the limits of
+    attestation.input_limits (MAX_GPU_EVIDENCE_BYTES, MAX_NESTING_DEPTH). Raises
     GpuEvidenceFormatError."""
-    try:
-        items = json.loads(data)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise GpuEvidenceFormatError(f"evidence is not JSON: {exc}") from exc
+    items = parse_json(
+        data,
+        what="the GPU evidence",
+        error=GpuEvidenceFormatError,
+        max_bytes=MAX_GPU_EVIDENCE_BYTES,
+    )
     if not isinstance(items, list) or not items:
         raise GpuEvidenceFormatError("evidence must be a non-empty JSON list, one entry per GPU")
     return [GpuEvidence.from_json(item) for item in items]

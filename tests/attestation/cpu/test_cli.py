@@ -5,6 +5,8 @@ unusable input; the verdict is printed as JSON."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -13,6 +15,7 @@ from cryptography.hazmat.primitives.serialization import Encoding
 from attestation.__main__ import main
 from attestation.binding import report_data
 from attestation.cpu.evidence import CpuEvidence
+from attestation.input_limits import MAX_CPU_EVIDENCE_BYTES
 from tests.attestation.cpu.conftest import DCAP, DCAP_MR_TD, DCAP_REPORT_DATA, RealSnp
 from tests.attestation.cpu.synthetic import SyntheticSnp
 
@@ -98,3 +101,35 @@ def test_verify_cpu_trusts_the_dcap_tdx_quote_through_a_trust_directory_of_colla
     verdict = json.loads(capsys.readouterr().out)
     assert status == 0, verdict["failed"]
     assert verdict["claims"]["tcb_status"] == "UpToDate"
+
+
+DEEP = 100_000
+
+
+def test_cpu_evidence_100000_levels_deep_exits_2_with_one_line_and_no_traceback(
+    tmp_path: Path,
+) -> None:
+    """Issue 13, defect 2: unusable input, not a RecursionError traceback (exit 1)."""
+    evidence = tmp_path / "cpu.json"
+    evidence.write_text('{"kind": "snp", "report": ' + "[" * DEEP + "]" * DEEP + "}")
+    policy = tmp_path / "policy.toml"
+    policy.write_text(f'[snp]\nmeasurements = ["{"00" * 48}"]\nmin_tcb = {MIN_TCB}\n')
+    result = subprocess.run(
+        [sys.executable, "-m", "attestation", "verify-cpu", "--evidence", str(evidence),
+         "--policy", str(policy), "--trust", str(tmp_path), "--report-data", "00" * 64],
+        capture_output=True, text=True, check=False,
+    )  # fmt: skip
+    assert (result.returncode, result.stderr) == (2, "")
+    [line] = result.stdout.splitlines()
+    assert "EvidenceError: the CPU evidence nests arrays and objects deeper than 64" in line
+
+
+def test_cpu_evidence_over_its_size_limit_exits_2(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    evidence = tmp_path / "cpu.json"
+    evidence.write_bytes(b" " * (MAX_CPU_EVIDENCE_BYTES + 1))
+    status = main(["verify-cpu", "--evidence", str(evidence), "--policy", str(evidence),
+                   "--trust", str(tmp_path), "--report-data", "00" * 64])  # fmt: skip
+    assert status == 2
+    assert "over the limit of 1048576 bytes" in json.loads(capsys.readouterr().out)["error"]

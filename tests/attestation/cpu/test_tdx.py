@@ -4,8 +4,10 @@ to Intel's SGX root but have no bundled collateral; hostile quotes and roots are
 
 from __future__ import annotations
 
+import json
 from dataclasses import replace
 from datetime import UTC, datetime
+from pathlib import Path
 
 import pytest
 
@@ -19,6 +21,7 @@ from attestation.cpu.evidence import CpuEvidence
 from attestation.cpu.policy import TdxPolicy
 from attestation.cpu.tdx import TdxClaims, TdxQuote, verify_pck_chain, verify_tdx_quote
 from attestation.errors import EvidenceError, PolicyError
+from attestation.input_limits import MAX_COLLATERAL_BYTES
 from tests.attestation.cpu.conftest import DCAP, DCAP_MR_TD, DCAP_REPORT_DATA, TDX, TDX_AT
 from tests.attestation.cpu.synthetic import SyntheticSnp
 
@@ -292,3 +295,23 @@ def test_tee_tcb_svn_of_the_wrong_length_fails_the_minimum_instead_of_raising() 
     claims = replace(_claims(bytes(8), "UpToDate", []), tee_tcb_svn=bytes(15))
     failed = [check.name for check in policy.evaluate(claims) if not check.passed]
     assert failed == ["tdx.policy.min_tee_tcb_svn"]
+
+
+def test_collateral_100000_levels_deep_is_a_policy_error(tmp_path: Path) -> None:
+    """Issue 13, defect 2, for the operator's collateral files (and the JSON inside them)."""
+    (tmp_path / "tdx" / "collateral").mkdir(parents=True)
+    deep = "[" * 100_000 + "]" * 100_000
+    path = tmp_path / "tdx" / "collateral" / "b0c06f.json"
+    path.write_text(deep)
+    with pytest.raises(PolicyError, match="deeper than 64 levels"):
+        CpuTrust.load(tmp_path)
+    path.write_text(json.dumps({"tcb_info": deep}))
+    with pytest.raises(PolicyError, match=r"tcb_info nests .* deeper than 64 levels"):
+        CpuTrust.load(tmp_path)
+
+
+def test_collateral_over_its_size_limit_is_a_policy_error(tmp_path: Path) -> None:
+    (tmp_path / "tdx" / "collateral").mkdir(parents=True)
+    (tmp_path / "tdx" / "collateral" / "b0c06f.json").write_bytes(b" " * (MAX_COLLATERAL_BYTES + 1))
+    with pytest.raises(PolicyError, match="over the limit of 4194304 bytes"):
+        CpuTrust.load(tmp_path)

@@ -14,6 +14,7 @@ import pytest
 from attestation.gpu import GpuTrust, gpu_evidence_digest, verify_gpu_evidence
 from attestation.gpu.errors import GpuEvidenceFormatError
 from attestation.gpu.evidence import evidence_list_from_json, evidence_list_to_json
+from attestation.input_limits import MAX_GPU_EVIDENCE_BYTES
 from tests.attestation.gpu.conftest import TODAY, VECTORS, RealGpu, real_policy
 
 
@@ -128,3 +129,19 @@ def test_informative_version_that_disagrees_with_the_signed_report_fails_the_nam
     )
     claims = verdict.claims["gpus"][2]
     assert claims[field] == signed, "claims come from the signed report only"
+
+
+DEEP = 100_000
+
+
+def test_evidence_100000_levels_deep_is_unusable_not_a_recursion_error() -> None:
+    """Issue 13, defect 2."""
+    with pytest.raises(GpuEvidenceFormatError, match="deeper than 64 levels"):
+        evidence_list_from_json("[" * DEEP + "]" * DEEP)
+
+
+def test_evidence_over_its_size_limit_is_unusable() -> None:
+    entry = _ppcie_items()[0]
+    text = json.dumps([entry] * (MAX_GPU_EVIDENCE_BYTES // len(json.dumps(entry)) + 1))
+    with pytest.raises(GpuEvidenceFormatError, match="over the limit of 4194304 bytes"):
+        evidence_list_from_json(text)
