@@ -12,7 +12,6 @@ to the current directory.
 from __future__ import annotations
 
 import os
-import tomllib
 import types
 import typing
 from collections.abc import Mapping
@@ -32,7 +31,9 @@ from sqlalchemy.exc import ArgumentError
 
 from appliance.auth.settings import AuthSettings
 from appliance.errors import ConfigError
+from attestation.input_limits import parse_toml, read_file
 
+MAX_CONFIG_BYTES = 1 << 20  # a settings file is a few KiB
 ENV_PREFIX = "INFERNO_"
 
 
@@ -406,17 +407,14 @@ def setting_names() -> list[str]:
 
 
 def load_settings(path: Path, environ: Mapping[str, str] | None = None) -> Settings:
-    """Read `path` (TOML), apply `INFERNO_<SECTION>_<NAME>` overrides from `environ` (default:
-    the process environment) and validate. Raises `ConfigError` naming the setting at fault."""
+    """Read `path` (TOML, within MAX_CONFIG_BYTES and attestation.input_limits'
+    MAX_NESTING_DEPTH), apply `INFERNO_<SECTION>_<NAME>` overrides from `environ` (default: the
+    process environment) and validate. Raises `ConfigError` naming the setting at fault."""
     path = Path(path)
-    try:
-        raw = tomllib.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise ConfigError(f"config file {path} does not exist") from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"cannot read config file {path}: {exc}") from exc
-    except tomllib.TOMLDecodeError as exc:
-        raise ConfigError(f"config file {path} is not valid TOML: {exc}") from exc
+    data = read_file(path, what="config file", error=ConfigError, max_bytes=MAX_CONFIG_BYTES)
+    raw = parse_toml(
+        data, what=f"config file {path}", error=ConfigError, max_bytes=MAX_CONFIG_BYTES
+    )
     return settings_from_mapping(
         raw,
         base_dir=path.parent,

@@ -19,6 +19,8 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
 from appliance.errors import TlsError
+from audit.errors import KeyFileError
+from audit.keyfile import read_secret_file
 
 SELF_SIGNED_VALIDITY = datetime.timedelta(days=365)
 _ALWAYS_NAMED = ("localhost", "127.0.0.1", "::1")
@@ -67,7 +69,15 @@ def ensure_self_signed_certificate(
 
 
 def verify_certificate_pair(cert_file: Path, key_file: Path) -> None:
-    """Raise `TlsError` unless the server could start TLS with this certificate chain and key."""
+    """Raise `TlsError` unless the server could start TLS with this certificate chain and key,
+    and the key file is kept as every secret file of the appliance is (`read_secret_file`): a
+    regular file, not a symlink, owned by this user, with no group or other permission bit."""
+    try:
+        read_secret_file(key_file)
+    except FileNotFoundError:
+        raise TlsError(f"tls.key_file = {key_file} does not exist") from None
+    except KeyFileError as exc:
+        raise TlsError(f"tls.key_file: {exc}") from exc
     context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     try:
         context.load_cert_chain(cert_file, key_file)
@@ -111,7 +121,9 @@ def _general_names(hostnames: Iterable[str]) -> list[x509.GeneralName]:
 
 
 def _write_private(path: Path, data: bytes) -> None:
-    """Write a file only its owner can read, never briefly readable by others."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    """Write a file only its owner can read, never briefly readable by others. An existing file
+    (an expired pair's key) keeps its mode through O_TRUNC, so the mode is set before writing."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
     with os.fdopen(fd, "wb") as file:
+        os.fchmod(file.fileno(), 0o600)
         file.write(data)

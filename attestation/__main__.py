@@ -23,6 +23,12 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 from attestation.errors import EvidenceError, PolicyError
+from attestation.input_limits import (
+    MAX_CPU_EVIDENCE_BYTES,
+    MAX_GPU_EVIDENCE_BYTES,
+    parse_json,
+    read_file,
+)
 from attestation.verdict import Verdict
 
 EXIT_TRUSTED, EXIT_NOT_TRUSTED, EXIT_UNUSABLE = 0, 1, 2
@@ -65,10 +71,10 @@ def _run_verify_gpu(args: argparse.Namespace) -> Verdict:
     from attestation.gpu.trust import GpuTrust
     from attestation.gpu.verify import verify_gpu_evidence
 
-    try:
-        evidence = evidence_list_from_json(args.evidence.read_bytes())
-    except OSError as exc:
-        raise EvidenceError(f"cannot read {args.evidence}: {exc}") from exc
+    data = read_file(
+        args.evidence, what="evidence file", error=EvidenceError, max_bytes=MAX_GPU_EVIDENCE_BYTES
+    )
+    evidence = evidence_list_from_json(data)
     try:
         nonces = (
             [bytes.fromhex(n) for n in args.nonce] if args.nonce else [e.nonce for e in evidence]
@@ -108,14 +114,21 @@ def _run_verify_cpu(args: argparse.Namespace) -> Verdict:
 
     if (args.report_data is None) == (args.binding is None):
         raise PolicyError("give exactly one of --report-data and --binding")
+    data = read_file(
+        args.evidence, what="evidence file", error=EvidenceError, max_bytes=MAX_CPU_EVIDENCE_BYTES
+    )
+    evidence = CpuEvidence.from_json(
+        parse_json(
+            data, what="the CPU evidence", error=EvidenceError, max_bytes=MAX_CPU_EVIDENCE_BYTES
+        )
+    )
     try:
-        evidence = CpuEvidence.from_json(json.loads(args.evidence.read_bytes()))
         if args.binding is not None:
             expected = report_data(*(bytes.fromhex(value) for value in args.binding))
         else:
             expected = bytes.fromhex(args.report_data)
-    except (OSError, ValueError) as exc:
-        raise EvidenceError(f"unusable evidence or expected report_data: {exc}") from exc
+    except ValueError as exc:
+        raise EvidenceError(f"unusable expected report_data: {exc}") from exc
     if len(expected) != 64:
         raise EvidenceError("the expected report_data must be 64 bytes")
     return verify_cpu_evidence(

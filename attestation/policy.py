@@ -7,27 +7,22 @@ and so is a table a verification needs that the file lacks.
 
 from __future__ import annotations
 
-import tomllib
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from attestation.errors import PolicyError
+from attestation.input_limits import MAX_POLICY_BYTES, parse_toml, read_file
 
 
 def read_policy_file(path: Path) -> Mapping[str, Any]:
     """The parsed tables of the policy file at `path`. Raises PolicyError if it cannot be read,
+    is over MAX_POLICY_BYTES, nests deeper than MAX_NESTING_DEPTH (attestation.input_limits),
     is not TOML, or holds no table."""
-    try:
-        text = Path(path).read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise PolicyError(f"policy file {path} does not exist") from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise PolicyError(f"cannot read policy file {path}: {exc}") from exc
-    try:
-        tables = tomllib.loads(text)
-    except tomllib.TOMLDecodeError as exc:
-        raise PolicyError(f"policy file {path} is not valid TOML: {exc}") from exc
+    data = read_file(path, what="policy file", error=PolicyError, max_bytes=MAX_POLICY_BYTES)
+    tables = parse_toml(
+        data, what=f"policy file {path}", error=PolicyError, max_bytes=MAX_POLICY_BYTES
+    )
     if not tables:
         raise PolicyError(f"policy file {path} is empty: an empty policy never passes")
     return tables

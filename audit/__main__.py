@@ -18,7 +18,8 @@ import json
 import sys
 from pathlib import Path
 
-from audit.bundle import ENTRIES, MANIFEST, BundleReader, Manifest
+from audit.bundle import MANIFEST, BundleReader, Manifest
+from audit.bundle_json import MAX_MANIFEST_BYTES
 from audit.encoding import decode_base64
 from audit.errors import (
     AuditError,
@@ -99,14 +100,13 @@ def _print_vkey(args: argparse.Namespace) -> int:
 def _siem(args: argparse.Namespace) -> int:
     verify_bundle(args.bundle, _vkey(args.vkey))  # only verified entries go to a SIEM
     with BundleReader(args.bundle) as bundle:
-        origin = Manifest.parse(bundle.read(MANIFEST)).origin
-        with bundle.open(ENTRIES) as lines:
-            for line in lines:
-                data = line.removesuffix(b"\n")
-                if args.format == "ocsf":
-                    print(json.dumps(to_ocsf(data, origin), ensure_ascii=False))
-                else:
-                    print(to_syslog(data, origin, args.hostname))
+        origin = Manifest.parse(bundle.read(MANIFEST, max_bytes=MAX_MANIFEST_BYTES)).origin
+        for line in bundle.entry_lines():
+            data = line.removesuffix(b"\n")
+            if args.format == "ocsf":
+                print(json.dumps(to_ocsf(data, origin), ensure_ascii=False))
+            else:
+                print(to_syslog(data, origin, args.hostname))
     return EXIT_OK
 
 

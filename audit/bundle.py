@@ -15,6 +15,7 @@ Standard library only: the offline verifier reads bundles through this module.
 
 from __future__ import annotations
 
+import itertools
 import json
 import tarfile
 from collections.abc import Iterator
@@ -22,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import IO, TypeVar
 
+from audit.bundle_json import MAX_ENTRY_BYTES, MAX_MANIFEST_BYTES, parse_json
 from audit.encoding import decode_base64, encode_base64
 from audit.errors import AuditError, BundleFormatError
 from audit.merkle import HASH_SIZE
@@ -69,10 +71,8 @@ class Manifest:
 
     @classmethod
     def parse(cls, data: bytes) -> Manifest:
-        try:
-            raw = json.loads(data)
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise BundleFormatError(f"{MANIFEST} is not valid JSON: {exc}") from exc
+        """Parse a manifest within the limits of audit.bundle_json. Raises BundleFormatError."""
+        raw = parse_json(data, what=MANIFEST, max_bytes=MAX_MANIFEST_BYTES)
         if not isinstance(raw, dict) or raw.get("format") != FORMAT:
             raise BundleFormatError(f"{MANIFEST} is not an {FORMAT} manifest")
         prefix = []
@@ -165,9 +165,30 @@ class BundleReader:
             raise BundleFormatError(f"bundle has no {name}")
         return extracted
 
-    def read(self, name: str) -> bytes:
+    def read(self, name: str, *, max_bytes: int) -> bytes:
+        """The bytes of `name`, reading no more than `max_bytes` + 1 of them. Raises
+        BundleFormatError for a larger file."""
         with self.open(name) as f:
-            return f.read()
+            data = f.read(max_bytes + 1)
+        if len(data) > max_bytes:
+            raise BundleFormatError(f"{name} is over the limit of {max_bytes} bytes")
+        return data
+
+    def entry_lines(self) -> Iterator[bytes]:
+        """Each line of entries.jsonl with its newline (the last may lack one), reading no more
+        than one entry's limit (audit.bundle_json.MAX_ENTRY_BYTES) and its newline at a time.
+        Raises BundleFormatError for a longer line, naming it."""
+        with self.open(ENTRIES) as file:
+            for line_number in itertools.count(1):
+                line = file.readline(MAX_ENTRY_BYTES + 1)
+                if not line:
+                    return
+                if len(line) > MAX_ENTRY_BYTES and not line.endswith(b"\n"):
+                    raise BundleFormatError(
+                        f"{ENTRIES} line {line_number} is over the limit of {MAX_ENTRY_BYTES} "
+                        "bytes for one entry"
+                    )
+                yield line
 
     def checkpoint_files(self) -> Iterator[str]:
         """The names of all files under checkpoints/, sorted."""

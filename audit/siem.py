@@ -11,9 +11,9 @@ else, with the `ai_operation` profile (model and token counts) on inference even
 
 from __future__ import annotations
 
-import json
 from datetime import UTC, datetime
 
+from audit.bundle_json import parse_entry
 from audit.encoding import encode_base64
 from audit.merkle import hash_leaf
 
@@ -39,7 +39,7 @@ def _epoch_ms(time: str) -> int:
 
 def to_ocsf(data: bytes, origin: str) -> dict[str, object]:
     """The OCSF 1.8 event for the entry whose stored bytes are `data`."""
-    entry = json.loads(data)
+    entry = parse_entry(data, what="the entry")
     actor, details = entry["actor"], entry["details"]
     outcome = entry["outcome"]
     success = outcome in ("success", "accepted")
@@ -121,7 +121,7 @@ def to_syslog(data: bytes, origin: str, hostname: str = "-") -> str:
 
     MSG is a UTF-8 BOM and the entry's exact bytes, so the leaf hash can be recomputed from it.
     """
-    entry = json.loads(data)
+    entry = parse_entry(data, what="the entry")
     priority = SYSLOG_FACILITY * 8 + _SEVERITY[entry["outcome"]][1]
     params = {
         "origin": origin,

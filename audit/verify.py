@@ -26,7 +26,14 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 from audit.bundle import ENTRIES, MANIFEST, BundleReader, Manifest, checkpoint_name
-from audit.canonical import canonicalize, parse_canonical
+from audit.bundle_json import (
+    MAX_CHECKPOINT_BYTES,
+    MAX_MANIFEST_BYTES,
+    MAX_STATE_BYTES,
+    parse_entry,
+    parse_json,
+)
+from audit.canonical import canonicalize
 from audit.checkpoint import Checkpoint, open_checkpoint
 from audit.encoding import decode_base64, encode_base64
 from audit.errors import (
@@ -70,8 +77,10 @@ class VerifiedState:
 
     @classmethod
     def parse(cls, data: bytes, source: str) -> VerifiedState:
+        """Parse a state file within the limits of audit.bundle_json. Raises
+        BundleFormatError."""
+        raw = parse_json(data, what=f"state file {source}", max_bytes=MAX_STATE_BYTES)
         try:
-            raw = json.loads(data)
             if not isinstance(raw, dict) or raw.get("format") != STATE_FORMAT:
                 raise ValueError(f"not an {STATE_FORMAT} file")
             state = cls(
@@ -104,7 +113,7 @@ def verify_bundle(
 ) -> VerificationReport:
     """Run every check on the bundle at `path` (directory or tar); see the module docstring."""
     with BundleReader(path) as bundle:
-        manifest = Manifest.parse(bundle.read(MANIFEST))
+        manifest = Manifest.parse(bundle.read(MANIFEST, max_bytes=MAX_MANIFEST_BYTES))
         if manifest.origin != vkey.name:
             raise VerificationError(
                 f"the bundle is of log {manifest.origin!r} but the pinned key is {vkey.name!r}"
@@ -172,7 +181,7 @@ def _verify_checkpoints(
     by_file: dict[str, Checkpoint] = {}
     for name in bundle.checkpoint_files():
         try:
-            by_file[name] = open_checkpoint(bundle.read(name), vkey)
+            by_file[name] = open_checkpoint(bundle.read(name, max_bytes=MAX_CHECKPOINT_BYTES), vkey)
         except NoteFormatError as exc:
             raise BundleFormatError(f"{name} is not a well-formed checkpoint: {exc}") from exc
         except SignatureError as exc:
@@ -220,39 +229,35 @@ def _verify_entries(
     frontier = TreeFrontier(manifest.first_index, manifest.prefix)
     _check_roots(frontier, signed, state)
     first_time = last_time = None
-    with bundle.open(ENTRIES) as lines:
-        for line_number, line in enumerate(lines, start=1):
-            index = manifest.first_index + line_number - 1
-            where = f"{ENTRIES} line {line_number} (entry {index})"
-            if not line.endswith(b"\n"):
-                raise BundleFormatError(f"{where} does not end with a newline")
-            data = line[:-1]
-            entry = _parse_entry(data, where)
-            if entry.get("index") != index:
-                raise VerificationError(
-                    f"{where} claims index {entry.get('index')!r}: entries were inserted, "
-                    "deleted or reordered"
-                )
-            try:
-                canonical = canonicalize(entry) == data
-            except CanonicalJsonError:
-                canonical = False
-            if not canonical:
-                raise VerificationError(f"{where} is not in RFC 8785 canonical form: it was edited")
-            time = entry.get("time")
-            if isinstance(time, str):
-                first_time = first_time or time
-                last_time = time
-            frontier.append(hash_leaf(data))
-            _check_roots(frontier, signed, state)
+    for line_number, line in enumerate(bundle.entry_lines(), start=1):
+        index = manifest.first_index + line_number - 1
+        where = f"{ENTRIES} line {line_number} (entry {index})"
+        if not line.endswith(b"\n"):
+            raise BundleFormatError(f"{where} does not end with a newline")
+        data = line[:-1]
+        entry = _parse_entry(data, where)
+        if entry.get("index") != index:
+            raise VerificationError(
+                f"{where} claims index {entry.get('index')!r}: entries were inserted, "
+                "deleted or reordered"
+            )
+        try:
+            canonical = canonicalize(entry) == data
+        except CanonicalJsonError:
+            canonical = False
+        if not canonical:
+            raise VerificationError(f"{where} is not in RFC 8785 canonical form: it was edited")
+        time = entry.get("time")
+        if isinstance(time, str):
+            first_time = first_time or time
+            last_time = time
+        frontier.append(hash_leaf(data))
+        _check_roots(frontier, signed, state)
     return frontier.size - manifest.first_index, first_time, last_time
 
 
 def _parse_entry(data: bytes, where: str) -> dict[str, object]:
-    try:
-        entry = parse_canonical(data)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise BundleFormatError(f"{where} is not valid JSON: {exc}") from exc
+    entry = parse_entry(data, what=where)
     if not isinstance(entry, dict):
         raise BundleFormatError(f"{where} is not a JSON object")
     return entry

@@ -1,5 +1,5 @@
-"""ASGI middleware around every request: the body-size limit, the audit-entry header and the
-TEE-state header.
+"""ASGI middleware around every request: the body's limits (size, JSON nesting), the audit-entry
+header and the TEE-state header.
 
 All are plain ASGI (not Starlette's `BaseHTTPMiddleware`, which buffers and slows streamed
 responses): each costs one function call per message.
@@ -14,6 +14,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from appliance.api.audit_trail import AuditTrail, request_receipt
 from appliance.api.errors import APIError, api_error_for_audit, internal_error
+from appliance.json_limits import JsonNestingError, check_request_body
 from audit.errors import AuditError
 
 AUDIT_ENTRY_HEADER = b"audit-entry"
@@ -28,7 +29,10 @@ def _too_large(max_bytes: int) -> str:
 
 class BodySizeLimit:
     """Answers 413 for a request body over `max_bytes`: at once when Content-Length says so,
-    otherwise as soon as the bytes received pass the limit (chunked uploads)."""
+    otherwise as soon as the bytes received pass the limit (chunked uploads). Answers 400 for a
+    JSON body (or one without a Content-Type, which FastAPI parses as JSON too) nested deeper
+    than appliance.json_limits.MAX_NESTING_DEPTH, once it is received whole and before the route
+    parses it: Python's json parser recurses, and 100,000 levels would end in RecursionError."""
 
     def __init__(self, app: ASGIApp, max_bytes: int):
         self.app = app
@@ -44,18 +48,39 @@ class BodySizeLimit:
             await error.response()(scope, receive, send)
             return
         num_received = 0
+        json_body: list[bytes] | None = [] if _may_be_json(scope) else None
 
         async def limited_receive() -> Message:
             nonlocal num_received
             message = await receive()
             if message["type"] == "http.request":
-                num_received += len(message.get("body", b""))
+                chunk = message.get("body", b"")
+                num_received += len(chunk)
+                # Raised inside the route's body read; the error handlers answer 413 or 400.
                 if num_received > self.max_bytes:
-                    # Raised inside the route's body read; the error handlers answer 413.
                     raise HTTPException(413, _too_large(self.max_bytes))
+                if json_body is not None:
+                    json_body.append(chunk)
+                    if not message.get("more_body", False):
+                        try:
+                            check_request_body(b"".join(json_body))
+                        except JsonNestingError as exc:
+                            raise HTTPException(400, str(exc)) from exc
             return message
 
         await self.app(scope, limited_receive, send)
+
+
+def _may_be_json(scope: Scope) -> bool:
+    """Whether FastAPI would parse this request's body as JSON: no Content-Type, or
+    application/json or application/*+json."""
+    for name, value in scope["headers"]:
+        if name == b"content-type":
+            media_type = value.split(b";", 1)[0].strip().lower()
+            return media_type == b"application/json" or (
+                media_type.startswith(b"application/") and media_type.endswith(b"+json")
+            )
+    return True
 
 
 def _content_length(scope: Scope) -> int | None:

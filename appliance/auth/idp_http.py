@@ -4,13 +4,13 @@ network."""
 
 from __future__ import annotations
 
-import json
 import ssl
 from pathlib import Path
 
 import httpx
 
 from appliance.auth.errors import AuthError
+from appliance.json_limits import parse_json
 
 MAX_DOCUMENT_BYTES = 1 << 20
 
@@ -31,7 +31,8 @@ class IdpHttp:
         self._client = httpx.AsyncClient(verify=tls, timeout=timeout_s, follow_redirects=False)
 
     async def get_json(self, url: str) -> object:
-        """GET `url` and parse its JSON body. Raises `IdpUnreachableError` naming the URL."""
+        """GET `url` and parse its JSON body, within MAX_DOCUMENT_BYTES and
+        appliance.json_limits.MAX_NESTING_DEPTH. Raises `IdpUnreachableError` naming the URL."""
         try:
             async with self._client.stream("GET", url) as response:
                 if response.status_code != 200:
@@ -43,10 +44,9 @@ class IdpHttp:
                         raise IdpUnreachableError(f"GET {url}: the document is over 1 MiB")
         except httpx.HTTPError as exc:
             raise IdpUnreachableError(f"GET {url} failed: {type(exc).__name__}: {exc}") from exc
-        try:
-            return json.loads(body)
-        except ValueError:
-            raise IdpUnreachableError(f"GET {url} did not return JSON") from None
+        return parse_json(
+            bytes(body), what=f"GET {url}", error=IdpUnreachableError, max_bytes=MAX_DOCUMENT_BYTES
+        )
 
     async def aclose(self) -> None:
         await self._client.aclose()

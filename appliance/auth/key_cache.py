@@ -31,7 +31,8 @@ import jwt
 from appliance.auth.discovery import DiscoveryError, ProviderMetadata
 from appliance.auth.errors import AuthConfigError, AuthenticationError, Reason
 from appliance.auth.idp_http import IdpHttp, IdpUnreachableError
-from appliance.auth.keyset import JwksFormatError, KeySet
+from appliance.auth.keyset import MAX_JWKS_BYTES, JwksFormatError, KeySet
+from appliance.json_limits import parse_json
 
 logger = logging.getLogger(__name__)
 
@@ -101,9 +102,14 @@ class FetchedKeys:
     def load_cached(self) -> None:
         """Read the last good JWK Set back from disk, if there is a usable one."""
         try:
-            record = json.loads(self.cache_file.read_bytes())
-            if record.get("issuer") != self.issuer:
-                raise ValueError("the file is another issuer's")
+            record = parse_json(
+                self.cache_file.read_bytes(),
+                what="the cached JWK Set",
+                error=JwksFormatError,
+                max_bytes=2 * MAX_JWKS_BYTES,
+            )
+            if not isinstance(record, dict) or record.get("issuer") != self.issuer:
+                raise ValueError("the file is not this issuer's cached JWK Set")
             self._cached = _Cached(KeySet.parse(record["jwks"]), float(record["fetched_at"]))
         except FileNotFoundError:
             return

@@ -9,7 +9,6 @@ and a key that names its own `alg` only verifies that algorithm.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -17,6 +16,10 @@ from typing import Any
 import jwt
 
 from appliance.auth.errors import AuthenticationError, Reason
+from appliance.json_limits import parse_json
+
+# An issuer publishes a handful of keys, each a few KiB with its certificate chain.
+MAX_JWKS_BYTES = 1 << 20
 
 # alg -> (kty, crv): the asymmetric JWS algorithms (RFC 7518 section 3, RFC 8037). Never
 # `none`, never HMAC: an issuer's published key must not be usable as a shared secret.
@@ -47,13 +50,13 @@ class KeySet:
 
     @classmethod
     def parse(cls, document: object) -> KeySet:
-        """Parse a JWK Set (a JSON object, or its text). Raises `JwksFormatError` when nothing
-        usable is in it."""
+        """Parse a JWK Set (a JSON object, or its text, within MAX_JWKS_BYTES and
+        appliance.json_limits.MAX_NESTING_DEPTH). Raises `JwksFormatError` when nothing usable
+        is in it."""
         if isinstance(document, str | bytes):
-            try:
-                document = json.loads(document)
-            except ValueError as exc:
-                raise JwksFormatError(f"not JSON: {exc}") from None
+            document = parse_json(
+                document, what="the JWK Set", error=JwksFormatError, max_bytes=MAX_JWKS_BYTES
+            )
         if not isinstance(document, dict) or not isinstance(document.get("keys"), list):
             raise JwksFormatError('not a JWK Set: expected an object with a "keys" list')
         keys = {}

@@ -17,7 +17,6 @@ files.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,6 +28,7 @@ from cryptography.x509.oid import NameOID
 from attestation.cpu.roots import amd_arks, intel_sgx_root_ca_der
 from attestation.cpu.snp import PRODUCTS, Product, load_amd_certificate, verify_amd_signature
 from attestation.errors import AttestationError, PolicyError
+from attestation.input_limits import MAX_COLLATERAL_BYTES, parse_json, read_file
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,8 +53,10 @@ class CpuTrust:
     @classmethod
     def load(cls, directory: Path, *, builtin_roots: bool = True) -> CpuTrust:
         """Load the layout of the module docstring on top of the built-in roots (or of none,
-        with `builtin_roots=False`). Raises PolicyError on an unreadable or malformed file, an
-        ARK that is not self-signed, or collateral without an FMSPC."""
+        with `builtin_roots=False`): `snp/ark-<product>.pem` replaces AMD's ARK of that product
+        only, `tdx/root_ca.pem` replaces Intel's root; a root the directory does not pin stays
+        the built-in one. Raises PolicyError on an unreadable or malformed file, an ARK that is
+        not self-signed, or collateral without an FMSPC."""
         directory = Path(directory)
         builtin = cls.builtin() if builtin_roots else cls()
         arks: dict[Product, x509.Certificate] = {}
@@ -73,14 +75,22 @@ class CpuTrust:
         for path in sorted((directory / "snp").glob("crl-*")):
             crl = _load_crl(path)
             crls[_crl_product(crl, path)] = crl
+        # Each pinned root replaces only its own built-in counterpart: a directory that brings
+        # only Intel's collateral (the usual case) keeps Intel's root, as one that pins a test
+        # ARK for one product keeps AMD's ARKs for the others.
         root_path = directory / "tdx" / "root_ca.pem"
         root = (
-            _load_certificate(root_path).public_bytes(Encoding.DER) if root_path.exists() else None
+            _load_certificate(root_path).public_bytes(Encoding.DER)
+            if root_path.exists()
+            else builtin.tdx_root_ca_der
         )
         collateral: dict[str, str] = {}
         for path in sorted((directory / "tdx" / "collateral").glob("*.json")):
-            text = path.read_text(encoding="utf-8")
-            collateral[collateral_fmspc(text, path)] = text
+            data = read_file(
+                path, what="collateral file", error=PolicyError, max_bytes=MAX_COLLATERAL_BYTES
+            )
+            fmspc = collateral_fmspc(data, path)
+            collateral[fmspc] = data.decode("utf-8")  # UTF-8: checked by collateral_fmspc
         return cls({**builtin.snp_arks, **arks}, cache, crls, root, collateral)
 
 
@@ -99,13 +109,22 @@ def ark_product(ark: x509.Certificate) -> Product:
     return product  # type: ignore[return-value]
 
 
-def collateral_fmspc(text: str, source: Path | str) -> str:
-    """The FMSPC (upper-case hex) of a QuoteCollateralV3 JSON text, read from its TCB info."""
-    try:
-        tcb_info = json.loads(json.loads(text)["tcb_info"])
-        return str(tcb_info["fmspc"]).upper()
-    except (ValueError, KeyError, TypeError) as exc:
-        raise PolicyError(f"{source}: not dcap-qvl collateral JSON with a TCB info FMSPC") from exc
+def collateral_fmspc(data: bytes | str, source: Path | str) -> str:
+    """The FMSPC (upper-case hex) of a QuoteCollateralV3 JSON document, read from its TCB info
+    (itself a JSON string), each within the limits of attestation.input_limits. Raises
+    PolicyError."""
+    collateral = parse_json(
+        data, what=f"collateral {source}", error=PolicyError, max_bytes=MAX_COLLATERAL_BYTES
+    )
+    tcb_info_text = collateral.get("tcb_info") if isinstance(collateral, dict) else None
+    if not isinstance(tcb_info_text, str):
+        raise PolicyError(f"{source}: not dcap-qvl collateral JSON with a TCB info FMSPC")
+    tcb_info = parse_json(
+        tcb_info_text, what=f"{source} tcb_info", error=PolicyError, max_bytes=MAX_COLLATERAL_BYTES
+    )
+    if not isinstance(tcb_info, dict) or not isinstance(tcb_info.get("fmspc"), str):
+        raise PolicyError(f"{source}: not dcap-qvl collateral JSON with a TCB info FMSPC")
+    return tcb_info["fmspc"].upper()
 
 
 def _load_crl(path: Path) -> x509.CertificateRevocationList:

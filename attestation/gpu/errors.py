@@ -35,16 +35,21 @@ class ReportSignatureError(VerificationError):
     """The ECDSA-P384 signature over request ‖ response does not verify (step 5)."""
 
 
+class DeclaredVersionMismatchError(VerificationError):
+    """A version the evidence declares beside the report (PPCIe's informative `driver_version`,
+    `vbios_version`) differs from the one the GPU signed (step 6)."""
+
+
 class RimFormatError(EvidenceError):
     """A reference manifest (RIM) is not a well-formed, signed SWID tag of the expected shape."""
 
 
 class RimNotFoundError(VerificationError):
-    """No RIM in the RIM directory matches the driver or VBIOS version of the report (step 6)."""
+    """No RIM in the RIM directory matches the driver or VBIOS version of the report (step 7)."""
 
 
 class RimSignatureError(VerificationError):
-    """A RIM's XML signature (digest or ECDSA-P384 signature value) does not verify (step 6)."""
+    """A RIM's XML signature (digest or ECDSA-P384 signature value) does not verify (step 7)."""
 
 
 class RimChainError(VerificationError):
@@ -57,8 +62,8 @@ class RimCertificateExpiredError(RimChainError):
 
 
 class MeasurementMismatchError(VerificationError):
-    """A measurement block differs from every golden alternative of its RIM entry (step 7)."""
+    """A measurement block differs from every golden alternative of its RIM entry (step 8)."""
 
 
 class RevocationError(VerificationError):
-    """A revocation bundle entry is malformed or its signature does not verify (step 8)."""
+    """A revocation bundle entry is malformed or its signature does not verify (step 9)."""

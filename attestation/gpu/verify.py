@@ -14,16 +14,20 @@ Per GPU `gpuN` (a step marked ■ gates the rest: once it fails, nothing later i
                            leaf's 2.23.133.5.4.1 extension (FwidMismatchError)
   5 ■ gpuN.signature       ECDSA-P384/SHA-384 over request ‖ response by the leaf key
                            (ReportSignatureError)
-  6   gpuN.rim.driver, gpuN.rim.vbios
-                           the RIM matching the signed version, XML signature, chain to the
+  6   gpuN.declared.driver_version, gpuN.declared.vbios_version
+                           only for evidence that declares them (NVIDIA's PPCIe shape): each
+                           equals the version the report signed (DeclaredVersionMismatchError)
+  7   gpuN.rim.driver, gpuN.rim.vbios
+                           the RIM matching the signed version (of several, those that verify;
+                           ambiguous only if verifying RIMs differ), XML signature, chain to the
                            pinned CoRIM root, signer validity at `at` (RimNotFoundError,
                            RimFormatError, RimSignatureError, RimChainError,
                            RimCertificateExpiredError: accepted only if policy says so)
-  7   gpuN.measurements    every active golden index i matches block i+1 (one alternative
+  8   gpuN.measurements    every active golden index i matches block i+1 (one alternative
                            suffices); mismatches outside policy's allowed indices fail
-  8   gpuN.revocation      device chain and RIM signing chains against the revocation bundle:
+  9   gpuN.revocation      device chain and RIM signing chains against the revocation bundle:
                            good / revoked / stale / unchecked, accepted per policy
-  9   gpuN.policy.*        architecture, chip, board (if listed), driver and VBIOS versions,
+ 10   gpuN.policy.*        architecture, chip, board (if listed), driver and VBIOS versions,
                            CC on, dev tools off
 and once: gpu.count (number of GPUs allowed by policy, one expected nonce per GPU) and
 gpu.distinct (no device key verified twice: one GPU's evidence cannot count as two).
@@ -47,6 +51,7 @@ from attestation.errors import AttestationError
 from attestation.gpu.chain import leaf_fwid, validity_problems, verify_links
 from attestation.gpu.errors import (
     CertificateChainError,
+    DeclaredVersionMismatchError,
     FwidMismatchError,
     MeasurementMismatchError,
     NonceMismatchError,
@@ -60,7 +65,7 @@ from attestation.gpu.policy import GpuPolicy
 from attestation.gpu.report import GpuReport
 from attestation.gpu.revocation import check_revocation, combine_states
 from attestation.gpu.rim import Rim, compare_measurements, rim_version, verify_rim
-from attestation.gpu.trust import GpuTrust
+from attestation.gpu.trust import GpuTrust, RimFile
 from attestation.verdict import Check, Verdict
 
 NUM_DEVICE_CERTS = 5
@@ -147,6 +152,12 @@ class _GpuRun:
             return
         self.verified_leaf.append(self.certs[0].public_bytes(Encoding.DER))
         self._claim_report()
+        for field, declared in (
+            ("driver_version", self.evidence.driver_version),
+            ("vbios_version", self.evidence.vbios_version),
+        ):
+            if declared is not None:
+                self.step(f"declared.{field}", lambda f=field, d=declared: self._declared(f, d))
         rims = [rim for kind in ("driver", "vbios") if (rim := self._rim(kind)) is not None]
         if len(rims) == 2:
             self.step("measurements", lambda: self._measurements(rims))
@@ -226,6 +237,13 @@ class _GpuRun:
             dev_tools_mode=self.evidence.dev_tools_mode,
         )
 
+    def _declared(self, field: str, declared: str) -> None:
+        signed = self.claims[field]
+        if signed is None or not _same_version(field.removesuffix("_version"), declared, signed):
+            raise DeclaredVersionMismatchError(
+                f"the evidence declares {field} {declared}, the signed report {signed}"
+            )
+
     def _rim(self, kind: str) -> Rim | None:
         version = self.report.driver_version if kind == "driver" else self.report.vbios_version
         found: list[Rim] = []
@@ -246,27 +264,47 @@ class _GpuRun:
         return found[0] if found else None
 
     def _select_rim(self, kind: str, version: str | None) -> Rim:
+        """The RIM for the signed `version`. Candidates are the files whose (unverified) version
+        names it; only those that verify count (signature, chain to the pinned CoRIM root,
+        signed version and kind), so a forged or foreign file beside the genuine one is passed
+        over. Of those, a VBIOS RIM named for this board wins, then those whose signer is valid
+        at `at` (NVIDIA re-signs a RIM whose signer expires). Raises the candidate's own error
+        when none verifies, and RimNotFoundError when there is no candidate or the remaining
+        ones list different golden values (ambiguous: never guess between two signed RIMs)."""
         if version is None:
             raise RimNotFoundError(f"the report carries no {kind} version")
-        wanted = version.upper() if kind == "vbios" else version
         candidates = [
             f
             for f in self.trust.rims
-            if (v := rim_version(f.data)) is not None
-            and (v.upper() if kind == "vbios" else v) == wanted
+            if (v := rim_version(f.data)) is not None and _same_version(kind, v, version)
         ]
-        if kind == "vbios" and len(candidates) > 1 and self.report.board:
-            board_id = "_".join([*self.report.board, version.replace(".", "")]).upper()
-            candidates = [f for f in candidates if board_id in f.name.upper()] or candidates
         if not candidates:
             raise RimNotFoundError(f"no {kind} RIM for version {version} in the RIM directory")
-        if len(candidates) > 1:
-            names = ", ".join(f.name for f in candidates)
-            raise RimNotFoundError(f"{len(candidates)} {kind} RIMs for version {version}: {names}")
-        rim = verify_rim(
-            candidates[0].data, name=candidates[0].name, corim_root=self.trust.corim_root
-        )
-        if (rim.version.upper() if kind == "vbios" else rim.version) != wanted or rim.kind != kind:
+        verified: list[Rim] = []
+        failures: list[tuple[str, AttestationError]] = []
+        for candidate in candidates:
+            try:
+                verified.append(self._verify_candidate(candidate, kind, version))
+            except AttestationError as exc:
+                failures.append((candidate.name, exc))
+        if not verified:
+            raise _no_rim_verifies(failures)
+        if kind == "vbios" and len(verified) > 1 and self.report.board:
+            board_id = "_".join([*self.report.board, version.replace(".", "")]).upper()
+            verified = [rim for rim in verified if board_id in rim.name.upper()] or verified
+        current = [rim for rim in verified if not validity_problems(rim.signer_chain, self.at)]
+        verified = current or verified
+        if len({tuple(sorted(rim.golden.items())) for rim in verified}) > 1:
+            names = ", ".join(rim.name for rim in verified)
+            raise RimNotFoundError(
+                f"{len(verified)} {kind} RIMs for version {version} verify but list different "
+                f"golden values: {names}"
+            )
+        return verified[0]
+
+    def _verify_candidate(self, candidate: RimFile, kind: str, version: str) -> Rim:
+        rim = verify_rim(candidate.data, name=candidate.name, corim_root=self.trust.corim_root)
+        if not _same_version(kind, rim.version, version) or rim.kind != kind:
             raise RimNotFoundError(f"verified RIM {rim.name} is for {rim.version}, not {version}")
         return rim
 
@@ -347,3 +385,17 @@ class _GpuRun:
 
     def _policy_check(self, label: str, passed: bool, failure: str) -> None:
         self.checks.append(Check(f"{self.name}.policy.{label}", passed, "" if passed else failure))
+
+
+def _same_version(kind: str, a: str, b: str) -> bool:
+    """VBIOS versions are hex bytes, compared without regard to case; driver versions exactly."""
+    return a.upper() == b.upper() if kind == "vbios" else a == b
+
+
+def _no_rim_verifies(failures: list[tuple[str, AttestationError]]) -> AttestationError:
+    """The error of a RIM check where no candidate verified: the candidate's own error when
+    there was one, else the first one's type naming every candidate's failure."""
+    if len(failures) == 1:
+        return failures[0][1]
+    first = failures[0][1]
+    return type(first)("; ".join(f"{name}: {exc}" for name, exc in failures))

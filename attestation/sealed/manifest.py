@@ -39,6 +39,7 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
 from attestation.errors import SealedModelError
+from attestation.input_limits import parse_json
 from attestation.sealed.chunks import FORMAT, SEAL_ID_SIZE, num_chunks_of
 from attestation.sealed.errors import ManifestFormatError, ManifestSignatureError
 
@@ -50,6 +51,8 @@ _SIGNING_CONTEXT = FORMAT.encode() + b" manifest\n"
 # bound keeps 16 workers' scratch within 4 GiB whatever a manifest says.
 MIN_CHUNK_SIZE = 4096
 MAX_CHUNK_SIZE = 256 << 20
+# A manifest lists each file in about 200 bytes: 16 MiB holds any model's.
+MAX_MANIFEST_BYTES = 16 << 20
 _NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._+-]{0,254}$")
 _MANIFEST_KEYS = {
     "format", "model_id", "seal_id", "key_id", "wrapped_key", "key_check", "chunk_size", "files"
@@ -134,8 +137,9 @@ class SealedManifest:
 
         1. The signature (base64, 64 bytes) verifies over the signing context ‖ body, under
            `public_key`; otherwise ManifestSignatureError. Nothing in `body` is read before.
-        2. `body` is a manifest of this format: exact keys, types and ranges, safe unique file
-           names, chunk counts that match the sizes; otherwise ManifestFormatError.
+        2. `body` is a manifest of this format: JSON within MAX_MANIFEST_BYTES and
+           attestation.input_limits.MAX_NESTING_DEPTH, exact keys, types and ranges, safe
+           unique file names, chunk counts that match the sizes; otherwise ManifestFormatError.
         """
         try:
             signature = base64.b64decode(signature_text.strip(), validate=True)
@@ -145,10 +149,12 @@ class SealedManifest:
                 "the manifest's signature does not verify under the pinned manifest key: the "
                 "manifest was altered or signed by another key"
             ) from None
-        try:
-            document = json.loads(body)
-        except ValueError as exc:
-            raise ManifestFormatError(f"the signed manifest is not JSON: {exc}") from None
+        document = parse_json(
+            body,
+            what="the signed manifest",
+            error=ManifestFormatError,
+            max_bytes=MAX_MANIFEST_BYTES,
+        )
         return _parse(document)
 
 

@@ -45,13 +45,11 @@ from attestation.sealed.chunks import (
 from attestation.sealed.errors import ManifestSignatureError, SealedFileError
 from attestation.sealed.manifest import (
     MANIFEST_NAME,
+    MAX_MANIFEST_BYTES,
     SIGNATURE_NAME,
     ManifestFile,
     SealedManifest,
 )
-
-# The manifest is small; anything larger is not one.
-_MAX_MANIFEST_BYTES = 16 << 20
 
 
 def default_workers() -> int:
@@ -240,14 +238,14 @@ def _run_all(
 def _read_small(path: Path) -> bytes:
     try:
         with path.open("rb") as f:
-            data = f.read(_MAX_MANIFEST_BYTES + 1)
+            data = f.read(MAX_MANIFEST_BYTES + 1)
     except FileNotFoundError:
         raise ManifestSignatureError(
             f"{path} does not exist: this is not a sealed model directory"
         ) from None
     except OSError as exc:
         raise ManifestSignatureError(f"cannot read {path}: {exc.strerror}") from exc
-    if len(data) > _MAX_MANIFEST_BYTES:
+    if len(data) > MAX_MANIFEST_BYTES:
         raise ManifestSignatureError(f"{path} is larger than any manifest")
     return data
 

@@ -11,7 +11,7 @@ import pytest
 
 from appliance.auth.settings import IssuerSettings, RoleValues
 from appliance.boot.startup import engine_config
-from appliance.config import Settings, load_settings, setting_names
+from appliance.config import MAX_CONFIG_BYTES, Settings, load_settings, setting_names
 from appliance.engine.engine import EngineConfig
 from appliance.errors import ConfigError
 from installer.demo import write_demo_config
@@ -252,3 +252,15 @@ def test_demo_config_serves_tls_with_a_self_signed_pair_on_8443(
     # No identity provider: the demo's own issuer, its key kept beside the settings.
     assert (settings.auth.issuers, settings.auth.local_issuer) == ((), "demo")
     assert settings.auth.local_issuer_key_file == tmp_path / "demo" / "auth" / "local-issuer.pem"
+
+
+def test_a_config_file_100000_levels_deep_or_over_its_size_limit_is_a_config_error(
+    tmp_path: Path,
+) -> None:
+    """Issue 13, defect 2: tomllib recurses; the file is checked before it parses."""
+    path = _write(tmp_path, REQUIRED + "[server]\nx = " + "[" * 100_000 + "]" * 100_000 + "\n")
+    with pytest.raises(ConfigError, match=f"config file {path} nests .* deeper than 64 levels"):
+        load_settings(path, environ={})
+    path = _write(tmp_path, REQUIRED + "#\n" * (MAX_CONFIG_BYTES // 2))
+    with pytest.raises(ConfigError, match="over the limit of 1048576 bytes"):
+        load_settings(path, environ={})

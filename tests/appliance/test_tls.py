@@ -1,4 +1,5 @@
-"""TLS material: the demo's self-signed pair, the operator's pair checked before serving."""
+"""TLS material: the demo's self-signed pair (its key written 0600), the operator's pair checked
+before serving (its key refused, like every secret file, when others may read it)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,9 @@ from pathlib import Path
 
 import pytest
 from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import NameOID
 
 from appliance.errors import TlsError
 from appliance.tls import (
@@ -79,3 +83,58 @@ def test_unreadable_certificate_is_a_tls_error(tmp_path: Path) -> None:
     bad.write_text("not a certificate")
     with pytest.raises(TlsError, match="cannot read the certificate"):
         certificate_fingerprint(bad)
+
+
+@pytest.mark.parametrize("mode", [0o644, 0o640, 0o604])
+def test_key_readable_by_group_or_others_is_refused_like_every_other_secret_file(
+    tmp_path: Path, mode: int
+) -> None:
+    """Issue 13, defect 4: the TLS key is checked as audit.keyfile checks every secret file."""
+    cert, key = _pair(tmp_path)
+    ensure_self_signed_certificate(cert, key)
+    key.chmod(mode)
+    with pytest.raises(TlsError, match=rf"tls\.key_file: .* has mode {mode:04o}.*chmod 600"):
+        verify_certificate_pair(cert, key)
+
+
+def test_key_behind_a_symlink_is_refused(tmp_path: Path) -> None:
+    cert, key = _pair(tmp_path)
+    ensure_self_signed_certificate(cert, key)
+    link = tmp_path / "link.pem"
+    link.symlink_to(key)
+    with pytest.raises(TlsError, match=r"tls\.key_file: cannot open secret file"):
+        verify_certificate_pair(cert, link)
+
+
+def test_missing_key_is_a_tls_error_naming_the_setting(tmp_path: Path) -> None:
+    cert, key = _pair(tmp_path)
+    ensure_self_signed_certificate(cert, key)
+    key.unlink()
+    with pytest.raises(TlsError, match=r"tls\.key_file = .*key\.pem does not exist"):
+        verify_certificate_pair(cert, key)
+
+
+def test_expired_pair_is_replaced_with_a_key_of_mode_0600_even_over_an_open_file(
+    tmp_path: Path,
+) -> None:
+    cert, key = _pair(tmp_path)
+    ensure_self_signed_certificate(cert, key)
+    private_key = serialization.load_pem_private_key(key.read_bytes(), password=None)
+    assert isinstance(private_key, ec.EllipticCurvePrivateKey)
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "expired")])
+    past = datetime.datetime(2020, 1, 1, tzinfo=datetime.UTC)
+    expired = (
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(name)
+        .public_key(private_key.public_key())
+        .serial_number(1)
+        .not_valid_before(past)
+        .not_valid_after(past + datetime.timedelta(days=1))
+        .sign(private_key, hashes.SHA256())
+    )
+    cert.write_bytes(expired.public_bytes(serialization.Encoding.PEM))
+    key.chmod(0o644)  # left open by hand, or by an older version
+    assert ensure_self_signed_certificate(cert, key)
+    assert stat.S_IMODE(key.stat().st_mode) == 0o600
+    verify_certificate_pair(cert, key)

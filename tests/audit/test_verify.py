@@ -17,6 +17,12 @@ import pytest
 
 from audit.__main__ import main
 from audit.bundle import CHECKPOINTS, ENTRIES, MANIFEST
+from audit.bundle_json import (
+    MAX_CHECKPOINT_BYTES,
+    MAX_ENTRY_BYTES,
+    MAX_MANIFEST_BYTES,
+    MAX_STATE_BYTES,
+)
 from audit.canonical import canonicalize
 from audit.checkpoint import Checkpoint, open_checkpoint
 from audit.encoding import decode_base64, encode_base64
@@ -423,3 +429,70 @@ def test_time_range_export_holds_the_entries_of_that_time(
     assert (
         open_checkpoint((summary.path / CHECKPOINTS / f"{last}.txt").read_text(), vkey).size == last
     )
+
+
+DEEP = 100_000
+
+
+def _deep_entry_line(bundle: Path) -> None:
+    lines = _lines(bundle)
+    lines[0] = b'{"details":' + b"[" * DEEP + b"]" * DEEP + b"}"
+    _write_lines(bundle, lines)
+
+
+def _long_entry_line(bundle: Path) -> None:
+    lines = _lines(bundle)
+    lines[0] = b'{"details":"' + b"x" * MAX_ENTRY_BYTES + b'"}'
+    _write_lines(bundle, lines)
+
+
+LIMITS: dict[str, tuple[Callable[[Path], object], str]] = {
+    "manifest 100,000 levels deep": (
+        lambda b: (b / MANIFEST).write_bytes(b"[" * DEEP + b"]" * DEEP),
+        "manifest.json nests arrays and objects deeper than 64 levels",
+    ),
+    "entry line 100,000 levels deep": (
+        _deep_entry_line,
+        "entries.jsonl line 1 (entry 0) nests arrays and objects deeper than 64 levels",
+    ),
+    "manifest over its size limit": (
+        lambda b: (b / MANIFEST).write_bytes(b" " * (MAX_MANIFEST_BYTES + 1)),
+        "manifest.json is over the limit of 16777216 bytes",
+    ),
+    "entry line over its size limit": (
+        _long_entry_line,
+        "entries.jsonl line 1 is over the limit of 1048576 bytes for one entry",
+    ),
+    "checkpoint over its size limit": (
+        lambda b: (b / CHECKPOINTS / "5.txt").write_bytes(b"x" * (MAX_CHECKPOINT_BYTES + 1)),
+        "checkpoints/5.txt is over the limit of 65536 bytes",
+    ),
+}
+
+
+@pytest.mark.parametrize("defect", LIMITS)
+def test_input_over_a_limit_exits_2_with_one_line_and_no_traceback(
+    exported: Exported, tmp_path: Path, defect: str
+) -> None:
+    """Issue 13, defect 2: unusable input (exit 2), not a RecursionError traceback (exit 1)."""
+    damage, message = LIMITS[defect]
+    bundle = tmp_path / "bundle"
+    shutil.copytree(exported.bundle, bundle)
+    damage(bundle)
+    code, out, err = _verify(bundle, exported.vkey)
+    assert (code, out) == (2, "")
+    [line] = err.splitlines()
+    assert line.startswith("error: ") and message in line
+
+
+def test_a_state_file_100000_levels_deep_exits_2(exported: Exported, tmp_path: Path) -> None:
+    state = tmp_path / "state.json"
+    state.write_bytes(b"[" * DEEP + b"]" * DEEP)
+    code, _, err = _verify(exported.bundle, exported.vkey, "--state", str(state))
+    assert code == 2
+    [line] = err.splitlines()
+    assert "state file" in line and "deeper than 64 levels" in line
+    state.write_bytes(b" " * (MAX_STATE_BYTES + 1))
+    code, _, err = _verify(exported.bundle, exported.vkey, "--state", str(state))
+    assert code == 2
+    assert "is over the limit of 1048576 bytes" in err

@@ -26,6 +26,15 @@ DCAP = VECTORS / "dcap-qvl"
 SNP_AT = datetime(2025, 1, 1, tzinfo=UTC)
 # Inside the dcap-qvl collateral window (TCB info issued 2025-06-19, next update 2025-07-19).
 TDX_AT = datetime(2025, 7, 1, tzinfo=UTC)
+# The MRTD and report_data of dcap-qvl's TDX quote (`dcap_qvl.parse_quote(quote).report`).
+DCAP_MR_TD = (
+    "91eb2b44d141d4ece09f0c75c2c53d247a3c68edd7fafe8a"
+    "3520c942a604a407de03ae6dc5f87f27428b2538873118b7"
+)
+DCAP_REPORT_DATA = bytes.fromhex(
+    "9a9d48e7f6799642d3d1b34e1e5e1742d4bb02dd6ddd551862c1211d35c304f9"
+    "eca3efdbb481601c163cf52493d6e44aed55d51ec39b7e518fadb92c2b523f20"
+)
 
 
 @dataclass(frozen=True)

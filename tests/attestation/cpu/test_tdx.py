@@ -4,8 +4,10 @@ to Intel's SGX root but have no bundled collateral; hostile quotes and roots are
 
 from __future__ import annotations
 
+import json
 from dataclasses import replace
 from datetime import UTC, datetime
+from pathlib import Path
 
 import pytest
 
@@ -19,18 +21,13 @@ from attestation.cpu.evidence import CpuEvidence
 from attestation.cpu.policy import TdxPolicy
 from attestation.cpu.tdx import TdxClaims, TdxQuote, verify_pck_chain, verify_tdx_quote
 from attestation.errors import EvidenceError, PolicyError
-from tests.attestation.cpu.conftest import DCAP, TDX, TDX_AT
+from attestation.input_limits import MAX_COLLATERAL_BYTES
+from tests.attestation.cpu.conftest import DCAP, DCAP_MR_TD, DCAP_REPORT_DATA, TDX, TDX_AT
 from tests.attestation.cpu.synthetic import SyntheticSnp
 
 QUOTE = (DCAP / "tdx_quote").read_bytes()
-MR_TD = (
-    "91eb2b44d141d4ece09f0c75c2c53d247a3c68edd7fafe8a"
-    "3520c942a604a407de03ae6dc5f87f27428b2538873118b7"
-)
-REPORT_DATA = bytes.fromhex(
-    "9a9d48e7f6799642d3d1b34e1e5e1742d4bb02dd6ddd551862c1211d35c304f9"
-    "eca3efdbb481601c163cf52493d6e44aed55d51ec39b7e518fadb92c2b523f20"
-)
+MR_TD = DCAP_MR_TD
+REPORT_DATA = DCAP_REPORT_DATA
 # The TD report fields of QUOTE (`dcap_qvl.parse_quote(QUOTE).report`).
 MR_SEAM = (
     "5b38e33a6487958b72c3c12a938eaa5e3fd4510c51aeeab5"
@@ -298,3 +295,23 @@ def test_tee_tcb_svn_of_the_wrong_length_fails_the_minimum_instead_of_raising() 
     claims = replace(_claims(bytes(8), "UpToDate", []), tee_tcb_svn=bytes(15))
     failed = [check.name for check in policy.evaluate(claims) if not check.passed]
     assert failed == ["tdx.policy.min_tee_tcb_svn"]
+
+
+def test_collateral_100000_levels_deep_is_a_policy_error(tmp_path: Path) -> None:
+    """Issue 13, defect 2, for the operator's collateral files (and the JSON inside them)."""
+    (tmp_path / "tdx" / "collateral").mkdir(parents=True)
+    deep = "[" * 100_000 + "]" * 100_000
+    path = tmp_path / "tdx" / "collateral" / "b0c06f.json"
+    path.write_text(deep)
+    with pytest.raises(PolicyError, match="deeper than 64 levels"):
+        CpuTrust.load(tmp_path)
+    path.write_text(json.dumps({"tcb_info": deep}))
+    with pytest.raises(PolicyError, match=r"tcb_info nests .* deeper than 64 levels"):
+        CpuTrust.load(tmp_path)
+
+
+def test_collateral_over_its_size_limit_is_a_policy_error(tmp_path: Path) -> None:
+    (tmp_path / "tdx" / "collateral").mkdir(parents=True)
+    (tmp_path / "tdx" / "collateral" / "b0c06f.json").write_bytes(b" " * (MAX_COLLATERAL_BYTES + 1))
+    with pytest.raises(PolicyError, match="over the limit of 4194304 bytes"):
+        CpuTrust.load(tmp_path)

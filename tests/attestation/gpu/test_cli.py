@@ -13,6 +13,7 @@ import pytest
 
 from attestation.__main__ import main
 from attestation.gpu.evidence import evidence_list_to_json
+from attestation.input_limits import MAX_GPU_EVIDENCE_BYTES
 from tests.attestation.gpu.conftest import VECTORS, RealGpu
 
 POLICY_545 = """\
@@ -133,3 +134,63 @@ def test_nvat_evidence_through_a_subprocess(tmp_path: Path) -> None:
     passed = {c["name"] for c in out["checks"] if c["passed"]}
     assert {"gpu0.signature", "gpu0.certificate_chain", "gpu0.fwid", "gpu0.nonce"} <= passed
     assert {f["name"] for f in out["failed"]} == {"gpu0.rim.driver", "gpu0.rim.vbios"}
+
+
+def test_ppcie_evidence_of_8_gpus_is_verified_not_refused_for_its_format(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Issue 13, defect 3: exit 1 (no RIMs are published for it), not 2 "unknown keys"."""
+    policy = tmp_path / "policy.toml"
+    policy.write_text(
+        POLICY_545.replace("545.00", "590.12")
+        .replace("96.00.5E.00.01", "96.00.A5.00.01")
+        .replace("num_gpus = 1", "num_gpus = 8")
+    )
+    status, out = run(
+        ["verify-gpu", "--evidence", str(VECTORS / "ppcie" / "gpu_evidence.json"),
+         "--rims", str(tmp_path), "--policy", str(policy), "--at", "2026-11-22T00:00:00Z"],
+        capsys,
+    )  # fmt: skip
+    assert status == 1, out
+    assert {f["name"].split(".", 1)[1] for f in out["failed"]} == {"rim.driver", "rim.vbios"}
+    assert len(out["claims"]["gpus"]) == 8
+
+
+DEEP = 100_000
+
+
+def _subprocess(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "attestation", *args], capture_output=True, text=True, check=False
+    )
+
+
+@pytest.mark.parametrize("defect", ["evidence", "policy"])
+def test_input_100000_levels_deep_exits_2_with_one_line_and_no_traceback(
+    tmp_path: Path, defect: str
+) -> None:
+    """Issue 13, defect 2: unusable input, not a RecursionError traceback (exit 1)."""
+    evidence, policy = tmp_path / "evidence.json", tmp_path / "policy.toml"
+    deep = "[" * DEEP + "]" * DEEP
+    nvat = (VECTORS / "nvat-format" / "hopper_evidence_590.12.json").read_text()
+    evidence.write_text(deep if defect == "evidence" else nvat)
+    policy.write_text(POLICY_545 + (f"x = {deep}\n" if defect == "policy" else ""))
+    result = _subprocess("verify-gpu", "--evidence", str(evidence), "--rims", str(tmp_path),
+                         "--policy", str(policy))  # fmt: skip
+    assert (result.returncode, result.stderr) == (2, "")
+    [line] = result.stdout.splitlines()
+    out = json.loads(line)
+    assert out["result"] == "unusable input"
+    assert "deeper than 64 levels" in out["error"]
+
+
+def test_evidence_file_over_its_size_limit_exits_2(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    evidence = tmp_path / "evidence.json"
+    evidence.write_bytes(b" " * (MAX_GPU_EVIDENCE_BYTES + 1))
+    (tmp_path / "policy.toml").write_text(POLICY_545)
+    status, out = run(["verify-gpu", "--evidence", str(evidence), "--rims", str(tmp_path),
+                       "--policy", str(tmp_path / "policy.toml")], capsys)  # fmt: skip
+    assert status == 2
+    assert "over the limit of 4194304 bytes" in out["error"]

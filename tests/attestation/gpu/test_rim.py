@@ -226,12 +226,88 @@ def test_expired_rim_signer_fails_unless_policy_accepts_it(tmp_path: Path) -> No
     assert before.trusted
 
 
-def test_two_rims_for_one_version_are_ambiguous(tmp_path: Path) -> None:
+def _driver_golden(setup: SyntheticGpuSetup) -> dict[int, list[bytes]]:
+    return {i: [setup.measurements[i + 1]] for i in range(12, 33)}
+
+
+def test_two_verifying_rims_of_one_version_that_differ_are_ambiguous(tmp_path: Path) -> None:
+    setup = synthetic_gpu_setup(tmp_path)
+    other = {**_driver_golden(setup), 19: [measurement(20, b"another build")]}
+    (setup.rim_dir / "other.swidtag").write_bytes(setup.ca.sign_rim(setup.driver_version, other))
+    verdict = verify_setup(setup)
+    detail = {c.name: c.detail for c in verdict.failures}["gpu0.rim.driver"]
+    assert "2 driver RIMs" in detail and "other.swidtag" in detail
+    assert "RimNotFoundError" in detail
+
+
+def test_identical_copies_of_a_rim_are_not_ambiguous(tmp_path: Path) -> None:
     setup = synthetic_gpu_setup(tmp_path)
     driver = next(setup.rim_dir.glob("NV_GPU_DRIVER_*"))
     (setup.rim_dir / "copy.swidtag").write_bytes(driver.read_bytes())
     verdict = verify_setup(setup)
-    assert "2 driver RIMs" in {c.name: c.detail for c in verdict.failures}["gpu0.rim.driver"]
+    assert verdict.trusted, verdict.failures
+
+
+@pytest.mark.parametrize("name", ["0-forged.swidtag", "z-forged.swidtag"])
+def test_a_rim_failing_its_signature_beside_the_genuine_one_of_its_version_is_passed_over(
+    tmp_path: Path, name: str
+) -> None:
+    """Issue 13, defect 6: a forged RIM of the same version must not make the genuine one
+    ambiguous (in either file order): the one that verifies is chosen."""
+    setup = synthetic_gpu_setup(tmp_path)
+    driver = next(setup.rim_dir.glob("NV_GPU_DRIVER_*"))
+    genuine = driver.read_bytes()
+    value = setup.measurements[13].hex().encode()
+    assert value in genuine
+    (setup.rim_dir / name).write_bytes(genuine.replace(value, b"00" * 48, 1))
+    verdict = verify_setup(setup)
+    assert verdict.trusted, verdict.failures
+    assert verdict.claims["gpus"][0]["rims"]["driver"] == driver.name
+
+
+def test_a_rim_under_another_root_beside_the_genuine_one_is_passed_over(tmp_path: Path) -> None:
+    setup = synthetic_gpu_setup(tmp_path)
+    debug_root = issue("Debug CoRIM root", None, ca=True)
+    debug_signer = issue("Synthetic RIM L4 Signer", debug_root, ca=False)
+    (setup.rim_dir / "0-debug.swidtag").write_bytes(
+        setup.ca.sign_rim(
+            setup.driver_version, _driver_golden(setup), signer_chain=[debug_signer, debug_root]
+        )
+    )
+    verdict = verify_setup(setup)
+    assert verdict.trusted, verdict.failures
+
+
+def test_when_no_rim_of_the_version_verifies_each_failure_is_named(tmp_path: Path) -> None:
+    setup = synthetic_gpu_setup(tmp_path)
+    driver = next(setup.rim_dir.glob("NV_GPU_DRIVER_*"))
+    value = setup.measurements[13].hex().encode()
+    forged = driver.read_bytes().replace(value, b"00" * 48, 1)
+    driver.write_bytes(forged)
+    (setup.rim_dir / "copy.swidtag").write_bytes(forged)
+    verdict = verify_setup(setup)
+    detail = {c.name: c.detail for c in verdict.failures}["gpu0.rim.driver"]
+    assert detail.startswith("RimSignatureError")
+    assert "copy.swidtag" in detail and driver.name in detail
+
+
+def test_a_current_rim_is_preferred_to_an_expired_copy_of_the_same_values(tmp_path: Path) -> None:
+    """NVIDIA re-signs a RIM when its signer expires: both copies verify and list the same
+    values; the one valid at the validation time is chosen."""
+    setup = synthetic_gpu_setup(tmp_path)
+    expired_signer = issue(
+        "Synthetic RIM L4 Signer",
+        setup.ca.corim_l3,
+        ca=False,
+        not_after=datetime(2025, 6, 1, tzinfo=UTC),
+    )
+    chain = [expired_signer, setup.ca.corim_l3, setup.ca.corim_ca, setup.ca.corim_root]
+    (setup.rim_dir / "0-expired.swidtag").write_bytes(
+        setup.ca.sign_rim(setup.driver_version, _driver_golden(setup), signer_chain=chain)
+    )
+    verdict = verify_setup(setup)
+    assert verdict.trusted, verdict.failures
+    assert verdict.claims["gpus"][0]["rims"]["driver"] != "0-expired.swidtag"
 
 
 def test_rim_is_chosen_by_its_signed_version_not_its_file_name(tmp_path: Path) -> None:

@@ -264,3 +264,28 @@ def test_545_against_the_production_vbios_rim_of_its_version_mismatches_four_blo
         trust=GpuTrust.from_paths(rim_dir=tmp_path),
         at=BEFORE_RIM_EXPIRY,
     ).trusted
+
+
+PPCIE = VECTORS / "ppcie" / "gpu_evidence.json"
+
+
+def test_ppcie_evidence_of_8_gpus_verifies_as_given(trust_no_rims: GpuTrust) -> None:
+    """Issue 13, defect 3: NVIDIA's PPCIe shape (per-GPU driver_version, vbios_version and
+    version) is accepted, and its informative versions agree with the signed reports."""
+    evidence = evidence_list_from_json(PPCIE.read_bytes())
+    assert [item.to_json() for item in evidence] == json.loads(PPCIE.read_text())
+    policy = real_policy("590.12", "96.00.A5.00.01", num_gpus=8)
+    verdict = verify_gpu_evidence(
+        evidence,
+        expected_nonces=[item.nonce for item in evidence],
+        policy=policy,
+        trust=trust_no_rims,
+        at=TODAY,
+    )
+    checks = checks_by_name(verdict)
+    for gpu in range(8):
+        steps = (*MECHANISM, "declared.driver_version", "declared.vbios_version")
+        assert all(checks[f"gpu{gpu}.{step}"].passed for step in steps), gpu
+    assert checks["gpu.count"].passed and checks["gpu.distinct"].passed
+    # No RIMs for driver 590.12 / VBIOS 96.00.A5.00.01 are published among the vectors.
+    assert {c.name.split(".", 1)[1] for c in verdict.failures} == {"rim.driver", "rim.vbios"}

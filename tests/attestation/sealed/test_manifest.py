@@ -14,7 +14,7 @@ from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
 
 from attestation.sealed import SealedModel, load_manifest_public_key
 from attestation.sealed.errors import ManifestFormatError, ManifestSignatureError
-from attestation.sealed.manifest import SealedManifest
+from attestation.sealed.manifest import MAX_MANIFEST_BYTES, SealedManifest
 from tests.attestation.sealed.conftest import SealedFixture
 
 SHARD_1 = "model-00001-of-00002.safetensors"
@@ -114,3 +114,20 @@ def test_the_public_key_loads_from_pem(sealed: SealedFixture, tmp_path: Path) ->
     pem = sealed.public_key.public_bytes(Encoding.PEM, PublicFormat.SubjectPublicKeyInfo)
     path.write_bytes(pem)
     assert load_manifest_public_key(path) == sealed.public_key
+
+
+def _sign(sealed: SealedFixture, body: bytes) -> bytes:
+    return base64.b64encode(sealed.signing_key.sign(b"inferno-sealed-model/1 manifest\n" + body))
+
+
+def test_a_signed_manifest_100000_levels_deep_is_refused(sealed: SealedFixture) -> None:
+    """Issue 13, defect 2: even a manifest the pinned key signed is parsed within limits."""
+    body = b'{"files": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+    with pytest.raises(ManifestFormatError, match="deeper than 64 levels"):
+        SealedManifest.verify_and_parse(body, _sign(sealed, body), sealed.public_key)
+
+
+def test_a_signed_manifest_over_its_size_limit_is_refused(sealed: SealedFixture) -> None:
+    body = b" " * (MAX_MANIFEST_BYTES + 1)
+    with pytest.raises(ManifestFormatError, match="over the limit of 16777216 bytes"):
+        SealedManifest.verify_and_parse(body, _sign(sealed, body), sealed.public_key)
