@@ -11,7 +11,8 @@ audit log through `DenialReporter`.
 
 The authenticated `Principal` is put in the request's state for the routes (`principal_of`),
 and its audit `Actor` for the audit trail; a refusal's own audit entry is named as the
-request's entry (appliance.api.audit_trail).
+request's entry (appliance.api.audit_trail). The path template a request matched is put there
+too (`ROUTE_STATE`), for the access log.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from appliance.auth.roles import Role
 from appliance.auth.sessions import SESSION_COOKIE, Session, SessionStore
 
 CSRF_HEADER = "x-csrf-token"
+ROUTE_STATE = "route"
 _SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
 INFERENCE = frozenset({Role.USER, Role.SERVICE})
 ANY_ROLE = frozenset(Role)
@@ -137,8 +139,9 @@ class AccessControl:
             await not_found.response()(scope, receive, send)
             return
         path, rule = found
+        state = scope.setdefault("state", {})
+        state[ROUTE_STATE] = path
         if not isinstance(rule, Public):
-            state = scope.setdefault("state", {})
             try:
                 principal = await self._admit(scope, path, rule)
             except _Refused as refused:

@@ -8,6 +8,7 @@ in a crash loop.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from typing import Annotated, Literal
 
@@ -15,6 +16,8 @@ from fastapi import Depends, Request
 
 from appliance.api.errors import APIError
 from appliance.engine.async_engine import AsyncEngine
+
+logger = logging.getLogger(__name__)
 
 Status = Literal["ready", "loading", "failed", "stopped"]
 
@@ -37,6 +40,8 @@ class Readiness:
     def set_ready(self, engine: AsyncEngine) -> None:
         self._engine = engine
         self._status, self._reason = "ready", None
+        # The line operators and scripts wait for (shown at any log.level: appliance.logs).
+        logger.info("ready: the model is loaded and inference is served")
 
     def set_failed(self, reason: str) -> None:
         """Not serving, for `reason` (a closed TEE gate, a failed load or re-attestation): for
