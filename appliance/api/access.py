@@ -73,7 +73,10 @@ ROUTE_ACCESS: Mapping[str, Rule] = {
     # Clients verify the appliance before they trust it with a token; evidence, verdicts and
     # the attestation key are public by nature, and collections run one at a time.
     "/v1/attestation": Public("clients attest the appliance before sending it a token"),
-    "/openapi.json": Bearer(INFERENCE | {Role.ADMIN}),
+    "/openapi.json": Public(
+        "the schema describes the API and holds no secret; clients and their generators read "
+        "it before they have a token, as from any OpenAI-compatible server"
+    ),
     "/console/login": Public("starts a login: the IdP authenticates"),
     "/console/callback": Public("ends a login: the code, state and PKCE verifier authenticate"),
     "/console/session": Console(ANY_ROLE),
