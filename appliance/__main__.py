@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import importlib.metadata
-import json
 import logging
 import os
 import re
@@ -339,32 +338,67 @@ def _run_demo(args: argparse.Namespace) -> int:
     from appliance.engine.models.gguf_import import import_gguf
     from appliance.server import listen, serve
     from appliance.weights import LoadedModel
-    from installer.demo import demo_dir, write_demo_config
+    from installer.demo import commit_demo_config, demo_dir, stage_demo_config
     from installer.embedded_model import default_model_dir, find_embedded_gguf
 
-    model_dir = args.model or default_model_dir()
-    if not (model_dir / "config.json").exists():
-        _log.info("converting the embedded model into %s ...", model_dir)
-        import_gguf(find_embedded_gguf(), model_dir, show_progress=sys.stderr.isatty())
-    config_path = write_demo_config(demo_dir(), model_dir, device=args.device, port=args.port)
-    settings = load_settings(config_path)
-    _configure_logging_from(settings, args)
-    with start_audit_log(settings) as audit_log:
-        listener = listen(settings)
-        _log.info("loading %s ...", settings.served_model_name)
-        # Loaded before serving, so the server is ready when the banner says so.
-        model = LoadedModel.load(engine_config(settings))
-        app = build(settings, audit_log, model=model)
-        tokens = {
-            role: _mint(settings, audit_log, role, f"demo-{role}", "inferno demo")
-            for role in (Role.USER, Role.ADMIN)
-        }
-        banner = _demo_banner(
-            settings.served_model_name, listener.url, settings, config_path, audit_log.vkey, tokens
-        )
-        print(banner, flush=True)
-        serve(settings, app, listener)
+    model_dir = args.model
+    if model_dir is None:
+        model_dir = default_model_dir()
+        if not (model_dir / "config.json").exists():
+            _log.info("converting the embedded model into %s ...", model_dir)
+            import_gguf(find_embedded_gguf(), model_dir, show_progress=sys.stderr.isatty())
+    # The settings go into place only once the demo listens: a second demo that cannot start
+    # (its port taken by the first, say) leaves the running one's settings file as it is.
+    staged = stage_demo_config(demo_dir(), model_dir, device=args.device, port=args.port)
+    try:
+        settings = load_settings(staged)
+        _configure_logging_from(settings, args)
+        with start_audit_log(settings) as audit_log:
+            listener = listen(settings)
+            config_path = commit_demo_config(staged)
+            _log.info("loading %s ...", settings.served_model_name)
+            # Loaded before serving, so the server is ready when the banner says so.
+            model = LoadedModel.load(engine_config(settings))
+            app = build(settings, audit_log, model=model)
+            tokens_file = _write_demo_tokens(settings, audit_log, config_path.parent)
+            print(_demo_banner(settings, listener.url, tokens_file), flush=True)
+            serve(settings, app, listener)
+    finally:
+        staged.unlink(missing_ok=True)
     return 0
+
+
+def _write_demo_tokens(settings: Settings, audit_log: AuditLog, directory: Path) -> Path:
+    """Mint a user and an admin token (each recorded in the audit log) and write them to the
+    demo's owner-only tokens file; its path."""
+    from datetime import UTC, datetime, timedelta
+
+    from installer.demo import write_tokens_file
+
+    tokens = {
+        role.value: _mint(settings, audit_log, role, f"demo-{role}", "inferno demo")
+        for role in (Role.USER, Role.ADMIN)
+    }
+    ttl_s = settings.auth.local_issuer_token_ttl_s
+    expires = (datetime.now(UTC) + timedelta(seconds=ttl_s)).isoformat(timespec="seconds")
+    return write_tokens_file(directory, tokens, expires=expires)
+
+
+def _demo_banner(settings: Settings, url: str, tokens_file: Path) -> str:
+    from appliance.tls import certificate_fingerprint
+    from installer.demo import DemoBanner
+
+    cert = settings.tls.cert_file
+    assert cert is not None, "the demo's settings name a certificate"
+    return DemoBanner(
+        model=settings.served_model_name,
+        url=url,
+        cert_file=cert,
+        fingerprint=certificate_fingerprint(cert),
+        tokens_file=tokens_file,
+        token_ttl_s=settings.auth.local_issuer_token_ttl_s,
+        python=sys.executable,
+    ).text()
 
 
 def _mint(settings: Settings, log: AuditLog, role: Role, subject: str, command: str) -> str:
@@ -415,50 +449,6 @@ def _run_token(args: argparse.Namespace) -> int:
         token = _mint(settings, log, Role(args.role), args.sub, "inferno token")
     print(token)
     return 0
-
-
-def _demo_banner(
-    model: str, url: str, settings: Settings, config_path: Path, vkey: str, tokens: dict[Role, str]
-) -> str:
-    from appliance.tls import certificate_fingerprint
-
-    cert = settings.tls.cert_file
-    fingerprint = certificate_fingerprint(cert) if cert is not None else "none"
-    question = "What is the capital of France?"
-    body = json.dumps({"model": model, "messages": [{"role": "user", "content": question}]})
-    ttl_min = settings.auth.local_issuer_token_ttl_s // 60
-    return f"""\
-Inferno demo: {model} on {url}  (Ctrl-C stops it)
-TLS certificate (self-signed): {cert}
-  SHA-256 fingerprint {fingerprint}
-
-Bearer tokens of the demo's own issuer, valid {ttl_min} minutes
-(more: inferno token --role user|service|admin|auditor --sub NAME):
-  user  (inference):        {tokens[Role.USER]}
-  admin (status, metrics):  {tokens[Role.ADMIN]}
-
-Call it with curl:
-  curl --cacert {cert} {url}/v1/chat/completions \\
-    -H 'Authorization: Bearer {tokens[Role.USER]}' \\
-    -H 'Content-Type: application/json' -d '{body}'
-
-or with OpenAI's Python client (the API key is the bearer token):
-  import httpx, openai, ssl
-  client = openai.OpenAI(base_url="{url}/v1", api_key="{tokens[Role.USER]}",
-      http_client=httpx.Client(verify=ssl.create_default_context(cafile="{cert}")))
-  reply = client.chat.completions.create(model="{model}",
-      messages=[{{"role": "user", "content": "{question}"}}])
-  print(reply.choices[0].message.content)
-
-Every response names its audit log entry (Audit-Entry header; its proof: {url}/v1/audit/proof/N).
-Audit log verifier key (auditors pin it to verify exports offline):
-  {vkey}
-Export the log: inferno audit export OUT --config {config_path}
-
-TEE: UNVERIFIED. A demo runs with tee.mode = "insecure-dev": nothing about this machine is
-attested, and every response says so (X-Inferno-TEE: UNVERIFIED).
-
-Health: {url}/health   Metrics (admin token): {url}/metrics   Settings: {config_path}"""
 
 
 def _run_audit_export(args: argparse.Namespace) -> int:

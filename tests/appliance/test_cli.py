@@ -8,6 +8,7 @@ import json
 import os
 import re
 import signal
+import socket
 import ssl
 import subprocess
 import sys
@@ -160,6 +161,8 @@ def test_demo_serves_the_embedded_model_over_https_and_says_how_to_call_it(
     smollm2_dir: Path, tmp_path: Path
 ) -> None:
     env = {**os.environ, "XDG_DATA_HOME": str(tmp_path / "data")}
+    env.pop(CONFIG_ENV, None)
+    demo_dir = tmp_path / "data" / "inferno" / "demo"
     with (tmp_path / "stderr.txt").open("w") as stderr:
         demo = subprocess.Popen(
             [sys.executable, "-m", "appliance", "demo", "--model", str(smollm2_dir), "--port", "0"],
@@ -170,12 +173,24 @@ def test_demo_serves_the_embedded_model_over_https_and_says_how_to_call_it(
             url = re.search(r"on (https://127\.0\.0\.1:\d+)", banner[0]).group(1)
             cert = Path(re.search(r"\(self-signed\): (\S+)", banner[1]).group(1))
             fingerprint = re.search(r"SHA-256 fingerprint (\S+)", banner[2]).group(1)
-            assert cert == tmp_path / "data" / "inferno" / "demo" / "tls" / "cert.pem"
+            assert cert == demo_dir / "tls" / "cert.pem"
             assert fingerprint == certificate_fingerprint(cert)
+            # The tokens are in an owner-only file the banner names, never on the terminal.
+            tokens_file = Path(re.search(r": (\S+) \(owner-only\)", banner[3]).group(1))
+            assert tokens_file == demo_dir / "tokens.env"
+            assert tokens_file.stat().st_mode & 0o777 == 0o600
+            tokens = dict(re.findall(r"^export (\w+)=(\S+)$", tokens_file.read_text(), re.M))
+            user_token, admin_token = tokens["INFERNO_USER_TOKEN"], tokens["INFERNO_ADMIN_TOKEN"]
+            assert user_token not in "\n".join(banner) and admin_token not in "\n".join(banner)
+            # The banner's OpenAI line runs as printed, once the tokens file is loaded.
+            [openai_line] = [line.strip() for line in banner if "openai.OpenAI(" in line]
+            answer = subprocess.run(
+                ["sh", "-c", f". {tokens_file}; {openai_line}"],
+                capture_output=True, text=True, timeout=300, check=False,
+            )  # fmt: skip
+            assert answer.returncode == 0, answer.stderr
+            assert answer.stdout.strip()
             assert f"curl --cacert {cert} {url}/v1/chat/completions" in "\n".join(banner)
-            user_token = re.search(r"user .*:\s+(\S+)$", _line(banner, "user  (")).group(1)
-            admin_token = re.search(r"admin .*:\s+(\S+)$", _line(banner, "admin (")).group(1)
-            assert f"-H 'Authorization: Bearer {user_token}'" in "\n".join(banner)
             client = openai.OpenAI(
                 base_url=f"{url}/v1",
                 api_key=user_token,
@@ -191,12 +206,12 @@ def test_demo_serves_the_embedded_model_over_https_and_says_how_to_call_it(
             # Nothing is attested in a demo, and both the banner and every response say so.
             assert raw.headers["x-inferno-tee"] == "UNVERIFIED"
             assert _line(banner, "TEE: UNVERIFIED")
-            # The banner's vkey is the one `inferno audit vkey` shows for the demo's settings.
-            vkey = banner[banner.index(next(x for x in banner if "verifier key" in x)) + 1]
-            config = tmp_path / "data" / "inferno" / "demo" / "inferno.toml"
-            shown = _inferno("audit", "vkey", "--config", str(config))
-            assert vkey.strip() == shown.stdout.strip()
-            assert vkey.strip().startswith("inferno-demo.localhost/audit+")
+            # `inferno audit` finds the demo's settings by itself, as `inferno token` does.
+            shown = _inferno("audit", "vkey", env=env)
+            assert shown.returncode == 0, shown.stderr
+            assert shown.stdout.startswith("inferno-demo.localhost/audit+")
+            exported = _inferno("audit", "export", str(tmp_path / "bundle"), env=env)
+            assert exported.returncode == 0, exported.stderr
             # The admin token reads the metrics, the user's does not; `inferno token` mints more.
             with httpx.Client(verify=ssl.create_default_context(cafile=cert)) as http:
                 metrics = f"{url}/metrics"
@@ -210,7 +225,29 @@ def test_demo_serves_the_embedded_model_over_https_and_says_how_to_call_it(
         finally:
             demo.send_signal(signal.SIGTERM)
             demo.wait(timeout=60)
-    assert (tmp_path / "data" / "inferno" / "demo" / "inferno.toml").is_file()
+    logged = (tmp_path / "stderr.txt").read_text()
+    assert "INFO appliance.api.readiness: ready: " in logged
+    assert logged.rstrip().endswith("INFO appliance.server: stopped")
+    assert user_token not in logged
+    assert (demo_dir / "inferno.toml").is_file()
+
+
+def test_a_second_demo_that_cannot_listen_leaves_the_first_ones_settings(
+    smollm2_dir: Path, tmp_path: Path
+) -> None:
+    demo_dir = tmp_path / "data" / "inferno" / "demo"
+    demo_dir.mkdir(parents=True)
+    (demo_dir / "inferno.toml").write_text("# the running demo's settings\n")
+    env = {**os.environ, "XDG_DATA_HOME": str(tmp_path / "data")}
+    with socket.create_server(("127.0.0.1", 0)) as running:  # the first demo's port
+        port = running.getsockname()[1]
+        second = _inferno(
+            "demo", "--model", str(smollm2_dir), "--port", str(port), env=env
+        )  # fmt: skip
+    assert second.returncode == 2
+    assert f"server.port = {port}: " in second.stderr and "choose another" in second.stderr
+    assert (demo_dir / "inferno.toml").read_text() == "# the running demo's settings\n"
+    assert not [path for path in demo_dir.iterdir() if path.name.startswith(".")]
 
 
 def _line(banner: list[str], start: str) -> str:
@@ -222,10 +259,10 @@ def _bearer(token: str) -> dict[str, str]:
 
 
 def _read_banner(process: subprocess.Popen[str]) -> list[str]:
-    """The demo's banner, up to its last line (which names the health URL)."""
+    """The demo's banner, up to its last line (the OpenAI client's command)."""
     assert process.stdout is not None
     lines: list[str] = []
-    while not lines or not lines[-1].startswith("Health:"):
+    while not lines or "SSL_CERT_FILE=" not in lines[-1]:
         line = process.stdout.readline()
         assert line, f"the demo exited before printing its banner (status {process.poll()})"
         lines.append(line.rstrip("\n"))
