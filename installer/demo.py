@@ -103,13 +103,16 @@ def write_tokens_file(directory: Path, tokens: dict[str, str], *, expires: str) 
     """Write `tokens` (role -> bearer token) to `directory/tokens.env` as shell `export` lines
     (`. FILE` loads them), readable by its owner only from the first byte, and renamed into
     place so that a reader never sees half a file. Returns its path."""
-    lines = [f"# Bearer tokens of the demo's own issuer, valid until {expires}. Load: . FILE"]
+    path = directory / TOKENS_NAME
+    lines = [
+        f"# Bearer tokens of the demo's own issuer, valid until {expires}.",
+        f"# Load them into a shell: . {shlex.quote(str(path))}",
+    ]
     lines += [f"export {TOKEN_VARIABLES[role]}={token}" for role, token in tokens.items()]
     fd, name = tempfile.mkstemp(prefix=f".{TOKENS_NAME}.", dir=directory)  # mode 0600
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as file:
             file.write("\n".join(lines) + "\n")
-        path = directory / TOKENS_NAME
         os.replace(name, path)
     except BaseException:
         Path(name).unlink(missing_ok=True)
