@@ -3,18 +3,22 @@
 from __future__ import annotations
 
 import argparse
-import json
+import contextlib
+import importlib.metadata
 import logging
 import os
+import re
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from appliance.auth.roles import Role
 from appliance.engine.errors import EngineError
 from appliance.errors import ApplianceError, ConfigError
+from appliance.logs import LOG_FORMATS, LOG_LEVELS, configure_logging
 from audit.errors import AuditError
+from installer.demo import DEMO_PORT
 from installer.errors import InstallerError
 
 if TYPE_CHECKING:  # the engine imports torch: only load it for commands that need it
@@ -25,99 +29,250 @@ if TYPE_CHECKING:  # the engine imports torch: only load it for commands that ne
     from audit.log import AuditLog
 
 _DESCRIPTION = "Inferno: a confidential LLM inference appliance."
+# Names the settings file of every command that reads one, unless --config does.
+CONFIG_ENV = "INFERNO_CONFIG"
+# What a process killed by SIGPIPE returns in a shell (128 + 13).
+_BROKEN_PIPE_STATUS = 141
+
+# The command's own progress lines ("converting ...", "loading ..."): shown at any log level.
+_log = logging.getLogger("inferno")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = _parser()
-    args = parser.parse_args(argv)
-    logging.basicConfig(
-        level=os.environ.get("INFERNO_LOG_LEVEL", "WARNING").upper(),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
+    with _quiet_when_stdout_closes():
+        args = _parser().parse_args(argv)
+        try:
+            args.log_level, args.log_format = _log_options(args)
+            configure_logging(args.log_level, args.log_format)
+            return int(args.run(args) or 0)
+        except (ApplianceError, AuditError, EngineError, InstallerError) as exc:
+            if getattr(args, "log_format", None) == "json":
+                _log.error("%s", exc)  # a log shipper reads the reason like any other line
+            else:
+                print(f"inferno: error: {exc}", file=sys.stderr)
+            return 2
+        except KeyboardInterrupt:
+            return 130
+
+
+@contextlib.contextmanager
+def _quiet_when_stdout_closes() -> Iterator[None]:
+    """End quietly when whoever reads stdout stops (`inferno ... | head`), as the Python
+    documentation advises (library/signal.html, "Note on SIGPIPE"): stdout is flushed here, so
+    that a closed pipe shows up here rather than as a traceback at exit; then it is pointed at
+    /dev/null, so that the interpreter's last flush cannot fail again."""
     try:
-        return int(args.run(args) or 0)
-    except (ApplianceError, AuditError, EngineError, InstallerError) as exc:
-        print(f"inferno: error: {exc}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        return 130
+        try:
+            yield
+        finally:
+            sys.stdout.flush()
+    except BrokenPipeError:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        sys.exit(_BROKEN_PIPE_STATUS)
+
+
+def _log_options(args: argparse.Namespace) -> tuple[str, str]:
+    """The log level and format before any settings file is read: `--log-format`, else the
+    `INFERNO_LOG_*` variables (which also override the settings file's `[log]`)."""
+    level = os.environ.get("INFERNO_LOG_LEVEL", "WARNING").upper()
+    log_format = getattr(args, "log_format_flag", None) or os.environ.get(
+        "INFERNO_LOG_FORMAT", "text"
+    )
+    if level not in LOG_LEVELS:
+        raise ConfigError(f"INFERNO_LOG_LEVEL={level}: choose one of {', '.join(LOG_LEVELS)}")
+    if log_format not in LOG_FORMATS:
+        raise ConfigError(
+            f"INFERNO_LOG_FORMAT={log_format}: choose one of {', '.join(LOG_FORMATS)}"
+        )
+    return level, log_format
+
+
+def _configure_logging_from(settings: Settings, args: argparse.Namespace) -> None:
+    """Logging as the settings' `[log]` says, except for a `--log-format` given."""
+    args.log_format = args.log_format_flag or settings.log.format
+    configure_logging(settings.log.level, args.log_format)
+
+
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows each option's default, except where there is none to show (a flag, or a default
+    whose help already says what it is)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default is None or action.default is False or "(default" in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
+
+
+def _command(
+    commands: argparse._SubParsersAction[argparse.ArgumentParser], name: str, summary: str
+) -> argparse.ArgumentParser:
+    """A subcommand whose one-line summary is both its entry in the parent's list and the
+    description its own --help starts with."""
+    return commands.add_parser(
+        name, help=summary, description=summary[0].upper() + summary[1:] + ".",
+        formatter_class=_HelpFormatter,
+    )  # fmt: skip
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="inferno", description=_DESCRIPTION)
+    parser = argparse.ArgumentParser(
+        prog="inferno", description=_DESCRIPTION, formatter_class=_HelpFormatter
+    )
+    parser.add_argument(
+        "--version", action="version", version=f"inferno {importlib.metadata.version('inferno')}"
+    )
     commands = parser.add_subparsers(required=True, metavar="COMMAND")
 
-    gen = commands.add_parser("generate", help="generate one completion and print only its text")
-    gen.add_argument("--model", required=True, type=Path, help="model directory")
+    gen = _command(commands, "generate", "generate one completion and print only its text")
+    gen.add_argument(
+        "--model", required=True, type=_model_dir, metavar="DIR", help="model directory"
+    )
     gen.add_argument("--prompt", required=True, help="prompt text (a user message with --chat)")
     gen.add_argument("--chat", action="store_true", help="apply the model's chat template")
     _add_sampling_args(gen)
     gen.set_defaults(run=_run_generate)
 
-    serve = commands.add_parser("serve", help="serve the OpenAI-compatible HTTPS API")
-    serve.add_argument("--config", required=True, type=Path, help="settings file (TOML)")
+    serve = _command(commands, "serve", "serve the OpenAI-compatible HTTPS API")
+    _add_config_arg(serve, demo_default=False)
+    _add_log_format_arg(serve)
     serve.set_defaults(run=_run_serve)
 
-    demo = commands.add_parser(
-        "demo",
-        help="serve the embedded default model on https://127.0.0.1:8443 (converted on first use)",
+    demo = _command(
+        commands, "demo", "serve the embedded model over HTTPS with demo tokens, unattested"
     )
-    demo.add_argument("--model", type=Path, default=None, help="model directory to use instead")
     demo.add_argument(
-        "--device", default="cpu", help="cpu, or cuda for the GPU path (bf16, Triton kernels)"
+        "--model",
+        type=_model_dir,
+        default=None,
+        metavar="DIR",
+        help="model directory to serve (default: the embedded SmolLM2-135M-Instruct)",
     )
-    demo.add_argument("--port", type=int, default=None, help="port to listen on (default 8443)")
+    _add_device_arg(demo)
+    demo.add_argument(
+        "--port", type=_port, default=DEMO_PORT, help="port to listen on; 0 picks a free one"
+    )
+    _add_log_format_arg(demo)
     demo.set_defaults(run=_run_demo)
 
-    audit = commands.add_parser(
-        "audit", help="export the audit log, or show its verifier key (with the server's settings)"
-    )
+    audit = _command(commands, "audit", "export the audit log or print its verifier key")
     audit_commands = audit.add_subparsers(required=True, metavar="ACTION")
-    export = audit_commands.add_parser(
-        "export", help="write a bundle of the log for offline verification (itself logged)"
-    )
+    export = _command(audit_commands, "export", "write a bundle of the log to verify offline")
     export.add_argument("out", type=Path, help="bundle directory (or tar file) to create")
-    export.add_argument("--config", required=True, type=Path, help="the server's settings file")
-    export.add_argument("--from", dest="first", type=int, help="first entry (default 0)")
+    _add_config_arg(export, demo_default=True)
+    export.add_argument("--from", dest="first", type=int, help="first entry (default: 0)")
     export.add_argument("--to", dest="last", type=int, help="last entry (default: the newest)")
     export.add_argument("--tar", action="store_true", help="write one tar file, not a directory")
     export.set_defaults(run=_run_audit_export)
-    vkey = audit_commands.add_parser(
-        "vkey", help="print the verifier key that auditors pin to verify exports"
+    vkey = _command(
+        audit_commands, "vkey", "print the verifier key that auditors pin to verify exports"
     )
-    vkey.add_argument("--config", required=True, type=Path, help="the server's settings file")
+    _add_config_arg(vkey, demo_default=True)
     vkey.set_defaults(run=_run_audit_vkey)
 
-    token = commands.add_parser(
-        "token",
-        help="print a short-lived bearer token of the local issuer (where auth.local_issuer "
-        "enables it, as in the demo)",
-    )
-    token.add_argument("--role", required=True, choices=[role.value for role in Role])
-    token.add_argument("--sub", required=True, help="the subject the token names (who uses it)")
+    token = _command(commands, "token", "print a bearer token of the local issuer (audited)")
     token.add_argument(
-        "--config", type=Path, default=None, help="the server's settings file (default: the demo's)"
+        "--role", required=True, choices=[role.value for role in Role], help="the role it grants"
     )
+    token.add_argument("--sub", required=True, help="the subject the token names (who uses it)")
+    _add_config_arg(token, demo_default=True)
     token.set_defaults(run=_run_token)
 
-    model = commands.add_parser("model", help="manage model directories")
+    model = _command(commands, "model", "manage model directories")
     model_commands = model.add_subparsers(required=True, metavar="ACTION")
-    imp = model_commands.add_parser("import-gguf", help="convert a GGUF file to a model directory")
+    imp = _command(model_commands, "import-gguf", "convert a GGUF file to a model directory")
     imp.add_argument("gguf", type=Path, help="the .gguf file")
     imp.add_argument("outdir", type=Path, help="model directory to create")
     imp.set_defaults(run=_run_import_gguf)
     return parser
 
 
-def _add_sampling_args(parser: argparse.ArgumentParser, *, max_tokens: int = 128) -> None:
+def _add_config_arg(parser: argparse.ArgumentParser, *, demo_default: bool) -> None:
+    demo = ", else the demo's settings file" if demo_default else ""
     parser.add_argument(
-        "--device", default="cpu", help="cpu, or cuda for the GPU path (bf16, Triton kernels)"
+        "--config",
+        type=Path,
+        metavar="FILE",
+        default=None,
+        help=f"the server's settings file, TOML (default: ${CONFIG_ENV}{demo})",
     )
-    parser.add_argument("--max-tokens", type=int, default=max_tokens)
+
+
+def _add_log_format_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--log-format",
+        dest="log_format_flag",
+        choices=LOG_FORMATS,
+        default=None,
+        help="json writes every log line as one JSON object, for log shippers (default: "
+        "log.format of the settings, text)",
+    )
+
+
+def _add_device_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--device",
+        type=_device,
+        default="cpu",
+        metavar="{cpu,cuda,cuda:N}",
+        help="cpu, or cuda for the GPU path (bf16, Triton kernels)",
+    )
+
+
+def _device(value: str) -> str:
+    if value in ("cpu", "cuda") or re.fullmatch(r"cuda:\d+", value):
+        return value
+    raise argparse.ArgumentTypeError(f"invalid device {value!r} (choose cpu, cuda or cuda:N)")
+
+
+def _port(value: str) -> int:
+    try:
+        port = int(value)
+    except ValueError:
+        port = -1
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"invalid port {value!r} (choose 0 to 65535)")
+    return port
+
+
+def _model_dir(value: str) -> Path:
+    path = Path(value)
+    if path.is_file():
+        raise argparse.ArgumentTypeError(
+            f"{path} is a file; --model takes a model directory (convert a GGUF with "
+            "`inferno model import-gguf`)"
+        )
+    return path
+
+
+def _settings_file(given: Path | None, *, demo_default: bool) -> Path:
+    """The settings file a command reads: --config, else $INFERNO_CONFIG, else (for commands
+    run beside the demo) the demo's, if it exists."""
+    if given is not None:
+        return given
+    if named := os.environ.get(CONFIG_ENV):
+        return Path(named)
+    if demo_default:
+        from installer.demo import CONFIG_NAME, demo_dir
+
+        demo_config = demo_dir() / CONFIG_NAME
+        if demo_config.is_file():
+            return demo_config
+        raise ConfigError(
+            f"no settings file: give --config FILE or set {CONFIG_ENV}=FILE (the demo's, "
+            f"{demo_config}, does not exist: `inferno demo` writes it)"
+        )
+    raise ConfigError(f"no settings file: give --config FILE or set {CONFIG_ENV}=FILE")
+
+
+def _add_sampling_args(parser: argparse.ArgumentParser, *, max_tokens: int = 128) -> None:
+    _add_device_arg(parser)
+    parser.add_argument(
+        "--max-tokens", type=int, default=max_tokens, help="most tokens to generate"
+    )
     parser.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
-    parser.add_argument("--top-p", type=float, default=1.0)
-    parser.add_argument("--top-k", type=int, default=0)
-    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass")
+    parser.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest; 0: all")
+    parser.add_argument("--seed", type=int, default=None, help="seed (default: random)")
 
 
 def _sampling_params(args: argparse.Namespace) -> SamplingParams:
@@ -165,16 +320,13 @@ def _run_serve(args: argparse.Namespace) -> int:
     from appliance.config import load_settings
     from appliance.server import listen, serve
 
-    settings = load_settings(args.config)
-    logging.getLogger().setLevel(settings.log.level)
+    settings = load_settings(_settings_file(args.config, demo_default=False))
+    _configure_logging_from(settings, args)
     # The app closes the log at its shutdown (after a SIGTERM the process ends right after);
     # closing it here as well covers a start that fails before serving.
     with start_audit_log(settings) as audit_log:
         app = build(settings, audit_log)
         listener = listen(settings)
-        print(f"inferno: serving {settings.served_model_name} on {listener.url}", file=sys.stderr)
-        if listener.fingerprint is not None:
-            print(f"inferno: TLS certificate SHA-256 {listener.fingerprint}", file=sys.stderr)
         serve(settings, app, listener)
     return 0
 
@@ -186,32 +338,67 @@ def _run_demo(args: argparse.Namespace) -> int:
     from appliance.config import load_settings
     from appliance.engine.models.gguf_import import import_gguf
     from appliance.server import listen, serve
-    from installer.demo import DEMO_PORT, demo_dir, write_demo_config
+    from installer.demo import commit_demo_config, demo_dir, stage_demo_config
     from installer.embedded_model import default_model_dir, find_embedded_gguf
 
-    model_dir = args.model or default_model_dir()
-    if not (model_dir / "config.json").exists():
-        print(f"converting the embedded model into {model_dir} ...", file=sys.stderr)
-        import_gguf(find_embedded_gguf(), model_dir, show_progress=sys.stderr.isatty())
-    port = DEMO_PORT if args.port is None else args.port
-    config_path = write_demo_config(demo_dir(), model_dir, device=args.device, port=port)
-    settings = load_settings(config_path)
-    with start_audit_log(settings) as audit_log:
-        listener = listen(settings)
-        print(f"loading {settings.served_model_name} ...", file=sys.stderr)
-        # Loaded before serving, so the server is ready when the banner says so.
-        model = LoadedModel.load(engine_config(settings))
-        app = build(settings, audit_log, model=model)
-        tokens = {
-            role: _mint(settings, audit_log, role, f"demo-{role}", "inferno demo")
-            for role in (Role.USER, Role.ADMIN)
-        }
-        banner = _demo_banner(
-            settings.served_model_name, listener.url, settings, config_path, audit_log.vkey, tokens
-        )
-        print(banner, flush=True)
-        serve(settings, app, listener)
+    model_dir = args.model
+    if model_dir is None:
+        model_dir = default_model_dir()
+        if not (model_dir / "config.json").exists():
+            _log.info("converting the embedded model into %s ...", model_dir)
+            import_gguf(find_embedded_gguf(), model_dir, show_progress=sys.stderr.isatty())
+    # The settings go into place only once the demo listens: a second demo that cannot start
+    # (its port taken by the first, say) leaves the running one's settings file as it is.
+    staged = stage_demo_config(demo_dir(), model_dir, device=args.device, port=args.port)
+    try:
+        settings = load_settings(staged)
+        _configure_logging_from(settings, args)
+        with start_audit_log(settings) as audit_log:
+            listener = listen(settings)
+            config_path = commit_demo_config(staged)
+            _log.info("loading %s ...", settings.served_model_name)
+            # Loaded before serving, so the server is ready when the banner says so.
+            model = LoadedModel.load(engine_config(settings))
+            app = build(settings, audit_log, model=model)
+            tokens_file = _write_demo_tokens(settings, audit_log, config_path.parent)
+            print(_demo_banner(settings, listener.url, tokens_file), flush=True)
+            serve(settings, app, listener)
+    finally:
+        staged.unlink(missing_ok=True)
     return 0
+
+
+def _write_demo_tokens(settings: Settings, audit_log: AuditLog, directory: Path) -> Path:
+    """Mint a user and an admin token (each recorded in the audit log) and write them to the
+    demo's owner-only tokens file; its path."""
+    from datetime import UTC, datetime, timedelta
+
+    from installer.demo import write_tokens_file
+
+    tokens = {
+        role.value: _mint(settings, audit_log, role, f"demo-{role}", "inferno demo")
+        for role in (Role.USER, Role.ADMIN)
+    }
+    ttl_s = settings.auth.local_issuer_token_ttl_s
+    expires = (datetime.now(UTC) + timedelta(seconds=ttl_s)).isoformat(timespec="seconds")
+    return write_tokens_file(directory, tokens, expires=expires)
+
+
+def _demo_banner(settings: Settings, url: str, tokens_file: Path) -> str:
+    from appliance.tls import certificate_fingerprint
+    from installer.demo import DemoBanner
+
+    cert = settings.tls.cert_file
+    assert cert is not None, "the demo's settings name a certificate"
+    return DemoBanner(
+        model=settings.served_model_name,
+        url=url,
+        cert_file=cert,
+        fingerprint=certificate_fingerprint(cert),
+        tokens_file=tokens_file,
+        token_ttl_s=settings.auth.local_issuer_token_ttl_s,
+        python=sys.executable,
+    ).text()
 
 
 def _mint(settings: Settings, log: AuditLog, role: Role, subject: str, command: str) -> str:
@@ -256,57 +443,12 @@ def _mint(settings: Settings, log: AuditLog, role: Role, subject: str, command: 
 def _run_token(args: argparse.Namespace) -> int:
     from appliance.boot.startup import open_audit_log
     from appliance.config import load_settings
-    from installer.demo import CONFIG_NAME, demo_dir
 
-    settings = load_settings(args.config or demo_dir() / CONFIG_NAME)
+    settings = load_settings(_settings_file(args.config, demo_default=True))
     with open_audit_log(settings.audit) as log:
         token = _mint(settings, log, Role(args.role), args.sub, "inferno token")
     print(token)
     return 0
-
-
-def _demo_banner(
-    model: str, url: str, settings: Settings, config_path: Path, vkey: str, tokens: dict[Role, str]
-) -> str:
-    from appliance.tls import certificate_fingerprint
-
-    cert = settings.tls.cert_file
-    fingerprint = certificate_fingerprint(cert) if cert is not None else "none"
-    question = "What is the capital of France?"
-    body = json.dumps({"model": model, "messages": [{"role": "user", "content": question}]})
-    ttl_min = settings.auth.local_issuer_token_ttl_s // 60
-    return f"""\
-Inferno demo: {model} on {url}  (Ctrl-C stops it)
-TLS certificate (self-signed): {cert}
-  SHA-256 fingerprint {fingerprint}
-
-Bearer tokens of the demo's own issuer, valid {ttl_min} minutes
-(more: inferno token --role user|service|admin|auditor --sub NAME):
-  user  (inference):        {tokens[Role.USER]}
-  admin (status, metrics):  {tokens[Role.ADMIN]}
-
-Call it with curl:
-  curl --cacert {cert} {url}/v1/chat/completions \\
-    -H 'Authorization: Bearer {tokens[Role.USER]}' \\
-    -H 'Content-Type: application/json' -d '{body}'
-
-or with OpenAI's Python client (the API key is the bearer token):
-  import httpx, openai, ssl
-  client = openai.OpenAI(base_url="{url}/v1", api_key="{tokens[Role.USER]}",
-      http_client=httpx.Client(verify=ssl.create_default_context(cafile="{cert}")))
-  reply = client.chat.completions.create(model="{model}",
-      messages=[{{"role": "user", "content": "{question}"}}])
-  print(reply.choices[0].message.content)
-
-Every response names its audit log entry (Audit-Entry header; its proof: {url}/v1/audit/proof/N).
-Audit log verifier key (auditors pin it to verify exports offline):
-  {vkey}
-Export the log: inferno audit export OUT --config {config_path}
-
-TEE: UNVERIFIED. A demo runs with tee.mode = "insecure-dev": nothing about this machine is
-attested, and every response says so (X-Inferno-TEE: UNVERIFIED).
-
-Health: {url}/health   Metrics (admin token): {url}/metrics   Settings: {config_path}"""
 
 
 def _run_audit_export(args: argparse.Namespace) -> int:
@@ -314,7 +456,7 @@ def _run_audit_export(args: argparse.Namespace) -> int:
     from appliance.config import load_settings
     from audit.export import ExportRequest, export_bundle
 
-    settings = load_settings(args.config)
+    settings = load_settings(_settings_file(args.config, demo_default=True))
     request = ExportRequest(first_index=args.first, last_index=args.last)
     with open_audit_log(settings.audit) as log:
         summary = export_bundle(
@@ -337,7 +479,7 @@ def _run_audit_vkey(args: argparse.Namespace) -> int:
     from audit.log import SIGNING_KEY_FILE
     from audit.signer import load_note_signer
 
-    audit = load_settings(args.config).audit
+    audit = load_settings(_settings_file(args.config, demo_default=True)).audit
     print(load_note_signer(audit.effective_key_dir / SIGNING_KEY_FILE, audit.origin).verifier)
     return 0
 

@@ -29,6 +29,7 @@ from appliance.api import (
     models,
 )
 from appliance.api.access import ROUTE_ACCESS, AccessControl, document_access
+from appliance.api.access_log import AccessLog
 from appliance.api.admission import Admission
 from appliance.api.audit_trail import AuditTrail
 from appliance.api.errors import install_error_handlers
@@ -145,6 +146,8 @@ def build(
     # Each added around the previous: a 413 or a refusal is logged and carries both headers.
     app.add_middleware(AuditEntryHeader, trail=trail)
     app.add_middleware(TeeStateHeader, state=start_up.tee.state)
+    if settings.log.access:
+        app.add_middleware(AccessLog)  # outermost: it logs every answer as the client got it
     return app
 
 

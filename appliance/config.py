@@ -31,6 +31,7 @@ from sqlalchemy.exc import ArgumentError
 
 from appliance.auth.settings import AuthSettings
 from appliance.errors import ConfigError
+from appliance.logs import LogFormat
 from attestation.input_limits import parse_toml, read_file
 
 MAX_CONFIG_BYTES = 1 << 20  # a settings file is a few KiB
@@ -312,6 +313,12 @@ class SealedSettings(_Section):
 class LogSettings(_Section):
     level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field(
         default="WARNING", description="log level; prompts and completions are never logged"
+    )
+    format: LogFormat = Field(
+        default="text", description="text for people, json for log shippers (one object a line)"
+    )
+    access: bool = Field(
+        default=True, description="log one line per request: method, route, status, latency, who"
     )
 
 

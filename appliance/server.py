@@ -4,6 +4,10 @@
 On SIGTERM (or Ctrl-C) uvicorn stops accepting connections at once, lets the requests in flight
 finish for up to `server.drain_timeout_s`, cancels what is left (which aborts it in the engine),
 stops the engine, and exits.
+
+The server's life is logged at any log.level (appliance.logs): where it serves, once at start;
+`ready` (appliance.api.readiness); `stopping` when a signal starts the drain; `stopped` once
+the drain, the engine and the audit log's final checkpoint are done.
 """
 
 from __future__ import annotations
@@ -64,14 +68,29 @@ def uvicorn_server(settings: Settings, app: ASGIApp) -> uvicorn.Server:
         access_log=False,
         server_header=False,
     )
-    return uvicorn.Server(config)
+    return _Server(config)
 
 
 def serve(settings: Settings, app: ASGIApp, listener: Listener) -> None:
     """Serve until SIGTERM or SIGINT, then drain (see the module docstring). Blocks."""
     if settings.server.insecure_http:
         logger.warning("serving plain HTTP without TLS (server.insecure_http = true)")
+    logger.info("serving %s on %s", settings.served_model_name, listener.url)
+    if listener.fingerprint is not None:
+        logger.info("TLS certificate SHA-256 %s", listener.fingerprint)
     uvicorn_server(settings, app).run(sockets=[listener.sock])
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's server, saying when its shutdown starts and when it is over."""
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        timeout_s = self.config.timeout_graceful_shutdown
+        logger.info(
+            "stopping: no new connections; requests in flight have %s s to finish", timeout_s
+        )
+        await super().shutdown(sockets)
+        logger.info("stopped")
 
 
 class _HttpProtocol(HttpToolsProtocol):

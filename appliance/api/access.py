@@ -11,7 +11,8 @@ audit log through `DenialReporter`.
 
 The authenticated `Principal` is put in the request's state for the routes (`principal_of`),
 and its audit `Actor` for the audit trail; a refusal's own audit entry is named as the
-request's entry (appliance.api.audit_trail).
+request's entry (appliance.api.audit_trail). The path template a request matched is put there
+too (`ROUTE_STATE`), for the access log.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from appliance.auth.sessions import SESSION_COOKIE, Session, SessionStore
 from appliance.auth.www_authenticate import challenge
 
 CSRF_HEADER = "x-csrf-token"
+ROUTE_STATE = "route"
 _SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
 INFERENCE = frozenset({Role.USER, Role.SERVICE})
 ANY_ROLE = frozenset(Role)
@@ -71,7 +73,10 @@ ROUTE_ACCESS: Mapping[str, Rule] = {
     # Clients verify the appliance before they trust it with a token; evidence, verdicts and
     # the attestation key are public by nature, and collections run one at a time.
     "/v1/attestation": Public("clients attest the appliance before sending it a token"),
-    "/openapi.json": Bearer(INFERENCE | {Role.ADMIN}),
+    "/openapi.json": Public(
+        "the schema describes the API and holds no secret; clients and their generators read "
+        "it before they have a token, as from any OpenAI-compatible server"
+    ),
     "/console/login": Public("starts a login: the IdP authenticates"),
     "/console/callback": Public("ends a login: the code, state and PKCE verifier authenticate"),
     "/console/session": Console(ANY_ROLE),
@@ -137,8 +142,9 @@ class AccessControl:
             await not_found.response()(scope, receive, send)
             return
         path, rule = found
+        state = scope.setdefault("state", {})
+        state[ROUTE_STATE] = path
         if not isinstance(rule, Public):
-            state = scope.setdefault("state", {})
             try:
                 principal = await self._admit(scope, path, rule)
             except _Refused as refused:

@@ -295,7 +295,12 @@ class StartUp:
         engine.start()
         self.metrics.watch(model.engine)
         self.readiness.set_ready(engine)
-        logger.info("ready: serving %s (TEE %s)", self.trail.model_name, self.tee.state())
+        # The line operators and scripts wait for (shown at any log.level: appliance.logs).
+        logger.info(
+            "ready: the model is loaded and inference is served (%s, TEE %s)",
+            self.trail.model_name,
+            self.tee.state(),
+        )
         return engine
 
     async def _reattest(self, engine: AsyncEngine) -> None:

@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import argparse
+import importlib.metadata
 import json
 import os
 import re
 import signal
+import socket
 import ssl
 import subprocess
 import sys
+import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -16,6 +21,9 @@ import jwt
 import openai
 import pytest
 
+from appliance.__main__ import CONFIG_ENV, _parser
+from appliance.auth.local_issuer import LocalIssuer
+from appliance.auth.roles import Role
 from appliance.boot.startup import open_audit_log
 from appliance.config import load_settings
 from appliance.engine.engine import Engine, EngineConfig
@@ -153,6 +161,8 @@ def test_demo_serves_the_embedded_model_over_https_and_says_how_to_call_it(
     smollm2_dir: Path, tmp_path: Path
 ) -> None:
     env = {**os.environ, "XDG_DATA_HOME": str(tmp_path / "data")}
+    env.pop(CONFIG_ENV, None)
+    demo_dir = tmp_path / "data" / "inferno" / "demo"
     with (tmp_path / "stderr.txt").open("w") as stderr:
         demo = subprocess.Popen(
             [sys.executable, "-m", "appliance", "demo", "--model", str(smollm2_dir), "--port", "0"],
@@ -163,12 +173,24 @@ def test_demo_serves_the_embedded_model_over_https_and_says_how_to_call_it(
             url = re.search(r"on (https://127\.0\.0\.1:\d+)", banner[0]).group(1)
             cert = Path(re.search(r"\(self-signed\): (\S+)", banner[1]).group(1))
             fingerprint = re.search(r"SHA-256 fingerprint (\S+)", banner[2]).group(1)
-            assert cert == tmp_path / "data" / "inferno" / "demo" / "tls" / "cert.pem"
+            assert cert == demo_dir / "tls" / "cert.pem"
             assert fingerprint == certificate_fingerprint(cert)
+            # The tokens are in an owner-only file the banner names, never on the terminal.
+            tokens_file = Path(re.search(r": (\S+) \(owner-only\)", banner[3]).group(1))
+            assert tokens_file == demo_dir / "tokens.env"
+            assert tokens_file.stat().st_mode & 0o777 == 0o600
+            tokens = dict(re.findall(r"^export (\w+)=(\S+)$", tokens_file.read_text(), re.M))
+            user_token, admin_token = tokens["INFERNO_USER_TOKEN"], tokens["INFERNO_ADMIN_TOKEN"]
+            assert user_token not in "\n".join(banner) and admin_token not in "\n".join(banner)
+            # The banner's OpenAI line runs as printed, once the tokens file is loaded.
+            [openai_line] = [line.strip() for line in banner if "openai.OpenAI(" in line]
+            answer = subprocess.run(
+                ["sh", "-c", f". {tokens_file}; {openai_line}"],
+                capture_output=True, text=True, timeout=300, check=False,
+            )  # fmt: skip
+            assert answer.returncode == 0, answer.stderr
+            assert answer.stdout.strip()
             assert f"curl --cacert {cert} {url}/v1/chat/completions" in "\n".join(banner)
-            user_token = re.search(r"user .*:\s+(\S+)$", _line(banner, "user  (")).group(1)
-            admin_token = re.search(r"admin .*:\s+(\S+)$", _line(banner, "admin (")).group(1)
-            assert f"-H 'Authorization: Bearer {user_token}'" in "\n".join(banner)
             client = openai.OpenAI(
                 base_url=f"{url}/v1",
                 api_key=user_token,
@@ -184,12 +206,12 @@ def test_demo_serves_the_embedded_model_over_https_and_says_how_to_call_it(
             # Nothing is attested in a demo, and both the banner and every response say so.
             assert raw.headers["x-inferno-tee"] == "UNVERIFIED"
             assert _line(banner, "TEE: UNVERIFIED")
-            # The banner's vkey is the one `inferno audit vkey` shows for the demo's settings.
-            vkey = banner[banner.index(next(x for x in banner if "verifier key" in x)) + 1]
-            config = tmp_path / "data" / "inferno" / "demo" / "inferno.toml"
-            shown = _inferno("audit", "vkey", "--config", str(config))
-            assert vkey.strip() == shown.stdout.strip()
-            assert vkey.strip().startswith("inferno-demo.localhost/audit+")
+            # `inferno audit` finds the demo's settings by itself, as `inferno token` does.
+            shown = _inferno("audit", "vkey", env=env)
+            assert shown.returncode == 0, shown.stderr
+            assert shown.stdout.startswith("inferno-demo.localhost/audit+")
+            exported = _inferno("audit", "export", str(tmp_path / "bundle"), env=env)
+            assert exported.returncode == 0, exported.stderr
             # The admin token reads the metrics, the user's does not; `inferno token` mints more.
             with httpx.Client(verify=ssl.create_default_context(cafile=cert)) as http:
                 metrics = f"{url}/metrics"
@@ -203,7 +225,29 @@ def test_demo_serves_the_embedded_model_over_https_and_says_how_to_call_it(
         finally:
             demo.send_signal(signal.SIGTERM)
             demo.wait(timeout=60)
-    assert (tmp_path / "data" / "inferno" / "demo" / "inferno.toml").is_file()
+    logged = (tmp_path / "stderr.txt").read_text()
+    assert "INFO appliance.boot.startup: ready: " in logged
+    assert logged.rstrip().endswith("INFO appliance.server: stopped")
+    assert user_token not in logged
+    assert (demo_dir / "inferno.toml").is_file()
+
+
+def test_a_second_demo_that_cannot_listen_leaves_the_first_ones_settings(
+    smollm2_dir: Path, tmp_path: Path
+) -> None:
+    demo_dir = tmp_path / "data" / "inferno" / "demo"
+    demo_dir.mkdir(parents=True)
+    (demo_dir / "inferno.toml").write_text("# the running demo's settings\n")
+    env = {**os.environ, "XDG_DATA_HOME": str(tmp_path / "data")}
+    with socket.create_server(("127.0.0.1", 0)) as running:  # the first demo's port
+        port = running.getsockname()[1]
+        second = _inferno(
+            "demo", "--model", str(smollm2_dir), "--port", str(port), env=env
+        )  # fmt: skip
+    assert second.returncode == 2
+    assert f"server.port = {port}: " in second.stderr and "choose another" in second.stderr
+    assert (demo_dir / "inferno.toml").read_text() == "# the running demo's settings\n"
+    assert not [path for path in demo_dir.iterdir() if path.name.startswith(".")]
 
 
 def _line(banner: list[str], start: str) -> str:
@@ -215,10 +259,10 @@ def _bearer(token: str) -> dict[str, str]:
 
 
 def _read_banner(process: subprocess.Popen[str]) -> list[str]:
-    """The demo's banner, up to its last line (which names the health URL)."""
+    """The demo's banner, up to its last line (the OpenAI client's command)."""
     assert process.stdout is not None
     lines: list[str] = []
-    while not lines or not lines[-1].startswith("Health:"):
+    while not lines or "SSL_CERT_FILE=" not in lines[-1]:
         line = process.stdout.readline()
         assert line, f"the demo exited before printing its banner (status {process.poll()})"
         lines.append(line.rstrip("\n"))
@@ -260,3 +304,168 @@ def test_token_prints_a_token_only_where_the_local_issuer_is_on(tmp_path: Path) 
     assert refused.returncode == 2
     assert "auth.local_issuer is off in these settings" in refused.stderr
     assert refused.stdout == ""
+
+
+def test_version_prints_the_installed_version() -> None:
+    result = _inferno("--version")
+    assert result.returncode == 0
+    assert result.stdout == f"inferno {importlib.metadata.version('inferno')}\n"
+
+
+def _subcommands(
+    parser: argparse.ArgumentParser, path: tuple[str, ...] = ()
+) -> Iterator[tuple[tuple[str, ...], argparse.ArgumentParser]]:
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                yield (*path, name), sub
+                yield from _subcommands(sub, (*path, name))
+
+
+def test_every_subcommands_help_has_a_one_line_description_and_shows_defaults() -> None:
+    subcommands = dict(_subcommands(_parser()))
+    assert {" ".join(path) for path in subcommands} >= {
+        "generate", "serve", "demo", "audit", "audit export", "audit vkey", "token", "model",
+        "model import-gguf",
+    }  # fmt: skip
+    for path, parser in subcommands.items():
+        result = _inferno(*path, "--help")
+        assert result.returncode == 0, result.stderr
+        description = result.stdout.split("\n\n")[1]
+        assert parser.description == description.replace("\n", " ")
+        assert len(parser.description) <= 80 and parser.description.endswith(".")
+        for action in parser._actions:
+            if action.default not in (None, False, argparse.SUPPRESS) and action.help:
+                flag = action.option_strings[-1]
+                options = result.stdout.split("\noptions:\n")[1]
+                shown = re.search(rf"^  {flag} .*?(?=\n  -|\Z)", options, re.S | re.M).group(0)
+                assert "(default: " in shown, f"inferno {' '.join(path)} {flag}: no default"
+    generate = _inferno("generate", "--help").stdout
+    assert "(default: cpu)" in generate and "(default: 128)" in generate
+
+
+def test_device_is_a_choice_of_cpu_cuda_or_cuda_n(tmp_path: Path) -> None:
+    result = _inferno("generate", "--model", str(tmp_path), "--prompt", "hi", "--device", "gpu")
+    assert result.returncode == 2
+    assert "invalid device 'gpu' (choose cpu, cuda or cuda:N)" in result.stderr
+    assert "{cpu,cuda,cuda:N}" in _inferno("demo", "--help").stdout
+
+
+def test_a_model_path_that_is_a_file_says_to_convert_it(tmp_path: Path) -> None:
+    gguf = tmp_path / "model.gguf"
+    gguf.write_bytes(b"GGUF")
+    for command in ("generate", "demo"):
+        result = _inferno(command, "--model", str(gguf), "--prompt", "hi")
+        assert result.returncode == 2
+        assert (
+            f"{gguf} is a file; --model takes a model directory (convert a GGUF with "
+            "`inferno model import-gguf`)" in result.stderr
+        )
+
+
+# A shell's status for a process that SIGPIPE ended: what `inferno` returns when stdout closes.
+_SIGPIPE_STATUS = 141
+
+
+def _into_a_closed_pipe(*args: str, env: dict[str, str] | None = None) -> tuple[int, str]:
+    """Run `inferno ARGS` with stdout a pipe whose reader is gone (as after `| head` exits):
+    its exit status and stderr."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        result = subprocess.run(
+            [sys.executable, "-m", "appliance", *args],
+            stdout=write_end, stderr=subprocess.PIPE, text=True, env=env, timeout=300,
+            check=False,
+        )  # fmt: skip
+    finally:
+        os.close(write_end)
+    return result.returncode, result.stderr
+
+
+def test_output_into_a_closed_pipe_ends_quietly(smollm2_dir: Path, tmp_path: Path) -> None:
+    config = _plain_http_config(smollm2_dir, tmp_path)
+    minted = _inferno("token", "--role", "user", "--sub", "x", "--config", str(config))
+    assert minted.returncode == 0, minted.stderr  # the audit log, and its key, exist now
+    for args in (("--help",), ("--version",), ("audit", "vkey", "--config", str(config))):
+        status, stderr = _into_a_closed_pipe(*args)
+        assert (status in (0, _SIGPIPE_STATUS), stderr) == (True, ""), args
+    piped = subprocess.run(
+        f"{sys.executable} -m appliance --help | head -1", shell=True,
+        capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    assert piped.stdout.startswith("usage: inferno") and piped.stderr == ""
+
+
+@pytest.mark.slow
+def test_generate_into_a_closed_pipe_ends_quietly(smollm2_dir: Path) -> None:
+    status, stderr = _into_a_closed_pipe(
+        "generate", "--model", str(smollm2_dir), "--prompt", "hi", "--max-tokens", "2"
+    )
+    assert (status, stderr) == (_SIGPIPE_STATUS, "")
+
+
+def test_inferno_config_names_the_settings_file_and_config_wins(
+    smollm2_dir: Path, tmp_path: Path
+) -> None:
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    named = _plain_http_config(smollm2_dir, tmp_path / "a")
+    given = tmp_path / "b" / "inferno.toml"
+    given.write_text(named.read_text().replace("inferno.test/cli", "inferno.test/given"))
+    env = {**os.environ, CONFIG_ENV: str(named), "XDG_DATA_HOME": str(tmp_path / "none")}
+    assert _inferno("token", "--role", "user", "--sub", "x", env=env).returncode == 0
+    assert _inferno("audit", "vkey", env=env).stdout.startswith("inferno.test/cli+")
+    with_config = ("--config", str(given))
+    assert _inferno("token", "--role", "user", "--sub", "x", *with_config, env=env).returncode == 0
+    assert _inferno("audit", "vkey", *with_config, env=env).stdout.startswith("inferno.test/given+")
+
+
+def test_commands_without_a_settings_file_say_how_to_name_one(tmp_path: Path) -> None:
+    env = {**os.environ, "XDG_DATA_HOME": str(tmp_path)}
+    env.pop(CONFIG_ENV, None)
+    serve = _inferno("serve", env=env)
+    assert serve.returncode == 2
+    assert "no settings file: give --config FILE or set INFERNO_CONFIG=FILE" in serve.stderr
+    for args in (("audit", "vkey"), ("audit", "export", str(tmp_path / "out"))):
+        result = _inferno(*args, env=env)
+        assert result.returncode == 2
+        assert f"the demo's, {tmp_path}/inferno/demo/inferno.toml, does not exist" in result.stderr
+
+
+@pytest.mark.slow
+def test_serve_with_json_logs_writes_one_object_a_line_with_ready_access_and_stop(
+    smollm2_dir: Path, tmp_path: Path
+) -> None:
+    config = _plain_http_config(smollm2_dir, tmp_path)
+    serve = subprocess.Popen(
+        [sys.executable, "-m", "appliance", "serve", "--config", str(config),
+         "--log-format", "json"],
+        stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    assert serve.stderr is not None
+    try:
+        lines = []
+        while "ready: " not in (lines[-1] if lines else ""):
+            line = serve.stderr.readline()
+            assert line, f"serve exited (status {serve.poll()}): {''.join(lines)}"
+            lines.append(line)
+        [url] = [
+            found.group(1)
+            for line in lines
+            if (found := re.fullmatch(r"serving \S+ on (http://\S+)", json.loads(line)["message"]))
+        ]
+        issuer = LocalIssuer.from_settings(load_settings(config, environ={}).auth)
+        token = issuer.mint(Role.USER, "json-reader", time.time())
+        assert httpx.get(f"{url}/v1/models", headers=_bearer(token)).status_code == 200
+    finally:
+        serve.send_signal(signal.SIGTERM)
+        _, rest = serve.communicate(timeout=60)
+    parsed = [json.loads(line) for line in [*lines, *rest.splitlines()]]
+    messages = [line["message"] for line in parsed]
+    assert any(m.startswith("ready: the model is loaded and inference is served") for m in messages)
+    assert messages[-2].startswith("stopping: ") and messages[-1] == "stopped"
+    [access] = [line for line in parsed if line["logger"] == "appliance.api.access_log"]
+    assert (access["method"], access["route"], access["status"]) == ("GET", "/v1/models", 200)
+    assert access["subject"] == "json-reader"
+    assert token not in rest

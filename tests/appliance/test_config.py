@@ -14,7 +14,7 @@ from appliance.boot.startup import engine_config
 from appliance.config import MAX_CONFIG_BYTES, Settings, load_settings, setting_names
 from appliance.engine.engine import EngineConfig
 from appliance.errors import ConfigError
-from installer.demo import write_demo_config
+from installer.demo import stage_demo_config
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -241,7 +241,7 @@ def test_default_engine_settings_are_the_engines_own_defaults(model_dir: Path) -
 def test_demo_config_serves_tls_with_a_self_signed_pair_on_8443(
     tmp_path: Path, smollm2_dir: Path
 ) -> None:
-    path = write_demo_config(tmp_path / "demo", smollm2_dir, device="cpu", port=8443)
+    path = stage_demo_config(tmp_path / "demo", smollm2_dir, device="cpu", port=8443)
     settings = load_settings(path, environ={})
     assert settings.model.dir == smollm2_dir.resolve()
     assert (settings.server.host, settings.server.port) == ("127.0.0.1", 8443)

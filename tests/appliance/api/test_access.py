@@ -38,7 +38,7 @@ EXPECTED: dict[str, Any] = {
     "/v1/audit/proof/{index}": {USER, SERVICE, AUDITOR},  # not admins: separation of duties
     "/v1/attestation": "public",  # clients attest the appliance before sending it a token
     "/metrics": {ADMIN},
-    "/openapi.json": {USER, SERVICE, ADMIN},
+    "/openapi.json": "public",  # the schema holds no secret; clients read it before a token
     "/console/login": "public",
     "/console/callback": "public",
     "/console/session": ("console", set(Role)),
@@ -198,3 +198,12 @@ def test_refusals_are_audited_and_the_response_names_their_entry(server: Running
     assert database.entry(int(bad.headers["Audit-Entry"].split(" ")[1]))["details"] == {
         "reason": "malformed token"
     }
+
+
+def test_the_openapi_schema_is_public_and_names_the_bearer_scheme(server: RunningServer) -> None:
+    with server.http(role=None) as http:
+        response = http.get("/openapi.json")
+    assert response.status_code == 200
+    schema = response.json()
+    assert schema["components"]["securitySchemes"]["bearer"]["scheme"] == "bearer"
+    assert schema["paths"]["/v1/chat/completions"]["post"]["security"] == [{"bearer": []}]

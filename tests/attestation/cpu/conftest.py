@@ -1,4 +1,4 @@
-"""The real CPU vectors (copied from ../shared/vectors/attestation/cpu with their licenses):
+"""The real CPU vectors (tests/attestation/vectors/cpu, public files with their licenses):
 go-sev-guest's Milan SEV-SNP report with its VCEK and AMD's ASK/ARK, go-tdx-guest's TDX quotes
 with Intel's SGX root, and dcap-qvl's TDX quote with a complete DCAP collateral set."""
 

@@ -1,6 +1,6 @@
 """The real SEV-SNP report (go-sev-guest, Milan): its signatures verify through VCEK <- ASK <-
 pinned ARK, and a policy that accepts its measurement and TCB still refuses it because its guest
-policy allows debugging ("debug must be off"), as ../shared/vectors/README.md says."""
+policy allows debugging ("debug must be off"), as tests/attestation/vectors/README.md says."""
 
 from __future__ import annotations
 

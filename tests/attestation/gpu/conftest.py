@@ -1,5 +1,5 @@
-"""Real NVIDIA H100 evidence (tests/attestation/vectors/nvidia, copied from the shared vectors
-with their licenses) and the policies the tests verify it under."""
+"""Real NVIDIA H100 evidence (tests/attestation/vectors/nvidia, public files with their licenses,
+described in tests/attestation/vectors/README.md) and the policies the tests verify it under."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
-"""Every NVIDIA vector of ../shared/vectors/README.md behaves as that README states.
+"""Every NVIDIA vector of tests/attestation/vectors/README.md behaves as that README states.
 
-Regenerate: the files under tests/attestation/vectors/nvidia are copies of the shared vectors
-(NVIDIA nvtrust and attestation-sdk, licenses beside them); nothing here is derived from them.
+Regenerate: the files under tests/attestation/vectors/nvidia are copies of public files
+of NVIDIA nvtrust and attestation-sdk (licenses beside them); nothing here is derived from them.
 """
 
 from __future__ import annotations
