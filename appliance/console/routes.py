@@ -372,7 +372,9 @@ def _redacted(values: Mapping[str, Any]) -> dict[str, Any]:
 def _shown(value: Any) -> str:
     if value is None:
         return "—"
-    return value if isinstance(value, str) else json.dumps(value, sort_keys=True)
+    if isinstance(value, str):
+        return value
+    return json.dumps(value, sort_keys=True, indent=2 if isinstance(value, list | dict) else None)
 
 
 def install(app: FastAPI, services: ConsoleServices) -> None:
