@@ -46,6 +46,7 @@ CONSOLE_PREFIX = "/console/"
 # A console form holds a CSRF token and a few short fields; its body is read here, before the
 # route's own size limit applies, so it has its own.
 MAX_FORM_BYTES = 64 << 10
+MAX_FORM_FIELDS = 64
 ROUTE_STATE = "route"
 _SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
 INFERENCE = frozenset({Role.USER, Role.SERVICE})
@@ -264,7 +265,10 @@ async def _csrf_token(scope: Scope, receive: Receive) -> tuple[str | None, Recei
             return None, receive
         if not message.get("more_body", False):
             break
-    fields = parse_qs(body.decode("latin-1"), max_num_fields=64)
+    try:
+        fields = parse_qs(body.decode("latin-1"), max_num_fields=MAX_FORM_FIELDS)
+    except ValueError:  # more fields than any console form has
+        return None, receive
     values = fields.get(CSRF_FIELD, [])
     return (values[0] if len(values) == 1 else None), _replay(bytes(body), receive)
 

@@ -112,6 +112,28 @@ def test_revoking_a_session_is_audited_first_and_ends_it(server: RunningServer) 
         assert http.get("/console/audit").status_code == 401
 
 
+@pytest.mark.parametrize(
+    "body",
+    [
+        "&".join(f"f{i}=x" for i in range(100)) + "&csrf_token={token}",  # too many fields
+        "pad=" + "x" * (70 << 10) + "&csrf_token={token}",  # over MAX_FORM_BYTES
+        "csrf_token={token}&csrf_token={token}",  # two tokens
+    ],
+)
+def test_hostile_forms_are_refused_as_without_a_csrf_token(
+    server: RunningServer, body: str
+) -> None:
+    admin = sign_in(server, Role.ADMIN)
+    with browser(server, admin) as http:
+        refused = http.post(
+            "/console/system/drain",
+            content=body.format(token=admin.csrf_token),
+            headers={"Content-Type": "application/x-www-form-urlencoded"},
+        )
+    assert refused.status_code == 403 and "CSRF" in refused.text
+    assert server.app.state.readiness.state()[0] == "ready"
+
+
 def test_an_action_the_log_cannot_record_is_refused(
     server: RunningServer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
