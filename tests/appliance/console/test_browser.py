@@ -1,12 +1,12 @@
 """The console in a real headless Chromium (Debian's `chromium`, driven by Playwright) against
 the real TLS server and the real OpenID provider (tests/appliance/auth/idp.py): signing in as
 an admin and as an auditor through the IdP's login page, every page, role gating, a forged CSRF
-token refused, the CSP header, a session that survives a server restart, revocation, and no
-request anywhere but 127.0.0.1.
+token refused, the CSP header, a session that survives a server restart, revocation, no
+request anywhere but 127.0.0.1, and no serious or critical accessibility violation (axe-core).
 
 Each page's screenshot is saved under test-artifacts/console/ (ARTIFACTS) for people to look at.
-Without /usr/bin/chromium these tests skip, except in CI (CI=true), where they fail: CI must
-prove them.
+Without /usr/bin/chromium (or playwright, or axe-core) these tests skip, except in CI
+(CI=true), where they fail: CI must prove them.
 """
 
 from __future__ import annotations
@@ -33,6 +33,8 @@ CHROMIUM_ARGS = [
     "--disable-background-networking", "--disable-component-update", "--disable-sync",
 ]  # fmt: skip
 ARTIFACTS = Path(__file__).resolve().parents[3] / "test-artifacts" / "console"
+# axe-core (npm, pinned in axe/package.json; ./bootstrap test runs `npm ci` there).
+AXE = Path(__file__).resolve().parent / "axe" / "node_modules" / "axe-core" / "axe.min.js"
 VIEWPORT = {"width": 1280, "height": 800}
 
 
@@ -45,6 +47,8 @@ def _missing(what: str) -> None:
 
 if not CHROMIUM.exists():
     _missing(f"the console's browser tests need Debian's chromium at {CHROMIUM}")
+if not AXE.exists():
+    _missing(f"the console's accessibility checks need axe-core at {AXE}")
 try:
     from playwright.sync_api import (
         Browser,
@@ -179,6 +183,18 @@ class Tab:
             self.page.screenshot(path=str(ARTIFACTS / f"{screenshot}.png"), full_page=True)
         return response
 
+    def serious_accessibility_violations(self) -> list[str]:
+        """axe-core's serious and critical violations on the page shown (WCAG 2.x A and AA
+        rules). It is injected through the DevTools protocol, which the page's CSP does not
+        govern: the console itself still runs no script."""
+        self.page.evaluate(AXE.read_text(encoding="utf-8"))
+        result = self.page.evaluate("axe.run(document, {resultTypes: ['violations']})")
+        return [
+            f"{v['id']} ({v['impact']}): {v['help']}; {[n['target'] for n in v['nodes']]}"
+            for v in result["violations"]
+            if v["impact"] in ("serious", "critical")
+        ]
+
     def close(self) -> None:
         self.context.close()
         # Nothing but the appliance and the IdP, both on 127.0.0.1: no CDN, font or telemetry.
@@ -217,6 +233,7 @@ def test_admin_signs_in_and_sees_every_page(
     for path, heading, name in pages:
         response = tab.visit(path, f"admin-{name}")
         assert response.status == 200
+        assert tab.serious_accessibility_violations() == [], path
         csp = response.headers["content-security-policy"]
         assert "default-src 'self'" in csp and "frame-ancestors 'none'" in csp
         assert tab.page.locator("h1").inner_text() == heading
@@ -231,6 +248,7 @@ def test_admin_signs_in_and_sees_every_page(
     assert tab.page.locator("h1").inner_text() == "Audit entry 0"
     assert "python -m audit verify-proof" in tab.page.locator("pre.command").inner_text()
     tab.visit(tab.page.url, "admin-audit-entry")
+    assert tab.serious_accessibility_violations() == []
     access = tab.visit("/console/access")
     assert access.status == 200
     assert "bob" in tab.page.locator("table").first.inner_text()
@@ -249,6 +267,7 @@ def test_auditor_sees_attestation_and_audit_only(
     refused = tab.visit("/console/system", "auditor-system-403")
     assert refused.status == 403
     assert tab.page.locator("h1").inner_text() == "Not allowed"
+    assert tab.serious_accessibility_violations() == []
 
 
 def test_a_user_without_a_console_role_gets_a_403_page(
@@ -292,6 +311,7 @@ def test_admin_revokes_a_session_and_its_browser_is_signed_out(
     assert admin.page.locator("tr", has_text="carol").count() == 0
     signed_out = auditor.visit("/console/audit", "signed-out-401")
     assert signed_out.status == 401
+    assert auditor.serious_accessibility_violations() == []
     assert auditor.page.get_by_role("link", name="Sign in with your identity provider").count()
 
 
