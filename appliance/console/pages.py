@@ -16,8 +16,12 @@ from typing import Any
 
 from fastapi.responses import HTMLResponse
 from jinja2 import Environment, PackageLoader, StrictUndefined, select_autoescape
+from markupsafe import Markup
 
-STATIC_FILES = {"console.css": "text/css; charset=utf-8"}
+STATIC_FILES = {
+    "console.css": "text/css; charset=utf-8",
+    "console.js": "text/javascript; charset=utf-8",
+}
 
 SIGNED_OUT: Mapping[str, Any] = {
     "viewer": None, "csrf_token": None, "nav": (), "page": None, "tee_state": None,
@@ -53,7 +57,7 @@ class ConsolePages:
             autoescape=select_autoescape(default=True),
             undefined=StrictUndefined,
         )
-        self._env.filters["utc"] = format_utc
+        self._env.filters["time"] = time_element
         self.headers = {
             "Content-Security-Policy": content_security_policy(form_targets),
             "X-Content-Type-Options": "nosniff",
@@ -80,10 +84,13 @@ class ConsolePages:
         return static.joinpath(name).read_bytes(), media_type
 
 
-def format_utc(moment: datetime | float | None) -> str:
-    """A time as the console shows it: `2026-11-25 19:12:03 UTC`."""
+def time_element(moment: datetime | float | None) -> Markup:
+    """A time as the console shows it: a `<time>` element reading `2026-11-25 19:12:03 UTC`,
+    which the console's script shows in the viewer's time zone."""
     if moment is None:
-        return "—"
+        return Markup("—")
     if not isinstance(moment, datetime):
         moment = datetime.fromtimestamp(moment, UTC)
-    return moment.astimezone(UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
+    moment = moment.astimezone(UTC)
+    text = moment.strftime("%Y-%m-%d %H:%M:%S UTC")
+    return Markup('<time datetime="{}">{}</time>').format(moment.isoformat(), text)

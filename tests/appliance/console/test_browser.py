@@ -147,12 +147,13 @@ def browser() -> Iterator[Browser]:
 class Tab:
     """One browser context (its own cookies) and page, recording every request it makes."""
 
-    def __init__(self, browser: Browser, base_url: str) -> None:
+    def __init__(self, browser: Browser, base_url: str, timezone_id: str = "UTC") -> None:
         # The server's certificate is self-signed and the IdP's from a test CA that Chromium's
         # store does not hold; the tests check what is served, not the certificate chain.
         self.context: BrowserContext = browser.new_context(
-            ignore_https_errors=True, viewport=VIEWPORT, base_url=base_url
-        )
+            ignore_https_errors=True, viewport=VIEWPORT, base_url=base_url,
+            timezone_id=timezone_id, locale="en-GB",
+        )  # fmt: skip
         self.hosts: set[str] = set()
         self.context.route("**/*", self._intercept)
         self.page: Page = self.context.new_page()
@@ -186,7 +187,7 @@ class Tab:
     def serious_accessibility_violations(self) -> list[str]:
         """axe-core's serious and critical violations on the page shown (WCAG 2.x A and AA
         rules). It is injected through the DevTools protocol, which the page's CSP does not
-        govern: the console itself still runs no script."""
+        govern: the console's own CSP stays as strict as it is."""
         self.page.evaluate(AXE.read_text(encoding="utf-8"))
         result = self.page.evaluate("axe.run(document, {resultTypes: ['violations']})")
         return [
@@ -210,9 +211,11 @@ def tabs(browser: Browser, appliance: RestartableServer) -> Iterator[list[Tab]]:
         tab.close()
 
 
-def open_tab(tabs: list[Tab], browser: Browser, appliance: RestartableServer) -> Tab:
+def open_tab(
+    tabs: list[Tab], browser: Browser, appliance: RestartableServer, timezone_id: str = "UTC"
+) -> Tab:
     assert appliance.running is not None
-    tab = Tab(browser, appliance.running.url)
+    tab = Tab(browser, appliance.running.url, timezone_id)
     tabs.append(tab)
     return tab
 
@@ -257,13 +260,17 @@ def test_admin_signs_in_and_sees_every_page(
 def test_auditor_sees_attestation_and_audit_only(
     browser: Browser, appliance: RestartableServer, tabs: list[Tab]
 ) -> None:
-    tab = open_tab(tabs, browser, appliance)
+    tab = open_tab(tabs, browser, appliance, timezone_id="Asia/Kolkata")
     tab.sign_in("carol")
     assert tab.page.url.endswith("/console/attestation")
     nav = tab.page.get_by_role("navigation", name="Console pages")
     assert nav.get_by_role("link").all_inner_texts() == ["Attestation", "Audit"]
     assert tab.page.get_by_role("button", name="Re-attest now").count() == 0
     assert tab.visit("/console/audit", "auditor-audit").status == 200
+    # Times read in the viewer's zone (UTC+5:30 here), with the UTC time on hover.
+    first = tab.page.locator("table time").first
+    assert "GMT+5:30" in first.inner_text()
+    assert first.get_attribute("title").endswith("Z")
     refused = tab.visit("/console/system", "auditor-system-403")
     assert refused.status == 403
     assert tab.page.locator("h1").inner_text() == "Not allowed"
