@@ -163,15 +163,30 @@ async def attestation(request: Request, services: Services, session: Viewer) -> 
     claims = None
     if standing is not None and standing.verdict.claims:
         claims = json.dumps(standing.verdict.claims, indent=2, sort_keys=True, default=str)
+    history = await _newest(services, AuditQuery(action="attestation.verdict"), HISTORY_SIZE)
     return _render(
         services, session, "attestation", "attestation.html",
         mode=services.tee.mode,
         attestation=standing,
         table=table,
         claims=claims,
+        history=history,
         can_reattest=session.principal.has_any(ADMIN),
         requested=request.query_params.get("requested") == "1",
     )  # fmt: skip
+
+
+HISTORY_SIZE = 10
+
+
+async def _newest(services: ConsoleServices, query: AuditQuery, num: int) -> list[dict[str, Any]]:
+    """The newest `num` entries matching `query`, from a scan of the usual bound."""
+    try:
+        found = await asyncio.to_thread(search, services.trail.log.store, query, None,
+                                        page_size=num)  # fmt: skip
+    except AuditError:
+        raise ConsoleError(503, "the audit log cannot be read now; try again") from None
+    return found.entries
 
 
 @router.get("/audit")
@@ -192,10 +207,14 @@ async def audit(request: Request, services: Services, session: Viewer) -> Respon
     older = None
     if found is not None and found.next_before is not None:
         older = str(request.url.include_query_params(before=found.next_before).query)
+    try:
+        checkpoint = await asyncio.to_thread(services.trail.log.store.latest_checkpoint)
+    except AuditError:
+        raise ConsoleError(503, "the audit log cannot be read now; try again") from None
     return _render(
         services, session, "audit", "audit.html",
         form=form, outcomes=[str(o) for o in Outcome], page_of=found, error=error, older=older,
-        origin=services.trail.log.origin, vkey=services.trail.log.vkey,
+        origin=services.trail.log.origin, vkey=services.trail.log.vkey, checkpoint=checkpoint,
     )  # fmt: skip
 
 

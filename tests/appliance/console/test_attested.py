@@ -56,6 +56,9 @@ def test_attestation_page_lists_the_checks_and_reattest_is_audited_first(
             time.sleep(0.02)
         page = client.get("/console/attestation", params={"sort": "result"})
         assert "cpu.tcb" in page.text and "below the policy" in page.text
+        history = page.text.split("<h2>History</h2>", 1)[1]
+        assert history.count("<tr>") == 1 + 2  # the header, the boot's and the re-attestation's
+        assert "reattest" in history and "not trusted" in history
         store = app.state.audit_trail.log.store
         entries = [json.loads(data) for _, data in store.entries(0, store.size() - 1)]
     actions = [(e["action"], e["actor"]["subject"]) for e in entries]

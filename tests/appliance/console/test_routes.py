@@ -164,6 +164,7 @@ def test_audit_search_and_an_entry_whose_proof_verifies_offline(
         for kind, name in (("entry", "entry.json"), ("proof", "proof.txt")):
             download = http.get(f"/console/audit/{index}", params={"download": kind})
             (tmp_path / name).write_bytes(download.content)
+        assert "Latest checkpoint" in found.text
         bad = http.get("/console/audit", params={"since": "soon"})
         assert bad.status_code == 200 and "since must be a time" in bad.text
         assert http.get("/console/audit/999999").status_code == 404
