@@ -34,6 +34,7 @@ from sqlalchemy import (
     func,
     or_,
     select,
+    text,
     update,
 )
 from sqlalchemy.exc import SQLAlchemyError
@@ -142,6 +143,9 @@ class SessionStore:
                 # The audit log's writer holds the write lock in bursts: wait for it.
                 event.listen(engine, "connect", _sqlite_busy_timeout)
             with engine.begin() as conn:
+                if engine.dialect.name == "postgresql":
+                    # Appliances sharing a database may start at once: one creates the table.
+                    conn.execute(text("SELECT pg_advisory_xact_lock(hashtext('inferno sessions'))"))
                 metadata.create_all(conn)
         except SQLAlchemyError as exc:
             raise SessionStoreError(f"cannot open the console sessions' database: {exc}") from exc

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -167,3 +168,12 @@ def test_least_recently_used_sessions_go_past_the_limit(
 def test_unreachable_database_raises_session_store_error(tmp_path: Path, clock: Clock) -> None:
     with pytest.raises(SessionStoreError, match="cannot open"):
         SessionStore.open(f"sqlite:///{tmp_path}/missing/dir/audit.db", 900, 3600, clock)
+
+
+def test_appliances_starting_at_once_on_one_database_all_open_it(db_url: str, clock: Clock) -> None:
+    with ThreadPoolExecutor(max_workers=8) as pool:
+        stores = list(pool.map(lambda _: SessionStore.open(db_url, 900, 3600, clock), range(8)))
+    session = stores[0].create(ALICE, "t")
+    assert all(store.get(session.id) is not None for store in stores)
+    for store in stores:
+        store.close()
