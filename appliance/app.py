@@ -144,7 +144,15 @@ def build(
     console.install(
         app,
         console.ConsoleServices(
-            pages, settings, app.version, sessions, trail, start_up.tee, readiness, server_metrics
+            pages=pages,
+            settings=settings,
+            version=app.version,
+            sessions=sessions,
+            trail=trail,
+            tee=start_up.tee,
+            readiness=readiness,
+            metrics=server_metrics,
+            authenticator=authenticator,
         ),
     )
     routers = (models, chat, completions, audit_proofs, attestation, health, metrics, console_login)

@@ -58,6 +58,7 @@ class ConsolePages:
             undefined=StrictUndefined,
         )
         self._env.filters["time"] = time_element
+        self._env.filters["utc"] = format_utc
         self.headers = {
             "Content-Security-Policy": content_security_policy(form_targets),
             "X-Content-Type-Options": "nosniff",
@@ -89,8 +90,18 @@ def time_element(moment: datetime | float | None) -> Markup:
     which the console's script shows in the viewer's time zone."""
     if moment is None:
         return Markup("—")
+    return Markup('<time datetime="{}">{}</time>').format(
+        _utc(moment).isoformat(), format_utc(moment)
+    )
+
+
+def format_utc(moment: datetime | float) -> str:
+    """A time as plain text, `2026-11-25 19:12:03 UTC`, for where no element may go (an
+    attribute)."""
+    return _utc(moment).strftime("%Y-%m-%d %H:%M:%S UTC")
+
+
+def _utc(moment: datetime | float) -> datetime:
     if not isinstance(moment, datetime):
-        moment = datetime.fromtimestamp(moment, UTC)
-    moment = moment.astimezone(UTC)
-    text = moment.strftime("%Y-%m-%d %H:%M:%S UTC")
-    return Markup('<time datetime="{}">{}</time>').format(moment.isoformat(), text)
+        return datetime.fromtimestamp(moment, UTC)
+    return moment.astimezone(UTC)

@@ -25,6 +25,7 @@ from appliance.api.audit_trail import AuditTrail, client_address
 from appliance.api.metrics import ServerMetrics
 from appliance.api.readiness import Readiness
 from appliance.attestation.service import TeeService
+from appliance.auth.authenticator import Authenticator
 from appliance.auth.sessions import Session, SessionRecord, SessionStore, SessionStoreError
 from appliance.config import Settings
 from appliance.console.audit_search import AuditQuery, AuditQueryError, search
@@ -62,6 +63,7 @@ class ConsoleServices:
     tee: TeeService
     readiness: Readiness
     metrics: ServerMetrics
+    authenticator: Authenticator
 
 
 async def _services(request: Request) -> ConsoleServices:
@@ -278,6 +280,10 @@ async def access(request: Request, services: Services, session: Viewer) -> Respo
         expires_at=services.sessions.expires_at,
         own_handle=session.handle,
         auth=services.settings.auth,
+        key_status={
+            issuer: verifier.keys.status()
+            for issuer, verifier in services.authenticator.verifiers.items()
+        },
         revoked=request.query_params.get("revoked") == "1",
     )  # fmt: skip
 

@@ -255,6 +255,10 @@ def test_admin_signs_in_and_sees_every_page(
     access = tab.visit("/console/access")
     assert access.status == 200
     assert "bob" in tab.page.locator("table").first.inner_text()
+    revoke = tab.page.get_by_role("button", name="Revoke the session of bob signed in 20")
+    assert revoke.first.inner_text() == "Revoke"
+    issuers = tab.page.locator("table").nth(1).inner_text()
+    assert "key ids: key-1" in issuers and "fetched" in issuers  # the IdP's key, as used
 
 
 def test_auditor_sees_attestation_and_audit_only(
