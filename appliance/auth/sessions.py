@@ -38,6 +38,7 @@ from sqlalchemy import (
     update,
 )
 from sqlalchemy.exc import SQLAlchemyError
+from sqlalchemy.schema import CreateTable
 
 from appliance.auth.errors import AuthError, AuthorizationError
 from appliance.auth.key_cache import Clock
@@ -143,10 +144,12 @@ class SessionStore:
                 # The audit log's writer holds the write lock in bursts: wait for it.
                 event.listen(engine, "connect", _sqlite_busy_timeout)
             with engine.begin() as conn:
+                # Appliances (or tests) opening one database at once: create_all would check,
+                # then create, and all but one would fail. PostgreSQL's IF NOT EXISTS can still
+                # collide in its catalog, hence the lock there too.
                 if engine.dialect.name == "postgresql":
-                    # Appliances sharing a database may start at once: one creates the table.
                     conn.execute(text("SELECT pg_advisory_xact_lock(hashtext('inferno sessions'))"))
-                metadata.create_all(conn)
+                conn.execute(CreateTable(console_sessions, if_not_exists=True))
         except SQLAlchemyError as exc:
             raise SessionStoreError(f"cannot open the console sessions' database: {exc}") from exc
         return cls(engine, idle_timeout_s, absolute_timeout_s, clock)
