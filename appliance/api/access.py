@@ -94,7 +94,7 @@ ROUTE_ACCESS: Mapping[str, Rule] = {
     "/console/session": Console(ANY_ROLE),
     "/console/logout": Console(ANY_ROLE),
     # The console's pages (appliance.console): auditors see attestation and the audit log only.
-    "/console/static/{name}": Public("the console's stylesheet: the sign-in pages need it too"),
+    "/console/static/{name}": Public("the console's stylesheet and script: sign-in pages too"),
     "/console/": Console(CONSOLE_VIEWERS),
     "/console/attestation": Console(CONSOLE_VIEWERS),
     "/console/attestation/reattest": Console(ADMIN),

@@ -106,12 +106,15 @@ def _render(
 
 
 async def _record_admin_action(
-    request: Request, services: ConsoleServices, operation: str, target: Mapping[str, Any]
+    request: Request,
+    services: ConsoleServices,
+    session: Session,
+    operation: str,
+    target: Mapping[str, Any],
 ) -> None:
-    """Append `admin.<operation>` before the action runs; raises ConsoleError (503) if
-    the log cannot store it, so that the action does not happen unrecorded."""
-    session = session_of(request)
-    assert session is not None, "admin actions are Console routes"
+    """Append `admin.<operation>` naming `session`'s admin before the action runs; raises
+    ConsoleError (503) if the log cannot store it, so that the action does not happen
+    unrecorded."""
     event = admin_action(
         time=datetime.now(UTC),
         actor=session.principal.actor(),
@@ -305,13 +308,13 @@ async def system(request: Request, services: Services, session: Viewer) -> Respo
 
 
 @router.post("/attestation/reattest")
-async def reattest(request: Request, services: Services) -> Response:
+async def reattest(request: Request, services: Services, session: Viewer) -> Response:
     tee = services.tee
     if tee.mode != "required":
         raise ConsoleError(
             409, 'nothing is attested in tee.mode = "insecure-dev", so there is nothing to redo'
         )
-    await _record_admin_action(request, services, "tee.reattest", {"state": tee.state()})
+    await _record_admin_action(request, services, session, "tee.reattest", {"state": tee.state()})
     # The re-attestation timer (start-up step 8) runs at once, records the verdict, and stops
     # inference if it fails.
     tee.reattest_requested.set()
@@ -319,26 +322,25 @@ async def reattest(request: Request, services: Services) -> Response:
 
 
 @router.post("/system/drain")
-async def drain(request: Request, services: Services) -> Response:
+async def drain(request: Request, services: Services, session: Viewer) -> Response:
     form = parse_qs((await request.body()).decode("utf-8", "replace"))
     if form.get("confirm") != ["drain"]:
         raise ConsoleError(
             400, "draining needs its confirmation: tick the box that says what it does"
         )
-    session = session_of(request)
-    assert session is not None, "admin actions are Console routes"
-    await _record_admin_action(request, services, "server.drain", {})
+    await _record_admin_action(request, services, session, "server.drain", {})
     services.readiness.drain(session.principal.subject)
     return RedirectResponse("/console/system", status_code=303)
 
 
 @router.post("/access/sessions/{handle}/revoke")
-async def revoke(handle: str, request: Request, services: Services) -> Response:
+async def revoke(handle: str, request: Request, services: Services, session: Viewer) -> Response:
     live = await asyncio.to_thread(services.sessions.list_live)
     record = next((r for r in live if r.handle == handle), None)
     if record is None:
         raise ConsoleError(404, "no such session: it may have ended already")
-    await _record_admin_action(request, services, "session.revoke", _session_target(record))
+    target = _session_target(record)
+    await _record_admin_action(request, services, session, "session.revoke", target)
     try:
         await asyncio.to_thread(services.sessions.revoke, handle)
     except SessionStoreError:

@@ -43,7 +43,7 @@ EXPECTED: dict[str, Any] = {
     "/console/callback": "public",
     "/console/session": ("console", set(Role)),
     "/console/logout": ("console", set(Role)),
-    "/console/static/{name}": "public",  # the stylesheet, which the sign-in pages need too
+    "/console/static/{name}": "public",  # stylesheet and script, which sign-in pages need too
     "/console/": ("console", {ADMIN, AUDITOR}),  # auditors are sent on to their first page
     "/console/attestation": ("console", {ADMIN, AUDITOR}),
     "/console/attestation/reattest": ("console", {ADMIN}),
