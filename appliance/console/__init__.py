@@ -3,6 +3,7 @@ asset served from this package (no CDN, no web font, no external request).
 
 pages.py renders the templates with the console's security headers (a strict CSP); routes.py
 holds the pages and the admin actions, each audited before it takes effect; audit_search.py
-searches the audit log; table.py sorts and pages the tables. Who may open which page is
+searches the audit log; table.py sorts and pages the tables; errors.py is what the error page
+answers. Who may open which page is
 `appliance.api.access.ROUTE_ACCESS`, like every other route.
 """
