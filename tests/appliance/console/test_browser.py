@@ -41,8 +41,8 @@ VIEWPORT = {"width": 1280, "height": 800}
 def _missing(what: str) -> None:
     message = f"{what}; ./bootstrap test installs it"
     if os.environ.get("CI") == "true":
-        pytest.fail(message)
-    pytest.skip(message)
+        pytest.fail(message, pytrace=False)
+    pytest.skip(message, allow_module_level=True)
 
 
 if not CHROMIUM.exists():
