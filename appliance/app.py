@@ -47,6 +47,8 @@ from appliance.auth.sessions import SessionStore
 from appliance.boot.startup import StartUp
 from appliance.boot.weights import LoadedModel
 from appliance.config import Settings
+from appliance.console import routes as console
+from appliance.console.pages import ConsolePages
 from attestation.keys import KeyProvider
 from audit.log import AuditLog
 
@@ -110,6 +112,7 @@ def build(
             await start_up.stop()
             await trail.close(timeout_s=_AUDIT_CLOSE_TIMEOUT_S)
             await idp_http.aclose()
+            sessions.close()
 
     app = FastAPI(
         title="Inferno",
@@ -126,10 +129,32 @@ def build(
     app.state.audit_trail = trail
     app.state.admission = admission
     app.state.served_model = ServedModel(settings.served_model_name, created=int(time.time()))
-    sessions = SessionStore(auth.session_idle_timeout_s, auth.session_absolute_timeout_s, time.time)
+    sessions = SessionStore.open(
+        settings.audit.effective_database_url,
+        auth.session_idle_timeout_s,
+        auth.session_absolute_timeout_s,
+        time.time,
+    )
     app.state.sessions = sessions
-    app.state.console_login = ConsoleLogin.from_settings(auth, idp_http, authenticator, time.time)
+    login = ConsoleLogin.from_settings(auth, idp_http, authenticator, time.time)
+    app.state.console_login = login
     install_error_handlers(app)
+    # Logout continues at the identity provider: the console's forms may lead there.
+    pages = ConsolePages(() if login is None else (login.issuer_origin,))
+    console.install(
+        app,
+        console.ConsoleServices(
+            pages=pages,
+            settings=settings,
+            version=app.version,
+            sessions=sessions,
+            trail=trail,
+            tee=start_up.tee,
+            readiness=readiness,
+            metrics=server_metrics,
+            authenticator=authenticator,
+        ),
+    )
     routers = (models, chat, completions, audit_proofs, attestation, health, metrics, console_login)
     for module in routers:
         app.include_router(module.router)
@@ -142,6 +167,7 @@ def build(
         authenticator=authenticator,
         sessions=sessions,
         denials=DenialReporter(trail.append, auth.failure_events_per_minute, time.monotonic),
+        console_page=pages.error,
     )
     # Each added around the previous: a 413 or a refusal is logged and carries both headers.
     app.add_middleware(AuditEntryHeader, trail=trail)

@@ -4,10 +4,11 @@
 A request reaches the router only when its path matches a path template of `ROUTE_ACCESS`,
 whose rule says who may call it: `Public` (with the reason it may be), `Bearer` (an API access
 token holding one of the roles) or `Console` (a console session holding one of the roles;
-state-changing methods must also send the session's CSRF token in `X-CSRF-Token`). Any other
-path is answered 404 here, route or not: a route without a rule does not exist. Refusals are
-401 or 403 in OpenAI's error shape with an RFC 6750 `WWW-Authenticate` challenge, and go to the
-audit log through `DenialReporter`.
+state-changing methods must also send the session's CSRF token, in `X-CSRF-Token` or as the
+`csrf_token` field of a form). Any other path is answered 404 here, route or not: a route
+without a rule does not exist. Refusals are 401 or 403 in OpenAI's error shape with an RFC 6750
+`WWW-Authenticate` challenge (under /console/, the console's own HTML page instead), and go to
+the audit log through `DenialReporter`.
 
 The authenticated `Principal` is put in the request's state for the routes (`principal_of`),
 and its audit `Actor` for the audit trail; a refusal's own audit entry is named as the
@@ -17,14 +18,17 @@ too (`ROUTE_STATE`), for the access log.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import asyncio
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from http.cookies import CookieError, SimpleCookie
 from typing import Any
+from urllib.parse import parse_qs
 
 from fastapi import Request
+from starlette.responses import Response
 from starlette.routing import compile_path
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from appliance.api.audit_trail import ACTOR_STATE, RECEIPT_STATE
 from appliance.api.errors import APIError
@@ -33,14 +37,22 @@ from appliance.auth.denials import DenialReporter
 from appliance.auth.errors import AuthenticationError, AuthorizationError, Reason
 from appliance.auth.principal import Principal
 from appliance.auth.roles import Role
-from appliance.auth.sessions import SESSION_COOKIE, Session, SessionStore
+from appliance.auth.sessions import SESSION_COOKIE, Session, SessionStore, SessionStoreError
 from appliance.auth.www_authenticate import challenge
 
 CSRF_HEADER = "x-csrf-token"
+CSRF_FIELD = "csrf_token"
+CONSOLE_PREFIX = "/console/"
+# A console form holds a CSRF token and a few short fields; its body is read here, before the
+# route's own size limit applies, so it has its own.
+MAX_FORM_BYTES = 64 << 10
+MAX_FORM_FIELDS = 64
 ROUTE_STATE = "route"
 _SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
 INFERENCE = frozenset({Role.USER, Role.SERVICE})
 ANY_ROLE = frozenset(Role)
+ADMIN = frozenset({Role.ADMIN})
+CONSOLE_VIEWERS = frozenset({Role.ADMIN, Role.AUDITOR})
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,6 +93,17 @@ ROUTE_ACCESS: Mapping[str, Rule] = {
     "/console/callback": Public("ends a login: the code, state and PKCE verifier authenticate"),
     "/console/session": Console(ANY_ROLE),
     "/console/logout": Console(ANY_ROLE),
+    # The console's pages (appliance.console): auditors see attestation and the audit log only.
+    "/console/static/{name}": Public("the console's stylesheet and script: sign-in pages too"),
+    "/console/": Console(CONSOLE_VIEWERS),
+    "/console/attestation": Console(CONSOLE_VIEWERS),
+    "/console/attestation/reattest": Console(ADMIN),
+    "/console/audit": Console(CONSOLE_VIEWERS),
+    "/console/audit/{index}": Console(CONSOLE_VIEWERS),
+    "/console/access": Console(ADMIN),
+    "/console/access/sessions/{handle}/revoke": Console(ADMIN),
+    "/console/system": Console(ADMIN),
+    "/console/system/drain": Console(ADMIN),
 }
 
 
@@ -113,8 +136,13 @@ def session_of(request: Request) -> Session | None:
     return request.scope.get("state", {}).get("session")
 
 
+ConsolePage = Callable[[int, str], Response]
+"""The console's HTML answer with a status and a message (appliance.console)."""
+
+
 class AccessControl:
-    """ASGI middleware applying `rules` (path template -> rule; see the module docstring)."""
+    """ASGI middleware applying `rules` (path template -> rule; see the module docstring).
+    Refusals under /console/ are answered by `console_page`, when given."""
 
     def __init__(
         self,
@@ -123,12 +151,14 @@ class AccessControl:
         authenticator: Authenticator,
         sessions: SessionStore,
         denials: DenialReporter[object],
+        console_page: ConsolePage | None = None,
     ) -> None:
         self.app = app
         self.rules = [(compile_path(path)[0], path, rule) for path, rule in rules.items()]
         self.authenticator = authenticator
         self.sessions = sessions
         self.denials = denials
+        self.console_page = console_page
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -139,31 +169,47 @@ class AccessControl:
         )
         if found is None:
             not_found = APIError(404, f"Invalid URL ({scope['method']} {scope['path']})")
-            await not_found.response()(scope, receive, send)
+            await self._answer(scope, not_found)(scope, receive, send)
             return
         path, rule = found
         state = scope.setdefault("state", {})
         state[ROUTE_STATE] = path
         if not isinstance(rule, Public):
             try:
-                principal = await self._admit(scope, path, rule)
+                principal, receive = await self._admit(scope, receive, path, rule)
             except _Refused as refused:
                 if refused.receipt is not None:
                     state[RECEIPT_STATE] = refused.receipt
-                await _refusal(refused.error)(scope, receive, send)
+                await self._answer(scope, _refusal(refused.error))(scope, receive, send)
+                return
+            except SessionStoreError:
+                unavailable = APIError(
+                    503, "console sessions cannot be read now; retry shortly", type="server_error"
+                )
+                await self._answer(scope, unavailable)(scope, receive, send)
                 return
             state["principal"] = principal
             state[ACTOR_STATE] = principal.actor()
         await self.app(scope, receive, send)
 
-    async def _admit(self, scope: Scope, path: str, rule: Bearer | Console) -> Principal:
-        """The principal allowed to call `path`; raises `_Refused` after reporting why not."""
+    def _answer(self, scope: Scope, error: APIError) -> ASGIApp:
+        if self.console_page is not None and scope["path"].startswith(CONSOLE_PREFIX):
+            page = self.console_page(error.status, error.message)
+            page.headers.update(error.headers)  # a 401's WWW-Authenticate (RFC 9110 15.5.2)
+            return page
+        return error.response()
+
+    async def _admit(
+        self, scope: Scope, receive: Receive, path: str, rule: Bearer | Console
+    ) -> tuple[Principal, Receive]:
+        """The principal allowed to call `path`, and the `receive` the route reads its body
+        from; raises `_Refused` after reporting why not."""
         source = scope["client"][0] if scope.get("client") else None
         resource = f"{scope['method']} {path}"
         principal: Principal | None = None
         try:
             if isinstance(rule, Console):
-                session = self._session(scope)
+                session = await self._session(scope)
                 scope["state"]["session"] = session
                 principal = session.principal
             else:
@@ -173,8 +219,8 @@ class AccessControl:
             if not principal.has_any(rule.roles):
                 raise AuthorizationError(f"{resource} needs the role {_either(rule.roles)}")
             if isinstance(rule, Console) and scope["method"] not in _SAFE_METHODS:
-                tokens = _header_values(scope, CSRF_HEADER.encode())
-                session.verify_csrf(tokens[0] if len(tokens) == 1 else None)
+                token, receive = await _csrf_token(scope, receive)
+                session.verify_csrf(token)
         except AuthenticationError as exc:
             receipt = await self.denials.authentication_failed(exc, source, None)
             raise _Refused(exc, receipt) from None
@@ -183,9 +229,9 @@ class AccessControl:
                 principal, source, None, resource, rule.roles
             )
             raise _Refused(exc, receipt) from None
-        return principal
+        return principal, receive
 
-    def _session(self, scope: Scope) -> Session:
+    async def _session(self, scope: Scope) -> Session:
         cookies = SimpleCookie()
         try:
             for value in _header_values(scope, b"cookie"):
@@ -193,10 +239,52 @@ class AccessControl:
         except CookieError:
             raise AuthenticationError(Reason.NO_SESSION) from None
         morsel = cookies.get(SESSION_COOKIE)
-        session = self.sessions.get(morsel.value) if morsel is not None else None
+        session = None
+        if morsel is not None and morsel.value:
+            session = await asyncio.to_thread(self.sessions.get, morsel.value)
         if session is None:
             raise AuthenticationError(Reason.NO_SESSION)
         return session
+
+
+async def _csrf_token(scope: Scope, receive: Receive) -> tuple[str | None, Receive]:
+    """The CSRF token a state-changing console request sent: its one `X-CSRF-Token` header, or
+    else its form's one `csrf_token` field (the body is read here, within MAX_FORM_BYTES, and
+    replayed to the route). None when it sent none, or several."""
+    tokens = _header_values(scope, CSRF_HEADER.encode())
+    content_type = next(iter(_header_values(scope, b"content-type")), "")
+    if tokens or content_type.split(";")[0].strip() != "application/x-www-form-urlencoded":
+        return (tokens[0] if len(tokens) == 1 else None), receive
+    body = bytearray()
+    while True:
+        message = await receive()
+        if message["type"] != "http.request":
+            return None, receive
+        body += message.get("body", b"")
+        if len(body) > MAX_FORM_BYTES:
+            return None, receive
+        if not message.get("more_body", False):
+            break
+    try:
+        fields = parse_qs(body.decode("latin-1"), max_num_fields=MAX_FORM_FIELDS)
+    except ValueError:  # more fields than any console form has
+        return None, receive
+    values = fields.get(CSRF_FIELD, [])
+    return (values[0] if len(values) == 1 else None), _replay(bytes(body), receive)
+
+
+def _replay(body: bytes, receive: Receive) -> Receive:
+    """A `receive` that hands the route `body` (already read), then what `receive` says."""
+    sent = False
+
+    async def replay() -> Message:
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+
+    return replay
 
 
 class _Refused(Exception):
@@ -213,9 +301,9 @@ def _either(roles: frozenset[Role]) -> str:
     return " or ".join(sorted(roles))
 
 
-def _refusal(exc: AuthenticationError | AuthorizationError) -> ASGIApp:
+def _refusal(exc: AuthenticationError | AuthorizationError) -> APIError:
     headers = {"WWW-Authenticate": challenge(exc)}
     if isinstance(exc, AuthorizationError):
-        return APIError(403, str(exc), code="insufficient_role", headers=headers).response()
+        return APIError(403, str(exc), code="insufficient_role", headers=headers)
     message = f"authentication required: {exc.reason}"
-    return APIError(401, message, code="invalid_token", headers=headers).response()
+    return APIError(401, message, code="invalid_token", headers=headers)

@@ -1,34 +1,37 @@
 """The console's login and logout routes: the OIDC authorization code flow with PKCE
 (`appliance.auth.oidc_login`) ending in a server-side session (`appliance.auth.sessions`).
 
-GET /console/login redirects to the IdP; GET /console/callback ends the login and sets the
-session cookie; GET /console/session tells the console who is logged in and its CSRF token;
-POST /console/logout (with `X-CSRF-Token`) ends the session here and sends the browser to the
-IdP's end-session endpoint. Access rules: `appliance.api.access.ROUTE_ACCESS`.
+GET /console/login redirects to the IdP; GET /console/callback ends the login, sets the session
+cookie and answers a page of the console that moves on to it (appliance.console); GET
+/console/session tells who is logged in and its CSRF token; POST /console/logout (with the CSRF
+token) ends the session here and sends the browser to the IdP's end-session endpoint. Access
+rules: `appliance.api.access.ROUTE_ACCESS`.
 """
 
 from __future__ import annotations
 
+import asyncio
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Request
-from fastapi.responses import RedirectResponse
+from fastapi.responses import HTMLResponse, RedirectResponse
 
 from appliance.api.access import session_of
-from appliance.api.errors import APIError
 from appliance.auth.errors import LoginError
 from appliance.auth.oidc_login import LOGIN_COOKIE, PENDING_TTL_S, ConsoleLogin
-from appliance.auth.sessions import Session, SessionStore, expired_cookie
+from appliance.auth.sessions import Session, SessionStore, SessionStoreError, expired_cookie
+from appliance.console.errors import ConsoleError
+from appliance.console.pages import SIGNED_OUT, ConsolePages
 
 router = APIRouter(prefix="/console", include_in_schema=False)
-
-AFTER_LOGIN = "/console/session"
 
 
 async def _console_login(request: Request) -> ConsoleLogin:
     login: ConsoleLogin | None = request.app.state.console_login
     if login is None:
-        raise APIError(404, "console login is not configured (auth.issuers console_* settings)")
+        raise ConsoleError(
+            404, "console login is not configured (the console_* settings of an auth.issuers)"
+        )
     return login
 
 
@@ -52,7 +55,7 @@ async def login(console_login: Login) -> RedirectResponse:
     try:
         url, pending_id = await console_login.begin()
     except LoginError as exc:
-        raise APIError(503, f"login is unavailable: {exc}", type="server_error") from None
+        raise ConsoleError(503, f"login is unavailable: {exc}") from None
     response = RedirectResponse(url, status_code=303)
     response.headers.append(
         "set-cookie",
@@ -63,14 +66,18 @@ async def login(console_login: Login) -> RedirectResponse:
 
 
 @router.get("/callback")
-async def callback(request: Request, console_login: Login, sessions: Sessions) -> RedirectResponse:
+async def callback(request: Request, console_login: Login, sessions: Sessions) -> HTMLResponse:
     pending_id = request.cookies.get(LOGIN_COOKIE)
+    pages: ConsolePages = request.app.state.console.pages
     try:
         completed = await console_login.complete(pending_id, dict(request.query_params))
     except LoginError as exc:
-        raise APIError(400, f"login failed: {exc}; start again at /console/login") from None
-    session = sessions.create(completed.principal, completed.id_token)
-    response = RedirectResponse(AFTER_LOGIN, status_code=303)
+        return pages.error(400, f"login failed: {exc}; start again at /console/login")
+    try:
+        session = await asyncio.to_thread(sessions.create, completed.principal, completed.id_token)
+    except SessionStoreError:
+        return pages.error(503, "no session can be stored now; sign in again in a moment")
+    response = pages.render("signed_in.html", SIGNED_OUT)
     response.headers.append("set-cookie", sessions.cookie(session))
     response.headers.append("set-cookie", f"{LOGIN_COOKIE}=; Path=/; Max-Age=0; Secure; HttpOnly")
     return response
@@ -91,7 +98,7 @@ async def current_session(session: CurrentSession) -> dict[str, Any]:
 async def logout(
     session: CurrentSession, sessions: Sessions, console_login: Login
 ) -> RedirectResponse:
-    sessions.delete(session.id)
+    await asyncio.to_thread(sessions.delete, session.id)
     try:
         target = await console_login.logout_url(session.id_token)
     except LoginError:

@@ -19,7 +19,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.exposition import generate_latest
 from prometheus_client.registry import Collector
 
-from appliance.engine.engine import Engine
+from appliance.engine.engine import Engine, EngineStats
 
 # vLLM's bucket boundaries, in seconds.
 _TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
@@ -79,6 +79,10 @@ class ServerMetrics:
     def watch(self, engine: Engine) -> None:
         """Report this engine's state from now on."""
         self._engine = engine
+
+    def engine_stats(self) -> EngineStats | None:
+        """The watched engine's counts now (None before the model is loaded)."""
+        return None if self._engine is None else self._engine.stats()
 
     def observe_request(
         self,

@@ -16,7 +16,7 @@ from fastapi import Depends, Request
 from appliance.api.errors import APIError
 from appliance.engine.async_engine import AsyncEngine
 
-Status = Literal["ready", "loading", "failed", "stopped"]
+Status = Literal["ready", "loading", "failed", "stopped", "draining"]
 
 
 class Readiness:
@@ -28,6 +28,7 @@ class Readiness:
         self._engine: AsyncEngine | None = None
         self._status: Status = "loading"
         self._reason: str | None = "the model is loading"
+        self._drained_by: str | None = None
 
     def set_loading(self, reason: str) -> None:
         """Still starting: `reason` says which step (the TEE gate, the model load)."""
@@ -48,11 +49,19 @@ class Readiness:
         self._engine = None
         self._status, self._reason = "stopped", "the server is shutting down"
 
+    def drain(self, by: str) -> None:
+        """Take no new inference request, for good until restart (an admin's drain, named by
+        `by`): requests running go on to their end, and `/health` answers 503 so that load
+        balancers send traffic elsewhere."""
+        self._drained_by = by
+
     def state(self) -> tuple[Status, str | None]:
         if (failure := self._audit_failure()) is not None:
             return "failed", f"nothing can be served without the audit log: {failure}"
         if self._engine is not None and not self._engine.is_running:
             return "stopped", "the engine stopped on an error; see the server log"
+        if self._drained_by is not None and self._status in ("ready", "loading"):
+            return "draining", f"drained by {self._drained_by}; restart the server to serve again"
         return self._status, self._reason
 
     def engine(self) -> AsyncEngine:

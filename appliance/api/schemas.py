@@ -205,5 +205,5 @@ class ErrorResponse(BaseModel):
 
 
 class HealthResponse(BaseModel):
-    status: Literal["ready", "loading", "failed", "stopped"]
+    status: Literal["ready", "loading", "failed", "stopped", "draining"]
     reason: str | None = None

@@ -39,9 +39,26 @@ logger = logging.getLogger(__name__)
 Clock = Callable[[], float]
 
 
+@dataclass(frozen=True, slots=True)
+class KeyStatus:
+    """An issuer's keys as an admin sees them (the console's Access page): never key material."""
+
+    pinned: bool
+    key_ids: tuple[str, ...]
+    # When the keys held were fetched: None for pinned keys, or before the first fetch.
+    fetched_at: float | None
+    # Fetched keys past the staleness limit: every token of the issuer is refused until a
+    # fetch succeeds.
+    stale: bool
+
+
 class KeySource(Protocol):
     async def key_for(self, kid: str, alg: str) -> jwt.PyJWK:
         """The key `kid` of this issuer, bound to `alg`; raises `AuthenticationError`."""
+        ...
+
+    def status(self) -> KeyStatus:
+        """What this source holds now."""
         ...
 
 
@@ -62,6 +79,9 @@ class PinnedKeys:
 
     async def key_for(self, kid: str, alg: str) -> jwt.PyJWK:
         return self.key_set.key_for(kid, alg)
+
+    def status(self) -> KeyStatus:
+        return KeyStatus(True, tuple(sorted(self.key_set.keys)), None, stale=False)
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,6 +145,13 @@ class FetchedKeys:
         if cached is None or now - cached.fetched_at > self.policy.max_staleness_s:
             raise AuthenticationError(Reason.KEYS_UNAVAILABLE)
         return cached.key_set.key_for(kid, alg)
+
+    def status(self) -> KeyStatus:
+        cached = self._cached
+        if cached is None:
+            return KeyStatus(False, (), None, stale=True)
+        stale = self._clock() - cached.fetched_at > self.policy.max_staleness_s
+        return KeyStatus(False, tuple(sorted(cached.key_set.keys)), cached.fetched_at, stale)
 
     def _expired(self, cached: _Cached, now: float) -> bool:
         return now - cached.fetched_at >= self.policy.ttl_s

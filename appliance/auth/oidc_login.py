@@ -15,7 +15,7 @@ from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from urllib.parse import urlencode
+from urllib.parse import urlencode, urlsplit
 
 import jwt
 from authlib.common.errors import AuthlibBaseError
@@ -157,6 +157,12 @@ class ConsoleLogin:
         if principal.subject != subject:
             raise LoginError("the ID token and the access token name different subjects")
         return CompletedLogin(principal, id_token)
+
+    @property
+    def issuer_origin(self) -> str:
+        """The identity provider's origin (`https://idp.example.com`), where logout goes on."""
+        parts = urlsplit(self.issuer.issuer)
+        return f"{parts.scheme}://{parts.netloc}"
 
     async def logout_url(self, id_token: str) -> str | None:
         """Where to send the browser to end its session at the IdP, or None when the IdP

@@ -3,7 +3,8 @@
 Roles: `user` runs inference; `service` is an application's service account, also for
 inference; `admin` manages the appliance and reads its status; `auditor` reads and exports the
 audit log. Admin and auditor are separated: no identity may hold both (an admin could otherwise
-cover their own tracks), and admins cannot read the audit log.
+cover their own tracks), and the API gives admins no audit route (the console shows admins the
+log read-only, beside the settings they manage).
 
 Each issuer names claim paths where role values are found (Keycloak `realm_access.roles` or
 `resource_access.<client>.roles`, `roles`, `groups`, Entra `roles`, the `scope` string) and which

@@ -15,7 +15,7 @@ import pytest
 from appliance.auth.authenticator import Authenticator
 from appliance.auth.errors import AuthenticationError, Reason
 from appliance.auth.idp_http import IdpHttp, idp_tls_context
-from appliance.auth.key_cache import cache_file_for
+from appliance.auth.key_cache import KeyStatus, cache_file_for
 from appliance.auth.settings import AuthSettings
 from tests.appliance.auth.idp import IdpCa, OidcProvider, private_key, signing_key
 from tests.appliance.auth.realm import SERVICE_SECRET, auth_settings, start_idp
@@ -139,12 +139,16 @@ def test_idp_down_cached_keys_serve_until_the_staleness_limit_then_refuse(
 
     async def scenario() -> None:
         async with Appliance(_settings(idp, idp_ca, tmp_path), clock) as appliance:
+            keys = appliance.authenticator.verifiers[idp.issuer].keys
+            assert keys.status() == KeyStatus(False, (), None, stale=True)  # none fetched yet
             assert await appliance.accepts(token)
+            assert keys.status() == KeyStatus(False, ("key-1",), 1_000_000.0, stale=False)
             idp.stop()
             clock.now += TTL_S + 1  # due for a refresh, which fails: the cached keys still do
             assert await appliance.accepts(token)
             clock.now = 1_000_000.0 + STALENESS_S + 1
             assert await appliance.refusal(token) is Reason.KEYS_UNAVAILABLE
+            assert keys.status().stale
             idp.start()  # back, same issuer and keys: accepted once the next fetch is due
             clock.now += REFETCH_S
             assert await appliance.accepts(token)

@@ -32,7 +32,18 @@ const provider = new Provider(issuer, {
   features: {
     devInteractions: { enabled: false },
     clientCredentials: { enabled: true },
-    rpInitiatedLogout: { enabled: true },
+    // oidc-provider's own logout pages load a web font from Google; the console's browser
+    // tests check that nothing leaves 127.0.0.1, so these pages are plain.
+    rpInitiatedLogout: {
+      enabled: true,
+      logoutSource: async (ctx, form) => {
+        ctx.body = `<!DOCTYPE html><title>Sign out</title>${form}`
+          + '<button type="submit" form="op.logoutForm" value="yes" name="logout">Sign out</button>';
+      },
+      postLogoutSuccessSource: async (ctx) => {
+        ctx.body = '<!DOCTYPE html><title>Signed out</title><p>Signed out.</p>';
+      },
+    },
     resourceIndicators: {
       enabled: true,
       defaultResource: () => config.audience,

@@ -1,0 +1,9 @@
+"""The admin web console at /console: server-rendered pages for admins and auditors, every
+asset served from this package (no CDN, no web font, no external request).
+
+pages.py renders the templates with the console's security headers (a strict CSP); routes.py
+holds the pages and the admin actions, each audited before it takes effect; audit_search.py
+searches the audit log; table.py sorts and pages the tables; errors.py is what the error page
+answers. Who may open which page is
+`appliance.api.access.ROUTE_ACCESS`, like every other route.
+"""

@@ -1,0 +1,67 @@
+"""The console of an appliance whose TEE is attested (a scripted TEE,
+tests/appliance/attestation/fake_tee.py): the Attestation page shows every check of the
+verdict, no UNVERIFIED banner, and "re-attest now" is recorded before the re-attestation runs."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+from fastapi.testclient import TestClient
+
+from appliance.app import build
+from appliance.attestation.service import TeeService
+from appliance.auth.principal import Principal
+from appliance.auth.roles import Role
+from appliance.auth.sessions import SESSION_COOKIE
+from appliance.boot.startup import start_audit_log
+from appliance.boot.weights import LoadedModel
+from appliance.engine.engine import Engine, EngineConfig
+from tests.appliance.attestation.fake_tee import FakeCollector, FakeVerifier
+from tests.appliance.boot.test_boot_gate import _settings
+
+
+def test_attestation_page_lists_the_checks_and_reattest_is_audited_first(
+    tmp_path: Path, smollm2_dir: Path, api_engine: Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def load(config: EngineConfig) -> LoadedModel:
+        return LoadedModel(api_engine, "sha256:" + "00" * 32)
+
+    monkeypatch.setattr(LoadedModel, "load", load)
+    settings = _settings(tmp_path, smollm2_dir)
+    verifier = FakeVerifier()  # passes at boot; a check fails once an admin re-attests
+    log = start_audit_log(settings)
+    app = build(settings, log, tee=TeeService("required", FakeCollector(), verifier))
+    with TestClient(app) as client:
+        deadline = time.monotonic() + 60
+        while client.get("/health").json()["status"] == "loading":
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        principal = Principal("urn:test", "operator", None, frozenset({Role.ADMIN}), 0.0)
+        session = app.state.sessions.create(principal, "id.token")
+        client.cookies.set(SESSION_COOKIE, session.id)
+        page = client.get("/console/attestation")
+        assert page.status_code == 200
+        assert "gpu0.signature" in page.text and "550.90.07" in page.text  # a check, a claim
+        assert "UNVERIFIED" not in page.text and "VERIFIED" in page.text
+        verifier.failures["cpu.tcb"] = "below the policy's minimum"
+        form = {"csrf_token": session.csrf_token}
+        done = client.post("/console/attestation/reattest", data=form, follow_redirects=False)
+        assert done.status_code == 303
+        assert done.headers["location"] == "/console/attestation?requested=1"
+        while client.get("/health").json()["status"] != "failed":
+            assert time.monotonic() < deadline, "the re-attestation never ran"
+            time.sleep(0.02)
+        page = client.get("/console/attestation", params={"sort": "result"})
+        assert "cpu.tcb" in page.text and "below the policy" in page.text
+        history = page.text.split("<h2>History</h2>", 1)[1]
+        assert history.count("<tr>") == 1 + 2  # the header, the boot's and the re-attestation's
+        assert "reattest" in history and "not trusted" in history
+        store = app.state.audit_trail.log.store
+        entries = [json.loads(data) for _, data in store.entries(0, store.size() - 1)]
+    actions = [(e["action"], e["actor"]["subject"]) for e in entries]
+    requested = actions.index(("admin.tee.reattest", "operator"))
+    verdicts = [i for i, (action, _) in enumerate(actions) if action == "attestation.verdict"]
+    assert verdicts[0] < requested < verdicts[-1]

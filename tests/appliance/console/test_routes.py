@@ -1,0 +1,220 @@
+"""The console's pages and actions over HTTP against the real TLS server: role gating, the
+security headers, CSRF through forms, admin actions audited before they take effect (and
+refused when the log cannot record them), audit entries with proofs that verify offline,
+settings with secrets redacted. (Browser tests: test_browser.py.)"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from appliance.auth.principal import Principal
+from appliance.auth.roles import Role
+from appliance.auth.sessions import SESSION_COOKIE, Session
+from appliance.console.routes import REDACTED, redacted_settings
+from appliance.engine.engine import Engine
+from audit.__main__ import main as audit_main
+from audit.errors import AuditWriteError
+from tests.appliance.api.conftest import RunningServer, make_settings, running_server
+
+PAGES = ["/console/", "/console/attestation", "/console/audit", "/console/access",
+         "/console/system"]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def server(
+    api_engine: Engine, smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[RunningServer]:
+    settings = make_settings(tmp_path_factory.mktemp("console"), smollm2_dir)
+    with running_server(settings, api_engine) as running:
+        yield running
+
+
+def sign_in(server: RunningServer, role: Role, subject: str | None = None) -> Session:
+    principal = Principal("urn:test", subject or f"an-{role}", None, frozenset({role}), 0.0)
+    return server.app.state.sessions.create(principal, "id.token.hint")
+
+
+def browser(server: RunningServer, session: Session | None) -> httpx.Client:
+    cookies = {} if session is None else {SESSION_COOKIE: session.id}
+    return httpx.Client(base_url=server.url, verify=server.tls_context(), cookies=cookies,
+                        timeout=60, follow_redirects=True)  # fmt: skip
+
+
+def entries(server: RunningServer) -> list[dict[str, object]]:
+    store = server.app.state.audit_trail.log.store
+    return [json.loads(data) for _, data in store.entries(0, store.size() - 1)]
+
+
+def test_admin_sees_every_page_with_the_security_headers(server: RunningServer) -> None:
+    with browser(server, sign_in(server, Role.ADMIN)) as http:
+        for path in PAGES:
+            page = http.get(path)
+            assert page.status_code == 200, (path, page.text)
+            assert page.headers["content-type"].startswith("text/html")
+            csp = page.headers["content-security-policy"]
+            assert "default-src 'self'" in csp and "frame-ancestors 'none'" in csp
+            assert "unsafe-inline" not in csp
+            assert page.headers["cache-control"] == "no-store"
+            scripts = re.findall(r"<script([^>]*)>(.*?)</script>", page.text, re.S)
+            assert scripts == [(' src="/console/static/console.js" defer', "")]  # none inline
+            assert "style=" not in page.text
+            assert "UNVERIFIED" in page.text  # the demo's insecure-dev, on every page
+
+
+def test_auditor_sees_attestation_and_audit_only(server: RunningServer) -> None:
+    with browser(server, sign_in(server, Role.AUDITOR)) as http:
+        landing = http.get("/console/", follow_redirects=False)
+        assert (landing.status_code, landing.headers["location"]) == (303, "/console/attestation")
+        audit = http.get("/console/audit")
+        assert audit.status_code == 200
+        assert 'href="/console/access"' not in audit.text  # not in the menu either
+        for path in ("/console/access", "/console/system"):
+            refused = http.get(path)
+            assert refused.status_code == 403
+            assert "Not allowed" in refused.text and "needs the role admin" in refused.text
+
+
+@pytest.mark.parametrize("role", [Role.USER, Role.SERVICE])
+def test_other_roles_get_a_403_page(server: RunningServer, role: Role) -> None:
+    with browser(server, sign_in(server, role)) as http:
+        for path in PAGES:
+            refused = http.get(path)
+            assert refused.status_code == 403
+            assert refused.headers["content-type"].startswith("text/html")
+
+
+def test_without_a_session_pages_say_how_to_sign_in(server: RunningServer) -> None:
+    with browser(server, None) as http:
+        page = http.get("/console/system")
+        unknown = http.get("/console/nowhere")
+    assert page.status_code == 401 and 'href="/console/login"' in page.text
+    assert page.headers["www-authenticate"].startswith("Bearer")
+    assert unknown.status_code == 404 and unknown.headers["content-type"].startswith("text/html")
+
+
+def test_revoking_a_session_is_audited_first_and_ends_it(server: RunningServer) -> None:
+    admin, victim = sign_in(server, Role.ADMIN), sign_in(server, Role.AUDITOR, "victim")
+    with browser(server, admin) as http:
+        url = f"/console/access/sessions/{victim.handle}/revoke"
+        assert http.post(url, data={}).status_code == 403  # no CSRF token
+        assert http.post(url, data={"csrf_token": "wrong"}).status_code == 403
+        done = http.post(url, data={"csrf_token": admin.csrf_token}, follow_redirects=False)
+        assert (done.status_code, done.headers["location"]) == (303, "/console/access?revoked=1")
+    assert server.app.state.sessions.get(victim.id) is None
+    revoke = [e for e in entries(server) if e["action"] == "admin.session.revoke"][-1]
+    assert revoke["actor"]["subject"] == "an-admin" and revoke["outcome"] == "accepted"
+    assert revoke["details"]["target"]["subject"] == "victim"
+    with browser(server, victim) as http:
+        assert http.get("/console/audit").status_code == 401
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        "&".join(f"f{i}=x" for i in range(100)) + "&csrf_token={token}",  # too many fields
+        "pad=" + "x" * (70 << 10) + "&csrf_token={token}",  # over MAX_FORM_BYTES
+        "csrf_token={token}&csrf_token={token}",  # two tokens
+    ],
+)
+def test_hostile_forms_are_refused_as_without_a_csrf_token(
+    server: RunningServer, body: str
+) -> None:
+    admin = sign_in(server, Role.ADMIN)
+    with browser(server, admin) as http:
+        refused = http.post(
+            "/console/system/drain",
+            content=body.format(token=admin.csrf_token),
+            headers={"Content-Type": "application/x-www-form-urlencoded"},
+        )
+    assert refused.status_code == 403 and "CSRF" in refused.text
+    assert server.app.state.readiness.state()[0] == "ready"
+
+
+def test_an_action_the_log_cannot_record_is_refused(
+    server: RunningServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    admin, victim = sign_in(server, Role.ADMIN), sign_in(server, Role.AUDITOR, "kept")
+
+    async def refuse(event: object) -> None:
+        raise AuditWriteError("disk full")
+
+    monkeypatch.setattr(server.app.state.console.trail, "append", refuse)
+    with browser(server, admin) as http:
+        url = f"/console/access/sessions/{victim.handle}/revoke"
+        refused = http.post(url, data={"csrf_token": admin.csrf_token})
+    assert refused.status_code == 503 and "was not done" in refused.text
+    assert server.app.state.sessions.get(victim.id) is not None
+
+
+def test_audit_search_and_an_entry_whose_proof_verifies_offline(
+    server: RunningServer, tmp_path: Path
+) -> None:
+    with browser(server, sign_in(server, Role.AUDITOR, "searcher")) as http:
+        found = http.get("/console/audit", params={"action": "boot.start"})
+        assert found.status_code == 200
+        index = int(re.search(r'href="/console/audit/(\d+)"', found.text).group(1))
+        detail = http.get(f"/console/audit/{index}")
+        assert "python -m audit verify-proof" in detail.text
+        for kind, name in (("entry", "entry.json"), ("proof", "proof.txt")):
+            download = http.get(f"/console/audit/{index}", params={"download": kind})
+            (tmp_path / name).write_bytes(download.content)
+        assert "Latest checkpoint" in found.text
+        bad = http.get("/console/audit", params={"since": "soon"})
+        assert bad.status_code == 200 and "since must be a time" in bad.text
+        assert http.get("/console/audit/999999").status_code == 404
+    vkey = server.app.state.audit_trail.log.vkey
+    assert audit_main(["verify-proof", str(tmp_path / "proof.txt"), "--vkey", vkey,
+                       "--entry", str(tmp_path / "entry.json")]) == 0  # fmt: skip
+
+
+def test_reattest_in_insecure_dev_is_refused_with_a_reason(server: RunningServer) -> None:
+    admin = sign_in(server, Role.ADMIN)
+    with browser(server, admin) as http:
+        page = http.get("/console/attestation")
+        assert "disabled" in page.text and "Not available in insecure-dev" in page.text
+        refused = http.post("/console/attestation/reattest", data={"csrf_token": admin.csrf_token})
+    assert refused.status_code == 409 and "insecure-dev" in refused.text
+
+
+def test_settings_are_shown_with_secrets_redacted(tmp_path: Path, smollm2_dir: Path) -> None:
+    settings = make_settings(
+        tmp_path, smollm2_dir, audit={"database_url": "postgresql+psycopg://inferno:hunter2@db/a"}
+    )
+    shown = dict(redacted_settings(settings))
+    audit, auth = dict(shown["audit"]), dict(shown["auth"])
+    assert audit["database_url"] == "postgresql+psycopg://inferno:***@db/a"
+    assert auth["local_issuer_key_file"] == REDACTED
+    assert dict(shown["tls"])["key_file"] == REDACTED
+    assert "hunter2" not in json.dumps(shown)
+
+
+def test_drain_needs_confirmation_then_is_audited_and_stops_inference(
+    api_engine: Engine, smollm2_dir: Path, tmp_path: Path
+) -> None:
+    settings = make_settings(tmp_path, smollm2_dir)
+    with running_server(settings, api_engine) as server:
+        admin = sign_in(server, Role.ADMIN, "operator")
+        with browser(server, admin) as http:
+            unconfirmed = http.post("/console/system/drain", data={"csrf_token": admin.csrf_token})
+            assert unconfirmed.status_code == 400
+            assert http.get("/health").status_code == 200
+            confirmed = {"csrf_token": admin.csrf_token, "confirm": "drain"}
+            drained = http.post("/console/system/drain", data=confirmed)
+            assert drained.status_code == 200 and "Drained" in drained.text
+            health = http.get("/health")
+        assert health.status_code == 503
+        assert health.json() == {
+            "status": "draining",
+            "reason": "drained by operator; restart the server to serve again",
+        }
+        with server.http() as api:
+            refused = api.post("/v1/completions", json={"model": "smollm2", "prompt": "hi"})
+        assert refused.status_code == 503
+        actions = [e["action"] for e in entries(server)]
+        assert "admin.server.drain" in actions
