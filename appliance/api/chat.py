@@ -67,7 +67,7 @@ async def create_chat_completion(
         prompt = tokenizer.encode_chat([_template_message(m) for m in body.messages])
         # Unset: up to the end of the context, as OpenAI does.
         max_tokens = body.max_completion_tokens or body.max_tokens
-        max_tokens = max_tokens or max(engine.engine.max_model_len - len(prompt), 1)
+        max_tokens = max_tokens or max(engine.max_model_len - len(prompt), 1)
         choices = [
             Choice(i, 0, prompt, choice_params(body, i, max_tokens=max_tokens, logprobs=logprobs))
             for i in range(body.n)

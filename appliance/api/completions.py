@@ -36,7 +36,7 @@ from appliance.api.schemas import (
 from appliance.api.serving import AdmittedRequest
 from appliance.api.streaming import DONE, ChunkWriter, EventStreamResponse, event
 from appliance.engine.errors import EngineError
-from appliance.engine.model_runner import TokenLogprob
+from appliance.engine.outputs import TokenLogprob
 from appliance.engine.tokenizer import Tokenizer
 
 router = APIRouter()

@@ -10,8 +10,16 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from appliance.engine.detokenizer import IncrementalDetokenizer
-from appliance.engine.model_runner import TokenLogprob
 from appliance.engine.sequence import RequestId, Sequence, SequenceStatus
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLogprob:
+    """A token's log-probability and the `top` most likely alternatives at its position."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
