@@ -12,6 +12,7 @@ import torch
 
 from appliance.engine.block_manager import BlockManager
 from appliance.engine.detokenizer import IncrementalDetokenizer
+from appliance.engine.engine_settings import EngineSettings
 from appliance.engine.errors import (
     ContextLengthExceededError,
     EngineConfigError,
@@ -34,32 +35,10 @@ logger = logging.getLogger(__name__)
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-@dataclass(frozen=True, slots=True)
-class EngineConfig:
-    """Everything the engine is built from. Sizes in tokens unless the name says otherwise."""
+class EngineConfig(EngineSettings):
+    """Everything the engine is built from: the model directory and the engine settings."""
 
     model_dir: Path
-    device: str = "cpu"
-    # None: float32 on the CPU (exact comparisons), bfloat16 on a GPU.
-    dtype: str | None = None
-    block_size: int = 16
-    # KV pool: an explicit block count; otherwise, on the CPU, as many blocks as fit in
-    # kv_cache_memory_bytes, and on a GPU, what gpu_memory_utilization leaves after the weights
-    # and the peak activations of a profiled step.
-    num_kv_blocks: int | None = None
-    kv_cache_memory_bytes: int = 1 << 30
-    gpu_memory_utilization: float = 0.9
-    max_model_len: int | None = None
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
-    enable_prefix_caching: bool = True
-    enable_chunked_prefill: bool = True
-    # Replay decode steps from CUDA graphs (GPU only).
-    enable_cuda_graphs: bool = True
-    # Up to this many decode steps run back to back without the host when every running
-    # request is decoding and none waits: less host time per token, at the price of up to that
-    # many steps before a newly arrived request is admitted. 1 turns bursts off.
-    max_decode_burst: int = 1
 
     @property
     def on_gpu(self) -> bool:
@@ -79,13 +58,7 @@ class EngineConfig:
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        name = self.dtype or ("bfloat16" if self.on_gpu else "float32")
-        try:
-            return _DTYPES[name]
-        except KeyError:
-            raise EngineConfigError(
-                f"dtype {name!r} is not supported; choose one of {', '.join(_DTYPES)}"
-            ) from None
+        return _DTYPES[self.dtype or ("bfloat16" if self.on_gpu else "float32")]
 
 
 @dataclass(frozen=True, slots=True)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from pydantic import ValidationError
 
 from appliance.engine.engine import Engine, EngineConfig
 from appliance.engine.errors import (
@@ -185,8 +186,9 @@ def test_disabling_chunked_prefill_needs_a_budget_of_a_whole_context(smollm2_dir
 
 
 def test_unknown_dtype_is_refused_naming_the_choices(smollm2_dir: Path) -> None:
-    with pytest.raises(EngineConfigError, match="float32"):
-        Engine.from_config(EngineConfig(model_dir=smollm2_dir, dtype="int3"))
+    # The engine's config is its settings section: refused as it is made, before any load.
+    with pytest.raises(ValidationError, match="float32"):
+        EngineConfig(model_dir=smollm2_dir, dtype="int3")
 
 
 @pytest.mark.parametrize(
