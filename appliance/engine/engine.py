@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,6 +36,15 @@ logger = logging.getLogger(__name__)
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+def automatic_cpu_threads(num_cpus: int) -> int:
+    """Torch threads for an engine on `num_cpus` CPUs when the setting leaves it to us: all but
+    one. Each torch op waits for its slowest thread, so a thread that shares its CPU (with the
+    engine loop, the event loop or another process) stalls them all: on a busy 2-CPU machine, the
+    CPU benchmark took more than 4x as long with two threads as with one (docs/BENCHMARKS.md,
+    "Torch threads on CPU")."""
+    return max(num_cpus - 1, 1)
+
+
 class EngineConfig(EngineSettings):
     """Everything the engine is built from: the model directory and the engine settings."""
 
@@ -55,6 +65,11 @@ class EngineConfig(EngineSettings):
         if device.type == "cuda" and not torch.cuda.is_available():
             raise EngineConfigError(f"device {self.device!r}: no CUDA GPU is available here")
         return device
+
+    @property
+    def torch_num_threads(self) -> int:
+        """Torch's threads on the CPU: the setting, or automatic_cpu_threads for this machine."""
+        return self.num_cpu_threads or automatic_cpu_threads(len(os.sched_getaffinity(0)))
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -127,7 +142,10 @@ class Engine:
     def build(
         cls, config: EngineConfig, model: LlamaForCausalLM, tokenizer: Tokenizer | None
     ) -> Engine:
-        """Size the KV pool, make the scheduler and runner, and capture CUDA graphs."""
+        """Size the KV pool, make the scheduler and runner, and capture CUDA graphs. On the CPU,
+        set torch's threads (for the whole process: torch has no other kind)."""
+        if not config.on_gpu:
+            torch.set_num_threads(config.torch_num_threads)
         model_config = model.config
         max_model_len = min(
             config.max_model_len or model_config.max_model_len, model_config.max_model_len

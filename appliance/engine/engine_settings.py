@@ -46,3 +46,6 @@ class EngineSettings(BaseModel):
     max_decode_burst: int = Field(
         default=1, ge=1, description="decode steps run back to back without the host"
     )
+    num_cpu_threads: int = Field(
+        default=0, ge=0, description="torch threads when the engine runs on cpu; 0: automatic"
+    )

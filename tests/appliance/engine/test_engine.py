@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import os
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+import torch
 from pydantic import ValidationError
 
-from appliance.engine.engine import Engine, EngineConfig
+from appliance.engine.engine import Engine, EngineConfig, automatic_cpu_threads
 from appliance.engine.errors import (
     ContextLengthExceededError,
     EngineConfigError,
@@ -275,3 +277,36 @@ def test_stats_report_queues_kv_usage_preemptions_and_prefix_hits(
     # Each admission looks its prompt up; the first full block of the shared prompt is found.
     assert stats.num_prefix_cache_queries >= 3 * 20
     assert stats.num_prefix_cache_hits >= 2 * 16
+
+
+@pytest.fixture
+def torch_threads() -> Iterator[None]:
+    """Torch's thread count is the process's: put it back for the tests that follow."""
+    before = torch.get_num_threads()
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.mark.usefixtures("torch_threads")
+@pytest.mark.parametrize("num_threads", [1, 2])
+def test_an_engine_on_the_cpu_runs_torch_on_the_threads_it_is_given(
+    smollm2_engine: Callable[..., Engine], num_threads: int
+) -> None:
+    smollm2_engine(num_kv_blocks=4, num_cpu_threads=num_threads)
+    assert torch.get_num_threads() == num_threads
+
+
+@pytest.mark.usefixtures("torch_threads")
+def test_an_engine_on_the_cpu_picks_its_threads_for_this_machine_by_default(
+    smollm2_engine: Callable[..., Engine],
+) -> None:
+    torch.set_num_threads(3)
+    smollm2_engine(num_kv_blocks=4)
+    assert torch.get_num_threads() == automatic_cpu_threads(len(os.sched_getaffinity(0)))
+
+
+@pytest.mark.parametrize(("num_cpus", "num_threads"), [(1, 1), (2, 1), (16, 15)])
+def test_automatic_threads_leave_one_cpu_to_the_rest_of_the_machine(
+    num_cpus: int, num_threads: int
+) -> None:
+    assert automatic_cpu_threads(num_cpus) == num_threads
