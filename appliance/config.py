@@ -30,6 +30,7 @@ from sqlalchemy.engine import make_url
 from sqlalchemy.exc import ArgumentError
 
 from appliance.auth.settings import AuthSettings
+from appliance.engine.engine_settings import EngineSettings
 from appliance.errors import ConfigError
 from appliance.logs import LogFormat
 from attestation.input_limits import parse_toml, read_file
@@ -59,36 +60,6 @@ class ModelSettings(_Section):
                 "`inferno model import-gguf` or point it at a converted model"
             )
         return value
-
-
-class EngineSettings(_Section):
-    """The engine's sizes and switches, as in `appliance.engine.engine.EngineConfig`."""
-
-    device: str = Field(default="cpu", description="cpu, or cuda / cuda:N for a GPU")
-    dtype: Literal["float32", "bfloat16", "float16"] | None = Field(
-        default=None, description="weights and KV cache; default float32 on cpu, bfloat16 on cuda"
-    )
-    block_size: int = Field(default=16, ge=1, le=1024, description="tokens per KV-cache block")
-    num_kv_blocks: int | None = Field(
-        default=None, ge=1, description="KV-cache blocks; default: sized from memory"
-    )
-    kv_cache_memory_bytes: int = Field(
-        default=1 << 30, ge=1, description="KV-cache size on cpu when num_kv_blocks is unset"
-    )
-    gpu_memory_utilization: float = Field(
-        default=0.9, gt=0.0, le=1.0, description="fraction of GPU memory the engine may use"
-    )
-    max_model_len: int | None = Field(
-        default=None, ge=2, description="context length; default and upper bound: the model's"
-    )
-    max_num_seqs: int = Field(default=64, ge=1, description="sequences running at once")
-    max_num_batched_tokens: int = Field(default=2048, ge=1, description="tokens per step")
-    enable_prefix_caching: bool = Field(default=True, description="reuse KV of shared prefixes")
-    enable_chunked_prefill: bool = Field(default=True, description="split long prompts")
-    enable_cuda_graphs: bool = Field(default=True, description="replay decode steps (cuda)")
-    max_decode_burst: int = Field(
-        default=1, ge=1, description="decode steps run back to back without the host"
-    )
 
 
 class ServerSettings(_Section):

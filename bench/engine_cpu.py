@@ -4,7 +4,7 @@ Measures output tokens per second at batch 1 and batch 16 (prompts of PROMPT_TOK
 OUTPUT_TOKENS new tokens each, EOS ignored so every run does the same work). Prints a Markdown
 row per batch size for docs/BENCHMARKS.md.
 
-    python bench/engine_cpu.py [--model DIR] [--repeats N]
+    python bench/engine_cpu.py [--model DIR] [--repeats N] [--threads N]
 """
 
 from __future__ import annotations
@@ -65,11 +65,17 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", type=Path, default=None)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument(
+        "--threads", type=int, default=0, help="engine.num_cpu_threads; 0: automatic (default)"
+    )
     args = parser.parse_args()
     model_dir = args.model or default_model_dir()
     if not (model_dir / "config.json").exists():
         import_gguf(find_embedded_gguf(), model_dir, show_progress=False)
-    engine = Engine.from_config(EngineConfig(model_dir=model_dir, enable_prefix_caching=False))
+    config = EngineConfig(
+        model_dir=model_dir, enable_prefix_caching=False, num_cpu_threads=args.threads
+    )
+    engine = Engine.from_config(config)
     _run(engine, 2)  # warm-up
     device = f"{_cpu_name()}, {torch.get_num_threads()} torch threads, torch {torch.__version__}"
     print(f"device: {device}")

@@ -9,11 +9,15 @@ import pwd
 import shutil
 import subprocess
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import pytest
 import torch
+
+if TYPE_CHECKING:
+    from appliance.engine.engine import Engine
 
 # No test may reach a model hub: everything loads from local files.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -47,6 +51,28 @@ def smollm2_dir(smollm2_gguf: Path, tmp_path_factory: pytest.TempPathFactory) ->
 
     out = tmp_path_factory.mktemp("smollm2")
     return import_gguf(smollm2_gguf, out, show_progress=False)
+
+
+@pytest.fixture(scope="session")
+def smollm2_engine(smollm2_dir: Path) -> Callable[..., Engine]:
+    """Builds an engine on the CPU around SmolLM2's weights and tokenizer, loaded once per
+    session: `smollm2_engine(max_model_len=512)` takes EngineConfig's fields. Engines share
+    the (read-only) weights; each has its own KV cache, scheduler and requests."""
+    from appliance.engine.engine import Engine, EngineConfig
+    from appliance.engine.models.loader import load_model
+    from appliance.engine.tokenizer import Tokenizer
+    from kernels.backend import kernel_ops_for
+
+    # As Engine.from_config loads them for the CPU.
+    model = load_model(smollm2_dir, ops=kernel_ops_for(torch.device("cpu")))
+    tokenizer = Tokenizer.from_model_dir(smollm2_dir)
+
+    def build(**overrides: Any) -> Engine:
+        config = EngineConfig(model_dir=smollm2_dir, **overrides)
+        assert not config.on_gpu and config.torch_dtype == torch.float32, "CPU float32 only"
+        return Engine.build(config, model, tokenizer)
+
+    return build
 
 
 def _postgres_bin(name: str) -> str | None:

@@ -4,70 +4,60 @@ it)."""
 
 from __future__ import annotations
 
-import time
-import uuid
-from collections.abc import AsyncGenerator, Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from fastapi import APIRouter, Request
 
-from appliance.api.admission import AdmissionControl
-from appliance.api.audit_trail import Trail, sampling_record
-from appliance.api.errors import ERROR_RESPONSES, APIError, api_error_for, unsupported
+from appliance.api.errors import unsupported
 from appliance.api.generation import (
     Choice,
     CollectedChoice,
     Generation,
     choice_params,
     cut_off_error,
-    require_tokenizer,
     verify_stream_options,
 )
 from appliance.api.logprobs import completion_logprobs
-from appliance.api.metrics import Metrics
-from appliance.api.models import Model
-from appliance.api.readiness import ReadyEngine
 from appliance.api.schemas import (
     CompletionChoice,
     CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
 )
-from appliance.api.serving import AdmittedRequest
-from appliance.api.streaming import DONE, ChunkWriter, EventStreamResponse, event
-from appliance.engine.errors import EngineError
-from appliance.engine.model_runner import TokenLogprob
+from appliance.api.serving import GENERATION_RESPONSES, Serving
+from appliance.api.streaming import CompletionChunkChoice, EventStreamResponse, StreamHead
+from appliance.engine.outputs import RequestOutput, TokenLogprob
 from appliance.engine.tokenizer import Tokenizer
+from audit.canonical import JsonValue
 
 router = APIRouter()
 
 
-@router.post(
-    "/v1/completions",
-    response_model=CompletionResponse,
-    responses={
-        200: {"content": {"text/event-stream": {}}, "description": "with stream: true"},
-        **ERROR_RESPONSES,
-    },
-)
+@router.post("/v1/completions", response_model=CompletionResponse, responses=GENERATION_RESPONSES)
 async def create_completion(
-    body: CompletionRequest,
-    request: Request,
-    engine: ReadyEngine,
-    model: Model,
-    admission: AdmissionControl,
-    metrics: Metrics,
-    audit: Trail,
+    body: CompletionRequest, request: Request, server: Serving
 ) -> CompletionResponse | EventStreamResponse:
-    arrival_s = time.monotonic()
-    model.verify(body.model)
-    _verify_supported(body)
-    tokenizer = require_tokenizer(engine)
-    response_id = f"cmpl-{uuid.uuid4().hex}"
-    prompt_logprobs = body.logprobs if body.echo else None
-    try:
+    return await server.serve(request, _CompletionEndpoint(body))
+
+
+class _CompletionEndpoint:
+    path = "/v1/completions"
+    id_prefix = "cmpl"
+    chunk_object = "text_completion"
+    prompt_param = "prompt"
+
+    def __init__(self, body: CompletionRequest):
+        self.body = body
+
+    def verify_supported(self) -> None:
+        _verify_supported(self.body)
+
+    def choices(self, tokenizer: Tokenizer, max_model_len: int) -> list[Choice]:
+        body = self.body
+        prompt_logprobs = body.logprobs if body.echo else None
         prompts = _prompt_token_ids(body.prompt, tokenizer)
-        choices = [
+        return [
             Choice(
                 index,
                 prompt_index,
@@ -83,44 +73,18 @@ async def create_completion(
             for prompt_index, prompt in enumerate(prompts)
             for index in range(prompt_index * body.n, (prompt_index + 1) * body.n)
         ]
-        generation = Generation(engine, metrics, response_id, choices, arrival_s=arrival_s)
-    except EngineError as exc:
-        raise api_error_for(exc, prompt_param="prompt") from exc
-    admitted = await AdmittedRequest.admit(
-        request,
-        generation,
-        admission,
-        audit,
-        request_id=response_id,
-        endpoint="/v1/completions",
-        prompt=body.prompt,
-        sampling=sampling_record(choices[0].params, n=body.n, stream=body.stream),
-        arrival_s=arrival_s,
-    )
-    texts = _prompt_texts(body.prompt, prompts, tokenizer)
-    output = _Output(tokenizer, texts, echo=body.echo, with_logprobs=body.logprobs is not None)
-    head = {
-        "id": response_id,
-        "object": "text_completion",
-        "created": int(time.time()),
-        "model": model.card.id,
-        "system_fingerprint": None,
-    }
-    if body.stream:
-        include_usage = body.stream_options is not None and body.stream_options.include_usage
-        writer = ChunkWriter(head, include_usage=include_usage)
-        return admitted.stream(_events(generation, writer, output))
-    results = await admitted.collect()
-    return CompletionResponse(
-        id=response_id,
-        created=head["created"],
-        model=model.card.id,
-        choices=[
-            output.choice(choice, result)
-            for choice, result in zip(generation.choices, results, strict=True)
-        ],
-        usage=generation.usage(),
-    )
+
+    def prompt_record(self) -> JsonValue:
+        return self.body.prompt
+
+    def output(self, tokenizer: Tokenizer, choices: list[Choice]) -> _CompletionOutput:
+        body = self.body
+        # The first choice of each prompt holds its token ids (n choices per prompt, in order).
+        prompts = [choice.prompt_token_ids for choice in choices[:: body.n]]
+        texts = _prompt_texts(body.prompt, prompts, tokenizer)
+        return _CompletionOutput(
+            tokenizer, choices, texts, echo=body.echo, with_logprobs=body.logprobs is not None
+        )
 
 
 def _verify_supported(body: CompletionRequest) -> None:
@@ -159,15 +123,23 @@ def _prompt_texts(
     return [tokenizer.decode(ids, skip_special_tokens=False) for ids in token_ids]
 
 
-class _Output:
+class _CompletionOutput:
     """Text and log-probabilities of completion choices, streamed or whole. With echo, a
     choice's text starts with its prompt, and its log-probabilities with the prompt's (the first
     prompt token has none)."""
 
     def __init__(
-        self, tokenizer: Tokenizer, prompt_texts: list[str], *, echo: bool, with_logprobs: bool
+        self,
+        tokenizer: Tokenizer,
+        choices: list[Choice],
+        prompt_texts: list[str],
+        *,
+        echo: bool,
+        with_logprobs: bool,
     ):
         self.tokenizer = tokenizer
+        self._by_index = {choice.index: choice for choice in choices}
+        self._started: set[int] = set()
         self.prompt_texts = prompt_texts
         self.echo = echo
         self.with_logprobs = with_logprobs
@@ -197,7 +169,39 @@ class _Output:
         result, self._offsets[choice.index] = completion_logprobs(self.tokenizer, tokens, offset)
         return text, result
 
-    def choice(self, choice: Choice, result: CollectedChoice) -> CompletionChoice:
+    def opening(self) -> tuple[()]:
+        return ()
+
+    def chunks(self, index: int, out: RequestOutput) -> Iterator[CompletionChunkChoice]:
+        """Text chunks, then an empty chunk with the finish reason."""
+        if out.finish_reason == "abort":
+            raise cut_off_error()
+        first = index not in self._started
+        self._started.add(index)
+        choice = self._by_index[index]
+        text, logprobs = self.piece(
+            choice, out.text, out.logprobs or (), out.prompt_logprobs, first=first
+        )
+        if text or logprobs:
+            yield CompletionChunkChoice(index, text, logprobs)
+        if out.finished:
+            yield CompletionChunkChoice(index, "", finish_reason=out.finish_reason)
+
+    def response(
+        self, head: StreamHead, generation: Generation, results: list[CollectedChoice]
+    ) -> CompletionResponse:
+        return CompletionResponse(
+            id=head.id,
+            created=head.created,
+            model=head.model,
+            choices=[
+                self._choice(choice, result)
+                for choice, result in zip(generation.choices, results, strict=True)
+            ],
+            usage=generation.usage(),
+        )
+
+    def _choice(self, choice: Choice, result: CollectedChoice) -> CompletionChoice:
         text, logprobs = self.piece(
             choice, result.text, result.logprobs, result.prompt_logprobs, first=True
         )
@@ -207,41 +211,3 @@ class _Output:
             logprobs=CompletionLogprobs(**logprobs) if logprobs is not None else None,
             finish_reason=result.finish_reason,
         )
-
-
-async def _events(
-    generation: Generation, writer: ChunkWriter, output: _Output
-) -> AsyncGenerator[bytes, None]:
-    """Per choice: text chunks, then an empty chunk with the finish reason; then the usage (if
-    asked for) and [DONE]. An error after the status was sent becomes an error event."""
-    by_index = {choice.index: choice for choice in generation.choices}
-    started: set[int] = set()
-    try:
-        async for index, out in generation.outputs():
-            if out.finish_reason == "abort":
-                raise cut_off_error()
-            first = index not in started
-            started.add(index)
-            logprobs = out.logprobs or ()
-            choice = by_index[index]
-            text, lps = output.piece(choice, out.text, logprobs, out.prompt_logprobs, first=first)
-            if text or lps:
-                yield writer.chunk(
-                    {"index": index, "text": text, "logprobs": lps, "finish_reason": None}
-                )
-            if out.finished:
-                yield writer.chunk(
-                    {
-                        "index": index,
-                        "text": "",
-                        "logprobs": None,
-                        "finish_reason": out.finish_reason,
-                    }
-                )
-        if writer.include_usage:
-            yield writer.usage(generation.usage().model_dump())
-    except APIError as exc:
-        yield event(exc.body())
-    except EngineError as exc:
-        yield event(api_error_for(exc).body())
-    yield DONE

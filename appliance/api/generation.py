@@ -21,8 +21,7 @@ from appliance.api.errors import APIError
 from appliance.api.metrics import ServerMetrics
 from appliance.api.schemas import PromptTokensDetails, SamplingFields, Usage
 from appliance.engine.async_engine import AsyncEngine
-from appliance.engine.model_runner import TokenLogprob
-from appliance.engine.outputs import RequestOutput
+from appliance.engine.outputs import RequestOutput, TokenLogprob
 from appliance.engine.sampling_params import SamplingParams
 from appliance.engine.tokenizer import Tokenizer
 
@@ -66,7 +65,7 @@ def choice_params(
 
 
 def require_tokenizer(engine: AsyncEngine) -> Tokenizer:
-    tokenizer = engine.engine.tokenizer
+    tokenizer = engine.tokenizer
     if tokenizer is None:
         raise APIError(400, "this model is served without a tokenizer: text cannot be handled")
     return tokenizer

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from appliance.engine.model_runner import TokenLogprob
+from appliance.engine.outputs import TokenLogprob
 from appliance.engine.tokenizer import Tokenizer
 
 # JSON has no -Infinity: OpenAI reports this floor for tokens the model rules out.

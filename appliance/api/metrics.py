@@ -19,7 +19,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.exposition import generate_latest
 from prometheus_client.registry import Collector
 
-from appliance.engine.engine import Engine, EngineStats
+from appliance.engine.async_engine import AsyncEngine
+from appliance.engine.outputs import EngineStats
 
 # vLLM's bucket boundaries, in seconds.
 _TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
@@ -37,7 +38,7 @@ class ServerMetrics:
     def __init__(self, model_name: str):
         self.model_name = model_name
         self.registry = CollectorRegistry()
-        self._engine: Engine | None = None
+        self._engine: AsyncEngine | None = None
         labels = ["model_name"]
         self._ttft = Histogram(
             "vllm:time_to_first_token_seconds",
@@ -76,7 +77,7 @@ class ServerMetrics:
         )  # fmt: skip
         self.registry.register(_EngineCollector(self))
 
-    def watch(self, engine: Engine) -> None:
+    def watch(self, engine: AsyncEngine) -> None:
         """Report this engine's state from now on."""
         self._engine = engine
 

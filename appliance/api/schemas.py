@@ -3,8 +3,8 @@
 Field names, defaults and shapes follow OpenAI's API reference for `/v1/completions` and
 `/v1/chat/completions`. Requests forbid unknown fields (as OpenAI does: "Unrecognized request
 argument"), so a misspelt parameter is an error rather than silently ignored. `top_k`, `min_p`
-and `ignore_eos` are extensions (named as in vLLM). Streamed chunks are not modelled here: they
-are written by `appliance.api.streaming`, which keeps the per-token cost low.
+and `ignore_eos` are extensions (named as in vLLM). Streamed chunks are typed in
+`appliance.api.streaming`, beside the writer that keeps their per-token cost low.
 """
 
 from __future__ import annotations

@@ -1,22 +1,182 @@
 """One inference request from admission to its answer, the same for completions and chat.
 
-It takes places in the admission queue, then logs `inference.request` to the audit log before
-anything is generated (a failed append gives the places back: not logged, not served). The
-output then goes out whole or as a stream; either way the places are released and the audit
-record is closed when it ends.
+`Server.serve` is the one request path of both routes: check the request, plan its choices (which
+validates every engine request), take places in the admission queue, log `inference.request`
+to the audit log before anything is generated (a failed append gives the places back: not
+logged, not served), then answer whole or as a stream; either way the places are released and
+the audit record is closed when it ends. What differs between the routes is an `Endpoint`: its
+prompt and choices, and the `Output` that turns engine outputs into its response and chunks.
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator, Mapping
+import time
+import uuid
+from collections.abc import AsyncGenerator, Iterable, Iterator, Mapping
+from typing import Annotated, Any, Literal, Protocol, TypeVar
 
-from fastapi import Request
+from fastapi import Depends, Request
+from pydantic import BaseModel
 
-from appliance.api.admission import Admission, Ticket
-from appliance.api.audit_trail import AuditTrail, InferenceRecord
-from appliance.api.generation import CollectedChoice, Generation, cancel_on_disconnect
-from appliance.api.streaming import EventStreamResponse
+from appliance.api.admission import Admission, AdmissionControl, Ticket
+from appliance.api.audit_trail import AuditTrail, InferenceRecord, Trail, sampling_record
+from appliance.api.errors import ERROR_RESPONSES, APIError, api_error_for
+from appliance.api.generation import (
+    Choice,
+    CollectedChoice,
+    Generation,
+    cancel_on_disconnect,
+    require_tokenizer,
+)
+from appliance.api.metrics import Metrics
+from appliance.api.models import Model
+from appliance.api.readiness import ReadyEngine
+from appliance.api.schemas import SamplingFields
+from appliance.api.streaming import (
+    DONE,
+    ChunkChoice,
+    ChunkWriter,
+    EventStreamResponse,
+    StreamHead,
+    event,
+)
+from appliance.engine.errors import EngineError
+from appliance.engine.outputs import RequestOutput
+from appliance.engine.tokenizer import Tokenizer
 from audit.canonical import JsonValue
+
+ResponseT = TypeVar("ResponseT", bound=BaseModel, covariant=True)
+
+
+class Output(Protocol[ResponseT]):
+    """An endpoint's answer to one admitted request, whole or as stream chunks."""
+
+    def opening(self) -> Iterable[ChunkChoice]:
+        """The chunks a stream starts with, before any output."""
+        ...
+
+    def chunks(self, index: int, out: RequestOutput) -> Iterator[ChunkChoice]:
+        """The chunks of choice `index`'s output `out`; raises `cut_off_error()` for an output
+        the engine aborted, after the chunks the endpoint still sends for it."""
+        ...
+
+    def response(
+        self, head: StreamHead, generation: Generation, results: list[CollectedChoice]
+    ) -> ResponseT:
+        """The whole response, from every choice's collected output."""
+        ...
+
+
+class Endpoint(Protocol[ResponseT]):
+    """What one route adds to the shared path, for one request `body`."""
+
+    path: str
+    id_prefix: str  # of the response's id: "<id_prefix>-<random hex>"
+    chunk_object: Literal["text_completion", "chat.completion.chunk"]
+    prompt_param: str  # the request field a prompt that does not fit is blamed on
+    body: SamplingFields
+
+    def verify_supported(self) -> None:
+        """Raise an APIError for what the request asks and this server does not do."""
+        ...
+
+    def choices(self, tokenizer: Tokenizer, max_model_len: int) -> list[Choice]:
+        """Every engine request of the request; may raise EngineError (a prompt the tokenizer
+        refuses)."""
+        ...
+
+    def prompt_record(self) -> JsonValue:
+        """The prompt as the audit log commits to it."""
+        ...
+
+    def output(self, tokenizer: Tokenizer, choices: list[Choice]) -> Output[ResponseT]:
+        """The request's output, once its engine requests are validated and it is admitted."""
+        ...
+
+
+# What both routes answer besides their errors: a JSON body, or server-sent events.
+GENERATION_RESPONSES: dict[int | str, dict[str, Any]] = {
+    200: {"content": {"text/event-stream": {}}, "description": "with stream: true"},
+    **ERROR_RESPONSES,
+}
+
+
+class Server:
+    """What serving a request needs of the app: its engine, model, admission, metrics and audit
+    trail (FastAPI dependencies)."""
+
+    def __init__(
+        self,
+        engine: ReadyEngine,
+        model: Model,
+        admission: AdmissionControl,
+        metrics: Metrics,
+        audit: Trail,
+    ):
+        self.engine = engine
+        self.model = model
+        self.admission = admission
+        self.metrics = metrics
+        self.audit = audit
+
+    async def serve(
+        self, request: Request, endpoint: Endpoint[ResponseT]
+    ) -> ResponseT | EventStreamResponse:
+        """Answer one request of `endpoint`: whole, or streamed when `stream` is true."""
+        arrival_s = time.monotonic()
+        body = endpoint.body
+        self.model.verify(body.model)
+        endpoint.verify_supported()
+        tokenizer = require_tokenizer(self.engine)
+        response_id = f"{endpoint.id_prefix}-{uuid.uuid4().hex}"
+        try:
+            choices = endpoint.choices(tokenizer, self.engine.max_model_len)
+            generation = Generation(
+                self.engine, self.metrics, response_id, choices, arrival_s=arrival_s
+            )
+        except EngineError as exc:
+            raise api_error_for(exc, prompt_param=endpoint.prompt_param) from exc
+        admitted = await AdmittedRequest.admit(
+            request,
+            generation,
+            self.admission,
+            self.audit,
+            request_id=response_id,
+            endpoint=endpoint.path,
+            prompt=endpoint.prompt_record(),
+            sampling=sampling_record(choices[0].params, n=body.n, stream=body.stream),
+            arrival_s=arrival_s,
+        )
+        output = endpoint.output(tokenizer, choices)
+        head = StreamHead(response_id, endpoint.chunk_object, int(time.time()), self.model.card.id)
+        if body.stream:
+            include_usage = body.stream_options is not None and body.stream_options.include_usage
+            writer = ChunkWriter(head, include_usage=include_usage)
+            return admitted.stream(_events(generation, writer, output))
+        return output.response(head, generation, await admitted.collect())
+
+
+Serving = Annotated[Server, Depends()]
+
+
+async def _events(
+    generation: Generation, writer: ChunkWriter, output: Output[BaseModel]
+) -> AsyncGenerator[bytes, None]:
+    """The output's opening chunks, then its chunks as the engine produces them; then the usage
+    (if asked for) and [DONE]. An error after the status was sent becomes an error event."""
+    for choice in output.opening():
+        yield writer.chunk(choice)
+    try:
+        async for index, out in generation.outputs():
+            for choice in output.chunks(index, out):
+                yield writer.chunk(choice)
+        if writer.include_usage:
+            yield writer.usage(generation.usage())
+    except APIError as exc:
+        yield event(exc.body())
+    except EngineError as exc:
+        yield event(api_error_for(exc).body())
+    yield DONE
 
 
 class AdmittedRequest:

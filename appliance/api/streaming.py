@@ -1,18 +1,24 @@
 """Server-sent events as OpenAI streams them: `data: <JSON>\\n\\n` per chunk, `data: [DONE]` last.
 
-Chunks of one response share everything but their `choices` (and the final `usage`), so the
-shared part is serialized once and each chunk serializes only its choices: the server's CPU per
-streamed token is one of the appliance's headline figures (PERFORMANCE.md, W3).
+A chunk is typed: `StreamHead` (what every chunk of a response shares) and, per choice, a
+`CompletionChunkChoice` or a `ChatChunkChoice`. Their `to_json` gives OpenAI's exact field order
+and the fields OpenAI leaves out (a chat delta holds only what it adds). Chunks of one response
+share everything but their `choices` (and the final `usage`), so the head is serialized once and
+each chunk serializes only its choices: the server's CPU per streamed token is one of the
+appliance's headline figures (PERFORMANCE.md, W3).
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import AsyncGenerator, Callable
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Literal
 
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
+
+from appliance.api.schemas import Usage
 
 DONE = b"data: [DONE]\n\n"
 
@@ -26,24 +32,103 @@ def event(value: Any) -> bytes:
     return b"data: " + _dumps(value).encode() + b"\n\n"
 
 
+@dataclass(frozen=True, slots=True)
+class StreamHead:
+    """What every chunk of one streamed response shares."""
+
+    id: str
+    object: Literal["text_completion", "chat.completion.chunk"]
+    created: int
+    model: str
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "object": self.object,
+            "created": self.created,
+            "model": self.model,
+            "system_fingerprint": None,
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class CompletionChunkChoice:
+    """A part of a completions choice: text (with its `logprobs` in the completions API's shape,
+    when asked for), or, last, no text and the finish reason."""
+
+    index: int
+    text: str
+    logprobs: dict[str, Any] | None = None
+    finish_reason: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "index": self.index,
+            "text": self.text,
+            "logprobs": self.logprobs,
+            "finish_reason": self.finish_reason,
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class ChatDelta:
+    """What a chat chunk adds to its message: first the role (with empty content), then
+    content; a choice's last delta adds nothing."""
+
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        if self.role is not None:
+            # OpenAI's opening delta also says that there is no refusal.
+            return {"role": self.role, "content": self.content, "refusal": None}
+        return {} if self.content is None else {"content": self.content}
+
+
+@dataclass(frozen=True, slots=True)
+class ChatChunkChoice:
+    """A part of a chat choice: a delta (with chat's `logprobs`, `{"content": [...]}`, when
+    asked for), or, last, an empty delta and the finish reason."""
+
+    index: int
+    delta: ChatDelta
+    logprobs: dict[str, Any] | None = None
+    finish_reason: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "index": self.index,
+            "delta": self.delta.to_json(),
+            "logprobs": self.logprobs,
+            "finish_reason": self.finish_reason,
+        }
+
+
+ChunkChoice = CompletionChunkChoice | ChatChunkChoice
+
+
 class ChunkWriter:
-    """Events of one streamed response: `head` (id, object, created, model ...) and choices.
+    """Events of one streamed response: its head and choices.
 
     With `include_usage`, every chunk carries `"usage": null` and the last one, with no
     choices, the usage (OpenAI's `stream_options.include_usage`).
     """
 
-    def __init__(self, head: dict[str, Any], *, include_usage: bool):
+    def __init__(self, head: StreamHead, *, include_usage: bool):
         self.include_usage = include_usage
-        self._prefix = b"data: " + _dumps(head)[:-1].encode() + b',"choices":['
+        self._head = head.to_json()
+        self._prefix = b"data: " + _dumps(self._head)[:-1].encode() + b',"choices":['
         self._suffix = b'],"usage":null}\n\n' if include_usage else b"]}\n\n"
-        self._head = head
 
-    def chunk(self, *choices: dict[str, Any]) -> bytes:
-        return self._prefix + ",".join(map(_dumps, choices)).encode() + self._suffix
+    def chunk(self, *choices: ChunkChoice) -> bytes:
+        return (
+            self._prefix
+            + ",".join(_dumps(choice.to_json()) for choice in choices).encode()
+            + self._suffix
+        )
 
-    def usage(self, usage: dict[str, Any]) -> bytes:
-        return event({**self._head, "choices": [], "usage": usage})
+    def usage(self, usage: Usage) -> bytes:
+        return event({**self._head, "choices": [], "usage": usage.model_dump()})
 
 
 class EventStreamResponse(StreamingResponse):

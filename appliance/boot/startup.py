@@ -293,7 +293,7 @@ class StartUp:
             ) from exc
         engine = AsyncEngine(model.engine)
         engine.start()
-        self.metrics.watch(model.engine)
+        self.metrics.watch(engine)
         self.readiness.set_ready(engine)
         # The line operators and scripts wait for (shown at any log.level: appliance.logs).
         logger.info(

@@ -17,10 +17,11 @@ from dataclasses import dataclass
 
 from appliance.engine.engine import Engine
 from appliance.engine.errors import EngineError, InvalidRequestError
-from appliance.engine.outputs import RequestOutput
+from appliance.engine.outputs import EngineStats, RequestOutput
 from appliance.engine.sampling_params import SamplingParams
 from appliance.engine.sequence import RequestId
 from appliance.engine.sequence import Sequence as EngineSequence
+from appliance.engine.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -40,10 +41,14 @@ class _Abort:
 
 
 class AsyncEngine:
-    """Use as `async with AsyncEngine(engine) as ae: async for out in ae.generate(...)`."""
+    """Use as `async with AsyncEngine(engine) as ae: async for out in ae.generate(...)`.
+
+    This is all of the engine the API sees: requests in, outputs out, and the few facts about the
+    served model a request needs (its tokenizer and context length) and metrics read.
+    """
 
     def __init__(self, engine: Engine):
-        self.engine = engine
+        self._engine = engine
         self._commands: queue.SimpleQueue[_Add | _Abort | None] = queue.SimpleQueue()
         self._streams: dict[RequestId, asyncio.Queue[RequestOutput | BaseException]] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -56,6 +61,20 @@ class AsyncEngine:
 
     async def __aexit__(self, *exc_info: object) -> None:
         await self.shutdown()
+
+    @property
+    def tokenizer(self) -> Tokenizer | None:
+        """The served model's tokenizer; None for an engine that takes token ids only."""
+        return self._engine.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        """The context length in tokens: prompt and output together."""
+        return self._engine.max_model_len
+
+    def stats(self) -> EngineStats:
+        """The engine's load and cache counters; a snapshot read without stopping the engine."""
+        return self._engine.stats()
 
     @property
     def is_running(self) -> bool:
@@ -93,7 +112,7 @@ class AsyncEngine:
         """
         if self._error is not None or not self.is_running:
             raise EngineDeadError("the engine is not running") from self._error
-        seq = self.engine.prepare_request(
+        seq = self._engine.prepare_request(
             request_id, prompt, params, priority=priority, cache_salt=cache_salt
         )
         return self._stream(seq)
@@ -138,7 +157,7 @@ class AsyncEngine:
         self._commands.put(_Abort(RequestId(request_id)))
 
     def _run(self) -> None:
-        engine = self.engine
+        engine = self._engine
         try:
             while True:
                 # Block for a command only when idle; otherwise drain what is there and step.

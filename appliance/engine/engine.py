@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 from pathlib import Path
@@ -12,6 +13,7 @@ import torch
 
 from appliance.engine.block_manager import BlockManager
 from appliance.engine.detokenizer import IncrementalDetokenizer
+from appliance.engine.engine_settings import EngineSettings
 from appliance.engine.errors import (
     ContextLengthExceededError,
     EngineConfigError,
@@ -22,7 +24,7 @@ from appliance.engine.model_runner import ModelRunner
 from appliance.engine.models.config import ModelConfig
 from appliance.engine.models.llama import LlamaForCausalLM
 from appliance.engine.models.loader import load_model
-from appliance.engine.outputs import RequestOutput, RequestState
+from appliance.engine.outputs import EngineStats, RequestOutput, RequestState
 from appliance.engine.sampling_params import SamplingParams
 from appliance.engine.scheduler import Scheduler, SchedulerConfig
 from appliance.engine.sequence import RequestId, Sequence, SequenceStatus
@@ -34,32 +36,19 @@ logger = logging.getLogger(__name__)
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-@dataclass(frozen=True, slots=True)
-class EngineConfig:
-    """Everything the engine is built from. Sizes in tokens unless the name says otherwise."""
+def automatic_cpu_threads(num_cpus: int) -> int:
+    """Torch threads for an engine on `num_cpus` CPUs when the setting leaves it to us: all but
+    one. Each torch op waits for its slowest thread, so a thread that shares its CPU (with the
+    engine loop, the event loop or another process) stalls them all: on a busy 2-CPU machine, the
+    CPU benchmark took more than 4x as long with two threads as with one (docs/BENCHMARKS.md,
+    "Torch threads on CPU")."""
+    return max(num_cpus - 1, 1)
+
+
+class EngineConfig(EngineSettings):
+    """Everything the engine is built from: the model directory and the engine settings."""
 
     model_dir: Path
-    device: str = "cpu"
-    # None: float32 on the CPU (exact comparisons), bfloat16 on a GPU.
-    dtype: str | None = None
-    block_size: int = 16
-    # KV pool: an explicit block count; otherwise, on the CPU, as many blocks as fit in
-    # kv_cache_memory_bytes, and on a GPU, what gpu_memory_utilization leaves after the weights
-    # and the peak activations of a profiled step.
-    num_kv_blocks: int | None = None
-    kv_cache_memory_bytes: int = 1 << 30
-    gpu_memory_utilization: float = 0.9
-    max_model_len: int | None = None
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
-    enable_prefix_caching: bool = True
-    enable_chunked_prefill: bool = True
-    # Replay decode steps from CUDA graphs (GPU only).
-    enable_cuda_graphs: bool = True
-    # Up to this many decode steps run back to back without the host when every running
-    # request is decoding and none waits: less host time per token, at the price of up to that
-    # many steps before a newly arrived request is admitted. 1 turns bursts off.
-    max_decode_burst: int = 1
 
     @property
     def on_gpu(self) -> bool:
@@ -78,27 +67,13 @@ class EngineConfig:
         return device
 
     @property
+    def torch_num_threads(self) -> int:
+        """Torch's threads on the CPU: the setting, or automatic_cpu_threads for this machine."""
+        return self.num_cpu_threads or automatic_cpu_threads(len(os.sched_getaffinity(0)))
+
+    @property
     def torch_dtype(self) -> torch.dtype:
-        name = self.dtype or ("bfloat16" if self.on_gpu else "float32")
-        try:
-            return _DTYPES[name]
-        except KeyError:
-            raise EngineConfigError(
-                f"dtype {name!r} is not supported; choose one of {', '.join(_DTYPES)}"
-            ) from None
-
-
-@dataclass(frozen=True, slots=True)
-class EngineStats:
-    """A snapshot of the engine's load and cache counters (for metrics). Counters only grow."""
-
-    num_running: int
-    num_waiting: int
-    kv_cache_usage: float  # fraction of KV blocks referenced by a request, 0 to 1
-    num_preemptions: int
-    # Prompt tokens looked up in the prefix cache at admission, and those found there.
-    num_prefix_cache_queries: int
-    num_prefix_cache_hits: int
+        return _DTYPES[self.dtype or ("bfloat16" if self.on_gpu else "float32")]
 
 
 @dataclass(frozen=True, slots=True)
@@ -154,7 +129,10 @@ class Engine:
     def build(
         cls, config: EngineConfig, model: LlamaForCausalLM, tokenizer: Tokenizer | None
     ) -> Engine:
-        """Size the KV pool, make the scheduler and runner, and capture CUDA graphs."""
+        """Size the KV pool, make the scheduler and runner, and capture CUDA graphs. On the CPU,
+        set torch's threads (for the whole process: torch has no other kind)."""
+        if not config.on_gpu:
+            torch.set_num_threads(config.torch_num_threads)
         model_config = model.config
         max_model_len = min(
             config.max_model_len or model_config.max_model_len, model_config.max_model_len

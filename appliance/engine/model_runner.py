@@ -19,6 +19,7 @@ from appliance.engine.cuda_graphs import DecodeGraphs
 from appliance.engine.errors import EngineConfigError
 from appliance.engine.kv_cache import KVCacheSpec
 from appliance.engine.models.llama import LlamaForCausalLM
+from appliance.engine.outputs import TokenLogprob
 from appliance.engine.sampling import sample, token_logprobs
 from appliance.engine.sampling_params import SamplingParams
 from appliance.engine.scheduler import ScheduledChunk
@@ -28,15 +29,6 @@ logger = logging.getLogger(__name__)
 
 # Rows of prompt logits turned into log-probabilities at once (bounds [rows, vocab] memory).
 _PROMPT_LOGPROB_ROWS = 256
-
-
-@dataclass(frozen=True, slots=True)
-class TokenLogprob:
-    """A token's log-probability and the `top` most likely alternatives at its position."""
-
-    token_id: int
-    logprob: float
-    top: tuple[tuple[int, float], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

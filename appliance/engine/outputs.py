@@ -10,8 +10,29 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from appliance.engine.detokenizer import IncrementalDetokenizer
-from appliance.engine.model_runner import TokenLogprob
 from appliance.engine.sequence import RequestId, Sequence, SequenceStatus
+
+
+@dataclass(frozen=True, slots=True)
+class EngineStats:
+    """A snapshot of the engine's load and cache counters (for metrics). Counters only grow."""
+
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float  # fraction of KV blocks referenced by a request, 0 to 1
+    num_preemptions: int
+    # Prompt tokens looked up in the prefix cache at admission, and those found there.
+    num_prefix_cache_queries: int
+    num_prefix_cache_hits: int
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLogprob:
+    """A token's log-probability and the `top` most likely alternatives at its position."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

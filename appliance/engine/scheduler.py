@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 from appliance.engine.block_manager import BlockManager
 from appliance.engine.errors import EngineConfigError
-from appliance.engine.sequence import RequestId, Sequence, SequenceStatus
+from appliance.engine.sequence import Sequence, SequenceStatus
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,7 +77,6 @@ class Scheduler:
         # Both kept sorted by rank, best first; the last running sequence is the next victim.
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
-        self._by_id: dict[RequestId, Sequence] = {}
         self.num_preemptions = 0
         self.num_prefix_query_tokens = 0
         self.num_prefix_hit_tokens = 0
@@ -86,13 +85,9 @@ class Scheduler:
     def num_unfinished(self) -> int:
         return len(self.waiting) + len(self.running)
 
-    def get(self, request_id: RequestId) -> Sequence | None:
-        return self._by_id.get(request_id)
-
     def add(self, seq: Sequence) -> None:
-        assert seq.request_id not in self._by_id, "duplicate request ids are refused earlier"
+        """Queue `seq`; its request id is new (the engine refuses a duplicate before this)."""
         seq.status = SequenceStatus.WAITING
-        self._by_id[seq.request_id] = seq
         bisect.insort(self.waiting, seq, key=_rank)
 
     def finish(self, seq: Sequence, status: SequenceStatus) -> None:
@@ -104,7 +99,6 @@ class Scheduler:
             self.waiting.remove(seq)
         self.block_manager.free(seq)
         seq.status = status
-        self._by_id.pop(seq.request_id, None)
 
     def schedule(self) -> SchedulerOutput:
         burst = self._schedule_decode_burst()

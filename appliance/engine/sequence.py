@@ -79,11 +79,6 @@ class Sequence:
         return len(self.token_ids) - self.num_computed_tokens
 
     @property
-    def is_prefill(self) -> bool:
-        """Whether more than the last token is still to be computed (prompt or recompute)."""
-        return self.num_uncomputed_tokens > 1
-
-    @property
     def wants_prompt_logprobs(self) -> bool:
         return self.params.prompt_logprobs is not None
 

@@ -13,7 +13,7 @@ import ssl
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
@@ -26,7 +26,7 @@ from appliance.auth.local_issuer import LocalIssuer
 from appliance.auth.roles import Role
 from appliance.boot.startup import open_audit_log
 from appliance.config import load_settings
-from appliance.engine.engine import Engine, EngineConfig
+from appliance.engine.engine import Engine
 from appliance.engine.sampling_params import SamplingParams
 from appliance.tls import certificate_fingerprint
 
@@ -52,14 +52,16 @@ def _inferno(
 
 
 @pytest.mark.slow
-def test_generate_chat_prints_only_the_greedy_completion(smollm2_dir: Path) -> None:
+def test_generate_chat_prints_only_the_greedy_completion(
+    smollm2_dir: Path, smollm2_engine: Callable[..., Engine]
+) -> None:
     question = "Name a famous painting by Leonardo da Vinci."
     result = _inferno(
         "generate", "--model", str(smollm2_dir), "--prompt", question, "--chat",
         "--max-tokens", "24", "--temperature", "0",
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
-    engine = Engine.from_config(EngineConfig(model_dir=smollm2_dir))
+    engine = smollm2_engine()
     tok = engine.tokenizer
     text = tok.apply_chat_template([{"role": "user", "content": question}])
     prompt = tok.encode(text, add_special_tokens=False)

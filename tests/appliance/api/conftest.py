@@ -8,7 +8,7 @@ import functools
 import ssl
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,7 +26,7 @@ from appliance.auth.roles import Role
 from appliance.boot.startup import start_audit_log
 from appliance.boot.weights import LoadedModel, digest_weights
 from appliance.config import Settings, settings_from_mapping
-from appliance.engine.engine import Engine, EngineConfig
+from appliance.engine.engine import Engine
 from appliance.server import listen, uvicorn_server
 
 MODEL_NAME = "smollm2"
@@ -34,10 +34,8 @@ AUDIT_ORIGIN = "inferno.test/audit"
 
 
 @pytest.fixture(scope="session")
-def api_engine(smollm2_dir: Path) -> Engine:
-    return Engine.from_config(
-        EngineConfig(model_dir=smollm2_dir, max_model_len=512, num_kv_blocks=512)
-    )
+def api_engine(smollm2_engine: Callable[..., Engine]) -> Engine:
+    return smollm2_engine(max_model_len=512, num_kv_blocks=512)
 
 
 def make_settings(

@@ -9,7 +9,7 @@ every run), against an engine with a 96-token context so that no generated reque
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -24,7 +24,7 @@ from schemathesis.checks import (
 from schemathesis.generation import GenerationMode
 
 from appliance.auth.roles import Role
-from appliance.engine.engine import Engine, EngineConfig
+from appliance.engine.engine import Engine
 from tests.appliance.api.conftest import (
     MODEL_NAME,
     RunningServer,
@@ -36,10 +36,12 @@ EXAMPLES_PER_OPERATION = 15
 
 
 @pytest.fixture(scope="module")
-def server(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
-    engine = Engine.from_config(
-        EngineConfig(model_dir=smollm2_dir, max_model_len=96, num_kv_blocks=128)
-    )
+def server(
+    smollm2_dir: Path,
+    smollm2_engine: Callable[..., Engine],
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[RunningServer]:
+    engine = smollm2_engine(max_model_len=96, num_kv_blocks=128)
     settings = make_settings(tmp_path_factory.mktemp("tls"), smollm2_dir)
     with running_server(settings, engine) as running:
         yield running

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -32,10 +32,8 @@ NONCE = "5a" * 32
 
 
 @pytest.fixture(scope="module")
-def engine(smollm2_dir: Path) -> Engine:
-    return Engine.from_config(
-        EngineConfig(model_dir=smollm2_dir, max_model_len=256, num_kv_blocks=64)
-    )
+def engine(smollm2_engine: Callable[..., Engine]) -> Engine:
+    return smollm2_engine(max_model_len=256, num_kv_blocks=64)
 
 
 def _settings(directory: Path, model_dir: Path, **tee: Any) -> Settings:

@@ -24,7 +24,7 @@ guests (tests/appliance/attestation/test_devices.py, tests/e2e/test_boot_gate.py
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -36,7 +36,7 @@ from appliance.attestation.service import TeeService
 from appliance.boot.startup import start_audit_log
 from appliance.boot.weights import LoadedModel
 from appliance.config import Settings, settings_from_mapping
-from appliance.engine.engine import Engine, EngineConfig
+from appliance.engine.engine import Engine
 from attestation.cpu import CpuEvidence
 from tests.appliance.attestation.synthetic_tee import SyntheticGpus, write_policy
 from tests.attestation.cpu.conftest import DCAP, DCAP_MR_TD, DCAP_REPORT_DATA, TDX_AT
@@ -56,10 +56,8 @@ def gpus(tmp_path_factory: pytest.TempPathFactory) -> SyntheticGpuSetup:
 
 
 @pytest.fixture(scope="module")
-def engine(smollm2_dir: Path) -> Engine:
-    return Engine.from_config(
-        EngineConfig(model_dir=smollm2_dir, max_model_len=256, num_kv_blocks=64)
-    )
+def engine(smollm2_engine: Callable[..., Engine]) -> Engine:
+    return smollm2_engine(max_model_len=256, num_kv_blocks=64)
 
 
 def _settings(directory: Path, model_dir: Path, gpus: SyntheticGpuSetup) -> Settings:

@@ -5,6 +5,7 @@ the plaintext model does and carries the same weights digest. A wrong key loads 
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -45,13 +46,15 @@ def sealed_smollm2(
 
 @pytest.mark.slow
 def test_a_sealed_model_answers_as_the_plaintext_model_does(
-    smollm2_dir: Path, sealed_smollm2: tuple[SealedModel, bytes]
+    smollm2_dir: Path,
+    smollm2_engine: Callable[..., Engine],
+    sealed_smollm2: tuple[SealedModel, bytes],
 ) -> None:
     sealed, data_key = sealed_smollm2
     loaded = LoadedModel.load_sealed(
         EngineConfig(model_dir=sealed.directory), sealed, data_key, workers=2
     )
-    plain = Engine.from_config(EngineConfig(model_dir=smollm2_dir))
+    plain = smollm2_engine()
     params = SamplingParams(temperature=0.0, max_tokens=16)
     prompt = "The capital of France is"
     [expected] = plain.generate([prompt], params)

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import asyncio
-from pathlib import Path
+from collections.abc import Callable
 
 import pytest
 
 from appliance.engine.async_engine import AsyncEngine
-from appliance.engine.engine import Engine, EngineConfig
+from appliance.engine.engine import Engine
 from appliance.engine.errors import InvalidRequestError
 from appliance.engine.sampling_params import SamplingParams
 
@@ -17,8 +17,8 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
-def engine(smollm2_dir: Path) -> Engine:
-    return Engine.from_config(EngineConfig(model_dir=smollm2_dir, max_model_len=1024))
+def engine(smollm2_engine: Callable[..., Engine]) -> Engine:
+    return smollm2_engine(max_model_len=1024)
 
 
 async def _until_idle(engine: Engine, timeout_s: float = 2.0) -> None:

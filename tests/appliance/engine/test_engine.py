@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import os
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+import torch
+from pydantic import ValidationError
 
-from appliance.engine.engine import Engine, EngineConfig
+from appliance.engine.engine import Engine, EngineConfig, automatic_cpu_threads
 from appliance.engine.errors import (
     ContextLengthExceededError,
     EngineConfigError,
@@ -19,8 +23,8 @@ PROMPT = "The history of the printing press begins"
 
 
 @pytest.fixture(scope="module")
-def engine(smollm2_dir: Path) -> Engine:
-    return Engine.from_config(EngineConfig(model_dir=smollm2_dir, max_model_len=512))
+def engine(smollm2_engine: Callable[..., Engine]) -> Engine:
+    return smollm2_engine(max_model_len=512)
 
 
 def _run(engine: Engine, requests: dict[str, tuple[object, SamplingParams]]):
@@ -162,31 +166,33 @@ def test_bad_requests_are_refused_while_running_requests_continue(engine: Engine
     assert sum(len(o.token_ids) for o in outs) == 12
 
 
-def test_request_larger_than_the_whole_kv_pool_is_refused(smollm2_dir: Path) -> None:
-    small = Engine.from_config(EngineConfig(model_dir=smollm2_dir, num_kv_blocks=4))
+def test_request_larger_than_the_whole_kv_pool_is_refused(
+    smollm2_engine: Callable[..., Engine],
+) -> None:
+    small = smollm2_engine(num_kv_blocks=4)
     with pytest.raises(ContextLengthExceededError, match="exceeds the whole KV cache"):
         small.add_request("big", PROMPT, SamplingParams(max_tokens=100))
 
 
-def test_generation_stops_at_the_context_length(smollm2_dir: Path) -> None:
-    short = Engine.from_config(EngineConfig(model_dir=smollm2_dir, max_model_len=32))
+def test_generation_stops_at_the_context_length(smollm2_engine: Callable[..., Engine]) -> None:
+    short = smollm2_engine(max_model_len=32)
     prompt = short.tokenizer.encode(PROMPT)
     [c] = short.generate([prompt], SamplingParams(max_tokens=100, ignore_eos=True))
     assert c.finish_reason == "length"
     assert len(prompt) + len(c.token_ids) == 32
 
 
-def test_disabling_chunked_prefill_needs_a_budget_of_a_whole_context(smollm2_dir: Path) -> None:
-    config = EngineConfig(
-        model_dir=smollm2_dir, enable_chunked_prefill=False, max_num_batched_tokens=64
-    )
+def test_disabling_chunked_prefill_needs_a_budget_of_a_whole_context(
+    smollm2_engine: Callable[..., Engine],
+) -> None:
     with pytest.raises(EngineConfigError, match="max_num_batched_tokens"):
-        Engine.from_config(config)
+        smollm2_engine(enable_chunked_prefill=False, max_num_batched_tokens=64)
 
 
 def test_unknown_dtype_is_refused_naming_the_choices(smollm2_dir: Path) -> None:
-    with pytest.raises(EngineConfigError, match="float32"):
-        Engine.from_config(EngineConfig(model_dir=smollm2_dir, dtype="int3"))
+    # The engine's config is its settings section: refused as it is made, before any load.
+    with pytest.raises(ValidationError, match="float32"):
+        EngineConfig(model_dir=smollm2_dir, dtype="int3")
 
 
 @pytest.mark.parametrize(
@@ -199,11 +205,9 @@ def test_unusable_device_is_refused_naming_it(smollm2_dir: Path, device: str, me
 
 
 def test_decode_bursts_give_the_same_outputs_as_single_steps(
-    engine: Engine, smollm2_dir: Path
+    engine: Engine, smollm2_engine: Callable[..., Engine]
 ) -> None:
-    bursting = Engine.from_config(
-        EngineConfig(model_dir=smollm2_dir, max_model_len=512, max_decode_burst=8)
-    )
+    bursting = smollm2_engine(max_model_len=512, max_decode_burst=8)
     bursts: list[int] = []
     execute_burst = bursting.runner.execute_burst
 
@@ -229,10 +233,10 @@ def test_decode_bursts_give_the_same_outputs_as_single_steps(
     assert bursting.block_manager.num_free_blocks == bursting.block_manager.num_blocks
 
 
-def test_decode_bursts_step_aside_for_waiting_requests_and_logprobs(smollm2_dir: Path) -> None:
-    bursting = Engine.from_config(
-        EngineConfig(model_dir=smollm2_dir, max_model_len=512, max_decode_burst=8)
-    )
+def test_decode_bursts_step_aside_for_waiting_requests_and_logprobs(
+    smollm2_engine: Callable[..., Engine],
+) -> None:
+    bursting = smollm2_engine(max_model_len=512, max_decode_burst=8)
     greedy = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
     bursting.add_request("first", PROMPT, greedy)
     bursting.step()  # prefill
@@ -249,11 +253,11 @@ def test_decode_bursts_step_aside_for_waiting_requests_and_logprobs(smollm2_dir:
     assert bursting.block_manager.num_free_blocks == bursting.block_manager.num_blocks
 
 
-def test_stats_report_queues_kv_usage_preemptions_and_prefix_hits(smollm2_dir: Path) -> None:
+def test_stats_report_queues_kv_usage_preemptions_and_prefix_hits(
+    smollm2_engine: Callable[..., Engine],
+) -> None:
     # Four blocks of 16 tokens: two requests growing past two blocks each cannot both run.
-    engine = Engine.from_config(
-        EngineConfig(model_dir=smollm2_dir, max_model_len=512, num_kv_blocks=4, max_num_seqs=2)
-    )
+    engine = smollm2_engine(max_model_len=512, num_kv_blocks=4, max_num_seqs=2)
     prompt = engine.tokenizer.encode(PROMPT * 3)[:20]
     params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
     for i in range(3):
@@ -273,3 +277,36 @@ def test_stats_report_queues_kv_usage_preemptions_and_prefix_hits(smollm2_dir: P
     # Each admission looks its prompt up; the first full block of the shared prompt is found.
     assert stats.num_prefix_cache_queries >= 3 * 20
     assert stats.num_prefix_cache_hits >= 2 * 16
+
+
+@pytest.fixture
+def torch_threads() -> Iterator[None]:
+    """Torch's thread count is the process's: put it back for the tests that follow."""
+    before = torch.get_num_threads()
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.mark.usefixtures("torch_threads")
+@pytest.mark.parametrize("num_threads", [1, 2])
+def test_an_engine_on_the_cpu_runs_torch_on_the_threads_it_is_given(
+    smollm2_engine: Callable[..., Engine], num_threads: int
+) -> None:
+    smollm2_engine(num_kv_blocks=4, num_cpu_threads=num_threads)
+    assert torch.get_num_threads() == num_threads
+
+
+@pytest.mark.usefixtures("torch_threads")
+def test_an_engine_on_the_cpu_picks_its_threads_for_this_machine_by_default(
+    smollm2_engine: Callable[..., Engine],
+) -> None:
+    torch.set_num_threads(3)
+    smollm2_engine(num_kv_blocks=4)
+    assert torch.get_num_threads() == automatic_cpu_threads(len(os.sched_getaffinity(0)))
+
+
+@pytest.mark.parametrize(("num_cpus", "num_threads"), [(1, 1), (2, 1), (16, 15)])
+def test_automatic_threads_leave_one_cpu_to_the_rest_of_the_machine(
+    num_cpus: int, num_threads: int
+) -> None:
+    assert automatic_cpu_threads(num_cpus) == num_threads

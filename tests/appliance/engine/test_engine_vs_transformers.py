@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from appliance.engine.engine import Engine, EngineConfig
+from appliance.engine.engine import Engine
 from appliance.engine.sampling_params import SamplingParams
 
 NUM_NEW_TOKENS = 40
@@ -115,10 +115,6 @@ def hf_reference(
 GREEDY = SamplingParams(temperature=0.0, max_tokens=NUM_NEW_TOKENS, ignore_eos=True)
 
 
-def _engine(model_dir: Path, **overrides) -> Engine:
-    return Engine.from_config(EngineConfig(model_dir=model_dir, **overrides))
-
-
 def _assert_matches(engine: Engine, prompts: list[list[int]], reference) -> list:
     completions = engine.generate(prompts, GREEDY)
     for prompt, completion in zip(prompts, completions, strict=True):
@@ -132,26 +128,26 @@ def _assert_matches(engine: Engine, prompts: list[list[int]], reference) -> list
 
 @pytest.mark.slow
 def test_greedy_batch_of_mixed_prompts_matches_transformers(
-    smollm2_dir, mixed_prompts, hf_reference
+    smollm2_engine, mixed_prompts, hf_reference
 ):
-    _assert_matches(_engine(smollm2_dir), mixed_prompts, hf_reference)
+    _assert_matches(smollm2_engine(), mixed_prompts, hf_reference)
 
 
 @pytest.mark.slow
 def test_greedy_matches_transformers_when_a_tiny_kv_pool_forces_preemption(
-    smollm2_dir, mixed_prompts, hf_reference
+    smollm2_engine, mixed_prompts, hf_reference
 ):
     longest = max(len(p) for p in mixed_prompts) + NUM_NEW_TOKENS
-    engine = _engine(smollm2_dir, num_kv_blocks=-(-longest // 16) + 2)
+    engine = smollm2_engine(num_kv_blocks=-(-longest // 16) + 2)
     _assert_matches(engine, mixed_prompts, hf_reference)
     assert engine.scheduler.num_preemptions > 0
 
 
 @pytest.mark.slow
 def test_greedy_matches_transformers_with_prefix_cache_hits_on_a_shared_system_prompt(
-    smollm2_dir, shared_prefix_prompts, hf_reference
+    smollm2_engine, shared_prefix_prompts, hf_reference
 ):
-    engine = _engine(smollm2_dir)
+    engine = smollm2_engine()
     completions = _assert_matches(engine, shared_prefix_prompts, hf_reference)
     # The first request computes the shared prefix; every later one finds its full blocks cached.
     shared = len(os.path.commonprefix(shared_prefix_prompts))  # noqa: RUF071 - token lists
@@ -164,17 +160,19 @@ def test_greedy_matches_transformers_with_prefix_cache_hits_on_a_shared_system_p
 
 @pytest.mark.slow
 def test_greedy_matches_transformers_with_chunked_prefill_under_a_small_token_budget(
-    smollm2_dir, mixed_prompts, hf_reference
+    smollm2_engine, mixed_prompts, hf_reference
 ):
-    engine = _engine(smollm2_dir, max_num_batched_tokens=24, enable_prefix_caching=False)
+    engine = smollm2_engine(max_num_batched_tokens=24, enable_prefix_caching=False)
     _assert_matches(engine, mixed_prompts, hf_reference)
 
 
 @pytest.mark.slow
 @torch.inference_mode()
-def test_prompt_logprobs_agree_with_transformers_log_softmax(smollm2_dir, mixed_prompts, hf_model):
+def test_prompt_logprobs_agree_with_transformers_log_softmax(
+    smollm2_engine, mixed_prompts, hf_model
+):
     # A small budget splits prompts across steps: logprobs from every chunk must line up.
-    engine = _engine(smollm2_dir, max_num_batched_tokens=32)
+    engine = smollm2_engine(max_num_batched_tokens=32)
     params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=5)
     prompts = mixed_prompts[:6]
     outputs = {}

@@ -1,0 +1,51 @@
+"""The engine's sizes and switches, defined once: the settings file's `[engine]` section
+(`appliance.config`) is this model, and the engine is built from it plus the model directory
+(`appliance.engine.engine.EngineConfig`). Sizes are in tokens unless the name says otherwise.
+
+No torch here, so that reading the settings does not load it.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class EngineSettings(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    device: str = Field(default="cpu", description="cpu, or cuda / cuda:N for a GPU")
+    dtype: Literal["float32", "bfloat16", "float16"] | None = Field(
+        default=None, description="weights and KV cache; default float32 on cpu, bfloat16 on cuda"
+    )
+    block_size: int = Field(default=16, ge=1, le=1024, description="tokens per KV-cache block")
+    # KV pool: an explicit block count; otherwise, on the CPU, as many blocks as fit in
+    # kv_cache_memory_bytes, and on a GPU, what gpu_memory_utilization leaves after the weights
+    # and the peak activations of a profiled step.
+    num_kv_blocks: int | None = Field(
+        default=None, ge=1, description="KV-cache blocks; default: sized from memory"
+    )
+    kv_cache_memory_bytes: int = Field(
+        default=1 << 30, ge=1, description="KV-cache size on cpu when num_kv_blocks is unset"
+    )
+    gpu_memory_utilization: float = Field(
+        default=0.9, gt=0.0, le=1.0, description="fraction of GPU memory the engine may use"
+    )
+    max_model_len: int | None = Field(
+        default=None, ge=2, description="context length; default and upper bound: the model's"
+    )
+    max_num_seqs: int = Field(default=64, ge=1, description="sequences running at once")
+    max_num_batched_tokens: int = Field(default=2048, ge=1, description="tokens per step")
+    enable_prefix_caching: bool = Field(default=True, description="reuse KV of shared prefixes")
+    enable_chunked_prefill: bool = Field(default=True, description="split long prompts")
+    enable_cuda_graphs: bool = Field(default=True, description="replay decode steps (cuda)")
+    # Up to this many decode steps run back to back without the host when every running
+    # request is decoding and none waits: less host time per token, at the price of up to that
+    # many steps before a newly arrived request is admitted. 1 turns bursts off.
+    max_decode_burst: int = Field(
+        default=1, ge=1, description="decode steps run back to back without the host"
+    )
+    num_cpu_threads: int = Field(
+        default=0, ge=0, description="torch threads when the engine runs on cpu; 0: automatic"
+    )
