@@ -163,4 +163,21 @@ def _openapi(app: FastAPI) -> dict[str, Any]:
         for name in ("HTTPValidationError", "ValidationError"):
             schema["components"]["schemas"].pop(name, None)
         document_access(schema)
+        _restore_integer_bounds(schema)
     return app.openapi_schema
+
+
+def _restore_integer_bounds(node: object) -> None:
+    """FastAPI's OpenAPI model types every bound as a float, so `seed < 2**63` would be written
+    9.223372036854776e+18: a bound of an integer field is written back as the integer it is.
+    (Exact for every bound this API has: below 2**53, or 2**63 itself.)"""
+    if isinstance(node, dict):
+        if node.get("type") == "integer":
+            for key in ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"):
+                if isinstance(bound := node.get(key), float) and bound.is_integer():
+                    node[key] = int(bound)
+        for value in node.values():
+            _restore_integer_bounds(value)
+    elif isinstance(node, list):
+        for value in node:
+            _restore_integer_bounds(value)

@@ -146,7 +146,8 @@ def _is_union_member(part: object) -> bool:
 def _describe(error: Mapping[str, Any]) -> tuple[str, str | None]:
     """(message, param) for one pydantic error. Never includes the offending input."""
     loc = [str(part) for part in error.get("loc", ()) if not _is_union_member(part)]
-    if loc[:1] == ["body"]:
+    # The parameter as the client names it: `index`, not `path.index`.
+    if loc[:1] in (["body"], ["path"], ["query"]):
         loc = loc[1:]
     param = ".".join(loc) or None
     kind = error.get("type")
