@@ -2,7 +2,8 @@
 
 Field names, defaults and shapes follow OpenAI's API reference for `/v1/completions` and
 `/v1/chat/completions`. Requests forbid unknown fields (as OpenAI does: "Unrecognized request
-argument"), so a misspelt parameter is an error rather than silently ignored. `top_k`, `min_p`
+argument"), so a misspelt parameter is an error rather than silently ignored, and take each
+field in its own JSON type only (strict: `"5"` is no number). `top_k`, `min_p`
 and `ignore_eos` are extensions (named as in vLLM). Streamed chunks are not modelled here: they
 are written by `appliance.api.streaming`, which keeps the per-token cost low.
 """
@@ -39,7 +40,10 @@ NonEmptyText = Annotated[Text, Field(min_length=1)]
 
 
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    # Strict: a number is a JSON number and a flag a JSON boolean; `"5"` or `true` for
+    # max_tokens is refused, not converted (a float field still takes an integer: JSON has one
+    # number type, and OpenAI's client sends `temperature: 0`).
+    model_config = ConfigDict(extra="forbid", strict=True)
 
 
 class StreamOptions(_Request):

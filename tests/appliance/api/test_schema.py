@@ -1,5 +1,6 @@
 """The OpenAPI schema says what the server does (issue 13, defect 5): its bounds are the ones
-enforced, and every status a route answers is documented with the media type it is sent in."""
+enforced, every status a route answers is documented with the media type it is sent in, and
+request fields are typed strictly (a number is a JSON number, a flag a JSON boolean)."""
 
 from __future__ import annotations
 
@@ -58,3 +59,32 @@ def test_proof_of_a_malformed_or_negative_index_is_a_documented_400(
         response = http.get(f"/v1/audit/proof/{index}")
         assert response.status_code == 400, response.text
         assert response.json()["error"]["param"] == "index"
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("max_tokens", "5"),
+        ("max_tokens", True),
+        ("max_tokens", 5.0),
+        ("n", "1"),
+        ("seed", False),
+        ("temperature", "0.5"),
+        ("temperature", True),
+        ("stream", "true"),
+        ("stream", 0),
+        ("logprobs", 1),
+    ],
+)
+def test_a_field_of_another_json_type_is_refused_not_converted(
+    http: httpx.Client, field: str, value: object
+) -> None:
+    body = {"model": MODEL_NAME, "messages": HI, "max_tokens": 1, field: value}
+    response = http.post(CHAT, json=body)
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == field
+
+
+def test_an_integer_is_a_number_where_a_float_is_expected(http: httpx.Client) -> None:
+    body = {"model": MODEL_NAME, "messages": HI, "max_tokens": 1, "temperature": 0, "top_p": 1}
+    assert http.post(CHAT, json=body).status_code == 200
