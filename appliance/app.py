@@ -33,6 +33,7 @@ from appliance.api.access_log import AccessLog
 from appliance.api.admission import Admission
 from appliance.api.audit_trail import AuditTrail
 from appliance.api.errors import install_error_handlers
+from appliance.api.limits import CallerLimits
 from appliance.api.metrics import ServerMetrics
 from appliance.api.middleware import AuditEntryHeader, BodySizeLimit, TeeStateHeader
 from appliance.api.models import ServedModel
@@ -125,6 +126,9 @@ def build(
     app.state.metrics = server_metrics
     app.state.audit_trail = trail
     app.state.admission = admission
+    app.state.limits = CallerLimits(
+        settings.limits, trail, server_metrics, retry_after_s=settings.server.retry_after_s
+    )
     app.state.served_model = ServedModel(settings.served_model_name, created=int(time.time()))
     sessions = SessionStore(auth.session_idle_timeout_s, auth.session_absolute_timeout_s, time.time)
     app.state.sessions = sessions

@@ -20,6 +20,7 @@ from appliance.api.generation import (
     require_tokenizer,
     verify_stream_options,
 )
+from appliance.api.limits import Limits
 from appliance.api.logprobs import chat_logprobs
 from appliance.api.metrics import Metrics
 from appliance.api.models import Model
@@ -54,6 +55,7 @@ async def create_chat_completion(
     engine: ReadyEngine,
     model: Model,
     admission: AdmissionControl,
+    limits: Limits,
     metrics: Metrics,
     audit: Trail,
 ) -> ChatCompletionResponse | EventStreamResponse:
@@ -78,6 +80,7 @@ async def create_chat_completion(
     admitted = await AdmittedRequest.admit(
         request,
         generation,
+        limits,
         admission,
         audit,
         request_id=response_id,

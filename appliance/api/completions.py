@@ -23,6 +23,7 @@ from appliance.api.generation import (
     require_tokenizer,
     verify_stream_options,
 )
+from appliance.api.limits import Limits
 from appliance.api.logprobs import completion_logprobs
 from appliance.api.metrics import Metrics
 from appliance.api.models import Model
@@ -56,6 +57,7 @@ async def create_completion(
     engine: ReadyEngine,
     model: Model,
     admission: AdmissionControl,
+    limits: Limits,
     metrics: Metrics,
     audit: Trail,
 ) -> CompletionResponse | EventStreamResponse:
@@ -89,6 +91,7 @@ async def create_completion(
     admitted = await AdmittedRequest.admit(
         request,
         generation,
+        limits,
         admission,
         audit,
         request_id=response_id,
