@@ -126,6 +126,7 @@ def build(
     app.state.metrics = server_metrics
     app.state.audit_trail = trail
     app.state.admission = admission
+    app.state.prefix_cache_isolation = settings.engine.prefix_cache_isolation
     app.state.limits = CallerLimits(
         settings.limits, trail, server_metrics, retry_after_s=settings.server.retry_after_s
     )

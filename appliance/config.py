@@ -62,6 +62,10 @@ class ModelSettings(_Section):
         return value
 
 
+PrefixCacheIsolation = Literal["principal", "role", "issuer", "shared"]
+"""Who may reuse whose cached prompt prefixes (appliance.api.cache_domains)."""
+
+
 class EngineSettings(_Section):
     """The engine's sizes and switches, as in `appliance.engine.engine.EngineConfig`."""
 
@@ -85,6 +89,11 @@ class EngineSettings(_Section):
     max_num_seqs: int = Field(default=64, ge=1, description="sequences running at once")
     max_num_batched_tokens: int = Field(default=2048, ge=1, description="tokens per step")
     enable_prefix_caching: bool = Field(default=True, description="reuse KV of shared prefixes")
+    # Applied by the API, which knows the caller: not part of EngineConfig.
+    prefix_cache_isolation: PrefixCacheIsolation = Field(
+        default="principal",
+        description="who may reuse whose cached prefixes: principal, role, issuer or shared",
+    )
     enable_chunked_prefill: bool = Field(default=True, description="split long prompts")
     enable_cuda_graphs: bool = Field(default=True, description="replay decode steps (cuda)")
     max_decode_burst: int = Field(

@@ -11,6 +11,7 @@ from fastapi import APIRouter, Request
 
 from appliance.api.admission import AdmissionControl
 from appliance.api.audit_trail import Trail, sampling_record
+from appliance.api.cache_domains import PrefixCacheDomain
 from appliance.api.errors import ERROR_RESPONSES, APIError, api_error_for, unsupported
 from appliance.api.generation import (
     Choice,
@@ -58,6 +59,7 @@ async def create_chat_completion(
     limits: Limits,
     metrics: Metrics,
     audit: Trail,
+    cache: PrefixCacheDomain,
 ) -> ChatCompletionResponse | EventStreamResponse:
     arrival_s = time.monotonic()
     model.verify(body.model)
@@ -74,7 +76,14 @@ async def create_chat_completion(
             Choice(i, 0, prompt, choice_params(body, i, max_tokens=max_tokens, logprobs=logprobs))
             for i in range(body.n)
         ]
-        generation = Generation(engine, metrics, response_id, choices, arrival_s=arrival_s)
+        generation = Generation(
+            engine,
+            metrics,
+            response_id,
+            choices,
+            arrival_s=arrival_s,
+            cache_salt=cache.salt(body.cache_salt),
+        )
     except EngineError as exc:
         raise api_error_for(exc, prompt_param="messages") from exc
     admitted = await AdmittedRequest.admit(

@@ -13,6 +13,7 @@ from fastapi import APIRouter, Request
 
 from appliance.api.admission import AdmissionControl
 from appliance.api.audit_trail import Trail, sampling_record
+from appliance.api.cache_domains import PrefixCacheDomain
 from appliance.api.errors import ERROR_RESPONSES, APIError, api_error_for, unsupported
 from appliance.api.generation import (
     Choice,
@@ -60,6 +61,7 @@ async def create_completion(
     limits: Limits,
     metrics: Metrics,
     audit: Trail,
+    cache: PrefixCacheDomain,
 ) -> CompletionResponse | EventStreamResponse:
     arrival_s = time.monotonic()
     model.verify(body.model)
@@ -85,7 +87,14 @@ async def create_completion(
             for prompt_index, prompt in enumerate(prompts)
             for index in range(prompt_index * body.n, (prompt_index + 1) * body.n)
         ]
-        generation = Generation(engine, metrics, response_id, choices, arrival_s=arrival_s)
+        generation = Generation(
+            engine,
+            metrics,
+            response_id,
+            choices,
+            arrival_s=arrival_s,
+            cache_salt=cache.salt(body.cache_salt),
+        )
     except EngineError as exc:
         raise api_error_for(exc, prompt_param="prompt") from exc
     admitted = await AdmittedRequest.admit(

@@ -46,15 +46,18 @@ def make_settings(
     *,
     audit: dict[str, Any] | None = None,
     auth: dict[str, Any] | None = None,
+    engine: dict[str, Any] | None = None,
     limits: dict[str, Any] | None = None,
     **server: Any,
 ) -> Settings:
     """Settings for a TLS server on a free loopback port, its self-signed certificate, its
     audit log (SQLite) and its local token issuer's key in `directory`; `audit` and `server`
-    override those sections, `auth` replaces the `[auth]` section, `limits` is that section."""
+    override those sections, `auth` replaces the `[auth]` section, `engine` and `limits` are
+    those sections."""
     return settings_from_mapping(
         {
             "model": {"dir": str(model_dir), "name": MODEL_NAME},
+            "engine": engine or {},
             "limits": limits or {},
             "server": {"host": "127.0.0.1", "port": 0, **server},
             "tls": {
