@@ -11,6 +11,7 @@ request holds its place until it ends, and is then charged the tokens it used.
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Callable
 from datetime import UTC, datetime
@@ -48,24 +49,24 @@ class CallerLimits:
 
     def budgets(self, principal: Principal) -> dict[Key, Budget]:
         """What an inference request of `principal` is charged to: its subject first, then
-        each of its roles that has a limit."""
+        each of its roles; only those with a limit (no limit, nothing to track)."""
         limits = self._settings
-        subject = Budget(
-            limits.subject_max_concurrent_requests,
-            limits.subject_requests_per_minute,
-            limits.subject_tokens_per_minute,
-        )
         # The issuer too: one subject name may belong to different people at two issuers.
-        budgets = {Key("subject", f"{principal.issuer} {principal.subject}"): subject}
+        subject = Key("subject", json.dumps([principal.issuer, principal.subject]))
+        budgets = {
+            subject: Budget(
+                limits.subject_max_concurrent_requests,
+                limits.subject_requests_per_minute,
+                limits.subject_tokens_per_minute,
+            )
+        }
         for role in sorted(principal.roles):
-            budget = Budget(
+            budgets[Key("role", role.value)] = Budget(
                 limits.role_max_concurrent_requests.get(role),
                 limits.role_requests_per_minute.get(role),
                 limits.role_tokens_per_minute.get(role),
             )
-            if budget != Budget():
-                budgets[Key("role", role.value)] = budget
-        return budgets
+        return {key: budget for key, budget in budgets.items() if budget != Budget()}
 
     async def admit(self, request: Request) -> Charge:
         """Admit an inference request, or raise its 429 once the refusal is recorded."""
