@@ -81,10 +81,11 @@ class CallerLimits:
 
     async def admit_attestation(self, request: Request) -> None:
         """Count an attestation request against its source address, or raise its 429."""
-        address = client_address(request.scope) or "unknown"
-        key = Key("attestation", address)
-        budget = Budget(requests_per_minute=self._settings.attestation_requests_per_minute)
-        await self._admit(request, {key: budget})
+        per_minute = self._settings.attestation_requests_per_minute
+        if per_minute is None:
+            return
+        key = Key("attestation", client_address(request.scope) or "unknown")
+        await self._admit(request, {key: Budget(requests_per_minute=per_minute)})
         self._limiter.release([key], 0, self._clock())  # nothing stays in flight
 
     async def _admit(self, request: Request, budgets: dict[Key, Budget]) -> None:
