@@ -33,6 +33,7 @@ from appliance.api.access_log import AccessLog
 from appliance.api.admission import Admission
 from appliance.api.audit_trail import AuditTrail
 from appliance.api.errors import install_error_handlers
+from appliance.api.limits import CallerLimits
 from appliance.api.metrics import ServerMetrics
 from appliance.api.middleware import AuditEntryHeader, BodySizeLimit, TeeStateHeader
 from appliance.api.models import ServedModel
@@ -128,6 +129,10 @@ def build(
     app.state.metrics = server_metrics
     app.state.audit_trail = trail
     app.state.admission = admission
+    app.state.prefix_cache_isolation = settings.engine.prefix_cache_isolation
+    app.state.limits = CallerLimits(
+        settings.limits, trail, server_metrics, retry_after_s=settings.server.retry_after_s
+    )
     app.state.served_model = ServedModel(settings.served_model_name, created=int(time.time()))
     sessions = SessionStore.open(
         settings.audit.effective_database_url,
@@ -189,4 +194,21 @@ def _openapi(app: FastAPI) -> dict[str, Any]:
         for name in ("HTTPValidationError", "ValidationError"):
             schema["components"]["schemas"].pop(name, None)
         document_access(schema)
+        _restore_integer_bounds(schema)
     return app.openapi_schema
+
+
+def _restore_integer_bounds(node: object) -> None:
+    """FastAPI's OpenAPI model types every bound as a float, so `seed < 2**63` would be written
+    9.223372036854776e+18: a bound of an integer field is written back as the integer it is.
+    (Exact for every bound this API has: below 2**53, or 2**63 itself.)"""
+    if isinstance(node, dict):
+        if node.get("type") == "integer":
+            for key in ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"):
+                if isinstance(bound := node.get(key), float) and bound.is_integer():
+                    node[key] = int(bound)
+        for value in node.values():
+            _restore_integer_bounds(value)
+    elif isinstance(node, list):
+        for value in node:
+            _restore_integer_bounds(value)

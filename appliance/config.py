@@ -16,7 +16,7 @@ import types
 import typing
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Literal, Self
+from typing import Annotated, Any, Literal, Self
 
 from pydantic import (
     BaseModel,
@@ -29,6 +29,7 @@ from pydantic import (
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import ArgumentError
 
+from appliance.auth.roles import Role
 from appliance.auth.settings import AuthSettings
 from appliance.engine.engine_settings import EngineSettings
 from appliance.errors import ConfigError
@@ -79,6 +80,36 @@ class ServerSettings(_Section):
     retry_after_s: int = Field(default=1, ge=1, description="Retry-After of a 429 response")
     drain_timeout_s: float = Field(
         default=30.0, ge=0.0, description="on SIGTERM, how long in-flight requests may finish"
+    )
+
+
+PerRole = dict[Role, Annotated[int, Field(ge=1)]]
+
+
+class LimitsSettings(_Section):
+    """Per-caller limits (appliance.api.limits); unset is no limit. They apply beside
+    `server.max_concurrent_requests`, which bounds all callers together."""
+
+    subject_max_concurrent_requests: int | None = Field(
+        default=None, ge=1, description="inference requests in flight per subject"
+    )
+    subject_requests_per_minute: int | None = Field(
+        default=None, ge=1, description="inference requests per subject in any 60 s"
+    )
+    subject_tokens_per_minute: int | None = Field(
+        default=None, ge=1, description="prompt plus completion tokens per subject in any 60 s"
+    )
+    role_max_concurrent_requests: PerRole = Field(
+        default_factory=dict, description="inference requests in flight of all callers of a role"
+    )
+    role_requests_per_minute: PerRole = Field(
+        default_factory=dict, description="inference requests of all callers of a role in any 60 s"
+    )
+    role_tokens_per_minute: PerRole = Field(
+        default_factory=dict, description="tokens of all callers of a role in any 60 s"
+    )
+    attestation_requests_per_minute: int | None = Field(
+        default=60, ge=1, description="/v1/attestation requests per source address in any 60 s"
     )
 
 
@@ -297,6 +328,7 @@ class Settings(_Section):
     model: ModelSettings
     engine: EngineSettings = EngineSettings()
     server: ServerSettings = ServerSettings()
+    limits: LimitsSettings = LimitsSettings()
     tls: TlsSettings = TlsSettings()
     audit: AuditSettings
     auth: AuthSettings

@@ -44,6 +44,7 @@ class Action(StrEnum):
     INFERENCE_REQUEST = "inference.request"
     INFERENCE_COMPLETE = "inference.complete"
     API_REQUEST = "api.request"
+    API_LIMITED = "api.limited"
     AUTHENTICATE = "auth.authenticate"
     AUTHORIZE = "auth.authorize"
     AUDIT_HEARTBEAT = "audit.heartbeat"
@@ -238,6 +239,29 @@ def api_request(
         source_address,
         None,
         {"method": method, "route": route, "status": status},
+    )
+
+
+def request_limited(
+    *,
+    time: datetime,
+    actor: Actor,
+    source_address: str | None,
+    method: str,
+    route: str,
+    limit: str,
+    value: int,
+) -> AuditEvent:
+    """A request refused (429) by a per-caller limit: the setting that refused it, as
+    `limits.<name>` (with `.<role>` for a role's), and its value."""
+    return AuditEvent(
+        Action.API_LIMITED,
+        Outcome.DENIED,
+        time,
+        actor,
+        source_address,
+        None,
+        {"method": method, "route": route, "limit": limit, "value": value},
     )
 
 

@@ -20,6 +20,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 
 from appliance.api.errors import APIError
+from appliance.api.limits import Limits
 from appliance.api.schemas import ErrorResponse
 from appliance.attestation.challenge import parse_challenge
 from appliance.attestation.service import AttestationBusyError, TeeService, TeeState
@@ -42,14 +43,21 @@ class AttestationResponse(BaseModel):
     response_model=AttestationResponse,
     responses={
         400: {"model": ErrorResponse, "description": "the nonce is not 32 bytes in hex"},
-        429: {"model": ErrorResponse, "description": "an attestation is being collected"},
+        429: {
+            "model": ErrorResponse,
+            "description": "an attestation is being collected, or this address is over "
+            "limits.attestation_requests_per_minute",
+        },
         409: {"model": ErrorResponse, "description": "tee.mode = insecure-dev: nothing attested"},
     },
 )
 async def attestation(
     request: Request,
     nonce: Annotated[str, Query(description="32 random bytes, as 64 hex digits")],
+    limits: Limits,
 ) -> JSONResponse:
+    # Before anything else: each collection keeps the devices busy.
+    await limits.admit_attestation(request)
     tee: TeeService = request.app.state.tee
     if tee.mode == "insecure-dev":
         # 409: the request is fine, the appliance's mode has nothing to answer it with.

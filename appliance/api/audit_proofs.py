@@ -5,14 +5,21 @@ so that a client can keep an offline receipt for the entry its `Audit-Entry` hea
 from __future__ import annotations
 
 import asyncio
+from typing import Annotated, Any
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Path
 from fastapi.responses import PlainTextResponse
 
 from appliance.api.audit_trail import Trail
-from appliance.api.schemas import ErrorResponse
 
 router = APIRouter()
+
+
+def _error(description: str) -> dict[str, Any]:
+    """An error answer, documented as sent: JSON. (A `model` would be documented in the route's
+    own media type, text/plain.)"""
+    schema = {"$ref": "#/components/schemas/ErrorResponse"}
+    return {"description": description, "content": {"application/json": {"schema": schema}}}
 
 
 @router.get(
@@ -20,11 +27,12 @@ router = APIRouter()
     response_class=PlainTextResponse,
     responses={
         200: {"content": {"text/plain": {}}, "description": "the tlog-proof"},
-        404: {"model": ErrorResponse, "description": "the log has no entry at that index"},
-        503: {"model": ErrorResponse, "description": "the audit log cannot be read"},
+        400: _error("the index is not a whole number of at least 0"),
+        404: _error("the log has no entry at that index"),
+        503: _error("the audit log cannot be read"),
     },
 )
-async def audit_proof(index: int, trail: Trail) -> PlainTextResponse:
+async def audit_proof(index: Annotated[int, Path(ge=0)], trail: Trail) -> PlainTextResponse:
     # Reads the database, and may wait for a checkpoint to be signed: not on the event loop.
     proof = await asyncio.to_thread(trail.log.proof, index)
     return PlainTextResponse(proof)

@@ -3,8 +3,9 @@
 `{"error": {"message", "type", "param", "code"}}`, with OpenAI's statuses and types: 400
 `invalid_request_error` for anything wrong with the request (malformed JSON, a wrong type, an
 unknown field, a context overflow), 404 for an unknown model or path, 413 for a body over the
-limit, 429 with `Retry-After` when the server is full, 503 while the model is not ready or
-when the audit log cannot record the request (fail closed).
+limit, 429 with `Retry-After` when the server is full or the caller is over one of its limits
+(appliance.api.limits), 503 while the model is not ready or when the audit log cannot record
+the request (fail closed).
 Messages never quote prompt or completion text; unexpected errors are logged with their
 traceback and answered with a generic 500.
 """
@@ -70,7 +71,7 @@ ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
         (400, "the request is invalid (OpenAI's invalid_request_error)"),
         (404, "the model is not served here"),
         (413, "the request body is over the size limit"),
-        (429, "the server is full; retry after Retry-After seconds"),
+        (429, "the server is full, or the caller over a limit; retry after Retry-After seconds"),
         (503, "not ready, shutting down, or the audit log cannot record the request"),
     )
 }
@@ -146,7 +147,8 @@ def _is_union_member(part: object) -> bool:
 def _describe(error: Mapping[str, Any]) -> tuple[str, str | None]:
     """(message, param) for one pydantic error. Never includes the offending input."""
     loc = [str(part) for part in error.get("loc", ()) if not _is_union_member(part)]
-    if loc[:1] == ["body"]:
+    # The parameter as the client names it: `index`, not `path.index`.
+    if loc[:1] in (["body"], ["path"], ["query"]):
         loc = loc[1:]
     param = ".".join(loc) or None
     kind = error.get("type")

@@ -113,13 +113,16 @@ class Generation:
         choices: list[Choice],
         *,
         arrival_s: float,
+        cache_salt: str,
     ):
         self.choices = choices
         self._metrics = metrics
         self._arrival_s = arrival_s
         # Validates each choice; raises InvalidRequestError before anything is submitted.
         self._streams = [
-            engine.generate(f"{request_id}-{c.index}", c.prompt_token_ids, c.params)
+            engine.generate(
+                f"{request_id}-{c.index}", c.prompt_token_ids, c.params, cache_salt=cache_salt
+            )
             for c in choices
         ]
         self.last_outputs: dict[int, RequestOutput] = {}

@@ -4,7 +4,8 @@ Engine state (running and waiting requests, KV-cache usage, preemptions, prefix-
 and hits) is read from the engine at scrape time; request latencies (time to first token, time
 per output token, end to end, all as the client sees them: from arrival at the server) and token
 counts are recorded as each engine request ends. `inferno:audit_append_seconds` (Inferno's own)
-is how long requests wait for their audit entries. Each app has its own registry: nothing
+is how long requests wait for their audit entries, and `inferno:limited_requests` counts the
+requests a per-caller limit refused, by limit. Each app has its own registry: nothing
 global.
 """
 
@@ -75,6 +76,12 @@ class ServerMetrics:
             "Time a request waited for one of its audit entries to be stored, by entry action.",
             ["action"], buckets=_AUDIT_BUCKETS, registry=self.registry,
         )  # fmt: skip
+        self._limited = Counter(
+            "inferno:limited_requests",
+            "Requests refused 429 by a per-caller limit, by limit (appliance.api.limits).",
+            ["limit"],
+            registry=self.registry,
+        )
         self.registry.register(_EngineCollector(self))
 
     def watch(self, engine: AsyncEngine) -> None:
@@ -107,6 +114,9 @@ class ServerMetrics:
 
     def observe_audit_append(self, action: str, seconds: float) -> None:
         self._audit_append.labels(action).observe(seconds)
+
+    def count_limited(self, limit: str) -> None:
+        self._limited.labels(limit).inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -2,8 +2,9 @@
 
 Field names, defaults and shapes follow OpenAI's API reference for `/v1/completions` and
 `/v1/chat/completions`. Requests forbid unknown fields (as OpenAI does: "Unrecognized request
-argument"), so a misspelt parameter is an error rather than silently ignored. `top_k`, `min_p`
-and `ignore_eos` are extensions (named as in vLLM). Streamed chunks are typed in
+argument"), so a misspelt parameter is an error rather than silently ignored, and take each
+field in its own JSON type only (strict: `"5"` is no number). `top_k`, `min_p`, `ignore_eos`
+and `cache_salt` are extensions (named as in vLLM). Streamed chunks are typed in
 `appliance.api.streaming`, beside the writer that keeps their per-token cost low.
 """
 
@@ -39,7 +40,10 @@ NonEmptyText = Annotated[Text, Field(min_length=1)]
 
 
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    # Strict: a number is a JSON number and a flag a JSON boolean; `"5"` or `true` for
+    # max_tokens is refused, not converted (a float field still takes an integer: JSON has one
+    # number type, and OpenAI's client sends `temperature: 0`).
+    model_config = ConfigDict(extra="forbid", strict=True)
 
 
 class StreamOptions(_Request):
@@ -63,6 +67,11 @@ class SamplingFields(_Request):
     top_k: int = Field(default=0, ge=0, description="extension: sample from the k most likely")
     min_p: float = Field(default=0.0, ge=0.0, le=1.0, description="extension: min-p sampling")
     ignore_eos: bool = Field(default=False, description="extension: go on past end-of-sequence")
+    cache_salt: NonEmptyText | None = Field(
+        default=None,
+        description="extension (vLLM): share cached prefixes only with requests of the same "
+        "salt, within the caller's isolation domain",
+    )
 
 
 class CompletionRequest(SamplingFields):

@@ -1,11 +1,13 @@
 """One inference request from admission to its answer, the same for completions and chat.
 
 `Server.serve` is the one request path of both routes: check the request, plan its choices (which
-validates every engine request), take places in the admission queue, log `inference.request`
-to the audit log before anything is generated (a failed append gives the places back: not
-logged, not served), then answer whole or as a stream; either way the places are released and
-the audit record is closed when it ends. What differs between the routes is an `Endpoint`: its
-prompt and choices, and the `Output` that turns engine outputs into its response and chunks.
+validates every engine request, salted with the caller's prefix-cache domain), admit it under
+its caller's limits (appliance.api.limits), take places in the admission queue, log
+`inference.request` to the audit log before anything is generated (a failed append gives the
+places back: not logged, not served), then answer whole or as a stream; either way the places
+are released, the caller's limits are charged its tokens, and the audit record is closed when it
+ends. What differs between the routes is an `Endpoint`: its prompt and choices, and the `Output`
+that turns engine outputs into its response and chunks.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from pydantic import BaseModel
 
 from appliance.api.admission import Admission, AdmissionControl, Ticket
 from appliance.api.audit_trail import AuditTrail, InferenceRecord, Trail, sampling_record
+from appliance.api.cache_domains import PrefixCacheDomain
 from appliance.api.errors import ERROR_RESPONSES, APIError, api_error_for
 from appliance.api.generation import (
     Choice,
@@ -28,6 +31,7 @@ from appliance.api.generation import (
     cancel_on_disconnect,
     require_tokenizer,
 )
+from appliance.api.limits import CallerLimits, Charge, Limits
 from appliance.api.metrics import Metrics
 from appliance.api.models import Model
 from appliance.api.readiness import ReadyEngine
@@ -102,22 +106,27 @@ GENERATION_RESPONSES: dict[int | str, dict[str, Any]] = {
 
 
 class Server:
-    """What serving a request needs of the app: its engine, model, admission, metrics and audit
-    trail (FastAPI dependencies)."""
+    """What serving a request needs of the app and its caller: the engine, model, caller's
+    limits, admission, metrics, audit trail and the caller's prefix-cache domain (FastAPI
+    dependencies)."""
 
     def __init__(
         self,
         engine: ReadyEngine,
         model: Model,
+        limits: Limits,
         admission: AdmissionControl,
         metrics: Metrics,
         audit: Trail,
+        cache: PrefixCacheDomain,
     ):
         self.engine = engine
         self.model = model
+        self.limits = limits
         self.admission = admission
         self.metrics = metrics
         self.audit = audit
+        self.cache = cache
 
     async def serve(
         self, request: Request, endpoint: Endpoint[ResponseT]
@@ -132,13 +141,19 @@ class Server:
         try:
             choices = endpoint.choices(tokenizer, self.engine.max_model_len)
             generation = Generation(
-                self.engine, self.metrics, response_id, choices, arrival_s=arrival_s
+                self.engine,
+                self.metrics,
+                response_id,
+                choices,
+                arrival_s=arrival_s,
+                cache_salt=self.cache.salt(body.cache_salt),
             )
         except EngineError as exc:
             raise api_error_for(exc, prompt_param=endpoint.prompt_param) from exc
         admitted = await AdmittedRequest.admit(
             request,
             generation,
+            self.limits,
             self.admission,
             self.audit,
             request_id=response_id,
@@ -181,9 +196,15 @@ async def _events(
 
 class AdmittedRequest:
     def __init__(
-        self, request: Request, ticket: Ticket, record: InferenceRecord, generation: Generation
+        self,
+        request: Request,
+        charge: Charge,
+        ticket: Ticket,
+        record: InferenceRecord,
+        generation: Generation,
     ):
         self._request = request
+        self._charge = charge
         self._ticket = ticket
         self._record = record
         self._generation = generation
@@ -193,6 +214,7 @@ class AdmittedRequest:
         cls,
         request: Request,
         generation: Generation,
+        limits: CallerLimits,
         admission: Admission,
         audit: AuditTrail,
         *,
@@ -202,9 +224,15 @@ class AdmittedRequest:
         sampling: Mapping[str, JsonValue],
         arrival_s: float,
     ) -> AdmittedRequest:
-        """Admit one place per choice and log the request. Raises the admission's 429 or the
-        audit log's 503 (then holding no place)."""
-        ticket = admission.admit(len(generation.choices))
+        """Admit the request under its caller's limits, one place per choice, and log the
+        request. Raises a limit's or the admission's 429, or the audit log's 503 (then holding
+        no place)."""
+        charge = await limits.admit(request)
+        try:
+            ticket = admission.admit(len(generation.choices))
+        except BaseException:
+            charge.release(0)
+            raise
         try:
             record = await audit.accept(
                 request,
@@ -216,20 +244,25 @@ class AdmittedRequest:
             )
         except BaseException:
             ticket.release()  # not logged, so not served: nothing was generated
+            charge.release(0)
             raise
-        return cls(request, ticket, record, generation)
+        return cls(request, charge, ticket, record, generation)
 
     def stream(self, events: AsyncGenerator[bytes, None]) -> EventStreamResponse:
         """The server-sent events `events` of the generation, recorded as they go."""
 
         def closed() -> None:
             self._ticket.release()
+            self._charge.release(self._generation.usage().total_tokens)
             self._record.close_stream(self._generation)
 
         return EventStreamResponse(self._record.stream(self._generation, events), on_close=closed)
 
     async def collect(self) -> list[CollectedChoice]:
         """Every choice's whole output; a client that leaves cancels the generation."""
-        with self._ticket:
-            async with self._record.recording(self._generation):
-                return await cancel_on_disconnect(self._request, self._generation.collect())
+        try:
+            with self._ticket:
+                async with self._record.recording(self._generation):
+                    return await cancel_on_disconnect(self._request, self._generation.collect())
+        finally:
+            self._charge.release(self._generation.usage().total_tokens)

@@ -111,7 +111,10 @@ def audit_log_settings(audit: AuditSettings) -> AuditLogSettings:
 def engine_config(settings: Settings) -> EngineConfig:
     """The engine's config, checked as far as it can be without loading the model (device,
     dtype, the model's config.json), so that such errors stop the start at once."""
-    config = EngineConfig(model_dir=settings.model.dir, **settings.engine.model_dump())
+    config = EngineConfig(
+        model_dir=settings.model.dir,
+        **settings.engine.model_dump(),
+    )
     _ = (config.torch_device, config.torch_dtype)  # each raises EngineConfigError if unusable
     ModelConfig.from_model_dir(config.model_dir)
     return config

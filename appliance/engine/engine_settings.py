@@ -11,6 +11,9 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+PrefixCacheIsolation = Literal["principal", "role", "issuer", "shared"]
+"""Who may reuse whose cached prompt prefixes (appliance.api.cache_domains)."""
+
 
 class EngineSettings(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -38,6 +41,12 @@ class EngineSettings(BaseModel):
     max_num_seqs: int = Field(default=64, ge=1, description="sequences running at once")
     max_num_batched_tokens: int = Field(default=2048, ge=1, description="tokens per step")
     enable_prefix_caching: bool = Field(default=True, description="reuse KV of shared prefixes")
+    # Applied by the API, which knows the caller and turns it into each request's cache salt:
+    # the engine itself only ever sees salts.
+    prefix_cache_isolation: PrefixCacheIsolation = Field(
+        default="principal",
+        description="who may reuse whose cached prefixes: principal, role, issuer or shared",
+    )
     enable_chunked_prefill: bool = Field(default=True, description="split long prompts")
     enable_cuda_graphs: bool = Field(default=True, description="replay decode steps (cuda)")
     # Up to this many decode steps run back to back without the host when every running

@@ -234,7 +234,8 @@ def test_default_engine_settings_are_the_engines_own_defaults(model_dir: Path) -
             "tee": {"mode": "insecure-dev"},
         }
     )
-    config = EngineConfig(model_dir=model_dir, **settings.engine.model_dump())
+    engine = settings.engine.model_dump()
+    config = EngineConfig(model_dir=model_dir, **engine)
     assert config == EngineConfig(model_dir=model_dir)
 
 

@@ -21,6 +21,7 @@ from audit.event import (
     format_time,
     inference_complete,
     inference_request,
+    request_limited,
 )
 from audit.policy import CheckpointPolicy
 
@@ -182,3 +183,19 @@ def test_leaf_bytes_are_the_canonical_entry(
 ) -> None:
     event = AuditEvent(action, outcome, T, actor, source, request_id, details)
     assert event.to_leaf(index) == canonicalize(event.to_entry(index))
+
+
+def test_a_limited_request_records_the_setting_that_refused_it_as_denied() -> None:
+    refused = request_limited(
+        time=T, actor=ALICE, source_address="::ffff:10.0.0.7", method="POST",
+        route="/v1/chat/completions", limit="limits.subject_requests_per_minute", value=3,
+    )  # fmt: skip
+    entry = refused.to_entry(5)
+    assert (entry["action"], entry["outcome"]) == ("api.limited", "denied")
+    assert entry["source"] == {"address": "10.0.0.7"}
+    assert entry["details"] == {
+        "method": "POST",
+        "route": "/v1/chat/completions",
+        "limit": "limits.subject_requests_per_minute",
+        "value": 3,
+    }

@@ -44,14 +44,19 @@ def make_settings(
     *,
     audit: dict[str, Any] | None = None,
     auth: dict[str, Any] | None = None,
+    engine: dict[str, Any] | None = None,
+    limits: dict[str, Any] | None = None,
     **server: Any,
 ) -> Settings:
     """Settings for a TLS server on a free loopback port, its self-signed certificate, its
     audit log (SQLite) and its local token issuer's key in `directory`; `audit` and `server`
-    override those sections, `auth` replaces the `[auth]` section."""
+    override those sections, `auth` replaces the `[auth]` section, `engine` and `limits` are
+    those sections."""
     return settings_from_mapping(
         {
             "model": {"dir": str(model_dir), "name": MODEL_NAME},
+            "engine": engine or {},
+            "limits": limits or {},
             "server": {"host": "127.0.0.1", "port": 0, **server},
             "tls": {
                 "cert_file": str(directory / "cert.pem"),
@@ -116,9 +121,9 @@ class RunningServer:
             **kwargs,
         )
 
-    def http(self, role: Role | None = Role.USER) -> httpx.Client:
-        """A client sending a token with `role` (none if None)."""
-        headers = {} if role is None else {"Authorization": f"Bearer {self.token(role)}"}
+    def http(self, role: Role | None = Role.USER, subject: str = "test-user") -> httpx.Client:
+        """A client sending a token of `subject` with `role` (none if None)."""
+        headers = {} if role is None else {"Authorization": f"Bearer {self.token(role, subject)}"}
         return httpx.Client(
             base_url=self.url, verify=self.tls_context(), timeout=60, headers=headers
         )
