@@ -20,8 +20,9 @@ from urllib.parse import parse_qs
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import HTMLResponse, RedirectResponse, Response
 
-from appliance.api.access import ADMIN, ROUTE_ACCESS, Console, session_of
+from appliance.api.access import ADMIN, ROUTE_ACCESS, Console
 from appliance.api.audit_trail import AuditTrail, client_address
+from appliance.api.console_login import CurrentSession
 from appliance.api.metrics import ServerMetrics
 from appliance.api.readiness import Readiness
 from appliance.attestation.service import TeeService
@@ -70,14 +71,8 @@ async def _services(request: Request) -> ConsoleServices:
     return request.app.state.console
 
 
-async def _session(request: Request) -> Session:
-    session = session_of(request)
-    assert session is not None, "AccessControl admits console routes with a session only"
-    return session
-
-
 Services = Annotated[ConsoleServices, Depends(_services)]
-Viewer = Annotated[Session, Depends(_session)]
+Viewer = CurrentSession
 
 
 def nav_for(session: Session) -> list[tuple[str, str, str]]:
