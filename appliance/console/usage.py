@@ -139,17 +139,17 @@ def tally(entries: Iterable[Mapping[str, Any]]) -> Usage:
     return Usage(list(principals.values()), list(roles.values()), num_scanned)
 
 
-def read_usage(store: AuditStore, period: UsagePeriod, *, max_scanned: int = MAX_SCANNED) -> Usage:
+def read_usage(store: AuditStore, period: UsagePeriod) -> Usage:
     """The usage of the entries timed within `period`. Raises UsageQueryError if the period
-    holds more than `max_scanned` entries, AuditStoreError if the log cannot be read."""
+    holds more than MAX_SCANNED entries, AuditStoreError if the log cannot be read."""
     span = store.index_range(period.since, period.until)
     if span is None:
         return Usage()
     first, last = span
     num_entries = last - first + 1
-    if num_entries > max_scanned:
+    if num_entries > MAX_SCANNED:
         raise UsageQueryError(
-            f"that period holds {num_entries} audit entries, more than the {max_scanned} one "
+            f"that period holds {num_entries} audit entries, more than the {MAX_SCANNED} one "
             "view reads; choose a shorter period"
         )
     return tally(json.loads(data) for _, data in store.entries(first, last))
