@@ -55,7 +55,7 @@ async def usage(request: Request, services: Services, session: Viewer) -> Respon
 
     return _render(
         services, session, "usage", "usage.html",
-        form=base, groups=GROUPS, by=by, usage=tallied, table=table, href=href,
+        form=base, period=period, groups=GROUPS, by=by, usage=tallied, table=table, href=href,
         max_days=MAX_PERIOD.days,
     )  # fmt: skip
 
