@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-from urllib.parse import parse_qs
 
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
@@ -20,6 +19,7 @@ from fastapi.responses import Response
 from appliance.attestation.signing import json_safe
 from appliance.console.audit_search import AuditQuery, search
 from appliance.console.errors import ConsoleError
+from appliance.console.forms import read_form
 from appliance.console.routes import Services, Viewer, _record_admin_action, _render
 from audit.errors import AuditError
 from audit.event import Action
@@ -55,8 +55,7 @@ async def history(request: Request, services: Services, session: Viewer) -> Resp
 
 @router.post("/attestation/evidence")
 async def evidence(request: Request, services: Services, session: Viewer) -> Response:
-    form = parse_qs((await request.body()).decode("utf-8", "replace"))
-    part = form.get("part", ["all"])[-1]
+    part = (await read_form(request)).get("part", "all")
     if part not in EVIDENCE_PARTS:
         raise ConsoleError(400, f"part must be one of {', '.join(EVIDENCE_PARTS)}")
     tee = services.tee

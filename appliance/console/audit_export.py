@@ -18,7 +18,6 @@ import tempfile
 from collections.abc import Mapping
 from datetime import UTC, datetime
 from pathlib import Path
-from urllib.parse import parse_qs
 
 from fastapi import APIRouter, Request
 from fastapi.responses import FileResponse, Response
@@ -26,6 +25,7 @@ from starlette.background import BackgroundTask
 
 from appliance.api.audit_trail import client_address
 from appliance.console.errors import ConsoleError
+from appliance.console.forms import read_form
 from appliance.console.routes import Services, Viewer, _record_admin_action, _render
 from audit.errors import AuditError, ExportRangeError
 from audit.export import ExportRequest, ExportSummary, export_bundle, resolve_range
@@ -54,8 +54,7 @@ async def export_page(services: Services, session: Viewer) -> Response:
 
 @router.post("/export")
 async def export(request: Request, services: Services, session: Viewer) -> Response:
-    form = parse_qs((await request.body()).decode("utf-8", "replace"))
-    wanted = parse_export_form({name: values[-1] for name, values in form.items()})
+    wanted = parse_export_form(await read_form(request))
     log = services.trail.log
     await asyncio.to_thread(_check_size, log, wanted)
     await _record_admin_action(request, services, session, "audit.export", wanted.to_details())

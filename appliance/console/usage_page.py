@@ -7,12 +7,13 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Mapping
 from datetime import UTC, datetime
-from urllib.parse import parse_qs, urlencode
+from urllib.parse import urlencode
 
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
 from appliance.console.errors import ConsoleError
+from appliance.console.forms import read_form
 from appliance.console.routes import (
     ConsoleServices,
     Services,
@@ -62,8 +63,7 @@ async def usage(request: Request, services: Services, session: Viewer) -> Respon
 
 @router.post("/usage/csv")
 async def usage_csv(request: Request, services: Services, session: Viewer) -> Response:
-    form = parse_qs((await request.body()).decode("utf-8", "replace"))
-    period = _period({name: values[-1] for name, values in form.items()})
+    period = _period(await read_form(request))
     tallied = await _read(services, period)
     target = {"since": period.since.isoformat(), "until": period.until.isoformat()}
     await _record_admin_action(request, services, session, "usage.export", target)

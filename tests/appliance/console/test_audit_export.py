@@ -146,3 +146,12 @@ def test_the_siem_panel_says_it_is_not_configured_and_how_to_feed_one(
     siem = page.text.split("<h2>SIEM feed</h2>", 1)[1]
     assert "Not configured" in siem and "python -m audit siem" in siem
     assert 'href="/console/export"' in audit.text  # reached from the audit page
+
+
+def test_a_body_that_is_not_the_form_is_refused_without_exporting(server: RunningServer) -> None:
+    admin = sign_in(server, Role.ADMIN)
+    size = server.app.state.audit_trail.log.store.size()
+    with browser(server, admin) as http:
+        refused = http.post("/console/export", json={}, headers={"X-CSRF-Token": admin.csrf_token})
+    assert refused.status_code == 400 and "this takes the page" in refused.text
+    assert server.app.state.audit_trail.log.store.size() == size
