@@ -48,6 +48,7 @@ from appliance.auth.sessions import SessionStore
 from appliance.boot.startup import StartUp
 from appliance.boot.weights import LoadedModel
 from appliance.config import Settings
+from appliance.console import attestation_records, audit_export, usage_page
 from appliance.console import routes as console
 from appliance.console.pages import ConsolePages
 from attestation.keys import KeyProvider
@@ -163,6 +164,9 @@ def build(
     routers = (models, chat, completions, audit_proofs, attestation, health, metrics, console_login)
     for module in routers:
         app.include_router(module.router)
+    # The console's attestation records, audit export and usage pages (routes.py has the rest).
+    for page in (attestation_records, audit_export, usage_page):
+        app.include_router(page.router)
     app.openapi = partial(_openapi, app)  # type: ignore[method-assign]
     app.add_middleware(BodySizeLimit, max_bytes=settings.server.max_request_body_bytes)
     # Outside the size limit: an unauthenticated upload is refused before its body is read.

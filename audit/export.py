@@ -79,7 +79,7 @@ def export_bundle(
     """
     if out.exists():
         raise ExportRangeError(f"{out} already exists; choose a new path")
-    first, last = _resolve(log, request)
+    first, last = resolve_range(log, request)
     receipt = log.append(
         AuditEvent(
             Action.AUDIT_EXPORT,
@@ -122,8 +122,10 @@ def export_bundle(
     return ExportSummary(out, first, end - first, manifest.checkpoint_sizes, receipt.index)
 
 
-def _resolve(log: AuditLog, request: ExportRequest) -> tuple[int, int | None]:
-    """The first index and the last one (None: up to the export's own entry)."""
+def resolve_range(log: AuditLog, request: ExportRequest) -> tuple[int, int | None]:
+    """The first index and the last one (None: up to the export's own entry) of `request`, as
+    `export_bundle` resolves it; callers check a range's size with it before exporting. Raises
+    ExportRangeError for a range outside the log."""
     size = log.store.size()
     if request.since is None and request.until is None:
         first = request.first_index or 0

@@ -2,7 +2,10 @@
 asset served from this package (no CDN, no web font, no external request).
 
 pages.py renders the templates with the console's security headers (a strict CSP); routes.py
-holds the pages and the admin actions, each audited before it takes effect; audit_search.py
+holds the pages and the admin actions, each audited before it takes effect;
+attestation_records.py (evidence download, verdict history), audit_export.py (bundle export,
+SIEM status) and usage_page.py (with usage.py, the tally and its CSV) add their own routers,
+which appliance.app installs beside it; audit_search.py
 searches the audit log; table.py sorts and pages the tables; errors.py is what the error page
 answers. Who may open which page is
 `appliance.api.access.ROUTE_ACCESS`, like every other route.

@@ -46,6 +46,7 @@ _NAV = (
     ("overview", "/console/", "Overview"),
     ("attestation", "/console/attestation", "Attestation"),
     ("audit", "/console/audit", "Audit"),
+    ("usage", "/console/usage", "Usage"),
     ("access", "/console/access", "Access"),
     ("system", "/console/system", "System"),
 )

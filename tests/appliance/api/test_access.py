@@ -47,8 +47,13 @@ EXPECTED: dict[str, Any] = {
     "/console/": ("console", {ADMIN, AUDITOR}),  # auditors are sent on to their first page
     "/console/attestation": ("console", {ADMIN, AUDITOR}),
     "/console/attestation/reattest": ("console", {ADMIN}),
+    "/console/attestation/history": ("console", {ADMIN, AUDITOR}),
+    "/console/attestation/evidence": ("console", {ADMIN, AUDITOR}),
     "/console/audit": ("console", {ADMIN, AUDITOR}),
     "/console/audit/{index}": ("console", {ADMIN, AUDITOR}),
+    "/console/export": ("console", {ADMIN, AUDITOR}),  # auditors verify what they export
+    "/console/usage": ("console", {ADMIN}),
+    "/console/usage/csv": ("console", {ADMIN}),
     "/console/access": ("console", {ADMIN}),
     "/console/access/sessions/{handle}/revoke": ("console", {ADMIN}),
     "/console/system": ("console", {ADMIN}),

@@ -15,6 +15,7 @@ import os
 import socket
 from collections.abc import Iterator
 from contextlib import ExitStack
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -23,6 +24,8 @@ import pytest
 
 from appliance.config import Settings
 from appliance.engine.engine import Engine
+from audit.__main__ import main as audit_main
+from audit.event import Actor, Outcome, inference_complete
 from tests.appliance.api.conftest import RunningServer, make_settings, running_server
 from tests.appliance.auth.idp import AUDIENCE, IdpCa, OidcProvider
 from tests.appliance.auth.realm import CONSOLE_SECRET, issuer_settings, start_idp
@@ -242,7 +245,7 @@ def test_admin_signs_in_and_sees_every_page(
         assert tab.page.locator("h1").inner_text() == heading
         nav = tab.page.get_by_role("navigation", name="Console pages")
         assert nav.get_by_role("link").all_inner_texts() == [
-            "Overview", "Attestation", "Audit", "Access", "System",
+            "Overview", "Attestation", "Audit", "Usage", "Access", "System",
         ]  # fmt: skip
     tab.visit("/console/audit")
     tab.page.get_by_label("Action").fill("boot.start")
@@ -348,3 +351,59 @@ def test_sign_out_ends_the_session(
     tab.page.wait_for_url("**/console/")
     assert tab.page.locator("h1").inner_text() == "Sign in to use the console"
     assert tab.visit("/console/system").status == 401
+
+
+def test_admin_exports_audit_and_usage_and_pages_the_verdict_history(
+    browser: Browser, appliance: RestartableServer, tabs: list[Tab], tmp_path: Path
+) -> None:
+    assert appliance.running is not None
+    log = appliance.running.app.state.audit_trail.log
+    log.append(inference_complete(
+        time=datetime.now(UTC), actor=Actor("urn:idp", "batch-job", None, ("service",)),
+        source_address=None, request_id="r-1", outcome=Outcome.SUCCESS, model="smollm2",
+        weights_digest="sha256:00", prompt_tokens=120, completion_tokens=48,
+        finish_reason="stop", latency_ms=812.0, prompt_commitment="c", response_commitment="c",
+    ))  # fmt: skip
+    tab = open_tab(tabs, browser, appliance)
+    tab.sign_in("bob")
+    for path, heading, name in [("/console/usage", "Usage", "usage"),
+                                ("/console/export", "Audit export", "audit-export"),
+                                ("/console/attestation/history", "Attestation history",
+                                 "attestation-history")]:  # fmt: skip
+        assert tab.visit(path, f"admin-{name}").status == 200
+        assert tab.page.locator("h1").inner_text() == heading
+        assert tab.serious_accessibility_violations() == [], path
+    tab.visit("/console/usage")
+    assert "batch-job" in tab.page.locator("table").inner_text()
+    tab.page.get_by_label("Count per").select_option("role")
+    tab.page.get_by_role("button", name="Show").click()
+    assert "service" in tab.page.locator("table").inner_text()
+    with tab.page.expect_download() as csv_download:
+        tab.page.get_by_role("button", name="Download CSV").click()
+    assert "batch-job" in Path(csv_download.value.path()).read_text(encoding="utf-8")
+    tab.visit("/console/export")
+    tab.page.get_by_label("First entry").fill("0")
+    with tab.page.expect_download() as bundle_download:
+        tab.page.get_by_role("button", name="Export bundle").click()
+    bundle = tmp_path / bundle_download.value.suggested_filename
+    bundle_download.value.save_as(bundle)
+    assert audit_main(["verify", str(bundle), "--vkey", log.vkey]) == 0
+
+
+def test_auditor_exports_but_has_no_usage_page(
+    browser: Browser, appliance: RestartableServer, tabs: list[Tab]
+) -> None:
+    tab = open_tab(tabs, browser, appliance)
+    tab.sign_in("carol")
+    assert tab.visit("/console/export", "auditor-audit-export").status == 200
+    assert tab.serious_accessibility_violations() == []
+    tab.page.get_by_label("First entry").fill("5")
+    tab.page.get_by_label("Last entry").fill("2")
+    with tab.page.expect_navigation() as navigation:
+        tab.page.get_by_role("button", name="Export bundle").click()
+    assert navigation.value.status == 400
+    assert "the last index comes before the first" in tab.page.content()
+    tab.page.screenshot(path=str(ARTIFACTS / "auditor-export-400.png"), full_page=True)
+    assert tab.serious_accessibility_violations() == []
+    assert tab.visit("/console/attestation/history").status == 200
+    assert tab.visit("/console/usage").status == 403
