@@ -50,6 +50,10 @@ class KeyStatus:
     # Fetched keys past the staleness limit: every token of the issuer is refused until a
     # fetch succeeds.
     stale: bool
+    # Fetched keys: when the first token after it refreshes them (fetched_at + ttl_s), and
+    # when they go stale unless a refresh succeeds (fetched_at + max_staleness_s).
+    refresh_at: float | None = None
+    stale_at: float | None = None
 
 
 class KeySource(Protocol):
@@ -150,8 +154,15 @@ class FetchedKeys:
         cached = self._cached
         if cached is None:
             return KeyStatus(False, (), None, stale=True)
-        stale = self._clock() - cached.fetched_at > self.policy.max_staleness_s
-        return KeyStatus(False, tuple(sorted(cached.key_set.keys)), cached.fetched_at, stale)
+        policy, fetched_at = self.policy, cached.fetched_at
+        return KeyStatus(
+            pinned=False,
+            key_ids=tuple(sorted(cached.key_set.keys)),
+            fetched_at=fetched_at,
+            stale=self._clock() - fetched_at > policy.max_staleness_s,
+            refresh_at=fetched_at + policy.ttl_s,
+            stale_at=fetched_at + policy.max_staleness_s,
+        )
 
     def _expired(self, cached: _Cached, now: float) -> bool:
         return now - cached.fetched_at >= self.policy.ttl_s
