@@ -49,7 +49,8 @@ from appliance.boot.startup import StartUp
 from appliance.boot.weights import LoadedModel
 from appliance.config import Settings
 from appliance.console import routes as console
-from appliance.console.pages import ConsolePages
+from appliance.console import ticket_sign_in, tokens
+from appliance.console.pages import ConsolePages, SignIn
 from attestation.keys import KeyProvider
 from audit.log import AuditLog
 
@@ -99,9 +100,8 @@ def build(
     if auth.local_issuer == "break-glass":
         logger.warning("auth.local_issuer = break-glass: tokens of `inferno token` are accepted")
     idp_http = IdpHttp(idp_tls_context(auth.ca_file), auth.fetch_timeout_s)
-    authenticator = Authenticator.from_settings(
-        auth, idp_http, LocalIssuer.from_settings(auth), time.time
-    )
+    local_issuer = LocalIssuer.from_settings(auth)
+    authenticator = Authenticator.from_settings(auth, idp_http, local_issuer, time.time)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -145,7 +145,10 @@ def build(
     app.state.console_login = login
     install_error_handlers(app)
     # Logout continues at the identity provider: the console's forms may lead there.
-    pages = ConsolePages(() if login is None else (login.issuer_origin,))
+    pages = ConsolePages(
+        () if login is None else (login.issuer_origin,),
+        sign_in=SignIn(idp=login is not None, local=local_issuer is not None),
+    )
     console.install(
         app,
         console.ConsoleServices(
@@ -158,9 +161,11 @@ def build(
             readiness=readiness,
             metrics=server_metrics,
             authenticator=authenticator,
+            local_issuer=local_issuer,
         ),
     )
-    routers = (models, chat, completions, audit_proofs, attestation, health, metrics, console_login)
+    routers = (models, chat, completions, audit_proofs, attestation, health, metrics,
+               console_login, tokens, ticket_sign_in)  # fmt: skip
     for module in routers:
         app.include_router(module.router)
     app.openapi = partial(_openapi, app)  # type: ignore[method-assign]

@@ -27,6 +27,7 @@ from appliance.api.metrics import ServerMetrics
 from appliance.api.readiness import Readiness
 from appliance.attestation.service import TeeService
 from appliance.auth.authenticator import Authenticator
+from appliance.auth.local_issuer import LOCAL_ROLE_MAPPING, LocalIssuer
 from appliance.auth.sessions import Session, SessionRecord, SessionStore, SessionStoreError
 from appliance.config import Settings
 from appliance.console.audit_search import AuditQuery, AuditQueryError, search
@@ -65,6 +66,8 @@ class ConsoleServices:
     readiness: Readiness
     metrics: ServerMetrics
     authenticator: Authenticator
+    # The appliance's own token issuer, where `auth.local_issuer` enables it.
+    local_issuer: LocalIssuer | None = None
 
 
 async def _services(request: Request) -> ConsoleServices:
@@ -282,6 +285,9 @@ async def access(request: Request, services: Services, session: Viewer) -> Respo
             issuer: verifier.keys.status()
             for issuer, verifier in services.authenticator.verifiers.items()
         },
+        role_mappings={i.issuer: i.role_mapping() for i in services.settings.auth.issuers},
+        local_issuer=services.local_issuer,
+        local_role_mapping=LOCAL_ROLE_MAPPING,
         revoked=request.query_params.get("revoked") == "1",
     )  # fmt: skip
 
