@@ -4,8 +4,9 @@ list of tokens issued, and minting one.
 The appliance keeps no token, and no second record of one: the list is read from the audit
 log's `admin.token.issue` entries (those of `inferno token` and of the demo too), which name
 each token's id, subject, roles, expiry and who had it made. Reading the list is itself
-recorded (`admin.token.list`) before it is shown. Minting plans the token, records its issue
-naming the admin, and only then signs it (appliance.auth.local_issuer); the token is shown
+recorded (`admin.token.list`) before it is shown. Minting (user, service or admin tokens:
+never auditor, which an admin does not grant) plans the token, records its issue naming the
+admin, and only then signs it (appliance.auth.local_issuer); the token is shown
 once, in the answer to the form, and nowhere else.
 """
 
@@ -38,10 +39,13 @@ from audit.errors import AuditError
 router = APIRouter(prefix="/console/access", include_in_schema=False)
 
 TOKEN_LIST = "token.list"
+# An admin grants no auditor token: the auditor role reads what admins do, and is granted by
+# the identity provider (or `inferno token` on the host), never by an admin (separation of
+# duties, appliance.auth.roles).
+MINTABLE_ROLES = (Role.USER, Role.SERVICE, Role.ADMIN)
 # Every token issued within the longest lifetime is found, if the log's newest entries of that
 # span hold it; a page lists this many at most.
 MAX_LISTED = 1000
-_ROLES = tuple(Role)
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,7 +62,15 @@ class TokenRecord:
     entry: int
 
     @classmethod
-    def from_entry(cls, entry: dict[str, Any]) -> TokenRecord:
+    def from_entry(cls, entry: dict[str, Any]) -> TokenRecord | None:
+        """The record an `admin.token.issue` entry holds; None for one that holds none."""
+        try:
+            return cls._from_entry(entry)
+        except (KeyError, TypeError, ValueError, AttributeError):
+            return None
+
+    @classmethod
+    def _from_entry(cls, entry: dict[str, Any]) -> TokenRecord:
         target, actor = entry["details"]["target"], entry["actor"]
         by = actor["subject"] or "unknown"
         if actor.get("client"):
@@ -133,7 +145,13 @@ def _roles(names: list[str]) -> frozenset[Role]:
     unknown = sorted(set(names) - {role.value for role in Role})
     if unknown:
         raise ConsoleError(400, f"no token was made: {unknown[0]!r} is not a role")
-    return frozenset(Role(name) for name in names)
+    roles = frozenset(Role(name) for name in names)
+    if not roles <= set(MINTABLE_ROLES):
+        raise ConsoleError(
+            400, "no token was made: admins do not grant the auditor role (separation of "
+            "duties); the identity provider grants it",
+        )  # fmt: skip
+    return roles
 
 
 def _lifetime_s(text: str, issuer: LocalIssuer) -> int:
@@ -146,7 +164,7 @@ def _lifetime_s(text: str, issuer: LocalIssuer) -> int:
 
 
 def _form_context(issuer: LocalIssuer) -> dict[str, Any]:
-    return {"roles": _ROLES, "max_lifetime_min": issuer.token_ttl_s // 60}
+    return {"roles": MINTABLE_ROLES, "max_lifetime_min": issuer.token_ttl_s // 60}
 
 
 async def _issued_since(
@@ -159,4 +177,5 @@ async def _issued_since(
                                         page_size=MAX_LISTED)  # fmt: skip
     except AuditError:
         raise ConsoleError(503, "the audit log cannot be read now; try again") from None
-    return [TokenRecord.from_entry(e) for e in found.entries], found.next_before is None
+    records = [r for e in found.entries if (r := TokenRecord.from_entry(e)) is not None]
+    return records, found.next_before is None

@@ -21,6 +21,7 @@ from appliance.auth.console_ticket import TICKET_TTL_S, mint_console_ticket
 from appliance.auth.local_issuer import LocalIssuer
 from appliance.auth.roles import Role
 from appliance.auth.sessions import SESSION_COOKIE
+from appliance.console.tokens import TokenRecord
 from appliance.engine.engine import Engine
 from audit.errors import AuditWriteError
 from tests.appliance.api.conftest import RunningServer, make_settings, running_server
@@ -92,7 +93,7 @@ def test_minting_is_audited_first_and_shows_the_token_once(server: RunningServer
         ({"subject": "", "role": "user", "lifetime_min": "5"}, "the subject must be"),
         ({"subject": "x", "lifetime_min": "5"}, "at least one role"),
         ({"subject": "x", "role": "root", "lifetime_min": "5"}, "&#39;root&#39; is not a role"),
-        ({"subject": "x", "role": ["admin", "auditor"], "lifetime_min": "5"}, "kept apart"),
+        ({"subject": "x", "role": "auditor", "lifetime_min": "5"}, "do not grant the auditor"),
         ({"subject": "x", "role": "user", "lifetime_min": "61"}, "1 to 60"),
         ({"subject": "x", "role": "user", "lifetime_min": "-1"}, "1 to 60"),
         ({"subject": "x", "role": "user"}, "1 to 60"),
@@ -266,3 +267,13 @@ def test_console_link_prints_a_link_that_signs_in_and_audits_its_issue(
     with browser(server, None) as http:
         assert http.get(_link(server, text)).status_code == 200
         assert http.get("/console/session").json()["subject"] == "ops-bob"
+
+
+def test_an_issue_entry_without_a_token_record_is_left_out_of_the_list() -> None:
+    entry = {"index": 3, "time": "2026-11-25T10:00:00.000000Z", "actor": {"subject": "x"},
+             "details": {"target": {"subject": "s"}}}  # fmt: skip
+    assert TokenRecord.from_entry(entry) is None
+    entry["details"]["target"] = {"token_id": "t", "subject": "s", "roles": ["user"],
+                                  "expires": "2026-11-25T11:00:00+00:00"}  # fmt: skip
+    record = TokenRecord.from_entry(entry)
+    assert record is not None and (record.token_id, record.minted_by, record.entry) == ("t", "x", 3)
