@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,7 +18,6 @@ import httpx
 import jwt
 import pytest
 
-from appliance.__main__ import main as inferno_main
 from appliance.auth.console_ticket import TICKET_TTL_S, mint_console_ticket
 from appliance.auth.local_issuer import LocalIssuer
 from appliance.auth.roles import Role
@@ -242,7 +243,7 @@ def test_sign_in_links_do_not_exist_without_the_local_issuer(
 
 
 def test_console_link_prints_a_link_that_signs_in_and_audits_its_issue(
-    server: RunningServer, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    server: RunningServer, tmp_path: Path
 ) -> None:
     config = tmp_path / "inferno.toml"
     auth = server.settings.auth
@@ -255,8 +256,13 @@ def test_console_link_prints_a_link_that_signs_in_and_audits_its_issue(
         "self_signed = true\n"
         f'[auth]\nlocal_issuer = "demo"\nlocal_issuer_key_file = "{auth.local_issuer_key_file}"\n'
     )
-    assert inferno_main(["console-link", "--config", str(config), "--sub", "ops-bob"]) == 0
-    link = capsys.readouterr().out.strip()
+    printed = subprocess.run(
+        [sys.executable, "-m", "appliance", "console-link", "--config", str(config),
+         "--sub", "ops-bob"],
+        capture_output=True, text=True, timeout=300, check=False,
+    )  # fmt: skip
+    assert printed.returncode == 0, printed.stderr
+    link = printed.stdout.strip()
     assert link.startswith("https://127.0.0.1:8443/console/login/local?ticket=")
     text = link.split("ticket=", 1)[1]
     claims = jwt.decode(text, options={"verify_signature": False})
