@@ -11,7 +11,7 @@ import re
 import sys
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from appliance.auth.roles import Role
 from appliance.engine.errors import EngineError
@@ -448,7 +448,7 @@ def _local_issuer(settings: Settings) -> LocalIssuer:
 
 
 def _record_local_action(
-    log: AuditLog, command: str, operation: str, target: dict[str, object]
+    log: AuditLog, command: str, operation: str, target: dict[str, Any]
 ) -> None:
     """Append `admin.<operation>` naming who runs `command` here; raises if it cannot."""
     from datetime import UTC, datetime
@@ -463,7 +463,7 @@ def _record_local_action(
             request_id=None,
             operation=operation,
             outcome=Outcome.SUCCESS,
-            target=target,  # type: ignore[arg-type]
+            target=target,
         )
     )
 
