@@ -54,6 +54,9 @@ class KeyStatus:
     # when they go stale unless a refresh succeeds (fetched_at + max_staleness_s).
     refresh_at: float | None = None
     stale_at: float | None = None
+    # The last fetch tried; later than fetched_at when it failed (the IdP unreachable, or its
+    # answer unusable).
+    last_attempt_at: float | None = None
 
 
 class KeySource(Protocol):
@@ -153,7 +156,7 @@ class FetchedKeys:
     def status(self) -> KeyStatus:
         cached = self._cached
         if cached is None:
-            return KeyStatus(False, (), None, stale=True)
+            return KeyStatus(False, (), None, stale=True, last_attempt_at=self._last_attempt)
         policy, fetched_at = self.policy, cached.fetched_at
         return KeyStatus(
             pinned=False,
@@ -162,6 +165,7 @@ class FetchedKeys:
             stale=self._clock() - fetched_at > policy.max_staleness_s,
             refresh_at=fetched_at + policy.ttl_s,
             stale_at=fetched_at + policy.max_staleness_s,
+            last_attempt_at=self._last_attempt,
         )
 
     def _expired(self, cached: _Cached, now: float) -> bool:

@@ -19,9 +19,13 @@ import jwt
 import pytest
 
 from appliance.auth.console_ticket import TICKET_TTL_S, mint_console_ticket
-from appliance.auth.local_issuer import LocalIssuer
+from appliance.auth.key_cache import KeyStatus
+from appliance.auth.local_issuer import LOCAL_ROLE_MAPPING, LocalIssuer
 from appliance.auth.roles import Role
 from appliance.auth.sessions import SESSION_COOKIE
+from appliance.auth.settings import AuthSettings
+from appliance.console.pages import SIGNED_OUT, ConsolePages
+from appliance.console.table import sort_and_page
 from appliance.console.tokens import TokenRecord
 from appliance.engine.engine import Engine
 from audit.errors import AuditWriteError
@@ -283,3 +287,25 @@ def test_an_issue_entry_without_a_token_record_is_left_out_of_the_list() -> None
                                   "expires": "2026-11-25T11:00:00+00:00"}  # fmt: skip
     record = TokenRecord.from_entry(entry)
     assert record is not None and (record.token_id, record.minted_by, record.entry) == ("t", "x", 3)
+
+
+def test_access_page_says_when_an_issuers_key_refresh_failed() -> None:
+    auth = AuthSettings.model_validate(
+        {"jwks_cache_dir": "/tmp/jwks", "issuers": [
+            {"issuer": "https://idp.example.com", "audience": "inferno",
+             "role_claims": ["groups"], "roles": {"admin": ["ops"], "user": ["staff"]}}]}
+    )  # fmt: skip
+    fetched = 1_764_000_000.0
+    failing = KeyStatus(False, ("k1", "k2"), fetched, stale=False, refresh_at=fetched + 300,
+                        stale_at=fetched + 43200, last_attempt_at=fetched + 400)  # fmt: skip
+    context = {**SIGNED_OUT, "table": sort_and_page([], {"x": str}, {}, "x"),
+               "expires_at": None, "own_handle": None, "auth": auth, "revoked": False,
+               "key_status": {"https://idp.example.com": failing},
+               "role_mappings": {i.issuer: i.role_mapping() for i in auth.issuers},
+               "local_issuer": None, "local_role_mapping": LOCAL_ROLE_MAPPING}  # fmt: skip
+    page = ConsolePages().render("access.html", context).body.decode()
+    text = re.sub(r"<[^>]+>", "", page)
+    assert "the last refresh, 2025-11-24 16:06:40 UTC, failed" in text
+    assert "refused after 2025-11-25 04:00:00 UTC" in text
+    assert "admin ← ops" in text and "user ← staff" in text and "from the claim groups" in text
+    assert "k1, k2" in text and "The local issuer is off" in text
