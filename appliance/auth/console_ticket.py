@@ -122,7 +122,12 @@ def verify_console_ticket(
     except (jwt.PyJWTError, AuthenticationError):
         raise TicketError("the ticket is malformed or not yet valid") from None
     subject, ticket_id = claims["sub"], claims["jti"]
-    if not isinstance(subject, str) or not isinstance(ticket_id, str) or not ticket_id:
+    # The id is kept in a column of 64 characters (appliance.auth.sessions).
+    if (
+        not isinstance(subject, str)
+        or not isinstance(ticket_id, str)
+        or not 0 < len(ticket_id) <= 64
+    ):
         raise TicketError("the ticket is malformed")
     # Step 3.
     if not isinstance(claims["iat"], int) or claims["exp"] - claims["iat"] > TICKET_TTL_S:

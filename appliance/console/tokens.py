@@ -13,6 +13,7 @@ once, in the answer to the form, and nowhere else.
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
@@ -156,7 +157,9 @@ def _roles(names: list[str]) -> frozenset[Role]:
 
 def _lifetime_s(text: str, issuer: LocalIssuer) -> int:
     maximum = issuer.token_ttl_s // 60
-    if not text.strip().isdigit() or not 1 <= int(text) <= maximum:
+    text = text.strip()
+    # ASCII digits only, and few: int() refuses "²" and numbers of thousands of digits.
+    if not re.fullmatch(r"[0-9]{1,6}", text) or not 1 <= int(text) <= maximum:
         raise ConsoleError(
             400, f"no token was made: the lifetime is a whole number of minutes, 1 to {maximum}"
         )

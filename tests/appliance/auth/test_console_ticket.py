@@ -98,6 +98,7 @@ def test_a_long_lived_ticket_is_refused_though_the_key_signed_it(issuer: LocalIs
         ({"roles": ["user"]}, "no console role"),
         ({"roles": ["admin", "auditor"]}, "kept apart"),
         ({"jti": None}, "malformed"),
+        ({"jti": "x" * 65}, "malformed"),
         ({"iss": "https://idp.example.com"}, "malformed"),
     ],
 )

@@ -102,6 +102,8 @@ def test_minting_is_audited_first_and_shows_the_token_once(server: RunningServer
         ({"subject": "x", "role": "user", "lifetime_min": "61"}, "1 to 60"),
         ({"subject": "x", "role": "user", "lifetime_min": "-1"}, "1 to 60"),
         ({"subject": "x", "role": "user"}, "1 to 60"),
+        ({"subject": "x", "role": "user", "lifetime_min": "²"}, "1 to 60"),
+        ({"subject": "x", "role": "user", "lifetime_min": "9" * 5000}, "1 to 60"),
     ],
 )
 def test_bad_mint_requests_get_a_400_page_and_mint_nothing(
