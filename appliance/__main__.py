@@ -11,7 +11,7 @@ import re
 import sys
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from appliance.auth.roles import Role
 from appliance.engine.errors import EngineError
@@ -22,6 +22,7 @@ from installer.demo import DEMO_PORT
 from installer.errors import InstallerError
 
 if TYPE_CHECKING:  # the engine imports torch: only load it for commands that need it
+    from appliance.auth.local_issuer import LocalIssuer
     from appliance.config import Settings
     from appliance.engine.engine import Engine
     from appliance.engine.sampling_params import SamplingParams
@@ -176,6 +177,23 @@ def _parser() -> argparse.ArgumentParser:
     token.add_argument("--sub", required=True, help="the subject the token names (who uses it)")
     _add_config_arg(token, demo_default=True)
     token.set_defaults(run=_run_token)
+
+    link = _command(
+        commands, "console-link", "print a one-time link that signs you into the console (audited)"
+    )
+    link.add_argument(
+        "--sub", default="demo-admin", help="the name you sign in as (shown and audited)"
+    )
+    link.add_argument(
+        "--role", choices=[Role.ADMIN.value, Role.AUDITOR.value], default=Role.ADMIN.value,
+        help="the console role it grants",
+    )  # fmt: skip
+    link.add_argument(
+        "--url", default=None, metavar="BASE",
+        help="where browsers reach the appliance (default: server.host and port of the settings)",
+    )  # fmt: skip
+    _add_config_arg(link, demo_default=True)
+    link.set_defaults(run=_run_console_link)
 
     model = _command(commands, "model", "manage model directories")
     model_commands = model.add_subparsers(required=True, metavar="ACTION")
@@ -403,41 +421,51 @@ def _demo_banner(settings: Settings, url: str, tokens_file: Path) -> str:
 
 def _mint(settings: Settings, log: AuditLog, role: Role, subject: str, command: str) -> str:
     """A local-issuer token, recorded in the audit log (`admin.token.issue`: who ran `command`,
-    the role, subject, token id and expiry; never the token) before it is handed out. A token
-    whose issue cannot be recorded is not printed."""
+    the role, subject, token id and expiry; never the token) before it is signed. A token
+    whose issue cannot be recorded is not made."""
     import time
-    from datetime import UTC, datetime
 
-    import jwt
+    from appliance.auth.local_issuer import TOKEN_ISSUE, TokenRequestError
 
+    issuer = _local_issuer(settings)
+    try:
+        issued = issuer.plan({role}, subject, time.time())
+    except TokenRequestError as exc:
+        raise ConfigError(f"no token: {exc}") from None
+    _record_local_action(log, command, TOKEN_ISSUE, issued.audit_target())
+    return issuer.sign(issued)
+
+
+def _local_issuer(settings: Settings) -> LocalIssuer:
     from appliance.auth.local_issuer import LocalIssuer
-    from audit.event import Outcome, admin_action
 
     issuer = LocalIssuer.from_settings(settings.auth)
     if issuer is None:
         raise ConfigError(
             "auth.local_issuer is off in these settings: tokens come from the identity provider"
         )
-    token = issuer.mint(role, subject, time.time())
-    claims = jwt.decode(token, options={"verify_signature": False})  # ours, just signed
+    return issuer
+
+
+def _record_local_action(
+    log: AuditLog, command: str, operation: str, target: dict[str, Any]
+) -> None:
+    """Append `admin.<operation>` naming who runs `command` here; raises if it cannot."""
+    from datetime import UTC, datetime
+
+    from audit.event import Outcome, admin_action
+
     log.append(
         admin_action(
             time=datetime.now(UTC),
             actor=_local_operator(command),
             source_address=None,
             request_id=None,
-            operation="token.issue",
+            operation=operation,
             outcome=Outcome.SUCCESS,
-            target={
-                "issuer": claims["iss"],
-                "subject": subject,
-                "roles": [role.value],
-                "token_id": claims["jti"],
-                "expires": datetime.fromtimestamp(claims["exp"], UTC).isoformat(),
-            },
+            target=target,
         )
     )
-    return token
 
 
 def _run_token(args: argparse.Namespace) -> int:
@@ -449,6 +477,49 @@ def _run_token(args: argparse.Namespace) -> int:
         token = _mint(settings, log, Role(args.role), args.sub, "inferno token")
     print(token)
     return 0
+
+
+def _run_console_link(args: argparse.Namespace) -> int:
+    """Print a sign-in link of the local issuer (appliance.auth.console_ticket), its issue
+    recorded in the audit log (`admin.console.sign_in_link`, the ticket's id, never the
+    ticket) before it is printed."""
+    import time
+    from datetime import UTC, datetime
+
+    from appliance.auth.console_ticket import TicketError, mint_console_ticket
+    from appliance.boot.startup import open_audit_log
+    from appliance.config import load_settings
+
+    settings = load_settings(_settings_file(args.config, demo_default=True))
+    base = args.url.rstrip("/") if args.url else _console_origin(settings)
+    issuer = _local_issuer(settings)
+    try:
+        text, ticket = mint_console_ticket(issuer, Role(args.role), args.sub, time.time())
+    except TicketError as exc:
+        raise ConfigError(f"no link: {exc}") from None
+    target = {
+        "issuer": ticket.principal.issuer,
+        "subject": ticket.principal.subject,
+        "roles": sorted(ticket.principal.roles),
+        "ticket_id": ticket.ticket_id,
+        "expires": datetime.fromtimestamp(ticket.expires_at, UTC).isoformat(),
+    }
+    with open_audit_log(settings.audit) as log:
+        _record_local_action(log, "inferno console-link", "console.sign_in_link", target)
+    print(f"{base}/console/login/local?ticket={text}")
+    return 0
+
+
+def _console_origin(settings: Settings) -> str:
+    """The origin the settings serve on, as a browser on this machine reaches it."""
+    server = settings.server
+    if server.port == 0:
+        raise ConfigError(
+            "the settings name port 0 (a free port picked at start): give --url https://HOST:PORT"
+        )
+    host = "127.0.0.1" if server.host in ("0.0.0.0", "::", "") else server.host
+    scheme = "http" if server.insecure_http else "https"
+    return f"{scheme}://{f'[{host}]' if ':' in host else host}:{server.port}"
 
 
 def _run_audit_export(args: argparse.Namespace) -> int:

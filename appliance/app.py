@@ -48,9 +48,9 @@ from appliance.auth.sessions import SessionStore
 from appliance.boot.startup import StartUp
 from appliance.boot.weights import LoadedModel
 from appliance.config import Settings
-from appliance.console import attestation_records, audit_export, usage_page
+from appliance.console import attestation_records, audit_export, ticket_sign_in, tokens, usage_page
 from appliance.console import routes as console
-from appliance.console.pages import ConsolePages
+from appliance.console.pages import ConsolePages, SignIn
 from attestation.keys import KeyProvider
 from audit.log import AuditLog
 
@@ -100,9 +100,8 @@ def build(
     if auth.local_issuer == "break-glass":
         logger.warning("auth.local_issuer = break-glass: tokens of `inferno token` are accepted")
     idp_http = IdpHttp(idp_tls_context(auth.ca_file), auth.fetch_timeout_s)
-    authenticator = Authenticator.from_settings(
-        auth, idp_http, LocalIssuer.from_settings(auth), time.time
-    )
+    local_issuer = LocalIssuer.from_settings(auth)
+    authenticator = Authenticator.from_settings(auth, idp_http, local_issuer, time.time)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -146,7 +145,10 @@ def build(
     app.state.console_login = login
     install_error_handlers(app)
     # Logout continues at the identity provider: the console's forms may lead there.
-    pages = ConsolePages(() if login is None else (login.issuer_origin,))
+    pages = ConsolePages(
+        () if login is None else (login.issuer_origin,),
+        sign_in=SignIn(idp=login is not None, local=local_issuer is not None),
+    )
     console.install(
         app,
         console.ConsoleServices(
@@ -159,14 +161,15 @@ def build(
             readiness=readiness,
             metrics=server_metrics,
             authenticator=authenticator,
+            local_issuer=local_issuer,
         ),
     )
-    routers = (models, chat, completions, audit_proofs, attestation, health, metrics, console_login)
-    for module in routers:
+    routers = (models, chat, completions, audit_proofs, attestation, health, metrics,
+               console_login)  # fmt: skip
+    # The console's pages beside routes.py's, each module with its own router.
+    console_pages = (tokens, ticket_sign_in, attestation_records, audit_export, usage_page)
+    for module in (*routers, *console_pages):
         app.include_router(module.router)
-    # The console's attestation records, audit export and usage pages (routes.py has the rest).
-    for page in (attestation_records, audit_export, usage_page):
-        app.include_router(page.router)
     app.openapi = partial(_openapi, app)  # type: ignore[method-assign]
     app.add_middleware(BodySizeLimit, max_bytes=settings.server.max_request_body_bytes)
     # Outside the size limit: an unauthenticated upload is refused before its body is read.

@@ -171,6 +171,7 @@ class DemoBanner:
             f"Tokens (user, admin; valid {self.token_ttl_s // 60} min): {self.tokens_file}"
             " (owner-only)\n"
             f"  load them: . {tokens}   more: inferno token --role ROLE --sub NAME\n"
+            f"Console: {self.url}/console/  (sign in: inferno console-link)\n"
             'TEE: UNVERIFIED (tee.mode = "insecure-dev": nothing is attested, and every '
             "response says so)\n"
             "\n"

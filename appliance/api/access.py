@@ -91,6 +91,9 @@ ROUTE_ACCESS: Mapping[str, Rule] = {
     ),
     "/console/login": Public("starts a login: the IdP authenticates"),
     "/console/callback": Public("ends a login: the code, state and PKCE verifier authenticate"),
+    "/console/login/local": Public(
+        "ends a sign-in with a one-time link: the local issuer's signed ticket authenticates"
+    ),
     "/console/session": Console(ANY_ROLE),
     "/console/logout": Console(ANY_ROLE),
     # The console's pages (appliance.console): auditors see attestation and the audit log only.
@@ -108,6 +111,7 @@ ROUTE_ACCESS: Mapping[str, Rule] = {
     "/console/usage/csv": Console(ADMIN),
     "/console/access": Console(ADMIN),
     "/console/access/sessions/{handle}/revoke": Console(ADMIN),
+    "/console/access/tokens": Console(ADMIN),
     "/console/system": Console(ADMIN),
     "/console/system/drain": Console(ADMIN),
 }

@@ -11,6 +11,7 @@ rules: `appliance.api.access.ROUTE_ACCESS`.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Request
@@ -95,14 +96,16 @@ async def current_session(session: CurrentSession) -> dict[str, Any]:
 
 
 @router.post("/logout")
-async def logout(
-    session: CurrentSession, sessions: Sessions, console_login: Login
-) -> RedirectResponse:
+async def logout(request: Request, session: CurrentSession, sessions: Sessions) -> RedirectResponse:
     await asyncio.to_thread(sessions.delete, session.id)
-    try:
-        target = await console_login.logout_url(session.id_token)
-    except LoginError:
-        target = None  # the session here is over either way
-    response = RedirectResponse(target or "/console/login", status_code=303)
+    console_login: ConsoleLogin | None = request.app.state.console_login
+    target = None
+    # A session of a one-time sign-in link (appliance.auth.console_ticket) has no ID token:
+    # there is no session at an identity provider to end.
+    if console_login is not None and session.id_token:
+        with contextlib.suppress(LoginError):  # the session here is over either way
+            target = await console_login.logout_url(session.id_token)
+    signed_out = "/console/login" if console_login is not None else "/console/"
+    response = RedirectResponse(target or signed_out, status_code=303)
     response.headers.append("set-cookie", expired_cookie())
     return response

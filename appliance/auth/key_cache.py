@@ -50,6 +50,13 @@ class KeyStatus:
     # Fetched keys past the staleness limit: every token of the issuer is refused until a
     # fetch succeeds.
     stale: bool
+    # Fetched keys: when the first token after it refreshes them (fetched_at + ttl_s), and
+    # when they go stale unless a refresh succeeds (fetched_at + max_staleness_s).
+    refresh_at: float | None = None
+    stale_at: float | None = None
+    # The last fetch tried; later than fetched_at when it failed (the IdP unreachable, or its
+    # answer unusable).
+    last_attempt_at: float | None = None
 
 
 class KeySource(Protocol):
@@ -149,9 +156,17 @@ class FetchedKeys:
     def status(self) -> KeyStatus:
         cached = self._cached
         if cached is None:
-            return KeyStatus(False, (), None, stale=True)
-        stale = self._clock() - cached.fetched_at > self.policy.max_staleness_s
-        return KeyStatus(False, tuple(sorted(cached.key_set.keys)), cached.fetched_at, stale)
+            return KeyStatus(False, (), None, stale=True, last_attempt_at=self._last_attempt)
+        policy, fetched_at = self.policy, cached.fetched_at
+        return KeyStatus(
+            pinned=False,
+            key_ids=tuple(sorted(cached.key_set.keys)),
+            fetched_at=fetched_at,
+            stale=self._clock() - fetched_at > policy.max_staleness_s,
+            refresh_at=fetched_at + policy.ttl_s,
+            stale_at=fetched_at + policy.max_staleness_s,
+            last_attempt_at=self._last_attempt,
+        )
 
     def _expired(self, cached: _Cached, now: float) -> bool:
         return now - cached.fetched_at >= self.policy.ttl_s

@@ -1,5 +1,10 @@
 """The appliance's own token issuer, for the demo and break-glass: an Ed25519 key of its own,
-its own JWK Set, short-lived RFC 9068 access tokens (`inferno token --role ROLE --sub NAME`).
+its own JWK Set, short-lived RFC 9068 access tokens (`inferno token --role ROLE --sub NAME`, the
+console's Access page), and the console's one-time sign-in tickets (`console_ticket`).
+
+A token is planned (`plan`: its id, subject, roles and lifetime), recorded in the audit log by
+the caller (`IssuedToken.audit_target`, under `TOKEN_ISSUE`), and only then signed (`sign`):
+the audit log names every token handed out, by id, never by value.
 
 Off unless `auth.local_issuer` enables it; refused in a config with identity providers unless
 that says "break-glass" (`appliance.auth.settings`). Its tokens are verified like any IdP's,
@@ -14,22 +19,60 @@ import json
 import os
 import secrets
 import stat
+from collections.abc import Collection
+from dataclasses import dataclass
+from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any
 
 import jwt
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from appliance.auth.access_token import AccessTokenPolicy, AccessTokenVerifier
-from appliance.auth.errors import AuthConfigError
+from appliance.auth.errors import AuthConfigError, AuthError
 from appliance.auth.key_cache import PinnedKeys
 from appliance.auth.keyset import KeySet
-from appliance.auth.roles import ClaimPath, Role, RoleMapping
+from appliance.auth.roles import SEPARATED_ROLES, ClaimPath, Role, RoleMapping
 from appliance.auth.settings import AuthSettings
 
 LOCAL_ISSUER = "urn:inferno:local-issuer"
 LOCAL_AUDIENCE = "urn:inferno:api"
 LOCAL_CLIENT_ID = "inferno-token"
+LOCAL_ROLE_MAPPING = RoleMapping(
+    (ClaimPath(("roles",)),), {role: frozenset({role.value}) for role in Role}
+)
+"""The local issuer's tokens name their roles in `roles`, by the roles' own names."""
+TOKEN_ISSUE = "token.issue"
+"""The admin operation (`admin.token.issue`) recorded before a local token is signed."""
+MIN_TOKEN_TTL_S = 60
+MAX_SUBJECT_CHARS = 256
+
+
+class TokenRequestError(AuthError):
+    """A token the local issuer will not make (no role, roles kept apart, a lifetime out of
+    bounds, an unusable subject); the message says which."""
+
+
+@dataclass(frozen=True, slots=True)
+class IssuedToken:
+    """A local token about to be signed: what the audit log records of it (never the token)."""
+
+    token_id: str
+    subject: str
+    roles: frozenset[Role]
+    issued_at: int
+    expires_at: int
+
+    def audit_target(self) -> dict[str, Any]:
+        return {
+            "issuer": LOCAL_ISSUER,
+            "subject": self.subject,
+            "roles": sorted(self.roles),
+            "token_id": self.token_id,
+            "issued": datetime.fromtimestamp(self.issued_at, UTC).isoformat(),
+            "expires": datetime.fromtimestamp(self.expires_at, UTC).isoformat(),
+        }
 
 
 class LocalIssuer:
@@ -87,21 +130,56 @@ class LocalIssuer:
         return cls(key, token_ttl_s)
 
     def mint(self, role: Role, subject: str, now: float) -> str:
-        """A bearer access token for `subject` with one role, valid for `token_ttl_s`."""
+        """A bearer access token for `subject` with one role, valid for `token_ttl_s`, signed
+        at once (tests, benchmarks: nothing audited)."""
+        return self.sign(self.plan({role}, subject, now))
+
+    def plan(
+        self, roles: Collection[Role], subject: str, now: float, ttl_s: int | None = None
+    ) -> IssuedToken:
+        """The token to issue to `subject` with `roles`, valid `ttl_s` (at most, and by
+        default, `token_ttl_s`). Raises `TokenRequestError`."""
+        ttl_s = self.token_ttl_s if ttl_s is None else ttl_s
+        if not MIN_TOKEN_TTL_S <= ttl_s <= self.token_ttl_s:
+            raise TokenRequestError(
+                f"a token lives {MIN_TOKEN_TTL_S} s to {self.token_ttl_s} s "
+                "(auth.local_issuer_token_ttl_s)"
+            )
+        if not subject.strip() or len(subject) > MAX_SUBJECT_CHARS or not subject.isprintable():
+            raise TokenRequestError(
+                f"the subject must be 1 to {MAX_SUBJECT_CHARS} printable characters"
+            )
+        if not roles:
+            raise TokenRequestError("a token must grant at least one role")
+        if set(roles) >= SEPARATED_ROLES:
+            raise TokenRequestError(
+                "admin and auditor are kept apart (separation of duties): grant one of them"
+            )
         issued = int(now)
+        return IssuedToken(
+            secrets.token_urlsafe(16), subject, frozenset(roles), issued, issued + ttl_s
+        )
+
+    def sign(self, token: IssuedToken) -> str:
+        """The RFC 9068 access token `token` describes."""
         claims = {
             "iss": LOCAL_ISSUER,
             "aud": LOCAL_AUDIENCE,
-            "sub": subject,
+            "sub": token.subject,
             "client_id": LOCAL_CLIENT_ID,
-            "roles": [role.value],
-            "iat": issued,
-            "nbf": issued,
-            "exp": issued + self.token_ttl_s,
-            "jti": secrets.token_urlsafe(16),
+            "roles": sorted(token.roles),
+            "iat": token.issued_at,
+            "nbf": token.issued_at,
+            "exp": token.expires_at,
+            "jti": token.token_id,
         }
-        headers = {"kid": self.kid, "typ": "at+jwt"}
-        return jwt.encode(claims, self._key, algorithm="EdDSA", headers=headers)
+        return self.sign_jwt(claims, "at+jwt")
+
+    def sign_jwt(self, claims: dict[str, Any], typ: str) -> str:
+        """`claims` signed with this issuer's key, the header naming its key and `typ`."""
+        return jwt.encode(
+            claims, self._key, algorithm="EdDSA", headers={"kid": self.kid, "typ": typ}
+        )
 
     def verifier(self, leeway_s: int) -> AccessTokenVerifier:
         policy = AccessTokenPolicy(
@@ -110,9 +188,7 @@ class LocalIssuer:
             algorithms=frozenset({"EdDSA"}),
             require_access_token_type=True,
             leeway_s=leeway_s,
-            role_mapping=RoleMapping(
-                (ClaimPath(("roles",)),), {role: frozenset({role.value}) for role in Role}
-            ),
+            role_mapping=LOCAL_ROLE_MAPPING,
         )
         return AccessTokenVerifier(policy, PinnedKeys(self.jwks))
 

@@ -7,6 +7,9 @@ database (or a backup of it) holds no usable cookie. Each session's CSRF token i
 its id (HMAC-SHA256 keyed by the id), so it is not stored either, and only the holder of the
 cookie can know it (synchronizer token pattern). A session ends after `idle_timeout_s` without
 use, after `absolute_timeout_s` in all, at logout, or when an admin revokes it.
+
+A one-time sign-in ticket (`appliance.auth.console_ticket`) is redeemed into a session once:
+its id goes into `console_redeemed_tickets` in the transaction that creates the session.
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ from sqlalchemy import (
     text,
     update,
 )
-from sqlalchemy.exc import SQLAlchemyError
+from sqlalchemy.exc import IntegrityError, SQLAlchemyError
 from sqlalchemy.schema import CreateTable
 
 from appliance.auth.errors import AuthError, AuthorizationError
@@ -66,6 +69,14 @@ console_sessions = Table(
     Column("id_token", Text, nullable=False),
     Column("created_at", Float, nullable=False),
     Column("last_seen_at", Float, nullable=False),
+)
+
+# The ids of redeemed sign-in tickets, each kept until the ticket could no longer be used.
+redeemed_tickets = Table(
+    "console_redeemed_tickets",
+    metadata,
+    Column("ticket_id", String(64), primary_key=True),
+    Column("usable_until", Float, nullable=False),
 )
 
 
@@ -150,6 +161,7 @@ class SessionStore:
                 if engine.dialect.name == "postgresql":
                     conn.execute(text("SELECT pg_advisory_xact_lock(hashtext('inferno sessions'))"))
                 conn.execute(CreateTable(console_sessions, if_not_exists=True))
+                conn.execute(CreateTable(redeemed_tickets, if_not_exists=True))
         except SQLAlchemyError as exc:
             raise SessionStoreError(f"cannot open the console sessions' database: {exc}") from exc
         return cls(engine, idle_timeout_s, absolute_timeout_s, clock)
@@ -160,24 +172,43 @@ class SessionStore:
     def create(self, principal: Principal, id_token: str) -> Session:
         """A new session for `principal`; expired sessions and those past MAX_SESSIONS (least
         recently used first) are removed on the way."""
+        with self._transaction("create a session") as conn:
+            return self._create(conn, principal, id_token, self._clock())
+
+    def redeem(self, ticket_id: str, usable_until: float, principal: Principal) -> Session | None:
+        """A new session for `principal` from the sign-in ticket `ticket_id`, or None if that
+        ticket was redeemed before (its id is kept until `usable_until`, after which the ticket
+        is refused as expired anyway)."""
         now = self._clock()
+        try:
+            with self._transaction("redeem a sign-in ticket") as conn:
+                conn.execute(delete(redeemed_tickets).where(redeemed_tickets.c.usable_until < now))
+                conn.execute(
+                    redeemed_tickets.insert().values(ticket_id=ticket_id, usable_until=usable_until)
+                )
+                return self._create(conn, principal, "", now)
+        except SessionStoreError as exc:
+            if isinstance(exc.__cause__, IntegrityError):  # its id is there: a replay
+                return None
+            raise
+
+    def _create(self, conn: Connection, principal: Principal, id_token: str, now: float) -> Session:
         session_id = secrets.token_urlsafe(32)
         record = SessionRecord(hash_session_id(session_id), principal, id_token, now, now)
-        with self._transaction("create a session") as conn:
-            conn.execute(delete(console_sessions).where(self._expired(now)))
-            conn.execute(console_sessions.insert().values(_row(record)))
-            excess = conn.execute(select(func.count()).select_from(console_sessions)).scalar_one()
-            if excess > MAX_SESSIONS:
-                oldest = (
-                    select(console_sessions.c.id_hash)
-                    .order_by(console_sessions.c.last_seen_at)
-                    .limit(excess - MAX_SESSIONS)
+        conn.execute(delete(console_sessions).where(self._expired(now)))
+        conn.execute(console_sessions.insert().values(_row(record)))
+        excess = conn.execute(select(func.count()).select_from(console_sessions)).scalar_one()
+        if excess > MAX_SESSIONS:
+            oldest = (
+                select(console_sessions.c.id_hash)
+                .order_by(console_sessions.c.last_seen_at)
+                .limit(excess - MAX_SESSIONS)
+            )
+            conn.execute(
+                delete(console_sessions).where(
+                    console_sessions.c.id_hash.in_(oldest.scalar_subquery())
                 )
-                conn.execute(
-                    delete(console_sessions).where(
-                        console_sessions.c.id_hash.in_(oldest.scalar_subquery())
-                    )
-                )
+            )
         return Session(session_id, record)
 
     def get(self, session_id: str) -> Session | None:

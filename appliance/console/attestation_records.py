@@ -20,7 +20,7 @@ from appliance.attestation.signing import json_safe
 from appliance.console.audit_search import AuditQuery, search
 from appliance.console.errors import ConsoleError
 from appliance.console.forms import read_form
-from appliance.console.routes import Services, Viewer, _record_admin_action, _render
+from appliance.console.routes import Services, Viewer, record_admin_action, render
 from audit.errors import AuditError
 from audit.event import Action
 
@@ -47,7 +47,7 @@ async def history(request: Request, services: Services, session: Viewer) -> Resp
                                         page_size=HISTORY_PAGE_SIZE)  # fmt: skip
     except AuditError:
         raise ConsoleError(503, "the audit log cannot be read now; try again") from None
-    return _render(
+    return render(
         services, session, "attestation", "attestation_history.html",
         found=found, before=before, page_size=HISTORY_PAGE_SIZE,
     )  # fmt: skip
@@ -74,7 +74,7 @@ async def evidence(request: Request, services: Services, session: Viewer) -> Res
         )
     digest = standing.evidence.digest()
     target = {"evidence_digest": digest, "part": part, "at": standing.verdict.at.isoformat()}
-    await _record_admin_action(request, services, session, "attestation.evidence_export", target)
+    await record_admin_action(request, services, session, "attestation.evidence_export", target)
     whole = json_safe(standing.evidence.to_json())
     body = whole if part == "all" else whole[part]
     name = f"evidence-{digest.removeprefix('sha256:')[:16]}-{part}.json"

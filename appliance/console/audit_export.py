@@ -26,7 +26,7 @@ from starlette.background import BackgroundTask
 from appliance.api.audit_trail import client_address
 from appliance.console.errors import ConsoleError
 from appliance.console.forms import read_form
-from appliance.console.routes import Services, Viewer, _record_admin_action, _render
+from appliance.console.routes import Services, Viewer, record_admin_action, render
 from audit.errors import AuditError, ExportRangeError
 from audit.export import ExportRequest, ExportSummary, export_bundle, resolve_range
 from audit.log import AuditLog
@@ -45,7 +45,7 @@ async def export_page(services: Services, session: Viewer) -> Response:
         checkpoint = await asyncio.to_thread(store.latest_checkpoint)
     except AuditError:
         raise ConsoleError(503, "the audit log cannot be read now; try again") from None
-    return _render(
+    return render(
         services, session, "audit", "audit_export.html",
         size=size, checkpoint=checkpoint, origin=services.trail.log.origin,
         vkey=services.trail.log.vkey, max_entries=MAX_EXPORT_ENTRIES,
@@ -57,7 +57,7 @@ async def export(request: Request, services: Services, session: Viewer) -> Respo
     wanted = parse_export_form(await read_form(request))
     log = services.trail.log
     await asyncio.to_thread(_check_size, log, wanted)
-    await _record_admin_action(request, services, session, "audit.export", wanted.to_details())
+    await record_admin_action(request, services, session, "audit.export", wanted.to_details())
     folder = Path(tempfile.mkdtemp(prefix="inferno-export-"))
     try:
         summary = await asyncio.to_thread(

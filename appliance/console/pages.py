@@ -10,6 +10,7 @@ are not cached: they show sessions, settings and audit entries.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from importlib import resources
 from typing import Any
@@ -27,6 +28,15 @@ SIGNED_OUT: Mapping[str, Any] = {
     "viewer": None, "csrf_token": None, "nav": (), "page": None, "tee_state": None,
 }  # fmt: skip
 """The context of a page shown without a session: no menu, no one named."""
+
+
+@dataclass(frozen=True, slots=True)
+class SignIn:
+    """How people sign in here, as the sign-in page tells them: with the identity provider
+    (`idp`), with a one-time link of the local issuer (`local`, `inferno console-link`)."""
+
+    idp: bool = True
+    local: bool = False
 
 
 def content_security_policy(form_targets: tuple[str, ...]) -> str:
@@ -51,7 +61,8 @@ def content_security_policy(form_targets: tuple[str, ...]) -> str:
 class ConsolePages:
     """The console's templates and headers."""
 
-    def __init__(self, form_targets: tuple[str, ...] = ()) -> None:
+    def __init__(self, form_targets: tuple[str, ...] = (), sign_in: SignIn = SignIn()) -> None:
+        self.sign_in = sign_in
         self._env = Environment(
             loader=PackageLoader("appliance.console", "templates"),
             autoescape=select_autoescape(default=True),
@@ -73,7 +84,7 @@ class ConsolePages:
 
     def error(self, status: int, message: str) -> HTMLResponse:
         """The page of a refusal or failure: what happened, and what to do."""
-        context = {**SIGNED_OUT, "status": status, "message": message}
+        context = {**SIGNED_OUT, "status": status, "message": message, "sign_in": self.sign_in}
         return self.render("error.html", context, status)
 
     def static(self, name: str) -> tuple[bytes, str] | None:

@@ -27,6 +27,7 @@ from appliance.api.metrics import ServerMetrics
 from appliance.api.readiness import Readiness
 from appliance.attestation.service import TeeService
 from appliance.auth.authenticator import Authenticator
+from appliance.auth.local_issuer import LOCAL_ROLE_MAPPING, LocalIssuer
 from appliance.auth.sessions import Session, SessionRecord, SessionStore, SessionStoreError
 from appliance.config import Settings
 from appliance.console.audit_search import AuditQuery, AuditQueryError, search
@@ -66,6 +67,8 @@ class ConsoleServices:
     readiness: Readiness
     metrics: ServerMetrics
     authenticator: Authenticator
+    # The appliance's own token issuer, where `auth.local_issuer` enables it.
+    local_issuer: LocalIssuer | None = None
 
 
 async def _services(request: Request) -> ConsoleServices:
@@ -88,7 +91,7 @@ def nav_for(session: Session) -> list[tuple[str, str, str]]:
     return visible
 
 
-def _render(
+def render(
     services: ConsoleServices, session: Session, page: str, template: str, **context: Any
 ) -> HTMLResponse:
     base = {
@@ -101,7 +104,7 @@ def _render(
     return services.pages.render(template, {**base, **context})
 
 
-async def _record_admin_action(
+async def record_admin_action(
     request: Request,
     services: ConsoleServices,
     session: Session,
@@ -140,7 +143,7 @@ async def overview(services: Services, session: Viewer) -> Response:
     hit_rate = None
     if stats is not None and stats.num_prefix_cache_queries:
         hit_rate = stats.num_prefix_cache_hits / stats.num_prefix_cache_queries
-    return _render(
+    return render(
         services, session, "overview", "overview.html",
         attestation=services.tee.standing,
         model_name=services.trail.model_name,
@@ -165,7 +168,7 @@ async def attestation(request: Request, services: Services, session: Viewer) -> 
     if standing is not None and standing.verdict.claims:
         claims = json.dumps(standing.verdict.claims, indent=2, sort_keys=True, default=str)
     history = await _newest(services, AuditQuery(action="attestation.verdict"), HISTORY_SIZE)
-    return _render(
+    return render(
         services, session, "attestation", "attestation.html",
         mode=services.tee.mode,
         attestation=standing,
@@ -212,7 +215,7 @@ async def audit(request: Request, services: Services, session: Viewer) -> Respon
         checkpoint = await asyncio.to_thread(services.trail.log.store.latest_checkpoint)
     except AuditError:
         raise ConsoleError(503, "the audit log cannot be read now; try again") from None
-    return _render(
+    return render(
         services, session, "audit", "audit.html",
         form=form, outcomes=[str(o) for o in Outcome], page_of=found, error=error, older=older,
         origin=services.trail.log.origin, vkey=services.trail.log.vkey, checkpoint=checkpoint,
@@ -241,7 +244,7 @@ async def audit_entry(
         headers = {**services.pages.headers,
                    "Content-Disposition": f'attachment; filename="{name}"'}  # fmt: skip
         return Response(body, media_type="text/plain; charset=utf-8", headers=headers)
-    return _render(
+    return render(
         services, session, "audit", "audit_entry.html",
         index=position,
         entry=json.dumps(json.loads(data), indent=2, sort_keys=True, ensure_ascii=False),
@@ -273,7 +276,7 @@ async def access(request: Request, services: Services, session: Viewer) -> Respo
         "last_seen",
         default_descending=True,
     )
-    return _render(
+    return render(
         services, session, "access", "access.html",
         table=table,
         expires_at=services.sessions.expires_at,
@@ -283,6 +286,9 @@ async def access(request: Request, services: Services, session: Viewer) -> Respo
             issuer: verifier.keys.status()
             for issuer, verifier in services.authenticator.verifiers.items()
         },
+        role_mappings={i.issuer: i.role_mapping() for i in services.settings.auth.issuers},
+        local_issuer=services.local_issuer,
+        local_role_mapping=LOCAL_ROLE_MAPPING,
         revoked=request.query_params.get("revoked") == "1",
     )  # fmt: skip
 
@@ -290,7 +296,7 @@ async def access(request: Request, services: Services, session: Viewer) -> Respo
 @router.get("/system")
 async def system(request: Request, services: Services, session: Viewer) -> Response:
     status, reason = services.readiness.state()
-    return _render(
+    return render(
         services, session, "system", "system.html",
         version=services.version,
         sections=redacted_settings(services.settings),
@@ -310,7 +316,7 @@ async def reattest(request: Request, services: Services, session: Viewer) -> Res
         raise ConsoleError(
             409, 'nothing is attested in tee.mode = "insecure-dev", so there is nothing to redo'
         )
-    await _record_admin_action(request, services, session, "tee.reattest", {"state": tee.state()})
+    await record_admin_action(request, services, session, "tee.reattest", {"state": tee.state()})
     # The re-attestation timer (start-up step 8) runs at once, records the verdict, and stops
     # inference if it fails.
     tee.reattest_requested.set()
@@ -324,7 +330,7 @@ async def drain(request: Request, services: Services, session: Viewer) -> Respon
         raise ConsoleError(
             400, "draining needs its confirmation: tick the box that says what it does"
         )
-    await _record_admin_action(request, services, session, "server.drain", {})
+    await record_admin_action(request, services, session, "server.drain", {})
     services.readiness.drain(session.principal.subject)
     return RedirectResponse("/console/system", status_code=303)
 
@@ -336,7 +342,7 @@ async def revoke(handle: str, request: Request, services: Services, session: Vie
     if record is None:
         raise ConsoleError(404, "no such session: it may have ended already")
     target = _session_target(record)
-    await _record_admin_action(request, services, session, "session.revoke", target)
+    await record_admin_action(request, services, session, "session.revoke", target)
     try:
         await asyncio.to_thread(services.sessions.revoke, handle)
     except SessionStoreError:

@@ -18,8 +18,8 @@ from appliance.console.routes import (
     ConsoleServices,
     Services,
     Viewer,
-    _record_admin_action,
-    _render,
+    record_admin_action,
+    render,
 )
 from appliance.console.table import TablePage, sort_and_page
 from appliance.console.usage import (
@@ -54,7 +54,7 @@ async def usage(request: Request, services: Services, session: Viewer) -> Respon
     def href(**changes: object) -> str:
         return "?" + urlencode({**base, **{k: str(v) for k, v in changes.items()}})
 
-    return _render(
+    return render(
         services, session, "usage", "usage.html",
         form=base, period=period, groups=GROUPS, by=by, usage=tallied, table=table, href=href,
         max_days=MAX_PERIOD.days,
@@ -66,7 +66,7 @@ async def usage_csv(request: Request, services: Services, session: Viewer) -> Re
     period = _period(await read_form(request))
     tallied = await _read(services, period)
     target = {"since": period.since.isoformat(), "until": period.until.isoformat()}
-    await _record_admin_action(request, services, session, "usage.export", target)
+    await record_admin_action(request, services, session, "usage.export", target)
     name = f"usage-{period.since:%Y%m%dT%H%M}-{period.until:%Y%m%dT%H%M}.csv"
     headers = {**services.pages.headers, "Content-Disposition": f'attachment; filename="{name}"'}
     return Response(to_csv(tallied), media_type="text/csv; charset=utf-8", headers=headers)

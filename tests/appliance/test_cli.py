@@ -224,6 +224,16 @@ def test_demo_serves_the_embedded_model_over_https_and_says_how_to_call_it(
                 proof = f"{url}/v1/audit/proof/0"
                 assert http.get(proof, headers=_bearer(minted.stdout.strip())).status_code == 200
                 assert http.get(proof, headers=_bearer(admin_token)).status_code == 403
+                # The banner says where the console is; `inferno console-link` signs an admin
+                # in there once (--url: this demo listens on a port picked at start).
+                assert _line(banner, "Console:").startswith(f"Console: {url}/console/ ")
+                assert "inferno console-link" in _line(banner, "Console:")
+                linked = _inferno("console-link", "--url", url, env=env)
+                assert linked.returncode == 0, linked.stderr
+                signed_in = http.get(linked.stdout.strip())
+                assert signed_in.status_code == 200 and "Signed in" in signed_in.text
+                assert http.get(f"{url}/console/system").status_code == 200
+                assert http.get(linked.stdout.strip()).status_code == 400  # once only
         finally:
             demo.send_signal(signal.SIGTERM)
             demo.wait(timeout=60)

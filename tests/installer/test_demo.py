@@ -71,3 +71,4 @@ def test_banner_is_short_and_names_the_tokens_file_not_tokens(tmp_path: Path) ->
     assert any(str(banner.tokens_file) in line and "owner-only" in line for line in lines)
     assert lines[-2:] == [f"  {banner.curl_command()}", f"  {banner.openai_command()}"]
     assert "UNVERIFIED" in banner.text()
+    assert any("/console/" in line and "inferno console-link" in line for line in lines)

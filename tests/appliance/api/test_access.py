@@ -41,6 +41,7 @@ EXPECTED: dict[str, Any] = {
     "/openapi.json": "public",  # the schema holds no secret; clients read it before a token
     "/console/login": "public",
     "/console/callback": "public",
+    "/console/login/local": "public",  # the one-time link's signed ticket authenticates
     "/console/session": ("console", set(Role)),
     "/console/logout": ("console", set(Role)),
     "/console/static/{name}": "public",  # stylesheet and script, which sign-in pages need too
@@ -56,6 +57,7 @@ EXPECTED: dict[str, Any] = {
     "/console/usage/csv": ("console", {ADMIN}),
     "/console/access": ("console", {ADMIN}),
     "/console/access/sessions/{handle}/revoke": ("console", {ADMIN}),
+    "/console/access/tokens": ("console", {ADMIN}),
     "/console/system": ("console", {ADMIN}),
     "/console/system/drain": ("console", {ADMIN}),
 }

@@ -142,10 +142,16 @@ def test_idp_down_cached_keys_serve_until_the_staleness_limit_then_refuse(
             keys = appliance.authenticator.verifiers[idp.issuer].keys
             assert keys.status() == KeyStatus(False, (), None, stale=True)  # none fetched yet
             assert await appliance.accepts(token)
-            assert keys.status() == KeyStatus(False, ("key-1",), 1_000_000.0, stale=False)
+            assert keys.status() == KeyStatus(
+                False, ("key-1",), 1_000_000.0, stale=False,
+                refresh_at=1_000_000.0 + TTL_S, stale_at=1_000_000.0 + STALENESS_S,
+                last_attempt_at=1_000_000.0,
+            )  # fmt: skip
             idp.stop()
             clock.now += TTL_S + 1  # due for a refresh, which fails: the cached keys still do
             assert await appliance.accepts(token)
+            failed = keys.status()  # the failed attempt shows, after the last good fetch
+            assert failed.last_attempt_at == clock.now and failed.fetched_at == 1_000_000.0
             clock.now = 1_000_000.0 + STALENESS_S + 1
             assert await appliance.refusal(token) is Reason.KEYS_UNAVAILABLE
             assert keys.status().stale

@@ -11,7 +11,12 @@ import jwt
 import pytest
 
 from appliance.auth.errors import AuthConfigError, AuthenticationError, Reason
-from appliance.auth.local_issuer import LOCAL_AUDIENCE, LOCAL_ISSUER, LocalIssuer
+from appliance.auth.local_issuer import (
+    LOCAL_AUDIENCE,
+    LOCAL_ISSUER,
+    LocalIssuer,
+    TokenRequestError,
+)
 from appliance.auth.roles import Role
 
 
@@ -59,3 +64,34 @@ def test_expired_local_token_is_refused(tmp_path: Path) -> None:
     with pytest.raises(AuthenticationError) as refused:
         asyncio.run(issuer.verifier(0).verify(token, jwt.get_unverified_header(token)))
     assert refused.value.reason is Reason.EXPIRED
+
+
+@pytest.mark.parametrize(
+    ("roles", "subject", "ttl_s", "reason"),
+    [
+        ({Role.ADMIN, Role.AUDITOR}, "ops", 600, "kept apart"),
+        (set(), "ops", 600, "at least one role"),
+        ({Role.USER}, "ops", 601, "60 s to 600 s"),
+        ({Role.USER}, "ops", 59, "60 s to 600 s"),
+        ({Role.USER}, " ", 600, "printable"),
+        ({Role.USER}, "a\nb", 600, "printable"),
+        ({Role.USER}, "x" * 257, 600, "printable"),
+    ],
+)
+def test_plan_refuses_what_no_token_may_be(
+    tmp_path: Path, roles: set[Role], subject: str, ttl_s: int, reason: str
+) -> None:
+    issuer = LocalIssuer.load_or_create(tmp_path / "k.pem", 600)
+    with pytest.raises(TokenRequestError, match=reason):
+        issuer.plan(roles, subject, time.time(), ttl_s)
+
+
+def test_a_planned_token_is_signed_as_planned_with_several_roles(tmp_path: Path) -> None:
+    issuer = LocalIssuer.load_or_create(tmp_path / "k.pem", 600)
+    planned = issuer.plan({Role.USER, Role.SERVICE}, "team", 1_000_000.0, 120)
+    claims = jwt.decode(issuer.sign(planned), options={"verify_signature": False})
+    assert (claims["jti"], claims["roles"]) == (planned.token_id, ["service", "user"])
+    assert (claims["iat"], claims["exp"]) == (1_000_000, 1_000_120)
+    target = planned.audit_target()
+    assert target["token_id"] == planned.token_id and target["roles"] == ["service", "user"]
+    assert target["expires"] == "1970-01-12T13:48:40+00:00"

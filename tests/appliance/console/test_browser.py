@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import socket
+import time
 from collections.abc import Iterator
 from contextlib import ExitStack
 from datetime import UTC, datetime
@@ -22,6 +23,8 @@ from urllib.parse import urlsplit
 
 import pytest
 
+from appliance.auth.console_ticket import mint_console_ticket
+from appliance.auth.roles import Role
 from appliance.config import Settings
 from appliance.engine.engine import Engine
 from audit.__main__ import main as audit_main
@@ -262,6 +265,8 @@ def test_admin_signs_in_and_sees_every_page(
     assert revoke.first.inner_text() == "Revoke"
     issuers = tab.page.locator("table").nth(1).inner_text()
     assert "key ids: key-1" in issuers and "fetched" in issuers  # the IdP's key, as used
+    assert "refreshed at the first token after" in issuers and "refused after" in issuers
+    assert "admin ← admin, inferno-admins" in issuers  # the configured role mapping
 
 
 def test_auditor_sees_attestation_and_audit_only(
@@ -407,3 +412,60 @@ def test_auditor_exports_but_has_no_usage_page(
     assert tab.serious_accessibility_violations() == []
     assert tab.visit("/console/attestation/history").status == 200
     assert tab.visit("/console/usage").status == 403
+
+
+@pytest.fixture(scope="module")
+def demo(
+    api_engine: Engine, smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[RunningServer]:
+    """The appliance with the demo's settings: its local issuer, no identity provider."""
+    settings = make_settings(tmp_path_factory.mktemp("demo"), smollm2_dir)
+    with running_server(settings, api_engine) as running:
+        yield running
+
+
+def test_the_demos_sign_in_link_signs_an_admin_in_once(
+    browser: Browser, demo: RunningServer, tabs: list[Tab]
+) -> None:
+    issuer = demo.app.state.console.local_issuer
+    text, _ = mint_console_ticket(issuer, Role.ADMIN, "demo-admin", time.time())
+    link = f"/console/login/local?ticket={text}"
+    tab = Tab(browser, demo.url)
+    tabs.append(tab)
+    tab.page.goto(link)
+    tab.page.wait_for_url("**/console/")
+    assert tab.page.locator("h1").inner_text() == "Overview"
+    assert tab.page.locator(".who").inner_text().startswith("demo-admin (admin)")
+    tab.visit("/console/", "demo-overview")
+    assert tab.visit("/console/access", "demo-access").status == 200
+    assert tab.serious_accessibility_violations() == []
+    local = tab.page.get_by_role("table", name="The appliance's own issuer").inner_text()
+    assert issuer.kid in local and "admin ← admin" in local
+    tab.page.get_by_role("link", name="Tokens: mint and list").click()
+    assert tab.page.locator("h1").inner_text() == "Local-issuer tokens"
+    tab.page.get_by_label("Subject (who will use it)").fill("team-search")
+    tab.page.get_by_label("service").check()
+    tab.page.get_by_label("Lifetime, minutes").fill("15")
+    tab.page.get_by_role("button", name="Mint token").click()
+    assert tab.page.locator("h1").inner_text() == "Token minted"
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    tab.page.screenshot(path=str(ARTIFACTS / "demo-token-minted.png"), full_page=True)
+    assert tab.serious_accessibility_violations() == []
+    token = tab.page.get_by_label("Bearer token").input_value()
+    assert token.count(".") == 2
+    assert tab.visit("/console/access/tokens", "demo-tokens").status == 200
+    assert tab.serious_accessibility_violations() == []
+    listed = tab.page.locator("table").inner_text()
+    assert "team-search" in listed and "demo-admin" in listed and token not in tab.page.content()
+    # The same link again, in another browser: refused, with the way to a new one.
+    again = Tab(browser, demo.url)
+    tabs.append(again)
+    refused = again.visit(link, "demo-link-used-again")
+    assert refused.status == 400
+    assert "used already" in again.page.content() and "inferno console-link" in again.page.content()
+    assert again.serious_accessibility_violations() == []
+    tab.page.get_by_role("button", name="Sign out").click()
+    tab.page.wait_for_url("**/console/")
+    assert tab.page.locator("h1").inner_text() == "Sign in to use the console"
+    tab.visit(tab.page.url, "demo-signed-out")
+    assert tab.serious_accessibility_violations() == []
