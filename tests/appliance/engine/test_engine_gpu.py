@@ -66,7 +66,7 @@ def _reference(hf_cuda, prompts: list[list[int]]) -> list[list[int]]:
             ids.append(int(out.logits[0, -1].argmax()))
             out = hf_cuda(
                 torch.tensor([[ids[-1]]], device="cuda"),
-                past_key_values=out.past_key_values,
+                cache=out.cache,
                 use_cache=True,
             )
         ref.append(ids)
