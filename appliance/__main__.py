@@ -333,13 +333,15 @@ def _run_import_gguf(args: argparse.Namespace) -> int:
 
 
 def _run_serve(args: argparse.Namespace) -> int:
-    from appliance.app import build
-    from appliance.boot.startup import start_audit_log
     from appliance.config import load_settings
-    from appliance.server import listen, serve
 
+    # Settings first: their errors answer at once, before torch and the app are imported.
     settings = load_settings(_settings_file(args.config, demo_default=False))
     _configure_logging_from(settings, args)
+    from appliance.app import build
+    from appliance.boot.startup import start_audit_log
+    from appliance.server import listen, serve
+
     # The app closes the log at its shutdown (after a SIGTERM the process ends right after);
     # closing it here as well covers a start that fails before serving.
     with start_audit_log(settings) as audit_log:
@@ -469,7 +471,7 @@ def _record_local_action(
 
 
 def _run_token(args: argparse.Namespace) -> int:
-    from appliance.boot.startup import open_audit_log
+    from appliance.boot.audit_log import open_audit_log
     from appliance.config import load_settings
 
     settings = load_settings(_settings_file(args.config, demo_default=True))
@@ -487,7 +489,7 @@ def _run_console_link(args: argparse.Namespace) -> int:
     from datetime import UTC, datetime
 
     from appliance.auth.console_ticket import TicketError, mint_console_ticket
-    from appliance.boot.startup import open_audit_log
+    from appliance.boot.audit_log import open_audit_log
     from appliance.config import load_settings
 
     settings = load_settings(_settings_file(args.config, demo_default=True))
@@ -523,7 +525,7 @@ def _console_origin(settings: Settings) -> str:
 
 
 def _run_audit_export(args: argparse.Namespace) -> int:
-    from appliance.boot.startup import open_audit_log
+    from appliance.boot.audit_log import open_audit_log
     from appliance.config import load_settings
     from audit.export import ExportRequest, export_bundle
 

@@ -47,9 +47,10 @@ from appliance.boot.audit_events import (
     boot_ready,
     boot_start,
 )
+from appliance.boot.audit_log import open_audit_log
 from appliance.boot.key_release import key_provider, release_and_load
 from appliance.boot.weights import LoadedModel
-from appliance.config import AuditSettings, Settings
+from appliance.config import Settings
 from appliance.engine.async_engine import AsyncEngine
 from appliance.engine.engine import EngineConfig
 from appliance.engine.errors import EngineError
@@ -59,8 +60,7 @@ from attestation.errors import AttestationError, CollectionError, KeyReleaseErro
 from attestation.keys import KeyProvider
 from audit.errors import AuditError
 from audit.event import AuditEvent
-from audit.log import AuditLog, AuditLogSettings
-from audit.policy import CheckpointPolicy
+from audit.log import AuditLog
 
 logger = logging.getLogger(__name__)
 
@@ -79,33 +79,6 @@ def start_audit_log(settings: Settings) -> AuditLog:
         log.close()
         raise BootError(f"the audit log cannot record boot.start: {exc}") from exc
     return log
-
-
-def open_audit_log(audit: AuditSettings) -> AuditLog:
-    """The audit log these settings name (the server's, or `inferno audit`'s). Raises
-    BootError saying why it cannot be opened."""
-    try:
-        audit.data_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
-        return AuditLog.open(audit_log_settings(audit))
-    except (AuditError, OSError) as exc:
-        raise BootError(
-            f"the audit log cannot be opened (audit.database_url = "
-            f"{audit.redacted_database_url}, audit.key_dir = {audit.effective_key_dir}): {exc}"
-        ) from exc
-
-
-def audit_log_settings(audit: AuditSettings) -> AuditLogSettings:
-    return AuditLogSettings(
-        origin=audit.origin,
-        database_url=audit.effective_database_url,
-        key_dir=audit.effective_key_dir,
-        policy=CheckpointPolicy(
-            every_entries=audit.checkpoint_every_entries,
-            every_s=audit.checkpoint_every_s,
-            heartbeat_s=audit.heartbeat_s,
-        ),
-        commitment_key_file=audit.commitment_key_file,
-    )
 
 
 def engine_config(settings: Settings) -> EngineConfig:

@@ -23,7 +23,7 @@ import pytest
 
 from appliance.auth.local_issuer import LocalIssuer
 from appliance.auth.roles import Role
-from appliance.boot.startup import audit_log_settings
+from appliance.boot.audit_log import audit_log_settings
 from appliance.config import load_settings
 from audit.encoding import decode_base64
 from audit.merkle import hash_leaf

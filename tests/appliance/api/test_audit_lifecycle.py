@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from appliance.boot.audit_events import config_digest
-from appliance.boot.startup import audit_log_settings
+from appliance.boot.audit_log import audit_log_settings
 from appliance.engine.engine import Engine
 from audit.store import AuditStore
 from tests.appliance.api.conftest import (

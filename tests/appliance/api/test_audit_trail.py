@@ -17,7 +17,7 @@ from typing import Any
 import httpx
 import pytest
 
-from appliance.boot.startup import open_audit_log
+from appliance.boot.audit_log import open_audit_log
 from appliance.engine.engine import Engine
 from audit.commitment import ContentCommitter
 from audit.encoding import decode_base64

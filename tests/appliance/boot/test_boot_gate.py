@@ -20,7 +20,8 @@ from appliance.attestation.service import TeeService
 from appliance.attestation.signing import verify_signed_verdict
 from appliance.auth.local_issuer import LocalIssuer
 from appliance.auth.roles import Role
-from appliance.boot.startup import open_audit_log, start_audit_log
+from appliance.boot.audit_log import open_audit_log
+from appliance.boot.startup import start_audit_log
 from appliance.boot.weights import LoadedModel
 from appliance.config import Settings, settings_from_mapping
 from appliance.engine.engine import Engine, EngineConfig

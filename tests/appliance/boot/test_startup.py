@@ -15,7 +15,8 @@ import pytest
 
 from appliance.attestation.service import TeeService
 from appliance.boot.audit_events import config_digest
-from appliance.boot.startup import open_audit_log, reattest_periodically, start_audit_log
+from appliance.boot.audit_log import open_audit_log
+from appliance.boot.startup import reattest_periodically, start_audit_log
 from appliance.config import Settings
 from appliance.errors import BootError
 from audit.log import SIGNING_KEY_FILE
