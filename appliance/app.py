@@ -1,8 +1,9 @@
 """The composition root: `build(settings, audit_log)` wires the TEE service, the start-up
-sequence, the audit trail, access control, the API routes, metrics, limits and middleware into
-one FastAPI app. Nothing here runs at import, and nothing here decides: the start-up sequence
-(appliance.boot.startup) runs with the app's lifespan and stops with it, and the audit log
-closes after it.
+sequence, the audit trail, access control, the API routes, metrics, limits, the console and
+middleware into one FastAPI app. Nothing here runs at import, and nothing here decides: the
+start-up sequence (appliance.boot.startup) and the console's time series
+(appliance.console.series) run with the app's lifespan and stop with it, and the audit log
+closes after them.
 """
 
 from __future__ import annotations
@@ -50,7 +51,9 @@ from appliance.boot.weights import LoadedModel
 from appliance.config import Settings
 from appliance.console import attestation_records, audit_export, ticket_sign_in, tokens, usage_page
 from appliance.console import routes as console
+from appliance.console.gpus import GpuMonitor
 from appliance.console.pages import ConsolePages, SignIn
+from appliance.console.series import SAMPLE_INTERVAL_S, SeriesSampler
 from attestation.keys import KeyProvider
 from audit.log import AuditLog
 
@@ -67,6 +70,7 @@ def build(
     model: LoadedModel | None = None,
     tee: TeeService | None = None,
     keys: KeyProvider | None = None,
+    series_interval_s: float = SAMPLE_INTERVAL_S,
 ) -> FastAPI:
     """The appliance's HTTP app.
 
@@ -80,7 +84,8 @@ def build(
     runs (or why one failed). With `model` (the demo, tests, benchmarks: insecure-dev only),
     that model is served; its engine is not closed afterwards, so several apps in turn can share
     one. A sealed model's data key comes from `keys`, by default the provider `settings.sealed`
-    names. Raises BootError for what could never start (StartUp.prepare).
+    names. The console's time series is sampled every `series_interval_s` while the app runs
+    (tests shorten it). Raises BootError for what could never start (StartUp.prepare).
     """
     readiness = Readiness(lambda: audit_log.failure)
     admission = Admission(settings.server.max_concurrent_requests, settings.server.retry_after_s)
@@ -96,6 +101,7 @@ def build(
         model=model,
         keys=keys,
     )
+    sampler = SeriesSampler(server_metrics, GpuMonitor(), series_interval_s)
     auth = settings.auth
     if auth.local_issuer == "break-glass":
         logger.warning("auth.local_issuer = break-glass: tokens of `inferno token` are accepted")
@@ -106,9 +112,11 @@ def build(
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         starting = asyncio.create_task(start_up.run())
+        sampler.start()
         try:
             yield
         finally:
+            await sampler.stop()
             await starting  # a load in progress cannot be interrupted
             await start_up.stop()
             await trail.close(timeout_s=_AUDIT_CLOSE_TIMEOUT_S)
@@ -161,6 +169,8 @@ def build(
             readiness=readiness,
             metrics=server_metrics,
             authenticator=authenticator,
+            sampler=sampler,
+            sealed_manifest=lambda: start_up.sealed_manifest,
             local_issuer=local_issuer,
         ),
     )

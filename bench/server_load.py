@@ -15,6 +15,15 @@ end entry the `[DONE]`).
     python bench/server_load.py --model DIR --device cpu --rates 1 --duration-s 10 \\
         --prompt-tokens 32 --output-tokens 16     # any model directory, e.g. a CPU smoke run
     python bench/server_load.py --stub-model      # no model math: the server's own CPU cost
+    python bench/server_load.py --rates 0,10 --console [--repeat 2]
+        # the admin console's cost: each rate runs without, then with, one console open
+
+With `--console`, each rate runs twice (or 2 × --repeat times, alternating which goes first):
+without a console, and with one console "open": an admin session, made in the server's session
+store (the audit database) as a login would, fetches the Overview page and its files once,
+then polls `/console/overview/series` at the charts' cadence (the series' interval, waiting
+for each answer as the page's script does). Rate 0 is no API load at all: the console's cost
+alone. The time series itself is sampled in both runs (the server always samples it).
 
 Prints the device, the commit (INFERNO_COMMIT or git) and Markdown rows for docs/BENCHMARKS.md.
 """
@@ -23,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import datetime
 import json
 import os
@@ -209,6 +219,72 @@ def cpu_s(pid: int) -> tuple[float, float]:
     return read(f"/proc/{pid}/stat"), read(f"/proc/{pid}/task/{pid}/stat")
 
 
+# The console.
+
+
+def console_session(config: Path) -> str:
+    """A console session id for an admin, made in the session store the server reads (its
+    audit database), as a login through the identity provider would make it."""
+    from appliance.auth.principal import Principal
+    from appliance.auth.roles import Role
+    from appliance.auth.sessions import SessionStore
+    from appliance.config import load_settings
+
+    settings = load_settings(config)
+    auth = settings.auth
+    store = SessionStore.open(
+        settings.audit.effective_database_url,
+        auth.session_idle_timeout_s,
+        auth.session_absolute_timeout_s,
+        time.time,
+    )
+    try:
+        principal = Principal(
+            "urn:inferno:bench", "bench-console", None, frozenset({Role.ADMIN}), time.time() + 86400
+        )
+        return store.create(principal, "bench").id
+    finally:
+        store.close()
+
+
+@dataclass
+class ConsoleViewer:
+    """One open Overview: the page and its files once, then the series polled at the charts'
+    cadence until `stop` is set. `poll_s` holds each poll's time, as the page waits for it."""
+
+    session_id: str
+    ready: asyncio.Event
+    stop: asyncio.Event
+    poll_s: list[float]
+
+    async def run(self, url: str, tls: ssl.SSLContext) -> None:
+        from appliance.auth.sessions import SESSION_COOKIE
+
+        headers = {"Cookie": f"{SESSION_COOKIE}={self.session_id}"}
+        # A poll every 5 s outlives the server's 5 s keep-alive as often as not: like a
+        # browser, the viewer then opens a new TLS connection (and never sends on one the
+        # server is closing, which keep-alive at 5 s would race).
+        limits = httpx.Limits(keepalive_expiry=2.0)
+        async with httpx.AsyncClient(
+            base_url=url, verify=tls, headers=headers, limits=limits, timeout=60
+        ) as client:
+            for path in ("/console/", "/console/static/console.css",
+                         "/console/static/console.js", "/console/static/overview.js"):  # fmt: skip
+                (await client.get(path)).raise_for_status()
+            known: dict[str, str] = {}  # the series and its last point, as the page holds them
+            while not self.stop.is_set():
+                started = time.perf_counter()
+                answer = await client.get("/console/overview/series", params=known)
+                answer.raise_for_status()
+                body = answer.json()
+                if known:
+                    self.poll_s.append(time.perf_counter() - started)
+                known = {"series": body["series_id"], "after": str(body["last_seq"])}
+                self.ready.set()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self.stop.wait(), body["interval_s"])
+
+
 # The load.
 
 
@@ -250,9 +326,21 @@ async def run_rate(
     args: argparse.Namespace,
     server_pid: int,
     tokens: dict[str, dict[str, str]],
-) -> dict[str, float]:
-    """Poisson arrivals at `rate` for `duration_s`; waits for every request to finish."""
+    console: str | None = None,
+) -> dict[str, float | None]:
+    """Poisson arrivals at `rate` for `duration_s` (none at rate 0); waits for every request
+    to finish. With a `console` session id, one console is open throughout."""
     arrivals = random.Random(args.seed + int(rate * 1000))
+    viewer = None
+    if console is not None:
+        viewer = ConsoleViewer(console, asyncio.Event(), asyncio.Event(), [])
+        viewing = asyncio.create_task(viewer.run(url, tls))
+        await asyncio.wait(
+            [viewing, asyncio.create_task(viewer.ready.wait())],
+            return_when=asyncio.FIRST_COMPLETED,
+        )
+        if viewing.done():
+            viewing.result()  # the console could not open: say why
     # Idle connections are dropped after 2 s, before the server's 5 s keep-alive timeout: with
     # both at 5 s a request sent on a connection the server is closing fails ("Server
     # disconnected without sending a response"), as the 60 s run at 40 req/s did.
@@ -265,7 +353,7 @@ async def run_rate(
         audit_start = await audit_appends(client, tokens["admin"])
         cpu_start, wall_start = cpu_s(server_pid), time.perf_counter()
         tasks = []
-        next_arrival = 0.0
+        next_arrival = 0.0 if rate > 0 else args.duration_s
         while next_arrival < args.duration_s:
             delay = wall_start + next_arrival - time.perf_counter()
             if delay > 0:
@@ -281,18 +369,23 @@ async def run_rate(
         wall = time.perf_counter() - wall_start
         cpu_end = cpu_s(server_pid)
         audit_end = await audit_appends(client, tokens["admin"])
+    if viewer is not None:
+        viewer.stop.set()
+        await viewing
     ttft = sorted(t.ttft_s for t in timings)
     accepted = audit_wait_ms(audit_start, audit_end, "inference.request")
     ended = audit_wait_ms(audit_start, audit_end, "inference.complete")
     tpot = sorted(t.tpot_s for t in timings)
+    polls = sorted(viewer.poll_s) if viewer is not None else []
     return {
         "rate": rate,
+        "console": console is not None,
         "requests": len(timings),
         "achieved_rate": len(timings) / args.duration_s,
-        "ttft_p50_ms": 1e3 * percentile(ttft, 50),
-        "ttft_p99_ms": 1e3 * percentile(ttft, 99),
-        "tpot_p50_ms": 1e3 * percentile(tpot, 50),
-        "tpot_p99_ms": 1e3 * percentile(tpot, 99),
+        "ttft_p50_ms": ms(percentile(ttft, 50)),
+        "ttft_p99_ms": ms(percentile(ttft, 99)),
+        "tpot_p50_ms": ms(percentile(tpot, 50)),
+        "tpot_p99_ms": ms(percentile(tpot, 99)),
         "output_tok_s": sum(t.num_output_tokens for t in timings) / wall,
         "server_cpu": (cpu_end[0] - cpu_start[0]) / wall,
         "event_loop_cpu": (cpu_end[1] - cpu_start[1]) / wall,
@@ -300,8 +393,15 @@ async def run_rate(
         "audit_accepted_p99_ms": accepted[1],
         "audit_end_mean_ms": ended[0],
         "audit_end_p99_ms": ended[1],
+        "console_polls": len(polls),
+        "console_poll_p50_ms": ms(percentile(polls, 50)),
+        "console_poll_p99_ms": ms(percentile(polls, 99)),
         "wall_s": wall,
     }
+
+
+def ms(seconds: float | None) -> float | None:
+    return None if seconds is None else 1e3 * seconds
 
 
 Histogram = dict[str, dict[float, float]]
@@ -327,19 +427,25 @@ async def audit_appends(client: httpx.AsyncClient, admin: dict[str, str]) -> His
     return found
 
 
-def audit_wait_ms(start: Histogram, end: Histogram, action: str) -> tuple[float, float]:
+def audit_wait_ms(
+    start: Histogram, end: Histogram, action: str
+) -> tuple[float | None, float | None]:
     """Mean wait for `action`'s appends between two scrapes, and the upper bound of the bucket
-    that holds their 99th percentile (the histogram knows no finer), in ms."""
-    before, after = start.get(action, {}), end[action]
-    count = after[float("inf")] - before.get(float("inf"), 0.0)
+    that holds their 99th percentile (the histogram knows no finer), in ms; None for none."""
+    before, after = start.get(action, {}), end.get(action, {})
+    count = after.get(float("inf"), 0.0) - before.get(float("inf"), 0.0)
+    if count == 0:
+        return None, None
     mean = (after[-1.0] - before.get(-1.0, 0.0)) / count
     bounds = sorted(bound for bound in after if bound >= 0)
     p99 = next(b for b in bounds if after[b] - before.get(b, 0.0) >= 0.99 * count)
     return 1e3 * mean, 1e3 * p99
 
 
-def percentile(sorted_values: list[float], p: float) -> float:
-    """Nearest-rank percentile."""
+def percentile(sorted_values: list[float], p: float) -> float | None:
+    """Nearest-rank percentile (None of nothing)."""
+    if not sorted_values:
+        return None
     rank = max(1, -(-len(sorted_values) * p // 100))
     return sorted_values[int(rank) - 1]
 
@@ -390,28 +496,90 @@ async def measure(args: argparse.Namespace) -> None:
                 f"\ncommand: {' '.join(sys.argv)}",
                 flush=True,
             )
+            console = console_session(config) if args.console else None
             rows = []
             for rate in args.rates:
-                result = await run_rate(url, tls, model, prompts, rate, args, server.pid, tokens)
-                print(json.dumps(result), flush=True)
-                rows.append(result)
+                for with_console in console_runs(args):
+                    result = await run_rate(
+                        url, tls, model, prompts, rate, args, server.pid, tokens,
+                        console if with_console else None,
+                    )  # fmt: skip
+                    print(json.dumps(result), flush=True)
+                    rows.append(result)
         finally:
             server.terminate()
             server.wait(timeout=120)
-    print(
-        "\n| req/s (achieved) | requests | TTFT p50 / p99 | TPOT p50 / p99 | output tok/s | "
-        "server CPU (of it, event loop) | audit wait, accepted / end: mean (p99 ≤) |"
-        "\n|---|---|---|---|---|---|---|"
-    )
+    print_rows(rows, args.console)
+
+
+def console_runs(args: argparse.Namespace) -> list[bool]:
+    """Whether each run of a rate has a console open: once without, or with --console
+    `--repeat` pairs, alternating which of the pair goes first."""
+    if not args.console:
+        return [False] * args.repeat
+    return [with_console for i in range(args.repeat) for with_console in (i % 2, 1 - i % 2)]
+
+
+def print_rows(rows: list[dict[str, float | None]], console: bool) -> None:
+    def fixed(value: float | None, digits: int) -> str:
+        return "—" if value is None else f"{value:.{digits}f}"
+
+    def bound(value: float | None) -> str:
+        return "—" if value is None else f"{value:g}"
+
+    digits = 1 if console else 0
+
+    header = [
+        "req/s (achieved)", "requests", "TTFT p50 / p99", "TPOT p50 / p99", "output tok/s",
+        "server CPU (of it, event loop)", "audit wait, accepted / end: mean (p99 ≤)",
+    ]  # fmt: skip
+    if console:
+        header[1:1] = ["console"]
+        header.append("series polls, p50 / p99")
+    print("\n| " + " | ".join(header) + " |\n|" + "---|" * len(header))
     for r in rows:
-        print(
-            f"| {r['rate']:g} ({r['achieved_rate']:.1f}) | {r['requests']} | "
-            f"{r['ttft_p50_ms']:.0f} / {r['ttft_p99_ms']:.0f} ms | "
-            f"{r['tpot_p50_ms']:.1f} / {r['tpot_p99_ms']:.1f} ms | {r['output_tok_s']:.0f} | "
-            f"{r['server_cpu']:.0%} of a core ({r['event_loop_cpu']:.0%}) | "
-            f"{r['audit_accepted_mean_ms']:.1f} ms (≤ {r['audit_accepted_p99_ms']:g}) / "
-            f"{r['audit_end_mean_ms']:.1f} ms (≤ {r['audit_end_p99_ms']:g}) |"
-        )
+        cells = [
+            f"{r['rate']:g} ({r['achieved_rate']:.1f})",
+            f"{r['requests']}",
+            f"{fixed(r['ttft_p50_ms'], 0)} / {fixed(r['ttft_p99_ms'], 0)} ms",
+            f"{fixed(r['tpot_p50_ms'], 1)} / {fixed(r['tpot_p99_ms'], 1)} ms",
+            f"{r['output_tok_s']:.0f}",
+            # With a console, its cost is a small share of a core: one decimal.
+            f"{r['server_cpu']:.{digits}%} of a core ({r['event_loop_cpu']:.{digits}%})",
+            f"{fixed(r['audit_accepted_mean_ms'], 1)} ms (≤ {bound(r['audit_accepted_p99_ms'])}) / "
+            f"{fixed(r['audit_end_mean_ms'], 1)} ms (≤ {bound(r['audit_end_p99_ms'])})",
+        ]
+        if console:
+            cells[1:1] = ["open" if r["console"] else "none"]
+            cells.append(
+                f"{r['console_polls']}, {fixed(r['console_poll_p50_ms'], 1)} / "
+                f"{fixed(r['console_poll_p99_ms'], 1)} ms"
+            )
+        print("| " + " | ".join(cells) + " |")
+    if console:
+        print_console_cost(rows)
+
+
+def print_console_cost(rows: list[dict[str, float | None]]) -> None:
+    """Per rate: the console's cost in server CPU and its effect on TTFT p99 (the means of the
+    runs with and without it)."""
+    for rate in sorted({r["rate"] for r in rows}):  # type: ignore[type-var]
+        runs = [r for r in rows if r["rate"] == rate]
+        with_it, without = ([r for r in runs if r["console"] is c] for c in (True, False))
+        cpu_with = mean([r["server_cpu"] for r in with_it]) or 0.0
+        cpu_without = mean([r["server_cpu"] for r in without]) or 0.0
+        line = f"rate {rate:g}: the console costs {100 * (cpu_with - cpu_without):+.1f} % of a core"
+        p99_with = mean([r["ttft_p99_ms"] for r in with_it])
+        p99_without = mean([r["ttft_p99_ms"] for r in without])
+        if p99_with is not None and p99_without:
+            change = p99_with / p99_without - 1
+            line += f"; TTFT p99 {p99_without:.0f} -> {p99_with:.0f} ms ({change:+.1%})"
+        print(line)
+
+
+def mean(values: list[float | None]) -> float | None:
+    present = [v for v in values if v is not None]
+    return sum(present) / len(present) if present else None
 
 
 async def wait_until_ready(url: str, tls: ssl.SSLContext, timeout_s: float = 900) -> None:
@@ -436,6 +604,14 @@ def main() -> None:
     parser.add_argument("--max-decode-burst", type=int, default=1)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
+        "--console",
+        action="store_true",
+        help="run each rate without and with one admin console open (its charts polling)",
+    )
+    parser.add_argument(
+        "--repeat", type=int, default=1, help="runs per rate (with --console: pairs of runs)"
+    )
+    parser.add_argument(
         "--stub-model",
         action="store_true",
         help="bench/engine_host.py's stub model on cpu: the server's own cost, without model math",
@@ -447,6 +623,8 @@ def main() -> None:
         serve_built_model(kind, Path(config))
         return
     args.rates = [float(rate) for rate in args.rates.split(",")]
+    if any(rate < 0 for rate in args.rates) or args.repeat < 1:
+        parser.error("rates must be 0 or more, --repeat 1 or more")
     if args.device is None:
         args.device = "cuda" if args.model is None and not args.stub_model else "cpu"
     asyncio.run(measure(args))

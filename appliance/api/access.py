@@ -99,6 +99,7 @@ ROUTE_ACCESS: Mapping[str, Rule] = {
     # The console's pages (appliance.console): auditors see attestation and the audit log only.
     "/console/static/{name}": Public("the console's stylesheet and script: sign-in pages too"),
     "/console/": Console(CONSOLE_VIEWERS),
+    "/console/overview/series": Console(ADMIN),
     "/console/attestation": Console(CONSOLE_VIEWERS),
     "/console/attestation/reattest": Console(ADMIN),
     "/console/attestation/history": Console(CONSOLE_VIEWERS),

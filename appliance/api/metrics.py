@@ -6,12 +6,14 @@ per output token, end to end, all as the client sees them: from arrival at the s
 counts are recorded as each engine request ends. `inferno:audit_append_seconds` (Inferno's own)
 is how long requests wait for their audit entries, and `inferno:limited_requests` counts the
 requests a per-caller limit refused, by limit. Each app has its own registry: nothing
-global.
+global. The console's time series reads the same request counters (`ServerMetrics.counters`):
+nothing else is counted per request.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Annotated
 
 from fastapi import APIRouter, Depends, Request, Response
@@ -33,6 +35,27 @@ _E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 
 # Inferno's own: a durable append is an fsync or a database round trip (group commit).
 _AUDIT_BUCKETS = (0.0005, 0.001, 0.002, 0.004, 0.006, 0.008, 0.01, 0.015, 0.02, 0.03, 0.05, 0.1,
                   0.25, 0.5, 1.0, 2.5)  # fmt: skip
+
+
+@dataclass(frozen=True, slots=True)
+class HistogramCounts:
+    """A histogram's cumulative bucket counts (`counts[i]` observations at most `bounds[i]`;
+    the last bound is +inf, so the last count is all observations)."""
+
+    bounds: tuple[float, ...]
+    counts: tuple[float, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class ServingCounters:
+    """The request counters since the server started, read at one moment: what the console's
+    time series (appliance.console.series) takes differences of. Counted as each engine request
+    ends, like the Prometheus metrics they are read from."""
+
+    num_requests: float
+    num_output_tokens: float
+    ttft: HistogramCounts
+    tpot: HistogramCounts
 
 
 class ServerMetrics:
@@ -91,6 +114,17 @@ class ServerMetrics:
     def engine_stats(self) -> EngineStats | None:
         """The watched engine's counts now (None before the model is loaded)."""
         return None if self._engine is None else self._engine.stats()
+
+    def counters(self) -> ServingCounters:
+        """The request counters now, read from the metrics themselves (nothing else is counted
+        per request); a few dozen values."""
+        requests = _histogram_counts(self._e2e)
+        return ServingCounters(
+            num_requests=requests.counts[-1],
+            num_output_tokens=_counter_value(self._generation_tokens),
+            ttft=_histogram_counts(self._ttft),
+            tpot=_histogram_counts(self._tpot),
+        )
 
     def observe_request(
         self,
@@ -152,6 +186,27 @@ class ServerMetrics:
             counter = CounterMetricFamily(name, documentation, labels=["model_name"])
             counter.add_metric(labels, value)
             yield counter
+
+
+def _histogram_counts(histogram: Histogram) -> HistogramCounts:
+    """A labelled histogram's cumulative buckets, through prometheus_client's public
+    `collect()`."""
+    bounds, counts = [], []
+    for metric in histogram.collect():
+        for sample in metric.samples:
+            if sample.name.endswith("_bucket"):
+                bounds.append(float(sample.labels["le"]))
+                counts.append(sample.value)
+    return HistogramCounts(tuple(bounds), tuple(counts))
+
+
+def _counter_value(counter: Counter) -> float:
+    return next(
+        sample.value
+        for metric in counter.collect()
+        for sample in metric.samples
+        if sample.name.endswith("_total")
+    )
 
 
 class _EngineCollector(Collector):

@@ -87,6 +87,10 @@ class TeeService:
         self._lock = asyncio.Lock()
         # Set when a client's attestation failed: the re-attestation timer runs at once.
         self.reattest_requested = asyncio.Event()
+        # When the re-attestation timer (appliance.boot.startup) runs next, unless asked
+        # sooner; None while it is not waiting (before the boot verdict, during a
+        # re-attestation, after a failure stopped it).
+        self.next_reattestation: datetime | None = None
 
     def state(self) -> TeeState:
         if self.mode == "insecure-dev":

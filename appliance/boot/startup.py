@@ -33,6 +33,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from datetime import timedelta
 from functools import partial
 
 from appliance.api.admission import Admission
@@ -58,6 +59,7 @@ from appliance.engine.models.config import ModelConfig
 from appliance.errors import BootError, ModelFilesError
 from attestation.errors import AttestationError, CollectionError, KeyReleaseError
 from attestation.keys import KeyProvider
+from attestation.sealed.manifest import SealedManifest
 from audit.errors import AuditError
 from audit.event import AuditEvent
 from audit.log import AuditLog
@@ -119,6 +121,8 @@ class StartUp:
     config: EngineConfig | None
     keys: KeyProvider | None
     engine: AsyncEngine | None = None
+    # The signed manifest of the sealed model served, once served (None: plain weights).
+    sealed_manifest: SealedManifest | None = None
     _reattesting: asyncio.Task[None] | None = field(default=None, repr=False)
 
     @classmethod
@@ -254,6 +258,7 @@ class StartUp:
     ) -> AsyncEngine:
         """Step 7: record `boot.ready`, then start the engine and mark the server ready."""
         self.trail.weights_digest = model.weights_digest
+        self.sealed_manifest = model.sealed_manifest
         ready = boot_ready(
             model=self.trail.model_name,
             weights_digest=model.weights_digest,
@@ -308,20 +313,25 @@ async def reattest_periodically(
     (`tee.reattest_requested`), attest again and record the verdict. On the first failure (or a
     verdict the log cannot record, or anything unexpected: a timer that dies silently would be
     a gate left open) await `on_failure(reason)` and return: inference stays stopped until
-    restart. Runs until cancelled."""
-    while True:
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(tee.reattest_requested.wait(), timeout=interval_s)
-        tee.reattest_requested.clear()
-        try:
-            reason = await _reattest_once(tee, log)
-        except Exception as exc:
-            logger.exception("re-attestation failed unexpectedly")
-            reason = f"re-attestation failed ({type(exc).__name__}); see the server log"
-        if reason is not None:
-            logger.error("%s; inference stops", reason)
-            await on_failure(reason)
-            return
+    restart. Runs until cancelled. While it waits, `tee.next_reattestation` says until when."""
+    try:
+        while True:
+            tee.next_reattestation = tee.clock() + timedelta(seconds=interval_s)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(tee.reattest_requested.wait(), timeout=interval_s)
+            tee.next_reattestation = None
+            tee.reattest_requested.clear()
+            try:
+                reason = await _reattest_once(tee, log)
+            except Exception as exc:
+                logger.exception("re-attestation failed unexpectedly")
+                reason = f"re-attestation failed ({type(exc).__name__}); see the server log"
+            if reason is not None:
+                logger.error("%s; inference stops", reason)
+                await on_failure(reason)
+                return
+    finally:
+        tee.next_reattestation = None
 
 
 async def _reattest_once(tee: TeeService, log: AuditLog) -> str | None:

@@ -23,6 +23,7 @@ from appliance.engine.models.sealed_images import SealedImages, StagingRing
 from appliance.engine.tokenizer import Tokenizer
 from appliance.errors import ModelFilesError
 from attestation.sealed import SealedModel
+from attestation.sealed.manifest import SealedManifest
 from kernels.backend import kernel_ops_for
 
 
@@ -30,6 +31,8 @@ from kernels.backend import kernel_ops_for
 class LoadedModel:
     engine: Engine
     weights_digest: str
+    # The signed manifest a sealed model was decrypted under; None for plain weights.
+    sealed_manifest: SealedManifest | None = None
 
     @classmethod
     def load(cls, config: EngineConfig) -> LoadedModel:
@@ -71,7 +74,8 @@ class LoadedModel:
                 ops=kernel_ops_for(device),
                 weights=images,
             )
-        return cls(Engine.build(config, model, tokenizer), digest_sealed_weights(sealed))
+        engine = Engine.build(config, model, tokenizer)
+        return cls(engine, digest_sealed_weights(sealed), sealed.manifest)
 
 
 def digest_sealed_weights(sealed: SealedModel) -> str:

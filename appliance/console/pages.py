@@ -22,6 +22,7 @@ from markupsafe import Markup
 STATIC_FILES = {
     "console.css": "text/css; charset=utf-8",
     "console.js": "text/javascript; charset=utf-8",
+    "overview.js": "text/javascript; charset=utf-8",
 }
 
 SIGNED_OUT: Mapping[str, Any] = {
@@ -70,6 +71,7 @@ class ConsolePages:
         )
         self._env.filters["time"] = time_element
         self._env.filters["utc"] = format_utc
+        self._env.filters["duration"] = format_duration
         self.headers = {
             "Content-Security-Policy": content_security_policy(form_targets),
             "X-Content-Type-Options": "nosniff",
@@ -110,6 +112,19 @@ def format_utc(moment: datetime | float) -> str:
     """A time as plain text, `2026-11-25 19:12:03 UTC`, for where no element may go (an
     attribute)."""
     return _utc(moment).strftime("%Y-%m-%d %H:%M:%S UTC")
+
+
+def format_duration(seconds: float) -> str:
+    """A span as people say it: `1 h`, `1 h 30 min`, `15 min`, `45 s`, `0.5 s`."""
+    if seconds < 10 and seconds != round(seconds):
+        return f"{seconds:.2g} s"
+    whole = round(seconds)
+    hours, rest = divmod(whole, 3600)
+    minutes, secs = divmod(rest, 60)
+    parts = [f"{hours} h" if hours else "", f"{minutes} min" if minutes else ""]
+    if not hours and (secs or not minutes):
+        parts.append(f"{secs} s")
+    return " ".join(part for part in parts if part)
 
 
 def _utc(moment: datetime | float) -> datetime:

@@ -1,7 +1,9 @@
 """The console's pages and admin actions.
 
 Pages: Overview (admins), Attestation and Audit (admins and auditors), Access and System
-(admins); who may open what is `appliance.api.access.ROUTE_ACCESS`. Every action that changes
+(admins); who may open what is `appliance.api.access.ROUTE_ACCESS`. The Overview's live charts
+poll `/console/overview/series` (JSON: the points of appliance.console.series after the last
+one the page has, and the texts of appliance.console.charts). Every action that changes
 something (re-attest, drain, revoking a session) is first appended to the audit log as
 `admin.<operation>`, naming the admin; if that append fails, the action is refused and nothing
 changes. Actions answer with a redirect to the page they came from (POST-redirect-GET).
@@ -11,7 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Annotated, Any
@@ -30,10 +32,14 @@ from appliance.auth.authenticator import Authenticator
 from appliance.auth.local_issuer import LOCAL_ROLE_MAPPING, LocalIssuer
 from appliance.auth.sessions import Session, SessionRecord, SessionStore, SessionStoreError
 from appliance.config import Settings
+from appliance.console import charts
 from appliance.console.audit_search import AuditQuery, AuditQueryError, search
 from appliance.console.errors import ConsoleError
+from appliance.console.gpus import GpuRow, gpu_note, gpu_rows
 from appliance.console.pages import ConsolePages
+from appliance.console.series import SeriesSampler
 from appliance.console.table import sort_and_page
+from attestation.sealed.manifest import SealedManifest
 from audit.encoding import encode_base64
 from audit.errors import AuditError, UnknownEntryError
 from audit.event import Outcome, admin_action
@@ -67,6 +73,9 @@ class ConsoleServices:
     readiness: Readiness
     metrics: ServerMetrics
     authenticator: Authenticator
+    sampler: SeriesSampler
+    # The signed manifest of the sealed model served (None: plain weights, or not loaded yet).
+    sealed_manifest: Callable[[], SealedManifest | None]
     # The appliance's own token issuer, where `auth.local_issuer` enables it.
     local_issuer: LocalIssuer | None = None
 
@@ -140,18 +149,61 @@ async def overview(services: Services, session: Viewer) -> Response:
         return RedirectResponse(nav_for(session)[0][1], status_code=303)
     status, reason = services.readiness.state()
     stats = services.metrics.engine_stats()
-    hit_rate = None
-    if stats is not None and stats.num_prefix_cache_queries:
-        hit_rate = stats.num_prefix_cache_hits / stats.num_prefix_cache_queries
+    sampler = services.sampler
+    num_gpus = len(sampler.gpus.gpus)
     return render(
         services, session, "overview", "overview.html",
+        mode=services.tee.mode,
         attestation=services.tee.standing,
+        next_reattestation=services.tee.next_reattestation,
+        reattest_interval_s=services.settings.tee.reattest_interval_s,
         model_name=services.trail.model_name,
         weights_digest=services.trail.weights_digest,
+        sealed_manifest=services.sealed_manifest(),
         health=(status, reason),
         stats=stats,
-        prefix_cache_hit_rate=hit_rate,
+        sealed_configured=services.settings.sealed.enabled,
+        gpus=_gpu_rows(services),
+        gpu_note=gpu_note(sampler.gpus, services.settings.engine.device),
+        interval_s=sampler.interval_s,
+        charts=charts.charts_for(num_gpus),
+        summaries=charts.summaries(sampler.series.points(), num_gpus, sampler.interval_s),
+        current=charts.current(sampler.series.latest(), stats),
     )  # fmt: skip
+
+
+@router.get("/overview/series")
+async def overview_series(request: Request, services: Services) -> Response:
+    """The Overview's charts' data: with `series=ID&after=SEQ`, the points after that one;
+    without them (or for another series than this server's, from before a restart) all, with
+    `reset`. Built in a worker thread from a snapshot of the points: a whole hour of them (a
+    page opening) takes tens of milliseconds that the event loop, serving the API, should not
+    wait for."""
+    sampler = services.sampler
+    params = request.query_params
+    after = params.get("after", "")
+    after_seq = int(after) if after.isdigit() and len(after) < 19 else -1
+    if params.get("series") != sampler.series.id:
+        after_seq = -1
+    standing = services.tee.standing
+    body = await asyncio.to_thread(
+        charts.series_json,
+        sampler.series.points(),  # the snapshot: the sampler appends on the event loop
+        series_id=sampler.series.id,
+        after_seq=after_seq,
+        interval_s=sampler.interval_s,
+        window_s=sampler.series.window_s,
+        gpus=sampler.gpus,
+        claims=standing.verdict.claims if standing is not None else None,
+        engine_device=services.settings.engine.device,
+        stats=services.metrics.engine_stats(),
+    )
+    return Response(body, media_type="application/json", headers=services.pages.headers)
+
+
+def _gpu_rows(services: ConsoleServices) -> list[GpuRow]:
+    standing = services.tee.standing
+    return gpu_rows(services.sampler.gpus, standing.verdict.claims if standing else None)
 
 
 @router.get("/attestation")

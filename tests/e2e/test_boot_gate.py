@@ -37,7 +37,9 @@ from appliance.attestation.devices import EvidenceCollection, OfflineVerifier
 from appliance.attestation.service import TeeService
 from appliance.attestation.signing import verify_signed_verdict
 from appliance.auth.local_issuer import LocalIssuer
+from appliance.auth.principal import Principal
 from appliance.auth.roles import Role
+from appliance.auth.sessions import SESSION_COOKIE
 from appliance.boot.audit_log import open_audit_log
 from appliance.boot.startup import start_audit_log
 from appliance.boot.weights import LoadedModel, digest_weights
@@ -179,6 +181,15 @@ class Appliance:
             "/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {token}"}
         )
 
+    def console_page(self, path: str) -> str:
+        """A console page as an admin sees it (a session made in the appliance's store)."""
+        principal = Principal("urn:e2e", "operator", None, frozenset({Role.ADMIN}), 0.0)
+        session = self.client.app.state.sessions.create(principal, "id.token")  # type: ignore[attr-defined]
+        self.client.cookies.set(SESSION_COOKIE, session.id)
+        page = self.client.get(path)
+        assert page.status_code == 200, page.text
+        return page.text
+
     def entries(self) -> list[dict[str, Any]]:
         with open_audit_log(self.settings.audit) as log:
             return [json.loads(leaf) for _, leaf in log.store.entries(0, log.store.size() - 1)]
@@ -271,6 +282,12 @@ def test_a_passing_tee_releases_the_key_loads_the_sealed_weights_and_serves(
         nonce = bytes(range(32))
         shown = appliance.client.get("/v1/attestation", params={"nonce": nonce.hex()})
         _client_verifies(deployment, shown.json(), nonce)
+        # The console's Overview names the sealed manifest the key was released for.
+        overview = appliance.console_page("/console/")
+        manifest = json.loads((deployment.sealed_dir / "manifest.json").read_text())
+        assert f'seal id <code class="digest">{manifest["seal_id"]}</code>' in overview
+        assert f"under key <code>{KEY_ID}</code>" in overview
+        assert deployment.weights_digest in overview and "VERIFIED" in overview
     assert [verdict.trusted for verdict in keys.releases] == [True]
     assert sealed_loads.num_calls == 1
     assert gpus.num_set_ready == 1

@@ -144,12 +144,15 @@ class RunningServer:
 
 
 @contextmanager
-def running_server(settings: Settings, engine: Engine | None) -> Iterator[RunningServer]:
+def running_server(
+    settings: Settings, engine: Engine | None, **build_options: Any
+) -> Iterator[RunningServer]:
     """Serve `engine` (or, if None, the model the app loads itself) exactly as `inferno serve`
-    does, in a thread; the app closes its audit log when the server stops."""
+    does, in a thread; the app closes its audit log when the server stops. `build_options` go
+    to `appliance.app.build` (`series_interval_s`)."""
     audit_log = start_audit_log(settings)
     model = None if engine is None else LoadedModel(engine, weights_digest(settings.model.dir))
-    app = build(settings, audit_log, model=model)
+    app = build(settings, audit_log, model=model, **build_options)
     listener = listen(settings)
     server = uvicorn_server(settings, app)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [listener.sock]})

@@ -46,6 +46,7 @@ EXPECTED: dict[str, Any] = {
     "/console/logout": ("console", set(Role)),
     "/console/static/{name}": "public",  # stylesheet and script, which sign-in pages need too
     "/console/": ("console", {ADMIN, AUDITOR}),  # auditors are sent on to their first page
+    "/console/overview/series": ("console", {ADMIN}),  # the Overview's charts: admins only
     "/console/attestation": ("console", {ADMIN, AUDITOR}),
     "/console/attestation/reattest": ("console", {ADMIN}),
     "/console/attestation/history": ("console", {ADMIN, AUDITOR}),

@@ -1,13 +1,16 @@
 """The start-up sequence's own steps: the log opens first and records boot.start, or the
 appliance refuses to start, saying why without revealing secrets; a re-attestation timer that
-crashes stops inference. The gate through the app is test_boot_gate.py."""
+crashes stops inference, and one that waits says until when. The gate through the app is
+test_boot_gate.py."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import importlib.metadata
 import json
 import os
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -101,3 +104,27 @@ def test_a_reattestation_that_crashes_stops_inference_rather_than_the_timer() ->
     tee = TeeService("required", FakeCollector(), FakeVerifier())
     asyncio.run(reattest_periodically(tee, BrokenLog(), 0.01, stop))  # type: ignore[arg-type]
     assert reasons == ["re-attestation failed (RuntimeError); see the server log"]
+
+
+def test_the_reattestation_timer_says_when_it_runs_next_while_it_waits() -> None:
+    now = datetime(2026, 11, 25, 12, 0, tzinfo=UTC)
+    tee = TeeService("required", FakeCollector(), FakeVerifier(), clock=lambda: now)
+
+    async def stop(reason: str) -> None:
+        raise AssertionError(reason)
+
+    async def run() -> None:
+        timer = asyncio.create_task(reattest_periodically(tee, UnusedLog(), 3600, stop))  # type: ignore[arg-type]
+        await asyncio.sleep(0.01)
+        assert tee.next_reattestation == now + timedelta(hours=1)
+        timer.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await timer
+        assert tee.next_reattestation is None  # no timer, nothing scheduled
+
+    asyncio.run(run())
+
+
+class UnusedLog:
+    async def append_async(self, event: object) -> None:
+        raise AssertionError("nothing is re-attested within the test")

@@ -1,10 +1,12 @@
 """The console of an appliance whose TEE is attested (a scripted TEE,
 tests/appliance/attestation/fake_tee.py): the Attestation page shows every check of the
-verdict, no UNVERIFIED banner, and "re-attest now" is recorded before the re-attestation runs."""
+verdict, no UNVERIFIED banner, and "re-attest now" is recorded before the re-attestation runs;
+the Overview names the next re-attestation, then the failed checks once one failed."""
 
 from __future__ import annotations
 
 import json
+import re
 import time
 from pathlib import Path
 
@@ -18,6 +20,7 @@ from appliance.auth.roles import Role
 from appliance.auth.sessions import SESSION_COOKIE
 from appliance.boot.startup import start_audit_log
 from appliance.boot.weights import LoadedModel
+from appliance.console.pages import format_utc
 from appliance.engine.engine import Engine, EngineConfig
 from tests.appliance.attestation.fake_tee import FakeCollector, FakeVerifier
 from tests.appliance.boot.test_boot_gate import _settings
@@ -46,6 +49,13 @@ def test_attestation_page_lists_the_checks_and_reattest_is_audited_first(
         assert page.status_code == 200
         assert "gpu0.signature" in page.text and "550.90.07" in page.text  # a check, a claim
         assert "UNVERIFIED" not in page.text and "VERIFIED" in page.text
+        # The Overview names the next re-attestation, as the timer scheduled it.
+        deadline_shown = app.state.tee.next_reattestation
+        assert deadline_shown is not None
+        overview = client.get("/console/").text
+        assert re.search(r"Next re-attestation</dt>\s*<dd><time datetime=", overview)
+        assert f"{format_utc(deadline_shown)}</time> (every 1 h" in overview
+        assert "Failed checks" not in overview and "not sealed" in overview
         verifier.failures["cpu.tcb"] = "below the policy's minimum"
         form = {"csrf_token": session.csrf_token}
         done = client.post("/console/attestation/reattest", data=form, follow_redirects=False)
@@ -54,6 +64,10 @@ def test_attestation_page_lists_the_checks_and_reattest_is_audited_first(
         while client.get("/health").json()["status"] != "failed":
             assert time.monotonic() < deadline, "the re-attestation never ran"
             time.sleep(0.02)
+        overview = client.get("/console/").text
+        assert "Failed checks" in overview and "<strong>cpu.tcb</strong>" in overview
+        assert "none: a failed verdict stopped inference until restart" in overview
+        assert app.state.tee.next_reattestation is None
         page = client.get("/console/attestation", params={"sort": "result"})
         assert "cpu.tcb" in page.text and "below the policy" in page.text
         history = page.text.split("<h2>History</h2>", 1)[1]

@@ -1,7 +1,8 @@
 """The console in a real headless Chromium (Debian's `chromium`, driven by Playwright) against
 the real TLS server and the real OpenID provider (tests/appliance/auth/idp.py): signing in as
 an admin and as an auditor through the IdP's login page, every page, role gating, a forged CSRF
-token refused, the CSP header, a session that survives a server restart, revocation, no
+token refused, the CSP header, a session that survives a server restart, revocation, the
+Overview's charts polling their series and redrawing (and the page without script), no
 request anywhere but 127.0.0.1, and no serious or critical accessibility violation (axe-core).
 
 Each page's screenshot is saved under test-artifacts/console/ (ARTIFACTS) for people to look at.
@@ -24,14 +25,16 @@ from urllib.parse import urlsplit
 import pytest
 
 from appliance.auth.console_ticket import mint_console_ticket
+from appliance.auth.principal import Principal
 from appliance.auth.roles import Role
+from appliance.auth.sessions import SESSION_COOKIE
 from appliance.config import Settings
 from appliance.engine.engine import Engine
 from audit.__main__ import main as audit_main
 from audit.event import Actor, Outcome, inference_complete
 from tests.appliance.api.conftest import RunningServer, make_settings, running_server
 from tests.appliance.auth.idp import AUDIENCE, IdpCa, OidcProvider
-from tests.appliance.auth.realm import CONSOLE_SECRET, issuer_settings, start_idp
+from tests.appliance.auth.realm import CONSOLE_SECRET, SERVICE_SECRET, issuer_settings, start_idp
 
 CHROMIUM = Path("/usr/bin/chromium")
 CHROMIUM_ARGS = [
@@ -42,6 +45,8 @@ ARTIFACTS = Path(__file__).resolve().parents[3] / "test-artifacts" / "console"
 # axe-core (npm, pinned in axe/package.json; ./bootstrap test runs `npm ci` there).
 AXE = Path(__file__).resolve().parent / "axe" / "node_modules" / "axe-core" / "axe.min.js"
 VIEWPORT = {"width": 1280, "height": 800}
+# The Overview's charts poll once per sampling interval: short here, so that they move quickly.
+SERIES_INTERVAL_S = 0.5
 
 
 def _missing(what: str) -> None:
@@ -102,7 +107,9 @@ class RestartableServer:
         self.running: RunningServer | None = None
 
     def start(self) -> RunningServer:
-        self.running = self._stack.enter_context(running_server(self.settings, self.engine))
+        self.running = self._stack.enter_context(
+            running_server(self.settings, self.engine, series_interval_s=SERIES_INTERVAL_S)
+        )
         return self.running
 
     def restart(self) -> RunningServer:
@@ -189,6 +196,11 @@ class Tab:
             ARTIFACTS.mkdir(parents=True, exist_ok=True)
             self.page.screenshot(path=str(ARTIFACTS / f"{screenshot}.png"), full_page=True)
         return response
+
+    def visit_screenshot(self, name: str) -> None:
+        """A screenshot of the page as it is now (no reload)."""
+        ARTIFACTS.mkdir(parents=True, exist_ok=True)
+        self.page.screenshot(path=str(ARTIFACTS / f"{name}.png"), full_page=True)
 
     def serious_accessibility_violations(self) -> list[str]:
         """axe-core's serious and critical violations on the page shown (WCAG 2.x A and AA
@@ -469,3 +481,75 @@ def test_the_demos_sign_in_link_signs_an_admin_in_once(
     assert tab.page.locator("h1").inner_text() == "Sign in to use the console"
     tab.visit(tab.page.url, "demo-signed-out")
     assert tab.serious_accessibility_violations() == []
+
+
+REQUESTS_CHART = 'figure[data-chart="requests"]'
+
+
+def test_overview_charts_poll_the_series_and_redraw_as_traffic_comes(
+    browser: Browser, appliance: RestartableServer, idp: OidcProvider, tabs: list[Tab]
+) -> None:
+    tab = open_tab(tabs, browser, appliance)
+    tab.sign_in("bob")
+    polled: list[str] = []
+    tab.page.on("request", lambda r: polled.append(r.url) if "/overview/series" in r.url else None)
+    tab.visit("/console/")
+    plot = tab.page.locator(f"{REQUESTS_CHART} svg")
+    tab.page.wait_for_function(
+        "s => document.querySelector(s).dataset.seq !== undefined", arg=f"{REQUESTS_CHART} svg"
+    )
+    first_seq = int(plot.get_attribute("data-seq") or "-1")
+    assert plot.locator("path.series").count() == 1
+    assert appliance.running is not None
+    token = idp.client_credentials_token("svc-batch", SERVICE_SECRET)  # a service: inference
+    with appliance.running.http(role=None) as api:
+        body = {"model": "smollm2", "prompt": "Once upon a time", "max_tokens": 8}
+        done = api.post("/v1/completions", json=body, headers={"Authorization": f"Bearer {token}"})
+        assert done.status_code == 200, done.text
+    # The request shows: the chart's highest value over the hour is no longer 0.
+    tab.page.wait_for_function(
+        "s => !/highest in the last .+ 0 req\\/s\\.$/.test(document.querySelector(s).textContent)",
+        arg=f'{REQUESTS_CHART} [data-summary="requests"]',
+        timeout=30_000,
+    )
+    assert int(plot.get_attribute("data-seq") or "-1") > first_seq
+    path = plot.locator("path.series").get_attribute("d") or ""
+    assert path.count("L") >= 1  # a line through several points, not a dot
+    ttft = tab.page.locator('figure[data-chart="ttft"] path.series')
+    assert ttft.count() == 2 and "M" in (ttft.nth(1).get_attribute("d") or "")  # p50 and p99
+    # This page's first poll took the whole series, every later one only the points it lacked
+    # (signing in landed on the Overview already: that page polled too).
+    loaded = max(i for i, url in enumerate(polled) if url.endswith("/console/overview/series"))
+    assert len(polled[loaded:]) >= 3 and all("&after=" in url for url in polled[loaded + 1 :])
+    assert tab.page.locator("[data-charts-status]").inner_text().startswith("Live:")
+    tab.visit_screenshot("admin-overview-live")
+    assert tab.serious_accessibility_violations() == []
+
+
+def test_overview_without_script_shows_the_values_as_text(
+    browser: Browser, appliance: RestartableServer
+) -> None:
+    assert appliance.running is not None
+    principal = Principal("urn:test", "no-script", None, frozenset({Role.ADMIN}), 0.0)
+    session = appliance.running.app.state.sessions.create(principal, "id.token")
+    context = browser.new_context(
+        ignore_https_errors=True, viewport=VIEWPORT, java_script_enabled=False
+    )
+    try:
+        context.add_cookies(
+            [{"name": SESSION_COOKIE, "value": session.id, "url": appliance.running.url}]
+        )
+        page = context.new_page()
+        assert page.goto(f"{appliance.running.url}/console/").status == 200  # type: ignore[union-attr]
+        traffic = page.get_by_role("region", name="Traffic").inner_text()
+        assert "Requests" in traffic and "Time to first token" in traffic
+        assert page.locator(f"{REQUESTS_CHART} svg").is_hidden()
+        assert (
+            page.locator(f"{REQUESTS_CHART} .chart-summary")
+            .inner_text()
+            .startswith(("Now", "No sample yet"))
+        )
+        ARTIFACTS.mkdir(parents=True, exist_ok=True)
+        page.screenshot(path=str(ARTIFACTS / "admin-overview-no-script.png"), full_page=True)
+    finally:
+        context.close()

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
@@ -17,11 +18,14 @@ from appliance.auth.principal import Principal
 from appliance.auth.roles import Role
 from appliance.auth.sessions import SESSION_COOKIE, Session
 from appliance.console.routes import REDACTED, redacted_settings
+from appliance.console.series import FIELDS, SeriesSampler
 from appliance.engine.engine import Engine
 from audit.__main__ import main as audit_main
 from audit.errors import AuditWriteError
 from tests.appliance.api.conftest import RunningServer, make_settings, running_server
 
+SERIES = "/console/overview/series"
+SERIES_INTERVAL_S = 0.25
 PAGES = ["/console/", "/console/attestation", "/console/audit", "/console/access",
          "/console/system"]  # fmt: skip
 
@@ -31,7 +35,7 @@ def server(
     api_engine: Engine, smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[RunningServer]:
     settings = make_settings(tmp_path_factory.mktemp("console"), smollm2_dir)
-    with running_server(settings, api_engine) as running:
+    with running_server(settings, api_engine, series_interval_s=SERIES_INTERVAL_S) as running:
         yield running
 
 
@@ -62,9 +66,90 @@ def test_admin_sees_every_page_with_the_security_headers(server: RunningServer) 
             assert "unsafe-inline" not in csp
             assert page.headers["cache-control"] == "no-store"
             scripts = re.findall(r"<script([^>]*)>(.*?)</script>", page.text, re.S)
-            assert scripts == [(' src="/console/static/console.js" defer', "")]  # none inline
+            files = ["console.js", "overview.js"] if path == "/console/" else ["console.js"]
+            assert scripts == [(f' src="/console/static/{name}" defer', "") for name in files]
             assert "style=" not in page.text
             assert "UNVERIFIED" in page.text  # the demo's insecure-dev, on every page
+
+
+def sampler_of(server: RunningServer) -> SeriesSampler:
+    return server.app.state.console.sampler
+
+
+def wait_for(condition: Callable[[], bool], timeout_s: float = 60) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "not in time"
+        time.sleep(0.05)
+
+
+def test_overview_shows_the_tee_the_model_the_gpus_the_engine_and_the_charts(
+    server: RunningServer,
+) -> None:
+    sampler = sampler_of(server)
+    wait_for(lambda: sampler.series.last_seq >= 0)  # the GPUs were read, a point was taken
+    with browser(server, sign_in(server, Role.ADMIN)) as http:
+        page = http.get("/console/").text
+    assert "Next re-attestation" in page and "none: nothing is attested in insecure-dev" in page
+    assert "not sealed: the weights are read in the clear" in page and "(insecure-dev)" in page
+    assert str(server.app.state.audit_trail.weights_digest) in page
+    if sampler.gpus.no_gpu:  # this machine, as CI's: NVML finds no GPU
+        assert "No GPU: the engine runs on the CPU." in page
+        assert '<table class="gpus">' not in page
+        expected = ["requests", "tokens", "ttft", "tpot", "load", "kv", "prefix", "preemptions"]
+    else:
+        assert '<table class="gpus">' in page
+        expected = ["requests", "tokens", "ttft", "tpot", "load", "kv", "prefix", "preemptions",
+                    "gpu-utilization", "gpu-memory", "gpu-temperature"]  # fmt: skip
+    assert re.findall(r'<figure class="chart" data-chart="([a-z-]+)"', page) == expected
+    for key in expected:  # each chart is an image named by its title and its summary
+        assert f'aria-labelledby="chart-{key}-title chart-{key}-summary"' in page
+        assert re.search(rf'data-summary="{key}">Now [^<]+; highest in the last', page), key
+
+
+def test_the_series_endpoint_gives_every_point_then_only_the_new_ones(
+    server: RunningServer,
+) -> None:
+    with server.http() as api:
+        body = {"model": "smollm2", "prompt": "Hi", "max_tokens": 4}
+        done = api.post("/v1/completions", json=body)
+        assert done.status_code == 200
+    sampler = sampler_of(server)
+    wait_for(lambda: any(p.requests_per_s > 0 for p in sampler.series.points()))
+    with browser(server, sign_in(server, Role.ADMIN)) as http:
+        answer = http.get(SERIES)
+        assert answer.headers["content-type"] == "application/json"
+        assert answer.headers["cache-control"] == "no-store"
+        assert "default-src 'self'" in answer.headers["content-security-policy"]
+        first = answer.json()
+        assert first["reset"] is True and first["interval_s"] == SERIES_INTERVAL_S
+        series = first["series"]
+        assert set(series) == set(FIELDS)
+        assert len({len(values) for values in series.values()}) == 1  # one column per field
+        assert series["seq"][-1] == first["last_seq"]
+        ended = [i for i, rate in enumerate(series["requests_per_s"]) if rate > 0]
+        assert ended and series["ttft_p50_s"][ended[-1]] > 0  # the request's latency, charted
+        assert first["summaries"]["requests"].startswith("Now ")
+        assert first["current"]["running"] == "0"
+        wait_for(lambda: sampler.series.last_seq > first["last_seq"])
+        known = {"series": first["series_id"], "after": first["last_seq"]}
+        later = http.get(SERIES, params=known).json()
+        assert later["reset"] is False
+        assert later["series"]["seq"] and min(later["series"]["seq"]) == first["last_seq"] + 1
+        # A page of another series (from before a restart) or a bad query gets everything.
+        assert http.get(SERIES, params={**known, "series": "0" * 16}).json()["reset"] is True
+        for after in ("junk", "-1", str(10**9), "9" * 40):
+            assert http.get(SERIES, params={**known, "after": after}).json()["reset"] is True
+
+
+@pytest.mark.parametrize(("role", "status"), [(Role.AUDITOR, 403), (Role.USER, 403), (None, 401)])
+def test_the_series_endpoint_is_for_admins_only(
+    server: RunningServer, role: Role | None, status: int
+) -> None:
+    with browser(server, None if role is None else sign_in(server, role)) as http:
+        refused = http.get(SERIES)
+    assert refused.status_code == status
+    assert "requests_per_s" not in refused.text
 
 
 def test_auditor_sees_attestation_and_audit_only(server: RunningServer) -> None:
