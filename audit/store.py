@@ -293,6 +293,20 @@ class AuditStore:
 
         return self._guarded("checkpoints", read)
 
+    def recent_checkpoints(self, below: int | None, limit: int) -> list[StoredCheckpoint]:
+        """Up to `limit` checkpoints, largest first, each smaller than `below` (if given)."""
+
+        def read(conn: Connection) -> list[StoredCheckpoint]:
+            query = select(checkpoints.c.size, checkpoints.c.note, checkpoints.c.signed_at).where(
+                checkpoints.c.origin == self.origin
+            )
+            if below is not None:
+                query = query.where(checkpoints.c.size < below)
+            rows = conn.execute(query.order_by(checkpoints.c.size.desc()).limit(limit))
+            return [StoredCheckpoint(*row) for row in rows]
+
+        return self._guarded("checkpoints", read)
+
     def entries(self, first: int, last: int, batch: int = 1000) -> Iterator[tuple[int, bytes]]:
         """The stored bytes of entries first..last (inclusive), in order, read in batches."""
         start = first

@@ -106,6 +106,7 @@ ROUTE_ACCESS: Mapping[str, Rule] = {
     "/console/attestation/evidence": Console(CONSOLE_VIEWERS),
     "/console/audit": Console(CONSOLE_VIEWERS),
     "/console/audit/{index}": Console(CONSOLE_VIEWERS),
+    "/console/checkpoints": Console(CONSOLE_VIEWERS),
     # Auditors are export's main users: the bundle is what they verify offline.
     "/console/export": Console(CONSOLE_VIEWERS),
     "/console/usage": Console(ADMIN),

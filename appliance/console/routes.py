@@ -274,6 +274,34 @@ async def audit(request: Request, services: Services, session: Viewer) -> Respon
     )  # fmt: skip
 
 
+CHECKPOINTS_PAGE_SIZE = 25
+
+
+@router.get("/checkpoints")
+async def checkpoints(request: Request, services: Services, session: Viewer) -> Response:
+    """The log's signed checkpoints, largest first, paged by size (`below`)."""
+    below_text = request.query_params.get("below")
+    below = None
+    if below_text is not None:
+        if not below_text.isdigit() or int(below_text) < 1:
+            raise ConsoleError(
+                400, "below must be a positive tree size (the “Older checkpoints” link sets it)"
+            )
+        below = int(below_text)
+    store = services.trail.log.store
+    try:
+        # One more than a page: whether an older page exists.
+        found = await asyncio.to_thread(store.recent_checkpoints, below, CHECKPOINTS_PAGE_SIZE + 1)
+    except AuditError:
+        raise ConsoleError(503, "the audit log cannot be read now; try again") from None
+    page, more = found[:CHECKPOINTS_PAGE_SIZE], len(found) > CHECKPOINTS_PAGE_SIZE
+    return render(
+        services, session, "audit", "checkpoints.html",
+        checkpoints=page, below=below, older=page[-1].size if more else None,
+        origin=services.trail.log.origin, vkey=services.trail.log.vkey,
+    )  # fmt: skip
+
+
 @router.get("/audit/{index}")
 async def audit_entry(
     index: str, request: Request, services: Services, session: Viewer

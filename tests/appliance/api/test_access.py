@@ -53,6 +53,7 @@ EXPECTED: dict[str, Any] = {
     "/console/attestation/evidence": ("console", {ADMIN, AUDITOR}),
     "/console/audit": ("console", {ADMIN, AUDITOR}),
     "/console/audit/{index}": ("console", {ADMIN, AUDITOR}),
+    "/console/checkpoints": ("console", {ADMIN, AUDITOR}),
     "/console/export": ("console", {ADMIN, AUDITOR}),  # auditors verify what they export
     "/console/usage": ("console", {ADMIN}),
     "/console/usage/csv": ("console", {ADMIN}),

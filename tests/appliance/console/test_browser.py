@@ -295,6 +295,15 @@ def test_auditor_sees_attestation_and_audit_only(
     first = tab.page.locator("table time").first
     assert "GMT+5:30" in first.inner_text()
     assert first.get_attribute("title").endswith("Z")
+    assert tab.serious_accessibility_violations() == []
+    assert appliance.running is not None
+    appliance.running.app.state.audit_trail.log.checkpoint()  # one at least, to list
+    tab.page.get_by_role("link", name="all checkpoints").click()
+    tab.page.wait_for_url("**/console/checkpoints")
+    tab.page.screenshot(path=str(ARTIFACTS / "auditor-checkpoints.png"), full_page=True)
+    assert tab.page.locator("h1").inner_text() == "Checkpoints"
+    assert tab.page.get_by_text("Show the note of").count() >= 1
+    assert tab.serious_accessibility_violations() == []
     refused = tab.visit("/console/system", "auditor-system-403")
     assert refused.status == 403
     assert tab.page.locator("h1").inner_text() == "Not allowed"

@@ -5,10 +5,12 @@ settings with secrets redacted. (Browser tests: test_browser.py.)"""
 
 from __future__ import annotations
 
+import html
 import json
 import re
 import time
 from collections.abc import Callable, Iterator
+from datetime import UTC, datetime
 from pathlib import Path
 
 import httpx
@@ -17,14 +19,17 @@ import pytest
 from appliance.auth.principal import Principal
 from appliance.auth.roles import Role
 from appliance.auth.sessions import SESSION_COOKIE, Session
+from appliance.console import routes as console_routes
 from appliance.console.routes import REDACTED, redacted_settings
 from appliance.console.series import FIELDS, SeriesSampler
 from appliance.engine.engine import Engine
 from audit.__main__ import main as audit_main
 from audit.errors import AuditWriteError
+from audit.event import Actor, Outcome, admin_action
 from tests.appliance.api.conftest import RunningServer, make_settings, running_server
 
 SERIES = "/console/overview/series"
+_ACTOR = Actor("urn:test", "an-admin", None, ("admin",))
 SERIES_INTERVAL_S = 0.25
 PAGES = ["/console/", "/console/attestation", "/console/audit", "/console/access",
          "/console/system"]  # fmt: skip
@@ -257,6 +262,40 @@ def test_audit_search_and_an_entry_whose_proof_verifies_offline(
     vkey = server.app.state.audit_trail.log.vkey
     assert audit_main(["verify-proof", str(tmp_path / "proof.txt"), "--vkey", vkey,
                        "--entry", str(tmp_path / "entry.json")]) == 0  # fmt: skip
+
+
+def test_checkpoints_are_listed_largest_first_in_pages_with_their_signed_notes(
+    server: RunningServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    log = server.app.state.audit_trail.log
+    for _ in range(3):  # each with one entry more than the last
+        event = admin_action(time=datetime.now(UTC), actor=_ACTOR, source_address=None,
+                             request_id=None, operation="test.checkpoint", target={},
+                             outcome=Outcome.SUCCESS)  # fmt: skip
+        log.append(event)
+        log.checkpoint()
+    sizes = [c.size for c in log.store.recent_checkpoints(None, 1000)]
+    assert sizes == sorted(sizes, reverse=True) and len(sizes) >= 3
+    monkeypatch.setattr(console_routes, "CHECKPOINTS_PAGE_SIZE", 2)
+    with browser(server, sign_in(server, Role.AUDITOR, "checker")) as http:
+        first = http.get("/console/checkpoints")
+        assert first.status_code == 200
+        shown = [int(n) for n in re.findall(r"<tr>\s*<td>(\d+)</td>", first.text)]
+        assert shown == sizes[:2]
+        newest = log.store.recent_checkpoints(None, 1)[0]
+        assert html.escape(newest.note) in first.text  # the signed note itself
+        older = re.search(r'href="/console/checkpoints\?below=(\d+)"', first.text).group(1)
+        assert int(older) == sizes[1]
+        second = http.get("/console/checkpoints", params={"below": older})
+        assert [int(n) for n in re.findall(r"<tr>\s*<td>(\d+)</td>", second.text)] == sizes[2:4]
+        for bad in ("0", "-1", "x", "1e3"):
+            refused = http.get("/console/checkpoints", params={"below": bad})
+            assert (
+                refused.status_code == 400 and "below must be a positive tree size" in refused.text
+            )
+        assert http.get("/console/checkpoints", params={"below": "1"}).text.count("<tr>") == 0
+    with browser(server, sign_in(server, Role.USER)) as http:
+        assert http.get("/console/checkpoints").status_code == 403
 
 
 def test_reattest_in_insecure_dev_is_refused_with_a_reason(server: RunningServer) -> None:
