@@ -166,6 +166,7 @@ def run_bundle(args: argparse.Namespace) -> int:
             _copy_wheelhouse(args.wheelhouse, staging / "wheels")
         else:
             _download_wheelhouse(target, staging / "wheels")
+            check_torch_wheel(target, [p.name for p in (staging / "wheels").glob("*.whl")])
         version = _project_version(staging / "wheels")
         _copy_models(models, staging / "models")
         _write_static_files(staging)
@@ -249,6 +250,24 @@ def _download_wheelhouse(target: Target, dest: Path) -> None:
                 TORCH_REQUIREMENT,
             ],
             env,
+        )
+
+
+def check_torch_wheel(target: Target, wheel_names: list[str]) -> None:
+    """The wheelhouse holds exactly one torch 2.13.0, and a `-cuda` target never the CPU build.
+
+    A `-cpu` target takes whichever build pip's configuration served (PyTorch's CPU index or a
+    local `+cpu` wheel where configured, else PyPI's CUDA build, which also runs on a CPU).
+    """
+    pinned = TORCH_REQUIREMENT.split("==")[1]
+    torches = [name for name in wheel_names if name.startswith("torch-")]
+    if len(torches) != 1 or torches[0].split("-")[1].split("+")[0] != pinned:
+        raise BundleError(f"the wheelhouse must hold one torch {pinned} wheel, not {torches}")
+    if target.accelerator == "cuda" and "+cpu" in torches[0]:
+        raise BundleError(
+            f"pip's configuration served {torches[0]} for the CUDA target {target.name}: build "
+            "it where pip offers no CPU-only torch (a CPU index or find-links in `pip config "
+            "list`)"
         )
 
 

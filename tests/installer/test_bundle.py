@@ -13,7 +13,7 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
 from installer.__main__ import main
-from installer.bundle import TARGET_PLATFORMS, Target
+from installer.bundle import TARGET_PLATFORMS, Target, check_torch_wheel
 from installer.embedded_model import find_embedded_gguf
 from installer.errors import BundleError, EmbeddedModelNotFoundError
 from tests.installer.bundles import TINY_TARGET, TINY_VERSION, BundleInputs, build_bundle
@@ -136,3 +136,28 @@ def test_bundle_without_model_carries_the_embedded_gguf(
     models = [e for e in manifest["files"] if e["path"].startswith("models/")]
     assert [e["path"] for e in models] == [f"models/SmolLM2-135M-Instruct/{gguf.name}"]
     assert models[0]["size"] == gguf.stat().st_size
+
+
+TORCH_CPU = "torch-2.13.0+cpu-cp312-cp312-manylinux_2_28_x86_64.whl"
+TORCH_PYPI = "torch-2.13.0-cp312-cp312-manylinux_2_28_x86_64.whl"
+
+
+def test_check_torch_wheel_takes_either_build_for_a_cpu_target() -> None:
+    cpu = Target.parse("linux-x86_64-py3.12-cpu")
+    check_torch_wheel(cpu, [TORCH_CPU, "numpy-2.4.6-cp312-none-any.whl"])
+    check_torch_wheel(cpu, [TORCH_PYPI])
+
+
+def test_check_torch_wheel_refuses_the_cpu_build_for_a_cuda_target() -> None:
+    cuda = Target.parse("linux-x86_64-py3.12-cuda")
+    check_torch_wheel(cuda, [TORCH_PYPI])
+    with pytest.raises(BundleError, match=r"served torch-2\.13\.0\+cpu"):
+        check_torch_wheel(cuda, [TORCH_CPU])
+
+
+@pytest.mark.parametrize(
+    "names", [[], ["torch-2.12.0-cp312-cp312-manylinux_2_28_x86_64.whl"], [TORCH_CPU, TORCH_PYPI]]
+)
+def test_check_torch_wheel_refuses_a_missing_or_other_torch(names: list[str]) -> None:
+    with pytest.raises(BundleError, match=r"one torch 2\.13\.0 wheel"):
+        check_torch_wheel(Target.parse("linux-x86_64-py3.12-cpu"), names)
