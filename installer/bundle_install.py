@@ -28,9 +28,12 @@ A refused bundle exits 2 with one line naming what is wrong; DIR is left as it w
 from __future__ import annotations
 
 import argparse
+import base64
+import binascii
 import hashlib
 import json
 import os
+import re
 import shutil
 import stat
 import subprocess
@@ -52,6 +55,8 @@ MAX_PATH_CHARS = 1024
 MAX_PATH_DEPTH = 16
 MAX_TAR_MEMBERS = 2 * MAX_FILES
 _CHUNK = 1 << 20
+_VERSION_PATTERN = re.compile(r"[0-9A-Za-z][0-9A-Za-z.+_-]{0,63}")
+_SHA256_PATTERN = re.compile(r"[0-9a-f]{64}")
 
 
 class BundleRefused(Exception):
@@ -149,9 +154,6 @@ def ed25519_verify(public_key: bytes, message: bytes, signature: bytes) -> bool:
 
 def parse_public_key_pem(text: str) -> bytes:
     """The 32-byte Ed25519 key of a PEM SubjectPublicKeyInfo (RFC 8410), or BundleRefused."""
-    import base64
-    import binascii
-
     lines = [line.strip() for line in text.strip().splitlines()]
     if len(lines) < 3 or lines[0] != "-----BEGIN PUBLIC KEY-----":
         raise BundleRefused("the release key is not a PEM public key (BEGIN PUBLIC KEY)")
@@ -231,7 +233,7 @@ def parse_manifest(raw: bytes) -> Manifest:
     if document["format"] != FORMAT:
         raise BundleRefused(f"{MANIFEST_NAME} is format {document['format']!r}, not {FORMAT!r}")
     version, target, files = document["version"], document["target"], document["files"]
-    if not isinstance(version, str) or not version or "/" in version or version.startswith("."):
+    if not isinstance(version, str) or not _VERSION_PATTERN.fullmatch(version):
         raise BundleRefused(f"{MANIFEST_NAME}: the version is not a plain name")
     if not isinstance(target, str) or not isinstance(files, list) or len(files) > MAX_FILES:
         raise BundleRefused(f"{MANIFEST_NAME}: bad target or file list")
@@ -242,7 +244,7 @@ def parse_manifest(raw: bytes) -> Manifest:
             raise BundleRefused(f"{MANIFEST_NAME}: a file entry without path, sha256 and size")
         path = check_relative_path(item["path"], MANIFEST_NAME)
         digest, size = item["sha256"], item["size"]
-        if not isinstance(digest, str) or len(digest) != 64 or digest.strip("0123456789abcdef"):
+        if not isinstance(digest, str) or not _SHA256_PATTERN.fullmatch(digest):
             raise BundleRefused(f"{MANIFEST_NAME}: {path}: sha256 is not 64 lowercase hex digits")
         if not isinstance(size, int) or isinstance(size, bool) or size < 0:
             raise BundleRefused(f"{MANIFEST_NAME}: {path}: size is not a non-negative integer")

@@ -5,7 +5,9 @@ real install into a temporary prefix."""
 from __future__ import annotations
 
 import io
+import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -18,7 +20,14 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from installer import bundle_install
 from installer.bundle import sign_bundle
-from installer.bundle_install import BundleRefused, check_relative_path, ed25519_verify
+from installer.bundle_install import (
+    BundleRefused,
+    ManifestEntry,
+    check_relative_path,
+    ed25519_verify,
+    manifest_bytes,
+    parse_manifest,
+)
 from tests.installer.bundles import (
     TINY_GREETING,
     TINY_TARGET,
@@ -72,6 +81,48 @@ def test_ed25519_verify_rejects_a_non_canonical_s() -> None:
 def test_check_relative_path_refuses_paths_that_leave_or_are_not_normalised(path: str) -> None:
     with pytest.raises(BundleRefused):
         check_relative_path(path, "test")
+
+
+GOOD_ENTRY = {"path": "install.py", "sha256": "ab" * 32, "size": 3}
+
+
+def _manifest(**changes: object) -> bytes:
+    document: dict[str, object] = {
+        "format": "inferno-bundle/1",
+        "version": "0.1.0",
+        "target": TINY_TARGET,
+        "files": [GOOD_ENTRY],
+    }
+    document.update(changes)
+    return json.dumps(document).encode()
+
+
+def test_parse_manifest_reads_what_manifest_bytes_writes() -> None:
+    entries = [ManifestEntry("b", "cd" * 32, 1), ManifestEntry("a/x", "ab" * 32, 0)]
+    manifest = parse_manifest(manifest_bytes("0.1.0", TINY_TARGET, entries))
+    assert manifest.files == tuple(sorted(entries, key=lambda e: e.path))
+    assert (manifest.version, manifest.target) == ("0.1.0", TINY_TARGET)
+
+
+@pytest.mark.parametrize(
+    ("raw", "expected"),
+    [
+        (b"[" * 100_000, "not valid JSON"),
+        (b"\xff", "not valid JSON"),
+        (_manifest(format="inferno-bundle/2"), "is format"),
+        (_manifest(extra=1), "does not have the fields"),
+        (_manifest(version="../1"), "the version is not a plain name"),
+        (_manifest(files=[GOOD_ENTRY, GOOD_ENTRY]), "listed twice"),
+        (_manifest(files=[{**GOOD_ENTRY, "path": "MANIFEST.sig"}]), "reserved"),
+        (_manifest(files=[{**GOOD_ENTRY, "sha256": "AB" * 32}]), "64 lowercase hex"),
+        (_manifest(files=[{**GOOD_ENTRY, "size": -1}]), "non-negative integer"),
+        (_manifest(files=[{**GOOD_ENTRY, "size": True}]), "non-negative integer"),
+        (_manifest(files=[{"path": "x"}]), "without path, sha256 and size"),
+    ],
+)
+def test_parse_manifest_refuses_malformed_manifests(raw: bytes, expected: str) -> None:
+    with pytest.raises(BundleRefused, match=re.escape(expected)):
+        parse_manifest(raw)
 
 
 # ---- refusals: each before anything is written, each with its own message ----------------
