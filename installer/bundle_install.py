@@ -17,6 +17,7 @@ The plan, every step before anything is written under DIR:
     band; only then parse the manifest (bounded size, a flat fixed shape).
  3. Check every manifest path stays inside the bundle, and that the copy holds exactly the
     manifest's files, each with its size and SHA-256.
+ 4. Check that this host is the bundle's target: Linux, x86_64, the Python its wheels are for.
 Then it installs from the verified copy: a virtual environment in DIR/releases/<version>
 (`python3 -m venv`, `pip install --no-index` from the bundle's wheelhouse, pip's own
 configuration ignored), the models beside it, DIR/etc/inferno.toml from the template when none
@@ -33,6 +34,7 @@ import binascii
 import hashlib
 import json
 import os
+import platform
 import re
 import shutil
 import stat
@@ -57,6 +59,7 @@ MAX_TAR_MEMBERS = 2 * MAX_FILES
 _CHUNK = 1 << 20
 _VERSION_PATTERN = re.compile(r"[0-9A-Za-z][0-9A-Za-z.+_-]{0,63}")
 _SHA256_PATTERN = re.compile(r"[0-9a-f]{64}")
+_TARGET_PATTERN = re.compile(r"linux-x86_64-py3\.(\d{1,2})-(cpu|cuda)")
 
 
 class BundleRefused(Exception):
@@ -358,6 +361,21 @@ def verify_bundle(bundle: Path, public_key: bytes) -> Manifest:
     return manifest
 
 
+def check_host(manifest: Manifest) -> None:
+    """This host runs what the bundle's wheels were chosen for: Linux, x86_64, its Python."""
+    match = _TARGET_PATTERN.fullmatch(manifest.target)
+    if match is None:
+        raise BundleRefused(f"the bundle's target {manifest.target!r} is not one this installs")
+    python = f"3.{match.group(1)}"
+    if sys.platform != "linux" or platform.machine() != "x86_64":
+        raise BundleRefused(f"the bundle is for Linux on x86_64 ({manifest.target})")
+    if f"{sys.version_info.major}.{sys.version_info.minor}" != python:
+        raise BundleRefused(
+            f"the bundle is for Python {python} ({manifest.target}): run install.py with "
+            f"python{python}, not Python {sys.version_info.major}.{sys.version_info.minor}"
+        )
+
+
 # ---- the install -------------------------------------------------------------------------
 
 
@@ -462,6 +480,7 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 copy_bundle_dir(Path(__file__).resolve().parent, copy)
             manifest = verify_bundle(copy, public_key)
+            check_host(manifest)
             command = install(copy, manifest, args.prefix.absolute())
     except (BundleRefused, OSError, UnicodeDecodeError) as exc:
         print(f"install.py: refused: {exc}", file=sys.stderr)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import sys
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -12,7 +13,8 @@ from pathlib import Path
 from installer.__main__ import main
 
 TINY_VERSION = "0.1.0"
-TINY_TARGET = "linux-x86_64-py3.11-cpu"
+# The Python running the tests: the installer refuses a bundle made for another.
+TINY_TARGET = f"linux-x86_64-py3.{sys.version_info.minor}-cpu"
 # The tiny wheel's `inferno` command prints this, so a test can tell it ran.
 TINY_GREETING = "inferno from the tiny wheel"
 
@@ -76,12 +78,14 @@ def make_inputs(root: Path) -> BundleInputs:
     return BundleInputs(keys, wheelhouse, model)
 
 
-def build_bundle(inputs: BundleInputs, out: Path, *, tar: bool = True) -> Path:
+def build_bundle(
+    inputs: BundleInputs, out: Path, *, tar: bool = True, target: str = TINY_TARGET
+) -> Path:
     argv = [
         "bundle",
         str(out),
         "--target",
-        TINY_TARGET,
+        target,
         "--release-key",
         str(inputs.private_key),
         "--model",

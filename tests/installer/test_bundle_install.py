@@ -307,6 +307,15 @@ def test_install_refuses_a_device_member_in_the_tar(
     _assert_refused(built_bundle, bundle_inputs, tmp_path, expected, "--from-tar", str(hostile))
 
 
+def test_install_refuses_a_bundle_for_another_python(
+    bundle_inputs: BundleInputs, tmp_path: Path
+) -> None:
+    other = f"linux-x86_64-py3.{sys.version_info.minor + 1}-cpu"
+    bundle = build_bundle(bundle_inputs, tmp_path / "other-python", tar=False, target=other)
+    expected = f"the bundle is for Python 3.{sys.version_info.minor + 1} ({other})"
+    _assert_refused(bundle, bundle_inputs, tmp_path, expected)
+
+
 def test_install_refuses_a_public_key_that_is_not_ed25519_pem(
     built_bundle: Path, tmp_path: Path
 ) -> None:
