@@ -8,10 +8,10 @@ import argparse
 import sys
 
 from attestation.errors import AttestationError
-from installer import seal
+from installer import bundle, seal
 from installer.errors import InstallerError
 
-_COMMAND_MODULES = (seal,)
+_COMMAND_MODULES = (seal, bundle)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -14,3 +14,7 @@ class EmbeddedModelNotFoundError(InstallerError):
 
 class SealingError(InstallerError):
     """A model directory cannot be sealed, or sealing keys cannot be made."""
+
+
+class BundleError(InstallerError):
+    """An offline bundle or a release key cannot be made."""

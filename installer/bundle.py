@@ -1,0 +1,409 @@
+"""`python -m installer release-key` and `bundle`: the signed offline bundle that carries Inferno
+across the air gap (docs/INSTALL.md describes it).
+
+    python -m installer release-key OUT_DIR
+        writes OUT_DIR/release-key.pem (Ed25519 private, 0600: keep it on the build host) and
+        OUT_DIR/release-key.pub (give it to the customer out of band); never overwrites
+    python -m installer bundle OUT --target linux-x86_64-py3.<minor>-cpu|-cuda
+        --release-key PEM [--model DIR ...] [--tar] [--wheelhouse DIR]
+        writes the directory OUT (and OUT.tar with --tar): wheels/, models/, config/,
+        systemd/, install.py, MANIFEST.json and MANIFEST.sig
+
+The bundle is built in a temporary sibling of OUT and renamed at the end: OUT is whole or absent.
+Its manifest and tar hold no timestamps and list files sorted, so the same inputs give the same
+bytes. The wheelhouse is the one input fetched from the network: `pip download` of this project's
+wheel and every dependency for the target's platform and Python, through this host's pip
+configuration; `--wheelhouse DIR` copies a wheelhouse made earlier instead (an offline rebuild,
+such as the wheels/ of an earlier bundle, to compare manifests).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+from installer import bundle_install
+from installer.bundle_install import (
+    CONFIG_TEMPLATE,
+    MANIFEST_NAME,
+    SIGNATURE_NAME,
+    ManifestEntry,
+    manifest_bytes,
+)
+from installer.embedded_model import EMBEDDED_MODEL_NAME, find_embedded_gguf
+from installer.errors import BundleError
+
+RELEASE_KEY_NAME = "release-key.pem"
+RELEASE_PUB_NAME = "release-key.pub"
+SYSTEMD_TEMPLATE = "systemd/inferno.service.template"
+PROJECT_NAME = "inferno"
+# torch is pinned (pyproject.toml, ./bootstrap); the wheelhouse must carry exactly this one.
+TORCH_REQUIREMENT = "torch==2.13.0"
+# The target's glibc baseline is 2.28 (RHEL 8, Debian 10, Ubuntu 18.10 and later): pip takes
+# only wheels tagged for one of these platforms (torch's are manylinux_2_28).
+TARGET_PLATFORMS = (
+    *(f"manylinux_2_{minor}_x86_64" for minor in range(28, 16, -1)),
+    "manylinux2014_x86_64",
+)
+# Every tar member gets these: the tar's bytes depend on the files only.
+_TAR_MTIME = 0
+# 1980-01-01, the earliest time a zip (a wheel) can hold: the project's wheel is reproducible.
+_SOURCE_DATE_EPOCH = "315532800"
+_TARGET_PATTERN = re.compile(r"linux-x86_64-py3\.(\d{1,2})-(cpu|cuda)")
+
+
+@dataclass(frozen=True)
+class Target:
+    """What the bundle is for: `linux-x86_64-py3.<minor>-cpu|cuda`."""
+
+    name: str
+    python_minor: int
+    accelerator: str
+
+    @classmethod
+    def parse(cls, text: str) -> Target:
+        match = _TARGET_PATTERN.fullmatch(text)
+        if match is None or int(match.group(1)) < 11:
+            raise BundleError(
+                f"unknown target {text!r}: name linux-x86_64-py3.<minor>-cpu or -cuda, with "
+                "Python 3.11 or newer (for example linux-x86_64-py3.12-cpu)"
+            )
+        return cls(text, int(match.group(1)), match.group(2))
+
+
+def add_commands(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """Register `release-key` and `bundle` on the installer's command line."""
+    key = commands.add_parser("release-key", help="make the release key pair that signs bundles")
+    key.add_argument("out_dir", type=Path, help="where release-key.pem and .pub go")
+    key.set_defaults(run=run_release_key)
+
+    bundle = commands.add_parser("bundle", help="build a signed offline bundle")
+    bundle.add_argument("out", type=Path, help="the bundle directory to create")
+    bundle.add_argument("--target", required=True, help="linux-x86_64-py3.<minor>-cpu|-cuda")
+    bundle.add_argument("--release-key", required=True, type=Path, help="Ed25519 PEM private key")
+    bundle.add_argument(
+        "--model",
+        action="append",
+        type=Path,
+        default=[],
+        help="a model directory to include (repeatable); default: the embedded SmolLM2",
+    )
+    bundle.add_argument("--tar", action="store_true", help="also write OUT.tar")
+    bundle.add_argument(
+        "--wheelhouse",
+        type=Path,
+        help="offline rebuild: copy the wheels in DIR (one inferno-*.whl among them) "
+        "instead of building and downloading them",
+    )
+    bundle.set_defaults(run=run_bundle)
+
+
+def run_release_key(args: argparse.Namespace) -> int:
+    out_dir: Path = args.out_dir
+    private_path, public_path = out_dir / RELEASE_KEY_NAME, out_dir / RELEASE_PUB_NAME
+    for path in (private_path, public_path):
+        if path.exists() or path.is_symlink():
+            raise BundleError(f"{path} already exists: release keys are never overwritten")
+    out_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+    key = Ed25519PrivateKey.generate()
+    private_pem = key.private_bytes(
+        serialization.Encoding.PEM,
+        serialization.PrivateFormat.PKCS8,
+        serialization.NoEncryption(),
+    )
+    public_pem = key.public_key().public_bytes(
+        serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
+    )
+    _write_new(private_path, private_pem, 0o600)
+    _write_new(public_path, public_pem, 0o644)
+    print(f"wrote {private_path} (keep it on the build host) and {public_path}")
+    return 0
+
+
+def _write_new(path: Path, data: bytes, mode: int) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
+
+
+def load_release_key(path: Path) -> Ed25519PrivateKey:
+    """The Ed25519 release key in unencrypted PEM (PKCS#8) at `path`."""
+    try:
+        key = serialization.load_pem_private_key(path.read_bytes(), password=None)
+    except (OSError, ValueError, TypeError) as exc:
+        raise BundleError(f"cannot load the release key {path}: {exc}") from exc
+    if not isinstance(key, Ed25519PrivateKey):
+        raise BundleError(f"the release key {path} is not an Ed25519 key")
+    return key
+
+
+def run_bundle(args: argparse.Namespace) -> int:
+    target = Target.parse(args.target)
+    key = load_release_key(args.release_key)
+    out: Path = args.out
+    tar_path = out.with_name(out.name + ".tar")
+    for path in (out, tar_path) if args.tar else (out,):
+        if path.exists() or path.is_symlink():
+            raise BundleError(f"{path} already exists: remove it or name another")
+    # Without --model, the embedded SmolLM2's GGUF (not the Python files of its package).
+    models = args.model or [find_embedded_gguf()]
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}."))
+    try:
+        if args.wheelhouse is not None:
+            _copy_wheelhouse(args.wheelhouse, staging / "wheels")
+        else:
+            _download_wheelhouse(target, staging / "wheels")
+            check_torch_wheel(target, [p.name for p in (staging / "wheels").glob("*.whl")])
+        version = _project_version(staging / "wheels")
+        _copy_models(models, staging / "models")
+        _write_static_files(staging)
+        sign_bundle(staging, key, version=version, target=target.name)
+        if args.tar:
+            write_tar(staging, tar_path)
+        staging.rename(out)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    print(f"wrote {out}" + (f" and {tar_path}" if args.tar else ""))
+    return 0
+
+
+def _copy_models(models: list[Path], dest: Path) -> None:
+    dest.mkdir()
+    for model in models:
+        if model.is_file() and model.suffix == ".gguf":
+            (dest / EMBEDDED_MODEL_NAME).mkdir()
+            shutil.copyfile(model, dest / EMBEDDED_MODEL_NAME / model.name)
+            continue
+        if not model.is_dir():
+            raise BundleError(f"the model {model} is not a directory")
+        target = dest / model.resolve().name
+        if target.exists():
+            raise BundleError(f"two models are named {target.name}: rename one directory")
+        _copy_regular_tree(model, target)
+
+
+def _copy_regular_tree(source: Path, dest: Path) -> None:
+    for path in sorted(source.rglob("*")):
+        relative = path.relative_to(source)
+        if path.is_symlink():
+            raise BundleError(f"{path} is a symbolic link: a bundle holds only regular files")
+        if path.is_dir():
+            (dest / relative).mkdir(parents=True, exist_ok=True)
+        elif path.is_file():
+            (dest / relative).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(path, dest / relative)
+        else:
+            raise BundleError(f"{path} is not a regular file")
+
+
+def _copy_wheelhouse(source: Path, dest: Path) -> None:
+    wheels = sorted(source.glob("*.whl"))
+    if not wheels:
+        raise BundleError(f"no .whl file in the wheelhouse {source}")
+    dest.mkdir()
+    for wheel in wheels:
+        if wheel.is_symlink() or not wheel.is_file():
+            raise BundleError(f"{wheel} is not a regular file")
+        shutil.copyfile(wheel, dest / wheel.name)
+
+
+def _download_wheelhouse(target: Target, dest: Path) -> None:
+    """This project's wheel and every runtime dependency, for the target, into `dest`."""
+    project = Path(__file__).resolve().parent.parent
+    if not (project / "pyproject.toml").is_file():
+        raise BundleError(
+            f"{project} is not Inferno's source tree: build bundles from a checkout, or pass "
+            "--wheelhouse with the wheels of an earlier bundle"
+        )
+    dest.mkdir()
+    with tempfile.TemporaryDirectory(prefix="inferno-wheel-") as build_dir:
+        env = dict(os.environ, SOURCE_DATE_EPOCH=_SOURCE_DATE_EPOCH)
+        _pip(["wheel", "--no-deps", "--wheel-dir", build_dir, str(project)], env)
+        (project_wheel,) = Path(build_dir).glob(f"{PROJECT_NAME}-*.whl")
+        platforms = [option for p in TARGET_PLATFORMS for option in ("--platform", p)]
+        _pip(
+            [
+                "download",
+                "--only-binary=:all:",
+                *platforms,
+                "--python-version",
+                f"3.{target.python_minor}",
+                "--implementation",
+                "cp",
+                "--dest",
+                str(dest),
+                str(project_wheel),
+                TORCH_REQUIREMENT,
+            ],
+            env,
+        )
+
+
+def check_torch_wheel(target: Target, wheel_names: list[str]) -> None:
+    """The wheelhouse holds exactly one torch 2.13.0, and a `-cuda` target never the CPU build.
+
+    A `-cpu` target takes whichever build pip's configuration served (PyTorch's CPU index or a
+    local `+cpu` wheel where configured, else PyPI's CUDA build, which also runs on a CPU).
+    """
+    pinned = TORCH_REQUIREMENT.split("==")[1]
+    torches = [name for name in wheel_names if name.startswith("torch-")]
+    if len(torches) != 1 or torches[0].split("-")[1].split("+")[0] != pinned:
+        raise BundleError(f"the wheelhouse must hold one torch {pinned} wheel, not {torches}")
+    if target.accelerator == "cuda" and "+cpu" in torches[0]:
+        raise BundleError(
+            f"pip's configuration served {torches[0]} for the CUDA target {target.name}: build "
+            "it where pip offers no CPU-only torch (a CPU index or find-links in `pip config "
+            "list`)"
+        )
+
+
+def _pip(arguments: list[str], env: dict[str, str]) -> None:
+    command = [sys.executable, "-m", "pip", "--disable-pip-version-check", *arguments]
+    result = subprocess.run(command, env=env, capture_output=True, text=True, check=False)
+    if result.returncode != 0:
+        lines = (result.stderr.strip() or result.stdout.strip() or "no output").splitlines()
+        raise BundleError(f"pip {arguments[0]} failed: {lines[-1]}")
+
+
+def _project_version(wheels: Path) -> str:
+    found = sorted(wheels.glob(f"{PROJECT_NAME}-*.whl"))
+    if len(found) != 1:
+        raise BundleError(f"the wheelhouse must hold exactly one {PROJECT_NAME}-*.whl")
+    version = found[0].name.split("-")[1]
+    if not re.fullmatch(r"[0-9A-Za-z.+_]+", version):
+        raise BundleError(f"{found[0].name} does not name a plain version")
+    return version
+
+
+def _write_static_files(bundle: Path) -> None:
+    (bundle / "config").mkdir()
+    (bundle / CONFIG_TEMPLATE).write_text(CONFIG_TEMPLATE_TEXT, encoding="utf-8")
+    (bundle / "systemd").mkdir()
+    (bundle / SYSTEMD_TEMPLATE).write_text(SYSTEMD_UNIT_TEXT, encoding="utf-8")
+    shutil.copyfile(bundle_install.__file__, bundle / "install.py")
+
+
+def file_entries(bundle: Path) -> list[ManifestEntry]:
+    """Path, SHA-256 and size of every file under `bundle` except the manifest and signature."""
+    entries = []
+    for path in sorted(bundle.rglob("*")):
+        relative = path.relative_to(bundle).as_posix()
+        if path.is_dir() or relative in (MANIFEST_NAME, SIGNATURE_NAME):
+            continue
+        digest = hashlib.sha256()
+        with open(path, "rb") as f:
+            for block in iter(lambda f=f: f.read(1 << 20), b""):
+                digest.update(block)
+        entries.append(ManifestEntry(relative, digest.hexdigest(), path.stat().st_size))
+    return entries
+
+
+def sign_bundle(bundle: Path, key: Ed25519PrivateKey, *, version: str, target: str) -> None:
+    """Write MANIFEST.json over every file in `bundle`, and MANIFEST.sig over its bytes."""
+    manifest = manifest_bytes(version, target, file_entries(bundle))
+    (bundle / MANIFEST_NAME).write_bytes(manifest)
+    (bundle / SIGNATURE_NAME).write_bytes(key.sign(manifest))
+
+
+def write_tar(bundle: Path, tar_path: Path) -> None:
+    """OUT.tar: the bundle's files at its top level, sorted, with fixed owner, mode and time."""
+    fd, tmp = tempfile.mkstemp(dir=tar_path.parent, prefix=f".{tar_path.name}.")
+    try:
+        with (
+            os.fdopen(fd, "wb") as raw,
+            tarfile.open(fileobj=raw, mode="w", format=tarfile.PAX_FORMAT) as tar,
+        ):
+            for path in sorted(p for p in bundle.rglob("*") if p.is_file()):
+                info = tarfile.TarInfo(path.relative_to(bundle).as_posix())
+                info.size = path.stat().st_size
+                info.mtime = _TAR_MTIME
+                info.mode = 0o755 if info.name == "install.py" else 0o644
+                info.uid = info.gid = 0
+                info.uname = info.gname = ""
+                with open(path, "rb") as f:
+                    tar.addfile(info, f)
+        os.replace(tmp, tar_path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+CONFIG_TEMPLATE_TEXT = """\
+# The appliance's settings (docs/CONFIG.md describes each), written by install.py with
+# @PREFIX@ replaced by the install prefix. Kept as is by later installs.
+#
+# Before `inferno serve --config THIS_FILE`:
+#  - convert the bundle's model once (from @PREFIX@/current/models/SmolLM2-135M-Instruct):
+#      @PREFIX@/current/bin/inferno model import-gguf FILE.gguf \\
+#        @PREFIX@/data/models/SmolLM2-135M-Instruct
+#  - put the TLS certificate and key where [tls] says, and the attestation policy where [tee]
+#    says (docs/ATTESTATION.md), and name the identity provider in [auth] (docs/CONFIG.md).
+
+[model]
+dir = "@PREFIX@/data/models/SmolLM2-135M-Instruct"
+
+[engine]
+device = "cpu"
+
+[server]
+host = "0.0.0.0"
+port = 8443
+
+[tls]
+cert_file = "@PREFIX@/etc/tls/server.crt"
+key_file = "@PREFIX@/etc/tls/server.key"
+
+[audit]
+origin = "inferno.example.com/audit"
+data_dir = "@PREFIX@/data/audit"
+
+[tee]
+policy_file = "@PREFIX@/etc/attestation-policy.toml"
+gpu_rims_dir = "@PREFIX@/data/rims"
+"""
+
+SYSTEMD_UNIT_TEXT = """\
+# The appliance as a systemd service, @PREFIX@ being the install prefix. Hardened as far as
+# systemd allows: a dedicated user, a read-only system, writes only to the data directory.
+[Unit]
+Description=Inferno confidential LLM inference appliance
+After=network-online.target
+Wants=network-online.target
+
+[Service]
+Type=exec
+User=inferno
+Group=inferno
+ExecStart=@PREFIX@/current/bin/inferno serve --config @PREFIX@/etc/inferno.toml
+Restart=on-failure
+NoNewPrivileges=yes
+ProtectSystem=strict
+ProtectHome=yes
+PrivateTmp=yes
+PrivateDevices=no
+ProtectKernelTunables=yes
+ProtectKernelModules=yes
+ProtectControlGroups=yes
+RestrictSUIDSGID=yes
+LockPersonality=yes
+CapabilityBoundingSet=
+AmbientCapabilities=
+ReadWritePaths=@PREFIX@/data
+
+[Install]
+WantedBy=multi-user.target
+"""
