@@ -1,6 +1,7 @@
 """The Overview's GPU readings (appliance.console.gpus) over a fake NVML module: parsing what
 NVML answers, the text shown, the CC mode from NVML or else the attestation claims, a machine
-without GPU, and a wedged driver that must not hold up the page."""
+without GPU, and a wedged driver that must not hold up the page; on the GPU machine, the real
+driver against what torch sees."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ import threading
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
+
+import pytest
 
 from appliance.console.gpus import (
     GpuMonitor,
@@ -205,3 +208,25 @@ def test_an_nvml_error_mid_reading_is_a_problem_not_a_crash() -> None:
     report = read(GpuMonitor(load_nvml=lambda: Failing()))
     assert report.gpus == () and not report.no_gpu
     assert report.problem == "NVML failed: NVMLError: NVML error 15"
+
+
+@pytest.mark.gpu
+def test_the_real_driver_reports_every_gpu_torch_sees() -> None:
+    import torch
+
+    monitor = GpuMonitor()
+    try:
+        report = asyncio.run(monitor.read())
+    finally:
+        monitor.close()
+    assert report.problem is None and not report.no_gpu, report.problem
+    assert len(report.gpus) == torch.cuda.device_count()
+    for gpu in report.gpus:
+        assert gpu.name == torch.cuda.get_device_name(gpu.index)
+        assert gpu.utilization_pct is not None and 0 <= gpu.utilization_pct <= 100
+        _, total = torch.cuda.mem_get_info(gpu.index)  # CUDA's view of the same memory
+        assert gpu.memory_total_bytes is not None
+        assert abs(gpu.memory_total_bytes - total) <= 0.02 * total
+        assert gpu.memory_used_bytes is not None and 0 < gpu.memory_used_bytes <= total
+        assert gpu.temperature_c is not None and 10 <= gpu.temperature_c <= 100
+        assert gpu.cc_mode in ("on", "off", "devtools", None)
