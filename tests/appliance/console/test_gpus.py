@@ -196,8 +196,11 @@ def test_a_wedged_driver_answers_within_the_deadline_and_starts_no_second_readin
     assert note == "GPU readings unavailable: NVML did not answer within 0.05 s."
     monitor.close()
     assert nvml.num_shutdowns == 0  # not while a call hangs in it
-    hang.set()
-    assert read(monitor).gpus  # the driver came back: read again
+    hang.set()  # the driver comes back: once the stuck reading has ended, read again
+    for thread in threading.enumerate():
+        if thread.name == "inferno-nvml-read":
+            thread.join(timeout=10)
+    assert read(monitor).gpus
 
 
 def test_an_nvml_error_mid_reading_is_a_problem_not_a_crash() -> None:
