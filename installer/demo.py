@@ -26,9 +26,14 @@ TOKENS_NAME = "tokens.env"
 # The variables of the tokens file, by role; the banner's commands read them.
 TOKEN_VARIABLES = {"user": "INFERNO_USER_TOKEN", "admin": "INFERNO_ADMIN_TOKEN"}
 DEMO_QUESTION = "What is the capital of France?"
-# A bound on the banner's examples: sampled at temperature 1, a small model can ramble for
+# A bound on the banner's examples: a small model can ramble for
 # thousands of tokens, minutes on a CPU.
 DEMO_MAX_TOKENS = 64
+# Greedy: for the banner's question the 135M model's first token is nearly a tie between
+# "The" (… Paris.) and "L" (L'Étoile …, then nonsense), so any sampling, even at the model
+# card's 0.2, answers nonsense about half the time; greedy answers "The capital of France is
+# Paris." The banner also shows where sampling settings go.
+DEMO_TEMPERATURE = 0
 
 
 def demo_dir() -> Path:
@@ -138,8 +143,9 @@ class DemoBanner:
     def curl_command(self) -> str:
         messages = [{"role": "user", "content": DEMO_QUESTION}]
         body = json.dumps(
-            {"model": self.model, "messages": messages, "max_tokens": DEMO_MAX_TOKENS}
-        )
+            {"model": self.model, "messages": messages, "max_tokens": DEMO_MAX_TOKENS,
+             "temperature": DEMO_TEMPERATURE}
+        )  # fmt: skip
         return (
             f"curl --cacert {shlex.quote(str(self.cert_file))} {self.url}/v1/chat/completions "
             f'-H "Authorization: Bearer ${TOKEN_VARIABLES["user"]}" '
@@ -153,7 +159,8 @@ class DemoBanner:
             f"client = openai.OpenAI(base_url={json.dumps(self.url + '/v1')}, "
             f"api_key=os.environ[{json.dumps(TOKEN_VARIABLES['user'])}]); "
             f"reply = client.chat.completions.create(model={json.dumps(self.model)}, "
-            f"messages={json.dumps(messages)}, max_tokens={DEMO_MAX_TOKENS}); "
+            f"messages={json.dumps(messages)}, max_tokens={DEMO_MAX_TOKENS}, "
+            f"temperature={DEMO_TEMPERATURE}); "
             "print(reply.choices[0].message.content)"
         )
         # httpx, under OpenAI's client, trusts the certificate that SSL_CERT_FILE names.
