@@ -8,28 +8,19 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-import time
 from collections.abc import Iterator
 from datetime import UTC, datetime
 from pathlib import Path
 
 import pytest
-from fastapi.testclient import TestClient
 
-from appliance.app import build
-from appliance.attestation.service import TeeService
-from appliance.auth.principal import Principal
 from appliance.auth.roles import Role
-from appliance.auth.sessions import SESSION_COOKIE
-from appliance.boot.startup import start_audit_log
-from appliance.boot.weights import LoadedModel
 from appliance.console import attestation_records
-from appliance.engine.engine import Engine, EngineConfig
+from appliance.engine.engine import Engine
 from audit.canonical import canonicalize
 from audit.event import Action, Outcome, system_event
 from tests.appliance.api.conftest import RunningServer, make_settings, running_server
-from tests.appliance.attestation.fake_tee import FakeCollector, FakeVerifier
-from tests.appliance.boot.test_boot_gate import _settings
+from tests.appliance.console.attested import attested_console
 from tests.appliance.console.test_routes import browser, entries, sign_in
 
 
@@ -46,21 +37,10 @@ def server(
 def test_an_auditor_downloads_the_evidence_the_verdict_names_recorded_first(
     tmp_path: Path, smollm2_dir: Path, api_engine: Engine, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    def load(config: EngineConfig) -> LoadedModel:
-        return LoadedModel(api_engine, "sha256:" + "00" * 32)
-
-    monkeypatch.setattr(LoadedModel, "load", load)
-    settings = _settings(tmp_path, smollm2_dir)
-    log = start_audit_log(settings)
-    app = build(settings, log, tee=TeeService("required", FakeCollector(), FakeVerifier()))
-    with TestClient(app) as client:
-        deadline = time.monotonic() + 60
-        while client.get("/health").json()["status"] == "loading":
-            assert time.monotonic() < deadline
-            time.sleep(0.02)
-        principal = Principal("urn:test", "inspector", None, frozenset({Role.AUDITOR}), 0.0)
-        session = app.state.sessions.create(principal, "id.token")
-        client.cookies.set(SESSION_COOKIE, session.id)
+    console = attested_console(
+        tmp_path, smollm2_dir, api_engine, monkeypatch, role=Role.AUDITOR, subject="inspector"
+    )
+    with console as (app, client, session):
         page = client.get("/console/attestation")
         assert "Download evidence" in page.text
         downloads = {}

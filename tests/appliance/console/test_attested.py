@@ -11,40 +11,28 @@ import time
 from pathlib import Path
 
 import pytest
-from fastapi.testclient import TestClient
 
-from appliance.app import build
-from appliance.attestation.service import TeeService
-from appliance.auth.principal import Principal
 from appliance.auth.roles import Role
-from appliance.auth.sessions import SESSION_COOKIE
-from appliance.boot.startup import start_audit_log
-from appliance.boot.weights import LoadedModel
 from appliance.console.pages import format_utc
-from appliance.engine.engine import Engine, EngineConfig
-from tests.appliance.attestation.fake_tee import FakeCollector, FakeVerifier
-from tests.appliance.boot.test_boot_gate import _settings
+from appliance.engine.engine import Engine
+from tests.appliance.attestation.fake_tee import FakeVerifier
+from tests.appliance.console.attested import attested_console
 
 
 def test_attestation_page_lists_the_checks_and_reattest_is_audited_first(
     tmp_path: Path, smollm2_dir: Path, api_engine: Engine, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    def load(config: EngineConfig) -> LoadedModel:
-        return LoadedModel(api_engine, "sha256:" + "00" * 32)
-
-    monkeypatch.setattr(LoadedModel, "load", load)
-    settings = _settings(tmp_path, smollm2_dir)
     verifier = FakeVerifier()  # passes at boot; a check fails once an admin re-attests
-    log = start_audit_log(settings)
-    app = build(settings, log, tee=TeeService("required", FakeCollector(), verifier))
-    with TestClient(app) as client:
-        deadline = time.monotonic() + 60
-        while client.get("/health").json()["status"] == "loading":
-            assert time.monotonic() < deadline
-            time.sleep(0.02)
-        principal = Principal("urn:test", "operator", None, frozenset({Role.ADMIN}), 0.0)
-        session = app.state.sessions.create(principal, "id.token")
-        client.cookies.set(SESSION_COOKIE, session.id)
+    console = attested_console(
+        tmp_path,
+        smollm2_dir,
+        api_engine,
+        monkeypatch,
+        role=Role.ADMIN,
+        subject="operator",
+        verifier=verifier,
+    )
+    with console as (app, client, session):
         page = client.get("/console/attestation")
         assert page.status_code == 200
         assert "gpu0.signature" in page.text and "550.90.07" in page.text  # a check, a claim
@@ -57,6 +45,7 @@ def test_attestation_page_lists_the_checks_and_reattest_is_audited_first(
         assert f"{format_utc(deadline_shown)}</time> (every 1 h" in overview
         assert "Failed checks" not in overview and "not sealed" in overview
         verifier.failures["cpu.tcb"] = "below the policy's minimum"
+        deadline = time.monotonic() + 60
         form = {"csrf_token": session.csrf_token}
         done = client.post("/console/attestation/reattest", data=form, follow_redirects=False)
         assert done.status_code == 303
