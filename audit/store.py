@@ -265,16 +265,8 @@ class AuditStore:
         return resolve_plan(plan, found)
 
     def latest_checkpoint(self) -> StoredCheckpoint | None:
-        def read(conn: Connection) -> StoredCheckpoint | None:
-            row = conn.execute(
-                select(checkpoints.c.size, checkpoints.c.note, checkpoints.c.signed_at)
-                .where(checkpoints.c.origin == self.origin)
-                .order_by(checkpoints.c.size.desc())
-                .limit(1)
-            ).first()
-            return None if row is None else StoredCheckpoint(*row)
-
-        return self._guarded("the latest checkpoint", read)
+        newest = self.recent_checkpoints(None, 1)
+        return newest[0] if newest else None
 
     def checkpoints(self, min_size: int, max_size: int) -> list[StoredCheckpoint]:
         """Every checkpoint with min_size <= size <= max_size, smallest first."""
