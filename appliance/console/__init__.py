@@ -10,6 +10,6 @@ CSV) add their own routers, which appliance.app installs beside it; audit_search
 the audit log; table.py sorts and pages the tables; forms.py reads posted forms; errors.py is
 what the error page answers. The Overview's live view: series.py samples the metrics into the
 last hour's time series, gpus.py reads the GPUs through NVML off the event loop, charts.py
-gives the charts their texts and JSON. Who may open which page is `appliance.api.access.ROUTE_ACCESS`,
-like every other route.
+gives the charts their texts and JSON. Who may open which page is
+`appliance.api.access.ROUTE_ACCESS`, like every other route.
 """
