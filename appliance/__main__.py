@@ -195,6 +195,12 @@ def _parser() -> argparse.ArgumentParser:
     _add_config_arg(link, demo_default=True)
     link.set_defaults(run=_run_console_link)
 
+    warm = _command(
+        commands, "warmup", "compile the engine's GPU kernels into Triton's cache, ahead of serving"
+    )
+    _add_config_arg(warm, demo_default=False)
+    warm.set_defaults(run=_run_warmup)
+
     model = _command(commands, "model", "manage model directories")
     model_commands = model.add_subparsers(required=True, metavar="ACTION")
     imp = _command(model_commands, "import-gguf", "convert a GGUF file to a model directory")
@@ -329,6 +335,23 @@ def _run_import_gguf(args: argparse.Namespace) -> int:
 
     out = import_gguf(args.gguf, args.outdir, show_progress=sys.stderr.isatty())
     print(f"model directory written: {out}", file=sys.stderr)
+    return 0
+
+
+def _run_warmup(args: argparse.Namespace) -> int:
+    from appliance.config import load_settings
+
+    settings = load_settings(_settings_file(args.config, demo_default=False))
+    if settings.engine.device == "cpu":
+        raise ConfigError('engine.device = "cpu": the CPU path compiles no kernels to warm')
+    from appliance.boot.startup import engine_config
+    from appliance.engine.warmup import warm_up
+
+    report = warm_up(engine_config(settings))
+    print(
+        f"engine built in {report.build_s:.1f} s, workload run in {report.workload_s:.1f} s; "
+        f"Triton compiled {report.compiled} kernels (its cache holds {report.kernels_after})"
+    )
     return 0
 
 

@@ -3,17 +3,28 @@
 from __future__ import annotations
 
 import importlib
+from pathlib import Path
 
 import torch
 
 from kernels.ops import KernelOps
 
 
-def kernel_ops_for(device: torch.device | str) -> KernelOps:
+def kernel_ops_for(
+    device: torch.device | str, *, triton_cache_dir: Path | None = None
+) -> KernelOps:
     """Triton kernels on a CUDA device, the plain-torch reference everywhere else.
 
     The Triton module is imported only when asked for, so a CPU-only install never loads Triton.
+    `triton_cache_dir`: where Triton keeps (and first looks for) the kernels it compiles, instead
+    of its default `~/.triton/cache`: a cache made beforehand for this GPU and Triton version
+    (an offline bundle's, docs/INSTALL.md) means the engine's start compiles nothing.
     """
-    if torch.device(device).type == "cuda":
-        return importlib.import_module("kernels.triton_ops")  # type: ignore[return-value]
-    return importlib.import_module("kernels.reference")  # type: ignore[return-value]
+    if torch.device(device).type != "cuda":
+        return importlib.import_module("kernels.reference")  # type: ignore[return-value]
+    if triton_cache_dir is not None:
+        import triton
+
+        Path(triton_cache_dir).mkdir(mode=0o700, parents=True, exist_ok=True)
+        triton.knobs.cache.dir = str(triton_cache_dir)
+    return importlib.import_module("kernels.triton_ops")  # type: ignore[return-value]

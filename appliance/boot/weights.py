@@ -24,7 +24,6 @@ from appliance.engine.tokenizer import Tokenizer
 from appliance.errors import ModelFilesError
 from attestation.sealed import SealedModel
 from attestation.sealed.manifest import SealedManifest
-from kernels.backend import kernel_ops_for
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,7 +70,7 @@ class LoadedModel:
                 sealed.directory,
                 dtype=config.torch_dtype,
                 device=device,
-                ops=kernel_ops_for(device),
+                ops=config.kernel_ops(),
                 weights=images,
             )
         engine = Engine.build(config, model, tokenizer)

@@ -30,6 +30,7 @@ from appliance.engine.scheduler import Scheduler, SchedulerConfig
 from appliance.engine.sequence import RequestId, Sequence, SequenceStatus
 from appliance.engine.tokenizer import Tokenizer
 from kernels.backend import kernel_ops_for
+from kernels.ops import KernelOps
 
 logger = logging.getLogger(__name__)
 
@@ -74,6 +75,10 @@ class EngineConfig(EngineSettings):
     @property
     def torch_dtype(self) -> torch.dtype:
         return _DTYPES[self.dtype or ("bfloat16" if self.on_gpu else "float32")]
+
+    def kernel_ops(self) -> KernelOps:
+        """The kernels for this device, Triton's cache where the settings put it."""
+        return kernel_ops_for(self.torch_device, triton_cache_dir=self.triton_cache_dir)
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,8 +126,9 @@ class Engine:
         device = config.torch_device
         ModelConfig.from_model_dir(model_dir)  # the clearest errors first, before any heavy load
         tokenizer = Tokenizer.from_model_dir(model_dir)
-        ops = kernel_ops_for(device)
-        model = load_model(model_dir, dtype=config.torch_dtype, device=device, ops=ops)
+        model = load_model(
+            model_dir, dtype=config.torch_dtype, device=device, ops=config.kernel_ops()
+        )
         return cls.build(config, model, tokenizer)
 
     @classmethod

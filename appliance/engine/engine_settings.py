@@ -7,6 +7,7 @@ No torch here, so that reading the settings does not load it.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -57,4 +58,10 @@ class EngineSettings(BaseModel):
     )
     num_cpu_threads: int = Field(
         default=0, ge=0, description="torch threads when the engine runs on cpu; 0: automatic"
+    )
+    # Triton compiles each kernel at its first launch (seconds per kernel at start-up) and keeps
+    # it here; a cache made beforehand on the same GPU model and Triton version (an offline
+    # bundle carries one: docs/INSTALL.md) is read instead. Unset: Triton's ~/.triton/cache.
+    triton_cache_dir: Path | None = Field(
+        default=None, description="Triton's kernel cache on cuda; default ~/.triton/cache"
     )

@@ -1,0 +1,104 @@
+"""Warm Triton's kernel cache for a model's architecture before the appliance first starts.
+
+Triton compiles each kernel variant at its first launch, seconds each: on a fresh machine the
+engine's start (the profiled step, the CUDA graph captures) and its first requests of each shape
+pay for it. `inferno warmup` builds the engine exactly as the settings say, runs a workload that
+reaches the kernel variants serving uses (prefill lengths on and off Triton's divisibility
+specializations, chunked prefill, steps mixing prefills with decodes, batched decodes, sampled
+and greedy tokens), and reports how many kernels it had to compile. Run once on a staging host
+with the appliance's GPU model and Triton version, the cache it fills goes into the offline
+bundle (docs/INSTALL.md), and the appliance's first start then compiles nothing; run again, it
+shows that (`compiled 0`).
+
+The weights are random, drawn from the model directory's config.json: kernels are specialized
+by shapes and dtypes, never by weight values, so a sealed model is warmed without its key and
+without any plaintext weight.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from appliance.engine.engine import Engine, EngineConfig
+from appliance.engine.models.config import ModelConfig
+from appliance.engine.models.llama import LlamaForCausalLM
+from appliance.engine.sampling_params import SamplingParams
+
+# Prompt lengths: 1 and multiples of 16 hit Triton's specializations of integer arguments
+# (== 1, divisible by 16), the others the general variants.
+_PROMPT_LENGTHS = (1, 7, 16, 33, 100, 257)
+
+
+@dataclass(frozen=True, slots=True)
+class WarmupReport:
+    build_s: float
+    workload_s: float
+    kernels_before: int
+    kernels_after: int
+
+    @property
+    def compiled(self) -> int:
+        return self.kernels_after - self.kernels_before
+
+
+def cached_kernels(cache_dir: Path) -> int:
+    """Compiled kernels in a Triton cache directory: one subdirectory per cache key."""
+    if not cache_dir.is_dir():
+        return 0
+    return sum(1 for entry in cache_dir.iterdir() if entry.is_dir())
+
+
+def random_model(config: EngineConfig, seed: int = 0) -> LlamaForCausalLM:
+    """The model directory's architecture on the engine's device, with random weights."""
+    model_config = ModelConfig.from_model_dir(config.model_dir)
+    device = config.torch_device
+    with torch.device("meta"):
+        model = LlamaForCausalLM(model_config, config.kernel_ops())
+    model.to_empty(device=device)
+    model.to(config.torch_dtype)
+    generator = torch.Generator(device).manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.fill_(1.0)
+            else:
+                param.normal_(0.0, 0.02, generator=generator)
+    model.init_rope_tables(model_config.max_model_len)
+    return model.eval()
+
+
+def warm_up(config: EngineConfig) -> WarmupReport:
+    """Build the engine of `config` with random weights and run the workload (module
+    docstring); how long each took, and the kernels in Triton's cache before and after."""
+    cache_dir = None
+    if config.on_gpu:
+        import triton
+
+        config.kernel_ops()  # points Triton at the settings' cache before it is read here
+        cache_dir = Path(triton.knobs.cache.dir)
+    before = cached_kernels(cache_dir) if cache_dir else 0
+    start = time.perf_counter()
+    model = random_model(config)
+    engine = Engine.build(config, model, tokenizer=None)
+    built = time.perf_counter()
+    vocab = engine.vocab_size
+    generator = torch.Generator().manual_seed(0)
+
+    def prompts(lengths: list[int]) -> list[list[int]]:
+        return [torch.randint(0, vocab, (n,), generator=generator).tolist() for n in lengths]
+
+    greedy = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    sampled = SamplingParams(max_tokens=4, temperature=0.8, top_p=0.9, ignore_eos=True)
+    for length in _PROMPT_LENGTHS:  # one prefill at a time, then its decodes alone
+        engine.generate(prompts([min(length, engine.max_model_len - 4)]), greedy)
+    # All at once: steps mixing prefill chunks and decodes, batched decodes of every size up to
+    # the batch, and a prompt longer than one step's token budget (chunked prefill).
+    longest = min(config.max_num_batched_tokens + 100, engine.max_model_len - 4)
+    engine.generate(prompts([*_PROMPT_LENGTHS, longest]), sampled)
+    done = time.perf_counter()
+    after = cached_kernels(cache_dir) if cache_dir else 0
+    return WarmupReport(built - start, done - built, before, after)

@@ -1,0 +1,114 @@
+"""`inferno warmup`: the engine built from a model's config.json with random weights, the
+workload run, and (on a GPU) Triton's cache filled so that a second start compiles nothing."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from appliance.__main__ import main
+from appliance.engine.engine import EngineConfig
+from appliance.engine.warmup import cached_kernels, random_model, warm_up
+
+TINY_LLAMA = {
+    "architectures": ["LlamaForCausalLM"],
+    "vocab_size": 256,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 512,
+}
+
+
+@pytest.fixture
+def config_only_model(tmp_path: Path) -> Path:
+    """A model directory with nothing but its architecture: warm-up needs no weights."""
+    model_dir = tmp_path / "model"
+    model_dir.mkdir()
+    (model_dir / "config.json").write_text(json.dumps(TINY_LLAMA))
+    return model_dir
+
+
+def _settings(tmp_path: Path, model_dir: Path, device: str, cache: Path) -> Path:
+    path = tmp_path / "inferno.toml"
+    path.write_text(
+        f'appliance.profile = "development"\n[model]\ndir = "{model_dir}"\n'
+        f'[engine]\ndevice = "{device}"\nmax_num_batched_tokens = 64\nmax_num_seqs = 8\n'
+        f'triton_cache_dir = "{cache}"\ngpu_memory_utilization = 0.3\n'
+        f'[tee]\nmode = "insecure-dev"\n[audit]\norigin = "test/audit"\n'
+        f'data_dir = "{tmp_path / "audit"}"\n[auth]\nlocal_issuer = "demo"\n'
+        f'local_issuer_key_file = "{tmp_path / "issuer.pem"}"\n'
+        "[server]\ninsecure_http = true\n"
+    )
+    return path
+
+
+def test_random_model_has_the_architecture_and_finite_weights(config_only_model: Path) -> None:
+    model = random_model(EngineConfig(model_dir=config_only_model, device="cpu"))
+    qkv = model.layers[0].self_attn.qkv_proj.weight
+    assert qkv.shape == (64 + 2 * 2 * 16, 64)  # 4 query heads, 2 KV heads of 16
+    assert torch.isfinite(qkv).all() and qkv.std() > 0.01
+    assert torch.equal(model.norm.weight, torch.ones(64))
+
+
+def test_warm_up_runs_every_workload_step_on_the_cpu(config_only_model: Path) -> None:
+    report = warm_up(
+        EngineConfig(
+            model_dir=config_only_model,
+            device="cpu",
+            max_num_batched_tokens=64,
+            num_kv_blocks=64,
+            num_cpu_threads=1,
+        )
+    )
+    # The CPU path compiles nothing; the workload still ran end to end (chunked prefill of a
+    # prompt longer than one step's budget included).
+    assert report.compiled == 0 and report.workload_s > 0
+
+
+def test_cached_kernels_counts_cache_keys(tmp_path: Path) -> None:
+    assert cached_kernels(tmp_path / "absent") == 0
+    for key in ("AAAA", "BBBB"):
+        (tmp_path / key).mkdir()
+    (tmp_path / "stray-file").write_text("")
+    assert cached_kernels(tmp_path) == 2
+
+
+def test_warmup_command_refuses_the_cpu(
+    tmp_path: Path, config_only_model: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    settings = _settings(tmp_path, config_only_model, "cpu", tmp_path / "cache")
+    assert main(["warmup", "--config", str(settings)]) == 2
+    assert 'engine.device = "cpu"' in capsys.readouterr().err
+
+
+@pytest.mark.gpu
+def test_a_warmed_cache_makes_the_next_start_compile_nothing(
+    tmp_path: Path, config_only_model: Path
+) -> None:
+    cache = tmp_path / "triton-cache"
+    settings = _settings(tmp_path, config_only_model, "cuda", cache)
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_CACHE_DIR"}
+
+    def compiled() -> int:
+        # A new process each time: Triton also keeps compiled kernels in memory.
+        result = subprocess.run(
+            [sys.executable, "-m", "appliance", "warmup", "--config", str(settings)],
+            capture_output=True, text=True, env=env, check=True, timeout=600,
+        )  # fmt: skip
+        match = re.search(r"Triton compiled (\d+) kernels", result.stdout)
+        assert match, result.stdout + result.stderr
+        return int(match.group(1))
+
+    first = compiled()
+    assert first > 0 and cached_kernels(cache) >= first
+    assert compiled() == 0
