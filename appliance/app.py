@@ -152,6 +152,7 @@ def build(
     login = ConsoleLogin.from_settings(auth, idp_http, authenticator, time.time)
     app.state.console_login = login
     install_error_handlers(app)
+    denials = DenialReporter(trail.append, auth.failure_events_per_minute, time.monotonic)
     # Logout continues at the identity provider: the console's forms may lead there.
     pages = ConsolePages(
         () if login is None else (login.issuer_origin,),
@@ -171,6 +172,7 @@ def build(
             authenticator=authenticator,
             sampler=sampler,
             sealed_manifest=lambda: start_up.sealed_manifest,
+            denials=denials,
             local_issuer=local_issuer,
         ),
     )
@@ -188,7 +190,7 @@ def build(
         rules=ROUTE_ACCESS,
         authenticator=authenticator,
         sessions=sessions,
-        denials=DenialReporter(trail.append, auth.failure_events_per_minute, time.monotonic),
+        denials=denials,
         console_page=pages.error,
     )
     # Each added around the previous: a 413 or a refusal is logged and carries both headers.

@@ -1,8 +1,9 @@
 """The console's login and logout routes: the OIDC authorization code flow with PKCE
 (`appliance.auth.oidc_login`) ending in a server-side session (`appliance.auth.sessions`).
 
-GET /console/login redirects to the IdP; GET /console/callback ends the login, sets the session
-cookie and answers a page of the console that moves on to it (appliance.console); GET
+GET /console/login redirects to the IdP; GET /console/callback ends the login, records it in
+the audit log (a refused one too: appliance.console.sign_in), sets the session cookie and
+answers a page of the console that moves on to it (appliance.console); GET
 /console/session tells who is logged in and its CSRF token; POST /console/logout (with the CSRF
 token) ends the session here and sends the browser to the IdP's end-session endpoint. Access
 rules: `appliance.api.access.ROUTE_ACCESS`.
@@ -12,17 +13,21 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import HTMLResponse, RedirectResponse
 
 from appliance.api.access import session_of
+from appliance.api.audit_trail import client_address
 from appliance.auth.errors import LoginError
 from appliance.auth.oidc_login import LOGIN_COOKIE, PENDING_TTL_S, ConsoleLogin
 from appliance.auth.sessions import Session, SessionStore, SessionStoreError, expired_cookie
 from appliance.console.errors import ConsoleError
-from appliance.console.pages import SIGNED_OUT, ConsolePages
+from appliance.console.sign_in import record_refusal, signed_in
+
+if TYPE_CHECKING:  # the console's routes import this module's CurrentSession
+    from appliance.console.routes import ConsoleServices
 
 router = APIRouter(prefix="/console", include_in_schema=False)
 
@@ -69,17 +74,21 @@ async def login(console_login: Login) -> RedirectResponse:
 @router.get("/callback")
 async def callback(request: Request, console_login: Login, sessions: Sessions) -> HTMLResponse:
     pending_id = request.cookies.get(LOGIN_COOKIE)
-    pages: ConsolePages = request.app.state.console.pages
+    services: ConsoleServices = request.app.state.console
+    source = client_address(request.scope)
     try:
         completed = await console_login.complete(pending_id, dict(request.query_params))
     except LoginError as exc:
-        return pages.error(400, f"login failed: {exc}; start again at /console/login")
+        await record_refusal(services, f"console login failed: {exc}", source)
+        return services.pages.error(400, f"login failed: {exc}; start again at /console/login")
     try:
         session = await asyncio.to_thread(sessions.create, completed.principal, completed.id_token)
     except SessionStoreError:
-        return pages.error(503, "no session can be stored now; sign in again in a moment")
-    response = pages.render("signed_in.html", SIGNED_OUT)
-    response.headers.append("set-cookie", sessions.cookie(session))
+        return services.pages.error(503, "no session can be stored now; sign in again in a moment")
+    details = {"method": "console sign-in (OIDC)", "issuer": completed.principal.issuer}
+    response = await signed_in(
+        services, session, completed.principal, source, details, "start again at /console/login"
+    )
     response.headers.append("set-cookie", f"{LOGIN_COOKIE}=; Path=/; Max-Age=0; Secure; HttpOnly")
     return response
 

@@ -62,7 +62,7 @@ class DenialReporter(Generic[Receipt]):
             reason=str(error.reason),
             claimed=claimed,
         )
-        return await self._report(event, source, f"refused a request from {source}: {error.reason}")
+        return await self.report(event, source, f"refused a request from {source}: {error.reason}")
 
     async def authorization_denied(
         self,
@@ -82,9 +82,11 @@ class DenialReporter(Generic[Receipt]):
             required_roles=[role.value for role in required],
         )
         who = principal.subject if principal is not None else "a caller"
-        return await self._report(event, source, f"denied {resource} to {who} from {source}")
+        return await self.report(event, source, f"denied {resource} to {who} from {source}")
 
-    async def _report(self, event: AuditEvent, source: str | None, message: str) -> Receipt | None:
+    async def report(self, event: AuditEvent, source: str | None, message: str) -> Receipt | None:
+        """Record a refusal `event` from `source` within its budget; `message` goes to the
+        server log."""
         num_suppressed = self._take(source)
         if num_suppressed is None:
             return None

@@ -29,6 +29,7 @@ from appliance.api.metrics import ServerMetrics
 from appliance.api.readiness import Readiness
 from appliance.attestation.service import TeeService
 from appliance.auth.authenticator import Authenticator
+from appliance.auth.denials import DenialReporter
 from appliance.auth.local_issuer import LOCAL_ROLE_MAPPING, LocalIssuer
 from appliance.auth.sessions import Session, SessionRecord, SessionStore, SessionStoreError
 from appliance.config import Settings
@@ -76,6 +77,9 @@ class ConsoleServices:
     sampler: SeriesSampler
     # The signed manifest of the sealed model served (None: plain weights, or not loaded yet).
     sealed_manifest: Callable[[], SealedManifest | None]
+    # Refused sign-ins go to the audit log through the same per-address budget as refused
+    # tokens.
+    denials: DenialReporter[object]
     # The appliance's own token issuer, where `auth.local_issuer` enables it.
     local_issuer: LocalIssuer | None = None
 

@@ -26,6 +26,7 @@ from tests.appliance.auth.idp import (
     log_in,
 )
 from tests.appliance.auth.realm import CONSOLE_SECRET, SERVICE_SECRET, issuer_settings, start_idp
+from tests.appliance.console.test_routes import entries
 
 
 @pytest.fixture(scope="module")
@@ -164,6 +165,12 @@ def test_console_login_with_pkce_end_to_end_then_logout(
         session = browser.get(f"{server.url}/console/session")
         assert session.status_code == 200
         assert (session.json()["subject"], session.json()["roles"]) == (user, roles)
+        # The sign-in is in the audit log, recorded before the cookie was set.
+        [signed_in] = [
+            e for e in entries(server) if e["action"] == "auth.authenticate"
+            and e["actor"]["subject"] == user and e["outcome"] == "success"
+        ]  # fmt: skip
+        assert signed_in["details"] == {"method": "console sign-in (OIDC)", "issuer": idp.issuer}
         # An API route takes no session cookie: the console session is not a bearer token.
         assert browser.get(f"{server.url}/v1/models").status_code == 401
         csrf = {"X-CSRF-Token": session.json()["csrf_token"]}
@@ -186,3 +193,8 @@ def test_console_callback_without_the_login_cookie_is_refused(
         callback = browser.get(back.headers["location"])
     assert callback.status_code == 400
     assert "no login in progress in this browser" in callback.text
+    refused = [
+        e for e in entries(server) if e["action"] == "auth.authenticate"
+        and e["details"].get("reason", "").startswith("console login failed: no login in progress")
+    ]  # fmt: skip
+    assert refused and refused[-1]["outcome"] == "failure"

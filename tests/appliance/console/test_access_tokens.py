@@ -224,6 +224,11 @@ def test_bad_sign_in_links_are_refused_with_a_page(
         refused = http.get(_link(server, text))
     assert refused.status_code == 400 and message in refused.text
     assert "inferno console-link" in refused.text and "set-cookie" not in refused.headers
+    # Recorded as a refused sign-in (never quoting the link's ticket).
+    last = entries(server)[-1]
+    assert (last["action"], last["outcome"]) == ("auth.authenticate", "failure")
+    assert last["details"]["reason"].startswith("sign-in link")
+    assert text == "" or text not in json.dumps(last)
 
 
 def test_sign_in_links_do_not_exist_without_the_local_issuer(
