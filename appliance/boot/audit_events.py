@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib.metadata
+from collections.abc import Mapping
 from datetime import UTC, datetime
 
 from appliance.attestation.service import Attestation, TeeState
@@ -91,11 +92,13 @@ def boot_ready(
     model_load_ms: float | None,
     tee: TeeState,
     attestation_ms: float | None = None,
+    load_phases_ms: Mapping[str, float] | None = None,
 ) -> AuditEvent:
     """Step 7's record: the model served from now on, the TEE state it is served in, and the
     time of each phase: `attestation_ms` (collection, verification and recording; None when
-    nothing was attested) and `model_load_ms` (key release, decryption, load and warm-up; None
-    for a model loaded before the app was built: the demo, tests)."""
+    nothing was attested), `model_load_ms` (key release, decryption, load and warm-up; None
+    for a model loaded before the app was built: the demo, tests) and `load_phases_ms`, its
+    parts (LoadedModel.phases_ms: key_release_ms, weights_ms, engine_build_ms)."""
     return system_event(
         Action.BOOT_READY,
         time=datetime.now(UTC),
@@ -105,6 +108,7 @@ def boot_ready(
             "weights_digest": weights_digest,
             "model_load_ms": None if model_load_ms is None else round(model_load_ms, 3),
             "attestation_ms": None if attestation_ms is None else round(attestation_ms, 3),
+            "load_phases_ms": None if load_phases_ms is None else dict(load_phases_ms),
             "tee": tee,
         },
     )

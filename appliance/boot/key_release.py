@@ -12,6 +12,8 @@ Order, each step failing closed:
 
 from __future__ import annotations
 
+import time
+
 from appliance.boot.weights import LoadedModel
 from appliance.config import SealedSettings
 from appliance.engine.engine import EngineConfig
@@ -53,5 +55,8 @@ def release_and_load(
     manifest_key = load_manifest_public_key(settings.manifest_public_key_file)
     sealed = SealedModel.open(config.model_dir, manifest_key=manifest_key)
     manifest = sealed.manifest
+    started_s = time.monotonic()
     data_key = provider.release_data_key(manifest.key_id, manifest.wrapped_key, verdict)
-    return LoadedModel.load_sealed(config, sealed, data_key, workers=settings.decrypt_workers)
+    released_ms = (time.monotonic() - started_s) * 1000
+    loaded = LoadedModel.load_sealed(config, sealed, data_key, workers=settings.decrypt_workers)
+    return loaded.with_phase("key_release_ms", round(released_ms, 3))

@@ -264,6 +264,7 @@ class StartUp:
             weights_digest=model.weights_digest,
             model_load_ms=load_ms,
             attestation_ms=attestation_ms,
+            load_phases_ms=model.phases_ms if load_ms is not None else None,
             tee=self.tee.state(),
         )
         try:

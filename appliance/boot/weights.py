@@ -11,9 +11,11 @@ listing is made from the plaintext digests in its signed manifest, without decry
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
-from collections.abc import Iterable
-from dataclasses import dataclass
+import time
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from appliance.engine.engine import Engine, EngineConfig
@@ -32,13 +34,28 @@ class LoadedModel:
     weights_digest: str
     # The signed manifest a sealed model was decrypted under; None for plain weights.
     sealed_manifest: SealedManifest | None = None
+    # How long each phase of the load took, in ms: `weights_ms` (read or decrypt into the
+    # model), `engine_build_ms` (KV pool, profiled step, CUDA graphs), `key_release_ms`.
+    phases_ms: Mapping[str, float] = field(default_factory=dict)
 
     @classmethod
     def load(cls, config: EngineConfig) -> LoadedModel:
         """Load the engine from `config.model_dir`, then digest the files it read (raises
         EngineError for an unusable model, ModelFilesError for unreadable files)."""
-        engine = Engine.from_config(config)
-        return cls(engine, digest_weights(Path(config.model_dir)))
+        model_dir = Path(config.model_dir)
+        ModelConfig.from_model_dir(model_dir)  # the clearest errors first, before any heavy load
+        tokenizer = Tokenizer.from_model_dir(model_dir)
+        started_s = time.monotonic()
+        model = load_model(
+            model_dir, dtype=config.torch_dtype, device=config.torch_device, ops=config.kernel_ops()
+        )
+        loaded_s = time.monotonic()
+        engine = Engine.build(config, model, tokenizer)
+        phases = _phases(weights=(started_s, loaded_s), engine_build=(loaded_s, time.monotonic()))
+        return cls(engine, digest_weights(model_dir), phases_ms=phases)
+
+    def with_phase(self, name: str, milliseconds: float) -> LoadedModel:
+        return dataclasses.replace(self, phases_ms={**self.phases_ms, name: milliseconds})
 
     @classmethod
     def load_sealed(
@@ -65,6 +82,7 @@ class LoadedModel:
         ModelConfig.from_model_dir(sealed.directory)  # the clearest errors first
         tokenizer = Tokenizer.from_model_dir(sealed.directory)
         device = config.torch_device
+        started_s = time.monotonic()
         with SealedImages(sealed, data_key, device, workers=workers, ring=ring) as images:
             model = load_model(
                 sealed.directory,
@@ -73,8 +91,14 @@ class LoadedModel:
                 ops=config.kernel_ops(),
                 weights=images,
             )
+        loaded_s = time.monotonic()
         engine = Engine.build(config, model, tokenizer)
-        return cls(engine, digest_sealed_weights(sealed), sealed.manifest)
+        phases = _phases(weights=(started_s, loaded_s), engine_build=(loaded_s, time.monotonic()))
+        return cls(engine, digest_sealed_weights(sealed), sealed.manifest, phases)
+
+
+def _phases(**spans: tuple[float, float]) -> dict[str, float]:
+    return {f"{name}_ms": round((end - start) * 1000, 3) for name, (start, end) in spans.items()}
 
 
 def digest_sealed_weights(sealed: SealedModel) -> str:

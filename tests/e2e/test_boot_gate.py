@@ -301,6 +301,11 @@ def test_a_passing_tee_releases_the_key_loads_the_sealed_weights_and_serves(
     assert ready["details"]["tee"] == "VERIFIED"
     assert ready["details"]["attestation_ms"] > 0
     assert ready["details"]["model_load_ms"] > 0
+    # Its parts, each timed: the key's release, the decryption into the model, the engine.
+    phases = ready["details"]["load_phases_ms"]
+    assert set(phases) == {"key_release_ms", "weights_ms", "engine_build_ms"}
+    assert all(ms > 0 for ms in phases.values())
+    assert sum(phases.values()) <= ready["details"]["model_load_ms"]
 
 
 VIOLATIONS = {

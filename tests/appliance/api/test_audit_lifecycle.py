@@ -69,6 +69,7 @@ def test_the_log_opens_with_boot_entries_and_closes_with_a_checkpoint_of_every_e
         "weights_digest": weights_digest(smollm2_dir),
         "model_load_ms": None,  # loaded before the app was built
         "attestation_ms": None,  # insecure-dev: nothing attested
+        "load_phases_ms": None,
         "tee": "UNVERIFIED",
     }
     assert [accepted["action"], completed["action"]] == ["inference.request", "inference.complete"]
