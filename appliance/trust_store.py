@@ -113,7 +113,7 @@ class TrustStore:
             key = load_release_public_key(self.release_key_file)
         except TrustBundleError as exc:
             raise TrustUpdateError(f"tee.trust_release_key: {exc}") from exc
-        self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+        self.directory.mkdir(mode=0o755, parents=True, exist_ok=True)
         with self._locked():
             staging = Path(tempfile.mkdtemp(dir=self.directory, prefix=".incoming-"))
             try:
@@ -149,6 +149,12 @@ class TrustStore:
     def _switch(
         self, staging: Path, bundle: TrustBundle, replaced: TrustBundleId | None
     ) -> TrustBundle:
+        # Collateral is public; the appliance's service user reads what an administrator
+        # installed, and only the installer may change it.
+        for directory, _, files in os.walk(staging):
+            os.chmod(directory, 0o755)
+            for name in files:
+                os.chmod(os.path.join(directory, name), 0o644)
         final = self.directory / bundle.id.digest
         if final.exists():  # left by an update that failed after its rename: not in use
             shutil.rmtree(final)

@@ -99,6 +99,9 @@ def test_an_update_is_recorded_then_installed_and_current_switches_to_it(
     )
     assert os.readlink(site.trust_dir / "current") == digest
     assert (site.trust_dir / digest / RIM).read_bytes() == b"<rim/>"
+    # Readable by the appliance's service user, writable only by who installed it.
+    assert (site.trust_dir / digest).stat().st_mode & 0o777 == 0o755
+    assert (site.trust_dir / digest / RIM).stat().st_mode & 0o777 == 0o644
     [entry] = site.updates()
     assert entry["outcome"] == "success"
     assert entry["details"]["target"] == {
