@@ -194,6 +194,8 @@ def walk_bundle(root: Path) -> dict[str, int]:
     """Step 1: every regular file under `root` (relative path → size), after refusing links,
     special files, directories and names outside the layout, and bundles over the limits.
     Raises TrustBundleError."""
+    if root.is_symlink():
+        raise TrustBundleError(f"{root} is a symbolic link: name the bundle itself")
     files: dict[str, int] = {}
     total = 0
     pending = [""]

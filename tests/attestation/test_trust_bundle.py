@@ -133,6 +133,12 @@ def test_verify_rejects_a_symbolic_link_wherever_it_points(
         _verify(bundle, keys)
 
 
+def test_verify_rejects_a_link_to_a_bundle(bundle: Path, keys: tuple[Path, Path]) -> None:
+    os.symlink(bundle, bundle.with_name("link"))
+    with pytest.raises(TrustBundleError, match="link is a symbolic link: name the bundle itself"):
+        _verify(bundle.with_name("link"), keys)
+
+
 @pytest.mark.parametrize(
     ("name", "refused"),
     [
