@@ -113,20 +113,25 @@ class TrustStore:
             key = load_release_public_key(self.release_key_file)
         except TrustBundleError as exc:
             raise TrustUpdateError(f"tee.trust_release_key: {exc}") from exc
-        self.directory.mkdir(mode=0o755, parents=True, exist_ok=True)
-        with self._locked():
-            staging = Path(tempfile.mkdtemp(dir=self.directory, prefix=".incoming-"))
-            try:
-                _copy_bundle(source, staging)  # 1
-                bundle = verify_trust_bundle(staging, key)  # 2
-                installed = self._installed()
-                _check_newer(bundle.id, installed)  # 3
-                record(bundle.id, installed)  # 4
-                return self._switch(staging, bundle, installed)  # 5
-            except TrustBundleError as exc:
-                raise TrustUpdateError(f"trust bundle refused: {exc}") from exc
-            finally:
-                shutil.rmtree(staging, ignore_errors=True)
+        try:
+            self.directory.mkdir(mode=0o755, parents=True, exist_ok=True)
+            with self._locked():
+                staging = Path(tempfile.mkdtemp(dir=self.directory, prefix=".incoming-"))
+                try:
+                    _copy_bundle(source, staging)  # 1
+                    bundle = verify_trust_bundle(staging, key)  # 2
+                    installed = self._installed()
+                    _check_newer(bundle.id, installed)  # 3
+                    record(bundle.id, installed)  # 4
+                    return self._switch(staging, bundle, installed)  # 5
+                finally:
+                    shutil.rmtree(staging, ignore_errors=True)
+        except TrustBundleError as exc:
+            raise TrustUpdateError(f"trust bundle refused: {exc}") from exc
+        except OSError as exc:
+            raise TrustUpdateError(
+                f"the trust store {self.directory} cannot be updated: {exc}"
+            ) from exc
 
     def _installed(self) -> TrustBundleId | None:
         try:

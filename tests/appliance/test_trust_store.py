@@ -258,3 +258,14 @@ def test_settings_without_a_trust_store_are_refused(
     site = Site(tmp_path, trust_dir=None, trust_release_key=None, gpu_rims_dir="rims")
     assert site.update(site.bundle("b1")) == 2
     assert "tee.trust_dir is not set" in capsys.readouterr().err
+
+
+def test_a_store_that_cannot_be_written_is_one_line_not_a_traceback(
+    site: Site, capsys: pytest.CaptureFixture[str]
+) -> None:
+    site.trust_dir.write_text("a file where the store should be")
+    assert site.update(site.bundle("b1")) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1
+    assert err.startswith(f"inferno: error: the trust store {site.trust_dir} cannot be updated: ")
+    assert site.updates() == []
