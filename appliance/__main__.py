@@ -201,6 +201,13 @@ def _parser() -> argparse.ArgumentParser:
     _add_config_arg(warm, demo_default=False)
     warm.set_defaults(run=_run_warmup)
 
+    trust = _command(commands, "trust", "manage the attestation trust bundle")
+    update = _command(trust.add_subparsers(required=True, metavar="ACTION"), "update",
+                      "verify and install a signed trust bundle (audited)")  # fmt: skip
+    update.add_argument("bundle", type=Path, help="the trust bundle: a directory or a .tar")
+    _add_config_arg(update, demo_default=False)
+    update.set_defaults(run=_run_trust_update)
+
     model = _command(commands, "model", "manage model directories")
     model_commands = model.add_subparsers(required=True, metavar="ACTION")
     imp = _command(model_commands, "import-gguf", "convert a GGUF file to a model directory")
@@ -577,6 +584,14 @@ def _run_audit_vkey(args: argparse.Namespace) -> int:
 
     audit = load_settings(_settings_file(args.config, demo_default=True)).audit
     print(load_note_signer(audit.effective_key_dir / SIGNING_KEY_FILE, audit.origin).verifier)
+    return 0
+
+
+def _run_trust_update(args: argparse.Namespace) -> int:
+    from appliance.trust_store import update_trust
+
+    config = _settings_file(args.config, demo_default=False)
+    print(update_trust(config, args.bundle, _local_operator("inferno trust update")))
     return 0
 
 

@@ -217,6 +217,10 @@ class ApplianceSettings(_Section):
     )
 
 
+# What a trust bundle carries, so what tee.trust_dir replaces.
+TRUST_BUNDLE_PARTS = ("gpu_rims_dir", "gpu_revocation_dir", "cpu_trust_dir")
+
+
 class TeeSettings(_Section):
     """The TEE gate (docs/ATTESTATION.md): what must be proven, against which policy and pinned
     roots, before a key is released or a weight loaded."""
@@ -243,6 +247,15 @@ class TeeSettings(_Section):
         description="CPU roots pinned beside AMD's and Intel's, and offline collateral: "
         "snp/ark-*.pem, snp/certificates/, tdx/root_ca.pem, tdx/collateral/*.json",
     )
+    trust_dir: Path | None = Field(
+        default=None,
+        description="the trust store `inferno trust update` fills: the RIMs, revocation data "
+        "and CPU collateral are taken from its current signed trust bundle",
+    )
+    trust_release_key: Path | None = Field(
+        default=None,
+        description="the release public key (release-key.pub) trust bundles must verify under",
+    )
     tsm_report_dir: Path = Field(
         default=Path("/sys/kernel/config/tsm/report"),
         description="configfs-tsm report directory of the confidential VM",
@@ -253,14 +266,29 @@ class TeeSettings(_Section):
 
     @model_validator(mode="after")
     def _check(self) -> Self:
+        if self.trust_dir is not None:
+            both = [f"tee.{name}" for name in TRUST_BUNDLE_PARTS if getattr(self, name) is not None]
+            if both:
+                raise ValueError(
+                    f"tee.trust_dir and {', '.join(both)} are both set: with a trust store the "
+                    "RIMs, revocation data and CPU collateral come from its trust bundle; "
+                    "remove one of the two"
+                )
+            if self.trust_release_key is None:
+                raise ValueError(
+                    "tee.trust_dir needs tee.trust_release_key, the release public key its "
+                    "bundles are verified under"
+                )
         if self.mode != "required":
             return self
-        missing = [name for name in ("policy_file", "gpu_rims_dir") if getattr(self, name) is None]
+        missing = [] if self.policy_file is not None else ["policy_file"]
+        if self.gpu_rims_dir is None and self.trust_dir is None:
+            missing.append("gpu_rims_dir")
         if missing:
             raise ValueError(
                 f'mode "required" needs {", ".join(missing)}: without the policy and the GPU '
-                "reference manifests nothing can pass "
-                '(mode = "insecure-dev" is for development)'
+                "reference manifests (tee.gpu_rims_dir, or a trust bundle in tee.trust_dir) "
+                'nothing can pass (mode = "insecure-dev" is for development)'
             )
         return self
 
@@ -416,20 +444,44 @@ def setting_names() -> list[str]:
     ]
 
 
+SectionT = typing.TypeVar("SectionT", bound=BaseModel)
+
+
 def load_settings(path: Path, environ: Mapping[str, str] | None = None) -> Settings:
     """Read `path` (TOML, within MAX_CONFIG_BYTES and attestation.input_limits'
     MAX_NESTING_DEPTH), apply `INFERNO_<SECTION>_<NAME>` overrides from `environ` (default: the
     process environment) and validate. Raises `ConfigError` naming the setting at fault."""
     path = Path(path)
-    data = read_file(path, what="config file", error=ConfigError, max_bytes=MAX_CONFIG_BYTES)
-    raw = parse_toml(
-        data, what=f"config file {path}", error=ConfigError, max_bytes=MAX_CONFIG_BYTES
-    )
     return settings_from_mapping(
-        raw,
+        _read_config(path),
         base_dir=path.parent,
         source=str(path),
         environ=os.environ if environ is None else environ,
+    )
+
+
+def load_section(
+    path: Path, section: type[SectionT], environ: Mapping[str, str] | None = None
+) -> SectionT:
+    """One section of the settings file at `path`, read and overridden as `load_settings` does,
+    validated alone: for commands that need only it (`inferno trust update` runs before the
+    model, TLS and identity provider the whole file names exist). Raises `ConfigError`."""
+    path = Path(path)
+    [name] = [name for name, model in SECTIONS.items() if model is section]
+    merged, from_env = _merged(
+        _read_config(path), path.parent, os.environ if environ is None else environ
+    )
+    try:
+        return section.model_validate(merged.get(name, {}))
+    except ValidationError as exc:
+        env_names = {key: env_name for key, (env_name, _) in from_env.items()}
+        raise ConfigError(_describe(exc, str(path), env_names, prefix=(name,))) from None
+
+
+def _read_config(path: Path) -> Any:
+    data = read_file(path, what="config file", error=ConfigError, max_bytes=MAX_CONFIG_BYTES)
+    return parse_toml(
+        data, what=f"config file {path}", error=ConfigError, max_bytes=MAX_CONFIG_BYTES
     )
 
 
@@ -441,22 +493,31 @@ def settings_from_mapping(
     environ: Mapping[str, str] | None = None,
 ) -> Settings:
     """Validate settings given as nested mappings (a parsed TOML file), plus `environ` overrides."""
+    merged, from_env = _merged(raw, base_dir, environ or {})
+    try:
+        return Settings.model_validate(merged)
+    except ValidationError as exc:
+        env_names = {key: env_name for key, (env_name, _) in from_env.items()}
+        raise ConfigError(_describe(exc, source, env_names)) from None
+
+
+def _merged(
+    raw: Mapping[str, Any], base_dir: Path, environ: Mapping[str, str]
+) -> tuple[dict[str, Any], dict[tuple[str, str], tuple[str, str]]]:
+    """The sections of `raw` with their paths resolved and `environ`'s overrides applied, and
+    those overrides."""
     merged: dict[str, Any] = {}
     for section, values in raw.items():
         if section in SECTIONS and isinstance(values, Mapping):
             merged[section] = _resolve_paths(section, dict(values), base_dir)
         else:
             merged[section] = values
-    from_env = _environment_overrides(environ or {})
+    from_env = _environment_overrides(environ)
     for (section, name), (_, value) in from_env.items():
         target = merged.setdefault(section, {})
         if isinstance(target, dict):  # otherwise the validation reports the malformed section
             target.update(_resolve_paths(section, {name: value}, Path.cwd()))
-    try:
-        return Settings.model_validate(merged)
-    except ValidationError as exc:
-        env_names = {key: env_name for key, (env_name, _) in from_env.items()}
-        raise ConfigError(_describe(exc, source, env_names)) from None
+    return merged, from_env
 
 
 def _environment_overrides(environ: Mapping[str, str]) -> dict[tuple[str, str], tuple[str, str]]:
@@ -520,12 +581,18 @@ def _resolve_model_paths(
     return resolved
 
 
-def _describe(exc: ValidationError, source: str, env_names: dict[tuple[str, str], str]) -> str:
-    """One line per problem, naming the setting and where its value came from; never quotes the
-    value itself (a future setting may be a secret)."""
+def _describe(
+    exc: ValidationError,
+    source: str,
+    env_names: dict[tuple[str, str], str],
+    prefix: tuple[str, ...] = (),
+) -> str:
+    """One line per problem, naming the setting (under `prefix`, the section of a section
+    validated alone) and where its value came from; never quotes the value itself (a future
+    setting may be a secret)."""
     lines = []
     for error in exc.errors(include_input=False, include_url=False):
-        loc = tuple(str(part) for part in error["loc"])
+        loc = prefix + tuple(str(part) for part in error["loc"])
         setting = ".".join(loc) or "settings"
         if error["type"] == "extra_forbidden":
             message = "not a setting (check the spelling; docs/CONFIG.md lists them)"

@@ -35,3 +35,8 @@ class KeyReleaseError(AttestationError):
 
 class SealedModelError(AttestationError):
     """A sealed model directory is malformed, tampered with, or sealed under another key."""
+
+
+class TrustBundleError(AttestationError):
+    """A trust bundle (attestation.trust_bundle) is malformed, tampered with, signed by another
+    key, or holds a file its layout does not name."""

@@ -8,10 +8,10 @@ import argparse
 import sys
 
 from attestation.errors import AttestationError
-from installer import bundle, seal
+from installer import bundle, seal, trust_bundle
 from installer.errors import InstallerError
 
-_COMMAND_MODULES = (seal, bundle)
+_COMMAND_MODULES = (seal, bundle, trust_bundle)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -16,6 +16,7 @@ import contextlib
 import importlib
 import threading
 from collections.abc import Sequence
+from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -24,10 +25,12 @@ from appliance.attestation.challenge import gpu_nonces
 from appliance.attestation.evidence import CpuEvidenceSource, GpuEvidenceSource, TeeEvidence
 from appliance.attestation.service import TeeService
 from appliance.config import TeeSettings
+from appliance.trust_store import TrustStore
 from attestation.binding import report_data
+from attestation.collateral import CollateralPolicy, verify_collateral
 from attestation.cpu import CpuPolicy, CpuTrust, collect_cpu_evidence, verify_cpu_evidence
 from attestation.cpu.evidence import CpuEvidence
-from attestation.errors import CollectionError
+from attestation.errors import CollectionError, TrustBundleError
 from attestation.gpu import (
     GpuEvidence,
     GpuPolicy,
@@ -37,6 +40,7 @@ from attestation.gpu import (
     verify_gpu_evidence,
 )
 from attestation.policy import policy_table, read_policy_file
+from attestation.trust_bundle import TrustBundleId
 from attestation.verdict import Verdict
 
 
@@ -60,60 +64,103 @@ class EvidenceCollection:
         self.gpus.set_ready()
 
 
+@dataclass(frozen=True, slots=True)
+class _Trust:
+    """The trust inputs of one source: `source` names it (the trust bundle's directory, or None
+    for the directories of `[tee]`), `bundle` is the trust bundle's id where there is one."""
+
+    source: Path | None
+    gpu: GpuTrust
+    cpu: CpuTrust
+    bundle: TrustBundleId | None
+
+
 class OfflineVerifier:
     """The EvidenceVerifier of appliance.attestation.evidence: the GPU and CPU verifiers of the
-    `attestation` package, against the policy file and the trust directories of `[tee]`, read
-    at the first verification and kept for the process's life (a changed policy takes effect
-    at restart, recorded by its boot.start config digest and verdicts)."""
+    `attestation` package, and the age of their collateral (attestation.collateral), against
+    the policy file and the trust inputs of `[tee]`.
+
+    The policy is read at the first verification and kept for the process's life (a changed
+    policy takes effect at restart, recorded by its boot.start config digest and verdicts).
+    The trust inputs are read then too; from a trust store (`tee.trust_dir`), they are read
+    again, and the bundle verified again, whenever its `current` bundle changed since: an
+    `inferno trust update` is in force from the next attestation on."""
 
     def __init__(self, settings: TeeSettings) -> None:
         if settings.policy_file is None:
             raise ValueError("tee.policy_file is required")  # checked by TeeSettings
         self.settings = settings
-        self._loaded: tuple[GpuPolicy, GpuTrust, CpuPolicy, CpuTrust] | None = None
+        self.store = TrustStore.from_settings(settings)
+        self._policies: tuple[GpuPolicy, CpuPolicy, CollateralPolicy] | None = None
+        self._trust: _Trust | None = None
         self._lock = threading.Lock()
 
-    def _load(self) -> tuple[GpuPolicy, GpuTrust, CpuPolicy, CpuTrust]:
-        """Raises PolicyError naming the file at fault."""
+    def _load(self) -> tuple[GpuPolicy, CpuPolicy, CollateralPolicy, _Trust]:
+        """Raises PolicyError naming the file at fault, or TrustBundleError."""
         with self._lock:
-            if self._loaded is None:
-                settings = self.settings
-                assert settings.policy_file is not None, "checked in __init__"
-                tables = read_policy_file(settings.policy_file)
-                source = str(settings.policy_file)
+            if self._policies is None:
+                assert self.settings.policy_file is not None, "checked in __init__"
+                tables = read_policy_file(self.settings.policy_file)
+                source = str(self.settings.policy_file)
                 gpu_policy = GpuPolicy.from_table(policy_table(tables, "gpu", source), source)
-                assert settings.gpu_rims_dir is not None, "checked by TeeSettings"
-                gpu_trust = GpuTrust.from_paths(
-                    rim_dir=settings.gpu_rims_dir,
-                    roots_dir=settings.gpu_roots_dir,
-                    revocation_dir=settings.gpu_revocation_dir,
+                self._policies = (
+                    gpu_policy,
+                    CpuPolicy.from_tables(tables),
+                    CollateralPolicy.from_tables(tables),
                 )
-                cpu_trust = (
-                    CpuTrust.builtin()
-                    if settings.cpu_trust_dir is None
-                    else CpuTrust.load(settings.cpu_trust_dir)
-                )
-                self._loaded = (gpu_policy, gpu_trust, CpuPolicy.from_tables(tables), cpu_trust)
-            return self._loaded
+            source = None if self.store is None else self.store.current_path()
+            if self._trust is None or self._trust.source != source:
+                self._trust = self._load_trust()
+            return (*self._policies, self._trust)
+
+    def _load_trust(self) -> _Trust:
+        settings = self.settings
+        if self.store is None:
+            assert settings.gpu_rims_dir is not None, "checked by TeeSettings"
+            gpu, cpu = _trust_inputs(
+                settings, settings.gpu_rims_dir, settings.gpu_revocation_dir,
+                settings.cpu_trust_dir,
+            )  # fmt: skip
+            return _Trust(None, gpu, cpu, None)
+        bundle = self.store.load_current()
+        if not bundle.gpu_rims_dir.is_dir():
+            raise TrustBundleError(f"trust bundle {bundle.id.digest} carries no gpu/rims/")
+        revocation = bundle.gpu_revocation_dir
+        gpu, cpu = _trust_inputs(
+            settings, bundle.gpu_rims_dir, revocation if revocation.is_dir() else None,
+            bundle.cpu_trust_dir,
+        )  # fmt: skip
+        return _Trust(bundle.root, gpu, cpu, bundle.id)
 
     def verify(self, evidence: TeeEvidence, *, at: datetime) -> Verdict:
-        """Raises PolicyError (policy or trust unreadable) or EvidenceError (unparsable
-        evidence); every other problem is a failed check."""
-        gpu_policy, gpu_trust, cpu_policy, cpu_trust = self._load()
+        """Raises PolicyError (policy or trust unreadable), TrustBundleError (the installed
+        trust bundle does not verify) or EvidenceError (unparsable evidence); every other
+        problem is a failed check."""
+        gpu_policy, cpu_policy, collateral_policy, trust = self._load()
         gpu = verify_gpu_evidence(
             evidence.gpu,
             expected_nonces=gpu_nonces(evidence.challenge, len(evidence.gpu)),
             policy=gpu_policy,
-            trust=gpu_trust,
+            trust=trust.gpu,
             at=at,
         )
         expected = report_data(
             evidence.challenge, gpu_evidence_digest(evidence.gpu), evidence.public_key
         )
         cpu = verify_cpu_evidence(
-            evidence.cpu, expected_report_data=expected, policy=cpu_policy, trust=cpu_trust, at=at
+            evidence.cpu, expected_report_data=expected, policy=cpu_policy, trust=trust.cpu, at=at
         )
-        return Verdict.combine([("gpu", gpu), ("cpu", cpu)], at)
+        collateral = verify_collateral(trust.bundle, collateral_policy, at=at)
+        return Verdict.combine([("gpu", gpu), ("cpu", cpu), ("collateral", collateral)], at)
+
+
+def _trust_inputs(
+    settings: TeeSettings, rim_dir: Path, revocation_dir: Path | None, cpu_dir: Path | None
+) -> tuple[GpuTrust, CpuTrust]:
+    gpu = GpuTrust.from_paths(
+        rim_dir=rim_dir, roots_dir=settings.gpu_roots_dir, revocation_dir=revocation_dir
+    )
+    return gpu, CpuTrust.builtin() if cpu_dir is None else CpuTrust.load(cpu_dir)
 
 
 class NvmlGpus:

@@ -40,7 +40,9 @@ from appliance.console.gpus import GpuRow, gpu_note, gpu_rows
 from appliance.console.pages import ConsolePages
 from appliance.console.series import SeriesSampler
 from appliance.console.table import sort_and_page
+from attestation.collateral import describe_age
 from attestation.sealed.manifest import SealedManifest
+from attestation.trust_bundle import parse_created
 from audit.encoding import encode_base64
 from audit.errors import AuditError, UnknownEntryError
 from audit.event import Outcome, admin_action
@@ -228,6 +230,7 @@ async def attestation(request: Request, services: Services, session: Viewer) -> 
         services, session, "attestation", "attestation.html",
         mode=services.tee.mode,
         attestation=standing,
+        trust_bundle=_trust_bundle(standing.verdict.claims if standing else {}),
         table=table,
         claims=claims,
         history=history,
@@ -237,6 +240,25 @@ async def attestation(request: Request, services: Services, session: Viewer) -> 
 
 
 HISTORY_SIZE = 10
+
+
+@dataclass(frozen=True)
+class TrustBundleShown:
+    digest: str
+    created: datetime
+    age: str
+
+
+def _trust_bundle(claims: Mapping[str, Any]) -> TrustBundleShown | None:
+    """The trust bundle the standing verdict's collateral came from (attestation.collateral's
+    claims), with its age now; None where the collateral came from no bundle."""
+    collateral = claims.get("collateral")
+    named = collateral.get("trust_bundle") if isinstance(collateral, Mapping) else None
+    if not isinstance(named, Mapping):
+        return None
+    created = parse_created(named.get("created"))
+    age_s = max(0.0, (datetime.now(UTC) - created).total_seconds())
+    return TrustBundleShown(str(named.get("digest")), created, describe_age(age_s))
 
 
 async def _newest(services: ConsoleServices, query: AuditQuery, num: int) -> list[dict[str, Any]]:

@@ -11,7 +11,14 @@ import pytest
 
 from appliance.auth.settings import IssuerSettings, RoleValues
 from appliance.boot.startup import engine_config
-from appliance.config import MAX_CONFIG_BYTES, Settings, load_settings, setting_names
+from appliance.config import (
+    MAX_CONFIG_BYTES,
+    Settings,
+    TeeSettings,
+    load_section,
+    load_settings,
+    setting_names,
+)
 from appliance.engine.engine import EngineConfig
 from appliance.errors import ConfigError
 from installer.demo import stage_demo_config
@@ -265,3 +272,17 @@ def test_a_config_file_100000_levels_deep_or_over_its_size_limit_is_a_config_err
     path = _write(tmp_path, REQUIRED + "#\n" * (MAX_CONFIG_BYTES // 2))
     with pytest.raises(ConfigError, match="over the limit of 1048576 bytes"):
         load_settings(path, environ={})
+
+
+def test_load_section_validates_one_section_alone_with_its_overrides(tmp_path: Path) -> None:
+    """`inferno trust update` reads [tee] before the model directory and TLS files exist."""
+    tee_table = '[tee]\npolicy_file = "p.toml"\ntrust_dir = "trust"\n'
+    path = _write(tmp_path, f'[model]\ndir = "absent"\n{tee_table}trust_release_key = "k.pub"\n')
+    tee = load_section(path, TeeSettings, {"INFERNO_TEE_REATTEST_INTERVAL_S": "60"})
+    assert (tee.trust_dir, tee.reattest_interval_s) == (tmp_path / "trust", 60.0)
+    with pytest.raises(ConfigError, match=r"model.dir: .*absent is not a model directory"):
+        load_settings(path)
+    bad = _write(tmp_path, tee_table)
+    refused = r"^invalid settings: tee: tee.trust_dir needs tee.trust_release_key.* \(in .*\)$"
+    with pytest.raises(ConfigError, match=refused):
+        load_section(bad, TeeSettings, {})

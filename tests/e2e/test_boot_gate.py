@@ -11,7 +11,8 @@ Shown: a pass releases the key, loads the sealed weights and serves inference, a
 verify the appliance through /v1/attestation; each policy violation (wrong driver version,
 dev-tools on, a debug CPU, a replayed nonce, a bad measurement) releases no key (the provider is
 never called), loads no weight, and /health and /v1/attestation say why; a failed
-re-attestation stops inference.
+re-attestation stops inference; collateral from a signed trust bundle opens the gate while it is
+fresh and closes it, naming its age, once the policy's maximum age is past.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +45,7 @@ from appliance.boot.audit_log import open_audit_log
 from appliance.boot.startup import start_audit_log
 from appliance.boot.weights import LoadedModel, digest_weights
 from appliance.config import Settings, settings_from_mapping
+from appliance.trust_store import TrustStore
 from attestation.binding import report_data
 from attestation.cpu import CpuEvidence, CpuTrust, verify_cpu_evidence
 from attestation.gpu import GpuEvidence, GpuTrust, gpu_evidence_digest, verify_gpu_evidence
@@ -55,6 +57,7 @@ from tests.appliance.attestation.synthetic_tee import SyntheticCpu, SyntheticGpu
 from tests.attestation.cpu.synthetic import SyntheticSnp
 from tests.attestation.gpu.synthetic import SyntheticGpuSetup, synthetic_gpu_setup
 from tests.attestation.keys.softhsm import softhsm_module, softhsm_token
+from tests.attestation.trust_bundles import build_trust_bundle, make_release_key
 
 KEY_ID = "smollm2-kek"
 NUM_GPUS = 2
@@ -495,3 +498,49 @@ def test_a_production_appliance_unseals_through_the_hsm_after_a_passing_verdict(
         assert reply.headers["x-inferno-tee"] == "VERIFIED"
     [ready] = [e for e in appliance.entries() if e["action"] == "boot.ready"]
     assert ready["details"]["weights_digest"] == deployment.weights_digest
+
+
+@pytest.mark.parametrize("age_days", [16, 1], ids=["stale", "fresh"])
+def test_collateral_from_a_trust_bundle_passes_fresh_and_fails_stale_naming_its_age(
+    deployment: Deployment, tmp_path: Path, sealed_loads: LoadSpy, age_days: int
+) -> None:
+    """The collateral comes from a signed trust bundle in `tee.trust_dir`; the policy allows it
+    a week. A stale bundle closes the gate with `collateral.age` naming the age, a fresh one
+    opens it, and the verdict and the console name the bundle either way."""
+    release_key, release_pub = make_release_key(tmp_path / "release")
+    created = datetime.now(UTC).replace(microsecond=0) - timedelta(days=age_days)
+    bundle = build_trust_bundle(
+        tmp_path / "bundle", release_key, created,
+        gpu_rims=deployment.gpus.rim_dir, cpu_trust=deployment.cpu_trust_dir,
+    )  # fmt: skip
+    store = TrustStore(tmp_path / "trust", release_pub)
+    installed = store.update(bundle, lambda new, replaced: None).id
+    policy = {"gpu": deployment.gpus.policy_table(), "snp": deployment.snp.policy_table(),
+              "collateral": {"max_age_s": 7 * 86400}}  # fmt: skip
+    tee = {
+        "policy_file": str(write_policy(tmp_path / "policy.toml", policy)),
+        "gpu_rims_dir": None,
+        "cpu_trust_dir": None,
+        "trust_dir": str(store.directory),
+        "trust_release_key": str(release_pub),
+    }
+    keys = KeyProviderSpy(deployment.key_dir)
+    gpus, cpu = SyntheticGpus(deployment.gpus), SyntheticCpu(deployment.snp)
+    for appliance in _boot(deployment, tmp_path, keys, gpus, cpu, **tee):
+        health = appliance.client.get("/health")
+        page = appliance.console_page("/console/attestation")
+    assert f'<code class="digest">{installed.digest}</code>' in page
+    assert f"{age_days} day{'s' if age_days > 1 else ''} old" in page
+    [verdict] = [e for e in appliance.entries() if e["action"] == "attestation.verdict"]
+    assert verdict["details"]["claims"]["collateral"] == {"trust_bundle": installed.to_json()}
+    if age_days == 1:
+        assert health.status_code == 200, health.text
+        assert len(keys.releases) == 1 and sealed_loads.num_calls == 1
+        return
+    assert health.status_code == 503
+    reason = health.json()["reason"]
+    assert reason.startswith(
+        f"attestation failed: collateral.age: trust bundle {installed.digest[:16]}… created "
+    )
+    assert "is 16 days old (13824" in reason and "the policy allows 7 days" in reason
+    assert keys.releases == [] and sealed_loads.num_calls == 0

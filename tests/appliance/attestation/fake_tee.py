@@ -58,6 +58,7 @@ class FakeVerifier:
     raises: Exception | None = None
     verdicts: list[Verdict] = field(default_factory=list)
     on_verify: Callable[[TeeEvidence], None] | None = None
+    claims: dict[str, Any] = field(default_factory=lambda: {"gpu": {"driver_version": "550.90.07"}})
 
     def verify(self, evidence: TeeEvidence, *, at: datetime) -> Verdict:
         if self.on_verify is not None:
@@ -66,6 +67,6 @@ class FakeVerifier:
             raise self.raises
         checks = [Check("gpu0.signature", True)]
         checks += [Check(name, False, detail) for name, detail in self.failures.items()]
-        verdict = Verdict(tuple(checks), at, {"gpu": {"driver_version": "550.90.07"}})
+        verdict = Verdict(tuple(checks), at, self.claims)
         self.verdicts.append(verdict)
         return verdict

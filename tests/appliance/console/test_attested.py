@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import re
 import time
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import pytest
@@ -15,6 +16,7 @@ import pytest
 from appliance.auth.roles import Role
 from appliance.console.pages import format_utc
 from appliance.engine.engine import Engine
+from attestation.trust_bundle import format_created
 from tests.appliance.attestation.fake_tee import FakeVerifier
 from tests.appliance.console.attested import attested_console
 
@@ -36,6 +38,7 @@ def test_attestation_page_lists_the_checks_and_reattest_is_audited_first(
         page = client.get("/console/attestation")
         assert page.status_code == 200
         assert "gpu0.signature" in page.text and "550.90.07" in page.text  # a check, a claim
+        assert "<dt>Trust bundle</dt><dd>none</dd>" in page.text  # no collateral claims
         assert "UNVERIFIED" not in page.text and "VERIFIED" in page.text
         # The Overview names the next re-attestation, as the timer scheduled it.
         deadline_shown = app.state.tee.next_reattestation
@@ -68,3 +71,19 @@ def test_attestation_page_lists_the_checks_and_reattest_is_audited_first(
     requested = actions.index(("admin.tee.reattest", "operator"))
     verdicts = [i for i, (action, _) in enumerate(actions) if action == "attestation.verdict"]
     assert verdicts[0] < requested < verdicts[-1]
+
+
+def test_attestation_page_shows_the_trust_bundle_and_its_age(
+    tmp_path: Path, smollm2_dir: Path, api_engine: Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    created = datetime.now(UTC) - timedelta(days=3, hours=12)
+    digest = "3f2a" * 16
+    bundle = {"digest": digest, "created": format_created(created)}
+    verifier = FakeVerifier(claims={"collateral": {"trust_bundle": bundle}})
+    console = attested_console(tmp_path, smollm2_dir, api_engine, monkeypatch,
+                               role=Role.AUDITOR, subject="auditor", verifier=verifier)  # fmt: skip
+    with console as (_, client, _):
+        page = client.get("/console/attestation").text
+    shown = page.split("<dt>Trust bundle</dt><dd>", 1)[1].split("</dd>", 1)[0]
+    assert f'<code class="digest">{digest}</code>' in shown
+    assert f"{format_utc(created.replace(microsecond=0))}</time>, 3.5 days old" in shown
