@@ -433,6 +433,25 @@ def load_settings(path: Path, environ: Mapping[str, str] | None = None) -> Setti
     )
 
 
+def load_audit_settings(path: Path) -> AuditSettings:
+    """Only the `[audit]` section of `path` (no environment overrides): what a command needs to
+    append to the log of a settings file whose other sections are not filled in yet, such as the
+    production template install.py writes (`inferno admin record-install`). Raises
+    `ConfigError` naming the setting at fault."""
+    path = Path(path)
+    data = read_file(path, what="config file", error=ConfigError, max_bytes=MAX_CONFIG_BYTES)
+    raw = parse_toml(
+        data, what=f"config file {path}", error=ConfigError, max_bytes=MAX_CONFIG_BYTES
+    )
+    section = raw.get("audit")
+    if not isinstance(section, Mapping):
+        raise ConfigError(f"invalid settings: audit: required (in {path})")
+    try:
+        return AuditSettings.model_validate(_resolve_paths("audit", dict(section), path.parent))
+    except ValidationError as exc:
+        raise ConfigError(_describe(exc, str(path), {}, prefix=("audit",))) from None
+
+
 def settings_from_mapping(
     raw: Mapping[str, Any],
     *,
@@ -520,12 +539,18 @@ def _resolve_model_paths(
     return resolved
 
 
-def _describe(exc: ValidationError, source: str, env_names: dict[tuple[str, str], str]) -> str:
-    """One line per problem, naming the setting and where its value came from; never quotes the
-    value itself (a future setting may be a secret)."""
+def _describe(
+    exc: ValidationError,
+    source: str,
+    env_names: dict[tuple[str, str], str],
+    prefix: tuple[str, ...] = (),
+) -> str:
+    """One line per problem, naming the setting (under `prefix`, for a section validated alone)
+    and where its value came from; never quotes the value itself (a future setting may be a
+    secret)."""
     lines = []
     for error in exc.errors(include_input=False, include_url=False):
-        loc = tuple(str(part) for part in error["loc"])
+        loc = prefix + tuple(str(part) for part in error["loc"])
         setting = ".".join(loc) or "settings"
         if error["type"] == "extra_forbidden":
             message = "not a setting (check the spelling; docs/CONFIG.md lists them)"
