@@ -438,3 +438,22 @@ def test_install_loads_the_bundles_trust_directory_through_the_release_before_re
         str(tmp_path)
     )
     assert trust_update[3:] == ["--config", str(prefix / "etc" / "inferno.toml")]
+
+
+def test_release_versions_are_ordered_by_their_numbers_and_unordered_ones_refused() -> None:
+    key = bundle_install.release_version_key
+    assert key("0.2.10") > key("0.2.9") > key("0.2") > key("0.1.99")
+    # A tie on the numbers is not newer: an upgrade between 1.0rc1 and 1.0 is refused.
+    assert key("1.0rc1") == key("1.0")
+    with pytest.raises(bundle_install.InstallFailed, match="does not start with a number"):
+        key("nightly")
+
+
+def test_install_refuses_a_prefix_it_could_not_write_unquoted(
+    built_bundle: Path, bundle_inputs: BundleInputs, tmp_path: Path
+) -> None:
+    prefix = tmp_path / 'odd "prefix"'
+    result = _install(built_bundle, bundle_inputs.public_key, prefix)
+    assert result.returncode == 2
+    assert "may hold only letters, digits and / . _ -" in result.stderr
+    assert not prefix.exists()
