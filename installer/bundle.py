@@ -36,6 +36,8 @@ from pathlib import Path
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
+from attestation.sealed.manifest import MANIFEST_NAME as SEALED_MANIFEST
+from attestation.sealed.manifest import SIGNATURE_NAME as SEALED_SIG
 from installer import bundle_install
 from installer.bundle_install import (
     CONFIG_TEMPLATE,
@@ -44,6 +46,7 @@ from installer.bundle_install import (
     MANIFEST_NAME,
     SIGNATURE_NAME,
     SYSTEMD_TEMPLATE,
+    TRITON_CACHE_DIR,
     TRUST_DIR,
     ManifestEntry,
     manifest_bytes,
@@ -112,6 +115,12 @@ def add_commands(commands: argparse._SubParsersAction[argparse.ArgumentParser]) 
         type=Path,
         help="an attestation trust-bundle directory, copied into trust/ (install.py loads it "
         "with `inferno trust update`)",
+    )
+    bundle.add_argument(
+        "--triton-cache",
+        type=Path,
+        help="a Triton kernel cache made by `inferno warmup` on the target's GPU model with "
+        "this bundle's wheels, copied into triton-cache/ (-cuda targets)",
     )
     bundle.add_argument("--tar", action="store_true", help="also write OUT.tar")
     bundle.add_argument(
@@ -183,6 +192,10 @@ def run_bundle(args: argparse.Namespace) -> int:
         _copy_models(args.model, staging / "models")
         if args.trust_bundle is not None:
             _copy_regular_tree(args.trust_bundle, staging / TRUST_DIR)
+        if args.triton_cache is not None:
+            if target.accelerator != "cuda":
+                raise BundleError("--triton-cache is for a -cuda target: the CPU runs no Triton")
+            _copy_regular_tree(args.triton_cache, staging / TRITON_CACHE_DIR)
         _write_static_files(staging)
         sign_bundle(staging, key, version=version, target=target.name)
         if args.tar:
@@ -206,12 +219,25 @@ def _check_embedded_model(wheels: Path, *, models_given: bool) -> None:
 
 
 def _copy_models(models: list[Path], dest: Path) -> None:
+    """Each --model directory, which must be sealed (docs/SEALING.md): no plaintext weight
+    crosses the air gap in a bundle."""
     if not models:
         return
     dest.mkdir()
     for model in models:
         if not model.is_dir():
             raise BundleError(f"the model {model} is not a directory")
+        plaintext = sorted(path.name for path in model.glob("*.safetensors"))
+        if (
+            plaintext
+            or not (model / SEALED_MANIFEST).is_file()
+            or not (model / SEALED_SIG).is_file()
+        ):
+            found = f" (it holds {plaintext[0]} in the clear)" if plaintext else ""
+            raise BundleError(
+                f"the model {model} is not sealed{found}: a bundle carries sealed models only; "
+                "seal it first with `python -m installer seal`"
+            )
         target = dest / model.resolve().name
         if target.exists():
             raise BundleError(f"two models are named {target.name}: rename one directory")
@@ -381,8 +407,9 @@ CONFIG_TEMPLATE_TEXT = """\
 #
 # Before `inferno serve --config THIS_FILE`:
 #  - name the identity provider in [auth] (below, and docs/CONFIG.md);
-#  - put the attestation policy and the GPU reference manifests where [tee] says
-#    (docs/ATTESTATION.md);
+#  - put the attestation policy where [tee] says (docs/ATTESTATION.md); the collateral (RIMs,
+#    revocation data, TDX collateral) is the trust store's, from the bundle's trust/ and later
+#    `inferno trust update` (docs/INSTALL.md);
 #  - the TLS pair in @PREFIX@/etc/tls is the operator's (install.py --tls-cert, --tls-key) or,
 #    without them, a self-signed one made at install: replace it with the site's own.
 # `@PREFIX@/current/bin/inferno config check --config THIS_FILE` says what is still missing.
@@ -393,6 +420,9 @@ dir = "@PREFIX@/data/models/SmolLM2-135M-Instruct"
 
 [engine]
 device = "cpu"
+# On cuda: the bundle's pre-built Triton kernels (install.py copies them here), so that the
+# first start compiles nothing.
+triton_cache_dir = "@PREFIX@/data/triton-cache"
 
 [server]
 host = "0.0.0.0"
@@ -408,7 +438,9 @@ data_dir = "@PREFIX@/data/audit"
 
 [tee]
 policy_file = "@PREFIX@/etc/attestation-policy.toml"
-gpu_rims_dir = "@PREFIX@/data/rims"
+trust_dir = "@PREFIX@/data/trust"
+# The release key given to install.py: trust bundles must be signed by it.
+trust_release_key = "@PREFIX@/etc/release-key.pub"
 
 # [[auth.issuers]]
 # issuer = "https://idp.example.com/realms/inferno"
@@ -433,6 +465,9 @@ dir = "@PREFIX@/data/models/SmolLM2-135M-Instruct"
 
 [engine]
 device = "cpu"
+# On cuda: the bundle's pre-built Triton kernels (install.py copies them here), so that the
+# first start compiles nothing.
+triton_cache_dir = "@PREFIX@/data/triton-cache"
 
 [server]
 host = "127.0.0.1"
@@ -449,6 +484,9 @@ data_dir = "@PREFIX@/data/audit"
 
 [tee]
 mode = "insecure-dev"
+# Nothing is attested, but a bundle's trust/ is installed here as in production.
+trust_dir = "@PREFIX@/data/trust"
+trust_release_key = "@PREFIX@/etc/release-key.pub"
 
 [auth]
 local_issuer = "demo"

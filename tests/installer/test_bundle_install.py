@@ -33,6 +33,7 @@ from installer.bundle_install import (
 from tests.installer.bundles import (
     TINY_ARGV_LOG,
     TINY_GREETING,
+    TINY_SEALED_WEIGHTS,
     TINY_TARGET,
     TINY_VERSION,
     BundleInputs,
@@ -191,13 +192,27 @@ def test_install_refuses_a_modified_wheel(
     _assert_refused(bundle, bundle_inputs, tmp_path, expected)
 
 
-def test_install_refuses_a_modified_model_file(
+def test_install_refuses_a_modified_sealed_chunk(
+    built_bundle: Path, bundle_inputs: BundleInputs, tmp_path: Path
+) -> None:
+    """One byte of one chunk's ciphertext changed, the size the same: the bundle's digest
+    catches it at install, long before the chunk's GCM tag would at the first start."""
+    bundle = _copy(built_bundle, tmp_path)
+    sealed = bundle / "models" / "tiny-model" / TINY_SEALED_WEIGHTS
+    data = bytearray(sealed.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    sealed.write_bytes(bytes(data))
+    expected = f"models/tiny-model/{TINY_SEALED_WEIGHTS} has the wrong SHA-256"
+    _assert_refused(bundle, bundle_inputs, tmp_path, expected)
+
+
+def test_install_refuses_a_sealed_file_cut_short(
     built_bundle: Path, bundle_inputs: BundleInputs, tmp_path: Path
 ) -> None:
     bundle = _copy(built_bundle, tmp_path)
-    with open(bundle / "models" / "tiny-model" / "sub" / "weights.bin", "ab") as f:
-        f.write(b"\x00")
-    expected = "models/tiny-model/sub/weights.bin has the wrong size"
+    sealed = bundle / "models" / "tiny-model" / TINY_SEALED_WEIGHTS
+    sealed.write_bytes(sealed.read_bytes()[:-4112])  # one whole chunk and its tag gone
+    expected = f"models/tiny-model/{TINY_SEALED_WEIGHTS} has the wrong size"
     _assert_refused(bundle, bundle_inputs, tmp_path, expected)
 
 
@@ -252,12 +267,12 @@ def test_install_refuses_a_symlink_pointing_outside_the_bundle(
     built_bundle: Path, bundle_inputs: BundleInputs, tmp_path: Path
 ) -> None:
     bundle = _copy(built_bundle, tmp_path)
-    weights = bundle / "models" / "tiny-model" / "sub" / "weights.bin"
+    weights = bundle / "models" / "tiny-model" / TINY_SEALED_WEIGHTS
     outside = tmp_path / "outside.bin"
     shutil.copyfile(weights, outside)
     weights.unlink()
     weights.symlink_to(outside)
-    expected = "models/tiny-model/sub/weights.bin is a symbolic link"
+    expected = f"models/tiny-model/{TINY_SEALED_WEIGHTS} is a symbolic link"
     _assert_refused(bundle, bundle_inputs, tmp_path, expected)
 
 
@@ -366,14 +381,20 @@ def test_install_from_tar_makes_a_release_the_current_link_and_the_config(
     ran = subprocess.run([command], capture_output=True, text=True, check=True, env={})
     assert ran.stdout.strip() == TINY_GREETING
     release = prefix / "releases" / TINY_VERSION
-    model = release / "models" / "tiny-model" / "sub" / "weights.bin"
-    assert model.read_bytes() == (bundle_inputs.model / "sub" / "weights.bin").read_bytes()
+    model = release / "models" / "tiny-model" / TINY_SEALED_WEIGHTS
+    assert model.read_bytes() == (bundle_inputs.model / TINY_SEALED_WEIGHTS).read_bytes()
     config = (prefix / "etc" / "inferno.toml").read_text()
     assert f'dir = "{prefix}/data/models/SmolLM2-135M-Instruct"' in config
     assert "@PREFIX@" not in config
     key = prefix / "etc" / "tls" / "server.key"
     assert key.read_text() == "server.key of the operator\n"
     assert stat.S_IMODE(key.stat().st_mode) == 0o600
+    # The release key that verified the bundle, where tee.trust_release_key points: trust
+    # bundles are verified under it. Public, so the service reads it.
+    release_key = prefix / "etc" / "release-key.pub"
+    assert release_key.read_bytes() == bundle_inputs.public_key.read_bytes()
+    assert stat.S_IMODE(release_key.stat().st_mode) == 0o644
+    assert f'trust_release_key = "{release_key}"' in config
     # The release's own command recorded the install (a production config is not checked
     # until the operator fills it in: no `config check`).
     digest = hashlib.sha256((built_bundle / "MANIFEST.json").read_bytes()).hexdigest()
@@ -457,3 +478,30 @@ def test_install_refuses_a_prefix_it_could_not_write_unquoted(
     assert result.returncode == 2
     assert "may hold only letters, digits and / . _ -" in result.stderr
     assert not prefix.exists()
+
+
+def test_a_cuda_bundle_brings_its_triton_kernels_into_the_data_directory(
+    bundle_inputs: BundleInputs, tmp_path: Path
+) -> None:
+    """The kernels `inferno warmup` compiled on the target's GPU go to DIR/data/triton-cache,
+    where the templates' engine.triton_cache_dir points; an entry already there is kept."""
+    cache = tmp_path / "triton-cache"
+    for key in ("KEYAAAA", "KEYBBBB"):
+        (cache / key).mkdir(parents=True)
+        (cache / key / "kernel.cubin").write_bytes(key.encode() * 8)
+    target = TINY_TARGET.replace("-cpu", "-cuda")
+    bundle = build_bundle(
+        bundle_inputs, tmp_path / "cuda-bundle", tar=False, target=target,
+        extra=("--triton-cache", str(cache)),
+    )  # fmt: skip
+    prefix = tmp_path / "prefix"
+    kept = prefix / "data" / "triton-cache" / "KEYAAAA"
+    kept.mkdir(parents=True)
+    (kept / "kernel.cubin").write_bytes(b"compiled here")
+    result = _install(bundle, bundle_inputs.public_key, prefix)
+    assert result.returncode == 0, result.stderr
+    installed = prefix / "data" / "triton-cache"
+    assert (installed / "KEYBBBB" / "kernel.cubin").read_bytes() == b"KEYBBBB" * 8
+    assert (installed / "KEYAAAA" / "kernel.cubin").read_bytes() == b"compiled here"
+    config = (prefix / "etc" / "inferno.toml").read_text()
+    assert f'triton_cache_dir = "{installed}"' in config

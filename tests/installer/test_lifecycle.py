@@ -17,14 +17,17 @@ import sys
 import time
 import urllib.request
 from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import pytest
 
+from attestation.trust_bundle import load_release_public_key, verify_trust_bundle
 from installer import bundle_install
 from installer.bundle import SYSTEMD_UNIT_TEXT
 from installer.embedded_model import find_embedded_gguf
 from installer.errors import EmbeddedModelNotFoundError
+from tests.attestation.trust_bundles import build_trust_bundle
 from tests.installer.bundles import (
     BundleInputs,
     build_bundle,
@@ -40,6 +43,7 @@ _TIMEOUT_S = 300
 class Releases:
     bundles: dict[str, Path]  # version -> bundle directory (and its .tar beside it)
     public_key: Path
+    trust: dict[str, str]  # version -> the digest of the trust bundle it carries
 
 
 @pytest.fixture(scope="module")
@@ -47,13 +51,24 @@ def releases(
     bundle_inputs: BundleInputs, project_wheel: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Releases:
     root = tmp_path_factory.mktemp("releases")
-    bundles = {}
-    for version in (OLD, NEW):
+    bundles, trust = {}, {}
+    rims = root / "rims"
+    rims.mkdir()
+    (rims / "reference.swidtag").write_text("<SoftwareIdentity/>\n")  # judged at attestation
+    key = load_release_public_key(bundle_inputs.public_key)
+    for days_old, version in ((2, OLD), (1, NEW)):
         wheelhouse = root / f"wheels-{version}"
         write_project_wheel(project_wheel, wheelhouse, version)
         inputs = BundleInputs(bundle_inputs.keys, wheelhouse, bundle_inputs.model)
-        bundles[version] = build_bundle(inputs, root / f"bundle-{version}")
-    return Releases(bundles, bundle_inputs.public_key)
+        # Each release brings the collateral of its day, signed by the same release key.
+        created = datetime.now(UTC).replace(microsecond=0) - timedelta(days=days_old)
+        collateral = build_trust_bundle(
+            root / f"trust-{version}", bundle_inputs.private_key, created, gpu_rims=rims
+        )
+        trust[version] = verify_trust_bundle(collateral, key).id.digest
+        extra = ("--trust-bundle", str(collateral))
+        bundles[version] = build_bundle(inputs, root / f"bundle-{version}", extra=extra)
+    return Releases(bundles, bundle_inputs.public_key, trust)
 
 
 def _install_py(
@@ -138,7 +153,12 @@ def test_upgrade_then_rollback_keep_etc_and_data_and_the_log_verifies_across_bot
 ) -> None:
     prefix = _installed(releases, tmp_path, OLD)
     state = tmp_path / "verified-state.json"
+    # The bundle's trust/ went into the trust store (through the release's own `inferno trust
+    # update`, audited) before the install was recorded.
+    trust_current = prefix / "data" / "trust" / "current"
+    assert os.readlink(trust_current) == releases.trust[OLD]
     assert _export_and_verify(prefix, tmp_path / "export-1", state) == [
+        "admin.trust.update",
         "admin.install",
         "audit.export",
     ]
@@ -153,8 +173,9 @@ def test_upgrade_then_rollback_keep_etc_and_data_and_the_log_verifies_across_bot
     assert os.readlink(prefix / "current") == f"releases/{NEW}"
     assert os.readlink(prefix / "previous") == f"releases/{OLD}"
     assert _inferno(prefix, "config", "check").startswith(f"{prefix}/etc/inferno.toml: ")
+    assert os.readlink(trust_current) == releases.trust[NEW]
     actions = _export_and_verify(prefix, tmp_path / "export-2", state)
-    assert actions[2:] == ["admin.upgrade", "audit.export"]
+    assert actions[3:] == ["admin.trust.update", "admin.upgrade", "audit.export"]
 
     rolled_back = _install_py(releases, releases.bundles[NEW], prefix, "rollback")
     assert rolled_back.returncode == 0, rolled_back.stderr
@@ -163,12 +184,15 @@ def test_upgrade_then_rollback_keep_etc_and_data_and_the_log_verifies_across_bot
     assert not (prefix / "previous").is_symlink()
     assert sorted(p.name for p in (prefix / "releases").iterdir()) == [OLD, NEW]
     actions = _export_and_verify(prefix, tmp_path / "export-3", state)
-    assert actions[4:] == ["admin.rollback", "audit.export"]
+    assert actions[6:] == ["admin.rollback", "audit.export"]
+    # Collateral only goes forward: the rollback keeps the newer trust bundle.
+    assert os.readlink(trust_current) == releases.trust[NEW]
     assert _snapshot(prefix / "etc") == etc
     assert _key_files(prefix) == keys
 
     entries = [json.loads(line) for line in (tmp_path / "export-3" / "entries.jsonl").open()]
-    targets = [entries[i]["details"]["target"] for i in (0, 2, 4)]
+    lifecycle = ("admin.install", "admin.upgrade", "admin.rollback")
+    targets = [e["details"]["target"] for e in entries if e["action"] in lifecycle]
     digests = {
         v: bundle_install.hashlib.sha256((b / "MANIFEST.json").read_bytes()).hexdigest()
         for v, b in releases.bundles.items()
