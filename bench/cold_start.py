@@ -1,0 +1,414 @@
+"""W5 of PERFORMANCE.md: a sealed model's cold start, from process start to the first token.
+
+Setup (not timed): the Llama-3.1-8B architecture with random bf16 weights written as safetensors
+(a WordLevel tokenizer of its 128,256 ids, `t0` ... `t128255`, so requests can be text), sealed
+with the `file` key provider, the plaintext deleted; Triton's cache filled by `inferno warmup`
+(the offline bundle ships it, docs/INSTALL.md); synthetic TEE devices and their policy.
+
+Each run starts a new process (`--serve`) that does what `inferno serve` does: imports,
+settings, the audit log (`boot.start`), then the start-up sequence of appliance.boot.startup
+with the real verifiers over synthetic GPU and SEV-SNP evidence (tests/appliance/attestation/
+synthetic_tee.py, as the e2e tests: the appliance cannot attest on a machine with CC off), the
+key release, decryption straight into GPU memory, the engine's build (KV pool, profiled step,
+CUDA graphs). This process polls /health every 10 ms and, once ready, asks for one token.
+
+Phases, from the audit log's own records where it has them (boot.ready's `attestation_ms` and
+`load_phases_ms`) and from the two processes' clocks otherwise. The synthetic devices are made
+in the serving process before its start-up begins (their keys cannot cross processes); that
+time is measured and taken out, since a real machine has its devices already.
+
+    python bench/cold_start.py [--shape 8b|tiny] [--device cuda|cpu] [--runs 3] [--dir DIR]
+        [--drop-caches]
+"""
+
+from __future__ import annotations
+
+import time
+
+_STARTED_S = time.time()  # first: this process's own start, for the --serve child
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import os  # noqa: E402
+import shutil  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import tempfile  # noqa: E402
+import tomllib  # noqa: E402
+import urllib.error  # noqa: E402
+import urllib.request  # noqa: E402
+from pathlib import Path  # noqa: E402
+from typing import Any  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+LLAMA_31_8B = {
+    "architectures": ["LlamaForCausalLM"],
+    "hidden_size": 4096,
+    "intermediate_size": 14336,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "vocab_size": 128256,
+    "max_position_embeddings": 8192,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 500000.0,
+    "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+}
+TINY = {
+    **LLAMA_31_8B,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "vocab_size": 512,
+}
+KEY_ID = "cold-start-kek"
+MODEL_NAME = "random-llama"
+SHARD_BYTES = 5 << 30
+
+
+# ---- setup (not timed) -------------------------------------------------------------------
+
+
+def write_random_model(directory: Path, shape: dict[str, Any], device: str) -> None:
+    """config.json, a WordLevel tokenizer of the vocabulary, and random bf16 safetensors in
+    shards of about 5 GiB, drawn on `device` one tensor at a time."""
+    import torch
+    from safetensors.torch import save_file
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    directory.mkdir(parents=True)
+    (directory / "config.json").write_text(json.dumps(shape))
+    vocab = {f"t{i}": i for i in range(shape["vocab_size"])}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer.save(str(directory / "tokenizer.json"))
+    (directory / "tokenizer_config.json").write_text(json.dumps({"eos_token": "t1"}))
+    hidden, inter = shape["hidden_size"], shape["intermediate_size"]
+    head_dim, heads, kv_heads = (
+        shape["head_dim"],
+        shape["num_attention_heads"],
+        shape["num_key_value_heads"],
+    )
+    shapes = {
+        "model.embed_tokens.weight": (shape["vocab_size"], hidden),
+        "model.norm.weight": (hidden,),
+        "lm_head.weight": (shape["vocab_size"], hidden),
+    }
+    for layer in range(shape["num_hidden_layers"]):
+        prefix = f"model.layers.{layer}."
+        shapes |= {
+            prefix + "input_layernorm.weight": (hidden,),
+            prefix + "post_attention_layernorm.weight": (hidden,),
+            prefix + "self_attn.q_proj.weight": (heads * head_dim, hidden),
+            prefix + "self_attn.k_proj.weight": (kv_heads * head_dim, hidden),
+            prefix + "self_attn.v_proj.weight": (kv_heads * head_dim, hidden),
+            prefix + "self_attn.o_proj.weight": (hidden, heads * head_dim),
+            prefix + "mlp.gate_proj.weight": (inter, hidden),
+            prefix + "mlp.up_proj.weight": (inter, hidden),
+            prefix + "mlp.down_proj.weight": (hidden, inter),
+        }
+    generator = torch.Generator(device).manual_seed(0)
+    shard: dict[str, torch.Tensor] = {}
+    shard_bytes, index = 0, 0
+
+    def flush() -> None:
+        nonlocal shard, shard_bytes, index
+        if shard:
+            index += 1
+            save_file(shard, str(directory / f"model-{index:05d}.safetensors"))
+            shard, shard_bytes = {}, 0
+
+    for name, size in shapes.items():
+        if name.endswith("norm.weight"):
+            tensor = torch.ones(size, dtype=torch.bfloat16)
+        else:
+            tensor = torch.empty(size, dtype=torch.bfloat16, device=device)
+            tensor.normal_(0.0, 0.02, generator=generator)
+        shard[name] = tensor.cpu()
+        shard_bytes += shard[name].numel() * 2
+        if shard_bytes >= SHARD_BYTES:
+            flush()
+    flush()
+
+
+def seal(plain: Path, sealed: Path, keys: Path) -> Path:
+    """Seal `plain` into `sealed` with the file provider's key in `keys`; the manifest's
+    public key file."""
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+    from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
+
+    from attestation.keys.file import FileKeyProvider
+    from attestation.sealed.writer import seal_model
+
+    provider = FileKeyProvider(keys, production=False)
+    provider.create_key(KEY_ID)
+    signing = Ed25519PrivateKey.generate()
+    seal_model(
+        plain,
+        sealed,
+        model_id=MODEL_NAME,
+        key_id=KEY_ID,
+        wrap_data_key=provider.wrap_data_key,
+        signing_key=signing,
+        workers=min(8, os.cpu_count() or 1),
+    )
+    public = keys / "manifest.pub"
+    public.write_bytes(
+        signing.public_key().public_bytes(Encoding.PEM, PublicFormat.SubjectPublicKeyInfo)
+    )
+    return public
+
+
+def settings_file(work: Path, device: str, manifest_pub: Path) -> Path:
+    """The settings of every run; `[tee]` is completed by the serving process, which makes the
+    synthetic devices (their policy and roots)."""
+    path = work / "inferno.toml"
+    path.write_text(f'''appliance.profile = "development"
+[model]
+dir = "{work / "sealed"}"
+name = "{MODEL_NAME}"
+[engine]
+device = "{device}"
+max_model_len = 8192
+triton_cache_dir = "{work / "triton-cache"}"
+[server]
+insecure_http = true
+host = "127.0.0.1"
+port = 0
+[audit]
+origin = "bench.inferno/cold-start"
+data_dir = "{work / "audit"}"
+[auth]
+local_issuer = "demo"
+local_issuer_key_file = "{work / "issuer.pem"}"
+[sealed]
+manifest_public_key_file = "{manifest_pub}"
+key_provider = "file"
+file_key_dir = "{work / "keys"}"
+''')
+    return path
+
+
+# ---- one run: the serving process --------------------------------------------------------
+
+
+def serve(config: Path, spawned_s: float) -> None:
+    """What `inferno serve` does, with synthetic TEE devices made first (timed apart)."""
+    imported_s = time.time()
+    from appliance.app import build
+    from appliance.attestation.devices import EvidenceCollection, OfflineVerifier
+    from appliance.attestation.service import TeeService
+    from appliance.boot.startup import start_audit_log
+    from appliance.config import settings_from_mapping
+    from appliance.server import listen
+    from appliance.server import serve as serve_app
+    from tests.appliance.attestation.synthetic_tee import SyntheticCpu, SyntheticGpus, write_policy
+    from tests.attestation.cpu.synthetic import SyntheticSnp
+    from tests.attestation.gpu.synthetic import synthetic_gpu_setup
+
+    imports_s = time.time() - imported_s
+    devices_started_s = time.time()
+    work = config.parent
+    devices = Path(tempfile.mkdtemp(prefix="devices-", dir=work))
+    gpus = synthetic_gpu_setup(devices / "gpu", num_gpus=1)
+    snp = SyntheticSnp.create()
+    policy = write_policy(
+        devices / "policy.toml", {"gpu": gpus.policy_table(), "snp": snp.policy_table()}
+    )
+    tee = {
+        "mode": "required",
+        "policy_file": str(policy),
+        "gpu_rims_dir": str(gpus.rim_dir),
+        "gpu_roots_dir": str(gpus.roots_dir),
+        "cpu_trust_dir": str(snp.write_trust_directory(devices / "cpu-trust")),
+    }
+    devices_s = time.time() - devices_started_s
+
+    with config.open("rb") as f:
+        tables = tomllib.load(f)
+    settings = settings_from_mapping({**tables, "tee": tee}, base_dir=work)
+    service = TeeService(
+        "required",
+        EvidenceCollection(SyntheticGpus(gpus), SyntheticCpu(snp)),
+        OfflineVerifier(settings.tee),
+    )
+    audit_started_s = time.time()
+    log = start_audit_log(settings)
+    audit_s = time.time() - audit_started_s
+    app = build(settings, log, tee=service)
+    listener = listen(settings)
+    print(
+        json.dumps(
+            {
+                "url": listener.url,
+                "python_start_s": _STARTED_S - spawned_s,
+                "imports_s": imports_s + (imported_s - _STARTED_S),
+                "synthetic_devices_s": devices_s,
+                "audit_open_s": audit_s,
+            }
+        ),
+        flush=True,
+    )
+    serve_app(settings, app, listener)
+
+
+# ---- one run: this process ---------------------------------------------------------------
+
+
+def run_once(config: Path, prompt: str) -> dict[str, float]:
+    spawned_s = time.time()
+    child = subprocess.Popen(
+        [sys.executable, __file__, "--serve", str(config), "--spawned", repr(spawned_s)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        cwd=ROOT,
+    )
+    try:
+        assert child.stdout is not None
+        info = json.loads(child.stdout.readline())
+        url = info["url"]
+        deadline_s = time.time() + 600
+        while True:
+            try:
+                with urllib.request.urlopen(f"{url}/health", timeout=5) as reply:
+                    if reply.status == 200:
+                        break
+            except urllib.error.HTTPError as exc:  # 503 while loading; a failed start says why
+                health = json.loads(exc.read() or b"{}")
+                if health.get("status") == "failed":
+                    raise SystemExit(f"the start failed: {health.get('reason')}") from None
+            except OSError:
+                pass
+            if child.poll() is not None:
+                raise SystemExit("the server exited before it was ready")
+            if time.time() > deadline_s:
+                raise SystemExit("the server was not ready within 10 minutes")
+            time.sleep(0.01)
+        ready_s = time.time()
+        token = _token(config)
+        request = urllib.request.Request(
+            f"{url}/v1/completions",
+            data=json.dumps({"model": MODEL_NAME, "prompt": prompt, "max_tokens": 1}).encode(),
+            headers={"Authorization": f"Bearer {token}", "Content-Type": "application/json"},
+        )
+        with urllib.request.urlopen(request, timeout=60) as reply:
+            assert reply.status == 200
+            json.load(reply)
+        first_token_s = time.time()
+    finally:
+        child.terminate()
+        child.wait(timeout=60)
+    ready = _boot_ready(config)
+    phases = ready["load_phases_ms"]
+    total_s = first_token_s - spawned_s - info["synthetic_devices_s"]
+    return {
+        "python start": info["python_start_s"],
+        "imports": info["imports_s"],
+        "audit log open (boot.start)": info["audit_open_s"],
+        "attestation (collect, verify, record)": ready["attestation_ms"] / 1000,
+        "key release": phases["key_release_ms"] / 1000,
+        "decrypt + load weights": phases["weights_ms"] / 1000,
+        "engine build (KV pool, profiled step, CUDA graphs)": phases["engine_build_ms"] / 1000,
+        "ready -> first token": first_token_s - ready_s,
+        "W5 total (synthetic devices taken out)": total_s,
+    }
+
+
+def _token(config: Path) -> str:
+    from appliance.auth.local_issuer import LocalIssuer
+    from appliance.auth.roles import Role
+    from appliance.auth.settings import AuthSettings
+    from appliance.config import load_section
+
+    issuer = LocalIssuer.from_settings(load_section(config, AuthSettings))
+    assert issuer is not None
+    return issuer.mint(Role.USER, "cold-start", time.time())
+
+
+def _boot_ready(config: Path) -> dict[str, Any]:
+    from appliance.boot.audit_log import open_audit_log
+    from appliance.config import AuditSettings, load_section
+
+    with open_audit_log(load_section(config, AuditSettings)) as log:
+        entries = [json.loads(leaf) for _, leaf in log.store.entries(0, log.store.size() - 1)]
+    return [e for e in entries if e["action"] == "boot.ready"][-1]["details"]
+
+
+def warm_up(work: Path, device: str) -> None:
+    from appliance.engine.engine import EngineConfig
+    from appliance.engine.warmup import warm_up as engine_warm_up
+
+    report = engine_warm_up(
+        EngineConfig(
+            model_dir=work / "sealed", device=device, max_model_len=8192,
+            triton_cache_dir=work / "triton-cache",
+        )
+    )  # fmt: skip
+    print(f"warm-up: Triton compiled {report.compiled} kernels into the cache", flush=True)
+
+
+def _setup_step(name: str, *args: Any) -> None:
+    """`name`(*args) of this module in a child process."""
+    code = f"import sys, json; sys.path.insert(0, {str(ROOT)!r}); import bench.cold_start as m; "
+    code += f"from pathlib import Path; m.{name}(*[Path(a) if i == 0 else a for i, a in "
+    code += "enumerate(json.loads(sys.argv[1]))])"
+    encoded = json.dumps([str(args[0]), *args[1:]])
+    subprocess.run([sys.executable, "-c", code, encoded], check=True, cwd=ROOT)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--shape", choices=("8b", "tiny"), default="8b")
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--dir", type=Path, default=None, help="work directory (default: tmp)")
+    parser.add_argument(
+        "--drop-caches", action="store_true", help="drop the page cache before the first run (root)"
+    )
+    parser.add_argument("--serve", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--spawned", type=float, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.serve is not None:
+        serve(args.serve, args.spawned)
+        return
+    work = Path(tempfile.mkdtemp(prefix="cold-start-", dir=args.dir))
+    shape = LLAMA_31_8B if args.shape == "8b" else TINY
+    started = time.time()
+    # The setup's GPU work runs in processes of its own, so that this one holds no GPU memory
+    # that the served engine would then lack.
+    _setup_step("write_random_model", work / "plain", shape, args.device)
+    manifest_pub = seal(work / "plain", work / "sealed", work / "keys")
+    shutil.rmtree(work / "plain")
+    config = settings_file(work, args.device, manifest_pub)
+    print(f"setup: random {args.shape} model written and sealed in {time.time() - started:.1f} s")
+    if args.device.startswith("cuda"):
+        # What `inferno warmup` does (the settings above need the synthetic [tee] to load).
+        _setup_step("warm_up", work, args.device)
+    prompt = " ".join(f"t{i}" for i in range(2, 130))
+    results = []
+    for run in range(args.runs):
+        cache = "warm"
+        if args.drop_caches and run == 0:
+            os.sync()
+            try:
+                Path("/proc/sys/vm/drop_caches").write_text("3\n")
+                cache = "cold"
+            except OSError as exc:
+                print(f"the page cache could not be dropped ({exc.strerror}): warm only")
+        results.append(run_once(config, prompt))
+        print(f"run {run + 1} (page cache {cache}):")
+        for phase, seconds in results[-1].items():
+            print(f"  {phase:55s} {seconds:7.3f} s", flush=True)
+    shutil.rmtree(work)
+
+
+if __name__ == "__main__":
+    main()
