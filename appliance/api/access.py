@@ -79,6 +79,7 @@ ROUTE_ACCESS: Mapping[str, Rule] = {
     "/v1/models/{model_id}": Bearer(INFERENCE | {Role.ADMIN}),
     "/v1/completions": Bearer(INFERENCE),
     "/v1/chat/completions": Bearer(INFERENCE),
+    "/v1/responses": Bearer(INFERENCE),
     "/metrics": Bearer(frozenset({Role.ADMIN})),
     # A receipt for an entry a response named: hashes only, for callers and auditors (not admins).
     "/v1/audit/proof/{index}": Bearer(INFERENCE | {Role.AUDITOR}),
