@@ -286,7 +286,7 @@ class _ResponsesEndpoint:
     def choices(self, tokenizer: Tokenizer, max_model_len: int) -> list[Choice]:
         body = self.body
         self._messages = _conversation(body)
-        verify_tool_messages(self._messages, tokenizer, body.model, param="input")
+        verify_tool_messages(self._messages, tokenizer, body.model, param="input", indexed=False)
         choice = body.tool_choice
         if isinstance(choice, ResponsesNamedToolChoice):
             choice = NamedToolChoice(type="function", function=ToolChoiceFunction(name=choice.name))

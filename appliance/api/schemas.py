@@ -21,6 +21,9 @@ MAX_CHOICES = 16
 
 MAX_STOP_STRINGS = 16
 
+MAX_MESSAGES = 1024
+"""Most messages one chat request may hold (each is rendered through the chat template)."""
+
 
 def _unicode(value: str) -> str:
     """JSON can spell a lone UTF-16 surrogate (`"\\ud800"`), which is no Unicode text: refuse
@@ -173,7 +176,7 @@ class ResponseFormat(_Request):
 
 
 class ChatCompletionRequest(SamplingFields):
-    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=MAX_MESSAGES)]
     max_tokens: int | None = Field(default=None, ge=1, description="older name of the next")
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False

@@ -170,16 +170,22 @@ def _arguments_value(arguments: str) -> object:
 
 
 def verify_tool_messages(
-    messages: Sequence[ChatMessage], tokenizer: Tokenizer, model_name: str, *, param: str
+    messages: Sequence[ChatMessage],
+    tokenizer: Tokenizer,
+    model_name: str,
+    *,
+    param: str,
+    indexed: bool = True,
 ) -> None:
     """Refuse tool calls and tool results in a conversation for a model whose template cannot
-    show them (it would render them as if they were ordinary text, or fail)."""
+    show them (it would render them as if they were ordinary text, or fail). `param[i]` names
+    the message when `indexed` (the messages are the request's own)."""
     if tokenizer.chat_template_reads_tools:
         return
     for index, message in enumerate(messages):
         if message.role == "tool" or message.tool_calls:
             raise unsupported(
-                f"{param}[{index}]",
+                f"{param}[{index}]" if indexed else param,
                 f"tool calls and results need tool support, which the chat template of model "
                 f"{model_name!r} does not have",
             )

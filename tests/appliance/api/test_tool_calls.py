@@ -231,6 +231,16 @@ def test_tool_definitions_out_of_bounds_are_refused_naming_the_field(
     assert message in error["message"]
 
 
+def test_tool_choice_without_tools_is_refused(client: openai.OpenAI) -> None:
+    assert _refusal(lambda: _chat(client, tools=None, tool_choice="auto"))["param"] == "tool_choice"
+
+
+def test_a_conversation_over_the_message_limit_is_refused(client: openai.OpenAI) -> None:
+    error = _refusal(lambda: _chat(client, messages=QUESTION * 1025))
+    assert error["param"] == "messages"
+    assert "at most 1024 items" in error["message"]
+
+
 def test_logprobs_with_tools_are_refused(client: openai.OpenAI) -> None:
     assert _refusal(lambda: _chat(client, logprobs=True))["param"] == "logprobs"
 
@@ -385,6 +395,7 @@ def test_responses_streams_a_function_call_as_its_item_and_argument_events(
         ({"previous_response_id": "resp_1"}, "previous_response_id", "keeps no conversation"),
         ({"reasoning": {"effort": "high"}}, "reasoning", "no reasoning controls"),
         ({"truncation": "auto"}, "truncation", "'auto' is not supported"),
+        ({"text": {"verbosity": "low"}}, "text.verbosity", "no verbosity control"),
     ],
 )
 def test_responses_refuses_what_the_appliance_does_not_do_by_name(
@@ -433,6 +444,12 @@ def test_tools_are_refused_for_a_model_whose_template_cannot_show_them(
     result = {"role": "tool", "tool_call_id": "call_1", "content": "42"}
     error = _refusal(lambda: _chat(client, tools=None, messages=[*QUESTION, result]))
     assert error["param"] == "messages[1]"
+    output = {"type": "function_call_output", "call_id": "call_1", "output": "42"}
+    error = _refusal(
+        lambda: client.responses.create(model=MODEL_NAME, input=[*QUESTION, output])  # type: ignore[list-item]
+    )
+    assert error["param"] == "input"
+    assert f"model {MODEL_NAME!r}" in error["message"]
 
 
 def test_responses_on_the_embedded_model(server: RunningServer) -> None:
