@@ -431,6 +431,38 @@ def test_a_responses_request_is_audited_like_a_chat(
     assert db.committer.matches("response", [ANSWER], ending["details"]["response_commitment"])
 
 
+def test_a_chat_with_tools_commits_to_the_tools_and_the_calls_markup(
+    tool_server: RunningServer, scripted: ScriptedModel
+) -> None:
+    db = AuditDatabase(tool_server)
+    scripted.say(CALL)
+    body = {"model": MODEL_NAME, "messages": QUESTION, "tools": [WEATHER_TOOL]}
+    with tool_server.http() as http:
+        response = http.post("/v1/chat/completions", json=body)
+    assert response.status_code == 200, response.text
+    _, index, _ = response.headers["audit-entry"].split(" ")
+    accepted = db.entry(int(index))
+    prompt = {"messages": QUESTION, "tools": [WEATHER_TOOL]}
+    assert db.committer.matches("prompt", prompt, accepted["details"]["prompt_commitment"])
+    ending = db.ending(response.json()["id"])
+    # What the model generated, not the parsed call: the record of its output.
+    assert db.committer.matches("response", [CALL], ending["details"]["response_commitment"])
+
+
+def test_a_streamed_response_logs_its_end_before_response_completed(
+    tool_server: RunningServer, scripted: ScriptedModel
+) -> None:
+    db = AuditDatabase(tool_server)
+    scripted.say(ANSWER)
+    body = {"model": MODEL_NAME, "input": "Hi", "stream": True}
+    with tool_server.http() as http, http.stream("POST", "/v1/responses", json=body) as stream:
+        assert stream.status_code == 200
+        lines = [line for line in stream.iter_lines() if line.startswith("data: ")]
+    final = json.loads(lines[-1][6:])
+    assert final["type"] == "response.completed"
+    assert db.ending(final["response"]["id"], timeout_s=0)["outcome"] == "success"
+
+
 # The embedded model, whose own template has no tool support.
 
 
