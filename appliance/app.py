@@ -28,6 +28,7 @@ from appliance.api import (
     health,
     metrics,
     models,
+    responses,
 )
 from appliance.api.access import ROUTE_ACCESS, AccessControl, document_access
 from appliance.api.access_log import AccessLog
@@ -176,7 +177,7 @@ def build(
             local_issuer=local_issuer,
         ),
     )
-    routers = (models, chat, completions, audit_proofs, attestation, health, metrics,
+    routers = (models, chat, completions, responses, audit_proofs, attestation, health, metrics,
                console_login)  # fmt: skip
     # The console's pages beside routes.py's, each module with its own router.
     console_pages = (tokens, ticket_sign_in, attestation_records, audit_export, usage_page)

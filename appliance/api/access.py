@@ -31,7 +31,7 @@ from starlette.routing import compile_path
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from appliance.api.audit_trail import ACTOR_STATE, RECEIPT_STATE
-from appliance.api.errors import APIError
+from appliance.api.errors import APIError, not_found
 from appliance.auth.authenticator import Authenticator
 from appliance.auth.denials import DenialReporter
 from appliance.auth.errors import AuthenticationError, AuthorizationError, Reason
@@ -79,6 +79,7 @@ ROUTE_ACCESS: Mapping[str, Rule] = {
     "/v1/models/{model_id}": Bearer(INFERENCE | {Role.ADMIN}),
     "/v1/completions": Bearer(INFERENCE),
     "/v1/chat/completions": Bearer(INFERENCE),
+    "/v1/responses": Bearer(INFERENCE),
     "/metrics": Bearer(frozenset({Role.ADMIN})),
     # A receipt for an entry a response named: hashes only, for callers and auditors (not admins).
     "/v1/audit/proof/{index}": Bearer(INFERENCE | {Role.AUDITOR}),
@@ -180,8 +181,8 @@ class AccessControl:
             ((path, rule) for regex, path, rule in self.rules if regex.match(scope["path"])), None
         )
         if found is None:
-            not_found = APIError(404, f"Invalid URL ({scope['method']} {scope['path']})")
-            await self._answer(scope, not_found)(scope, receive, send)
+            answer = not_found(scope["method"], scope["path"])
+            await self._answer(scope, answer)(scope, receive, send)
             return
         path, rule = found
         state = scope.setdefault("state", {})

@@ -24,7 +24,7 @@ import asyncio
 import ipaddress
 import logging
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping
 from concurrent.futures import Future
 from contextlib import aclosing, asynccontextmanager
 from datetime import UTC, datetime
@@ -239,15 +239,20 @@ class InferenceRecord:
         await self.finish(generation)
 
     async def stream(
-        self, generation: Generation, events: AsyncGenerator[bytes, None]
+        self,
+        generation: Generation,
+        events: AsyncGenerator[bytes, None],
+        *,
+        is_final: Callable[[bytes], bool] = DONE.__eq__,
     ) -> AsyncGenerator[bytes, None]:
-        """`events` (a streamed response) with the request's end logged before its `[DONE]`;
-        if that entry cannot be stored, an error event goes first. A stream closed early (the
-        client left, a shutdown cancelled it) logs the request aborted."""
+        """`events` (a streamed response) with the request's end logged before its final event
+        (`[DONE]`, or the one `is_final` picks); if that entry cannot be stored, an error event
+        goes first. A stream closed early (the client left, a shutdown cancelled it) logs the
+        request aborted."""
         try:
             async with aclosing(events) as chunks:
                 async for chunk in chunks:
-                    if chunk == DONE:
+                    if is_final(chunk):
                         try:
                             await self.finish(generation)
                         except AuditError as exc:

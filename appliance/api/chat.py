@@ -23,10 +23,20 @@ from appliance.api.schemas import (
     ChatChoiceLogprobs,
     ChatCompletionRequest,
     ChatCompletionResponse,
-    ChatMessage,
+    FunctionCallOut,
+    ToolCallOut,
 )
 from appliance.api.serving import GENERATION_RESPONSES, Serving
 from appliance.api.streaming import ChatChunkChoice, ChatDelta, EventStreamResponse, StreamHead
+from appliance.api.tool_parsers import Content
+from appliance.api.tools import (
+    ChoiceCalls,
+    IdentifiedCall,
+    ToolUse,
+    plan_tool_use,
+    template_message,
+    verify_tool_messages,
+)
 from appliance.engine.outputs import RequestOutput
 from appliance.engine.tokenizer import Tokenizer
 from audit.canonical import JsonValue
@@ -51,13 +61,35 @@ class _ChatEndpoint:
 
     def __init__(self, body: ChatCompletionRequest):
         self.body = body
+        self.tool_use: ToolUse | None = None
+
+    @property
+    def uses_tools(self) -> bool:
+        return self.tool_use is not None
 
     def verify_supported(self) -> None:
         _verify_supported(self.body)
 
     def choices(self, tokenizer: Tokenizer, max_model_len: int) -> list[Choice]:
         body = self.body
-        prompt = tokenizer.encode_chat([_template_message(m) for m in body.messages])
+        verify_tool_messages(body.messages, tokenizer, body.model, param="messages")
+        self.tool_use = plan_tool_use(
+            body.tools,
+            body.tool_choice,
+            parallel=body.parallel_tool_calls,
+            tokenizer=tokenizer,
+            model_name=body.model,
+        )
+        if self.tool_use is not None and body.logprobs:
+            raise unsupported(
+                "logprobs",
+                "not available with tools: tool-call text is held back and parsed, so its "
+                "tokens' log-probabilities would match no content",
+            )
+        prompt = tokenizer.encode_chat(
+            [template_message(m) for m in body.messages],
+            tools=None if self.tool_use is None else self.tool_use.definitions,
+        )
         # Unset: up to the end of the context, as OpenAI does.
         max_tokens = body.max_completion_tokens or body.max_tokens
         max_tokens = max_tokens or max(max_model_len - len(prompt), 1)
@@ -68,14 +100,42 @@ class _ChatEndpoint:
         ]
 
     def prompt_record(self) -> JsonValue:
-        return [message.model_dump(exclude_none=True) for message in self.body.messages]
+        messages: JsonValue = [m.model_dump(exclude_none=True) for m in self.body.messages]
+        if self.tool_use is None:
+            return messages
+        # The tools are part of the prompt the model saw.
+        return {"messages": messages, "tools": self.tool_use.definitions}  # type: ignore[dict-item]
 
     def output(self, tokenizer: Tokenizer, choices: list[Choice]) -> _ChatOutput:
-        return _ChatOutput(tokenizer, choices, with_logprobs=self.body.logprobs)
+        return _ChatOutput(
+            tokenizer, choices, with_logprobs=self.body.logprobs, tool_use=self.tool_use
+        )
+
+
+# Standard fields this server does not honour, and why; each may be absent or null only
+# (`modalities: ["text"]` and `service_tier: "auto"` or `"default"` ask for what it does).
+_REFUSED = {
+    "audio": "the served model writes text only",
+    "modalities": "the served model writes text only",
+    "prediction": "predicted outputs (speculative decoding) are not supported",
+    "reasoning_effort": "the served model has no reasoning controls",
+    "service_tier": "the appliance has one service tier",
+    "web_search_options": "the appliance has no network access and searches nothing",
+    "functions": "deprecated by OpenAI: use tools",
+    "function_call": "deprecated by OpenAI: use tool_choice",
+    "verbosity": "the served model has no verbosity control",
+    "prompt_cache_key": "prefix caching is isolated per caller by the server (see cache_salt)",
+    "safety_identifier": "not used by this appliance",
+}
+_ACCEPTED = {"modalities": (["text"],), "service_tier": ("auto", "default")}
 
 
 def _verify_supported(body: ChatCompletionRequest) -> None:
     verify_stream_options(body)
+    for field, why in _REFUSED.items():
+        value = getattr(body, field)
+        if value is not None and value not in _ACCEPTED.get(field, ()):
+            raise unsupported(field, why)
     if body.response_format is not None and body.response_format.type != "text":
         raise unsupported(
             "response_format",
@@ -86,27 +146,24 @@ def _verify_supported(body: ChatCompletionRequest) -> None:
         raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
 
 
-def _template_message(message: ChatMessage) -> dict[str, str]:
-    if isinstance(message.content, str):
-        content = message.content
-    else:
-        content = "\n".join(part.text for part in message.content)
-    # "developer" is the newer name of "system"; chat templates know only the older one.
-    role = "system" if message.role == "developer" else message.role
-    rendered = {"role": role, "content": content}
-    if message.name is not None:
-        rendered["name"] = message.name
-    return rendered
-
-
 class _ChatOutput:
-    """OpenAI's chunk sequence per choice: the role with empty content, the content deltas, an
-    empty delta with the finish reason. Whole, one assistant message per choice."""
+    """OpenAI's chunk sequence per choice: the role with empty content, the content deltas (and
+    tool calls, under tool use), an empty delta with the finish reason. Whole, one assistant
+    message per choice."""
 
-    def __init__(self, tokenizer: Tokenizer, choices: list[Choice], *, with_logprobs: bool):
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        choices: list[Choice],
+        *,
+        with_logprobs: bool,
+        tool_use: ToolUse | None = None,
+    ):
         self.tokenizer = tokenizer
         self.choices = choices
         self.with_logprobs = with_logprobs
+        # Under tool use, each choice's output goes through its tool-call parser.
+        self._calls = {c.index: ChoiceCalls(tool_use) for c in choices} if tool_use else {}
 
     def opening(self) -> Iterator[ChatChunkChoice]:
         for choice in self.choices:
@@ -116,12 +173,16 @@ class _ChatOutput:
         logprobs = None
         if self.with_logprobs and out.logprobs:
             logprobs = {"content": chat_logprobs(self.tokenizer, out.logprobs)}
-        if out.text or logprobs:
+        calls = self._calls.get(index)
+        if calls is not None:
+            yield from _tool_chunks(index, calls, out)
+        elif out.text or logprobs:
             yield ChatChunkChoice(index, ChatDelta(content=out.text), logprobs)
         if out.finish_reason == "abort":
             raise cut_off_error()
         if out.finished:
-            yield ChatChunkChoice(index, ChatDelta(), finish_reason=out.finish_reason)
+            reason = _finish_reason(out.finish_reason, calls)
+            yield ChatChunkChoice(index, ChatDelta(), finish_reason=reason)
 
     def response(
         self, head: StreamHead, generation: Generation, results: list[CollectedChoice]
@@ -133,15 +194,53 @@ class _ChatOutput:
             choices=[
                 ChatChoice(
                     index=choice.index,
-                    message=AssistantMessage(content=result.text),
+                    message=self._message(choice.index, result.text),
                     logprobs=ChatChoiceLogprobs(
                         content=chat_logprobs(self.tokenizer, result.logprobs)
                     )
                     if self.with_logprobs
                     else None,
-                    finish_reason=result.finish_reason,
+                    finish_reason=_finish_reason(  # type: ignore[arg-type]
+                        result.finish_reason, self._calls.get(choice.index)
+                    ),
                 )
                 for choice, result in zip(generation.choices, results, strict=True)
             ],
             usage=generation.usage(),
         )
+
+    def _message(self, index: int, text: str) -> AssistantMessage:
+        calls = self._calls.get(index)
+        if calls is None:
+            return AssistantMessage(content=text)
+        content, parsed = calls.whole(text)
+        return AssistantMessage(content=content, tool_calls=[_tool_call_out(c) for c in parsed])
+
+
+def _tool_call_out(call: IdentifiedCall) -> ToolCallOut:
+    return ToolCallOut(
+        id=call.id, function=FunctionCallOut(name=call.name, arguments=call.arguments)
+    )
+
+
+def _finish_reason(reason: str | None, calls: ChoiceCalls | None) -> str | None:
+    """OpenAI's "tool_calls" for a choice that stopped after calling tools."""
+    if reason == "stop" and calls is not None and calls.calls:
+        return "tool_calls"
+    return reason
+
+
+def _tool_chunks(index: int, calls: ChoiceCalls, out: RequestOutput) -> Iterator[ChatChunkChoice]:
+    """A choice's content and calls as OpenAI streams them: a call's first delta carries its
+    index, id, type and name (arguments empty), the next its arguments. A call is sent once
+    it is complete and valid (appliance.api.tool_parsers), so its arguments come whole."""
+    for event in calls.events(out.text, finished=out.finished):
+        if isinstance(event, Content):
+            yield ChatChunkChoice(index, ChatDelta(content=event.text))
+            continue
+        position = calls.calls.index(event)
+        head = {"index": position, "id": event.id, "type": "function"}
+        function = {"name": event.name, "arguments": ""}
+        yield ChatChunkChoice(index, ChatDelta(tool_calls=[{**head, "function": function}]))
+        arguments = {"index": position, "function": {"arguments": event.arguments}}
+        yield ChatChunkChoice(index, ChatDelta(tool_calls=[arguments]))

@@ -46,6 +46,7 @@ class _CompletionEndpoint:
     id_prefix = "cmpl"
     chunk_object = "text_completion"
     prompt_param = "prompt"
+    uses_tools = False
 
     def __init__(self, body: CompletionRequest):
         self.body = body

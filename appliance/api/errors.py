@@ -164,12 +164,29 @@ def _describe(error: Mapping[str, Any]) -> tuple[str, str | None]:
     return f"Invalid value for '{param}': {error.get('msg', 'invalid')}", param
 
 
+# OpenAI endpoints a client may expect of an OpenAI-compatible server, and why they are not here.
+_NOT_SERVED = {
+    "/v1/embeddings": "this appliance serves one generative model and computes no embeddings",
+}
+
+SERVED_INFERENCE = (
+    "it serves POST /v1/chat/completions, /v1/completions and /v1/responses, and GET /v1/models"
+)
+
+
+def not_found(method: str, path: str) -> APIError:
+    """The 404 for a path nothing serves; for an OpenAI endpoint this appliance does not
+    offer, the answer says so and names what it serves."""
+    message = f"Invalid URL ({method} {path})"
+    if (why := _NOT_SERVED.get(path.rstrip("/"))) is not None:
+        message = f"{message}: {why}; {SERVED_INFERENCE}"
+    return APIError(404, message, code="not_served" if why else None)
+
+
 async def _on_http_exception(request: Request, exc: StarletteHTTPException) -> JSONResponse:
     if exc.status_code == 404:
-        message = f"Invalid URL ({request.method} {request.url.path})"
-    else:
-        message = str(exc.detail)
-    return APIError(exc.status_code, message, headers=exc.headers).response()
+        return not_found(request.method, request.url.path).response()
+    return APIError(exc.status_code, str(exc.detail), headers=exc.headers).response()
 
 
 def internal_error() -> APIError:

@@ -4,8 +4,9 @@ Engine state (running and waiting requests, KV-cache usage, preemptions, prefix-
 and hits) is read from the engine at scrape time; request latencies (time to first token, time
 per output token, end to end, all as the client sees them: from arrival at the server) and token
 counts are recorded as each engine request ends. `inferno:audit_append_seconds` (Inferno's own)
-is how long requests wait for their audit entries, and `inferno:limited_requests` counts the
-requests a per-caller limit refused, by limit. Each app has its own registry: nothing
+is how long requests wait for their audit entries, `inferno:limited_requests` counts the
+requests a per-caller limit refused, by limit, and `inferno:tool_requests` the admitted requests
+that offered the model tools, by endpoint. Each app has its own registry: nothing
 global. The console's time series reads the same request counters (`ServerMetrics.counters`):
 nothing else is counted per request.
 """
@@ -105,6 +106,12 @@ class ServerMetrics:
             ["limit"],
             registry=self.registry,
         )
+        self._tool_requests = Counter(
+            "inferno:tool_requests",
+            "Admitted requests that offered the model tools to call, by endpoint.",
+            ["endpoint"],
+            registry=self.registry,
+        )
         self.registry.register(_EngineCollector(self))
 
     def watch(self, engine: AsyncEngine) -> None:
@@ -151,6 +158,9 @@ class ServerMetrics:
 
     def count_limited(self, limit: str) -> None:
         self._limited.labels(limit).inc()
+
+    def count_tool_request(self, endpoint: str) -> None:
+        self._tool_requests.labels(endpoint).inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
 from appliance.engine.sampling_params import MAX_TOP_LOGPROBS
 
@@ -20,6 +20,9 @@ MAX_CHOICES = 16
 """Largest `n` one request may ask for."""
 
 MAX_STOP_STRINGS = 16
+
+MAX_MESSAGES = 1024
+"""Most messages one chat request may hold (each is rendered through the chat template)."""
 
 
 def _unicode(value: str) -> str:
@@ -94,11 +97,77 @@ class TextContentPart(_Request):
     text: Text
 
 
+# Tool calling (OpenAI's function tools): the definitions a request offers the model and the
+# calls an assistant message made. Bounds and rendering live in appliance.api.tools.
+
+MAX_TOOLS = 64
+"""Most tools one request may define: each is rendered into the prompt."""
+
+MAX_TOOL_CALLS = 16
+"""Most tool calls one assistant message may carry."""
+
+# OpenAI's rule for function names.
+ToolName = Annotated[str, Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")]
+ToolCallId = Annotated[Text, Field(min_length=1, max_length=256)]
+
+
+class FunctionDefinition(_Request):
+    name: ToolName
+    description: Text | None = None
+    # A JSON schema; its size and depth are bounded in appliance.api.tools.
+    parameters: dict[str, object] | None = None
+    strict: bool | None = None
+
+
+class FunctionTool(_Request):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class CalledFunction(_Request):
+    name: ToolName
+    arguments: Text  # a JSON object, as text (OpenAI's shape)
+
+
+class ToolCall(_Request):
+    id: ToolCallId
+    type: Literal["function"]
+    function: CalledFunction
+
+
+class ToolChoiceFunction(_Request):
+    name: ToolName
+
+
+class NamedToolChoice(_Request):
+    type: Literal["function"]
+    function: ToolChoiceFunction
+
+
+ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
+
+
 class ChatMessage(_Request):
     # "developer" is OpenAI's newer name for "system"; the chat template gets "system".
-    role: Literal["system", "developer", "user", "assistant"]
-    content: Text | list[TextContentPart]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    # Absent or null only for an assistant message that carries tool calls.
+    content: Text | list[TextContentPart] | None = None
     name: Text | None = None
+    tool_calls: Annotated[list[ToolCall], Field(max_length=MAX_TOOL_CALLS)] | None = None
+    tool_call_id: ToolCallId | None = None  # which call a `tool` message answers
+    refusal: None = None  # what OpenAI's client sends back of an assistant message it got
+
+    @model_validator(mode="after")
+    def _fields_fit_role(self) -> ChatMessage:
+        if self.tool_calls is not None and self.role != "assistant":
+            raise ValueError("tool_calls: only an assistant message carries tool calls")
+        if (self.tool_call_id is None) != (self.role != "tool"):
+            raise ValueError(
+                "tool_call_id: a tool message, and only one, names the call it answers"
+            )
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError("content: only an assistant message with tool_calls may have none")
+        return self
 
 
 class ResponseFormat(_Request):
@@ -107,12 +176,28 @@ class ResponseFormat(_Request):
 
 
 class ChatCompletionRequest(SamplingFields):
-    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=MAX_MESSAGES)]
     max_tokens: int | None = Field(default=None, ge=1, description="older name of the next")
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     response_format: ResponseFormat | None = None
+    tools: Annotated[list[FunctionTool], Field(max_length=MAX_TOOLS)] | None = None
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool = True
+    # Standard fields this server does not honour: refused by name, with the reason
+    # (appliance.api.chat, `_REFUSED`), rather than as unrecognized.
+    audio: object = None
+    modalities: object = None
+    prediction: object = None
+    reasoning_effort: object = None
+    service_tier: object = None
+    web_search_options: object = None
+    functions: object = None
+    function_call: object = None
+    verbosity: object = None
+    prompt_cache_key: object = None
+    safety_identifier: object = None
 
 
 # Responses.
@@ -167,17 +252,30 @@ class ChatChoiceLogprobs(BaseModel):
     content: list[ChatTokenLogprob]
 
 
+class FunctionCallOut(BaseModel):
+    name: str
+    arguments: str
+
+
+class ToolCallOut(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCallOut
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
     refusal: None = None
+    # Left out when the model called no tool, as OpenAI leaves it out.
+    tool_calls: list[ToolCallOut] | None = Field(default=None, exclude_if=lambda calls: not calls)
 
 
 class ChatChoice(BaseModel):
     index: int
     message: AssistantMessage
     logprobs: ChatChoiceLogprobs | None
-    finish_reason: Literal["stop", "length"]
+    finish_reason: Literal["stop", "length", "tool_calls"]
 
 
 class ChatCompletionResponse(BaseModel):

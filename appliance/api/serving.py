@@ -1,21 +1,23 @@
-"""One inference request from admission to its answer, the same for completions and chat.
+"""One inference request from admission to its answer, the same for completions, chat and
+responses.
 
-`Server.serve` is the one request path of both routes: check the request, plan its choices (which
-validates every engine request, salted with the caller's prefix-cache domain), admit it under
+`Server.serve` is the one request path of the three routes: check the request, plan its choices
+(which validates every engine request, salted with the caller's prefix-cache domain), admit it under
 its caller's limits (appliance.api.limits), take places in the admission queue, log
 `inference.request` to the audit log before anything is generated (a failed append gives the
 places back: not logged, not served), then answer whole or as a stream; either way the places
 are released, the caller's limits are charged its tokens, and the audit record is closed when it
 ends. What differs between the routes is an `Endpoint`: its prompt and choices, and the `Output`
-that turns engine outputs into its response and chunks.
+that turns engine outputs into its response and chunks (or, an `EventOutput`, into its own
+stream of events).
 """
 
 from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import AsyncGenerator, Iterable, Iterator, Mapping
-from typing import Annotated, Any, Literal, Protocol, TypeVar
+from collections.abc import AsyncGenerator, Callable, Iterable, Iterator, Mapping
+from typing import Annotated, Any, Literal, Protocol, TypeVar, runtime_checkable
 
 from fastapi import Depends, Request
 from pydantic import BaseModel
@@ -35,7 +37,7 @@ from appliance.api.limits import CallerLimits, Charge, Limits
 from appliance.api.metrics import Metrics
 from appliance.api.models import Model
 from appliance.api.readiness import ReadyEngine
-from appliance.api.schemas import SamplingFields
+from appliance.api.schemas import StreamOptions
 from appliance.api.streaming import (
     DONE,
     ChunkChoice,
@@ -71,14 +73,49 @@ class Output(Protocol[ResponseT]):
         ...
 
 
+@runtime_checkable
+class EventOutput(Protocol):
+    """An output that writes its own server-sent events (the Responses API's typed events)
+    rather than chat or completion chunks."""
+
+    def events(self, head: StreamHead, generation: Generation) -> AsyncGenerator[bytes, None]:
+        """The whole stream; errors after the status was sent become error events."""
+        ...
+
+    def is_final(self, event: bytes) -> bool:
+        """Whether `event` ends the stream: it is sent only once the audit log stored the
+        request's end."""
+        ...
+
+
+class ServedBody(Protocol):
+    """What the shared path reads of a request body."""
+
+    @property
+    def model(self) -> str: ...
+    @property
+    def n(self) -> int: ...
+    @property
+    def stream(self) -> bool: ...
+    @property
+    def stream_options(self) -> StreamOptions | None: ...
+    @property
+    def cache_salt(self) -> str | None: ...
+
+
 class Endpoint(Protocol[ResponseT]):
     """What one route adds to the shared path, for one request `body`."""
 
     path: str
     id_prefix: str  # of the response's id: "<id_prefix>-<random hex>"
-    chunk_object: Literal["text_completion", "chat.completion.chunk"]
+    chunk_object: Literal["text_completion", "chat.completion.chunk", "response"]
     prompt_param: str  # the request field a prompt that does not fit is blamed on
-    body: SamplingFields
+    body: ServedBody
+
+    @property
+    def uses_tools(self) -> bool:
+        """Whether the request lets the model call tools (known once `choices` ran)."""
+        ...
 
     def verify_supported(self) -> None:
         """Raise an APIError for what the request asks and this server does not do."""
@@ -162,8 +199,12 @@ class Server:
             sampling=sampling_record(choices[0].params, n=body.n, stream=body.stream),
             arrival_s=arrival_s,
         )
+        if endpoint.uses_tools:
+            self.metrics.count_tool_request(endpoint.path)
         output = endpoint.output(tokenizer, choices)
         head = StreamHead(response_id, endpoint.chunk_object, int(time.time()), self.model.card.id)
+        if body.stream and isinstance(output, EventOutput):
+            return admitted.stream(output.events(head, generation), is_final=output.is_final)
         if body.stream:
             include_usage = body.stream_options is not None and body.stream_options.include_usage
             writer = ChunkWriter(head, include_usage=include_usage)
@@ -248,15 +289,22 @@ class AdmittedRequest:
             raise
         return cls(request, charge, ticket, record, generation)
 
-    def stream(self, events: AsyncGenerator[bytes, None]) -> EventStreamResponse:
-        """The server-sent events `events` of the generation, recorded as they go."""
+    def stream(
+        self,
+        events: AsyncGenerator[bytes, None],
+        *,
+        is_final: Callable[[bytes], bool] = DONE.__eq__,
+    ) -> EventStreamResponse:
+        """The server-sent events `events` of the generation, recorded as they go; the one
+        `is_final` picks is sent once the request's end is logged."""
 
         def closed() -> None:
             self._ticket.release()
             self._charge.release(self._generation.usage().total_tokens)
             self._record.close_stream(self._generation)
 
-        return EventStreamResponse(self._record.stream(self._generation, events), on_close=closed)
+        recorded = self._record.stream(self._generation, events, is_final=is_final)
+        return EventStreamResponse(recorded, on_close=closed)
 
     async def collect(self) -> list[CollectedChoice]:
         """Every choice's whole output; a client that leaves cancels the generation."""

@@ -37,7 +37,7 @@ class StreamHead:
     """What every chunk of one streamed response shares."""
 
     id: str
-    object: Literal["text_completion", "chat.completion.chunk"]
+    object: Literal["text_completion", "chat.completion.chunk", "response"]
     created: int
     model: str
 
@@ -73,15 +73,20 @@ class CompletionChunkChoice:
 @dataclass(frozen=True, slots=True)
 class ChatDelta:
     """What a chat chunk adds to its message: first the role (with empty content), then
-    content; a choice's last delta adds nothing."""
+    content or parts of tool calls (`tool_calls`, in OpenAI's delta shape: the first part of
+    a call has its index, id, type and name, later parts `function.arguments` fragments); a
+    choice's last delta adds nothing."""
 
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
 
     def to_json(self) -> dict[str, Any]:
         if self.role is not None:
             # OpenAI's opening delta also says that there is no refusal.
             return {"role": self.role, "content": self.content, "refusal": None}
+        if self.tool_calls is not None:
+            return {"tool_calls": self.tool_calls}
         return {} if self.content is None else {"content": self.content}
 
 

@@ -16,6 +16,7 @@ from typing import Any, NoReturn
 
 import jinja2
 import jinja2.ext
+import jinja2.meta
 from jinja2.exceptions import SecurityError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as BackendTokenizer
@@ -164,6 +165,13 @@ class Tokenizer:
             if token is not None:
                 self._template_tokens[name] = token
         self._template = _compile_chat_template(chat_template) if chat_template else None
+        self._chat_template_source = chat_template or None
+        # transformers passes `tools=` to every template; only one that reads it can show them.
+        self._template_reads_tools = bool(chat_template) and "tools" in (
+            jinja2.meta.find_undeclared_variables(
+                ImmutableSandboxedEnvironment().parse(chat_template)
+            )
+        )
         self._all_special_ids = frozenset(
             token_id
             for token_id, added in backend.get_added_tokens_decoder().items()
@@ -255,6 +263,17 @@ class Tokenizer:
         """Whether the model ships a chat template."""
         return self._template is not None
 
+    @property
+    def chat_template(self) -> str | None:
+        """The chat template's source, for telling which tool-call format the model writes."""
+        return self._chat_template_source
+
+    @property
+    def chat_template_reads_tools(self) -> bool:
+        """Whether the chat template renders the `tools` it is given (transformers' convention):
+        a template that never reads them would silently drop tool definitions."""
+        return self._template_reads_tools
+
     def encode(self, text: str, *, add_special_tokens: bool = False) -> list[int]:
         """Token ids of `text`; BOS first only if `add_special_tokens` and the model adds BOS.
 
@@ -294,18 +313,27 @@ class Tokenizer:
         self._token_bytes[token_id] = data
         return data
 
-    def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:
+    def encode_chat(
+        self, messages: list[dict[str, Any]], *, tools: list[dict[str, Any]] | None = None
+    ) -> list[int]:
         """Token ids of a conversation in the chat template, ready for the assistant's reply.
 
         The template writes its own BOS, so none is added. Raises like `apply_chat_template`.
         """
-        text = self.apply_chat_template(messages, add_generation_prompt=True)
+        text = self.apply_chat_template(messages, add_generation_prompt=True, tools=tools)
         return self.encode(text, add_special_tokens=False)
 
     def apply_chat_template(
-        self, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True
+        self,
+        messages: list[dict[str, Any]],
+        *,
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
     ) -> str:
         """Render `messages` with the model's chat template, as transformers' tokenize=False does.
+
+        `tools` (JSON tool definitions, `{"type": "function", "function": {...}}`) are passed to
+        the template as `tools`, None when there are none, as transformers passes them.
 
         Raises `InvalidRequestError` when the model has no template, the messages are not a list
         of JSON objects with a string "role", or the template rejects or fails on them. Error
@@ -319,7 +347,7 @@ class Tokenizer:
         try:
             return self._template.render(
                 messages=conversation,
-                tools=None,
+                tools=None if tools is None else _plain_message_data(tools),
                 documents=None,
                 add_generation_prompt=add_generation_prompt,
                 **self._template_tokens,

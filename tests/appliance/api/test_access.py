@@ -35,6 +35,7 @@ EXPECTED: dict[str, Any] = {
     "/v1/models/{model_id}": {USER, SERVICE, ADMIN},
     "/v1/completions": {USER, SERVICE},
     "/v1/chat/completions": {USER, SERVICE},
+    "/v1/responses": {USER, SERVICE},
     "/v1/audit/proof/{index}": {USER, SERVICE, AUDITOR},  # not admins: separation of duties
     "/v1/attestation": "public",  # clients attest the appliance before sending it a token
     "/metrics": {ADMIN},

@@ -1,0 +1,202 @@
+"""Tool calls in a model's output, in the format its chat template taught it: a registry of
+parsers keyed by format, and the format a template writes.
+
+Formats (as vLLM names its parsers):
+
+- `hermes`: Hermes 2 Pro, Qwen2 and Qwen2.5 wrap each call in
+  `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`, after any text.
+- `llama3_json`: Llama 3.1 and 3.2 answer a call with nothing but
+  `{"name": ..., "parameters": {...}}` (after `<|python_tag|>`, a special token the decoded text
+  usually drops); several calls are separated by `;`.
+
+A parser is incremental (`feed` the text as it is generated, then `finish`) and gives back
+`Content` (text to send) and `Call` (a complete, valid call) events. The one parser serves both
+a whole response and a stream, so they always agree. It holds back text that could still be
+the start of a call until that is decided, and a call until it is complete: a call is sent
+whole (valid JSON arguments, a function the request offered) or not at all. Model output never
+fails a request: text that looks like a call but is not one (malformed JSON, an unknown
+function, a missing name) is sent as plain content, as vLLM does.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Collection
+from dataclasses import dataclass
+from typing import Protocol
+
+
+@dataclass(frozen=True, slots=True)
+class Content:
+    text: str
+
+
+@dataclass(frozen=True, slots=True)
+class Call:
+    name: str
+    arguments: str  # a JSON object, as text
+
+
+Event = Content | Call
+
+
+class ToolCallParser(Protocol):
+    """One choice's output: `feed` each new piece of text, then `finish` once."""
+
+    def feed(self, text: str) -> list[Event]: ...
+
+    def finish(self) -> list[Event]: ...
+
+
+INVALID_JSON = object()
+
+
+def decode_json(text: str) -> object:
+    """The JSON value `text` spells, or `INVALID_JSON`; model output nested deeper than Python's
+    recursion limit is invalid too, not a crash."""
+    try:
+        return json.loads(text)
+    except (json.JSONDecodeError, RecursionError):
+        return INVALID_JSON
+
+
+def _call_from(value: object, arguments_key: str, names: Collection[str]) -> Call | None:
+    """A call from one decoded JSON value, or None when it is not a call to an offered
+    function with an object of arguments (a JSON object, or one as a string)."""
+    if not isinstance(value, dict) or not isinstance(value.get("name"), str):
+        return None
+    name, arguments = value["name"], value.get(arguments_key, {})
+    if name not in names:
+        return None
+    if isinstance(arguments, str):
+        arguments = decode_json(arguments)
+    if not isinstance(arguments, dict):
+        return None
+    return Call(name, json.dumps(arguments, ensure_ascii=False))
+
+
+def _held_prefix_len(text: str, marker: str) -> int:
+    """Length of the longest end of `text` that is a start of `marker` (text to hold back,
+    since the next piece may complete the marker)."""
+    for size in range(min(len(marker) - 1, len(text)), 0, -1):
+        if marker.startswith(text[-size:]):
+            return size
+    return 0
+
+
+class HermesParser:
+    """`<tool_call>{...}</tool_call>` blocks among text (Hermes 2 Pro, Qwen2, Qwen2.5)."""
+
+    OPEN, CLOSE = "<tool_call>", "</tool_call>"
+
+    def __init__(self, names: Collection[str]):
+        self._names = names
+        self._pending = ""  # text not yet sent: a possible start of OPEN, or an open call
+        self._in_call = False
+
+    def feed(self, text: str) -> list[Event]:
+        self._pending += text
+        events: list[Event] = []
+        while True:
+            if self._in_call:
+                end = self._pending.find(self.CLOSE)
+                if end < 0:
+                    return events
+                body = self._pending[len(self.OPEN) : end]
+                events.append(self._call_or_text(body, self._pending[: end + len(self.CLOSE)]))
+                self._pending = self._pending[end + len(self.CLOSE) :]
+                self._in_call = False
+            else:
+                start = self._pending.find(self.OPEN)
+                if start < 0:
+                    keep = _held_prefix_len(self._pending, self.OPEN)
+                    sendable = self._pending[: len(self._pending) - keep]
+                    self._pending = self._pending[len(sendable) :]
+                    if sendable:
+                        events.append(Content(sendable))
+                    return events
+                if start:
+                    events.append(Content(self._pending[:start]))
+                self._pending = self._pending[start:]
+                self._in_call = True
+
+    def finish(self) -> list[Event]:
+        # A model may end on end-of-sequence without closing its last call.
+        pending, self._pending = self._pending, ""
+        if self._in_call:
+            return [self._call_or_text(pending[len(self.OPEN) :], pending)]
+        return [Content(pending)] if pending else []
+
+    def _call_or_text(self, body: str, raw: str) -> Event:
+        return _call_from(decode_json(body), "arguments", self._names) or Content(raw)
+
+
+class Llama3JsonParser:
+    """A reply that is only JSON calls, `{"name": ..., "parameters": {...}}`, optionally after
+    `<|python_tag|>` and separated by `;` (Llama 3.1, 3.2)."""
+
+    PYTHON_TAG = "<|python_tag|>"
+
+    def __init__(self, names: Collection[str]):
+        self._names = names
+        self._pending = ""
+        self._mode: str | None = None  # None until decided, then "text" or "calls"
+
+    def feed(self, text: str) -> list[Event]:
+        if self._mode == "text":
+            return [Content(text)] if text else []
+        self._pending += text
+        start = self._pending.lstrip()
+        if not start or (self.PYTHON_TAG.startswith(start) and start != self.PYTHON_TAG):
+            return []  # undecided: only whitespace, or part of the tag, so far
+        if start.startswith(("{", self.PYTHON_TAG)):
+            self._mode = "calls"
+            return []
+        self._mode = "text"
+        pending, self._pending = self._pending, ""
+        return [Content(pending)]
+
+    def finish(self) -> list[Event]:
+        pending, self._pending = self._pending, ""
+        if self._mode != "calls":
+            return [Content(pending)] if pending else []
+        calls = self._calls(pending.strip().removeprefix(self.PYTHON_TAG))
+        return list(calls) if calls else [Content(pending)]
+
+    def _calls(self, text: str) -> list[Call] | None:
+        decoder = json.JSONDecoder()
+        calls: list[Call] = []
+        position = 0
+        while position < len(text):
+            try:
+                value, position = decoder.raw_decode(text, position)
+            except (json.JSONDecodeError, RecursionError):
+                return None
+            call = _call_from(value, "parameters", self._names) or _call_from(
+                value, "arguments", self._names
+            )
+            if call is None:
+                return None
+            calls.append(call)
+            while position < len(text) and text[position] in " \t\r\n;":
+                position += 1
+        return calls
+
+
+ParserFactory = Callable[[Collection[str]], ToolCallParser]
+
+PARSERS: dict[str, ParserFactory] = {
+    "hermes": HermesParser,
+    "llama3_json": Llama3JsonParser,
+}
+"""Every tool-call format this server parses, by name."""
+
+
+def format_of_template(chat_template: str) -> str | None:
+    """The tool-call format a chat template teaches its model, from what the template writes
+    for an assistant's tool calls; None for a template this server has no parser for."""
+    if HermesParser.OPEN in chat_template:
+        return "hermes"
+    if '"parameters": ' in chat_template and "<|start_header_id|>" in chat_template:
+        return "llama3_json"
+    return None

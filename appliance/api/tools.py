@@ -1,0 +1,245 @@
+"""Tool calling for a request: which tools it offers the model, how they and the conversation
+reach the chat template, and the parser of the model's calls.
+
+What this server does and refuses (docs/ARCHITECTURE.md, "Tool calling and the Responses API"):
+
+- `tool_choice` `auto` (the default with tools) renders the tools through the model's own chat
+  template and parses the calls the model writes; `none` leaves the tools out of the prompt, so
+  the model cannot call them, and parses nothing.
+- `required` and a named function are refused: honouring them means constraining decoding to
+  the function's parameter schema, which this server does not do yet.
+- A model whose chat template does not read `tools`, or writes calls in a format no parser here
+  reads, has its tools refused (400) rather than silently dropped.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from appliance.api.errors import APIError, unsupported
+from appliance.api.schemas import ChatMessage, FunctionTool, ToolChoice
+from appliance.api.tool_parsers import (
+    INVALID_JSON,
+    PARSERS,
+    Call,
+    Content,
+    ToolCallParser,
+    decode_json,
+    format_of_template,
+)
+from appliance.engine.tokenizer import Tokenizer
+
+MAX_SCHEMA_BYTES = 16 * 1024
+"""Largest JSON schema of one function's parameters, as compact JSON."""
+
+MAX_SCHEMA_DEPTH = 16
+"""Deepest nesting of objects and arrays in one function's parameters."""
+
+
+@dataclass(frozen=True, slots=True)
+class ToolUse:
+    """The tools a request lets the model call, in the template's form, and the format the
+    model writes its calls in."""
+
+    definitions: list[dict[str, Any]]
+    names: frozenset[str]
+    format: str
+    parallel: bool
+
+    def parser(self) -> ToolCallParser:
+        return PARSERS[self.format](self.names)
+
+
+def plan_tool_use(
+    tools: Sequence[FunctionTool] | None,
+    tool_choice: ToolChoice | None,
+    *,
+    parallel: bool,
+    tokenizer: Tokenizer,
+    model_name: str,
+    param: str = "tools",
+) -> ToolUse | None:
+    """The request's tool use, None when it offers no tool or says `none`. Raises a 400 naming
+    the field for what this server cannot honour."""
+    if tool_choice is not None and not tools:
+        raise APIError(400, "tool_choice is only allowed when tools are given", param="tool_choice")
+    if tool_choice == "required" or not isinstance(tool_choice, str | None):
+        raise unsupported(
+            "tool_choice",
+            "'required' and a named function need grammar-constrained decoding (so that the "
+            "arguments always match the function's schema), which this appliance does not have "
+            "yet; use 'auto' or 'none'",
+        )
+    if not tools or tool_choice == "none":
+        return None
+    verify_tool_definitions(tools, param=param)
+    if not tokenizer.chat_template_reads_tools:
+        raise unsupported(param, f"the chat template of model {model_name!r} has no tool support")
+    format_ = format_of_template(tokenizer.chat_template or "")
+    if format_ is None:
+        raise unsupported(
+            param,
+            f"model {model_name!r} writes tool calls in a format this server does not parse "
+            f"(it parses: {', '.join(sorted(PARSERS))})",
+        )
+    definitions = [
+        tool.model_dump(exclude_none=True, exclude={"function": {"strict"}}) for tool in tools
+    ]
+    names = frozenset(tool.function.name for tool in tools)
+    return ToolUse(definitions, names, format_, parallel)
+
+
+def verify_tool_definitions(tools: Sequence[FunctionTool], *, param: str) -> None:
+    """Unique names; each parameters schema within MAX_SCHEMA_BYTES and MAX_SCHEMA_DEPTH."""
+    seen: set[str] = set()
+    for index, tool in enumerate(tools):
+        name = tool.function.name
+        if name in seen:
+            raise APIError(
+                400, f"{param}[{index}]: function {name!r} is defined twice", param=param
+            )
+        seen.add(name)
+        schema = tool.function.parameters
+        if schema is None:
+            continue
+        if _depth(schema) > MAX_SCHEMA_DEPTH:
+            raise APIError(
+                400,
+                f"{param}[{index}].parameters: nested deeper than {MAX_SCHEMA_DEPTH} levels",
+                param=param,
+            )
+        if len(json.dumps(schema, separators=(",", ":"))) > MAX_SCHEMA_BYTES:
+            raise APIError(
+                400,
+                f"{param}[{index}].parameters: larger than {MAX_SCHEMA_BYTES} bytes as JSON",
+                param=param,
+            )
+
+
+def _depth(value: object) -> int:
+    """Nesting depth of a JSON value, iteratively (a hostile schema cannot exhaust the stack);
+    stops counting once past the limit."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, dict | list):
+            deepest = max(deepest, depth)
+            if depth > MAX_SCHEMA_DEPTH:
+                return depth
+            children = item.values() if isinstance(item, dict) else item
+            stack.extend((child, depth + 1) for child in children)
+    return deepest
+
+
+def template_message(message: ChatMessage) -> dict[str, Any]:
+    """A chat message as chat templates read it (transformers' conventions): "developer" as
+    "system", text parts joined, and an assistant's call arguments as the JSON object they
+    spell (templates write them with `tojson`), as vLLM passes them."""
+    if isinstance(message.content, list):
+        content: str | None = "\n".join(part.text for part in message.content)
+    else:
+        content = message.content
+    role = "system" if message.role == "developer" else message.role
+    rendered: dict[str, Any] = {"role": role, "content": content}
+    if message.name is not None:
+        rendered["name"] = message.name
+    if message.tool_calls is not None:
+        rendered["tool_calls"] = [
+            {
+                "id": call.id,
+                "type": "function",
+                "function": {
+                    "name": call.function.name,
+                    "arguments": _arguments_value(call.function.arguments),
+                },
+            }
+            for call in message.tool_calls
+        ]
+    if message.tool_call_id is not None:
+        rendered["tool_call_id"] = message.tool_call_id
+    return rendered
+
+
+def _arguments_value(arguments: str) -> object:
+    value = decode_json(arguments)
+    return arguments if value is INVALID_JSON else value
+
+
+def verify_tool_messages(
+    messages: Sequence[ChatMessage],
+    tokenizer: Tokenizer,
+    model_name: str,
+    *,
+    param: str,
+    indexed: bool = True,
+) -> None:
+    """Refuse tool calls and tool results in a conversation for a model whose template cannot
+    show them (it would render them as if they were ordinary text, or fail). `param[i]` names
+    the message when `indexed` (the messages are the request's own)."""
+    if tokenizer.chat_template_reads_tools:
+        return
+    for index, message in enumerate(messages):
+        if message.role == "tool" or message.tool_calls:
+            raise unsupported(
+                f"{param}[{index}]" if indexed else param,
+                f"tool calls and results need tool support, which the chat template of model "
+                f"{model_name!r} does not have",
+            )
+
+
+@dataclass(frozen=True, slots=True)
+class IdentifiedCall:
+    """A parsed call with the id the response gives it (`call_<random>`, as OpenAI's)."""
+
+    id: str
+    name: str
+    arguments: str
+
+
+class ChoiceCalls:
+    """One choice's output under tool use, piece by piece: its content and its calls, in
+    order. Whitespace alone before, between or after calls is not content (OpenAI sends
+    none); whitespace after text is. Without `parallel_tool_calls`, calls after the first
+    are dropped."""
+
+    def __init__(self, tool_use: ToolUse):
+        self._parser = tool_use.parser()
+        self._parallel = tool_use.parallel
+        self._held_space = ""
+        self._text_since_call = False
+        self.calls: list[IdentifiedCall] = []
+
+    def events(self, text: str, *, finished: bool) -> list[Content | IdentifiedCall]:
+        """What `text`, the choice's next output, adds; `finished` for its last."""
+        parsed = self._parser.feed(text) if text else []
+        if finished:
+            parsed += self._parser.finish()
+        events: list[Content | IdentifiedCall] = []
+        for event in parsed:
+            if isinstance(event, Call):
+                self._held_space, self._text_since_call = "", False
+                if self.calls and not self._parallel:
+                    continue
+                call = IdentifiedCall(f"call_{uuid.uuid4().hex[:24]}", event.name, event.arguments)
+                self.calls.append(call)
+                events.append(call)
+                continue
+            content, self._held_space = self._held_space + event.text, ""
+            if self._text_since_call or content.strip():
+                self._text_since_call = True
+                events.append(Content(content))
+            else:
+                self._held_space = content
+        if finished and self._held_space and not self.calls:
+            events.append(Content(self._held_space))
+        return events
+
+    def whole(self, text: str) -> tuple[str | None, list[IdentifiedCall]]:
+        """A whole output's content (None when empty beside calls) and calls."""
+        events = self.events(text, finished=True)
+        content = "".join(event.text for event in events if isinstance(event, Content))
+        return (content or None) if self.calls else content, self.calls
