@@ -85,8 +85,8 @@ def _verify_supported(body: ChatCompletionRequest) -> None:
     if body.store:
         raise unsupported(
             "store",
-            "this appliance keeps no stored completions (nothing of a request outlives it but "
-            "its audit entry's commitments); send false or leave it out",
+            "this appliance stores no completions (a request leaves only its audit entries, "
+            "which hold commitments, not content); send false or leave it out",
         )
     if body.top_logprobs is not None and not body.logprobs:
         raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")

@@ -5,7 +5,9 @@ They follow vLLM's v1 sampler (`vllm/v1/sample/sampler.py`, `vllm/model_executor
 `apply_penalties`), in its order: min_tokens masks the stop tokens, logit_bias adds, then the
 repetition penalty scales, then the frequency and presence penalties subtract. Every control is
 one batched tensor operation over the rows that use it, never a loop over requests on the device;
-a batch where no request uses a control costs one pass over its parameters on the host.
+a batch where no request uses a control costs a look at each request's parameters on the host,
+and nothing on the device. None of this runs inside a CUDA graph (those end at the hidden
+states), and nothing here waits for the device.
 
 Token counts are rebuilt for each step (or each decode burst) from the sequences' token ids:
 one padded tensor of the penalized rows' tokens, sent once and counted with one `scatter_add_`

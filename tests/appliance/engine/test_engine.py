@@ -126,10 +126,13 @@ def test_stop_token_ids_end_after_min_tokens_without_their_text(engine: Engine) 
 def test_logit_bias_forces_or_bans_a_token_under_greedy(engine: Engine) -> None:
     purple = _token_id(engine, " purple")
     forced = SamplingParams(
-        temperature=0.0, max_tokens=3, ignore_eos=True, logit_bias=((purple, 100.0),)
+        temperature=0.0, max_tokens=3, ignore_eos=True, logit_bias=((purple, 100.0),), logprobs=1
     )
-    [c] = engine.generate([PROMPT], forced)
-    assert c.token_ids == [purple] * 3
+    outs = _run(engine, {"f": (PROMPT, forced)})["f"]
+    assert [t for o in outs for t in o.token_ids] == [purple] * 3
+    # Log-probabilities are the model's own (vLLM's raw_logprobs), not the biased ones.
+    first = outs[0].logprobs[0]
+    assert first.top[0][0] != purple and first.logprob < first.top[0][1]
     greedy = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
     [ref] = engine.generate([PROMPT], greedy)
     banned = SamplingParams(
