@@ -161,7 +161,7 @@ class _Penalties:
         self.repetition = repetition  # [P, 1] float32
         self.frequency = frequency  # [P, 1] float32
         self.presence = presence  # [P, 1] float32
-        self.output_counts = output_counts  # [P, V] int32: occurrences in the output so far
+        self.output_counts = output_counts  # [P, V] float32: occurrences in the output so far
         self.prompt_mask = prompt_mask  # [P, V] bool: in the prompt; None without repetition
 
     @classmethod
@@ -174,7 +174,7 @@ class _Penalties:
         penalized = [seqs[row].params for row in rows]
         repetition = [p.repetition_penalty for p in penalized]
         outputs = [seqs[row].output_token_ids for row in rows]
-        output_counts = _token_counts(outputs, vocab_size, to_device).to(torch.int32)
+        output_counts = _token_counts(outputs, vocab_size, to_device)
         prompt_mask = None
         if any(r != 1.0 for r in repetition):
             prompts = [seqs[row].token_ids[: seqs[row].num_prompt_tokens] for row in rows]
@@ -212,13 +212,14 @@ class _Penalties:
 def _token_counts(
     token_lists: list[list[int]], vocab_size: int, to_device: ToDevice
 ) -> torch.Tensor:
-    """[len(token_lists), vocab_size] int64 counts of each list's tokens: the lists padded with
-    `vocab_size` (a column dropped after counting), one transfer, one `scatter_add_`."""
+    """[len(token_lists), vocab_size] float32 counts of each list's tokens (exact: far below
+    2**24), ready to scale logits: the lists padded with `vocab_size` (a column dropped after
+    counting), one transfer, one `scatter_add_`."""
     width = max((len(tokens) for tokens in token_lists), default=0)
     padded = np.full((len(token_lists), width), vocab_size, dtype=np.int64)
     for row, tokens in enumerate(token_lists):
         padded[row, : len(tokens)] = tokens
     index = to_device(padded, torch.int64)
-    counts = torch.zeros(len(token_lists), vocab_size + 1, dtype=torch.int64, device=index.device)
-    counts.scatter_add_(1, index, torch.ones_like(index))
+    counts = torch.zeros(len(token_lists), vocab_size + 1, device=index.device)
+    counts.scatter_add_(1, index, torch.ones(index.shape, device=index.device))
     return counts[:, :vocab_size]
