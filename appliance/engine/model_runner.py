@@ -71,6 +71,8 @@ class ModelRunner:
         self.max_model_len = max_model_len
         # The tokens min_tokens holds back besides each request's stop_token_ids.
         self.eos_token_ids = eos_token_ids
+        # The last sampling step's controls, whose token counts the next step may carry on.
+        self._last_controls: SamplingControls | None = None
         self.kv_caches: list[torch.Tensor] = []
         self.graphs: DecodeGraphs | None = None
         # Marks the end of a step's work. A blocking event puts the waiting thread to sleep; a
@@ -186,6 +188,8 @@ class ModelRunner:
             controls = self._controls([chunks[i].seq for i in sampling_rows])
             adjusted = logits if controls is None else controls.apply(logits)
             sampled = sample(adjusted, params, [generators[i] for i in sampling_rows])
+            if controls is not None:
+                controls.record(sampled)
             token_ids = dict(zip(sampling_rows, self._to_host(sampled), strict=True))
             logprobs = self._logprobs(logits, sampled, params, sampling_rows)
         prompt = self._prompt_logprobs(chunks, hidden)
@@ -255,9 +259,15 @@ class ModelRunner:
         return self.model(input_ids, positions, self.kv_caches, meta)
 
     def _controls(self, seqs: list[Sequence]) -> SamplingControls | None:
-        return SamplingControls.build(
-            seqs, self.eos_token_ids, self.model.config.vocab_size, self._to_device
+        controls = SamplingControls.build(
+            seqs,
+            self.eos_token_ids,
+            self.model.config.vocab_size,
+            self._to_device,
+            self._last_controls,
         )
+        self._last_controls = controls
+        return controls
 
     def _to_device(
         self, values: list[int] | list[float] | np.ndarray, dtype: torch.dtype

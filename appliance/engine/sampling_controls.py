@@ -9,10 +9,11 @@ a batch where no request uses a control costs a look at each request's parameter
 and nothing on the device. None of this runs inside a CUDA graph (those end at the hidden
 states), and nothing here waits for the device.
 
-Token counts are rebuilt for each step (or each decode burst) from the sequences' token ids:
-one padded tensor of the penalized rows' tokens, sent once and counted with one `scatter_add_`
-(vLLM's `get_token_bin_counts_and_mask`). That host work grows with those sequences' length; a
-burst keeps its counts on the device, adding each step's sampled tokens there.
+Token counts live on the device from step to step while the batch's penalized sequences stay
+the same, taking each step's sampled tokens there (one `index_put_`). When that set changes, or
+a sequence's output is not what was counted, they are rebuilt from the sequences' token ids: one
+padded tensor of the penalized rows' tokens, sent once and counted with one `scatter_add_`
+(vLLM's `get_token_bin_counts_and_mask`), host work that grows with those sequences' length.
 """
 
 from __future__ import annotations
@@ -31,7 +32,8 @@ ToDevice = Callable[[list[int] | list[float] | np.ndarray, torch.dtype], torch.T
 class SamplingControls:
     """The controls of one batch's sampling rows, as device tensors; `None` from `build` when no
     row uses one. `apply` adjusts a step's logits (out of place: the raw logits stay for the
-    log-probabilities); `record` counts a step's sampled tokens for the next step of a burst."""
+    log-probabilities); `record` counts the tokens sampled from them, so that the next step's
+    `build` (or the next step of a burst) can carry the counts on."""
 
     def __init__(
         self,
@@ -50,11 +52,15 @@ class SamplingControls:
         eos_token_ids: Collection[int],
         vocab_size: int,
         to_device: ToDevice,
+        previous: SamplingControls | None = None,
     ) -> SamplingControls | None:
-        """Controls for sampling the next token of each of `seqs` (row i is `seqs[i]`)."""
+        """Controls for sampling the next token of each of `seqs` (row i is `seqs[i]`); the
+        token counts of `previous` (the last step's, given up to this one) are carried on when
+        they still count exactly these sequences' outputs."""
         min_tokens = _MinTokens.build(seqs, eos_token_ids, to_device)
         logit_bias = _LogitBias.build(seqs, to_device)
-        penalties = _Penalties.build(seqs, vocab_size, to_device)
+        carried = previous._penalties if previous is not None else None
+        penalties = _Penalties.build(seqs, vocab_size, to_device, carried)
         if min_tokens is None and logit_bias is None and penalties is None:
             return None
         return cls(min_tokens, logit_bias, penalties)
@@ -156,6 +162,8 @@ class _Penalties:
         presence: torch.Tensor,
         output_counts: torch.Tensor,
         prompt_mask: torch.Tensor | None,
+        seqs: list[EngineSequence],
+        num_counted: list[int],
     ):
         self.rows = rows  # [P]: the batch rows that set a penalty
         self.repetition = repetition  # [P, 1] float32
@@ -163,29 +171,59 @@ class _Penalties:
         self.presence = presence  # [P, 1] float32
         self.output_counts = output_counts  # [P, V] float32: occurrences in the output so far
         self.prompt_mask = prompt_mask  # [P, V] bool: in the prompt; None without repetition
+        # Whose tokens the counts hold, and how many of each one's output tokens.
+        self.seqs = seqs
+        self.num_counted = num_counted
 
     @classmethod
     def build(
-        cls, seqs: Sequence[EngineSequence], vocab_size: int, to_device: ToDevice
+        cls,
+        seqs: Sequence[EngineSequence],
+        vocab_size: int,
+        to_device: ToDevice,
+        previous: _Penalties | None,
     ) -> _Penalties | None:
         rows = [row for row, seq in enumerate(seqs) if seq.params.penalizes]
         if not rows:
             return None
-        penalized = [seqs[row].params for row in rows]
-        repetition = [p.repetition_penalty for p in penalized]
-        outputs = [seqs[row].output_token_ids for row in rows]
-        output_counts = _token_counts(outputs, vocab_size, to_device)
+        penalized = [seqs[row] for row in rows]
+        if previous is not None and previous._counts_outputs_of(penalized):
+            # The same sequences (so the same parameters): only their rows may have moved.
+            return cls(
+                to_device(rows, torch.int64),
+                previous.repetition,
+                previous.frequency,
+                previous.presence,
+                previous.output_counts,
+                previous.prompt_mask,
+                previous.seqs,
+                previous.num_counted,
+            )
+        params = [seq.params for seq in penalized]
+        repetition = [p.repetition_penalty for p in params]
+        outputs = [seq.output_token_ids for seq in penalized]
         prompt_mask = None
         if any(r != 1.0 for r in repetition):
-            prompts = [seqs[row].token_ids[: seqs[row].num_prompt_tokens] for row in rows]
+            prompts = [seq.token_ids[: seq.num_prompt_tokens] for seq in penalized]
             prompt_mask = _token_counts(prompts, vocab_size, to_device) > 0
         return cls(
             to_device(rows, torch.int64),
             to_device(repetition, torch.float32)[:, None],
-            to_device([p.frequency_penalty for p in penalized], torch.float32)[:, None],
-            to_device([p.presence_penalty for p in penalized], torch.float32)[:, None],
-            output_counts,
+            to_device([p.frequency_penalty for p in params], torch.float32)[:, None],
+            to_device([p.presence_penalty for p in params], torch.float32)[:, None],
+            _token_counts(outputs, vocab_size, to_device),
             prompt_mask,
+            penalized,
+            [len(tokens) for tokens in outputs],
+        )
+
+    def _counts_outputs_of(self, seqs: list[EngineSequence]) -> bool:
+        """Whether the counts are exactly those of `seqs`' outputs: the same sequences, in the
+        same order, each with as many output tokens as were counted (a sequence's tokens never
+        change once appended, so equal numbers mean equal tokens)."""
+        return len(seqs) == len(self.seqs) and all(
+            seq is counted and seq.num_output_tokens == num
+            for seq, counted, num in zip(seqs, self.seqs, self.num_counted, strict=True)
         )
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
@@ -207,6 +245,7 @@ class _Penalties:
         ones = torch.ones(num_rows, dtype=self.output_counts.dtype, device=sampled.device)
         rows = torch.arange(num_rows, device=sampled.device)
         self.output_counts.index_put_((rows, sampled), ones, accumulate=True)
+        self.num_counted = [num + 1 for num in self.num_counted]
 
 
 def _token_counts(

@@ -10,6 +10,7 @@ import pytest
 import torch
 from pydantic import ValidationError
 
+from appliance.engine import sampling_controls
 from appliance.engine.engine import Engine, EngineConfig, automatic_cpu_threads
 from appliance.engine.errors import (
     ContextLengthExceededError,
@@ -157,6 +158,14 @@ def test_penalties_change_greedy_tokens_as_the_reference_says_beside_a_plain_req
         return logits
 
     monkeypatch.setattr(engine.runner.model, "compute_logits", recording)
+    counted: list[int] = []
+    token_counts = sampling_controls._token_counts
+
+    def counting(token_lists, *args):
+        counted.append(len(token_lists))
+        return token_counts(token_lists, *args)
+
+    monkeypatch.setattr(sampling_controls, "_token_counts", counting)
     penalized = SamplingParams(
         temperature=0.0,
         max_tokens=6,
@@ -176,6 +185,8 @@ def test_penalties_change_greedy_tokens_as_the_reference_says_beside_a_plain_req
         )
         assert adjusted.argmax().item() == got.token_ids[step]
         assert logits[1].argmax().item() == ref.token_ids[step]
+    # Counted from the token ids once (prompt and output); later steps carry the counts on.
+    assert counted == [1, 1]
 
 
 def test_chat_reply_ends_at_the_models_end_of_turn_token(engine: Engine) -> None:
@@ -375,6 +386,25 @@ def test_stats_report_queues_kv_usage_preemptions_and_prefix_hits(
     # Each admission looks its prompt up; the first full block of the shared prompt is found.
     assert stats.num_prefix_cache_queries >= 3 * 20
     assert stats.num_prefix_cache_hits >= 2 * 16
+
+
+def test_penalized_requests_preempted_and_recomputed_give_their_outputs_alone(
+    engine: Engine, smollm2_engine: Callable[..., Engine]
+) -> None:
+    # Four blocks of 16 tokens: the two requests cannot both run to the end, so one is
+    # preempted, and its penalties must count its tokens again when it comes back.
+    small = smollm2_engine(max_model_len=512, num_kv_blocks=4, max_num_seqs=2)
+    prompts = [small.tokenizer.encode(PROMPT * 3)[:20], small.tokenizer.encode("Numbers: 1, 2,")]
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, repetition_penalty=1.3),
+        SamplingParams(
+            temperature=0.0, max_tokens=24, ignore_eos=True, frequency_penalty=1.0, min_tokens=5
+        ),
+    ]
+    together = small.generate(prompts, params)
+    assert small.scheduler.num_preemptions > 0
+    alone = [engine.generate([p], q)[0] for p, q in zip(prompts, params, strict=True)]
+    assert [c.token_ids for c in together] == [c.token_ids for c in alone]
 
 
 @pytest.fixture

@@ -117,6 +117,44 @@ def test_a_burst_counts_its_sampled_tokens_and_releases_min_tokens_on_time() -> 
             seq.append_token(token_id)
 
 
+def _build_after(seqs: list[Sequence], previous: SamplingControls) -> SamplingControls:
+    controls = SamplingControls.build(seqs, EOS, VOCAB, _to_device, previous)
+    assert controls is not None
+    return controls
+
+
+def _counts(controls: SamplingControls) -> torch.Tensor:
+    return controls._penalties.output_counts
+
+
+def test_counts_carry_on_to_the_next_step_while_they_count_the_same_outputs() -> None:
+    logits, seqs = _random_batch(5, rows=6)
+    controls = _build(seqs)
+    for step in range(3):
+        sampled = logits.argmax(-1)
+        controls.record(sampled)
+        for seq, token_id in zip(seqs, sampled.tolist(), strict=True):
+            seq.append_token(token_id)
+        carried = _build_after(seqs, controls)
+        assert _counts(carried) is _counts(controls), f"step {step}: counted again"
+        want = torch.stack([_reference(logits[i], s) for i, s in enumerate(seqs)])
+        torch.testing.assert_close(carried.apply(logits), want, rtol=1e-6, atol=1e-5)
+        controls = carried
+
+
+def test_counts_are_rebuilt_when_the_batch_or_an_output_differs_from_what_was_counted() -> None:
+    logits, seqs = _random_batch(6, rows=6)
+    controls = _build(seqs)
+    # A token appended that was never recorded (as when a sampled token is not kept).
+    seqs[0].append_token(3)
+    rebuilt = _build_after(seqs, controls)
+    assert _counts(rebuilt) is not _counts(controls)
+    reordered = _build_after(seqs[::-1], rebuilt)
+    assert _counts(reordered) is not _counts(rebuilt)
+    want = torch.stack([_reference(logits[i], s) for i, s in enumerate(seqs[::-1])])
+    torch.testing.assert_close(reordered.apply(logits), want, rtol=1e-6, atol=1e-5)
+
+
 def test_min_tokens_holds_back_eos_and_stop_tokens_but_not_when_eos_is_ignored() -> None:
     logits = torch.zeros(2, VOCAB)
     params = SamplingParams(min_tokens=3, stop_token_ids=(7,))
