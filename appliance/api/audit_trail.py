@@ -83,7 +83,8 @@ def client_address(scope: Scope) -> str | None:
 
 def sampling_record(params: SamplingParams, *, n: int, stream: bool) -> dict[str, JsonValue]:
     """The sampling parameters an inference entry records: the first choice's (choice i uses
-    seed + i); stop strings are counted, not quoted, since they can be content."""
+    seed + i); stop strings are counted, not quoted, since they can be content, and so are
+    stop token ids and logit_bias entries."""
     return {
         "n": n,
         "max_tokens": _exact(params.max_tokens),
@@ -93,7 +94,13 @@ def sampling_record(params: SamplingParams, *, n: int, stream: bool) -> dict[str
         "min_p": params.min_p,
         "seed": None if params.seed is None else _exact(params.seed),
         "num_stop": len(params.stop),
+        "num_stop_token_ids": len(params.stop_token_ids),
         "ignore_eos": params.ignore_eos,
+        "min_tokens": _exact(params.min_tokens),
+        "num_logit_bias": len(params.logit_bias),
+        "repetition_penalty": params.repetition_penalty,
+        "frequency_penalty": params.frequency_penalty,
+        "presence_penalty": params.presence_penalty,
         "logprobs": params.logprobs,
         "prompt_logprobs": params.prompt_logprobs,
         "stream": stream,

@@ -142,6 +142,12 @@ def _verify_supported(body: ChatCompletionRequest) -> None:
             f"{body.response_format.type!r} needs constrained decoding, which this server does "
             "not do; ask for JSON in the prompt and validate the reply",
         )
+    if body.store:
+        raise unsupported(
+            "store",
+            "this appliance stores no completions (a request leaves only its audit entries, "
+            "which hold commitments, not content); send false or leave it out",
+        )
     if body.top_logprobs is not None and not body.logprobs:
         raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
 

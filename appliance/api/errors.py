@@ -84,7 +84,7 @@ def api_error_for(exc: EngineError, *, prompt_param: str | None = None) -> APIEr
     if isinstance(exc, ContextLengthExceededError):
         return APIError(400, str(exc), param=prompt_param, code="context_length_exceeded")
     if isinstance(exc, InvalidRequestError):
-        return APIError(400, str(exc))
+        return APIError(400, str(exc), param=exc.param)
     if isinstance(exc, EngineDeadError):
         return APIError(503, "the engine has stopped; see the server log", type="server_error")
     logger.error("engine error: %s", exc)

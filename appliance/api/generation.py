@@ -58,7 +58,15 @@ def choice_params(
         min_p=body.min_p,
         seed=seed,
         stop=stop,
+        stop_token_ids=tuple(body.stop_token_ids or ()),
         ignore_eos=body.ignore_eos,
+        min_tokens=body.min_tokens,
+        logit_bias=tuple(
+            (int(token_id), bias) for token_id, bias in (body.logit_bias or {}).items()
+        ),
+        repetition_penalty=body.repetition_penalty,
+        frequency_penalty=body.frequency_penalty,
+        presence_penalty=body.presence_penalty,
         logprobs=logprobs,
         prompt_logprobs=prompt_logprobs,
     )

@@ -3,18 +3,33 @@
 Field names, defaults and shapes follow OpenAI's API reference for `/v1/completions` and
 `/v1/chat/completions`. Requests forbid unknown fields (as OpenAI does: "Unrecognized request
 argument"), so a misspelt parameter is an error rather than silently ignored, and take each
-field in its own JSON type only (strict: `"5"` is no number). `top_k`, `min_p`, `ignore_eos`
-and `cache_salt` are extensions (named as in vLLM). Streamed chunks are typed in
-`appliance.api.streaming`, beside the writer that keeps their per-token cost low.
+field in its own JSON type only (strict: `"5"` is no number). `top_k`, `min_p`,
+`repetition_penalty`, `min_tokens`, `stop_token_ids`, `ignore_eos` and `cache_salt` are
+extensions (named as in vLLM). Streamed chunks are typed in `appliance.api.streaming`, beside
+the writer that keeps their per-token cost low.
 """
 
 from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidatorFunctionWrapHandler,
+    WrapValidator,
+    model_validator,
+)
 
-from appliance.engine.sampling_params import MAX_TOP_LOGPROBS
+from appliance.engine.sampling_params import (
+    MAX_LOGIT_BIAS,
+    MAX_PENALTY,
+    MAX_STOP_TOKEN_IDS,
+    MAX_TOP_LOGPROBS,
+)
 
 MAX_CHOICES = 16
 """Largest `n` one request may ask for."""
@@ -42,6 +57,49 @@ TokenId = Annotated[int, Field(ge=0)]
 NonEmptyText = Annotated[Text, Field(min_length=1)]
 
 
+def _judged_whole(why: str) -> WrapValidator:
+    """For an object keyed by the client: any error inside it is reported at the object itself,
+    saying `why`, since an error's location would otherwise quote a key (the client's text)."""
+
+    def validate(value: object, handler: ValidatorFunctionWrapHandler) -> object:
+        try:
+            return handler(value)
+        except ValidationError:
+            raise ValueError(why) from None
+
+    return WrapValidator(validate)
+
+
+def _token_id_keys(value: dict[str, float]) -> dict[str, float]:
+    if any(not (key.isascii() and key.isdecimal()) or len(key) > 10 for key in value):
+        raise ValueError("a key is no token id")
+    return value
+
+
+# OpenAI's `logit_bias`: token ids, as decimal strings (JSON keys are strings), to biases.
+LogitBias = Annotated[
+    dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]],
+    Field(max_length=MAX_LOGIT_BIAS, description="token id (a decimal string) -> logit bias"),
+    AfterValidator(_token_id_keys),
+    _judged_whole(
+        f"must map at most {MAX_LOGIT_BIAS} token ids, each a decimal integer string, to "
+        "numbers in [-100, 100]"
+    ),
+]
+
+MAX_METADATA_PAIRS = 16
+
+# OpenAI's bounds on `metadata`.
+Metadata = Annotated[
+    dict[Annotated[Text, Field(max_length=64)], Annotated[Text, Field(max_length=512)]],
+    Field(max_length=MAX_METADATA_PAIRS),
+    _judged_whole(
+        f"must be an object of at most {MAX_METADATA_PAIRS} texts, keys up to 64 characters "
+        "and values up to 512"
+    ),
+]
+
+
 class _Request(BaseModel):
     # Strict: a number is a JSON number and a flag a JSON boolean; `"5"` or `true` for
     # max_tokens is refused, not converted (a float field still takes an integer: JSON has one
@@ -66,9 +124,25 @@ class SamplingFields(_Request):
     stream_options: StreamOptions | None = None
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    frequency_penalty: float = Field(default=0.0, ge=-MAX_PENALTY, le=MAX_PENALTY)
+    presence_penalty: float = Field(default=0.0, ge=-MAX_PENALTY, le=MAX_PENALTY)
+    logit_bias: LogitBias | None = None
     user: Text | None = Field(default=None, description="an end-user id; accepted and unused")
     top_k: int = Field(default=0, ge=0, description="extension: sample from the k most likely")
     min_p: float = Field(default=0.0, ge=0.0, le=1.0, description="extension: min-p sampling")
+    repetition_penalty: float = Field(
+        default=1.0,
+        gt=0.0,
+        allow_inf_nan=False,
+        description="extension (vLLM): divide the positive logits (multiply the negative ones) "
+        "of tokens of the prompt or the output by this; 1 disables it",
+    )
+    min_tokens: int = Field(
+        default=0, ge=0, description="extension: no EOS or stop token before this many tokens"
+    )
+    stop_token_ids: Annotated[list[TokenId], Field(max_length=MAX_STOP_TOKEN_IDS)] | None = Field(
+        default=None, description="extension: token ids that end the output (not included)"
+    )
     ignore_eos: bool = Field(default=False, description="extension: go on past end-of-sequence")
     cache_salt: NonEmptyText | None = Field(
         default=None,
@@ -182,6 +256,10 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     response_format: ResponseFormat | None = None
+    store: bool | None = Field(default=None, description="only false: nothing is stored")
+    metadata: Metadata | None = Field(
+        default=None, description="accepted for stored completions; unused, never logged"
+    )
     tools: Annotated[list[FunctionTool], Field(max_length=MAX_TOOLS)] | None = None
     tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool = True

@@ -149,7 +149,8 @@ class Engine:
                 f" must be at least max_model_len ({max_model_len})"
             )
         spec = KVCacheSpec.for_model(model_config, config.block_size, config.torch_dtype)
-        runner = ModelRunner(model, config.block_size, config.device, max_model_len)
+        eos_token_ids = tokenizer.eos_token_ids if tokenizer is not None else frozenset()
+        runner = ModelRunner(model, config.block_size, config.device, max_model_len, eos_token_ids)
         num_blocks = config.num_kv_blocks
         if num_blocks is None and config.on_gpu:
             num_blocks = runner.num_kv_blocks_for_free_memory(
@@ -231,6 +232,7 @@ class Engine:
                 )
         if not token_ids:
             raise InvalidRequestError("the prompt is empty: give at least one token")
+        params.verify_token_ids(self.vocab_size)
         if self.tokenizer is None and params.stop:
             raise InvalidRequestError("stop strings need a tokenizer; use stop_token_ids")
         if len(token_ids) >= self.max_model_len:

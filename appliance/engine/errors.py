@@ -20,7 +20,12 @@ class InvalidRequestError(EngineError):
     """A request cannot be served as given (bad sampling parameters, prompt too long, ...).
 
     Raised when the request is submitted, so the engine and every other request keep going.
+    `param` names the request parameter at fault, when one is.
     """
+
+    def __init__(self, message: str, *, param: str | None = None):
+        super().__init__(message)
+        self.param = param
 
 
 class ContextLengthExceededError(InvalidRequestError):

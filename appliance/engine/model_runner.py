@@ -9,6 +9,7 @@ of a request that asked for prompt log-probabilities.
 from __future__ import annotations
 
 import logging
+from collections.abc import Collection
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
@@ -21,8 +22,10 @@ from appliance.engine.kv_cache import KVCacheSpec
 from appliance.engine.models.llama import LlamaForCausalLM
 from appliance.engine.outputs import TokenLogprob
 from appliance.engine.sampling import sample, token_logprobs
+from appliance.engine.sampling_controls import SamplingControls
 from appliance.engine.sampling_params import SamplingParams
 from appliance.engine.scheduler import ScheduledChunk
+from appliance.engine.sequence import Sequence
 from kernels.ops import AttentionMetadata
 
 logger = logging.getLogger(__name__)
@@ -60,11 +63,16 @@ class ModelRunner:
         block_size: int,
         device: torch.device | str,
         max_model_len: int,
+        eos_token_ids: Collection[int] = frozenset(),
     ):
         self.model = model
         self.block_size = block_size
         self.device = torch.device(device)
         self.max_model_len = max_model_len
+        # The tokens min_tokens holds back besides each request's stop_token_ids.
+        self.eos_token_ids = eos_token_ids
+        # The last sampling step's controls, whose token counts the next step may carry on.
+        self._last_controls: SamplingControls | None = None
         self.kv_caches: list[torch.Tensor] = []
         self.graphs: DecodeGraphs | None = None
         # Marks the end of a step's work. A blocking event puts the waiting thread to sleep; a
@@ -177,7 +185,11 @@ class ModelRunner:
             rows = self._to_device(ends, torch.int64)
             logits = self.model.compute_logits(hidden[rows])
             params = [chunks[i].seq.params for i in sampling_rows]
-            sampled = sample(logits, params, [generators[i] for i in sampling_rows])
+            controls = self._controls([chunks[i].seq for i in sampling_rows])
+            adjusted = logits if controls is None else controls.apply(logits)
+            sampled = sample(adjusted, params, [generators[i] for i in sampling_rows])
+            if controls is not None:
+                controls.record(sampled)
             token_ids = dict(zip(sampling_rows, self._to_host(sampled), strict=True))
             logprobs = self._logprobs(logits, sampled, params, sampling_rows)
         prompt = self._prompt_logprobs(chunks, hidden)
@@ -198,6 +210,7 @@ class ModelRunner:
         once, at the end. Returns each chunk's `num_steps` sampled tokens."""
         batch = self._prepare(chunks)
         params = [c.seq.params for c in chunks]
+        controls = self._controls([c.seq for c in chunks])
         input_ids, positions, meta = batch.input_ids, batch.positions, batch.meta
         sampled: list[torch.Tensor] = []
         for step in range(num_steps):
@@ -218,7 +231,12 @@ class ModelRunner:
                     query_lens=meta.query_lens,
                 )
             hidden = self._forward(input_ids, positions, meta)
-            input_ids = sample(self.model.compute_logits(hidden), params, generators)
+            logits = self.model.compute_logits(hidden)
+            if controls is not None:
+                logits = controls.apply(logits, step)
+            input_ids = sample(logits, params, generators)
+            if controls is not None:
+                controls.record(input_ids)
             sampled.append(input_ids)
         return self._to_host(torch.stack(sampled, dim=1))
 
@@ -240,7 +258,20 @@ class ModelRunner:
             )
         return self.model(input_ids, positions, self.kv_caches, meta)
 
-    def _to_device(self, values: list[int] | np.ndarray, dtype: torch.dtype) -> torch.Tensor:
+    def _controls(self, seqs: list[Sequence]) -> SamplingControls | None:
+        controls = SamplingControls.build(
+            seqs,
+            self.eos_token_ids,
+            self.model.config.vocab_size,
+            self._to_device,
+            self._last_controls,
+        )
+        self._last_controls = controls
+        return controls
+
+    def _to_device(
+        self, values: list[int] | list[float] | np.ndarray, dtype: torch.dtype
+    ) -> torch.Tensor:
         host = torch.from_numpy(values) if isinstance(values, np.ndarray) else torch.tensor(values)
         host = host.to(dtype)
         if self.device.type == "cuda":

@@ -117,7 +117,13 @@ class RequestState:
         start = max(len(self.text) - self._holdback, 0)
         if self.detokenizer is not None:
             self.text += self.detokenizer.add(token_id)
-        if params.stop and self._find_stop_string(start):
+        # As in vLLM, no stop string ends a request before it has more than min_tokens tokens
+        # (the sampler holds stop tokens back until then).
+        if (
+            params.stop
+            and seq.num_output_tokens > params.min_tokens
+            and self._find_stop_string(start)
+        ):
             return SequenceStatus.FINISHED_STOPPED
         if seq.num_output_tokens >= params.max_tokens or len(seq) >= self.max_model_len:
             return self._finish(SequenceStatus.FINISHED_LENGTH)

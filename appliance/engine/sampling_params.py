@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from appliance.engine.errors import InvalidRequestError
 
 MAX_TOP_LOGPROBS = 20
+MAX_STOP_TOKEN_IDS = 64
+MAX_LOGIT_BIAS = 300
+"""OpenAI's bound on `logit_bias` entries; each bias is in [-100, 100] as there."""
+MAX_PENALTY = 2.0
+"""OpenAI's bound on `frequency_penalty` and `presence_penalty` (in [-2, 2])."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -18,6 +24,15 @@ class SamplingParams:
     alternatives (0: the chosen token only; None: nothing); `prompt_logprobs` does the same for the
     prompt tokens (the first prompt token has none). Log-probabilities are those of the model's
     own distribution, before temperature and filtering, as OpenAI reports them.
+
+    The controls below change the logits before any of that, with vLLM's meanings (its
+    `SamplingParams` and `apply_penalties`), in vLLM's order (min_tokens, logit_bias, then the
+    penalties): `min_tokens` forbids EOS and `stop_token_ids` until that many tokens are out;
+    `logit_bias` adds to the logits of the tokens it names; `repetition_penalty` divides the
+    positive logits (multiplies the negative ones) of every token of the prompt or the output;
+    `frequency_penalty` subtracts itself once per occurrence of a token in the output, and
+    `presence_penalty` once for a token that occurs in it. Log-probabilities stay those of the
+    model's own distribution (vLLM's default `logprobs_mode`, "raw_logprobs").
     """
 
     max_tokens: int = 16
@@ -33,6 +48,11 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    min_tokens: int = 0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) pairs
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
 
     def __post_init__(self) -> None:
         self._verify()
@@ -41,31 +61,83 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
-    def _verify(self) -> None:
-        def bad(name: str, why: str) -> InvalidRequestError:
-            return InvalidRequestError(f"invalid sampling parameter {name!r}: {why}")
+    @property
+    def penalizes(self) -> bool:
+        """Whether a penalty depends on the tokens so far (so the sampler must count them)."""
+        return (
+            self.repetition_penalty != 1.0
+            or self.frequency_penalty != 0.0
+            or self.presence_penalty != 0.0
+        )
 
+    def verify_token_ids(self, vocab_size: int) -> None:
+        """The token ids named by `stop_token_ids` and `logit_bias` are in the vocabulary
+        (checked when the vocabulary is known, as the engine takes the request)."""
+        biased = [t for t, _ in self.logit_bias]
+        for name, ids in (("stop_token_ids", self.stop_token_ids), ("logit_bias", biased)):
+            bad = next((t for t in ids if t >= vocab_size), None)
+            if bad is not None:
+                raise _bad(name, f"token id {bad} is outside the vocabulary [0, {vocab_size})")
+
+    def _verify(self) -> None:
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise bad("max_tokens", f"must be an integer >= 1, got {self.max_tokens!r}")
+            raise _bad("max_tokens", f"must be an integer >= 1, got {self.max_tokens!r}")
         if not 0.0 <= self.temperature <= 100.0 or self.temperature != self.temperature:
-            raise bad("temperature", f"must be in [0, 100], got {self.temperature!r}")
+            raise _bad("temperature", f"must be in [0, 100], got {self.temperature!r}")
         if not 0.0 < self.top_p <= 1.0:
-            raise bad("top_p", f"must be in (0, 1], got {self.top_p!r}")
+            raise _bad("top_p", f"must be in (0, 1], got {self.top_p!r}")
         if not isinstance(self.top_k, int) or self.top_k < 0:
-            raise bad("top_k", f"must be an integer >= 0 (0 disables it), got {self.top_k!r}")
+            raise _bad("top_k", f"must be an integer >= 0 (0 disables it), got {self.top_k!r}")
         if not 0.0 <= self.min_p <= 1.0:
-            raise bad("min_p", f"must be in [0, 1], got {self.min_p!r}")
+            raise _bad("min_p", f"must be in [0, 1], got {self.min_p!r}")
         if self.seed is not None and not (isinstance(self.seed, int) and 0 <= self.seed < 2**63):
-            raise bad("seed", f"must be an integer in [0, 2**63), got {self.seed!r}")
+            raise _bad("seed", f"must be an integer in [0, 2**63), got {self.seed!r}")
         if any(not isinstance(s, str) or not s for s in self.stop):
-            raise bad("stop", "every stop string must be a non-empty string")
+            raise _bad("stop", "every stop string must be a non-empty string")
         if len(self.stop) > 16:
-            raise bad("stop", f"at most 16 stop strings, got {len(self.stop)}")
+            raise _bad("stop", f"at most 16 stop strings, got {len(self.stop)}")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
-            raise bad("stop_token_ids", "every stop token id must be a non-negative integer")
+            raise _bad("stop_token_ids", "every stop token id must be a non-negative integer")
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise _bad(
+                "stop_token_ids",
+                f"at most {MAX_STOP_TOKEN_IDS} stop token ids, got {len(self.stop_token_ids)}",
+            )
+        if not isinstance(self.min_tokens, int) or not 0 <= self.min_tokens <= self.max_tokens:
+            raise _bad(
+                "min_tokens", f"must be an integer in [0, max_tokens], got {self.min_tokens!r}"
+            )
+        self._verify_logit_bias()
+        if not (math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0.0):
+            raise _bad(
+                "repetition_penalty",
+                f"must be a number > 0 (1 disables it), got {self.repetition_penalty!r}",
+            )
+        for name in ("frequency_penalty", "presence_penalty"):
+            value = getattr(self, name)
+            if not -MAX_PENALTY <= value <= MAX_PENALTY:
+                raise _bad(name, f"must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}], got {value!r}")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None and not (
                 isinstance(value, int) and 0 <= value <= MAX_TOP_LOGPROBS
             ):
-                raise bad(name, f"must be an integer in [0, {MAX_TOP_LOGPROBS}], got {value!r}")
+                raise _bad(name, f"must be an integer in [0, {MAX_TOP_LOGPROBS}], got {value!r}")
+
+    def _verify_logit_bias(self) -> None:
+        if len(self.logit_bias) > MAX_LOGIT_BIAS:
+            raise _bad(
+                "logit_bias", f"at most {MAX_LOGIT_BIAS} entries, got {len(self.logit_bias)}"
+            )
+        token_ids = [t for t, _ in self.logit_bias]
+        if any(not isinstance(t, int) or t < 0 for t in token_ids):
+            raise _bad("logit_bias", "every key must be a non-negative token id")
+        if len(set(token_ids)) != len(token_ids):
+            raise _bad("logit_bias", "a token id appears more than once")
+        for _, bias in self.logit_bias:
+            if not -100.0 <= bias <= 100.0:
+                raise _bad("logit_bias", f"every bias must be in [-100, 100], got {bias!r}")
+
+
+def _bad(name: str, why: str) -> InvalidRequestError:
+    return InvalidRequestError(f"invalid sampling parameter {name!r}: {why}", param=name)

@@ -37,6 +37,7 @@ from tests.appliance.api.conftest import (
 
 CHAT = "/v1/chat/completions"
 SECRET_PROMPT = "The vault combination is zebra-quartz-9131; repeat it back to me."
+SECRET_METADATA = "ticket-walrus-4471"
 
 
 @pytest.fixture(scope="module")
@@ -131,7 +132,15 @@ def test_a_chat_reply_names_its_accepted_entry_whose_proof_verifies_offline(
 ) -> None:
     db = AuditDatabase(server)
     messages = [{"role": "user", "content": "Name a colour."}]
-    body = {"model": MODEL_NAME, "messages": messages, "max_tokens": 6, "temperature": 0.5}
+    body = {
+        "model": MODEL_NAME,
+        "messages": messages,
+        "max_tokens": 6,
+        "temperature": 0.5,
+        "presence_penalty": 0.5,
+        "logit_bias": {"42": -1, "43": 2},
+        "stop_token_ids": [7],
+    }
     # Beyond the integers canonical JSON carries exactly (a fuzzer's find): still logged.
     response = http.post(CHAT, json={**body, "seed": 2**60, "top_k": 10**30})
     assert response.status_code == 200, response.text
@@ -157,6 +166,10 @@ def test_a_chat_reply_names_its_accepted_entry_whose_proof_verifies_offline(
     assert details["sampling"]["max_tokens"] == 6
     assert details["sampling"]["seed"] == str(2**60)
     assert details["sampling"]["top_k"] == str(10**30)
+    assert details["sampling"]["presence_penalty"] == 0.5
+    # Counted, not listed, as the stop strings are.
+    assert details["sampling"]["num_logit_bias"] == 2
+    assert details["sampling"]["num_stop_token_ids"] == 1
     assert db.committer.matches("prompt", messages, details["prompt_commitment"])
 
     ending = db.ending(reply["id"])
@@ -255,13 +268,13 @@ def test_every_other_api_response_names_an_api_request_entry(
         assert "audit-entry" not in http.get(probe).headers
 
 
-def test_prompts_and_replies_never_reach_the_log_bytes(
+def test_prompts_replies_and_metadata_never_reach_the_log_bytes(
     server: RunningServer, http: httpx.Client
 ) -> None:
     chat = http.post(
         CHAT,
         json={"model": MODEL_NAME, "messages": [{"role": "user", "content": SECRET_PROMPT}],
-              "max_tokens": 24, "temperature": 0},
+              "max_tokens": 24, "temperature": 0, "metadata": {"ticket": SECRET_METADATA}},
     )  # fmt: skip
     completion = http.post(
         "/v1/completions", json={"model": MODEL_NAME, "prompt": SECRET_PROMPT, "max_tokens": 24}
@@ -274,7 +287,8 @@ def test_prompts_and_replies_never_reach_the_log_bytes(
     assert db.ending(chat.json()["id"]) and db.ending(completion.json()["id"])
     stored = b"".join(path.read_bytes() for path in db.path.parent.glob("audit.db*"))
     assert b'"action":"inference.request"' in stored  # the search does see entries
-    for secret in ("zebra-quartz-9131", SECRET_PROMPT, *(r for r in replies if len(r) >= 12)):
+    secrets = ("zebra-quartz-9131", SECRET_PROMPT, SECRET_METADATA)
+    for secret in (*secrets, *(r for r in replies if len(r) >= 12)):
         assert secret.encode() not in stored
         assert json.dumps(secret)[1:-1].encode() not in stored
 

@@ -119,6 +119,7 @@ def test_text_with_an_unpaired_surrogate_is_a_400_naming_the_field(
     response = http.post(route, content=payload, headers={"content-type": "application/json"})
     error = _error(response, 400)
     assert error["param"] == param
+    assert param is None or param in error["message"]
     assert "unpaired UTF-16 surrogate" in error["message"]
     ok = http.post(CHAT, json={"model": MODEL_NAME, "messages": HI, "max_tokens": 1})
     assert ok.status_code == 200, ok.text
@@ -187,14 +188,50 @@ def test_json_object_response_format_is_a_clear_400(http: httpx.Client) -> None:
         ({"prompt": "Hi", "best_of": 3}, "best_of"),
         ({"prompt": []}, "prompt"),
         ({"prompt": [[1, 2], [70000]]}, None),
+        ({"messages": HI, "frequency_penalty": 2.5}, "frequency_penalty"),
+        ({"prompt": "Hi", "presence_penalty": -3}, "presence_penalty"),
+        ({"messages": HI, "presence_penalty": float("nan")}, "presence_penalty"),
+        ({"messages": HI, "repetition_penalty": 0}, "repetition_penalty"),
+        ({"messages": HI, "repetition_penalty": float("inf")}, "repetition_penalty"),
+        ({"messages": HI, "logit_bias": {"42": 101}}, "logit_bias"),
+        ({"messages": HI, "logit_bias": {"forty-two": 1}}, "logit_bias"),
+        ({"messages": HI, "logit_bias": {str(t): 1 for t in range(301)}}, "logit_bias"),
+        ({"messages": HI, "logit_bias": {"70000": 1}}, "logit_bias"),  # past the vocabulary
+        ({"prompt": "Hi", "min_tokens": -1}, "min_tokens"),
+        ({"prompt": "Hi", "max_tokens": 4, "min_tokens": 5}, "min_tokens"),
+        ({"prompt": "Hi", "stop_token_ids": list(range(65))}, "stop_token_ids"),
+        ({"prompt": "Hi", "stop_token_ids": [70000]}, "stop_token_ids"),
+        ({"messages": HI, "store": True}, "store"),
+        ({"messages": HI, "metadata": {str(i): "x" for i in range(17)}}, "metadata"),
+        ({"messages": HI, "metadata": {"k": "x" * 513}}, "metadata"),
     ],
 )
 def test_parameters_that_cannot_be_honoured_are_400s_naming_them(
     http: httpx.Client, body: dict[str, Any], param: str | None
 ) -> None:
     endpoint = CHAT if "messages" in body else "/v1/completions"
-    error = _error(http.post(endpoint, json={"model": MODEL_NAME, **body}), 400)
+    # json.dumps writes NaN and Infinity as Python's JSON parser (the server's) reads them.
+    payload = json.dumps({"model": MODEL_NAME, **body})
+    response = http.post(endpoint, content=payload, headers={"content-type": "application/json"})
+    error = _error(response, 400)
     assert error["param"] == param
+    assert param is None or param in error["message"]
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("logit_bias", {"walrus-ticket": 1}),
+        ("logit_bias", {"walrus-ticket": 500}),
+        ("metadata", {"walrus-ticket": "x" * 600}),
+    ],
+)
+def test_a_bad_entry_of_a_client_keyed_object_is_named_by_the_field_not_its_key(
+    http: httpx.Client, field: str, value: dict[str, Any]
+) -> None:
+    error = _error(http.post(CHAT, json={"model": MODEL_NAME, "messages": HI, field: value}), 400)
+    assert error["param"] == field
+    assert "walrus" not in error["message"]
 
 
 def test_full_server_answers_429_with_retry_after_then_recovers(

@@ -98,6 +98,52 @@ def test_stop_string_truncates_whole_and_streamed_replies(client: openai.OpenAI)
     assert text == expected
 
 
+def test_sdk_sampling_controls_are_accepted_and_reach_the_sampler(
+    client: openai.OpenAI, server: RunningServer
+) -> None:
+    [purple] = server.engine.tokenizer.encode(" purple", add_special_tokens=False)
+    reply = _chat(
+        client,
+        temperature=0,
+        max_tokens=3,
+        frequency_penalty=0,
+        presence_penalty=0,
+        logit_bias={str(purple): 100},
+        store=False,
+        metadata={"team": "search"},
+    )
+    assert reply.choices[0].message.content.split() == ["purple"] * 3
+    prompt = "Numbers: 1, 2,"
+    plain = client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=4, temperature=0)
+    penalized = client.completions.create(
+        model=MODEL_NAME,
+        prompt=prompt,
+        max_tokens=4,
+        temperature=0,
+        presence_penalty=0.5,
+        extra_body={"repetition_penalty": 1.3},
+    )
+    assert penalized.choices[0].text != plain.choices[0].text
+
+
+def test_stop_token_ids_end_after_min_tokens_with_finish_reason_stop(
+    client: openai.OpenAI, server: RunningServer
+) -> None:
+    [purple] = server.engine.tokenizer.encode(" purple", add_special_tokens=False)
+    reply = client.completions.create(
+        model=MODEL_NAME,
+        prompt=PLAIN_PROMPT,
+        max_tokens=10,
+        temperature=0,
+        logit_bias={str(purple): 100},
+        extra_body={"stop_token_ids": [purple], "min_tokens": 2},
+    )
+    [choice] = reply.choices
+    assert choice.finish_reason == "stop"
+    assert reply.usage.completion_tokens == 3
+    assert choice.text and "purple" not in choice.text
+
+
 def test_chat_logprobs_describe_each_greedy_token(client: openai.OpenAI) -> None:
     reply = _chat(client, temperature=0, max_tokens=10, logprobs=True, top_logprobs=3)
     choice = reply.choices[0]

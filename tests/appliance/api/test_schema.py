@@ -74,6 +74,11 @@ def test_proof_of_a_malformed_or_negative_index_is_a_documented_400(
         ("stream", "true"),
         ("stream", 0),
         ("logprobs", 1),
+        ("frequency_penalty", "0.5"),
+        ("presence_penalty", True),
+        ("min_tokens", 1.0),
+        ("logit_bias", {"42": "1"}),
+        ("store", "false"),
     ],
 )
 def test_a_field_of_another_json_type_is_refused_not_converted(

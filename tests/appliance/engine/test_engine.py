@@ -10,6 +10,7 @@ import pytest
 import torch
 from pydantic import ValidationError
 
+from appliance.engine import sampling_controls
 from appliance.engine.engine import Engine, EngineConfig, automatic_cpu_threads
 from appliance.engine.errors import (
     ContextLengthExceededError,
@@ -18,6 +19,7 @@ from appliance.engine.errors import (
 )
 from appliance.engine.outputs import RequestOutput
 from appliance.engine.sampling_params import SamplingParams
+from tests.appliance.engine.sampling_reference import reference_controls
 
 PROMPT = "The history of the printing press begins"
 
@@ -88,6 +90,103 @@ def test_stop_token_id_ends_generation_at_that_token(engine: Engine) -> None:
     assert token_ids == ref.token_ids[: first + 1]
     assert outs[-1].finish_reason == "stop"
     assert outs[-1].stop_reason == stop_id
+
+
+def _token_id(engine: Engine, word: str) -> int:
+    [token_id] = engine.tokenizer.encode(word, add_special_tokens=False)
+    return token_id
+
+
+def test_min_tokens_holds_back_eos_even_against_a_logit_bias_for_it(engine: Engine) -> None:
+    [eos] = engine.tokenizer.eos_token_ids
+    biased = SamplingParams(temperature=0.0, max_tokens=10, logit_bias=((eos, 100.0),))
+    [at_once] = engine.generate([PROMPT], biased)
+    assert at_once.token_ids == [eos] and at_once.finish_reason == "stop"
+    held = SamplingParams(temperature=0.0, max_tokens=10, logit_bias=((eos, 100.0),), min_tokens=3)
+    [c] = engine.generate([PROMPT], held)
+    assert eos not in c.token_ids[:3]
+    assert c.token_ids[3:] == [eos] and c.finish_reason == "stop"
+
+
+def test_stop_token_ids_end_after_min_tokens_without_their_text(engine: Engine) -> None:
+    zebra = _token_id(engine, " zebra")
+    params = SamplingParams(
+        temperature=0.0,
+        max_tokens=10,
+        logit_bias=((zebra, 100.0),),
+        stop_token_ids=(zebra,),
+        min_tokens=2,
+    )
+    outs = _run(engine, {"z": (PROMPT, params)})["z"]
+    token_ids = [t for o in outs for t in o.token_ids]
+    assert len(token_ids) == 3 and zebra not in token_ids[:2] and token_ids[2] == zebra
+    assert outs[-1].finish_reason == "stop" and outs[-1].stop_reason == zebra
+    assert "zebra" not in _text(outs)
+
+
+def test_logit_bias_forces_or_bans_a_token_under_greedy(engine: Engine) -> None:
+    purple = _token_id(engine, " purple")
+    forced = SamplingParams(
+        temperature=0.0, max_tokens=3, ignore_eos=True, logit_bias=((purple, 100.0),), logprobs=1
+    )
+    outs = _run(engine, {"f": (PROMPT, forced)})["f"]
+    assert [t for o in outs for t in o.token_ids] == [purple] * 3
+    # Log-probabilities are the model's own (vLLM's raw_logprobs), not the biased ones.
+    first = outs[0].logprobs[0]
+    assert first.top[0][0] != purple and first.logprob < first.top[0][1]
+    greedy = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    [ref] = engine.generate([PROMPT], greedy)
+    banned = SamplingParams(
+        temperature=0.0, max_tokens=4, ignore_eos=True, logit_bias=((ref.token_ids[0], -100.0),)
+    )
+    [c] = engine.generate([PROMPT], banned)
+    assert ref.token_ids[0] not in c.token_ids
+
+
+def test_penalties_change_greedy_tokens_as_the_reference_says_beside_a_plain_request(
+    engine: Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every step's raw logits are recorded; each request's token must be the argmax of the
+    per-request reference applied to its row (the plain request's, of its raw row)."""
+    prompt = "Numbers: 1, 2,"
+    recorded: list[torch.Tensor] = []
+    compute_logits = engine.runner.model.compute_logits
+
+    def recording(hidden: torch.Tensor) -> torch.Tensor:
+        logits = compute_logits(hidden)
+        recorded.append(logits.clone())
+        return logits
+
+    monkeypatch.setattr(engine.runner.model, "compute_logits", recording)
+    counted: list[int] = []
+    token_counts = sampling_controls._token_counts
+
+    def counting(token_lists, *args):
+        counted.append(len(token_lists))
+        return token_counts(token_lists, *args)
+
+    monkeypatch.setattr(sampling_controls, "_token_counts", counting)
+    penalized = SamplingParams(
+        temperature=0.0,
+        max_tokens=6,
+        ignore_eos=True,
+        repetition_penalty=1.3,
+        frequency_penalty=0.5,
+        presence_penalty=0.3,
+    )
+    plain = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    got, ref = engine.generate([prompt, prompt], [penalized, plain])
+    assert got.token_ids != ref.token_ids, "the repetition penalty changes this greedy output"
+    prompt_ids = engine.tokenizer.encode(prompt, add_special_tokens=True)
+    assert len(recorded) == 6 and all(logits.shape[0] == 2 for logits in recorded)
+    for step, logits in enumerate(recorded):
+        adjusted = reference_controls(
+            logits[0], penalized, prompt_ids, got.token_ids[:step], engine.tokenizer.eos_token_ids
+        )
+        assert adjusted.argmax().item() == got.token_ids[step]
+        assert logits[1].argmax().item() == ref.token_ids[step]
+    # Counted from the token ids once (prompt and output); later steps carry the counts on.
+    assert counted == [1, 1]
 
 
 def test_chat_reply_ends_at_the_models_end_of_turn_token(engine: Engine) -> None:
@@ -217,18 +316,28 @@ def test_decode_bursts_give_the_same_outputs_as_single_steps(
 
     bursting.runner.execute_burst = counting
     full = _greedy_text(engine)
-    prompts = [PROMPT, "Hello there", "Numbers: 1, 2,", PROMPT + " in Asia"]
+    prompts = [PROMPT, "Hello there", "Numbers: 1, 2,", PROMPT + " in Asia", "Numbers: 1, 2,"]
     params = [
         SamplingParams(temperature=0.0, max_tokens=29, ignore_eos=True),  # not a multiple of 8
         SamplingParams(temperature=0.9, max_tokens=21, seed=5, ignore_eos=True),
         SamplingParams(temperature=0.0, max_tokens=40, stop=(full[15:19],), ignore_eos=True),
         SamplingParams(temperature=0.0, max_tokens=64),  # may end at EOS inside a burst
+        # Counts kept on the device across a burst; EOS held back for 10 tokens, then due.
+        SamplingParams(
+            temperature=0.0,
+            max_tokens=12,
+            repetition_penalty=1.3,
+            frequency_penalty=0.5,
+            min_tokens=10,
+            logit_bias=((next(iter(engine.tokenizer.eos_token_ids)), 100.0),),
+        ),
     ]
     expected = engine.generate(prompts, params)
     got = bursting.generate(prompts, params)
     assert [(c.text, c.token_ids, c.finish_reason) for c in got] == [
         (c.text, c.token_ids, c.finish_reason) for c in expected
     ]
+    assert len(got[4].token_ids) == 11 and got[4].finish_reason == "stop"
     assert bursts and max(bursts) == 8
     assert bursting.block_manager.num_free_blocks == bursting.block_manager.num_blocks
 
@@ -277,6 +386,25 @@ def test_stats_report_queues_kv_usage_preemptions_and_prefix_hits(
     # Each admission looks its prompt up; the first full block of the shared prompt is found.
     assert stats.num_prefix_cache_queries >= 3 * 20
     assert stats.num_prefix_cache_hits >= 2 * 16
+
+
+def test_penalized_requests_preempted_and_recomputed_give_their_outputs_alone(
+    engine: Engine, smollm2_engine: Callable[..., Engine]
+) -> None:
+    # Four blocks of 16 tokens: the two requests cannot both run to the end, so one is
+    # preempted, and its penalties must count its tokens again when it comes back.
+    small = smollm2_engine(max_model_len=512, num_kv_blocks=4, max_num_seqs=2)
+    prompts = [small.tokenizer.encode(PROMPT * 3)[:20], small.tokenizer.encode("Numbers: 1, 2,")]
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, repetition_penalty=1.3),
+        SamplingParams(
+            temperature=0.0, max_tokens=24, ignore_eos=True, frequency_penalty=1.0, min_tokens=5
+        ),
+    ]
+    together = small.generate(prompts, params)
+    assert small.scheduler.num_preemptions > 0
+    alone = [engine.generate([p], q)[0] for p, q in zip(prompts, params, strict=True)]
+    assert [c.token_ids for c in together] == [c.token_ids for c in alone]
 
 
 @pytest.fixture

@@ -101,10 +101,53 @@ def test_token_logprobs_are_the_raw_log_softmax_with_top_alternatives() -> None:
         ({"seed": -3}, "seed"),
         ({"stop": ("",)}, "stop"),
         ({"stop_token_ids": (-1,)}, "stop_token_ids"),
+        ({"stop_token_ids": tuple(range(65))}, "stop_token_ids"),
+        ({"min_tokens": -1}, "min_tokens"),
+        ({"max_tokens": 4, "min_tokens": 5}, "min_tokens"),
+        ({"logit_bias": ((3, 100.5),)}, "logit_bias"),
+        ({"logit_bias": ((3, math.nan),)}, "logit_bias"),
+        ({"logit_bias": ((-3, 1.0),)}, "logit_bias"),
+        ({"logit_bias": ((3, 1.0), (3, 2.0))}, "logit_bias"),
+        ({"logit_bias": tuple((t, 1.0) for t in range(301))}, "logit_bias"),
+        ({"repetition_penalty": 0.0}, "repetition_penalty"),
+        ({"repetition_penalty": math.inf}, "repetition_penalty"),
+        ({"frequency_penalty": 2.5}, "frequency_penalty"),
+        ({"presence_penalty": -2.01}, "presence_penalty"),
+        ({"presence_penalty": math.nan}, "presence_penalty"),
         ({"logprobs": 21}, "logprobs"),
         ({"prompt_logprobs": -1}, "prompt_logprobs"),
     ],
 )
 def test_bad_sampling_parameter_is_refused_naming_it(kwargs: dict, name: str) -> None:
-    with pytest.raises(InvalidRequestError, match=repr(name)):
+    with pytest.raises(InvalidRequestError, match=repr(name)) as refused:
         SamplingParams(**kwargs)
+    assert refused.value.param == name
+
+
+def test_the_bounds_themselves_are_accepted() -> None:
+    SamplingParams(
+        max_tokens=5,
+        min_tokens=5,
+        stop_token_ids=tuple(range(64)),
+        logit_bias=tuple((t, -100.0 if t % 2 else 100.0) for t in range(300)),
+        frequency_penalty=-2.0,
+        presence_penalty=2.0,
+        repetition_penalty=1e-3,
+    )
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "name"),
+    [
+        ({"stop_token_ids": (3, VOCAB)}, "stop_token_ids"),
+        ({"logit_bias": ((VOCAB, 1.0),)}, "logit_bias"),
+    ],
+)
+def test_token_ids_outside_the_vocabulary_are_refused_naming_the_field(
+    kwargs: dict, name: str
+) -> None:
+    params = SamplingParams(**kwargs)
+    params.verify_token_ids(VOCAB + 1)
+    with pytest.raises(InvalidRequestError, match=f"{name!r}.*outside the vocabulary") as refused:
+        params.verify_token_ids(VOCAB)
+    assert refused.value.param == name
