@@ -514,10 +514,13 @@ NoNewPrivileges=yes
 # sessions, the converted models. The config and the releases are read-only to the service.
 ProtectSystem=strict
 ReadWritePaths=@PREFIX@/data
+# The CPU's attestation report is asked for through configfs-tsm (a directory made and an inblob
+# written there), which ProtectKernelTunables would make read-only; "-": absent off a CVM.
+ReadWritePaths=-/sys/kernel/config/tsm/report
 ProtectHome=yes
 PrivateTmp=yes
-# The GPU path needs /dev/nvidia* (and a confidential VM's TSM report device): a private /dev
-# would hide them. DevicePolicy could list them, but their names vary with the driver.
+# The GPU path needs /dev/nvidia*: a private /dev would hide them. DevicePolicy could list
+# them, but their names vary with the driver.
 PrivateDevices=no
 ProtectKernelTunables=yes
 ProtectKernelModules=yes

@@ -337,7 +337,7 @@ def _first_reply(
 # ---- systemd mode ------------------------------------------------------------------------
 
 
-def test_the_rendered_unit_is_hardened_and_writes_only_to_the_data_directory() -> None:
+def test_the_rendered_unit_is_hardened_and_writes_only_to_data_and_configfs_tsm() -> None:
     unit = bundle_install.render_unit(SYSTEMD_UNIT_TEXT, Path("/opt/inferno"))
     lines = set(unit.splitlines())
     assert {
@@ -358,8 +358,11 @@ def test_the_rendered_unit_is_hardened_and_writes_only_to_the_data_directory() -
         "CapabilityBoundingSet=",
         "AmbientCapabilities=",
     } <= lines
-    assert [line for line in lines if line.startswith("ReadWritePaths=")] == [
-        "ReadWritePaths=/opt/inferno/data"
+    # Writable: the data directory, and configfs-tsm, through which the CPU report is asked
+    # for (if the machine has it).
+    assert sorted(line for line in lines if line.startswith("ReadWritePaths=")) == [
+        "ReadWritePaths=-/sys/kernel/config/tsm/report",
+        "ReadWritePaths=/opt/inferno/data",
     ]
     assert "@PREFIX@" not in unit
     assert "MemoryDenyWriteExecute=yes" not in lines
