@@ -28,3 +28,11 @@ def kernel_ops_for(
         Path(triton_cache_dir).mkdir(mode=0o700, parents=True, exist_ok=True)
         triton.knobs.cache.dir = str(triton_cache_dir)
     return importlib.import_module("kernels.triton_ops")  # type: ignore[return-value]
+
+
+def triton_cache_dir() -> Path:
+    """Where Triton keeps and looks for compiled kernels now (`kernel_ops_for` may have moved
+    it). Only for a CUDA process: it imports Triton."""
+    import triton
+
+    return Path(triton.knobs.cache.dir)

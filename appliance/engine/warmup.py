@@ -27,6 +27,7 @@ from appliance.engine.engine import Engine, EngineConfig
 from appliance.engine.models.config import ModelConfig
 from appliance.engine.models.llama import LlamaForCausalLM
 from appliance.engine.sampling_params import SamplingParams
+from kernels.backend import triton_cache_dir
 
 # Prompt lengths: 1 and multiples of 16 hit Triton's specializations of integer arguments
 # (== 1, divisible by 16), the others the general variants.
@@ -76,10 +77,8 @@ def warm_up(config: EngineConfig) -> WarmupReport:
     docstring); how long each took, and the kernels in Triton's cache before and after."""
     cache_dir = None
     if config.on_gpu:
-        import triton
-
         config.kernel_ops()  # points Triton at the settings' cache before it is read here
-        cache_dir = Path(triton.knobs.cache.dir)
+        cache_dir = triton_cache_dir()
     before = cached_kernels(cache_dir) if cache_dir else 0
     start = time.perf_counter()
     model = random_model(config)
