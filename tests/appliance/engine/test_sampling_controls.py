@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 
 import numpy as np
+import pytest
 import torch
 
 from appliance.engine.sampling_controls import SamplingControls
@@ -163,3 +164,33 @@ def test_min_tokens_holds_back_eos_and_stop_tokens_but_not_when_eos_is_ignored()
     assert got[0, [0, 1, 7]].eq(float("-inf")).all()
     assert got[0].isfinite().sum() == VOCAB - 3
     assert got[1].isfinite().all()
+
+
+def _to_cuda(values: list[int] | list[float] | np.ndarray, dtype: torch.dtype) -> torch.Tensor:
+    """As the model runner sends them: pinned host memory, copied without waiting."""
+    return _to_device(values, dtype).pin_memory().to("cuda", non_blocking=True)
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_the_controls_match_the_reference_through_a_burst_of_recorded_steps() -> None:
+    """The same batched operations on CUDA tensors, with the counts carried on the device from
+    step to step (`record`, then `build` with the previous controls), against the reference
+    on the CPU."""
+    for seed in range(10):
+        logits, seqs = _random_batch(seed, rows=9)
+        controls = SamplingControls.build(seqs, EOS, VOCAB, _to_cuda)
+        if controls is None:
+            continue
+        device_logits = logits.cuda()
+        for step in range(3):
+            got = controls.apply(device_logits).cpu()
+            want = torch.stack([_reference(logits[i], s) for i, s in enumerate(seqs)])
+            torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-5, msg=f"{seed}/{step}")
+            sampled = device_logits.argmax(-1)
+            controls.record(sampled)
+            for seq, token_id in zip(seqs, sampled.tolist(), strict=True):
+                seq.append_token(token_id)
+            carried = SamplingControls.build(seqs, EOS, VOCAB, _to_cuda, controls)
+            if carried is None:  # every control was a min_tokens now reached
+                break
+            controls = carried
