@@ -29,6 +29,7 @@ _STARTED_S = time.time()  # first: this process's own start, for the --serve chi
 
 import argparse  # noqa: E402
 import json  # noqa: E402
+import multiprocessing  # noqa: E402
 import os  # noqa: E402
 import shutil  # noqa: E402
 import subprocess  # noqa: E402
@@ -37,6 +38,7 @@ import tempfile  # noqa: E402
 import tomllib  # noqa: E402
 import urllib.error  # noqa: E402
 import urllib.request  # noqa: E402
+from collections.abc import Callable  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import Any  # noqa: E402
 
@@ -355,13 +357,14 @@ def warm_up(work: Path, device: str) -> None:
     print(f"warm-up: Triton compiled {report.compiled} kernels into the cache", flush=True)
 
 
-def _setup_step(name: str, *args: Any) -> None:
-    """`name`(*args) of this module in a child process."""
-    code = f"import sys, json; sys.path.insert(0, {str(ROOT)!r}); import bench.cold_start as m; "
-    code += f"from pathlib import Path; m.{name}(*[Path(a) if i == 0 else a for i, a in "
-    code += "enumerate(json.loads(sys.argv[1]))])"
-    encoded = json.dumps([str(args[0]), *args[1:]])
-    subprocess.run([sys.executable, "-c", code, encoded], check=True, cwd=ROOT)
+def _in_child(function: Callable[..., None], *args: Any) -> None:
+    """`function(*args)` in a fresh process of its own (spawned, not forked: no CUDA state is
+    shared), so that this one never holds GPU memory the served engine would then lack."""
+    child = multiprocessing.get_context("spawn").Process(target=function, args=args)
+    child.start()
+    child.join()
+    if child.exitcode != 0:
+        raise SystemExit(f"{function.__name__} failed (exit status {child.exitcode})")
 
 
 def main() -> None:
@@ -382,16 +385,14 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="cold-start-", dir=args.dir))
     shape = LLAMA_31_8B if args.shape == "8b" else TINY
     started = time.time()
-    # The setup's GPU work runs in processes of its own, so that this one holds no GPU memory
-    # that the served engine would then lack.
-    _setup_step("write_random_model", work / "plain", shape, args.device)
+    _in_child(write_random_model, work / "plain", shape, args.device)
     manifest_pub = seal(work / "plain", work / "sealed", work / "keys")
     shutil.rmtree(work / "plain")
     config = settings_file(work, args.device, manifest_pub)
     print(f"setup: random {args.shape} model written and sealed in {time.time() - started:.1f} s")
     if args.device.startswith("cuda"):
         # What `inferno warmup` does (the settings above need the synthetic [tee] to load).
-        _setup_step("warm_up", work, args.device)
+        _in_child(warm_up, work, args.device)
     prompt = " ".join(f"t{i}" for i in range(2, 130))
     results = []
     for run in range(args.runs):
