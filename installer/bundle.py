@@ -22,6 +22,7 @@ manifests).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import os
 import re
@@ -30,6 +31,7 @@ import subprocess
 import sys
 import tarfile
 import tempfile
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -175,13 +177,7 @@ def run_bundle(args: argparse.Namespace) -> int:
     target = Target.parse(args.target)
     key = load_release_key(args.release_key)
     out: Path = args.out
-    tar_path = out.with_name(out.name + ".tar")
-    for path in (out, tar_path) if args.tar else (out,):
-        if path.exists() or path.is_symlink():
-            raise BundleError(f"{path} already exists: remove it or name another")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}."))
-    try:
+    with staged_output(out, tar=args.tar) as staging:
         if args.wheelhouse is not None:
             _copy_wheelhouse(args.wheelhouse, staging / "wheels")
         else:
@@ -198,14 +194,34 @@ def run_bundle(args: argparse.Namespace) -> int:
             _copy_regular_tree(args.triton_cache, staging / TRITON_CACHE_DIR)
         _write_static_files(staging)
         sign_bundle(staging, key, version=version, target=target.name)
-        if args.tar:
+    print(f"wrote {out}" + (f" and {tar_path_of(out)}" if args.tar else ""))
+    return 0
+
+
+def tar_path_of(out: Path) -> Path:
+    """Where `--tar` writes the tar of the directory `out`: `out.tar` beside it."""
+    return out.with_name(out.name + ".tar")
+
+
+@contextlib.contextmanager
+def staged_output(out: Path, *, tar: bool) -> Iterator[Path]:
+    """A private sibling directory of `out` to build it in. When the block ends it becomes
+    `out` (after `out.tar` is written from it, with `tar`); if the block raises, it is removed:
+    `out` is whole or absent. Refuses an `out` (or `out.tar`) that exists."""
+    tar_path = tar_path_of(out)
+    for path in (out, tar_path) if tar else (out,):
+        if path.exists() or path.is_symlink():
+            raise BundleError(f"{path} already exists: remove it or name another")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}."))
+    try:
+        yield staging
+        if tar:
             write_tar(staging, tar_path)
         staging.rename(out)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
-    print(f"wrote {out}" + (f" and {tar_path}" if args.tar else ""))
-    return 0
 
 
 def _check_embedded_model(wheels: Path, *, models_given: bool) -> None:

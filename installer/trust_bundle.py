@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import shutil
 import stat
-import tempfile
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -31,7 +30,7 @@ from attestation.trust_bundle import (
     parse_created,
     verify_trust_bundle,
 )
-from installer.bundle import file_entries, load_release_key, write_tar
+from installer.bundle import file_entries, load_release_key, staged_output, tar_path_of
 from installer.errors import BundleError
 
 
@@ -68,13 +67,7 @@ def run_trust_bundle(args: argparse.Namespace) -> int:
         raise BundleError("nothing to bundle: give --gpu-rims, --gpu-revocation or --cpu-trust")
     key = load_release_key(args.release_key)
     out: Path = args.out
-    tar_path = out.with_name(out.name + ".tar")
-    for path in (out, tar_path) if args.tar else (out,):
-        if path.exists() or path.is_symlink():
-            raise BundleError(f"{path} already exists: remove it or name another")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}."))
-    try:
+    with staged_output(out, tar=args.tar) as staging:
         for source, prefix, nested in sources:
             if source is not None:
                 _copy_collateral(source, staging, prefix, nested=nested)
@@ -83,14 +76,8 @@ def run_trust_bundle(args: argparse.Namespace) -> int:
         (staging / MANIFEST_NAME).write_bytes(manifest)
         (staging / SIGNATURE_NAME).write_bytes(key.sign(manifest))
         bundle = verify_trust_bundle(staging, key.public_key())
-        if args.tar:
-            write_tar(staging, tar_path)
-        staging.rename(out)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
     print(
-        f"wrote {out}" + (f" and {tar_path}" if args.tar else "")
+        f"wrote {out}" + (f" and {tar_path_of(out)}" if args.tar else "")
         + f": trust bundle {bundle.id.digest}, created {format_created(created)}, "
         f"{len(bundle.files)} files"
     )  # fmt: skip
