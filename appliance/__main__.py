@@ -18,6 +18,7 @@ from appliance.auth.roles import Role
 from appliance.engine.errors import EngineError
 from appliance.errors import ApplianceError, ConfigError
 from appliance.logs import LOG_FORMATS, LOG_LEVELS, configure_logging
+from appliance.settings_file import add_config_arg, settings_file
 from audit.errors import AuditError
 from installer.demo import DEMO_PORT
 from installer.errors import InstallerError
@@ -31,8 +32,6 @@ if TYPE_CHECKING:  # the engine imports torch: only load it for commands that ne
     from audit.log import AuditLog
 
 _DESCRIPTION = "Inferno: a confidential LLM inference appliance."
-# Names the settings file of every command that reads one, unless --config does.
-CONFIG_ENV = "INFERNO_CONFIG"
 # What a process killed by SIGPIPE returns in a shell (128 + 13).
 _BROKEN_PIPE_STATUS = 141
 
@@ -135,7 +134,7 @@ def _parser() -> argparse.ArgumentParser:
     gen.set_defaults(run=_run_generate)
 
     serve = _command(commands, "serve", "serve the OpenAI-compatible HTTPS API")
-    _add_config_arg(serve, demo_default=False)
+    add_config_arg(serve, demo_default=False)
     _add_log_format_arg(serve)
     serve.set_defaults(run=_run_serve)
 
@@ -160,7 +159,7 @@ def _parser() -> argparse.ArgumentParser:
     audit_commands = audit.add_subparsers(required=True, metavar="ACTION")
     export = _command(audit_commands, "export", "write a bundle of the log to verify offline")
     export.add_argument("out", type=Path, help="bundle directory (or tar file) to create")
-    _add_config_arg(export, demo_default=True)
+    add_config_arg(export, demo_default=True)
     export.add_argument("--from", dest="first", type=int, help="first entry (default: 0)")
     export.add_argument("--to", dest="last", type=int, help="last entry (default: the newest)")
     export.add_argument("--tar", action="store_true", help="write one tar file, not a directory")
@@ -168,7 +167,7 @@ def _parser() -> argparse.ArgumentParser:
     vkey = _command(
         audit_commands, "vkey", "print the verifier key that auditors pin to verify exports"
     )
-    _add_config_arg(vkey, demo_default=True)
+    add_config_arg(vkey, demo_default=True)
     vkey.set_defaults(run=_run_audit_vkey)
 
     token = _command(commands, "token", "print a bearer token of the local issuer (audited)")
@@ -176,7 +175,7 @@ def _parser() -> argparse.ArgumentParser:
         "--role", required=True, choices=[role.value for role in Role], help="the role it grants"
     )
     token.add_argument("--sub", required=True, help="the subject the token names (who uses it)")
-    _add_config_arg(token, demo_default=True)
+    add_config_arg(token, demo_default=True)
     token.set_defaults(run=_run_token)
 
     link = _command(
@@ -193,20 +192,20 @@ def _parser() -> argparse.ArgumentParser:
         "--url", default=None, metavar="BASE",
         help="where browsers reach the appliance (default: server.host and port of the settings)",
     )  # fmt: skip
-    _add_config_arg(link, demo_default=True)
+    add_config_arg(link, demo_default=True)
     link.set_defaults(run=_run_console_link)
 
     warm = _command(
         commands, "warmup", "compile the engine's GPU kernels into Triton's cache, ahead of serving"
     )
-    _add_config_arg(warm, demo_default=False)
+    add_config_arg(warm, demo_default=False)
     warm.set_defaults(run=_run_warmup)
 
     trust = _command(commands, "trust", "manage the attestation trust bundle")
     update = _command(trust.add_subparsers(required=True, metavar="ACTION"), "update",
                       "verify and install a signed trust bundle (audited)")  # fmt: skip
     update.add_argument("bundle", type=Path, help="the trust bundle: a directory or a .tar")
-    _add_config_arg(update, demo_default=False)
+    add_config_arg(update, demo_default=False)
     update.set_defaults(run=_run_trust_update)
 
     model = _command(commands, "model", "manage model directories")
@@ -217,17 +216,6 @@ def _parser() -> argparse.ArgumentParser:
     imp.set_defaults(run=_run_import_gguf)
     lifecycle.add_commands(commands, _command)
     return parser
-
-
-def _add_config_arg(parser: argparse.ArgumentParser, *, demo_default: bool) -> None:
-    demo = ", else the demo's settings file" if demo_default else ""
-    parser.add_argument(
-        "--config",
-        type=Path,
-        metavar="FILE",
-        default=None,
-        help=f"the server's settings file, TOML (default: ${CONFIG_ENV}{demo})",
-    )
 
 
 def _add_log_format_arg(parser: argparse.ArgumentParser) -> None:
@@ -275,26 +263,6 @@ def _model_dir(value: str) -> Path:
             "`inferno model import-gguf`)"
         )
     return path
-
-
-def _settings_file(given: Path | None, *, demo_default: bool) -> Path:
-    """The settings file a command reads: --config, else $INFERNO_CONFIG, else (for commands
-    run beside the demo) the demo's, if it exists."""
-    if given is not None:
-        return given
-    if named := os.environ.get(CONFIG_ENV):
-        return Path(named)
-    if demo_default:
-        from installer.demo import CONFIG_NAME, demo_dir
-
-        demo_config = demo_dir() / CONFIG_NAME
-        if demo_config.is_file():
-            return demo_config
-        raise ConfigError(
-            f"no settings file: give --config FILE or set {CONFIG_ENV}=FILE (the demo's, "
-            f"{demo_config}, does not exist: `inferno demo` writes it)"
-        )
-    raise ConfigError(f"no settings file: give --config FILE or set {CONFIG_ENV}=FILE")
 
 
 def _add_sampling_args(parser: argparse.ArgumentParser, *, max_tokens: int = 128) -> None:
@@ -350,7 +318,7 @@ def _run_import_gguf(args: argparse.Namespace) -> int:
 def _run_warmup(args: argparse.Namespace) -> int:
     from appliance.config import load_settings
 
-    settings = load_settings(_settings_file(args.config, demo_default=False))
+    settings = load_settings(settings_file(args.config, demo_default=False))
     if settings.engine.device == "cpu":
         raise ConfigError('engine.device = "cpu": the CPU path compiles no kernels to warm')
     from appliance.boot.startup import engine_config
@@ -368,7 +336,7 @@ def _run_serve(args: argparse.Namespace) -> int:
     from appliance.config import load_settings
 
     # Settings first: their errors answer at once, before torch and the app are imported.
-    settings = load_settings(_settings_file(args.config, demo_default=False))
+    settings = load_settings(settings_file(args.config, demo_default=False))
     _configure_logging_from(settings, args)
     from appliance.app import build
     from appliance.boot.startup import start_audit_log
@@ -506,7 +474,7 @@ def _run_token(args: argparse.Namespace) -> int:
     from appliance.boot.audit_log import open_audit_log
     from appliance.config import load_settings
 
-    settings = load_settings(_settings_file(args.config, demo_default=True))
+    settings = load_settings(settings_file(args.config, demo_default=True))
     with open_audit_log(settings.audit) as log:
         token = _mint(settings, log, Role(args.role), args.sub, "inferno token")
     print(token)
@@ -524,7 +492,7 @@ def _run_console_link(args: argparse.Namespace) -> int:
     from appliance.boot.audit_log import open_audit_log
     from appliance.config import load_settings
 
-    settings = load_settings(_settings_file(args.config, demo_default=True))
+    settings = load_settings(settings_file(args.config, demo_default=True))
     base = args.url.rstrip("/") if args.url else _console_origin(settings)
     issuer = _local_issuer(settings)
     try:
@@ -561,7 +529,7 @@ def _run_audit_export(args: argparse.Namespace) -> int:
     from appliance.config import load_settings
     from audit.export import ExportRequest, export_bundle
 
-    settings = load_settings(_settings_file(args.config, demo_default=True))
+    settings = load_settings(settings_file(args.config, demo_default=True))
     request = ExportRequest(first_index=args.first, last_index=args.last)
     with open_audit_log(settings.audit) as log:
         summary = export_bundle(
@@ -584,7 +552,7 @@ def _run_audit_vkey(args: argparse.Namespace) -> int:
     from audit.log import SIGNING_KEY_FILE
     from audit.signer import load_note_signer
 
-    audit = load_settings(_settings_file(args.config, demo_default=True)).audit
+    audit = load_settings(settings_file(args.config, demo_default=True)).audit
     print(load_note_signer(audit.effective_key_dir / SIGNING_KEY_FILE, audit.origin).verifier)
     return 0
 
@@ -592,7 +560,7 @@ def _run_audit_vkey(args: argparse.Namespace) -> int:
 def _run_trust_update(args: argparse.Namespace) -> int:
     from appliance.trust_store import update_trust
 
-    config = _settings_file(args.config, demo_default=False)
+    config = settings_file(args.config, demo_default=False)
     print(update_trust(config, args.bundle, _local_operator("inferno trust update")))
     return 0
 

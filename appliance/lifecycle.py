@@ -17,14 +17,13 @@ Both are light: neither imports torch.
 from __future__ import annotations
 
 import argparse
-import os
 import re
 from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from appliance.errors import ConfigError
+from appliance.settings_file import add_config_arg, settings_file
 
 INSTALL_ACTIONS = ("install", "upgrade", "rollback")
 _SHA256 = re.compile(r"[0-9a-f]{64}")
@@ -46,7 +45,7 @@ def add_commands(
         "check",
         "read a settings file as serve does and start nothing",
     )
-    check.add_argument("--config", type=Path, metavar="FILE", help="default: $INFERNO_CONFIG")
+    add_config_arg(check, demo_default=False)
     check.set_defaults(run=run_config_check)
 
     admin = command(commands, "admin", "what install.py records in the audit log")
@@ -87,10 +86,8 @@ def _who(value: str) -> str:
 def run_config_check(args: argparse.Namespace) -> int:
     from appliance.config import load_settings
 
-    path = args.config or os.environ.get("INFERNO_CONFIG")
-    if not path:
-        raise ConfigError("no settings file: give --config FILE or set INFERNO_CONFIG=FILE")
-    settings = load_settings(Path(path))
+    path = settings_file(args.config, demo_default=False)
+    settings = load_settings(path)
     print(f"{path}: the settings are valid (profile {settings.appliance.profile})")
     return 0
 

@@ -21,13 +21,14 @@ import jwt
 import openai
 import pytest
 
-from appliance.__main__ import CONFIG_ENV, _parser
+from appliance.__main__ import _parser
 from appliance.auth.local_issuer import LocalIssuer
 from appliance.auth.roles import Role
 from appliance.boot.audit_log import open_audit_log
 from appliance.config import load_settings
 from appliance.engine.engine import Engine
 from appliance.engine.sampling_params import SamplingParams
+from appliance.settings_file import CONFIG_ENV
 from appliance.tls import certificate_fingerprint
 
 AUDIT = (
