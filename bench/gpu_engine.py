@@ -6,9 +6,12 @@ and W6 (GPU memory that is neither weights nor KV cache), and transformers' cont
 (`generate_batch`) on the same model for W2 (HF) and W4 (HFW4) as the peer. Prints Markdown
 rows last.
 
-    python bench/gpu_engine.py [--workloads W1,W2,P,W4,HF,HFW4] [--max-num-seqs 256]
+    python bench/gpu_engine.py [--workloads W1,W2,W2S,P,W4,HF,HFW4] [--max-num-seqs 256]
                                [--max-decode-burst 1]
                                [--w2-requests 1024] [--hf-requests 128]
+                               [--tokenizer-json PATH]
+
+W2S is W2 with a JSON schema on every request (grammars compiled against --tokenizer-json).
 
 W6 is measured right after W2, at W2's largest batch. P is prefill throughput at 8 × 2,048.
 """
@@ -210,6 +213,10 @@ class StepProfile:
         runner.execute = timed
         runner.execute_burst = timed_burst
 
+    @property
+    def mean_decode_ms(self) -> float:
+        return 1e3 * self.time["decode"] / max(self.steps["decode"], 1)
+
     def summary(self, wall: float) -> str:
         other = wall - sum(self.time.values())
         return (
@@ -263,8 +270,80 @@ def w2(model: LlamaForCausalLM, num_requests: int, max_num_seqs: int, burst: int
         "goal ≥ 15,000",
     )
     report("W2 time split", profile.summary(elapsed))
+    report("W2 mean decode step (TPOT at this batch)", f"{profile.mean_decode_ms:.2f} ms")
     report("W2 GPU busy fraction (NVML utilization, 100 ms samples)", f"{busy.fraction:.0%}")
     w6(engine, model)
+    release(engine)
+
+
+# Two schemas an output cannot complete within 256 tokens, so that every request writes all
+# 256 (as W2's ignore_eos does): a long array of small objects, and a long string.
+W2S_SCHEMAS = [
+    {
+        "type": "object",
+        "properties": {
+            "items": {
+                "type": "array",
+                "items": {
+                    "type": "object",
+                    "properties": {
+                        "id": {"type": "integer", "minimum": 0},
+                        "name": {"type": "string", "maxLength": 16},
+                        "ok": {"type": "boolean"},
+                    },
+                    "required": ["id", "name", "ok"],
+                    "additionalProperties": False,
+                },
+                "minItems": 64,
+            }
+        },
+        "required": ["items"],
+        "additionalProperties": False,
+    },
+    {
+        "type": "object",
+        "properties": {"summary": {"type": "string", "minLength": 4000}},
+        "required": ["summary"],
+        "additionalProperties": False,
+    },
+]
+
+
+def w2_structured(
+    model: LlamaForCausalLM, num_requests: int, max_num_seqs: int, tokenizer_json: Path
+) -> None:
+    """W2 with a JSON schema on every request (structured outputs' cost per token), its
+    grammars compiled against a real tokenizer's vocabulary (the rest of the model's
+    vocabulary is never allowed)."""
+    import json
+
+    from appliance.engine.sampling_params import StructuredOutput
+    from appliance.engine.structured_output import GrammarCompiler
+
+    engine = build_engine(model, max_num_seqs=max_num_seqs)
+    text = tokenizer_json.read_text()
+    engine.grammars = GrammarCompiler(lambda: text, LLAMA_31_8B["vocab_size"], [0])
+    specs = [StructuredOutput("json_schema", json.dumps(s)) for s in W2S_SCHEMAS]
+    warm = [SamplingParams(max_tokens=8, structured=spec) for spec in specs]
+    for i, p in enumerate(warm):
+        run_timed(engine, random_prompts(4, 512, seed=10 + i), p)
+    profile = StepProfile(engine)
+    prompts = random_prompts(num_requests, 512, seed=3)
+    start = time.perf_counter()
+    for i, prompt in enumerate(prompts):
+        params = SamplingParams(temperature=0.0, max_tokens=256, structured=specs[i % 2])
+        engine.add_request(f"s{i}", prompt, params)
+    num_out = 0
+    while engine.has_unfinished():
+        num_out += sum(len(out.token_ids) for out in engine.step())
+    elapsed = time.perf_counter() - start
+    report(
+        f"W2 with a JSON schema on every request, output tok/s ({num_requests} × 512/256)",
+        f"{num_out / elapsed:,.0f} ({elapsed:.1f} s)",
+        "goal ≤ 10% below W2",
+    )
+    report("W2 with a JSON schema: time split", profile.summary(elapsed))
+    report("W2 with a JSON schema: mean decode step", f"{profile.mean_decode_ms:.2f} ms")
     release(engine)
 
 
@@ -368,6 +447,9 @@ def main() -> None:
     parser.add_argument("--hf-requests", type=int, default=128)
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--max-decode-burst", type=int, default=1)
+    parser.add_argument(
+        "--tokenizer-json", type=Path, help="W2S: the tokenizer.json its grammars compile against"
+    )
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
     wanted = set(args.workloads.split(","))
@@ -394,6 +476,8 @@ def main() -> None:
         w1(model, copy_bw, args.max_decode_burst)
     if "W2" in wanted:
         w2(model, args.w2_requests, args.max_num_seqs, args.max_decode_burst)
+    if "W2S" in wanted:
+        w2_structured(model, args.w2_requests, args.max_num_seqs, args.tokenizer_json)
     if "P" in wanted:
         prefill_throughput(model, matmul)
     if "W4" in wanted:

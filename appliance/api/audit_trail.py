@@ -21,6 +21,7 @@ and the response names that entry instead of adding an `api.request`.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import ipaddress
 import logging
 import time
@@ -84,7 +85,9 @@ def client_address(scope: Scope) -> str | None:
 def sampling_record(params: SamplingParams, *, n: int, stream: bool) -> dict[str, JsonValue]:
     """The sampling parameters an inference entry records: the first choice's (choice i uses
     seed + i); stop strings are counted, not quoted, since they can be content, and so are
-    stop token ids and logit_bias entries."""
+    stop token ids and logit_bias entries. A structured output is recorded by its kind and the
+    SHA-256 of its specification (a schema can be content too)."""
+    structured = params.structured
     return {
         "n": n,
         "max_tokens": _exact(params.max_tokens),
@@ -103,6 +106,12 @@ def sampling_record(params: SamplingParams, *, n: int, stream: bool) -> dict[str
         "presence_penalty": params.presence_penalty,
         "logprobs": params.logprobs,
         "prompt_logprobs": params.prompt_logprobs,
+        "structured": None
+        if structured is None
+        else {
+            "kind": structured.kind,
+            "sha256": hashlib.sha256(structured.spec.encode()).hexdigest(),
+        },
         "stream": stream,
     }
 

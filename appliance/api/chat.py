@@ -28,12 +28,14 @@ from appliance.api.schemas import (
 )
 from appliance.api.serving import GENERATION_RESPONSES, Serving
 from appliance.api.streaming import ChatChunkChoice, ChatDelta, EventStreamResponse, StreamHead
+from appliance.api.structured_outputs import structured_output
 from appliance.api.tool_parsers import Content
 from appliance.api.tools import (
     ChoiceCalls,
     IdentifiedCall,
     ToolUse,
     plan_tool_use,
+    structure_with_tools,
     template_message,
     verify_tool_messages,
 )
@@ -80,6 +82,7 @@ class _ChatEndpoint:
             tokenizer=tokenizer,
             model_name=body.model,
         )
+        structured = structure_with_tools(structured_output(body), self.tool_use)
         if self.tool_use is not None and body.logprobs:
             raise unsupported(
                 "logprobs",
@@ -95,7 +98,14 @@ class _ChatEndpoint:
         max_tokens = max_tokens or max(max_model_len - len(prompt), 1)
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         return [
-            Choice(i, 0, prompt, choice_params(body, i, max_tokens=max_tokens, logprobs=logprobs))
+            Choice(
+                i,
+                0,
+                prompt,
+                choice_params(
+                    body, i, max_tokens=max_tokens, logprobs=logprobs, structured=structured
+                ),
+            )
             for i in range(body.n)
         ]
 
@@ -136,12 +146,6 @@ def _verify_supported(body: ChatCompletionRequest) -> None:
         value = getattr(body, field)
         if value is not None and value not in _ACCEPTED.get(field, ()):
             raise unsupported(field, why)
-    if body.response_format is not None and body.response_format.type != "text":
-        raise unsupported(
-            "response_format",
-            f"{body.response_format.type!r} needs constrained decoding, which this server does "
-            "not do; ask for JSON in the prompt and validate the reply",
-        )
     if body.store:
         raise unsupported(
             "store",

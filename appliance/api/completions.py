@@ -27,6 +27,7 @@ from appliance.api.schemas import (
 )
 from appliance.api.serving import GENERATION_RESPONSES, Serving
 from appliance.api.streaming import CompletionChunkChoice, EventStreamResponse, StreamHead
+from appliance.api.structured_outputs import structured_output
 from appliance.engine.outputs import RequestOutput, TokenLogprob
 from appliance.engine.tokenizer import Tokenizer
 from audit.canonical import JsonValue
@@ -58,6 +59,7 @@ class _CompletionEndpoint:
         body = self.body
         prompt_logprobs = body.logprobs if body.echo else None
         prompts = _prompt_token_ids(body.prompt, tokenizer)
+        structured = structured_output(body)
         return [
             Choice(
                 index,
@@ -69,6 +71,7 @@ class _CompletionEndpoint:
                     max_tokens=body.max_tokens,
                     logprobs=body.logprobs,
                     prompt_logprobs=prompt_logprobs,
+                    structured=structured,
                 ),
             )
             for prompt_index, prompt in enumerate(prompts)

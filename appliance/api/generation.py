@@ -22,7 +22,7 @@ from appliance.api.metrics import ServerMetrics
 from appliance.api.schemas import PromptTokensDetails, SamplingFields, Usage
 from appliance.engine.async_engine import AsyncEngine
 from appliance.engine.outputs import RequestOutput, TokenLogprob
-from appliance.engine.sampling_params import SamplingParams
+from appliance.engine.sampling_params import SamplingParams, StructuredOutput
 from appliance.engine.tokenizer import Tokenizer
 
 T = TypeVar("T")
@@ -45,6 +45,7 @@ def choice_params(
     max_tokens: int,
     logprobs: int | None,
     prompt_logprobs: int | None = None,
+    structured: StructuredOutput | None = None,
 ) -> SamplingParams:
     """The engine's sampling parameters for choice `index` of a request. With a seed, choice i
     uses seed + i, so the choices differ from each other and each is reproducible."""
@@ -69,6 +70,7 @@ def choice_params(
         presence_penalty=body.presence_penalty,
         logprobs=logprobs,
         prompt_logprobs=prompt_logprobs,
+        structured=structured,
     )
 
 

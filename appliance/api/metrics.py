@@ -5,8 +5,10 @@ and hits) is read from the engine at scrape time; request latencies (time to fir
 per output token, end to end, all as the client sees them: from arrival at the server) and token
 counts are recorded as each engine request ends. `inferno:audit_append_seconds` (Inferno's own)
 is how long requests wait for their audit entries, `inferno:limited_requests` counts the
-requests a per-caller limit refused, by limit, and `inferno:tool_requests` the admitted requests
-that offered the model tools, by endpoint. Each app has its own registry: nothing
+requests a per-caller limit refused, by limit, `inferno:tool_requests` the admitted requests
+that offered the model tools, by endpoint, `inferno:structured_output_requests` those whose
+output follows a grammar, by endpoint and kind, and `inferno:grammar_compile_seconds` how long
+the engine took to compile grammars it had not cached. Each app has its own registry: nothing
 global. The console's time series reads the same request counters (`ServerMetrics.counters`):
 nothing else is counted per request.
 """
@@ -19,12 +21,17 @@ from typing import Annotated
 
 from fastapi import APIRouter, Depends, Request, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 from prometheus_client.exposition import generate_latest
 from prometheus_client.registry import Collector
 
 from appliance.engine.async_engine import AsyncEngine
-from appliance.engine.outputs import EngineStats
+from appliance.engine.outputs import GRAMMAR_COMPILE_BUCKETS, EngineStats
 
 # vLLM's bucket boundaries, in seconds.
 _TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
@@ -106,6 +113,12 @@ class ServerMetrics:
             ["limit"],
             registry=self.registry,
         )
+        self._structured_requests = Counter(
+            "inferno:structured_output_requests",
+            "Admitted requests whose output follows a grammar, by endpoint and kind "
+            "(forced tool calls are json_schema).",
+            ["endpoint", "kind"], registry=self.registry,
+        )  # fmt: skip
         self._tool_requests = Counter(
             "inferno:tool_requests",
             "Admitted requests that offered the model tools to call, by endpoint.",
@@ -162,6 +175,9 @@ class ServerMetrics:
     def count_tool_request(self, endpoint: str) -> None:
         self._tool_requests.labels(endpoint).inc()
 
+    def count_structured_request(self, endpoint: str, kind: str) -> None:
+        self._structured_requests.labels(endpoint, kind).inc()
+
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
@@ -196,6 +212,16 @@ class ServerMetrics:
             counter = CounterMetricFamily(name, documentation, labels=["model_name"])
             counter.add_metric(labels, value)
             yield counter
+        if stats.grammar_compile_counts:
+            compiles = HistogramMetricFamily(
+                "inferno:grammar_compile_seconds",
+                "Time to compile a structured output's grammar (cache misses only).",
+                labels=["model_name"],
+            )
+            bounds = [*map(str, GRAMMAR_COMPILE_BUCKETS), "+Inf"]
+            buckets = list(zip(bounds, stats.grammar_compile_counts, strict=True))
+            compiles.add_metric(labels, buckets, stats.grammar_compile_seconds)
+            yield compiles
 
 
 def _histogram_counts(histogram: Histogram) -> HistogramCounts:

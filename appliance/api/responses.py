@@ -21,7 +21,7 @@ from collections.abc import AsyncGenerator
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Request
-from pydantic import BaseModel, ConfigDict, Field, RootModel
+from pydantic import BaseModel, ConfigDict, Field, RootModel, model_validator
 
 from appliance.api.errors import APIError, api_error_for, unsupported
 from appliance.api.generation import Choice, CollectedChoice, Generation, cut_off_error
@@ -40,18 +40,20 @@ from appliance.api.schemas import (
 )
 from appliance.api.serving import GENERATION_RESPONSES, Serving
 from appliance.api.streaming import EventStreamResponse, StreamHead
+from appliance.api.structured_outputs import json_schema_output
 from appliance.api.tool_parsers import Content
 from appliance.api.tools import (
     ChoiceCalls,
     IdentifiedCall,
     ToolUse,
     plan_tool_use,
+    structure_with_tools,
     template_message,
     verify_tool_messages,
 )
 from appliance.engine.errors import EngineError
 from appliance.engine.outputs import RequestOutput
-from appliance.engine.sampling_params import SamplingParams
+from appliance.engine.sampling_params import SamplingParams, StructuredOutput
 from appliance.engine.tokenizer import Tokenizer
 from audit.canonical import JsonValue
 
@@ -119,7 +121,28 @@ class ResponsesNamedToolChoice(_Body):
 
 
 class TextFormat(_Body):
-    type: Literal["text"]
+    """`text.format`: chat's `response_format`, its json_schema fields flattened."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    name: Annotated[str, Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")] | None = None
+    description: Text | None = None
+    schema_: dict[str, object] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+    @model_validator(mode="after")
+    def _fields_fit_type(self) -> TextFormat:
+        if self.type == "json_schema" and (self.name is None or self.schema_ is None):
+            raise ValueError("a json_schema format has a name and a schema")
+        if self.type != "json_schema" and (self.name, self.schema_) != (None, None):
+            raise ValueError("name and schema belong to the json_schema format")
+        return self
+
+    def structure(self) -> StructuredOutput | None:
+        if self.type == "text":
+            return None
+        if self.schema_ is None:
+            return StructuredOutput("json_object", param="text.format")
+        return json_schema_output(self.schema_, param="text.format.schema")
 
 
 class TextConfig(_Body):
@@ -134,7 +157,7 @@ _REFUSED = {
     "background": "responses are answered in the request; none run in the background",
     "conversation": "the appliance keeps no conversation state",
     "prompt": "the appliance stores no prompt templates",
-    "max_tool_calls": "needs constrained decoding, which this appliance does not have yet",
+    "max_tool_calls": "the number of calls is bounded by parallel_tool_calls only",
     "top_logprobs": "log-probabilities are not available from this endpoint",
     "prompt_cache_key": "prefix caching is isolated per caller by the server (cache_salt)",
     "service_tier": "the appliance has one service tier",
@@ -302,8 +325,12 @@ class _ResponsesEndpoint:
             tools=None if self.tool_use is None else self.tool_use.definitions,
         )
         max_tokens = body.max_output_tokens or max(max_model_len - len(prompt), 1)
+        requested = body.text.format.structure() if body.text and body.text.format else None
         params = SamplingParams(
-            max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p
+            max_tokens=max_tokens,
+            temperature=body.temperature,
+            top_p=body.top_p,
+            structured=structure_with_tools(requested, self.tool_use),
         )
         return [Choice(0, 0, prompt, params)]
 
@@ -317,6 +344,13 @@ class _ResponsesEndpoint:
 
     def output(self, tokenizer: Tokenizer, choices: list[Choice]) -> _ResponsesOutput:
         return _ResponsesOutput(self.body, self.tool_use)
+
+
+def _format_record(body: ResponsesRequest) -> dict[str, Any]:
+    """`text.format` as OpenAI echoes it."""
+    if body.text is None or body.text.format is None:
+        return {"type": "text"}
+    return body.text.format.model_dump(by_alias=True, exclude_none=True)
 
 
 def _message_item(item_id: str, text: str, status: str) -> dict[str, Any]:
@@ -405,7 +439,7 @@ class _ResponsesOutput:
             "reasoning": {"effort": None, "summary": None},
             "store": False,
             "temperature": body.temperature,
-            "text": {"format": {"type": "text"}},
+            "text": {"format": _format_record(body)},
             "tool_choice": choice.model_dump()
             if isinstance(choice, BaseModel)
             else choice or "auto",

@@ -111,6 +111,47 @@ class StreamOptions(_Request):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(_Request):
+    name: Annotated[str, Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
+    description: Text | None = None
+    # Absent: any JSON object. Applied whether `strict` or not: the grammar always holds.
+    schema_: dict[str, object] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Request):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_fits_type(self) -> ResponseFormat:
+        if (self.json_schema is None) != (self.type != "json_schema"):
+            raise ValueError("json_schema: given with, and only with, type 'json_schema'")
+        return self
+
+
+MAX_CHOICE_STRINGS = 256
+"""Most strings a `choice` structured output may list."""
+
+
+class StructuredOutputsParams(_Request):
+    """vLLM's `structured_outputs` extension: exactly one of json, regex, choice, grammar and
+    json_object (appliance.api.structured_outputs)."""
+
+    json_: dict[str, object] | Text | None = Field(default=None, alias="json")
+    regex: Text | None = None
+    choice: Annotated[list[Text], Field(min_length=1, max_length=MAX_CHOICE_STRINGS)] | None = None
+    grammar: Text | None = None
+    json_object: bool | None = None
+    # Accepted with the only behaviour there is: compact JSON, no fallback engine.
+    disable_any_whitespace: bool | None = None
+    disable_fallback: bool | None = None
+    # Refused by name (appliance.api.structured_outputs).
+    whitespace_pattern: object = None
+    disable_additional_properties: object = None
+    structural_tag: object = None
+
+
 class SamplingFields(_Request):
     """Fields both endpoints share."""
 
@@ -144,6 +185,21 @@ class SamplingFields(_Request):
         default=None, description="extension: token ids that end the output (not included)"
     )
     ignore_eos: bool = Field(default=False, description="extension: go on past end-of-sequence")
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsParams | None = Field(
+        default=None, description="extension (vLLM): constrain the output to a structure"
+    )
+    # vLLM's older names for structured_outputs' fields.
+    guided_json: dict[str, object] | Text | None = None
+    guided_regex: Text | None = None
+    guided_choice: (
+        Annotated[list[Text], Field(min_length=1, max_length=MAX_CHOICE_STRINGS)] | None
+    ) = None
+    guided_grammar: Text | None = None
+    guided_decoding_backend: Text | None = Field(
+        default=None, description="accepted and unused: llguidance compiles every grammar"
+    )
+    guided_whitespace_pattern: object = None
     cache_salt: NonEmptyText | None = Field(
         default=None,
         description="extension (vLLM): share cached prefixes only with requests of the same "
@@ -244,18 +300,12 @@ class ChatMessage(_Request):
         return self
 
 
-class ResponseFormat(_Request):
-    type: Literal["text", "json_object", "json_schema"]
-    json_schema: dict[str, object] | None = None
-
-
 class ChatCompletionRequest(SamplingFields):
     messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=MAX_MESSAGES)]
     max_tokens: int | None = Field(default=None, ge=1, description="older name of the next")
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
-    response_format: ResponseFormat | None = None
     store: bool | None = Field(default=None, description="only false: nothing is stored")
     metadata: Metadata | None = Field(
         default=None, description="accepted for stored completions; unused, never logged"

@@ -201,6 +201,9 @@ class Server:
         )
         if endpoint.uses_tools:
             self.metrics.count_tool_request(endpoint.path)
+        structured = choices[0].params.structured
+        if structured is not None:
+            self.metrics.count_structured_request(endpoint.path, structured.kind)
         output = endpoint.output(tokenizer, choices)
         head = StreamHead(response_id, endpoint.chunk_object, int(time.time()), self.model.card.id)
         if body.stream and isinstance(output, EventOutput):

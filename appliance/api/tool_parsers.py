@@ -183,6 +183,38 @@ class Llama3JsonParser:
         return calls
 
 
+class ForcedCallsParser:
+    """The output of a request whose `tool_choice` forces calls, written under a grammar
+    (appliance.api.tools.forced_calls), as vLLM writes it: for a named function, the arguments
+    object alone; for `required`, a JSON array of `{"name": ..., "parameters": {...}}`. The
+    grammar guarantees the shape, so the whole output is one event at the end; text cut off by
+    max_tokens (no longer a valid call) comes back as content."""
+
+    def __init__(self, names: Collection[str], function: str | None):
+        self._names = names
+        self._function = function
+        self._text: list[str] = []
+
+    def feed(self, text: str) -> list[Event]:
+        self._text.append(text)
+        return []
+
+    def finish(self) -> list[Event]:
+        text = "".join(self._text)
+        value = decode_json(text)
+        if self._function is not None:
+            call = _call_from(
+                {"name": self._function, "arguments": value}, "arguments", self._names
+            )
+            calls = [] if call is None else [call]
+        elif isinstance(value, list):
+            calls = [c for item in value if (c := _call_from(item, "parameters", self._names))]
+            calls = calls if len(calls) == len(value) else []
+        else:
+            calls = []
+        return list(calls) if calls else [Content(text)] if text else []
+
+
 ParserFactory = Callable[[Collection[str]], ToolCallParser]
 
 PARSERS: dict[str, ParserFactory] = {

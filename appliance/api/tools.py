@@ -6,8 +6,10 @@ What this server does and refuses (docs/ARCHITECTURE.md, "Tool calling and the R
 - `tool_choice` `auto` (the default with tools) renders the tools through the model's own chat
   template and parses the calls the model writes; `none` leaves the tools out of the prompt, so
   the model cannot call them, and parses nothing.
-- `required` and a named function are refused: honouring them means constraining decoding to
-  the function's parameter schema, which this server does not do yet.
+- `required` and a named function force calls, as vLLM does: the tools are rendered the same
+  way, and the output is constrained by a grammar (appliance.api.structured_outputs) to a JSON
+  array of `{"name", "parameters"}` calls (one at most without `parallel_tool_calls`) or to the
+  named function's arguments, so the arguments always match the function's parameter schema.
 - A model whose chat template does not read `tools`, or writes calls in a format no parser here
   reads, has its tools refused (400) rather than silently dropped.
 """
@@ -22,15 +24,18 @@ from typing import Any
 
 from appliance.api.errors import APIError, unsupported
 from appliance.api.schemas import ChatMessage, FunctionTool, ToolChoice
+from appliance.api.structured_outputs import json_schema_output
 from appliance.api.tool_parsers import (
     INVALID_JSON,
     PARSERS,
     Call,
     Content,
+    ForcedCallsParser,
     ToolCallParser,
     decode_json,
     format_of_template,
 )
+from appliance.engine.sampling_params import StructuredOutput
 from appliance.engine.tokenizer import Tokenizer
 
 MAX_SCHEMA_BYTES = 16 * 1024
@@ -47,10 +52,17 @@ class ToolUse:
 
     definitions: list[dict[str, Any]]
     names: frozenset[str]
-    format: str
+    format: str | None  # None when the calls are forced
     parallel: bool
+    # tool_choice `required` or a named function: the grammar of the forced calls, and the
+    # function named (None for `required`).
+    forced: StructuredOutput | None = None
+    forced_function: str | None = None
 
     def parser(self) -> ToolCallParser:
+        if self.forced is not None:
+            return ForcedCallsParser(self.names, self.forced_function)
+        assert self.format is not None
         return PARSERS[self.format](self.names)
 
 
@@ -67,18 +79,19 @@ def plan_tool_use(
     the field for what this server cannot honour."""
     if tool_choice is not None and not tools:
         raise APIError(400, "tool_choice is only allowed when tools are given", param="tool_choice")
-    if tool_choice == "required" or not isinstance(tool_choice, str | None):
-        raise unsupported(
-            "tool_choice",
-            "'required' and a named function need grammar-constrained decoding (so that the "
-            "arguments always match the function's schema), which this appliance does not have "
-            "yet; use 'auto' or 'none'",
-        )
     if not tools or tool_choice == "none":
         return None
     verify_tool_definitions(tools, param=param)
     if not tokenizer.chat_template_reads_tools:
         raise unsupported(param, f"the chat template of model {model_name!r} has no tool support")
+    definitions = [
+        tool.model_dump(exclude_none=True, exclude={"function": {"strict"}}) for tool in tools
+    ]
+    names = frozenset(tool.function.name for tool in tools)
+    if tool_choice is not None and tool_choice != "auto":
+        function = None if tool_choice == "required" else tool_choice.function.name
+        forced = forced_calls(tools, function, parallel=parallel, param=param)
+        return ToolUse(definitions, names, None, parallel, forced, function)
     format_ = format_of_template(tokenizer.chat_template or "")
     if format_ is None:
         raise unsupported(
@@ -86,11 +99,56 @@ def plan_tool_use(
             f"model {model_name!r} writes tool calls in a format this server does not parse "
             f"(it parses: {', '.join(sorted(PARSERS))})",
         )
-    definitions = [
-        tool.model_dump(exclude_none=True, exclude={"function": {"strict"}}) for tool in tools
-    ]
-    names = frozenset(tool.function.name for tool in tools)
     return ToolUse(definitions, names, format_, parallel)
+
+
+def structure_with_tools(
+    requested: StructuredOutput | None, tool_use: ToolUse | None
+) -> StructuredOutput | None:
+    """The structure the output follows: the one requested, or the calls tool_choice forces.
+    A requested structure would forbid the calls of tools the model may call (`auto`), and
+    cannot be combined with forced ones."""
+    if tool_use is None:
+        return requested
+    if requested is None:
+        return tool_use.forced
+    raise APIError(
+        400,
+        "an output structure (response_format, text.format or structured_outputs) and tools "
+        "the model may call cannot be combined: the structure would forbid the calls; give "
+        "tool_choice 'none', or force the calls with 'required' or a named function and no "
+        "structure",
+        param="tool_choice",
+    )
+
+
+def forced_calls(
+    tools: Sequence[FunctionTool], function: str | None, *, parallel: bool, param: str
+) -> StructuredOutput:
+    """The grammar of calls that `tool_choice` forces: the named `function`'s arguments, or
+    (None: `required`) an array of calls to any of `tools` (one at most unless `parallel`)."""
+    schemas = {t.function.name: t.function.parameters or {"type": "object"} for t in tools}
+    if function is not None:
+        if function not in schemas:
+            raise APIError(
+                400,
+                f"tool_choice names function {function!r}, which the request's tools do not define",
+                param="tool_choice",
+            )
+        return json_schema_output(schemas[function], param=f"{param}.{function}.parameters")
+    call_schemas = [
+        {
+            "type": "object",
+            "properties": {"name": {"const": name}, "parameters": schema},
+            "required": ["name", "parameters"],
+            "additionalProperties": False,
+        }
+        for name, schema in schemas.items()
+    ]
+    calls: dict[str, object] = {"type": "array", "items": {"anyOf": call_schemas}, "minItems": 1}
+    if not parallel:
+        calls["maxItems"] = 1
+    return json_schema_output(calls, param=param)
 
 
 def verify_tool_definitions(tools: Sequence[FunctionTool], *, param: str) -> None:

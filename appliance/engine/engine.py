@@ -28,6 +28,7 @@ from appliance.engine.outputs import EngineStats, RequestOutput, RequestState
 from appliance.engine.sampling_params import SamplingParams
 from appliance.engine.scheduler import Scheduler, SchedulerConfig
 from appliance.engine.sequence import RequestId, Sequence, SequenceStatus
+from appliance.engine.structured_output import GrammarCompiler
 from appliance.engine.tokenizer import Tokenizer
 from kernels.backend import kernel_ops_for
 from kernels.ops import KernelOps
@@ -118,6 +119,11 @@ class Engine:
         self._requests: dict[RequestId, RequestState] = {}
         self._generators: dict[RequestId, torch.Generator] = {}
         self._arrivals = itertools.count()
+        self.grammars = (
+            None
+            if tokenizer is None
+            else GrammarCompiler(tokenizer.to_json, vocab_size, tokenizer.eos_token_ids)
+        )
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> Engine:
@@ -200,6 +206,7 @@ class Engine:
         """Current counts. Safe to call from another thread while the engine steps: each field
         is read atomically, though the fields may come from different steps."""
         scheduler = self.scheduler
+        compiles = self.grammars.compile_times() if self.grammars is not None else None
         return EngineStats(
             num_running=len(scheduler.running),
             num_waiting=len(scheduler.waiting),
@@ -207,6 +214,8 @@ class Engine:
             num_preemptions=scheduler.num_preemptions,
             num_prefix_cache_queries=scheduler.num_prefix_query_tokens,
             num_prefix_cache_hits=scheduler.num_prefix_hit_tokens,
+            grammar_compile_counts=compiles.counts if compiles is not None else (),
+            grammar_compile_seconds=compiles.sum_s if compiles is not None else 0.0,
         )
 
     def prepare_request(
@@ -255,6 +264,11 @@ class Engine:
                 f"the prompt has {len(token_ids)} tokens; without chunked prefill at most "
                 f"{self.scheduler.config.max_num_batched_tokens} fit in one step"
             )
+        grammar = None
+        if params.structured is not None:
+            if self.grammars is None:
+                raise InvalidRequestError("structured outputs need a tokenizer")
+            grammar = self.grammars.grammar(params.structured)
         return Sequence(
             request_id=RequestId(request_id),
             token_ids=token_ids,
@@ -262,6 +276,7 @@ class Engine:
             arrival=next(self._arrivals),
             priority=priority,
             cache_salt=cache_salt,
+            grammar=grammar,
         )
 
     def add_request(

@@ -26,6 +26,7 @@ from appliance.engine.sampling_controls import SamplingControls
 from appliance.engine.sampling_params import SamplingParams
 from appliance.engine.scheduler import ScheduledChunk
 from appliance.engine.sequence import Sequence
+from appliance.engine.structured_output import TokenMasks
 from kernels.ops import AttentionMetadata
 
 logger = logging.getLogger(__name__)
@@ -181,12 +182,20 @@ class ModelRunner:
         token_ids: dict[int, int] = {}
         logprobs: dict[int, TokenLogprob] = {}
         if sampling_rows:
+            seqs = [chunks[i].seq for i in sampling_rows]
+            # The grammars' masks are computed here, on the host, while the device runs the
+            # forward pass queued above.
+            masks = TokenMasks.for_rows([s.grammar for s in seqs], self.model.config.vocab_size)
+            if masks is not None:
+                masks.fill()
             ends = [batch.query_ends[i] for i in sampling_rows]
             rows = self._to_device(ends, torch.int64)
             logits = self.model.compute_logits(hidden[rows])
-            params = [chunks[i].seq.params for i in sampling_rows]
-            controls = self._controls([chunks[i].seq for i in sampling_rows])
+            params = [s.params for s in seqs]
+            controls = self._controls(seqs)
             adjusted = logits if controls is None else controls.apply(logits)
+            if masks is not None:
+                adjusted = masks.apply(adjusted)
             sampled = sample(adjusted, params, [generators[i] for i in sampling_rows])
             if controls is not None:
                 controls.record(sampled)
@@ -207,7 +216,8 @@ class ModelRunner:
     ) -> list[list[int]]:
         """Run `num_steps` decode steps of single-token chunks back to back; the tokens sampled
         in one step are the next step's inputs without leaving the device, and the host waits
-        once, at the end. Returns each chunk's `num_steps` sampled tokens."""
+        once, at the end. Returns each chunk's `num_steps` sampled tokens. No chunk follows a
+        grammar (the scheduler never bursts those: each mask needs the token before)."""
         batch = self._prepare(chunks)
         params = [c.seq.params for c in chunks]
         controls = self._controls([c.seq for c in chunks])

@@ -7,10 +7,16 @@ character), so a stream never shows text that the final output does not contain.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field, replace
 
 from appliance.engine.detokenizer import IncrementalDetokenizer
 from appliance.engine.sequence import RequestId, Sequence, SequenceStatus
+
+logger = logging.getLogger(__name__)
+
+GRAMMAR_COMPILE_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+"""Bounds of the grammar compile-time histogram, in seconds (Prometheus `le` bounds)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -24,6 +30,10 @@ class EngineStats:
     # Prompt tokens looked up in the prefix cache at admission, and those found there.
     num_prefix_cache_queries: int
     num_prefix_cache_hits: int
+    # Structured outputs' grammar compilations: cumulative counts per bucket of
+    # GRAMMAR_COMPILE_BUCKETS (the last, +inf, counts them all) and their total seconds.
+    grammar_compile_counts: tuple[int, ...] = ()
+    grammar_compile_seconds: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,6 +119,11 @@ class RequestState:
         self.pending_token_ids.append(token_id)
         if logprob is not None:
             self.pending_logprobs.append(logprob)
+        if seq.grammar is not None and not seq.grammar.accept(token_id):
+            # The sampler allowed only what the grammar allows: a refused token means the two
+            # disagree, and the output could no longer be trusted to match. Cut it off.
+            logger.error("request %s sampled a token its grammar refuses", seq.request_id)
+            return self._finish(SequenceStatus.FINISHED_ABORTED)
         if token_id in params.stop_token_ids:
             self.stop_reason = token_id
             return self._finish(SequenceStatus.FINISHED_STOPPED)

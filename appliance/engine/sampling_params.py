@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Literal
 
 from appliance.engine.errors import InvalidRequestError
 
@@ -13,6 +14,40 @@ MAX_LOGIT_BIAS = 300
 """OpenAI's bound on `logit_bias` entries; each bias is in [-100, 100] as there."""
 MAX_PENALTY = 2.0
 """OpenAI's bound on `frequency_penalty` and `presence_penalty` (in [-2, 2])."""
+MAX_STRUCTURE_CHARS = 65_536
+"""The longest JSON schema, regex, grammar or list of choices a request may constrain with."""
+
+StructureKind = Literal["json_schema", "json_object", "regex", "choice", "grammar"]
+
+
+@dataclass(frozen=True, slots=True)
+class StructuredOutput:
+    """What the output must match, compiled to a grammar when the request is taken
+    (appliance.engine.structured_output): `json_schema` (the schema as JSON text), `json_object`
+    (any JSON object; `spec` is empty), `regex`, `choice` (a JSON list of the allowed strings)
+    or `grammar` (Lark, or GBNF as llama.cpp writes it). Equal kinds and specifications
+    compile to the same grammar, so this is also the grammar cache's key."""
+
+    kind: StructureKind
+    spec: str = ""
+    # The request field it came from, for errors (not part of the cache key).
+    param: str = field(default="structured_outputs", compare=False)
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("json_schema", "json_object", "regex", "choice", "grammar"):
+            raise _bad(self.param, f"unknown kind {self.kind!r}")
+        if (self.kind == "json_object") != (not self.spec):
+            raise _bad(
+                self.param,
+                f"{self.kind} needs a specification"
+                if not self.spec
+                else "json_object takes no specification",
+            )
+        if len(self.spec) > MAX_STRUCTURE_CHARS:
+            raise _bad(
+                self.param,
+                f"the {self.kind} has {len(self.spec)} characters; at most {MAX_STRUCTURE_CHARS}",
+            )
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,6 +68,11 @@ class SamplingParams:
     `frequency_penalty` subtracts itself once per occurrence of a token in the output, and
     `presence_penalty` once for a token that occurs in it. Log-probabilities stay those of the
     model's own distribution (vLLM's default `logprobs_mode`, "raw_logprobs").
+
+    `structured` constrains every token to keep the output inside a grammar, after the
+    controls above and before temperature and the filters; once the grammar is complete only
+    EOS is allowed. It ends with EOS, so it cannot be combined with `ignore_eos` or with
+    `min_tokens` (which forbids EOS while the grammar may allow nothing else).
     """
 
     max_tokens: int = 16
@@ -53,6 +93,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
+    structured: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
         self._verify()
@@ -117,6 +158,14 @@ class SamplingParams:
             value = getattr(self, name)
             if not -MAX_PENALTY <= value <= MAX_PENALTY:
                 raise _bad(name, f"must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}], got {value!r}")
+        if self.structured is not None:
+            for name in ("ignore_eos", "min_tokens"):
+                if getattr(self, name):
+                    raise _bad(
+                        name,
+                        "not available with structured outputs: the output ends with EOS as soon "
+                        "as its grammar is complete",
+                    )
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None and not (

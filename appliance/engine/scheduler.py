@@ -115,15 +115,18 @@ class Scheduler:
 
     def _schedule_decode_burst(self) -> SchedulerOutput | None:
         """Several decode steps at once, when nothing needs the scheduler between them: every
-        running sequence is decoding, none wants log-probabilities, nobody waits, and the blocks
-        for all steps are free. The host is then consulted once per burst instead of once per
-        token. A burst never runs a sequence past its max_tokens or the context, so only a stop
-        (EOS, stop token, stop string) can end one early; its remaining tokens are dropped."""
+        running sequence is decoding, none wants log-probabilities or follows a grammar, nobody
+        waits, and the blocks for all steps are free. The host is then consulted once per burst
+        instead of once per token. A burst never runs a sequence past its max_tokens or the
+        context, so only a stop (EOS, stop token, stop string) can end one early; its remaining
+        tokens are dropped."""
         steps = self.config.max_decode_burst
         if steps < 2 or self.waiting or not self.running:
             return None
         for seq in self.running:
             if seq.num_uncomputed_tokens != 1 or seq.params.logprobs is not None:
+                return None
+            if seq.grammar is not None:  # its next mask depends on the token before
                 return None
             remaining = min(
                 seq.params.max_tokens - seq.num_output_tokens, self.config.max_model_len - len(seq)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import NewType
+from typing import NewType, Protocol
 
 from appliance.engine.sampling_params import SamplingParams
 
@@ -32,6 +32,14 @@ _FINISHED = frozenset(
 )
 
 
+class OutputGrammar(Protocol):
+    """Where a structured output is in its grammar (appliance.engine.structured_output)."""
+
+    def accept(self, token_id: int) -> bool:
+        """Advance past an appended token; False if the grammar forbids it."""
+        ...
+
+
 @dataclass(eq=False)
 class Sequence:
     """One request: prompt plus generated tokens, and how much of it the KV cache holds.
@@ -48,6 +56,9 @@ class Sequence:
     arrival: int
     priority: int = 0
     cache_salt: str = ""
+    # The grammar a structured output stays in: the sampler masks what it forbids, and each
+    # appended token advances it.
+    grammar: OutputGrammar | None = None
     status: SequenceStatus = SequenceStatus.WAITING
     num_prompt_tokens: int = field(init=False)
     num_computed_tokens: int = 0

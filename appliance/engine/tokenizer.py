@@ -253,6 +253,11 @@ class Tokenizer:
         """Number of token ids, added tokens included."""
         return self._backend.get_vocab_size(with_added_tokens=True)
 
+    def to_json(self) -> str:
+        """The tokenizer as `tokenizer.json` describes it, added tokens included (what a
+        grammar engine compiles against)."""
+        return self._backend.to_str()
+
     @property
     def all_special_ids(self) -> frozenset[int]:
         """Ids of the special (control) tokens, the ones `skip_special_tokens` drops."""

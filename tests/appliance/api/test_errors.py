@@ -170,11 +170,14 @@ def test_chunked_body_over_the_limit_is_a_413(http: httpx.Client) -> None:
     _error(http.post("/v1/completions", content=chunks()), 413)
 
 
-def test_json_object_response_format_is_a_clear_400(http: httpx.Client) -> None:
-    body = {"model": MODEL_NAME, "messages": HI, "response_format": {"type": "json_object"}}
+def test_a_response_format_schema_that_cannot_compile_is_a_clear_400(http: httpx.Client) -> None:
+    schema = {"type": "object", "properties": {"a": {"$ref": "#/nowhere"}}}
+    response_format = {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}
+    body = {"model": MODEL_NAME, "messages": HI, "response_format": response_format}
     error = _error(http.post(CHAT, json=body), 400)
-    assert error["param"] == "response_format"
-    assert "constrained decoding" in error["message"]
+    assert error["param"] == "response_format.json_schema.schema"
+    assert "the JSON schema cannot be compiled" in error["message"]
+    assert "nowhere" in error["message"]
 
 
 @pytest.mark.parametrize(

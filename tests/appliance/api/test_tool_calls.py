@@ -190,17 +190,6 @@ def test_tool_choice_none_leaves_the_tools_out_and_parses_nothing(
     assert reply.usage.prompt_tokens == len(tokenizer.encode_chat(QUESTION))
 
 
-@pytest.mark.parametrize(
-    "choice", ["required", {"type": "function", "function": {"name": "get_weather"}}]
-)
-def test_tool_choices_that_need_constrained_decoding_are_refused(
-    client: openai.OpenAI, choice: Any
-) -> None:
-    error = _refusal(lambda: _chat(client, tool_choice=choice))
-    assert error["param"] == "tool_choice"
-    assert "grammar-constrained decoding" in error["message"]
-
-
 def _tool(name: str, parameters: Any) -> dict[str, Any]:
     return {"type": "function", "function": {"name": name, "parameters": parameters}}
 
