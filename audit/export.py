@@ -4,6 +4,7 @@ The export is itself an audit event: it is appended (with who asked and for what
 checkpoint is signed before the bundle is written, so an open-ended export ends with its own
 record. Every exported entry is covered by a signed checkpoint: the bundle runs to the first
 checkpoint at or after the requested last entry, so it may hold a few entries more than asked.
+Checkpoints are exported as stored, with the cosignatures of the log's witnesses (if any).
 """
 
 from __future__ import annotations
@@ -91,7 +92,12 @@ def export_bundle(
             {"request": request.to_details(), "first_index": first},
         )
     )
-    log.checkpoint()
+    signed = log.checkpoint()
+    if signed is not None:
+        # The bundle carries the cosignatures the witnesses give its newest checkpoint: wait for
+        # them (bounded); a witness that does not answer is missing from the bundle, which an
+        # auditor requiring it then refuses.
+        log.wait_for_witnesses(signed.size)
     last = receipt.index if last is None else last
     covering = log.store.checkpoints(last + 1, log.store.size())
     if not covering:

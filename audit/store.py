@@ -30,6 +30,7 @@ from audit.merkle import (
     inclusion_proof_plan,
     resolve_plan,
 )
+from audit.note import add_signature_lines
 from audit.schema import checkpoints, create_schema, leaves, logs, nodes
 
 T = TypeVar("T")
@@ -201,6 +202,25 @@ class AuditStore:
                     )
         except SQLAlchemyError as exc:
             raise AuditWriteError(f"checkpoint of size {size} could not be stored: {exc}") from exc
+
+    def add_cosignatures(self, size: int, lines: Sequence[str]) -> str:
+        """Append witness cosignature lines to the stored note of the checkpoint of `size`;
+        a line by a key (name and key ID) that already signed the note is left out. Returns the
+        note as stored now. The checkpoint's text, and so its log signature, never changes."""
+        try:
+            with self._write_engine.begin() as conn:
+                where = (checkpoints.c.origin == self.origin, checkpoints.c.size == size)
+                note = conn.execute(select(checkpoints.c.note).where(*where)).scalar()
+                if note is None:
+                    raise AuditWriteError(f"there is no checkpoint of size {size} to cosign")
+                updated = add_signature_lines(note, lines)
+                if updated != note:
+                    conn.execute(checkpoints.update().where(*where).values(note=updated))
+        except SQLAlchemyError as exc:
+            raise AuditWriteError(
+                f"cosignatures of checkpoint {size} could not be stored: {exc}"
+            ) from exc
+        return updated
 
     # -- reading ---------------------------------------------------------------------------
 
