@@ -163,7 +163,7 @@ class SignedNote:
         lines = block.removesuffix("\n").split("\n")
         if len(lines) > MAX_SIGNATURES:
             raise NoteFormatError(f"signed note has more than {MAX_SIGNATURES} signatures")
-        return cls(text, tuple(_parse_signature_line(line) for line in lines))
+        return cls(text, tuple(parse_signature_line(line) for line in lines))
 
     def open(self, verifier: VerifierKey) -> str:
         """Return the text if a signature by `verifier` verifies; raise SignatureError if not.
@@ -186,7 +186,9 @@ class SignedNote:
         return self.text
 
 
-def _parse_signature_line(line: str) -> NoteSignature:
+def parse_signature_line(line: str) -> NoteSignature:
+    """One signature line, with or without its newline: `— <name> base64(key id || sig)`."""
+    line = line.removesuffix("\n")
     if not line.startswith(SIGNATURE_PREFIX):
         raise NoteFormatError(f"signature line {line[:40]!r} does not start with an em dash")
     name, sep, encoded = line[len(SIGNATURE_PREFIX) :].partition(" ")
@@ -202,20 +204,3 @@ def _parse_signature_line(line: str) -> NoteSignature:
 def open_note(note: str | bytes, verifier: VerifierKey) -> str:
     """Parse `note` and return its text if `verifier` signed it (see SignedNote.open)."""
     return SignedNote.parse(note).open(verifier)
-
-
-def add_signature_lines(note: str, lines: Sequence[str]) -> str:
-    """`note` with each of `lines` (whole signature lines, newline-terminated) appended, unless
-    a signature by the same key (name and key ID) is already on it. Raises NoteFormatError."""
-    signed = SignedNote.parse(note)
-    seen = {(s.name, s.key_id) for s in signed.signatures}
-    for line in lines:
-        if not line.endswith("\n") or "\n" in line[:-1]:
-            raise NoteFormatError("a signature line must be one newline-terminated line")
-        signature = _parse_signature_line(line[:-1])
-        if (signature.name, signature.key_id) not in seen:
-            seen.add((signature.name, signature.key_id))
-            note += line
-    if len(seen) > MAX_SIGNATURES:
-        raise NoteFormatError(f"a note may carry at most {MAX_SIGNATURES} signatures")
-    return note

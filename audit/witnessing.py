@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Sequence
+from datetime import UTC, datetime
 
 from audit.checkpoint import Checkpoint
 from audit.errors import AuditError, WitnessUnavailableError
@@ -96,5 +97,5 @@ class CheckpointWitnessing:
                     exc,
                 )
         if lines:
-            self._store.add_cosignatures(size, lines)
+            self._store.add_cosignatures(size, lines, datetime.now(UTC))
             logger.debug("audit checkpoint %d cosigned by %d witnesses", size, len(lines))

@@ -188,3 +188,27 @@ def test_an_unknown_database_scheme_is_refused(origin: str) -> None:
 
     with pytest.raises(AuditStoreError, match="sqlite:// or postgresql://, not mysql"):
         AuditStore.open("mysql://localhost/audit", origin)
+
+
+def test_cosignatures_are_read_back_with_their_checkpoint_once_per_witness_key(
+    db_url: str, origin: str, open_store: Callable[[], AuditStore]
+) -> None:
+    store = open_store()
+    store.append([_event(0), _event(1)])
+    store.add_checkpoint(1, "one\n\n— log AAAAAAA=\n", T0)
+    store.add_checkpoint(2, "two\n\n— log AAAAAAA=\n", T0)
+    alpha, beta = "— alpha AAAAAAE=\n", "— beta AAAAAAI=\n"
+    store.add_cosignatures(2, [beta, alpha], T0)
+    store.add_cosignatures(2, ["— alpha AAAAAAF=\n"], T0)  # the same key again: ignored
+    assert [c.note for c in store.checkpoints(0, 5)] == [
+        "one\n\n— log AAAAAAA=\n",
+        "two\n\n— log AAAAAAA=\n" + alpha + beta,
+    ]
+    assert store.latest_checkpoint().note.endswith(alpha + beta)  # type: ignore[union-attr]
+    with pytest.raises(AuditWriteError, match="no checkpoint of size 3"):
+        store.add_cosignatures(3, [alpha], T0)
+    engine = create_engine(db_url)
+    for statement in ("UPDATE audit_cosignatures SET line = 'x' WHERE origin = :o",
+                      "DELETE FROM audit_cosignatures WHERE origin = :o"):  # fmt: skip
+        with pytest.raises(SQLAlchemyError, match="append-only"), engine.begin() as conn:
+            conn.execute(text(statement), {"o": origin})
