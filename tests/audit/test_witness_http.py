@@ -5,9 +5,12 @@ and a witness restarted on its state."""
 
 from __future__ import annotations
 
+import base64
 import shutil
+import socket
 import subprocess
 import sys
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -19,7 +22,7 @@ import pytest
 
 from audit.__main__ import main
 from audit.checkpoint import Checkpoint
-from audit.cosignature import CosignerKey, verify_cosignatures
+from audit.cosignature import Cosigner, CosignerKey, verify_cosignatures
 from audit.encoding import encode_base64
 from audit.event import Action, Outcome, system_event
 from audit.export import ExportRequest, export_bundle
@@ -216,3 +219,40 @@ def test_a_witness_refuses_a_second_process_on_its_state(witnesses: list[Witness
     )  # fmt: skip
     assert second.returncode == 2
     assert "another witness process holds" in second.stderr
+
+
+def test_a_forged_cosignature_in_a_bundle_fails_verification(
+    root: Path, log_vkey: str, witnesses: list[WitnessProcess], tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:  # fmt: skip
+    bundle = tmp_path / "bundle"
+    shutil.copytree(root / "bundle-both", bundle)
+    newest = max((bundle / "checkpoints").iterdir(), key=lambda p: int(p.stem))
+    note = newest.read_text()
+    alpha_line = next(line for line in note.splitlines() if "witness.test/alpha" in line)
+    blob = bytearray(base64.b64decode(alpha_line.split(" ")[2]))
+    blob[-1] ^= 1
+    newest.write_text(note.replace(alpha_line.split(" ")[2], base64.b64encode(blob).decode()))
+    assert _verify(bundle, log_vkey, witnesses, 0) == 1
+    assert "the cosignature by witness.test/alpha" in capsys.readouterr().err
+
+
+def test_a_witness_that_never_answers_does_not_delay_appends(root: Path, tmp_path: Path) -> None:
+    with socket.socket() as silent:  # accepts connections (the kernel's backlog), never answers
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(8)
+        port = silent.getsockname()[1]
+        stuck = WitnessEndpoint(f"http://127.0.0.1:{port}", Cosigner.generate("w.test/x").verifier)
+        settings = AuditLogSettings(
+            "inferno.test/stuck", f"sqlite:///{tmp_path / 'a.db'}", tmp_path / "keys",
+            witnesses=(stuck,), witness_timeout_s=0.5,
+        )  # fmt: skip
+        with AuditLog.open(settings) as log:
+            started = time.monotonic()
+            for _ in range(3):
+                _append(log, 1)
+                log.checkpoint()  # each one handed to the witnessing thread
+            assert time.monotonic() - started < 0.5
+            latest = log.store.latest_checkpoint()
+            assert latest is not None
+            assert latest.note.count("\u2014") == 1  # the log's signature alone
