@@ -179,9 +179,11 @@ Log `{manifest.origin}`, entries {manifest.first_index} to {last}, exported {man
    It exits 0 only if every check passes: every checkpoint's signature against the pinned key,
    every entry's position, the recomputed Merkle root at every checkpoint, no two roots for
    one size, no checkpoint beyond the entries present, and (with `--state`) that this log
-   extends the one you verified last time. Keep the state file between exports: it is how a
-   rewritten or truncated history is caught. Export from the last size you verified
-   (`--from` that size) so the bundles overlap.
+   extends the one you verified last time. If the log has witnesses, pin their keys (obtained
+   from their operators) with `--witness 'WITNESS_VKEY'` and require K of them with
+   `--min-witnesses K`: their cosignatures rule out a history shown to you alone. Keep the
+   state file between exports: it is how a rewritten or truncated history is caught. Export
+   from the last size you verified (`--from` that size) so the bundles overlap.
 
 Files: `entries.jsonl` (one RFC 8785 canonical JSON entry per line, exactly the bytes hashed:
 leaf hash = SHA-256(0x00 || line)), `checkpoints/<size>.txt` (C2SP tlog-checkpoints, Ed25519
