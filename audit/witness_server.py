@@ -49,7 +49,11 @@ class _Handler(BaseHTTPRequestHandler):
             self._reply(HTTPStatus.REQUEST_ENTITY_TOO_LARGE, f"at most {MAX_REQUEST_BYTES} bytes\n")
             self.close_connection = True
             return
-        body = self.rfile.read(int(length))
+        try:
+            body = self.rfile.read(int(length))
+        except TimeoutError:
+            self.close_connection = True  # too slow to send its request: no answer
+            return
         try:
             line = self.server.witness.add_checkpoint(body, now=int(time.time()))
         except OldSizeConflictError as exc:

@@ -6,6 +6,7 @@ and a witness restarted on its state."""
 from __future__ import annotations
 
 import base64
+import http.client
 import shutil
 import socket
 import subprocess
@@ -256,3 +257,38 @@ def test_a_witness_that_never_answers_does_not_delay_appends(root: Path, tmp_pat
             latest = log.store.latest_checkpoint()
             assert latest is not None
             assert latest.note.count("\u2014") == 1  # the log's signature alone
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "headers", "status"),
+    [
+        ("GET", "/add-checkpoint", {}, 405),
+        ("POST", "/add-checkpoint/../x", {"Content-Length": "0"}, 404),
+        ("POST", "/add-checkpoint", {"Content-Length": str(65 << 10)}, 413),
+        ("POST", "/add-checkpoint", {"Content-Length": "0"}, 400),
+    ],
+)
+def test_the_witness_edge_refuses_other_methods_paths_and_oversized_bodies(
+    witnesses: list[WitnessProcess], method: str, path: str, headers: dict[str, str], status: int
+) -> None:
+    host, port = witnesses[0].url.removeprefix("http://").split(":")
+    connection = http.client.HTTPConnection(host, int(port), timeout=5)
+    try:
+        connection.putrequest(method, path, skip_accept_encoding=True)
+        for name, value in headers.items():
+            connection.putheader(name, value)
+        connection.endheaders()
+        assert connection.getresponse().status == status
+    finally:
+        connection.close()
+
+
+def test_the_vkey_command_prints_a_witness_keys_vkey_and_keys_are_never_overwritten(
+    witnesses: list[WitnessProcess], capsys: pytest.CaptureFixture[str]
+) -> None:
+    alpha = witnesses[0]
+    capsys.readouterr()
+    assert main(["vkey", str(alpha.key)]) == 0
+    assert capsys.readouterr().out.strip() == alpha.vkey
+    assert main(["witness-key", str(alpha.key), "--name", "witness.test/again"]) == 2
+    assert "never overwritten" in capsys.readouterr().err
