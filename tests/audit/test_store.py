@@ -15,6 +15,7 @@ from audit.canonical import canonicalize
 from audit.errors import AuditWriteError
 from audit.event import Action, AuditEvent, Outcome, system_event
 from audit.merkle import hash_leaf, root_of, verify_consistency, verify_inclusion
+from audit.schema import LOG_TABLES
 from audit.store import AuditStore
 
 T0 = datetime(2025, 1, 31, 12, 0, tzinfo=UTC)
@@ -124,7 +125,7 @@ def test_truncate_is_refused_on_postgresql(postgres_server: str, origin: str) ->
     store.append([_event(0)])
     store.close()
     engine = create_engine(postgres_server)
-    for table in ("audit_leaves", "audit_nodes", "audit_checkpoints", "audit_logs"):
+    for table in LOG_TABLES:
         with (
             pytest.raises(SQLAlchemyError, match="append-only: TRUNCATE refused"),
             engine.begin() as conn,
