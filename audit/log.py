@@ -41,7 +41,7 @@ from audit.policy import CheckpointPolicy
 from audit.signer import CheckpointSigner, load_or_create_note_signer
 from audit.store import AuditReceipt, AuditStore, StoredCheckpoint
 from audit.tlog_proof import TlogProof
-from audit.witness_client import WitnessClient, WitnessEndpoint
+from audit.witness_client import WitnessEndpoint
 from audit.witnessing import CheckpointWitnessing
 
 logger = logging.getLogger(__name__)
@@ -153,9 +153,7 @@ class AuditLog:
         self._last_append_at = now
         self._writer = threading.Thread(target=self._run, name="audit-writer", daemon=True)
         self._witnessing = (
-            CheckpointWitnessing(
-                store, [WitnessClient(w, settings.witness_timeout_s) for w in settings.witnesses]
-            )
+            CheckpointWitnessing(store, settings.witnesses, settings.witness_timeout_s)
             if settings.witnesses
             else None
         )
@@ -253,13 +251,10 @@ class AuditLog:
         return future.result()
 
     def wait_for_witnesses(self, size: int) -> bool:
-        """Wait (up to each witness's timeout, twice: a 409 retries once) until every witness
-        was asked to cosign a checkpoint of at least `size`; True at once without witnesses.
-        Whether each one cosigned shows in the stored note."""
-        if self._witnessing is None:
-            return True
-        bound = 2 * self._settings.witness_timeout_s * len(self._settings.witnesses)
-        return self._witnessing.wait(size, bound + 1.0)
+        """Wait (bounded by the witnesses' timeouts) until every witness was asked to cosign a
+        checkpoint of at least `size`; True at once without witnesses. Whether each one
+        cosigned shows in the stored note."""
+        return self._witnessing is None or self._witnessing.wait(size)
 
     # -- reading ---------------------------------------------------------------------------
 
@@ -286,8 +281,7 @@ class AuditLog:
         self._queue.put(_STOP)
         self._writer.join()
         if self._witnessing is not None:  # the final checkpoint, if the witnesses answer in time
-            bound = 2 * self._settings.witness_timeout_s * len(self._settings.witnesses)
-            self._witnessing.close(bound + 1.0)
+            self._witnessing.close()
         self.store.close()
 
     def __enter__(self) -> AuditLog:

@@ -19,17 +19,21 @@ from audit.checkpoint import Checkpoint
 from audit.errors import AuditError, WitnessUnavailableError
 from audit.note import SignedNote
 from audit.store import AuditStore
-from audit.witness_client import WitnessClient
+from audit.witness_client import WitnessClient, WitnessEndpoint
 
 logger = logging.getLogger(__name__)
 
 
 class CheckpointWitnessing:
-    """Sends each new checkpoint of `store` to the witnesses of `clients`, from one thread."""
+    """Sends each new checkpoint of `store` to the `witnesses`, from one thread."""
 
-    def __init__(self, store: AuditStore, clients: Sequence[WitnessClient]) -> None:
+    def __init__(
+        self, store: AuditStore, witnesses: Sequence[WitnessEndpoint], timeout_s: float
+    ) -> None:
         self._store = store
-        self._clients = clients
+        self._clients = [WitnessClient(w, timeout_s) for w in witnesses]
+        # The longest a round takes: each witness's timeout twice (a 409 retries once).
+        self._round_s = 2 * timeout_s * len(witnesses) + 1.0
         self._changed = threading.Condition()
         self._wanted_size = 0  # the newest checkpoint submitted
         self._done_size = 0  # the newest checkpoint every witness was asked to cosign
@@ -46,18 +50,19 @@ class CheckpointWitnessing:
                 self._wanted_size = size
                 self._changed.notify_all()
 
-    def wait(self, size: int, timeout_s: float) -> bool:
+    def wait(self, size: int) -> bool:
         """Wait until every witness was asked about a checkpoint of at least `size` (whether it
-        cosigned or not); False if that took longer than `timeout_s`."""
+        cosigned or not shows in the stored note); False if the witnesses took longer than two
+        rounds (the one under way, and the one that sends `size`)."""
         with self._changed:
-            return self._changed.wait_for(lambda: self._done_size >= size, timeout_s)
+            return self._changed.wait_for(lambda: self._done_size >= size, 2 * self._round_s)
 
-    def close(self, timeout_s: float) -> None:
-        """Send what was submitted, within `timeout_s`, then stop the thread."""
+    def close(self) -> None:
+        """Send what was submitted, within two rounds, then stop the thread."""
         with self._changed:
             self._stopping = True
             self._changed.notify_all()
-        self._thread.join(timeout_s)
+        self._thread.join(2 * self._round_s)
 
     def _run(self) -> None:
         while True:
