@@ -114,7 +114,8 @@ def _read_skey(path: Path) -> str:
 
 def _is_witness_skey(skey: str) -> bool:
     """A witness skey's key is of signature type 0x04 (audit.cosignature)."""
-    encoded = skey.strip().rsplit("+", 1)[-1]
+    # PRIVATE+KEY+<name>+<id>+<base64 key>: the name holds no "+", the base64 key may.
+    encoded = skey.strip().removeprefix(SKEY_PREFIX).split("+", 2)[-1]
     try:
         return decode_base64(encoded, "key")[:1] == bytes([ALG_COSIGNATURE_V1])
     except NoteFormatError:
@@ -123,7 +124,7 @@ def _is_witness_skey(skey: str) -> bool:
 
 def _print_vkey(args: argparse.Namespace) -> int:
     skey = _read_skey(args.keyfile)
-    if skey.startswith(SKEY_PREFIX) and _is_witness_skey(skey):
+    if _is_witness_skey(skey):
         print(Cosigner.from_skey(skey).verifier)
     else:
         print(NoteSigner.from_skey(skey).verifier)

@@ -288,7 +288,7 @@ def test_the_vkey_command_prints_a_witness_keys_vkey_and_keys_are_never_overwrit
 ) -> None:
     alpha = witnesses[0]
     capsys.readouterr()
-    assert main(["vkey", str(alpha.key)]) == 0
+    assert main(["vkey", str(alpha.key)]) == 0, capsys.readouterr().err
     assert capsys.readouterr().out.strip() == alpha.vkey
     assert main(["witness-key", str(alpha.key), "--name", "witness.test/again"]) == 2
     assert "never overwritten" in capsys.readouterr().err
