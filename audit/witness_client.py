@@ -64,11 +64,12 @@ class WitnessClient:
                 line = self._add_checkpoint(note, checkpoint, old_size, proof)
             except _Conflict as conflict:
                 if conflict.latest_size > checkpoint.size or conflict.latest_size == old_size:
-                    # A larger tree, or another root at our size: the witness was shown a
-                    # checkpoint this log's database does not extend.
+                    # It cosigned a larger tree: a newer checkpoint (another process of this
+                    # log, such as `inferno audit export`) or a fork. The next checkpoint tells.
                     raise WitnessUnavailableError(
-                        f"witness {self.endpoint.name} refuses size {checkpoint.size}: it cosigned "
-                        f"a checkpoint of size {conflict.latest_size} this tree does not extend"
+                        f"witness {self.endpoint.name} refuses size {checkpoint.size}: it has "
+                        f"cosigned size {conflict.latest_size} (a newer checkpoint of this log, "
+                        "or one this tree does not extend)"
                     ) from None
                 old_size = conflict.latest_size
                 continue
