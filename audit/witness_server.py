@@ -42,7 +42,7 @@ class _Handler(BaseHTTPRequestHandler):
             self._reply(HTTPStatus.NOT_FOUND, f"no such endpoint; POST {ADD_CHECKPOINT_PATH}\n")
             return
         length = self.headers.get("Content-Length")
-        if length is None or not length.isdigit():
+        if length is None or not (length.isascii() and length.isdigit()):
             self._reply(HTTPStatus.LENGTH_REQUIRED, "a Content-Length is required\n")
             return
         if int(length) > MAX_REQUEST_BYTES:
