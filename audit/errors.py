@@ -120,6 +120,11 @@ class WitnessUnavailableError(AuditError):
     """A witness could not be reached, refused a checkpoint, or answered something unusable."""
 
 
+class WitnessDisagreesError(WitnessUnavailableError):
+    """A witness refuses the checkpoint as inconsistent with what it cosigned (409 for another
+    root or a larger tree, 422): the log's tree may have forked, or its database been restored."""
+
+
 class WitnessStateError(AuditError):
     """The witness's state file is unreadable, or holds a checkpoint its log did not sign: the
     witness must not start, as one that forgot what it cosigned could cosign a fork."""

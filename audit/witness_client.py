@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from audit.checkpoint import Checkpoint
 from audit.cosignature import CosignerKey, verify_cosignatures
 from audit.encoding import encode_base64, parse_decimal
-from audit.errors import AuditError, WitnessUnavailableError
+from audit.errors import AuditError, WitnessDisagreesError, WitnessUnavailableError
 from audit.note import SignedNote
 
 ADD_CHECKPOINT = "add-checkpoint"
@@ -66,7 +66,7 @@ class WitnessClient:
                 if conflict.latest_size > checkpoint.size or conflict.latest_size == old_size:
                     # It cosigned a larger tree: a newer checkpoint (another process of this
                     # log, such as `inferno audit export`) or a fork. The next checkpoint tells.
-                    raise WitnessUnavailableError(
+                    raise WitnessDisagreesError(
                         f"witness {self.endpoint.name} refuses size {checkpoint.size}: it has "
                         f"cosigned size {conflict.latest_size} (a newer checkpoint of this log, "
                         "or one this tree does not extend)"
@@ -101,9 +101,8 @@ class WitnessClient:
             if exc.code == 409 and content_type == SIZE_CONTENT_TYPE:
                 raise _Conflict(_parse_size(detail, name)) from None
             reason = detail[:200].decode("utf-8", "replace").strip()
-            raise WitnessUnavailableError(
-                f"witness {name} answered {exc.code}: {reason or exc.reason}"
-            ) from None
+            error = WitnessDisagreesError if exc.code in (409, 422) else WitnessUnavailableError
+            raise error(f"witness {name} answered {exc.code}: {reason or exc.reason}") from None
         except (urllib.error.URLError, OSError) as exc:
             raise WitnessUnavailableError(f"witness {name} cannot be reached: {exc}") from None
         if len(answer) > MAX_RESPONSE_BYTES:

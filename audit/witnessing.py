@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from datetime import UTC, datetime
 
 from audit.checkpoint import Checkpoint
-from audit.errors import AuditError, WitnessUnavailableError
+from audit.errors import AuditError, WitnessDisagreesError
 from audit.note import SignedNote
 from audit.store import AuditStore
 from audit.witness_client import WitnessClient, WitnessEndpoint
@@ -93,7 +93,16 @@ class CheckpointWitnessing:
         for client in self._clients:
             try:
                 lines.append(client.cosign(note, checkpoint, self._store.consistency_proof))
-            except (WitnessUnavailableError, AuditError) as exc:
+            except WitnessDisagreesError as exc:
+                logger.error(
+                    "audit checkpoint %d refused by witness %s as inconsistent with what it "
+                    "cosigned (a forked tree or a restored database? compare with the witness's "
+                    "state): %s",
+                    size,
+                    client.endpoint.name,
+                    exc,
+                )
+            except AuditError as exc:
                 logger.warning(
                     "audit checkpoint %d not cosigned by witness %s (asked again with the next "
                     "checkpoint): %s",

@@ -180,14 +180,21 @@ def _post(url: str, body: bytes) -> tuple[int, str, str]:
 
 
 def test_a_forked_log_is_refused_over_http_and_the_witness_state_is_unchanged(
-    root: Path, log_vkey: str, witnesses: list[WitnessProcess], tmp_path: Path
+    root: Path,
+    log_vkey: str,
+    witnesses: list[WitnessProcess],
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
     alpha = witnesses[0]
-    # The operator equivocates: the same signing key over another database of the same origin.
+    # The operator equivocates: the same signing key over another database of the same origin,
+    # whose checkpoints go to the same witness.
     fork_keys = tmp_path / "keys"
     fork_keys.mkdir(mode=0o700)
     shutil.copy2(root / "keys" / SIGNING_KEY_FILE, fork_keys / SIGNING_KEY_FILE)
-    fork = AuditLogSettings(ORIGIN, f"sqlite:///{tmp_path / 'fork.db'}", fork_keys)
+    fork = AuditLogSettings(
+        ORIGIN, f"sqlite:///{tmp_path / 'fork.db'}", fork_keys, witnesses=(alpha.endpoint,)
+    )
     with AuditLog.open(settings=_settings(root, [])) as honest_log:
         honest = honest_log.store.latest_checkpoint()
     assert honest is not None
@@ -198,6 +205,10 @@ def test_a_forked_log_is_refused_over_http_and_the_witness_state_is_unchanged(
     with AuditLog.open(fork) as forked_log:
         _append(forked_log, honest.size + 3)
         forked_log.checkpoint()
+        assert forked_log.wait_for_witnesses(honest.size + 3)
+        # The log's own client: a 409 names alpha's size, the retry's proof from it is a 422.
+        assert "refused by witness witness.test/alpha as inconsistent" in caplog.text
+        assert forked_log.store.latest_checkpoint().note.count("\u2014") == 1  # type: ignore[union-attr]
         same_size = Checkpoint(ORIGIN, honest.size, forked_log.store.root(honest.size))
         split = same_size.sign(load_note_signer(fork_keys / SIGNING_KEY_FILE, ORIGIN))
         grown = forked_log.store.latest_checkpoint()
