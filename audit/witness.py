@@ -18,7 +18,8 @@ An add-checkpoint request, in the order the spec's section "add-checkpoint" give
      proof from the cosigned checkpoint must verify (422), and be empty from size 0;
   6. the new checkpoint is written durably to the state file, then cosigned (200).
 Steps 4 to 6 hold one lock, so that two requests cannot roll the state back (the race the spec
-describes); a refusal leaves the state as it was.
+describes); a refusal leaves the state as it was. A request refused at step 5 is kept, as the
+log signed it, in the evidence folder beside the state file: with the state, it proves the fork.
 
 Standard library and `cryptography` only: a customer's security team runs it on its own host
 (`python -m audit witness`, served by audit.witness_server).
@@ -26,6 +27,7 @@ Standard library and `cryptography` only: a customer's security team runs it on 
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import threading
@@ -60,6 +62,9 @@ MAX_PROOF_LINES = 63
 MAX_REQUEST_BYTES = 64 << 10
 MAX_STATE_BYTES = 16 << 20
 STATE_FORMAT = "inferno-witness-state/1"
+# Refused requests the log signed are kept in <state file>.evidence/, up to this many.
+EVIDENCE_SUFFIX = ".evidence"
+MAX_EVIDENCE_FILES = 1000
 _OLD_PREFIX = "old "
 
 
@@ -172,6 +177,7 @@ class Witness:
         if len(self._logs) != len(logs):
             raise WitnessStateError("two log keys name the same origin")
         self._state = WitnessState(state_path, self._logs)
+        self._evidence_dir = state_path.with_name(state_path.name + EVIDENCE_SUFFIX)
         self._lock = threading.Lock()
 
     def latest(self, origin: str) -> Checkpoint | None:
@@ -194,9 +200,30 @@ class Witness:
                 f"old size {request.old_size} is larger than the checkpoint's {checkpoint.size}"
             )
         with self._lock:
-            self._check_extends(request)
+            try:
+                self._check_extends(request)
+            except (SplitViewError, InconsistentCheckpointError):
+                self._keep_evidence(body, request, now)
+                raise
             self._state.record(checkpoint, request.note_text)
         return self.cosigner.cosign(request.note.text, now)
+
+    def _keep_evidence(self, body: bytes, request: AddCheckpointRequest, now: int) -> None:
+        """Keep a refused request the log signed: beside the checkpoint in the state, it is
+        proof, checkable by anyone with the log's vkey, that the log signed two trees that do
+        not fit together (the spec allows a witness to log it). At most MAX_EVIDENCE_FILES."""
+        folder = self._evidence_dir
+        try:
+            folder.mkdir(mode=0o700, exist_ok=True)
+            if sum(1 for _ in folder.iterdir()) >= MAX_EVIDENCE_FILES:
+                logger.warning("evidence folder %s is full; this refusal is not kept", folder)
+                return
+            name = f"{now}-{request.checkpoint.size}-{hashlib.sha256(body).hexdigest()[:16]}.txt"
+            write_file_atomically(folder / name, body)
+        except OSError as exc:
+            logger.error("evidence of a refused checkpoint could not be kept: %s", exc)
+            return
+        logger.warning("kept the refused checkpoint as evidence: %s", folder / name)
 
     def _check_extends(self, request: AddCheckpointRequest) -> None:
         checkpoint = request.checkpoint

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from audit.checkpoint import Checkpoint
+from audit.checkpoint import Checkpoint, open_checkpoint
 from audit.cosignature import Cosigner, verify_cosignatures
 from audit.encoding import encode_base64
 from audit.errors import (
@@ -22,7 +22,7 @@ from audit.errors import (
     WitnessStateError,
 )
 from audit.note import NoteSigner, SignedNote
-from audit.witness import MAX_PROOF_LINES, MAX_REQUEST_BYTES, Witness
+from audit.witness import MAX_PROOF_LINES, MAX_REQUEST_BYTES, AddCheckpointRequest, Witness
 from tests.audit.test_merkle import naive_root, naive_subproof
 
 ORIGIN = "inferno.test/witnessed"
@@ -191,3 +191,32 @@ def test_a_state_file_that_is_not_json_stops_the_witness(state_path: Path) -> No
     state_path.write_text("[" * 100_000)
     with pytest.raises(WitnessStateError, match="unusable"):
         Witness(COSIGNER, [LOG.verifier], state_path)
+
+
+def test_a_refused_fork_is_kept_as_evidence_that_the_log_signed_two_trees(
+    witness: Witness, state_path: Path
+) -> None:
+    honest, forked = _leaves(6), _leaves(6, fork=" (rewritten)")
+    witness.add_checkpoint(_body(None, honest), NOW)
+    with pytest.raises(SplitViewError):
+        witness.add_checkpoint(_body(honest, forked), NOW)
+    [kept] = (state_path.parent / (state_path.name + ".evidence")).iterdir()
+    evidence = AddCheckpointRequest.parse(kept.read_bytes())
+    cosigned = json.loads(state_path.read_text())["logs"][ORIGIN]
+    # Both are checkpoints of size 6 signed by the log's key, with different roots.
+    assert open_checkpoint(evidence.note_text, LOG.verifier) == Checkpoint(
+        ORIGIN, 6, naive_root(forked)
+    )
+    assert open_checkpoint(cosigned, LOG.verifier) == Checkpoint(ORIGIN, 6, naive_root(honest))
+
+
+def test_a_stale_size_or_a_forged_signature_leaves_no_evidence(
+    witness: Witness, state_path: Path
+) -> None:
+    witness.add_checkpoint(_body(None, _leaves(3)), NOW)
+    with pytest.raises(OldSizeConflictError):
+        witness.add_checkpoint(_body(None, _leaves(4)), NOW)
+    impostor = NoteSigner.generate(ORIGIN)
+    with pytest.raises(UntrustedCheckpointError):
+        witness.add_checkpoint(_body(_leaves(3), _leaves(5), _note(_leaves(5), impostor)), NOW)
+    assert not (state_path.parent / (state_path.name + ".evidence")).exists()
