@@ -19,7 +19,7 @@ An add-checkpoint request, in the order the spec's section "add-checkpoint" give
   6. the new checkpoint is written durably to the state file, then cosigned (200).
 Steps 4 to 6 hold one lock, so that two requests cannot roll the state back (the race the spec
 describes); a refusal leaves the state as it was. A request refused at step 5 is kept, as the
-log signed it, in the evidence folder beside the state file: with the state, it proves the fork.
+log signed it, in the evidence folder beside the state file.
 
 Standard library and `cryptography` only: a customer's security team runs it on its own host
 (`python -m audit witness`, served by audit.witness_server).
@@ -209,9 +209,10 @@ class Witness:
         return self.cosigner.cosign(request.note.text, now)
 
     def _keep_evidence(self, body: bytes, request: AddCheckpointRequest, now: int) -> None:
-        """Keep a refused request the log signed: beside the checkpoint in the state, it is
-        proof, checkable by anyone with the log's vkey, that the log signed two trees that do
-        not fit together (the spec allows a witness to log it). At most MAX_EVIDENCE_FILES."""
+        """Keep a refused request the log signed (the spec allows a witness to log it). For a
+        split view, beside the checkpoint in the state, it proves to anyone with the log's vkey
+        that the log signed two roots for one size; a 422's is a lead (a wrong proof alone
+        proves no fork). At most MAX_EVIDENCE_FILES."""
         folder = self._evidence_dir
         try:
             folder.mkdir(mode=0o700, exist_ok=True)
