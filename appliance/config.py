@@ -17,6 +17,7 @@ import typing
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal, Self
+from urllib.parse import urlsplit
 
 from pydantic import (
     BaseModel,
@@ -35,6 +36,9 @@ from appliance.engine.engine_settings import EngineSettings
 from appliance.errors import ConfigError
 from appliance.logs import LogFormat
 from attestation.input_limits import parse_toml, read_file
+from audit.cosignature import CosignerKey
+from audit.errors import AuditError
+from audit.witness_client import WitnessEndpoint
 
 MAX_CONFIG_BYTES = 1 << 20  # a settings file is a few KiB
 ENV_PREFIX = "INFERNO_"
@@ -122,8 +126,38 @@ class TlsSettings(_Section):
     )
 
 
+class WitnessSettings(_Section):
+    """One witness that cosigns the log's checkpoints (one `[[audit.witnesses]]` table)."""
+
+    url: str = Field(description="the witness's submission prefix: http(s)://HOST:PORT[/PATH]")
+    vkey: str = Field(description="the witness's verifier key (type 0x04), pinned out of band")
+
+    @field_validator("url")
+    @classmethod
+    def _check_url(cls, value: str) -> str:
+        parts = urlsplit(value)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError("must be an http:// or https:// URL naming a host")
+        if parts.username or parts.password or parts.query or parts.fragment:
+            raise ValueError("must hold no user, password, query or fragment")
+        return value
+
+    @field_validator("vkey")
+    @classmethod
+    def _check_vkey(cls, value: str) -> str:
+        try:
+            CosignerKey.parse(value)
+        except AuditError as exc:
+            raise ValueError(f"is not a witness vkey: {exc}") from None
+        return value
+
+    @property
+    def endpoint(self) -> WitnessEndpoint:
+        return WitnessEndpoint(self.url, CosignerKey.parse(self.vkey))
+
+
 class AuditSettings(_Section):
-    """The audit log (docs/AUDIT.md): where it lives and when it signs checkpoints."""
+    """The audit log (docs/AUDIT.md): where it lives, when it signs checkpoints, who cosigns."""
 
     origin: str = Field(
         description="the log's name in every checkpoint and in its vkey; unique per appliance"
@@ -151,6 +185,19 @@ class AuditSettings(_Section):
     heartbeat_s: float = Field(
         default=3600.0, gt=0.0, description="an idle log appends and signs a heartbeat this often"
     )
+    witnesses: tuple[WitnessSettings, ...] = Field(
+        default=(), description="witnesses each checkpoint is sent to ([[audit.witnesses]])"
+    )
+    witness_timeout_s: float = Field(
+        default=5.0, gt=0.0, le=60.0, description="how long one witness may take to answer"
+    )
+
+    @field_validator("witnesses")
+    @classmethod
+    def _check_witnesses(cls, value: tuple[WitnessSettings, ...]) -> tuple[WitnessSettings, ...]:
+        if len({w.endpoint.vkey for w in value}) != len(value):
+            raise ValueError("a witness key is listed twice")
+        return value
 
     @field_validator("origin")
     @classmethod

@@ -72,3 +72,59 @@ class UnknownEntryError(AuditError):
 
 class ExportRangeError(AuditError, ValueError):
     """An export's requested range holds no entries or is contradictory."""
+
+
+class WitnessRefusedError(AuditError):
+    """A witness refuses to cosign a checkpoint; `status` is the tlog-witness HTTP status."""
+
+    status = 400
+
+
+class UnknownLogError(WitnessRefusedError):
+    """The checkpoint's origin is no log this witness was configured with (404)."""
+
+    status = 404
+
+
+class UntrustedCheckpointError(WitnessRefusedError):
+    """No signature on the checkpoint verifies against the log's pinned key (403)."""
+
+    status = 403
+
+
+class OldSizeConflictError(WitnessRefusedError):
+    """The request's old size is not the size the witness last cosigned (409): the client
+    retries from `latest_size`."""
+
+    status = 409
+
+    def __init__(self, latest_size: int) -> None:
+        super().__init__(f"the latest checkpoint this witness cosigned has size {latest_size}")
+        self.latest_size = latest_size
+
+
+class SplitViewError(WitnessRefusedError):
+    """A checkpoint of the size the witness last cosigned, with another root (409): the log
+    shows two different trees of one size."""
+
+    status = 409
+
+
+class InconsistentCheckpointError(WitnessRefusedError):
+    """The consistency proof does not show the checkpoint extends the cosigned one (422)."""
+
+    status = 422
+
+
+class WitnessUnavailableError(AuditError):
+    """A witness could not be reached, refused a checkpoint, or answered something unusable."""
+
+
+class WitnessDisagreesError(WitnessUnavailableError):
+    """A witness refuses the checkpoint as inconsistent with what it cosigned (409 for another
+    root or a larger tree, 422): the log's tree may have forked, or its database been restored."""
+
+
+class WitnessStateError(AuditError):
+    """The witness's state file is unreadable, or holds a checkpoint its log did not sign: the
+    witness must not start, as one that forgot what it cosigned could cosign a fork."""

@@ -4,6 +4,7 @@ The export is itself an audit event: it is appended (with who asked and for what
 checkpoint is signed before the bundle is written, so an open-ended export ends with its own
 record. Every exported entry is covered by a signed checkpoint: the bundle runs to the first
 checkpoint at or after the requested last entry, so it may hold a few entries more than asked.
+Checkpoints are exported as stored, with the cosignatures of the log's witnesses (if any).
 """
 
 from __future__ import annotations
@@ -91,7 +92,12 @@ def export_bundle(
             {"request": request.to_details(), "first_index": first},
         )
     )
-    log.checkpoint()
+    signed = log.checkpoint()
+    if signed is not None:
+        # The bundle carries the cosignatures the witnesses give its newest checkpoint: wait for
+        # them (bounded); a witness that does not answer is missing from the bundle, which an
+        # auditor requiring it then refuses.
+        log.wait_for_witnesses(signed.size)
     last = receipt.index if last is None else last
     covering = log.store.checkpoints(last + 1, log.store.size())
     if not covering:
@@ -173,9 +179,11 @@ Log `{manifest.origin}`, entries {manifest.first_index} to {last}, exported {man
    It exits 0 only if every check passes: every checkpoint's signature against the pinned key,
    every entry's position, the recomputed Merkle root at every checkpoint, no two roots for
    one size, no checkpoint beyond the entries present, and (with `--state`) that this log
-   extends the one you verified last time. Keep the state file between exports: it is how a
-   rewritten or truncated history is caught. Export from the last size you verified
-   (`--from` that size) so the bundles overlap.
+   extends the one you verified last time. If the log has witnesses, pin their keys (obtained
+   from their operators) with `--witness 'WITNESS_VKEY'` and require K of them with
+   `--min-witnesses K`: their cosignatures rule out a history shown to you alone. Keep the
+   state file between exports: it is how a rewritten or truncated history is caught. Export
+   from the last size you verified (`--from` that size) so the bundles overlap.
 
 Files: `entries.jsonl` (one RFC 8785 canonical JSON entry per line, exactly the bytes hashed:
 leaf hash = SHA-256(0x00 || line)), `checkpoints/<size>.txt` (C2SP tlog-checkpoints, Ed25519

@@ -41,6 +41,8 @@ from audit.policy import CheckpointPolicy
 from audit.signer import CheckpointSigner, load_or_create_note_signer
 from audit.store import AuditReceipt, AuditStore, StoredCheckpoint
 from audit.tlog_proof import TlogProof
+from audit.witness_client import WitnessEndpoint
+from audit.witnessing import CheckpointWitnessing
 
 logger = logging.getLogger(__name__)
 
@@ -56,6 +58,8 @@ class AuditLogSettings:
     The key directory holds the Ed25519 signing key, the signer's record of its last checkpoint
     and the commitment key, each created at first start with mode 0600. `commitment_key_file`
     names an existing commitment key elsewhere instead (one key for a whole deployment).
+    Each checkpoint is sent to the `witnesses` (audit.witnessing), each call within
+    `witness_timeout_s`.
     """
 
     origin: str
@@ -64,6 +68,8 @@ class AuditLogSettings:
     policy: CheckpointPolicy = field(default_factory=CheckpointPolicy)
     max_batch: int = 1024
     commitment_key_file: Path | None = None
+    witnesses: tuple[WitnessEndpoint, ...] = ()
+    witness_timeout_s: float = 5.0
 
 
 @dataclass
@@ -146,6 +152,11 @@ class AuditLog:
         self._oldest_pending_at = now
         self._last_append_at = now
         self._writer = threading.Thread(target=self._run, name="audit-writer", daemon=True)
+        self._witnessing = (
+            CheckpointWitnessing(store, settings.witnesses, settings.witness_timeout_s)
+            if settings.witnesses
+            else None
+        )
 
     @classmethod
     def open(cls, settings: AuditLogSettings) -> AuditLog:
@@ -180,6 +191,11 @@ class AuditLog:
         except BaseException:
             store.close()
             raise
+        if log._witnessing is not None:
+            log._witnessing.start()
+            latest = store.latest_checkpoint()
+            if latest is not None:  # witnesses that missed it (down, or added since) get it now
+                log._witnessing.submit(latest.size)
         log._writer.start()
         return log
 
@@ -234,6 +250,12 @@ class AuditLog:
         self._queue.put(_Checkpoint(future))
         return future.result()
 
+    def wait_for_witnesses(self, size: int) -> bool:
+        """Wait (bounded by the witnesses' timeouts) until every witness was asked to cosign a
+        checkpoint of at least `size`; True at once without witnesses. Whether each one
+        cosigned shows in the stored note."""
+        return self._witnessing is None or self._witnessing.wait(size)
+
     # -- reading ---------------------------------------------------------------------------
 
     def proof(self, index: int) -> str:
@@ -258,6 +280,8 @@ class AuditLog:
         self._closed.set()
         self._queue.put(_STOP)
         self._writer.join()
+        if self._witnessing is not None:  # the final checkpoint, if the witnesses answer in time
+            self._witnessing.close()
         self.store.close()
 
     def __enter__(self) -> AuditLog:
@@ -366,6 +390,8 @@ class AuditLog:
             return
         self._checkpointed_size = size
         logger.debug("audit checkpoint signed at size %d", size)
+        if self._witnessing is not None:
+            self._witnessing.submit(size)
 
     def _fail_queued(self) -> None:
         """Fail every append and checkpoint still waiting: queued, or in the batch in hand."""

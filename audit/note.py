@@ -23,8 +23,8 @@ ALG_ED25519 = 0x01
 ED25519_KEY_SIZE = 32
 # The spec asks verifiers to bound signatures per note and to accept at least 16.
 MAX_SIGNATURES = 100
-_SKEY_PREFIX = "PRIVATE+KEY+"
-_SIGNATURE_PREFIX = "\u2014 "  # em dash, space
+SKEY_PREFIX = "PRIVATE+KEY+"
+SIGNATURE_PREFIX = "\u2014 "  # em dash, space
 _KEY_ID = re.compile(r"[0-9a-f]{8}")
 
 
@@ -34,14 +34,17 @@ def check_key_name(name: str) -> None:
         raise NoteFormatError(f"key name {name!r} must be non-empty, without spaces or '+'")
 
 
-def key_id(name: str, public_key: bytes) -> int:
-    """SHA-256(name || 0x0A || 0x01 || public key)[:4], big-endian (signed-note, Ed25519)."""
-    digest = hashlib.sha256(name.encode() + b"\n" + bytes([ALG_ED25519]) + public_key).digest()
+def key_id(name: str, public_key: bytes, alg: int = ALG_ED25519) -> int:
+    """SHA-256(name || 0x0A || alg || public key)[:4], big-endian (signed-note, Ed25519: alg
+    0x01; tlog-cosignature's Ed25519 cosignatures: alg 0x04)."""
+    digest = hashlib.sha256(name.encode() + b"\n" + bytes([alg]) + public_key).digest()
     return int.from_bytes(digest[:4], "big")
 
 
-def _parse_key(text: str, what: str) -> tuple[str, int, bytes]:
-    """Split `<name>+<hex id>+<base64(0x01 || key)>` and check the id matches the key."""
+def parse_key(text: str, what: str, alg: int = ALG_ED25519) -> tuple[str, int, bytes]:
+    """Split `<name>+<hex id>+<base64(alg || key)>` into name, key id and 32-byte Ed25519 key.
+
+    Only checks the form; callers compare the key id with `key_id(name, key, alg)`."""
     parts = text.split("+", 2)  # the base64 key may itself hold "+"
     if len(parts) != 3:
         raise NoteFormatError(f"{what} must be <name>+<hex key id>+<base64 key>")
@@ -50,8 +53,8 @@ def _parse_key(text: str, what: str) -> tuple[str, int, bytes]:
     if not _KEY_ID.fullmatch(hex_id):
         raise NoteFormatError(f"{what} key id {hex_id!r} is not 8 lowercase hex digits")
     raw = decode_base64(encoded, f"{what} key")
-    if len(raw) != 1 + ED25519_KEY_SIZE or raw[0] != ALG_ED25519:
-        raise NoteFormatError(f"{what} is not an Ed25519 key (type 0x01 and 32 bytes)")
+    if len(raw) != 1 + ED25519_KEY_SIZE or raw[0] != alg:
+        raise NoteFormatError(f"{what} is not an Ed25519 key (type {alg:#04x} and 32 bytes)")
     return name, int(hex_id, 16), raw[1:]
 
 
@@ -65,7 +68,7 @@ class VerifierKey:
 
     @classmethod
     def parse(cls, vkey: str) -> VerifierKey:
-        name, kid, public_key = _parse_key(vkey.strip(), "verifier key")
+        name, kid, public_key = parse_key(vkey.strip(), "verifier key")
         if kid != key_id(name, public_key):
             raise NoteFormatError(f"verifier key id {kid:08x} does not match its name and key")
         return cls(name, kid, public_key)
@@ -98,9 +101,9 @@ class NoteSigner:
 
     @classmethod
     def from_skey(cls, skey: str) -> NoteSigner:
-        if not skey.startswith(_SKEY_PREFIX):
-            raise NoteFormatError(f"signer key must start with {_SKEY_PREFIX!r}")
-        name, kid, seed = _parse_key(skey.strip()[len(_SKEY_PREFIX) :], "signer key")
+        if not skey.startswith(SKEY_PREFIX):
+            raise NoteFormatError(f"signer key must start with {SKEY_PREFIX!r}")
+        name, kid, seed = parse_key(skey.strip()[len(SKEY_PREFIX) :], "signer key")
         signer = cls(name, Ed25519PrivateKey.from_private_bytes(seed))
         if kid != signer.verifier.key_id:
             raise NoteFormatError(f"signer key id {kid:08x} does not match its name and key")
@@ -109,7 +112,7 @@ class NoteSigner:
     def to_skey(self) -> str:
         seed = self._private_key.private_bytes_raw()
         encoded = encode_base64(bytes([ALG_ED25519]) + seed)
-        return f"{_SKEY_PREFIX}{self.name}+{self.verifier.key_id:08x}+{encoded}"
+        return f"{SKEY_PREFIX}{self.name}+{self.verifier.key_id:08x}+{encoded}"
 
     def __repr__(self) -> str:
         return f"NoteSigner({self.verifier})"
@@ -119,7 +122,7 @@ class NoteSigner:
         check_note_text(text)
         signature = self._private_key.sign(text.encode())
         blob = self.verifier.key_id.to_bytes(4, "big") + signature
-        return f"{text}\n{_SIGNATURE_PREFIX}{self.name} {encode_base64(blob)}\n"
+        return f"{text}\n{SIGNATURE_PREFIX}{self.name} {encode_base64(blob)}\n"
 
 
 def check_note_text(text: str) -> None:
@@ -160,7 +163,7 @@ class SignedNote:
         lines = block.removesuffix("\n").split("\n")
         if len(lines) > MAX_SIGNATURES:
             raise NoteFormatError(f"signed note has more than {MAX_SIGNATURES} signatures")
-        return cls(text, tuple(_parse_signature_line(line) for line in lines))
+        return cls(text, tuple(parse_signature_line(line) for line in lines))
 
     def open(self, verifier: VerifierKey) -> str:
         """Return the text if a signature by `verifier` verifies; raise SignatureError if not.
@@ -183,10 +186,12 @@ class SignedNote:
         return self.text
 
 
-def _parse_signature_line(line: str) -> NoteSignature:
-    if not line.startswith(_SIGNATURE_PREFIX):
+def parse_signature_line(line: str) -> NoteSignature:
+    """One signature line, with or without its newline: `— <name> base64(key id || sig)`."""
+    line = line.removesuffix("\n")
+    if not line.startswith(SIGNATURE_PREFIX):
         raise NoteFormatError(f"signature line {line[:40]!r} does not start with an em dash")
-    name, sep, encoded = line[len(_SIGNATURE_PREFIX) :].partition(" ")
+    name, sep, encoded = line[len(SIGNATURE_PREFIX) :].partition(" ")
     if not sep:
         raise NoteFormatError("signature line has no space between key name and signature")
     check_key_name(name)

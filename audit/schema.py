@@ -1,14 +1,16 @@
 """The audit database's tables, and the triggers that keep them append-only.
 
-Four tables, each keyed by the log's origin so that several appliances can share one PostgreSQL
+Five tables, each keyed by the log's origin so that several appliances can share one PostgreSQL
 database, each with its own log:
 
     audit_logs         one row per log; appenders lock it (SELECT ... FOR UPDATE) to serialize
     audit_leaves       the exact canonical bytes of each entry, at its gap-free position
     audit_nodes        every complete RFC 6962 subtree hash (level 0 = leaf hashes)
     audit_checkpoints  every signed checkpoint, as the exact signed note
+    audit_cosignatures the witnesses' cosignature lines on those checkpoints (c2sp.org/
+                       tlog-cosignature), one per checkpoint and witness key, added later
 
-Triggers refuse UPDATE, DELETE (and, on PostgreSQL, TRUNCATE) on all four, and refuse an entry
+Triggers refuse UPDATE, DELETE (and, on PostgreSQL, TRUNCATE) on all five, and refuse an entry
 whose position is not the next one. They stop accidents and casual edits; a database owner can
 still drop them, which is what the signed checkpoints and the offline verifier are for.
 """
@@ -64,6 +66,17 @@ checkpoints = Table(
     Column("size", BigInteger, primary_key=True, autoincrement=False),
     Column("note", Text, nullable=False),
     Column("signed_at", String(32), nullable=False),
+)
+
+cosignatures = Table(
+    "audit_cosignatures",
+    metadata,
+    Column("origin", String(255), primary_key=True),
+    Column("size", BigInteger, primary_key=True, autoincrement=False),
+    Column("witness", String(255), primary_key=True),
+    Column("key_id", BigInteger, primary_key=True, autoincrement=False),
+    Column("line", Text, nullable=False),
+    Column("received_at", String(32), nullable=False),
 )
 
 LOG_TABLES = [t.name for t in metadata.sorted_tables]

@@ -30,7 +30,8 @@ from audit.merkle import (
     inclusion_proof_plan,
     resolve_plan,
 )
-from audit.schema import checkpoints, create_schema, leaves, logs, nodes
+from audit.note import parse_signature_line
+from audit.schema import checkpoints, cosignatures, create_schema, leaves, logs, nodes
 
 T = TypeVar("T")
 
@@ -202,6 +203,45 @@ class AuditStore:
         except SQLAlchemyError as exc:
             raise AuditWriteError(f"checkpoint of size {size} could not be stored: {exc}") from exc
 
+    def add_cosignatures(self, size: int, lines: Sequence[str], received_at: datetime) -> None:
+        """Record witness cosignature lines (whole, newline-terminated signature lines) on the
+        checkpoint of `size`; a line by a key that already cosigned it is ignored. They are
+        stored beside the checkpoint, whose signed note never changes, and read back with it."""
+        parsed = [(parse_signature_line(line), line) for line in lines]
+        try:
+            with self._write_engine.begin() as conn:
+                where = (checkpoints.c.origin == self.origin, checkpoints.c.size == size)
+                if conn.execute(select(checkpoints.c.size).where(*where)).first() is None:
+                    raise AuditWriteError(f"there is no checkpoint of size {size} to cosign")
+                known = {
+                    (witness, key_id)
+                    for witness, key_id in conn.execute(
+                        select(cosignatures.c.witness, cosignatures.c.key_id).where(
+                            cosignatures.c.origin == self.origin, cosignatures.c.size == size
+                        )
+                    )
+                }
+                rows = []
+                for signature, line in parsed:
+                    if (signature.name, signature.key_id) not in known:
+                        known.add((signature.name, signature.key_id))
+                        rows.append(
+                            {
+                                "origin": self.origin,
+                                "size": size,
+                                "witness": signature.name,
+                                "key_id": signature.key_id,
+                                "line": line,
+                                "received_at": format_time(received_at),
+                            }
+                        )
+                if rows:
+                    conn.execute(cosignatures.insert(), rows)
+        except SQLAlchemyError as exc:
+            raise AuditWriteError(
+                f"cosignatures of checkpoint {size} could not be stored: {exc}"
+            ) from exc
+
     # -- reading ---------------------------------------------------------------------------
 
     def _read(self) -> Connection:
@@ -281,7 +321,7 @@ class AuditStore:
                 )
                 .order_by(checkpoints.c.size)
             )
-            return [StoredCheckpoint(*row) for row in rows]
+            return self._with_cosignatures(conn, rows)
 
         return self._guarded("checkpoints", read)
 
@@ -295,9 +335,31 @@ class AuditStore:
             if below is not None:
                 query = query.where(checkpoints.c.size < below)
             rows = conn.execute(query.order_by(checkpoints.c.size.desc()).limit(limit))
-            return [StoredCheckpoint(*row) for row in rows]
+            return self._with_cosignatures(conn, rows)
 
         return self._guarded("checkpoints", read)
+
+    def _with_cosignatures(
+        self, conn: Connection, rows: Iterable[tuple[int, str, str]]
+    ) -> list[StoredCheckpoint]:
+        """Checkpoints with their cosignature lines appended to the log's signed note."""
+        found = [tuple(row) for row in rows]
+        lines: dict[int, list[str]] = {}
+        sizes = [size for size, _, _ in found]
+        for start in range(0, len(sizes), 500):  # keep each statement's parameter count small
+            for size, line in conn.execute(
+                select(cosignatures.c.size, cosignatures.c.line)
+                .where(
+                    cosignatures.c.origin == self.origin,
+                    cosignatures.c.size.in_(sizes[start : start + 500]),
+                )
+                .order_by(cosignatures.c.size, cosignatures.c.witness, cosignatures.c.key_id)
+            ):
+                lines.setdefault(size, []).append(line)
+        return [
+            StoredCheckpoint(size, note + "".join(lines.get(size, [])), signed_at)
+            for size, note, signed_at in found
+        ]
 
     def entries(self, first: int, last: int, batch: int = 1000) -> Iterator[tuple[int, bytes]]:
         """The stored bytes of entries first..last (inclusive), in order, read in batches."""

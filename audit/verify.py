@@ -14,13 +14,18 @@ The checks, in order:
      recomputed from the manifest's prefix hashes and the entries, equals the signed root at
      every checkpoint size and the state's root at its size (a rewritten history);
   4. no checkpoint signs more entries than the bundle holds (truncation), no entry lies beyond
-     the last checkpoint (unsigned entries), and the manifest's count matches the file.
+     the last checkpoint (unsigned entries), and the manifest's count matches the file;
+  5. with pinned witness keys: every cosignature by a pinned witness on any checkpoint verifies
+     (c2sp.org/tlog-cosignature), and the newest checkpoint carries valid cosignatures from at
+     least `min_witnesses` of them. The newest suffices: every other checkpoint and every entry
+     was proven above to lie in its tree, so a witness that cosigned it vouches for them all.
 """
 
 from __future__ import annotations
 
 import json
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -35,6 +40,7 @@ from audit.bundle_json import (
 )
 from audit.canonical import canonicalize
 from audit.checkpoint import Checkpoint, open_checkpoint
+from audit.cosignature import CosignerKey, verify_cosignatures
 from audit.encoding import decode_base64, encode_base64
 from audit.errors import (
     AuditError,
@@ -45,7 +51,7 @@ from audit.errors import (
     VerificationError,
 )
 from audit.merkle import TreeFrontier, hash_leaf
-from audit.note import VerifierKey
+from audit.note import SignedNote, VerifierKey
 
 STATE_FORMAT = "inferno-audit-state/1"
 _CHECKPOINT_FILE = re.compile(r"checkpoints/(0|[1-9][0-9]*)\.txt")
@@ -106,12 +112,28 @@ class VerificationReport:
     checkpoint_sizes: list[int]
     state_checked_at: int | None
     new_state: VerifiedState
+    witnessed_by: list[str]
 
 
 def verify_bundle(
-    path: Path, vkey: VerifierKey, state: VerifiedState | None = None
+    path: Path,
+    vkey: VerifierKey,
+    state: VerifiedState | None = None,
+    witnesses: Sequence[CosignerKey] = (),
+    min_witnesses: int = 0,
 ) -> VerificationReport:
-    """Run every check on the bundle at `path` (directory or tar); see the module docstring."""
+    """Run every check on the bundle at `path` (directory or tar); see the module docstring.
+
+    `witnesses` are the pinned witness keys; `min_witnesses` how many of them must have cosigned
+    the newest checkpoint (0: cosignatures are checked if present, none is required).
+    """
+    if not 0 <= min_witnesses <= len(witnesses):
+        raise BundleFormatError(
+            f"cannot require {min_witnesses} cosignatures of {len(witnesses)} pinned witness "
+            "keys: pin at least that many with --witness"
+        )
+    if len({(w.name, w.key_id) for w in witnesses}) != len(witnesses):
+        raise BundleFormatError("a witness key is pinned twice: each counts once")
     with BundleReader(path) as bundle:
         manifest = Manifest.parse(bundle.read(MANIFEST, max_bytes=MAX_MANIFEST_BYTES))
         if manifest.origin != vkey.name:
@@ -139,6 +161,8 @@ def verify_bundle(
                 )
         # Step 3: entries, roots.
         num_lines, first_time, last_time = _verify_entries(bundle, manifest, signed, state)
+        # Step 5 (reads the checkpoints again, while the bundle is open): cosignatures.
+        witnessed_by = _verify_witnesses(bundle, sorted(signed), witnesses, min_witnesses)
     # Step 4: coverage.
     present = manifest.first_index + num_lines
     for size in sorted(signed):
@@ -172,7 +196,33 @@ def verify_bundle(
         checkpoint_sizes=sorted(signed),
         state_checked_at=None if state is None else state.size,
         new_state=new_state,
+        witnessed_by=witnessed_by,
     )
+
+
+def _verify_witnesses(
+    bundle: BundleReader,
+    sizes: Sequence[int],
+    witnesses: Sequence[CosignerKey],
+    min_witnesses: int,
+) -> list[str]:
+    """The names of the pinned witnesses that cosigned the newest checkpoint (step 5)."""
+    cosigned: list[str] = []
+    for size in sizes:
+        name = checkpoint_name(size)
+        note = SignedNote.parse(bundle.read(name, max_bytes=MAX_CHECKPOINT_BYTES))
+        try:
+            cosigned = [c.witness.name for c in verify_cosignatures(note, witnesses)]
+        except SignatureError as exc:
+            raise VerificationError(f"{name}: {exc}") from exc
+    if len(cosigned) < min_witnesses:
+        missing = [w.name for w in witnesses if w.name not in cosigned]
+        raise VerificationError(
+            f"witnesses: {checkpoint_name(sizes[-1])} (the newest checkpoint) carries valid "
+            f"cosignatures from {len(cosigned)} of the pinned witnesses, {min_witnesses} are "
+            f"required; none from {', '.join(missing)}"
+        )
+    return cosigned
 
 
 def _verify_checkpoints(

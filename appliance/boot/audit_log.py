@@ -35,4 +35,6 @@ def audit_log_settings(audit: AuditSettings) -> AuditLogSettings:
             heartbeat_s=audit.heartbeat_s,
         ),
         commitment_key_file=audit.commitment_key_file,
+        witnesses=tuple(w.endpoint for w in audit.witnesses),
+        witness_timeout_s=audit.witness_timeout_s,
     )

@@ -10,17 +10,21 @@ from pathlib import Path
 import pytest
 
 from appliance.auth.settings import IssuerSettings, RoleValues
+from appliance.boot.audit_log import audit_log_settings
 from appliance.boot.startup import engine_config
 from appliance.config import (
     MAX_CONFIG_BYTES,
     Settings,
     TeeSettings,
+    WitnessSettings,
     load_section,
     load_settings,
     setting_names,
 )
 from appliance.engine.engine import EngineConfig
 from appliance.errors import ConfigError
+from audit.cosignature import Cosigner
+from audit.note import NoteSigner
 from installer.demo import stage_demo_config
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -286,3 +290,28 @@ def test_load_section_validates_one_section_alone_with_its_overrides(tmp_path: P
     refused = r"^invalid settings: tee: tee.trust_dir needs tee.trust_release_key.* \(in .*\)$"
     with pytest.raises(ConfigError, match=refused):
         load_section(bad, TeeSettings, {})
+
+
+def test_every_witness_setting_is_documented_and_every_documented_one_exists() -> None:
+    text = (REPO_ROOT / "docs" / "CONFIG.md").read_text()
+    documented = re.findall(r"^\| `audit\.witnesses\[\]\.([a-z_]+)` \|", text, flags=re.MULTILINE)
+    assert sorted(documented) == sorted(WitnessSettings.model_fields)
+
+
+def test_witnesses_are_read_into_the_audit_logs_endpoints_and_bad_ones_refused(
+    tmp_path: Path, model_dir: Path
+) -> None:
+    vkey = str(Cosigner.generate("witness.example/w1").verifier)
+    witness = f'[[audit.witnesses]]\nurl = "http://10.0.0.7:8123"\nvkey = "{vkey}"\n'
+    audit = load_settings(_write(tmp_path, _insecure(model_dir) + witness), environ={}).audit
+    [endpoint] = audit_log_settings(audit).witnesses
+    assert (endpoint.url, str(endpoint.vkey)) == ("http://10.0.0.7:8123", vkey)
+    log_vkey = str(NoteSigner.generate("witness.example/w1").verifier)
+    for bad, message in [
+        (witness.replace(vkey, log_vkey), r"audit\.witnesses\.0\.vkey: is not a witness vkey"),
+        (witness.replace("http://", "http://user:pw@"), r"audit\.witnesses\.0\.url: must hold no"),
+        (witness.replace("http://", "ftp://"), r"audit\.witnesses\.0\.url: must be an http"),
+        (witness + witness, r"audit\.witnesses: a witness key is listed twice"),
+    ]:
+        with pytest.raises(ConfigError, match=message):
+            load_settings(_write(tmp_path, _insecure(model_dir) + bad), environ={})

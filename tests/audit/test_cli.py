@@ -13,8 +13,10 @@ from pathlib import Path
 import pytest
 
 from audit.__main__ import main
+from audit.cosignature import Cosigner
 from audit.event import Action, Outcome, system_event
 from audit.export import ExportRequest, export_bundle
+from audit.keyfile import create_secret_file
 from audit.log import SIGNING_KEY_FILE, AuditLog, AuditLogSettings
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -113,3 +115,19 @@ def test_offline_verifier_imports_only_the_standard_library_and_cryptography(
     assert outcome["code"] == 0
     # cryptography's own compiled bindings, and nothing else.
     assert set(outcome["foreign"]) <= {"_cffi_backend", "_openssl"}
+
+
+def test_vkey_reads_a_witness_key_whose_base64_holds_a_plus(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # The key type sits after the name and key id; a "+" inside the base64 once sent this
+    # key (about half of all witness keys) to the note-key parser, which refused it.
+    cosigner = next(
+        c
+        for c in (Cosigner.generate("witness.test/plus") for _ in range(1000))
+        if "+" in c.to_skey().split("+", 4)[4]
+    )
+    keyfile = tmp_path / "witness.key"
+    create_secret_file(keyfile, cosigner.to_skey().encode())
+    assert main(["vkey", str(keyfile)]) == 0
+    assert capsys.readouterr().out.strip() == str(cosigner.verifier)

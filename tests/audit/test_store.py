@@ -15,6 +15,7 @@ from audit.canonical import canonicalize
 from audit.errors import AuditWriteError
 from audit.event import Action, AuditEvent, Outcome, system_event
 from audit.merkle import hash_leaf, root_of, verify_consistency, verify_inclusion
+from audit.schema import LOG_TABLES
 from audit.store import AuditStore
 
 T0 = datetime(2025, 1, 31, 12, 0, tzinfo=UTC)
@@ -124,7 +125,7 @@ def test_truncate_is_refused_on_postgresql(postgres_server: str, origin: str) ->
     store.append([_event(0)])
     store.close()
     engine = create_engine(postgres_server)
-    for table in ("audit_leaves", "audit_nodes", "audit_checkpoints", "audit_logs"):
+    for table in LOG_TABLES:
         with (
             pytest.raises(SQLAlchemyError, match="append-only: TRUNCATE refused"),
             engine.begin() as conn,
@@ -188,3 +189,27 @@ def test_an_unknown_database_scheme_is_refused(origin: str) -> None:
 
     with pytest.raises(AuditStoreError, match="sqlite:// or postgresql://, not mysql"):
         AuditStore.open("mysql://localhost/audit", origin)
+
+
+def test_cosignatures_are_read_back_with_their_checkpoint_once_per_witness_key(
+    db_url: str, origin: str, open_store: Callable[[], AuditStore]
+) -> None:
+    store = open_store()
+    store.append([_event(0), _event(1)])
+    store.add_checkpoint(1, "one\n\n— log AAAAAAA=\n", T0)
+    store.add_checkpoint(2, "two\n\n— log AAAAAAA=\n", T0)
+    alpha, beta = "— alpha AAAAAAE=\n", "— beta AAAAAAI=\n"
+    store.add_cosignatures(2, [beta, alpha], T0)
+    store.add_cosignatures(2, ["— alpha AAAAAAF=\n"], T0)  # the same key again: ignored
+    assert [c.note for c in store.checkpoints(0, 5)] == [
+        "one\n\n— log AAAAAAA=\n",
+        "two\n\n— log AAAAAAA=\n" + alpha + beta,
+    ]
+    assert store.latest_checkpoint().note.endswith(alpha + beta)  # type: ignore[union-attr]
+    with pytest.raises(AuditWriteError, match="no checkpoint of size 3"):
+        store.add_cosignatures(3, [alpha], T0)
+    engine = create_engine(db_url)
+    for statement in ("UPDATE audit_cosignatures SET line = 'x' WHERE origin = :o",
+                      "DELETE FROM audit_cosignatures WHERE origin = :o"):  # fmt: skip
+        with pytest.raises(SQLAlchemyError, match="append-only"), engine.begin() as conn:
+            conn.execute(text(statement), {"o": origin})
