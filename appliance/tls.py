@@ -7,6 +7,7 @@ certificate is trusted by pinning: clients are told its SHA-256 fingerprint, or 
 from __future__ import annotations
 
 import datetime
+import hashlib
 import ipaddress
 import os
 import ssl
@@ -94,6 +95,17 @@ def certificate_fingerprint(cert_file: Path) -> str:
     -fingerprint -sha256` prints it)."""
     digest = _load(cert_file).fingerprint(hashes.SHA256())
     return ":".join(f"{byte:02X}" for byte in digest)
+
+
+def certificate_spki_sha256(cert_file: Path) -> bytes:
+    """SHA-256 of the DER SubjectPublicKeyInfo of the certificate the server presents (the first
+    of the chain in `cert_file`): what the attestation evidence binds as the TLS channel
+    (attestation.binding.Channel), and what a client compares with its connection's peer."""
+    public_key = _load(cert_file).public_key()
+    spki = public_key.public_bytes(
+        serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo
+    )
+    return hashlib.sha256(spki).digest()
 
 
 def _load(cert_file: Path) -> x509.Certificate:
