@@ -1,0 +1,222 @@
+"""An httpx transport that talks only to an attested appliance, for the `openai` client:
+
+    transport = AttestedTransport(AppliancePolicy.from_file(p), ApplianceTrust.load(d),
+                                  verify=ssl_context)
+    client = openai.OpenAI(base_url="https://HOST:PORT/v1", api_key=token,
+                           http_client=httpx.Client(transport=transport))
+
+What it guarantees, per request:
+ 1. The first request, and the first after `reattest_after_s`, is preceded by an attestation
+    with a fresh nonce on a fresh connection pool, verified by this client
+    (attestation.remote.verify); anything short of a trusted verdict raises
+    ApplianceNotTrustedError and no request is sent, body or headers.
+ 2. The verified evidence binds the SPKI of the connection that carried it; that SPKI is pinned.
+ 3. Every later TLS connection is checked as its handshake completes (httpcore's `trace`
+    extension, `connection.start_tls.complete`), before the request is written to it: a peer
+    with another key (a relay, a DNS or load-balancer re-route after the attestation) raises
+    ChannelMismatchError and the connection is closed unused. Plain http:// and other origins
+    are refused before anything is sent.
+ 4. With the policy's `max_verdict_age_s`, a response whose `X-Inferno-Attestation` names no
+    standing verdict, or one older than that, raises StaleVerdictError (the response is closed;
+    the request was sent, over an attested channel).
+
+Only the synchronous httpx client is served (openai.OpenAI, not AsyncOpenAI).
+"""
+
+from __future__ import annotations
+
+import re
+import ssl
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any
+
+import httpx
+
+from attestation.remote.connection import (
+    fetch_attestation,
+    new_nonce,
+    response_peer_spki_sha256,
+    stream_peer_spki_sha256,
+)
+from attestation.remote.errors import (
+    ApplianceAttestationError,
+    ApplianceNotTrustedError,
+    ChannelMismatchError,
+    StaleVerdictError,
+)
+from attestation.remote.policy import AppliancePolicy
+from attestation.remote.trust import ApplianceTrust
+from attestation.remote.verify import verify_appliance
+from attestation.verdict import Check, Verdict
+
+ATTESTATION_HEADER = "x-inferno-attestation"
+_HEADER = re.compile(r"id=([0-9a-f]{32}); age=([0-9]{1,12})")
+
+
+@dataclass(frozen=True, slots=True)
+class _Attested:
+    """One passing attestation: the pool it was made on, the pinned SPKI, when (monotonic)."""
+
+    inner: httpx.HTTPTransport
+    spki_sha256: bytes
+    verdict: Verdict
+    at_s: float
+
+
+class AttestedTransport(httpx.BaseTransport):
+    def __init__(
+        self,
+        policy: AppliancePolicy,
+        trust: ApplianceTrust,
+        *,
+        verify: ssl.SSLContext | str | bool = True,
+        reattest_after_s: float = 300.0,
+        timeout_s: float = 60.0,
+        monotonic: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if reattest_after_s <= 0:
+            raise ValueError("reattest_after_s must be positive")
+        self.policy = policy
+        self.trust = trust
+        self.verify = verify
+        self.reattest_after_s = reattest_after_s
+        self.timeout_s = timeout_s
+        self.monotonic = monotonic
+        self.num_attestations = 0
+        self._origin: tuple[str, str, int | None] | None = None
+        self._attested: _Attested | None = None
+        self._retired: list[httpx.HTTPTransport] = []
+        self._lock = threading.Lock()
+
+    @property
+    def verdict(self) -> Verdict | None:
+        """The verdict of the attestation in force (None before the first)."""
+        return None if self._attested is None else self._attested.verdict
+
+    def handle_request(self, request: httpx.Request) -> httpx.Response:
+        attested = self._attested_for(request.url)
+        request.extensions = {
+            **request.extensions,
+            "trace": _pinning_trace(attested.spki_sha256, request.extensions.get("trace")),
+        }
+        response = attested.inner.handle_request(request)
+        try:
+            if response_peer_spki_sha256(response) != attested.spki_sha256:
+                raise ChannelMismatchError("the response came from a peer with another TLS key")
+            self._check_standing_age(response)
+        except ApplianceAttestationError:
+            response.close()
+            raise
+        return response
+
+    def close(self) -> None:
+        with self._lock:
+            for inner in self._retired:
+                inner.close()
+            self._retired.clear()
+            if self._attested is not None:
+                self._attested.inner.close()
+                self._attested = None
+
+    def _attested_for(self, url: httpx.URL) -> _Attested:
+        """The attestation in force for `url`'s origin, made now if there is none or it is older
+        than reattest_after_s. Raises ApplianceAttestationError."""
+        if url.scheme != "https":
+            raise ApplianceAttestationError(f"refusing {url.scheme}://: only TLS can be attested")
+        origin = (url.scheme, url.host, url.port)
+        with self._lock:
+            if self._origin is None:
+                self._origin = origin
+            elif origin != self._origin:
+                raise ApplianceAttestationError(
+                    f"this transport attests {self._origin[1]}:{self._origin[2]} only, "
+                    f"not {url.host}:{url.port}"
+                )
+            attested = self._attested
+            if attested is None or self.monotonic() - attested.at_s > self.reattest_after_s:
+                attested = self._attest(url)
+                if self._attested is not None:
+                    self._retire(self._attested.inner)
+                self._attested = attested
+            return attested
+
+    def _attest(self, url: httpx.URL) -> _Attested:
+        inner = httpx.HTTPTransport(verify=self.verify)  # a fresh pool: no unchecked connection
+        try:
+            nonce = new_nonce()
+            self.num_attestations += 1
+            answer = fetch_attestation(
+                inner, url.copy_with(path="/", query=None), nonce, timeout_s=self.timeout_s
+            )
+            at = datetime.now(UTC)
+            if answer.document is None:
+                detail = "the appliance says UNVERIFIED (tee.mode = insecure-dev): not attested"
+                verdict = Verdict((Check("appliance.tee", False, detail),), at)
+            else:
+                verdict = verify_appliance(
+                    answer.document,
+                    nonce=nonce,
+                    peer_spki_sha256=answer.peer_spki_sha256,
+                    policy=self.policy,
+                    trust=self.trust,
+                    at=at,
+                )
+            if not verdict.trusted:
+                raise ApplianceNotTrustedError(verdict)
+        except BaseException:
+            inner.close()
+            raise
+        return _Attested(inner, answer.peer_spki_sha256, verdict, self.monotonic())
+
+    def _retire(self, inner: httpx.HTTPTransport) -> None:
+        """Keep the replaced pool open for the requests still using it, and close the one it
+        replaced before that (requests do not outlast two attestation intervals)."""
+        for old in self._retired:
+            old.close()
+        self._retired = [inner]
+
+    def _check_standing_age(self, response: httpx.Response) -> None:
+        max_age_s = self.policy.max_verdict_age_s
+        if max_age_s is None:
+            return
+        header = response.headers.get(ATTESTATION_HEADER, "")
+        match = _HEADER.fullmatch(header)
+        if match is None:
+            raise StaleVerdictError(f"{ATTESTATION_HEADER} names no standing verdict ({header!r})")
+        if int(match.group(2)) > max_age_s:
+            raise StaleVerdictError(
+                f"the appliance's standing verdict {match.group(1)} is {match.group(2)} s old; "
+                f"the policy allows {max_age_s} s (max_verdict_age_s)"
+            )
+
+
+def _pinning_trace(
+    pinned_spki_sha256: bytes, chained: Callable[[str, dict[str, Any]], None] | None
+) -> Callable[[str, dict[str, Any]], None]:
+    """An httpcore trace callback that checks each new TLS connection's peer as its handshake
+    completes, before a byte of the request is written, and closes it if the key is not the
+    attested one."""
+
+    def trace(event: str, info: dict[str, Any]) -> None:
+        if event == "connection.start_tls.complete":
+            stream = info.get("return_value")
+            try:
+                peer = stream_peer_spki_sha256(stream)
+            except ChannelMismatchError:
+                peer = b""
+            if peer != pinned_spki_sha256:
+                if stream is not None:
+                    stream.close()
+                raise ChannelMismatchError(
+                    "a new TLS connection's peer presented another key than the attested one "
+                    f"({peer.hex()[:16] or 'none'}… instead of {pinned_spki_sha256.hex()[:16]}…): "
+                    "nothing was sent on it"
+                )
+        if chained is not None:
+            chained(event, info)
+
+    return trace
