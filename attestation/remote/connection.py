@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import hashlib
 import secrets
-import ssl
 from dataclasses import dataclass
 from typing import Any
 
@@ -50,9 +49,11 @@ def stream_peer_spki_sha256(network_stream: Any) -> bytes:
     """The SPKI hash of the peer of an httpcore network stream. Raises ChannelMismatchError if
     the stream is not TLS or shows no certificate."""
     ssl_object = None if network_stream is None else network_stream.get_extra_info("ssl_object")
-    if not isinstance(ssl_object, ssl.SSLObject | ssl.SSLSocket):
+    # httpcore gives an ssl.SSLObject (TLS in TLS, through a proxy) or the SSLSocket's own
+    # _ssl._SSLSocket: both answer getpeercert(True) with the DER certificate.
+    if ssl_object is None or not hasattr(ssl_object, "getpeercert"):
         raise ChannelMismatchError("the connection is not TLS: nothing can be bound to it")
-    certificate = ssl_object.getpeercert(binary_form=True)
+    certificate = ssl_object.getpeercert(True)
     if not certificate:
         raise ChannelMismatchError("the TLS peer presented no certificate")
     return spki_sha256(certificate)

@@ -20,7 +20,9 @@ What it guarantees, per request:
     standing verdict, or one older than that, raises StaleVerdictError (the response is closed;
     the request was sent, over an attested channel).
 
-Only the synchronous httpx client is served (openai.OpenAI, not AsyncOpenAI).
+The errors (attestation.remote.errors) are not httpx's: the `openai` client passes them to the
+caller as they are, without retrying. Only the synchronous httpx client is served
+(openai.OpenAI, not AsyncOpenAI).
 """
 
 from __future__ import annotations
@@ -89,13 +91,14 @@ class AttestedTransport(httpx.BaseTransport):
         self.num_attestations = 0
         self._origin: tuple[str, str, int | None] | None = None
         self._attested: _Attested | None = None
+        self._verdict: Verdict | None = None
         self._retired: list[httpx.HTTPTransport] = []
         self._lock = threading.Lock()
 
     @property
     def verdict(self) -> Verdict | None:
-        """The verdict of the attestation in force (None before the first)."""
-        return None if self._attested is None else self._attested.verdict
+        """The verdict of the last passing attestation (None before the first)."""
+        return self._verdict
 
     def handle_request(self, request: httpx.Request) -> httpx.Response:
         attested = self._attested_for(request.url)
@@ -141,7 +144,7 @@ class AttestedTransport(httpx.BaseTransport):
                 attested = self._attest(url)
                 if self._attested is not None:
                     self._retire(self._attested.inner)
-                self._attested = attested
+                self._attested, self._verdict = attested, attested.verdict
             return attested
 
     def _attest(self, url: httpx.URL) -> _Attested:
