@@ -28,7 +28,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -59,7 +59,7 @@ from attestation.remote.policy import AppliancePolicy
 from attestation.remote.transport import AttestedTransport
 from attestation.remote.trust import ApplianceTrust
 from attestation.remote.verify import verify_appliance
-from tests.appliance.api.conftest import RunningServer, running_server
+from tests.appliance.api.conftest import RunningServer, make_settings, running_server
 from tests.appliance.attestation.synthetic_tee import SyntheticCpu, SyntheticGpus, write_policy
 from tests.attestation.cpu.synthetic import SyntheticSnp
 from tests.attestation.gpu.synthetic import SyntheticGpuSetup, synthetic_gpu_setup
@@ -309,6 +309,34 @@ def test_verify_appliance_passes_a_direct_connection_and_refuses_the_relay(setup
     assert status == 1, out
     assert '"detail": "no client policy (--policy): nothing is trusted' in out
     assert '"name": "channel.tls_spki",\n      "passed": true' in out
+
+
+def test_an_unverified_demo_is_shown_as_such_and_never_trusted(
+    setup: Setup,
+    smollm2_dir: Path,
+    smollm2_engine: Callable[..., Any],
+    tmp_path: Path,
+) -> None:
+    """`tee.mode = insecure-dev` (the demo): the command still connects and says what it saw,
+    and exits 1; every response says UNVERIFIED; the transport refuses to send anything."""
+    engine = smollm2_engine(max_model_len=256, num_kv_blocks=64)
+    with running_server(make_settings(tmp_path, smollm2_dir), engine) as demo:
+        ca = ("--ca", str(demo.cert_file))
+        command = [sys.executable, "-m", "attestation", "verify-appliance", demo.url, *ca]
+        env = {**os.environ, "PYTHONPATH": str(REPO)}
+        done = subprocess.run(command, capture_output=True, text=True, timeout=120, env=env)
+        assert done.returncode == 1, done.stdout + done.stderr
+        assert '"tee": "UNVERIFIED"' in done.stdout and '"name": "policy"' in done.stdout
+        with httpx.Client(verify=demo.tls_context()) as plain:
+            assert plain.get(f"{demo.url}/health").headers["x-inferno-attestation"] == "UNVERIFIED"
+        transport = AttestedTransport(
+            setup.policy(), ApplianceTrust.load(setup.trust_dir), verify=demo.tls_context()
+        )
+        with (
+            httpx.Client(transport=transport) as client,
+            pytest.raises(ApplianceNotTrustedError, match="UNVERIFIED"),
+        ):
+            client.post(f"{demo.url}/v1/chat/completions", json={"messages": SECRET_PROMPT})
 
 
 def test_the_openai_client_chats_over_the_attested_channel_and_names_the_verdict(
