@@ -107,7 +107,8 @@ def _add_verify_cpu(parser: argparse.ArgumentParser) -> None:
         "--binding",
         nargs=3,
         metavar=("NONCE", "GPU_DIGEST", "PUBLIC_KEY"),
-        help="expected report_data as attestation.binding.report_data of these three hex values",
+        help="expected report_data as attestation.binding.report_data (the v1 domain, which "
+        "binds no TLS channel) of these three hex values",
     )
 
 
