@@ -28,9 +28,11 @@ _ALWAYS_NAMED = ("localhost", "127.0.0.1", "::1")
 
 
 def ensure_self_signed_certificate(
-    cert_file: Path, key_file: Path, hostnames: Iterable[str] = ()
+    cert_file: Path, key_file: Path, hostnames: Iterable[str] = (), *, fresh: bool = False
 ) -> bool:
-    """Make a self-signed certificate and key at these paths unless a usable pair is there.
+    """Make a self-signed certificate and key at these paths unless a usable pair is there, or
+    always with `fresh` (an attested appliance makes its key at each start, inside the TEE: the
+    attestation binds it, so no key from before this boot is ever served).
 
     The certificate names localhost, 127.0.0.1, ::1 and `hostnames` (DNS names or IP
     addresses). An expired certificate is replaced. Returns True when a new pair was made.
@@ -40,7 +42,7 @@ def ensure_self_signed_certificate(
     if have_cert != have_key:
         present, missing = (cert_file, key_file) if have_cert else (key_file, cert_file)
         raise TlsError(f"{present} exists but {missing} does not; remove {present} to make a pair")
-    if have_cert and not _expired(cert_file):
+    if have_cert and not fresh and not _expired(cert_file):
         return False
     key = ec.generate_private_key(ec.SECP256R1())
     now = datetime.datetime.now(datetime.UTC)

@@ -4,7 +4,8 @@
                [--revocation DIR] [--nonce HEX ...]
     verify-cpu --evidence FILE.json --policy FILE --trust DIR [--at RFC3339]
                (--report-data HEX | --binding NONCE GPU_DIGEST PUBLIC_KEY)
-    verify-appliance https://HOST:PORT [--policy FILE --trust DIR] [--ca FILE]
+    verify-appliance https://HOST:PORT [--policy FILE --trust DIR]
+                     [--ca FILE | --attested-key-only]
 
 prints the JSON verdict (`Verdict.to_json()`: result, validation time, failed checks with their
 reasons, every check, per-GPU claims) and exits 0 when trusted, 1 when not trusted, 2 when the
@@ -156,8 +157,15 @@ def _add_verify_appliance(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--trust", type=Path, help="trust directory: gpu/rims, gpu/roots, gpu/revocation, cpu"
     )
-    parser.add_argument(
+    ca = parser.add_mutually_exclusive_group()
+    ca.add_argument(
         "--ca", type=Path, help="CA file for the appliance's certificate (default: the system's)"
+    )
+    ca.add_argument(
+        "--attested-key-only",
+        action="store_true",
+        help="check the certificate against no CA: only the attestation, which must bind the "
+        "key this connection presented, authenticates it (an appliance's per-boot key)",
     )
     parser.add_argument("--timeout", type=float, default=60.0, help="seconds (default 60)")
 
@@ -185,6 +193,8 @@ def _run_verify_appliance(args: argparse.Namespace) -> Verdict:
         verify = ssl.create_default_context(cafile=args.ca) if args.ca else True
     except (OSError, ssl.SSLError) as exc:
         raise PolicyError(f"--ca {args.ca}: {exc}") from exc
+    if args.attested_key_only:
+        verify = False  # the key is checked below, against the evidence, and nothing else
     nonce = new_nonce()
     with httpx.HTTPTransport(verify=verify) as transport:
         try:

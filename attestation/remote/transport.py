@@ -70,6 +70,11 @@ class _Attested:
 
 
 class AttestedTransport(httpx.BaseTransport):
+    """`verify` is httpx's: an SSLContext trusting the appliance's CA, True for the system's,
+    or False to authenticate the appliance's key by the attestation alone (its per-boot
+    self-signed key): the evidence must bind the key the connection presented, and every later
+    connection must present it too, whatever `verify` says."""
+
     def __init__(
         self,
         policy: AppliancePolicy,

@@ -363,6 +363,27 @@ def test_the_openai_client_chats_over_the_attested_channel_and_names_the_verdict
     assert f'"verdict_id":"{standing}"'.encode() in leaf
 
 
+def test_without_a_ca_the_attestation_alone_authenticates_the_key(setup: Setup) -> None:
+    """The appliance's per-boot self-signed key, trusted through no CA: the command and the
+    transport accept it because the evidence binds it, and still refuse the relay."""
+    options = ("--policy", str(setup.policy_file), "--trust", str(setup.trust_dir))
+    command = [sys.executable, "-m", "attestation", "verify-appliance", "--attested-key-only"]
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    for url, expected in ((setup.server.url, 0), (setup.relay.url, 1)):
+        done = subprocess.run(
+            [*command, url, *options], capture_output=True, text=True, timeout=120, env=env
+        )
+        assert done.returncode == expected, done.stdout + done.stderr
+    setup.relay.mode = "terminate"
+    policy, trust = setup.policy(), ApplianceTrust.load(setup.trust_dir)
+    direct = AttestedTransport(policy, trust, verify=False)
+    with httpx.Client(transport=direct) as client:
+        assert client.get(f"{setup.server.url}/v1/models").status_code == 401  # no token sent
+    relayed = AttestedTransport(policy, trust, verify=False)
+    with httpx.Client(transport=relayed) as client, pytest.raises(ApplianceNotTrustedError):
+        client.get(f"{setup.relay.url}/v1/models")
+
+
 def test_the_openai_client_pointed_at_the_relay_sends_no_request(setup: Setup) -> None:
     setup.relay.mode = "terminate"
     seen_before = len(setup.relay.from_clients)

@@ -46,6 +46,7 @@ from appliance.boot.audit_log import open_audit_log
 from appliance.boot.startup import start_audit_log
 from appliance.boot.weights import LoadedModel, digest_weights
 from appliance.config import Settings, settings_from_mapping
+from appliance.tls import ensure_self_signed_certificate
 from appliance.trust_store import TrustStore
 from attestation.binding import Channel, report_data_v2
 from attestation.cpu import CpuEvidence, CpuTrust, verify_cpu_evidence
@@ -496,6 +497,8 @@ def test_a_production_appliance_unseals_through_the_hsm_after_a_passing_verdict(
     }  # fmt: skip
     settings = settings_from_mapping(raw, base_dir=tmp_path)
     assert settings.appliance.profile == "production"
+    # What `listen` does before the server starts: the attestation binds this certificate's key.
+    ensure_self_signed_certificate(tmp_path / "tls" / "cert.pem", tmp_path / "tls" / "key.pem")
     gpus, cpu = SyntheticGpus(deployment.gpus), SyntheticCpu(deployment.snp)
     service = TeeService("required", EvidenceCollection(gpus, cpu), OfflineVerifier(settings.tee))
     app = build(settings, start_audit_log(settings), tee=service)
