@@ -109,13 +109,15 @@ class AttestedTransport(httpx.BaseTransport):
         attested = self._attested_for(request.url)
         request.extensions = {
             **request.extensions,
-            "trace": _pinning_trace(attested.spki_sha256, request.extensions.get("trace")),
+            "trace": pinning_trace(attested.spki_sha256, request.extensions.get("trace")),
         }
         response = attested.inner.handle_request(request)
         try:
             if response_peer_spki_sha256(response) != attested.spki_sha256:
                 raise ChannelMismatchError("the response came from a peer with another TLS key")
-            self._check_standing_age(response)
+            if self.policy.max_verdict_age_s is not None:
+                header = response.headers.get(ATTESTATION_HEADER, "")
+                check_standing_age(header, self.policy.max_verdict_age_s)
         except ApplianceAttestationError:
             response.close()
             raise
@@ -187,22 +189,22 @@ class AttestedTransport(httpx.BaseTransport):
             old.close()
         self._retired = [inner]
 
-    def _check_standing_age(self, response: httpx.Response) -> None:
-        max_age_s = self.policy.max_verdict_age_s
-        if max_age_s is None:
-            return
-        header = response.headers.get(ATTESTATION_HEADER, "")
-        match = _HEADER.fullmatch(header)
-        if match is None:
-            raise StaleVerdictError(f"{ATTESTATION_HEADER} names no standing verdict ({header!r})")
-        if int(match.group(2)) > max_age_s:
-            raise StaleVerdictError(
-                f"the appliance's standing verdict {match.group(1)} is {match.group(2)} s old; "
-                f"the policy allows {max_age_s} s (max_verdict_age_s)"
-            )
+
+def check_standing_age(header: str, max_age_s: int) -> None:
+    """Raise StaleVerdictError unless `header` (a response's X-Inferno-Attestation) names a
+    standing verdict at most `max_age_s` old: `id=<32 hex>; age=<s>`, not PENDING or
+    UNVERIFIED."""
+    match = _HEADER.fullmatch(header)
+    if match is None:
+        raise StaleVerdictError(f"{ATTESTATION_HEADER} names no standing verdict ({header[:40]!r})")
+    if int(match.group(2)) > max_age_s:
+        raise StaleVerdictError(
+            f"the appliance's standing verdict {match.group(1)} is {match.group(2)} s old; "
+            f"the policy allows {max_age_s} s (max_verdict_age_s)"
+        )
 
 
-def _pinning_trace(
+def pinning_trace(
     pinned_spki_sha256: bytes, chained: Callable[[str, dict[str, Any]], None] | None
 ) -> Callable[[str, dict[str, Any]], None]:
     """An httpcore trace callback that checks each new TLS connection's peer as its handshake
