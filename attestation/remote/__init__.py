@@ -9,12 +9,15 @@ Public API:
   ApplianceTrust.load(directory)         the client's pinned roots, RIMs, collateral (trust.py)
   verify_appliance(document, *, nonce, peer_spki_sha256, policy, trust, at) -> Verdict
                                          pure (verify.py)
-  attest_connection(client, nonce, ...)  one attestation over an httpx client (connection.py)
+  fetch_attestation(transport, origin, nonce)  one /v1/attestation over an httpx transport,
+                                         with its connection's peer key (connection.py)
   AttestedTransport(...)                 an httpx transport (the `openai` client's
                                          http_client) that attests before any request body
                                          leaves, and pins the attested key (transport.py)
+  AsyncAttestedTransport(...)            the same for httpx.AsyncClient, openai.AsyncOpenAI
+                                         (async_transport.py)
 
 `python -m attestation verify-appliance https://HOST:PORT --policy FILE --trust DIR` is the
 command line. This package imports httpx only in its edge modules (connection.py,
-transport.py), and neither torch nor the appliance.
+transport.py, async_transport.py), and neither torch nor the appliance.
 """

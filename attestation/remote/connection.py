@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import secrets
+from collections.abc import AsyncIterable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -70,34 +71,66 @@ def fetch_attestation(
     """`GET /v1/attestation?nonce=` at `origin` through `transport`. Raises
     ApplianceAttestationError for an answer other than 200 or 409 `tee_unverified`,
     EvidenceError for one over the limit or malformed, httpx.HTTPError for the network."""
-    url = origin.copy_with(path=ATTESTATION_PATH, query=f"nonce={nonce.hex()}".encode())
-    request = httpx.Request(
-        "GET",
-        url,
-        extensions={"timeout": httpx.Timeout(timeout_s).as_dict()},
-    )
-    response = transport.handle_request(request)
+    response = transport.handle_request(_attestation_request(origin, nonce, timeout_s))
     try:
         peer = response_peer_spki_sha256(response)
-        body = _read_bounded(response)
+        body = _read_bounded(response.stream)  # type: ignore[arg-type]
     finally:
         response.close()
-    if response.status_code == 409 and b"tee_unverified" in body:
+    return _answer(response.status_code, body, peer)
+
+
+async def afetch_attestation(
+    transport: httpx.AsyncBaseTransport,
+    origin: httpx.URL,
+    nonce: bytes,
+    *,
+    timeout_s: float = 60.0,
+) -> AttestationAnswer:
+    """fetch_attestation through an asynchronous transport."""
+    response = await transport.handle_async_request(_attestation_request(origin, nonce, timeout_s))
+    try:
+        peer = response_peer_spki_sha256(response)
+        body = await _aread_bounded(response.stream)  # type: ignore[arg-type]
+    finally:
+        await response.aclose()
+    return _answer(response.status_code, body, peer)
+
+
+def _attestation_request(origin: httpx.URL, nonce: bytes, timeout_s: float) -> httpx.Request:
+    url = origin.copy_with(path=ATTESTATION_PATH, query=f"nonce={nonce.hex()}".encode())
+    return httpx.Request("GET", url, extensions={"timeout": httpx.Timeout(timeout_s).as_dict()})
+
+
+def _answer(status: int, body: bytes, peer: bytes) -> AttestationAnswer:
+    if status == 409 and b"tee_unverified" in body:
         return AttestationAnswer(peer, None)
-    if response.status_code != 200:
-        raise ApplianceAttestationError(
-            f"{ATTESTATION_PATH} answered {response.status_code}: {body[:200]!r}"
-        )
+    if status != 200:
+        raise ApplianceAttestationError(f"{ATTESTATION_PATH} answered {status}: {body[:200]!r}")
     return AttestationAnswer(peer, AttestationDocument.parse(body))
 
 
-def _read_bounded(response: httpx.Response) -> bytes:
+def _too_large() -> EvidenceError:
+    return EvidenceError(
+        f"the /v1/attestation answer is larger than {MAX_ATTESTATION_RESPONSE_BYTES} bytes"
+    )
+
+
+def _read_bounded(stream: Iterable[bytes]) -> bytes:
     chunks, num_bytes = [], 0
-    for chunk in response.stream:  # type: ignore[union-attr]
+    for chunk in stream:
         num_bytes += len(chunk)
         if num_bytes > MAX_ATTESTATION_RESPONSE_BYTES:
-            raise EvidenceError(
-                f"the /v1/attestation answer is larger than {MAX_ATTESTATION_RESPONSE_BYTES} bytes"
-            )
+            raise _too_large()
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+async def _aread_bounded(stream: AsyncIterable[bytes]) -> bytes:
+    chunks, num_bytes = [], 0
+    async for chunk in stream:
+        num_bytes += len(chunk)
+        if num_bytes > MAX_ATTESTATION_RESPONSE_BYTES:
+            raise _too_large()
         chunks.append(chunk)
     return b"".join(chunks)

@@ -21,8 +21,8 @@ What it guarantees, per request:
     the request was sent, over an attested channel).
 
 The errors (attestation.remote.errors) are not httpx's: the `openai` client passes them to the
-caller as they are, without retrying. Only the synchronous httpx client is served
-(openai.OpenAI, not AsyncOpenAI).
+caller as they are, without retrying. `AsyncAttestedTransport` (async_transport.py) gives the
+same guarantees to httpx.AsyncClient (openai.AsyncOpenAI).
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ import re
 import ssl
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
@@ -39,6 +39,7 @@ from typing import Any
 import httpx
 
 from attestation.remote.connection import (
+    AttestationAnswer,
     fetch_attestation,
     new_nonce,
     response_peer_spki_sha256,
@@ -80,7 +81,7 @@ class AttestedTransport(httpx.BaseTransport):
         policy: AppliancePolicy,
         trust: ApplianceTrust,
         *,
-        verify: ssl.SSLContext | str | bool = True,
+        verify: ssl.SSLContext | bool = True,
         reattest_after_s: float = 300.0,
         timeout_s: float = 60.0,
         monotonic: Callable[[], float] = time.monotonic,
@@ -94,7 +95,7 @@ class AttestedTransport(httpx.BaseTransport):
         self.timeout_s = timeout_s
         self.monotonic = monotonic
         self.num_attestations = 0
-        self._origin: tuple[str, str, int | None] | None = None
+        self._origin: Origin | None = None
         self._attested: _Attested | None = None
         self._verdict: Verdict | None = None
         self._retired: list[httpx.HTTPTransport] = []
@@ -113,11 +114,7 @@ class AttestedTransport(httpx.BaseTransport):
         }
         response = attested.inner.handle_request(request)
         try:
-            if response_peer_spki_sha256(response) != attested.spki_sha256:
-                raise ChannelMismatchError("the response came from a peer with another TLS key")
-            if self.policy.max_verdict_age_s is not None:
-                header = response.headers.get(ATTESTATION_HEADER, "")
-                check_standing_age(header, self.policy.max_verdict_age_s)
+            check_response(response, attested.spki_sha256, self.policy)
         except ApplianceAttestationError:
             response.close()
             raise
@@ -135,17 +132,8 @@ class AttestedTransport(httpx.BaseTransport):
     def _attested_for(self, url: httpx.URL) -> _Attested:
         """The attestation in force for `url`'s origin, made now if there is none or it is older
         than reattest_after_s. Raises ApplianceAttestationError."""
-        if url.scheme != "https":
-            raise ApplianceAttestationError(f"refusing {url.scheme}://: only TLS can be attested")
-        origin = (url.scheme, url.host, url.port)
         with self._lock:
-            if self._origin is None:
-                self._origin = origin
-            elif origin != self._origin:
-                raise ApplianceAttestationError(
-                    f"this transport attests {self._origin[1]}:{self._origin[2]} only, "
-                    f"not {url.host}:{url.port}"
-                )
+            self._origin = check_origin(self._origin, url)
             attested = self._attested
             if attested is None or self.monotonic() - attested.at_s > self.reattest_after_s:
                 attested = self._attest(url)
@@ -159,24 +147,8 @@ class AttestedTransport(httpx.BaseTransport):
         try:
             nonce = new_nonce()
             self.num_attestations += 1
-            answer = fetch_attestation(
-                inner, url.copy_with(path="/", query=None), nonce, timeout_s=self.timeout_s
-            )
-            at = datetime.now(UTC)
-            if answer.document is None:
-                detail = "the appliance says UNVERIFIED (tee.mode = insecure-dev): not attested"
-                verdict = Verdict((Check("appliance.tee", False, detail),), at)
-            else:
-                verdict = verify_appliance(
-                    answer.document,
-                    nonce=nonce,
-                    peer_spki_sha256=answer.peer_spki_sha256,
-                    policy=self.policy,
-                    trust=self.trust,
-                    at=at,
-                )
-            if not verdict.trusted:
-                raise ApplianceNotTrustedError(verdict)
+            answer = fetch_attestation(inner, origin_of(url), nonce, timeout_s=self.timeout_s)
+            verdict = verdict_of(answer, nonce, self.policy, self.trust)
         except BaseException:
             inner.close()
             raise
@@ -188,6 +160,60 @@ class AttestedTransport(httpx.BaseTransport):
         for old in self._retired:
             old.close()
         self._retired = [inner]
+
+
+Origin = tuple[str, str, int | None]
+
+
+def check_origin(attested: Origin | None, url: httpx.URL) -> Origin:
+    """The origin a transport attests: `url`'s, which must be https:// and, once a transport
+    attested one, that one. Raises ApplianceAttestationError."""
+    if url.scheme != "https":
+        raise ApplianceAttestationError(f"refusing {url.scheme}://: only TLS can be attested")
+    origin = (url.scheme, url.host, url.port)
+    if attested is not None and origin != attested:
+        raise ApplianceAttestationError(
+            f"this transport attests {attested[1]}:{attested[2]} only, not {url.host}:{url.port}"
+        )
+    return origin
+
+
+def origin_of(url: httpx.URL) -> httpx.URL:
+    return url.copy_with(path="/", query=None)
+
+
+def verdict_of(
+    answer: AttestationAnswer, nonce: bytes, policy: AppliancePolicy, trust: ApplianceTrust
+) -> Verdict:
+    """The client's verdict on one attestation answer, at the current time. Raises
+    ApplianceNotTrustedError unless it is trusted."""
+    at = datetime.now(UTC)
+    if answer.document is None:
+        detail = "the appliance says UNVERIFIED (tee.mode = insecure-dev): not attested"
+        verdict = Verdict((Check("appliance.tee", False, detail),), at)
+    else:
+        verdict = verify_appliance(
+            answer.document,
+            nonce=nonce,
+            peer_spki_sha256=answer.peer_spki_sha256,
+            policy=policy,
+            trust=trust,
+            at=at,
+        )
+    if not verdict.trusted:
+        raise ApplianceNotTrustedError(verdict)
+    return verdict
+
+
+def check_response(response: httpx.Response, pinned: bytes, policy: AppliancePolicy) -> None:
+    """Guarantee 4 and a last look at 3: the response came over a connection to the pinned key,
+    and (with max_verdict_age_s) names a standing verdict that fresh. Raises
+    ApplianceAttestationError; the caller closes the response."""
+    if response_peer_spki_sha256(response) != pinned:
+        raise ChannelMismatchError("the response came from a peer with another TLS key")
+    if policy.max_verdict_age_s is not None:
+        header = response.headers.get(ATTESTATION_HEADER, "")
+        check_standing_age(header, policy.max_verdict_age_s)
 
 
 def check_standing_age(header: str, max_age_s: int) -> None:
@@ -209,24 +235,48 @@ def pinning_trace(
 ) -> Callable[[str, dict[str, Any]], None]:
     """An httpcore trace callback that checks each new TLS connection's peer as its handshake
     completes, before a byte of the request is written, and closes it if the key is not the
-    attested one."""
+    attested one (raising ChannelMismatchError)."""
 
     def trace(event: str, info: dict[str, Any]) -> None:
-        if event == "connection.start_tls.complete":
-            stream = info.get("return_value")
-            try:
-                peer = stream_peer_spki_sha256(stream)
-            except ChannelMismatchError:
-                peer = b""
-            if peer != pinned_spki_sha256:
-                if stream is not None:
-                    stream.close()
-                raise ChannelMismatchError(
-                    "a new TLS connection's peer presented another key than the attested one "
-                    f"({peer.hex()[:16] or 'none'}… instead of {pinned_spki_sha256.hex()[:16]}…): "
-                    "nothing was sent on it"
-                )
+        if (refused := connection_mismatch(pinned_spki_sha256, event, info)) is not None:
+            info["return_value"].close()
+            raise refused
         if chained is not None:
             chained(event, info)
 
     return trace
+
+
+def async_pinning_trace(
+    pinned_spki_sha256: bytes, chained: Callable[[str, dict[str, Any]], Awaitable[None]] | None
+) -> Callable[[str, dict[str, Any]], Awaitable[None]]:
+    """pinning_trace for httpcore's asynchronous interface, which awaits its trace callbacks."""
+
+    async def trace(event: str, info: dict[str, Any]) -> None:
+        if (refused := connection_mismatch(pinned_spki_sha256, event, info)) is not None:
+            await info["return_value"].aclose()
+            raise refused
+        if chained is not None:
+            await chained(event, info)
+
+    return trace
+
+
+def connection_mismatch(
+    pinned_spki_sha256: bytes, event: str, info: dict[str, Any]
+) -> ChannelMismatchError | None:
+    """For httpcore's `connection.start_tls.complete` event (`info["return_value"]`: the new
+    TLS stream): the error to raise if its peer did not present the pinned key, else None."""
+    if event != "connection.start_tls.complete":
+        return None
+    try:
+        peer = stream_peer_spki_sha256(info.get("return_value"))
+    except ChannelMismatchError:
+        peer = b""
+    if peer == pinned_spki_sha256:
+        return None
+    return ChannelMismatchError(
+        "a new TLS connection's peer presented another key than the attested one "
+        f"({peer.hex()[:16] or 'none'}… instead of {pinned_spki_sha256.hex()[:16]}…): "
+        "nothing was sent on it"
+    )

@@ -53,6 +53,7 @@ from appliance.attestation.service import TeeService
 from appliance.auth.roles import Role
 from appliance.config import Settings, settings_from_mapping
 from appliance.tls import certificate_spki_sha256
+from attestation.remote.async_transport import AsyncAttestedTransport
 from attestation.remote.connection import AttestationAnswer, fetch_attestation
 from attestation.remote.errors import ApplianceNotTrustedError, ChannelMismatchError
 from attestation.remote.policy import AppliancePolicy
@@ -384,6 +385,34 @@ def test_without_a_ca_the_attestation_alone_authenticates_the_key(setup: Setup) 
         client.get(f"{setup.relay.url}/v1/models")
 
 
+def test_the_async_openai_client_chats_directly_and_sends_the_relay_nothing(
+    setup: Setup,
+) -> None:
+    policy, trust = setup.policy(), ApplianceTrust.load(setup.trust_dir)
+
+    async def chat(url: str) -> str | None:
+        transport = AsyncAttestedTransport(policy, trust, verify=setup.client_tls)
+        async with openai.AsyncOpenAI(
+            base_url=f"{url}/v1",
+            api_key=setup.server.token(Role.USER, "app-team"),
+            http_client=httpx.AsyncClient(transport=transport, timeout=120),
+            max_retries=0,
+        ) as client:
+            reply = await client.chat.completions.create(
+                model="smollm2", messages=[{"role": "user", "content": SECRET_PROMPT}],
+                max_tokens=2,
+            )  # fmt: skip
+        return reply.choices[0].message.content
+
+    assert asyncio.run(chat(setup.server.url)) is not None
+    setup.relay.mode = "terminate"
+    seen_before = len(setup.relay.from_clients)
+    with pytest.raises(ApplianceNotTrustedError, match=r"channel\.tls_spki"):
+        asyncio.run(chat(setup.relay.url))
+    seen = bytes(setup.relay.from_clients[seen_before:])
+    assert seen.startswith(b"GET /v1/attestation?nonce=") and b"POST" not in seen
+
+
 def test_the_openai_client_pointed_at_the_relay_sends_no_request(setup: Setup) -> None:
     setup.relay.mode = "terminate"
     seen_before = len(setup.relay.from_clients)
@@ -426,6 +455,26 @@ def test_a_reroute_after_the_attestation_gets_nothing(setup: Setup) -> None:
                 max_tokens=2,
             )
     assert bytes(relay.from_clients[seen_before:]) == b"", "a byte of the request reached it"
+    assert transport.num_attestations == 1
+
+
+def test_a_reroute_after_the_attestation_gets_nothing_from_an_async_client(setup: Setup) -> None:
+    relay = setup.relay
+    relay.mode = "tcp"
+    policy, trust = setup.policy(), ApplianceTrust.load(setup.trust_dir)
+    transport = AsyncAttestedTransport(policy, trust, verify=setup.client_tls)
+
+    async def two_requests() -> None:
+        async with httpx.AsyncClient(transport=transport, timeout=60) as client:
+            assert (await client.get(f"{relay.url}/v1/models")).status_code == 401
+            relay.mode = "terminate"
+            relay.drop_connections()
+            await client.post(f"{relay.url}/v1/chat/completions", content=SECRET_PROMPT)
+
+    seen_before = len(relay.from_clients)
+    with pytest.raises(ChannelMismatchError, match="nothing was sent on it"):
+        asyncio.run(two_requests())
+    assert bytes(relay.from_clients[seen_before:]) == b""
     assert transport.num_attestations == 1
 
 

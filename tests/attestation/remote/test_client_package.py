@@ -30,7 +30,7 @@ class Refuse(importlib.abc.MetaPathFinder):
             raise ImportError("the client package imported " + name)
         return None
 sys.meta_path.insert(0, Refuse())
-import attestation, attestation.remote.transport, attestation.remote.verify
+import attestation, attestation.remote.transport, attestation.remote.async_transport
 from attestation.__main__ import main
 assert attestation.__file__.startswith(sys.argv[1]), attestation.__file__
 sys.exit(main(["verify-appliance", "http://127.0.0.1:9"]))
