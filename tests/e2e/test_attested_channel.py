@@ -8,12 +8,14 @@ TLS-terminating proxy that relays the real appliance's attestation and reads eve
 forward the bytes as they are (TLS end to end; then it is a plain TCP hop).
 
 Shown: `python -m attestation verify-appliance` passes a direct connection and refuses the
-relay, naming the channel; without a policy it reports what it saw and exits 1. The `openai`
-client over `AttestedTransport` completes a chat directly; pointed at the relay it sends no
-request (the relay saw only the attestation's GET); a relay that turns from TCP hop into a
-terminating proxy after the attestation gets a connection that is closed before a byte of the
-request. A changed TLS key, a replayed nonce and an expired verdict fail, each with its own
-check. Each response names the standing verdict, and so does each inference audit entry.
+relay, naming the channel; without a policy it reports what it saw and exits 1 (an insecure-dev
+demo: UNVERIFIED); with `--attested-key-only` the attestation alone authenticates the key. The
+`openai` client over `AttestedTransport` (and `AsyncOpenAI` over `AsyncAttestedTransport`)
+completes a chat directly; pointed at the relay it sends no request (the relay saw only the
+attestation's GET); a relay that turns from TCP hop into a terminating proxy after the
+attestation gets a connection that is closed before a byte of the request. A changed TLS key,
+a replayed nonce and an expired verdict fail, each with its own check. Each response names the
+standing verdict, and so does each inference audit entry.
 """
 
 from __future__ import annotations
