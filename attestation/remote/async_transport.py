@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import httpx
 
+from attestation.errors import EvidenceError
 from attestation.remote.connection import afetch_attestation, new_nonce
 from attestation.remote.errors import ApplianceAttestationError
 from attestation.remote.policy import AppliancePolicy
@@ -24,6 +25,7 @@ from attestation.remote.transport import (
     check_origin,
     check_response,
     origin_of,
+    unusable,
     verdict_of,
 )
 from attestation.remote.trust import ApplianceTrust
@@ -113,9 +115,12 @@ class AsyncAttestedTransport(httpx.AsyncBaseTransport):
         try:
             nonce = new_nonce()
             self.num_attestations += 1
-            answer = await afetch_attestation(
-                inner, origin_of(url), nonce, timeout_s=self.timeout_s
-            )
+            try:
+                answer = await afetch_attestation(
+                    inner, origin_of(url), nonce, timeout_s=self.timeout_s
+                )
+            except EvidenceError as exc:
+                raise unusable(exc) from exc
             verdict = await asyncio.to_thread(verdict_of, answer, nonce, self.policy, self.trust)
         except BaseException:
             await inner.aclose()

@@ -38,6 +38,7 @@ from typing import Any
 
 import httpx
 
+from attestation.errors import EvidenceError
 from attestation.remote.connection import (
     AttestationAnswer,
     fetch_attestation,
@@ -147,7 +148,10 @@ class AttestedTransport(httpx.BaseTransport):
         try:
             nonce = new_nonce()
             self.num_attestations += 1
-            answer = fetch_attestation(inner, origin_of(url), nonce, timeout_s=self.timeout_s)
+            try:
+                answer = fetch_attestation(inner, origin_of(url), nonce, timeout_s=self.timeout_s)
+            except EvidenceError as exc:
+                raise unusable(exc) from exc
             verdict = verdict_of(answer, nonce, self.policy, self.trust)
         except BaseException:
             inner.close()
@@ -182,24 +186,32 @@ def origin_of(url: httpx.URL) -> httpx.URL:
     return url.copy_with(path="/", query=None)
 
 
+def unusable(exc: EvidenceError) -> ApplianceAttestationError:
+    """An attestation answer that cannot be parsed, as what a transport's caller catches."""
+    return ApplianceAttestationError(f"the appliance's attestation answer is unusable: {exc}")
+
+
 def verdict_of(
     answer: AttestationAnswer, nonce: bytes, policy: AppliancePolicy, trust: ApplianceTrust
 ) -> Verdict:
     """The client's verdict on one attestation answer, at the current time. Raises
-    ApplianceNotTrustedError unless it is trusted."""
+    ApplianceNotTrustedError unless it is trusted (an unparsable report included)."""
     at = datetime.now(UTC)
     if answer.document is None:
         detail = "the appliance says UNVERIFIED (tee.mode = insecure-dev): not attested"
         verdict = Verdict((Check("appliance.tee", False, detail),), at)
     else:
-        verdict = verify_appliance(
-            answer.document,
-            nonce=nonce,
-            peer_spki_sha256=answer.peer_spki_sha256,
-            policy=policy,
-            trust=trust,
-            at=at,
-        )
+        try:
+            verdict = verify_appliance(
+                answer.document,
+                nonce=nonce,
+                peer_spki_sha256=answer.peer_spki_sha256,
+                policy=policy,
+                trust=trust,
+                at=at,
+            )
+        except EvidenceError as exc:
+            verdict = Verdict((Check("appliance.evidence", False, str(exc)),), at)
     if not verdict.trusted:
         raise ApplianceNotTrustedError(verdict)
     return verdict

@@ -46,8 +46,9 @@ def verify_appliance(
 ) -> Verdict:
     """Every check of the plan above, at the validation time `at`. `nonce` is the one the
     client drew for this request; `peer_spki_sha256` the SHA-256 of the DER SubjectPublicKeyInfo
-    of the certificate the TLS connection that carried `document` presented. Never raises for
-    hostile evidence: each problem is a failed check."""
+    of the certificate the TLS connection that carried `document` presented. Raises EvidenceError
+    only for a CPU report that cannot be parsed at all (as verify_cpu_evidence does); every
+    other problem is a failed check."""
     evidence = document.evidence
     if evidence is None:
         detail = f"the appliance ({document.tee}) collected no evidence; its verdict: " + (

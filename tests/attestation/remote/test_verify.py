@@ -5,6 +5,7 @@ its defect."""
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import json
 from dataclasses import dataclass
@@ -17,8 +18,11 @@ import pytest
 from attestation.binding import Channel, gpu_nonces, report_data, report_data_v2
 from attestation.errors import EvidenceError, PolicyError
 from attestation.gpu import gpu_evidence_digest
+from attestation.remote.connection import AttestationAnswer
 from attestation.remote.document import MAX_ATTESTATION_RESPONSE_BYTES, AttestationDocument
+from attestation.remote.errors import ApplianceNotTrustedError
 from attestation.remote.policy import AppliancePolicy
+from attestation.remote.transport import verdict_of
 from attestation.remote.trust import ApplianceTrust
 from attestation.remote.verify import verify_appliance
 from tests.attestation.cpu.synthetic import SyntheticSnp
@@ -179,3 +183,14 @@ def test_a_client_policy_that_could_pass_anything_is_refused(
 def test_a_trust_directory_without_rims_is_refused(tmp_path: Path) -> None:
     with pytest.raises(PolicyError, match="gpu/rims"):
         ApplianceTrust.load(tmp_path)
+
+
+def test_a_cpu_report_that_cannot_be_parsed_is_not_trusted_by_the_transport(
+    fixture: Fixture,
+) -> None:
+    answer = fixture.answer()
+    answer["evidence"]["cpu"]["report"] = base64.b64encode(b"\0" * 100).decode()
+    document = AttestationDocument.parse(json.dumps(answer).encode())
+    with pytest.raises(ApplianceNotTrustedError, match=r"appliance\.evidence") as refused:
+        verdict_of(AttestationAnswer(SPKI, document), NONCE, fixture.policy(), fixture.trust)
+    assert not refused.value.verdict.trusted
