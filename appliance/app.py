@@ -196,7 +196,9 @@ def build(
     )
     # Each added around the previous: a 413 or a refusal is logged and carries both headers.
     app.add_middleware(AuditEntryHeader, trail=trail)
-    app.add_middleware(TeeStateHeader, state=start_up.tee.state)
+    app.add_middleware(
+        TeeStateHeader, state=start_up.tee.state, attestation=start_up.tee.attestation_header
+    )
     if settings.log.access:
         app.add_middleware(AccessLog)  # outermost: it logs every answer as the client got it
     return app

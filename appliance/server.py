@@ -111,8 +111,11 @@ def _prepare_tls(settings: Settings) -> str | None:
         return None
     tls = settings.tls
     assert tls.cert_file is not None and tls.key_file is not None, "checked by Settings"
+    # Attested (tee.mode = required): a fresh pair at each start, made inside the TEE, whose key
+    # every attestation binds (attestation.binding.Channel).
+    fresh = settings.tee.mode == "required"
     if tls.self_signed and ensure_self_signed_certificate(
-        tls.cert_file, tls.key_file, [settings.server.host]
+        tls.cert_file, tls.key_file, [settings.server.host], fresh=fresh
     ):
         logger.warning("made a self-signed TLS certificate at %s", tls.cert_file)
     verify_certificate_pair(tls.cert_file, tls.key_file)

@@ -7,6 +7,7 @@ certificate is trusted by pinning: clients are told its SHA-256 fingerprint, or 
 from __future__ import annotations
 
 import datetime
+import hashlib
 import ipaddress
 import os
 import ssl
@@ -27,9 +28,11 @@ _ALWAYS_NAMED = ("localhost", "127.0.0.1", "::1")
 
 
 def ensure_self_signed_certificate(
-    cert_file: Path, key_file: Path, hostnames: Iterable[str] = ()
+    cert_file: Path, key_file: Path, hostnames: Iterable[str] = (), *, fresh: bool = False
 ) -> bool:
-    """Make a self-signed certificate and key at these paths unless a usable pair is there.
+    """Make a self-signed certificate and key at these paths unless a usable pair is there, or
+    always with `fresh` (an attested appliance makes its key at each start, inside the TEE: the
+    attestation binds it, so no key from before this boot is ever served).
 
     The certificate names localhost, 127.0.0.1, ::1 and `hostnames` (DNS names or IP
     addresses). An expired certificate is replaced. Returns True when a new pair was made.
@@ -39,7 +42,7 @@ def ensure_self_signed_certificate(
     if have_cert != have_key:
         present, missing = (cert_file, key_file) if have_cert else (key_file, cert_file)
         raise TlsError(f"{present} exists but {missing} does not; remove {present} to make a pair")
-    if have_cert and not _expired(cert_file):
+    if have_cert and not fresh and not _expired(cert_file):
         return False
     key = ec.generate_private_key(ec.SECP256R1())
     now = datetime.datetime.now(datetime.UTC)
@@ -94,6 +97,17 @@ def certificate_fingerprint(cert_file: Path) -> str:
     -fingerprint -sha256` prints it)."""
     digest = _load(cert_file).fingerprint(hashes.SHA256())
     return ":".join(f"{byte:02X}" for byte in digest)
+
+
+def certificate_spki_sha256(cert_file: Path) -> bytes:
+    """SHA-256 of the DER SubjectPublicKeyInfo of the certificate the server presents (the first
+    of the chain in `cert_file`): what the attestation evidence binds as the TLS channel
+    (attestation.binding.Channel), and what a client compares with its connection's peer."""
+    public_key = _load(cert_file).public_key()
+    spki = public_key.public_bytes(
+        serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo
+    )
+    return hashlib.sha256(spki).digest()
 
 
 def _load(cert_file: Path) -> x509.Certificate:

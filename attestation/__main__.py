@@ -4,10 +4,15 @@
                [--revocation DIR] [--nonce HEX ...]
     verify-cpu --evidence FILE.json --policy FILE --trust DIR [--at RFC3339]
                (--report-data HEX | --binding NONCE GPU_DIGEST PUBLIC_KEY)
+    verify-appliance https://HOST:PORT [--policy FILE --trust DIR]
+                     [--ca FILE | --attested-key-only]
 
 prints the JSON verdict (`Verdict.to_json()`: result, validation time, failed checks with their
 reasons, every check, per-GPU claims) and exits 0 when trusted, 1 when not trusted, 2 when the
-input is unusable (unreadable or malformed evidence, policy, roots or bundle).
+input is unusable (unreadable or malformed evidence, policy, roots or bundle; for
+verify-appliance also an appliance that cannot be reached or answers no attestation).
+verify-appliance without a policy still connects and shows what it saw, and exits 1: nothing is
+trusted without a policy.
 
 Each subcommand is one `add_*` function registering its arguments and its `run` function in
 SUBCOMMANDS; adding one (`verify-cpu`) touches nothing else.
@@ -103,7 +108,8 @@ def _add_verify_cpu(parser: argparse.ArgumentParser) -> None:
         "--binding",
         nargs=3,
         metavar=("NONCE", "GPU_DIGEST", "PUBLIC_KEY"),
-        help="expected report_data as attestation.binding.report_data of these three hex values",
+        help="expected report_data as attestation.binding.report_data (the v1 domain, which "
+        "binds no TLS channel) of these three hex values",
     )
 
 
@@ -141,6 +147,84 @@ def _run_verify_cpu(args: argparse.Namespace) -> Verdict:
 
 
 SUBCOMMANDS["verify-cpu"] = (_add_verify_cpu, _run_verify_cpu)
+
+
+def _add_verify_appliance(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("url", help="the appliance, https://HOST:PORT")
+    parser.add_argument(
+        "--policy", type=Path, help="client policy TOML: [gpu], [snp]/[tdx], [appliance]"
+    )
+    parser.add_argument(
+        "--trust", type=Path, help="trust directory: gpu/rims, gpu/roots, gpu/revocation, cpu"
+    )
+    ca = parser.add_mutually_exclusive_group()
+    ca.add_argument(
+        "--ca", type=Path, help="CA file for the appliance's certificate (default: the system's)"
+    )
+    ca.add_argument(
+        "--attested-key-only",
+        action="store_true",
+        help="check the certificate against no CA: only the attestation, which must bind the "
+        "key this connection presented, authenticates it (an appliance's per-boot key)",
+    )
+    parser.add_argument("--timeout", type=float, default=60.0, help="seconds (default 60)")
+
+
+def _run_verify_appliance(args: argparse.Namespace) -> Verdict:
+    import ssl
+
+    import httpx
+
+    from attestation.remote.connection import fetch_attestation, new_nonce
+    from attestation.remote.errors import ApplianceAttestationError
+    from attestation.remote.policy import AppliancePolicy
+    from attestation.remote.trust import ApplianceTrust
+    from attestation.remote.verify import channel_checks, verify_appliance
+    from attestation.verdict import Check
+
+    if (args.policy is None) != (args.trust is None):
+        raise PolicyError("give --policy and --trust together (or neither, to only look)")
+    policy = None if args.policy is None else AppliancePolicy.from_file(args.policy)
+    trust = None if args.trust is None else ApplianceTrust.load(args.trust)
+    origin = httpx.URL(args.url)
+    if origin.scheme != "https":
+        raise PolicyError(f"{args.url} is not https://: only a TLS channel can be attested")
+    try:
+        verify = ssl.create_default_context(cafile=args.ca) if args.ca else True
+    except (OSError, ssl.SSLError) as exc:
+        raise PolicyError(f"--ca {args.ca}: {exc}") from exc
+    if args.attested_key_only:
+        verify = False  # the key is checked below, against the evidence, and nothing else
+    nonce = new_nonce()
+    with httpx.HTTPTransport(verify=verify) as transport:
+        try:
+            answer = fetch_attestation(transport, origin, nonce, timeout_s=args.timeout)
+        except (httpx.HTTPError, ApplianceAttestationError) as exc:
+            raise EvidenceError(f"cannot attest {args.url}: {exc}") from exc
+    at = datetime.now(UTC)
+    document, peer = answer.document, answer.peer_spki_sha256
+    seen = {"url": args.url, "tls_spki_sha256": peer.hex()}
+    if document is not None and policy is not None and trust is not None:
+        return verify_appliance(
+            document, nonce=nonce, peer_spki_sha256=peer, policy=policy, trust=trust, at=at
+        )
+    if document is None:
+        checks = [Check("appliance.tee", False, "the appliance says UNVERIFIED (tee.mode = "
+                        "insecure-dev): its TEE is not attested")]  # fmt: skip
+        seen["tee"] = "UNVERIFIED"
+    elif document.evidence is None:
+        checks = [Check("appliance.evidence", False, f"no evidence ({document.tee})")]
+        seen["tee"] = document.tee
+    else:
+        checks = channel_checks(document, nonce, peer)
+        seen |= {"tee": document.tee, "appliance_verdict": document.appliance_result}
+    if policy is None:
+        checks.append(Check("policy", False, "no client policy (--policy): nothing is trusted "
+                            "without one; the checks above need none"))  # fmt: skip
+    return Verdict(tuple(checks), at, {"appliance": seen})
+
+
+SUBCOMMANDS["verify-appliance"] = (_add_verify_appliance, _run_verify_appliance)
 
 
 def main(argv: list[str] | None = None) -> int:

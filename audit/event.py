@@ -159,8 +159,11 @@ def inference_request(
     weights_digest: str,
     sampling: Mapping[str, JsonValue],
     prompt_commitment: str,
+    verdict_id: str | None = None,
 ) -> AuditEvent:
-    """A request admitted for inference: logged before any generation starts (fail closed)."""
+    """A request admitted for inference: logged before any generation starts (fail closed).
+    `verdict_id` names the attestation verdict in force as it was admitted (the
+    `attestation.verdict` entry with that id; None: nothing attested, as in insecure-dev)."""
     return AuditEvent(
         Action.INFERENCE_REQUEST,
         Outcome.ACCEPTED,
@@ -174,6 +177,7 @@ def inference_request(
             "weights_digest": weights_digest,
             "sampling": dict(sampling),
             "prompt_commitment": prompt_commitment,
+            "verdict_id": verdict_id,
         },
     )
 
@@ -194,8 +198,11 @@ def inference_complete(
     prompt_commitment: str,
     response_commitment: str | None,
     error: str | None = None,
+    verdict_id: str | None = None,
 ) -> AuditEvent:
-    """The end of a request: success, failure (with the error's class, not its text) or abort."""
+    """The end of a request: success, failure (with the error's class, not its text) or abort,
+    and the attestation verdict in force as it ended (`verdict_id`, as for inference_request: a
+    re-attestation may have replaced the one it was admitted under)."""
     if outcome not in (Outcome.SUCCESS, Outcome.FAILURE, Outcome.ABORTED):
         raise ValueError(f"an inference completes with success, failure or aborted, not {outcome}")
     return AuditEvent(
@@ -215,6 +222,7 @@ def inference_complete(
             "prompt_commitment": prompt_commitment,
             "response_commitment": response_commitment,
             "error": error,
+            "verdict_id": verdict_id,
         },
     )
 

@@ -3,12 +3,15 @@ appliance's signed verdict on it, so that a client can verify the appliance itse
 (docs/ATTESTATION.md, "Verifying the appliance").
 
 The response holds the GPU evidence (in the format of `python -m attestation verify-gpu`) for
-nonces derived from the client's (appliance.attestation.challenge.gpu_nonces), the CPU report
-whose report_data binds the nonce, the GPU evidence digest and the appliance's attestation
-public key; the verdict of the appliance's own verifier on that evidence, with every failed
-check; the same verdict signed with the attestation key; and the standing verdict (the boot's
-or the last re-attestation's) that gates inference. A verdict that fails is still answered 200:
-the failed checks are the answer.
+nonces derived from the client's (attestation.binding.gpu_nonces), the CPU report whose
+report_data binds the nonce, the GPU evidence digest, the appliance's attestation public key
+and its channel (the SHA-256 of the serving TLS certificate's SubjectPublicKeyInfo, and the
+audit log's vkey: attestation.binding.report_data_v2); the verdict of the appliance's own
+verifier on that evidence, with every failed check; the same verdict signed with the
+attestation key; and the standing verdict (the boot's or the last re-attestation's) that gates
+inference. A verdict that fails is still answered 200: the failed checks are the answer.
+`python -m attestation verify-appliance` and `attestation.remote.AttestedTransport` are the
+clients that check all of it against the connection they talk on.
 """
 
 from __future__ import annotations
@@ -32,6 +35,9 @@ router = APIRouter()
 class AttestationResponse(BaseModel):
     tee: TeeState
     nonce: str
+    # SHA-256 of the serving TLS certificate's SubjectPublicKeyInfo, as the evidence binds it
+    # (null over plain HTTP): a client compares it with its own connection's peer.
+    tls_spki_sha256: str | None
     evidence: dict[str, Any] | None
     verdict: dict[str, Any]
     signed_verdict: dict[str, Any]
@@ -78,9 +84,11 @@ async def attestation(
             429, str(exc), type="requests", code="attestation_busy", headers={"Retry-After": "1"}
         ) from None
     standing = tee.standing
+    spki = None if fresh.evidence is None else fresh.evidence.channel.tls_spki_sha256
     body = AttestationResponse(
         tee=tee.state(),
         nonce=challenge.hex(),
+        tls_spki_sha256=None if spki is None else spki.hex(),
         evidence=None if fresh.evidence is None else fresh.evidence.to_json(),
         verdict=fresh.verdict.to_json(),
         signed_verdict=tee.signed_statement(fresh),

@@ -131,6 +131,9 @@ class AuditTrail:
         self.model_name = model_name
         # Set once the model is loaded; inference is served only from then on.
         self.weights_digest: str | None = None
+        # The id of the attestation verdict in force, which every inference entry names
+        # (TeeService.verdict_in_force, wired by the start-up); None: nothing attested.
+        self.verdict_in_force: Callable[[], str | None] = lambda: None
         self._metrics = metrics
         self._num_open = 0
         self._none_open = asyncio.Event()
@@ -169,6 +172,7 @@ class AuditTrail:
                 weights_digest=self.weights_digest,
                 sampling=sampling,
                 prompt_commitment=prompt_commitment,
+                verdict_id=self.verdict_in_force(),
             )
         )
         setattr(request.state, RECEIPT_STATE, receipt)
@@ -319,6 +323,7 @@ class InferenceRecord:
             prompt_commitment=self._prompt_commitment,
             response_commitment=committer.commit("response", generation.texts()),
             error=error,
+            verdict_id=self._trail.verdict_in_force(),
         )
 
     def _report_failure(self, future: Future[AuditReceipt]) -> None:

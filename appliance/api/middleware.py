@@ -21,6 +21,7 @@ AUDIT_ENTRY_HEADER = b"audit-entry"
 API_PREFIX = "/v1/"
 
 TEE_HEADER = b"x-inferno-tee"
+ATTESTATION_HEADER = b"x-inferno-attestation"
 
 
 def _too_large(max_bytes: int) -> str:
@@ -96,12 +97,17 @@ def _content_length(scope: Scope) -> int | None:
 class TeeStateHeader:
     """Adds `X-Inferno-TEE: <state>` to every response, so a client always sees whether the
     machine serving it was attested: `VERIFIED`, `PENDING` (the gate has not decided yet),
-    `FAILED`, or `UNVERIFIED` (tee.mode = insecure-dev). `state` is read as each response
-    starts (appliance.attestation.service.TeeService.state)."""
+    `FAILED`, or `UNVERIFIED` (tee.mode = insecure-dev); and `X-Inferno-Attestation`, the
+    standing verdict's id and age (`id=<32 hex>; age=<s>`, `PENDING`, or `UNVERIFIED`), so that
+    a client can require a fresh one. Both are read as each response starts
+    (appliance.attestation.service.TeeService.state and .attestation_header)."""
 
-    def __init__(self, app: ASGIApp, state: Callable[[], str]):
+    def __init__(
+        self, app: ASGIApp, state: Callable[[], str], attestation: Callable[[], str] | None = None
+    ):
         self.app = app
         self.state = state
+        self.attestation = attestation
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -110,8 +116,10 @@ class TeeStateHeader:
 
         async def send_with_header(message: Message) -> None:
             if message["type"] == "http.response.start":
-                header = (TEE_HEADER, self.state().encode("ascii"))
-                message["headers"] = [*message.get("headers", ()), header]
+                headers = [(TEE_HEADER, self.state().encode("ascii"))]
+                if self.attestation is not None:
+                    headers.append((ATTESTATION_HEADER, self.attestation().encode("ascii")))
+                message["headers"] = [*message.get("headers", ()), *headers]
             await send(message)
 
         await self.app(scope, receive, send_with_header)

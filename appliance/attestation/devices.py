@@ -4,10 +4,10 @@ roots that `[tee]` names. Imported only with `tee.mode = required` (appliance.ap
 
 Collection order (docs/ATTESTATION.md): the GPU nonces are derived from the challenge
 (appliance.attestation.challenge.gpu_nonces); the GPU evidence is collected; its digest, the
-challenge and the attestation public key make the CPU report_data
-(attestation.binding.report_data); the CPU report is collected last, so that it covers the GPU
-evidence. The verifier recomputes every derived value from the challenge and the evidence and
-trusts none of the collector's.
+challenge, the attestation public key and the channel (TLS key, audit vkey) make the CPU
+report_data (attestation.binding.report_data_v2); the CPU report is collected last, so that it
+covers the GPU evidence. The verifier recomputes every derived value from the challenge and the
+evidence and trusts none of the collector's.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from appliance.attestation.evidence import CpuEvidenceSource, GpuEvidenceSource,
 from appliance.attestation.service import TeeService
 from appliance.config import TeeSettings
 from appliance.trust_store import TrustStore
-from attestation.binding import report_data
+from attestation.binding import Channel, report_data_v2
 from attestation.collateral import CollateralPolicy, verify_collateral
 from attestation.cpu import CpuPolicy, CpuTrust, collect_cpu_evidence, verify_cpu_evidence
 from attestation.cpu.evidence import CpuEvidence
@@ -51,14 +51,14 @@ class EvidenceCollection:
         self.gpus = gpus
         self.cpu = cpu
 
-    def collect(self, challenge: bytes, public_key: bytes) -> TeeEvidence:
+    def collect(self, challenge: bytes, public_key: bytes, channel: Channel) -> TeeEvidence:
         """Raises CollectionError from either source."""
         nonces = gpu_nonces(challenge, self.gpus.num_gpus())
         gpu = tuple(self.gpus.collect(nonces))
         digest = gpu_evidence_digest(gpu)
-        bound = report_data(challenge, digest, public_key)
+        bound = report_data_v2(challenge, digest, public_key, channel)
         cpu = self.cpu.collect(bound)
-        return TeeEvidence(challenge, public_key, gpu, cpu, digest, bound)
+        return TeeEvidence(challenge, public_key, gpu, cpu, digest, bound, channel)
 
     def set_gpus_ready(self) -> None:
         self.gpus.set_ready()
@@ -144,8 +144,11 @@ class OfflineVerifier:
             trust=trust.gpu,
             at=at,
         )
-        expected = report_data(
-            evidence.challenge, gpu_evidence_digest(evidence.gpu), evidence.public_key
+        expected = report_data_v2(
+            evidence.challenge,
+            gpu_evidence_digest(evidence.gpu),
+            evidence.public_key,
+            evidence.channel,
         )
         cpu = verify_cpu_evidence(
             evidence.cpu, expected_report_data=expected, policy=cpu_policy, trust=trust.cpu, at=at

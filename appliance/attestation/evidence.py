@@ -1,8 +1,9 @@
 """What one attestation collects, and the seams it is collected and verified through.
 
 `TeeEvidence` is the evidence of one challenge: every GPU's report (for the nonces derived from
-the challenge), the CPU report whose report_data binds the challenge, the GPU evidence digest
-and the appliance's attestation public key, and that public key itself.
+the challenge), the CPU report whose report_data binds the challenge, the GPU evidence digest,
+the appliance's attestation public key and its channel (the serving TLS key, the audit log's
+vkey: `attestation.binding.report_data_v2`), and those values themselves.
 
 The seams are Protocols, so that a test can put synthetic devices (a test CA shaped like
 NVIDIA's, a synthetic SEV-SNP chain) where NVML and configfs-tsm sit on a real machine, while
@@ -17,6 +18,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import TYPE_CHECKING, Any, Protocol
 
+from attestation.binding import NO_CHANNEL, Channel
 from audit.canonical import canonicalize
 
 if TYPE_CHECKING:
@@ -36,6 +38,7 @@ class TeeEvidence:
     cpu: CpuEvidence
     gpu_evidence_digest: bytes
     report_data: bytes
+    channel: Channel = NO_CHANNEL
 
     def to_json(self) -> dict[str, Any]:
         """The evidence as `/v1/attestation` returns it: the GPU list in the format of
@@ -47,12 +50,19 @@ class TeeEvidence:
             "cpu": self.cpu.to_json(),
             "gpu_evidence_digest": self.gpu_evidence_digest.hex(),
             "report_data": self.report_data.hex(),
+            "binding": "v2",
+            "tls_spki_sha256": _hex(self.channel.tls_spki_sha256),
+            "audit_vkey": self.channel.audit_vkey,
         }
 
     def digest(self) -> str:
         """`sha256:` of the RFC 8785 canonical JSON of `to_json()`: what the audit log and the
         signed verdict name instead of the raw evidence."""
         return "sha256:" + hashlib.sha256(canonicalize(self.to_json())).hexdigest()
+
+
+def _hex(value: bytes | None) -> str | None:
+    return None if value is None else value.hex()
 
 
 class GpuEvidenceSource(Protocol):
@@ -83,8 +93,9 @@ class CpuEvidenceSource(Protocol):
 
 
 class EvidenceCollector(Protocol):
-    def collect(self, challenge: bytes, public_key: bytes) -> TeeEvidence:
-        """The evidence for `challenge`, bound to `public_key`. Raises CollectionError."""
+    def collect(self, challenge: bytes, public_key: bytes, channel: Channel) -> TeeEvidence:
+        """The evidence for `challenge`, bound to `public_key` and `channel`. Raises
+        CollectionError."""
         ...
 
     def set_gpus_ready(self) -> None:

@@ -10,6 +10,9 @@ gate read:
                 in a way the next check does not see)
     UNVERIFIED  tee.mode = insecure-dev: nothing is attested
 
+Each attestation has an id (`Attestation.id`); the standing one's id and age are what every
+response's `X-Inferno-Attestation` header and every inference audit entry name.
+
 Everything that can go wrong in an attestation becomes a failed check of its verdict, never an
 exception that could be mistaken for "no answer yet": a collection that fails (CC off, no
 configfs-tsm), a policy that cannot be read, a verifier that crashes.
@@ -18,6 +21,7 @@ configfs-tsm), a policy that cannot be read, a verifier that crashes.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -28,6 +32,7 @@ from appliance.attestation.challenge import new_challenge
 from appliance.attestation.evidence import EvidenceCollector, EvidenceVerifier, TeeEvidence
 from appliance.attestation.signing import STATEMENT_TYPE, AttestationKey
 from appliance.config import TeeMode
+from attestation.binding import NO_CHANNEL, Channel
 from attestation.errors import AttestationError, CollectionError
 from attestation.verdict import Check, Verdict
 
@@ -42,6 +47,7 @@ class AttestationBusyError(Exception):
 
 
 Trigger = Literal["boot", "reattest", "client"]
+_VERDICT_ID_CONTEXT = b"inferno.attestation.verdict-id.v1\x00"
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,6 +59,14 @@ class Attestation:
     challenge: bytes
     evidence: TeeEvidence | None
     verdict: Verdict
+
+    @property
+    def id(self) -> str:
+        """32 hex digits naming this attestation: derived from its challenge, which is fresh
+        for each one (the appliance's own are drawn from the CSPRNG), so that the audit entry of
+        the verdict, the `X-Inferno-Attestation` header and the inference entries that ran
+        under it name it alike."""
+        return hashlib.sha256(_VERDICT_ID_CONTEXT + self.challenge).hexdigest()[:32]
 
     def summary(self) -> str:
         """The failed checks in one line, for /health and the server log (names and the
@@ -84,6 +98,10 @@ class TeeService:
         self.clock = clock
         self._standing: Attestation | None = None
         self._failed = False
+        # What the evidence binds besides the challenge and the key: the serving TLS key and
+        # the audit vkey (bind_channel, at start-up). Until then, nothing: a client that checks
+        # the channel refuses such evidence.
+        self.channel: Channel = NO_CHANNEL
         self._lock = asyncio.Lock()
         # Set when a client's attestation failed: the re-attestation timer runs at once.
         self.reattest_requested = asyncio.Event()
@@ -103,6 +121,27 @@ class TeeService:
     def standing(self) -> Attestation | None:
         """The last boot or re-attestation (None before the first, and in insecure-dev)."""
         return self._standing
+
+    def bind_channel(self, channel: Channel) -> None:
+        """Bind every later attestation's evidence to `channel` (start-up step 3, once the TLS
+        certificate the server serves is known)."""
+        self.channel = channel
+
+    def verdict_in_force(self) -> str | None:
+        """The id of the standing verdict (None before the first, and in insecure-dev)."""
+        return None if self._standing is None else self._standing.id
+
+    def attestation_header(self) -> str:
+        """`X-Inferno-Attestation`: `id=<verdict id>; age=<whole seconds since its validation
+        time>` of the standing verdict; `UNVERIFIED` in insecure-dev, `PENDING` before the
+        first verdict."""
+        if self.mode == "insecure-dev":
+            return "UNVERIFIED"
+        standing = self._standing
+        if standing is None:
+            return "PENDING"
+        age_s = max(0, int((self.clock() - standing.verdict.at).total_seconds()))
+        return f"id={standing.id}; age={age_s}"
 
     async def attest(self, trigger: Literal["boot", "reattest"]) -> Attestation:
         """Attest for a fresh challenge and make the result the standing verdict. A failure
@@ -137,9 +176,9 @@ class TeeService:
 
     def _attest(self, trigger: Trigger, challenge: bytes) -> Attestation:
         assert self.collector is not None and self.verifier is not None, "checked in __init__"
-        at = self.clock()
+        at, channel = self.clock(), self.channel
         try:
-            evidence = self.collector.collect(challenge, self.key.public_bytes)
+            evidence = self.collector.collect(challenge, self.key.public_bytes, channel)
         except CollectionError as exc:
             return self._failed_attestation(trigger, challenge, at, "collect", str(exc))
         except Exception as exc:
@@ -147,9 +186,17 @@ class TeeService:
             return self._failed_attestation(
                 trigger, challenge, at, "collect", f"{type(exc).__name__}; see the server log"
             )
-        if (evidence.challenge, evidence.public_key) != (challenge, self.key.public_bytes):
+        if (evidence.challenge, evidence.public_key, evidence.channel) != (
+            challenge,
+            self.key.public_bytes,
+            channel,
+        ):
             return self._failed_attestation(
-                trigger, challenge, at, "collect", "the evidence answers another challenge or key"
+                trigger,
+                challenge,
+                at,
+                "collect",
+                "the evidence answers another challenge, key or channel",
             )
         try:
             verdict = self.verifier.verify(evidence, at=at)
@@ -186,7 +233,14 @@ class TeeService:
             "attestation_public_key": self.key.public_bytes.hex(),
             "evidence_digest": None if evidence is None else evidence.digest(),
             "report_data": None if evidence is None else evidence.report_data.hex(),
+            "tls_spki_sha256": _hex(self.channel.tls_spki_sha256),
+            "audit_vkey": self.channel.audit_vkey,
+            "verdict_id": attestation.id,
             "verdict": attestation.verdict.to_json(),
             "tee": self.state(),
         }
         return self.key.sign(statement)
+
+
+def _hex(value: bytes | None) -> str | None:
+    return None if value is None else value.hex()

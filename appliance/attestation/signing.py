@@ -1,11 +1,11 @@
 """The appliance's attestation key and the verdicts it signs for clients.
 
 The key is an Ed25519 key made at each boot and held in memory only. Its public key is bound
-into every CPU report the appliance requests (`attestation.binding.report_data(challenge,
-gpu_evidence_digest, public_key)`), so a client that verified the CPU report for its own nonce
-knows the key belongs to that TEE, and can then trust what it signs: the appliance's verdict on
-the same evidence. A per-boot key needs no storage and no rotation; a client learns it from
-each fresh report.
+into every CPU report the appliance requests (`attestation.binding.report_data_v2(challenge,
+gpu_evidence_digest, public_key, channel)`), so a client that verified the CPU report for its
+own nonce knows the key belongs to that TEE, and can then trust what it signs: the appliance's
+verdict on the same evidence. A per-boot key needs no storage and no rotation; a client learns
+it from each fresh report.
 
 A signed verdict is `{"statement": {...}, "signature": base64}`; the signature is Ed25519 over
 `SIGNING_CONTEXT ‖ RFC 8785 canonical JSON of the statement`, so that it can never be taken for

@@ -36,6 +36,7 @@ def attestation_verdict(attestation: Attestation, tee: TeeState) -> AuditEvent:
     """Steps 3 and 8's record: the result, every failed check with its reason, the claims
     established (versions, measurements, TCB), and digests in place of the evidence itself."""
     verdict, evidence = attestation.verdict, attestation.evidence
+    spki = None if evidence is None else evidence.channel.tls_spki_sha256
     return system_event(
         Action.ATTESTATION_VERDICT,
         time=datetime.now(UTC),
@@ -43,6 +44,7 @@ def attestation_verdict(attestation: Attestation, tee: TeeState) -> AuditEvent:
         details=json_safe(
             {
                 "trigger": attestation.trigger,
+                "verdict_id": attestation.id,
                 "mode": "required",
                 "tee": tee,
                 "result": "trusted" if verdict.trusted else "not trusted",
@@ -50,6 +52,7 @@ def attestation_verdict(attestation: Attestation, tee: TeeState) -> AuditEvent:
                 "challenge": attestation.challenge.hex(),
                 "evidence_digest": None if evidence is None else evidence.digest(),
                 "attestation_public_key": None if evidence is None else evidence.public_key.hex(),
+                "tls_spki_sha256": None if spki is None else spki.hex(),
                 "num_checks": len(verdict.checks),
                 "failed": [check.to_json() for check in verdict.failures],
                 "claims": dict(verdict.claims),

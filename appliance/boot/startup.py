@@ -9,8 +9,9 @@ Before the server starts (the `inferno serve` and `inferno demo` commands):
  2. The audit log opens and records `boot.start` (`start_audit_log`). If either fails, the
     appliance exits without serving.
 Then, as the server starts (`StartUp.run`; `/live` answers and `/health` says which step runs):
- 3. Attest: evidence for a fresh challenge, verified offline against the policy and the pinned
-    roots; the verdict is recorded. A failing verdict, or one the log cannot record, closes the
+ 3. Attest: evidence for a fresh challenge, bound to the serving TLS certificate's key and the
+    audit log's vkey (the channel), verified offline against the policy and the pinned roots;
+    the verdict is recorded. A failing verdict, or one the log cannot record, closes the
     gate. In insecure-dev nothing is attested, and the log records that.
  4. Only after a recorded pass: the GPUs are set ready.
  5. A sealed model's data key is released to that verdict by the key provider.
@@ -56,7 +57,9 @@ from appliance.engine.async_engine import AsyncEngine
 from appliance.engine.engine import EngineConfig
 from appliance.engine.errors import EngineError
 from appliance.engine.models.config import ModelConfig
-from appliance.errors import BootError, ModelFilesError
+from appliance.errors import BootError, ModelFilesError, TlsError
+from appliance.tls import certificate_spki_sha256
+from attestation.binding import Channel
 from attestation.errors import AttestationError, CollectionError, KeyReleaseError
 from attestation.keys import KeyProvider
 from attestation.sealed.manifest import SealedManifest
@@ -152,6 +155,7 @@ class StartUp:
                 "weights load only after a passing verdict"
             )
         config = engine_config(settings) if model is None else None
+        trail.verdict_in_force = tee.verdict_in_force
         if keys is None and settings.sealed.enabled:
             try:
                 keys = key_provider(
@@ -204,6 +208,7 @@ class StartUp:
             await self._record(attestation_skipped(), "the skipped attestation")
             return None
         self.readiness.set_loading("attesting the TEE")
+        self.tee.bind_channel(self._channel())
         try:
             attestation = await self.tee.attest("boot")
         except Exception as exc:  # TeeService makes every expected failure a failed check
@@ -213,6 +218,22 @@ class StartUp:
         if not attestation.verdict.trusted:
             raise StartUpError(f"attestation failed: {attestation.summary()}")
         return attestation
+
+    def _channel(self) -> Channel:
+        """What every attestation binds besides its challenge: the SPKI hash of the certificate
+        the server presents (read now, as the server listens: uvicorn loaded the same file), or
+        none over plain HTTP (`server.insecure_http`: no client can check a channel there), and
+        the audit log's vkey. Raises StartUpError if the certificate cannot be read."""
+        spki_sha256 = None
+        if not self.settings.server.insecure_http:
+            assert self.settings.tls.cert_file is not None, "checked by Settings"
+            try:
+                spki_sha256 = certificate_spki_sha256(self.settings.tls.cert_file)
+            except TlsError as exc:
+                raise StartUpError(
+                    f"the TLS key cannot be bound to the attestation: {exc}"
+                ) from exc
+        return Channel(spki_sha256, self.trail.log.vkey)
 
     async def _set_gpus_ready(self) -> None:
         """Step 4. Raises StartUpError: the gate stays shut."""

@@ -19,6 +19,7 @@ from cryptography.x509.oid import NameOID
 from appliance.errors import TlsError
 from appliance.tls import (
     certificate_fingerprint,
+    certificate_spki_sha256,
     ensure_self_signed_certificate,
     verify_certificate_pair,
 )
@@ -138,3 +139,24 @@ def test_expired_pair_is_replaced_with_a_key_of_mode_0600_even_over_an_open_file
     assert ensure_self_signed_certificate(cert, key)
     assert stat.S_IMODE(key.stat().st_mode) == 0o600
     verify_certificate_pair(cert, key)
+
+
+def test_a_fresh_pair_replaces_a_usable_one(tmp_path: Path) -> None:
+    """An attested appliance makes its TLS key at each start (appliance.server, tee.mode =
+    required): a pair from before is never served again."""
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    ensure_self_signed_certificate(cert, key)
+    before = certificate_spki_sha256(cert)
+    assert ensure_self_signed_certificate(cert, key, fresh=True)
+    assert certificate_spki_sha256(cert) != before
+    verify_certificate_pair(cert, key)
+
+
+def test_the_spki_hash_is_of_the_certificates_der_subject_public_key_info(tmp_path: Path) -> None:
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    ensure_self_signed_certificate(cert, key)
+    certificate = x509.load_pem_x509_certificate(cert.read_bytes())
+    spki = certificate.public_key().public_bytes(
+        serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo
+    )
+    assert certificate_spki_sha256(cert) == hashlib.sha256(spki).digest()

@@ -46,8 +46,9 @@ from appliance.boot.audit_log import open_audit_log
 from appliance.boot.startup import start_audit_log
 from appliance.boot.weights import LoadedModel, digest_weights
 from appliance.config import Settings, settings_from_mapping
+from appliance.tls import ensure_self_signed_certificate
 from appliance.trust_store import TrustStore
-from attestation.binding import report_data
+from attestation.binding import Channel, report_data_v2
 from attestation.cpu import CpuEvidence, CpuTrust, verify_cpu_evidence
 from attestation.gpu import GpuEvidence, GpuTrust, gpu_evidence_digest, verify_gpu_evidence
 from attestation.keys.file import FileKeyProvider
@@ -241,14 +242,19 @@ def sealed_loads(monkeypatch: pytest.MonkeyPatch) -> LoadSpy:
     return spy
 
 
-def _client_verifies(deployment: Deployment, body: dict[str, Any], nonce: bytes) -> None:
+def _client_verifies(deployment: Deployment, body: dict[str, Any], nonce: bytes, vkey: str) -> None:
     """What a client does with /v1/attestation, with its own pinned roots and policy: the
     signature of the verdict, the key binding in the CPU report, and both verifications."""
     statement = verify_signed_verdict(body["signed_verdict"])
+    assert body["evidence"]["audit_vkey"] == vkey
     evidence = body["evidence"]
     public_key = bytes.fromhex(statement["attestation_public_key"])
     gpu = [GpuEvidence.from_json(item) for item in evidence["gpu"]]
-    expected = report_data(nonce, gpu_evidence_digest(gpu), public_key)
+    # Plain HTTP here (TestClient): the channel binds no TLS key, only the audit log's vkey.
+    # tests/e2e/test_attested_channel.py verifies a TLS channel's binding.
+    assert evidence["tls_spki_sha256"] is None
+    channel = Channel(None, evidence["audit_vkey"])
+    expected = report_data_v2(nonce, gpu_evidence_digest(gpu), public_key, channel)
     assert statement["report_data"] == expected.hex()
     now = datetime.now(UTC)
     cpu = verify_cpu_evidence(
@@ -285,7 +291,11 @@ def test_a_passing_tee_releases_the_key_loads_the_sealed_weights_and_serves(
         assert reply.headers["x-inferno-tee"] == "VERIFIED"
         nonce = bytes(range(32))
         shown = appliance.client.get("/v1/attestation", params={"nonce": nonce.hex()})
-        _client_verifies(deployment, shown.json(), nonce)
+        vkey = appliance.client.app.state.audit_trail.log.vkey  # type: ignore[attr-defined]
+        _client_verifies(deployment, shown.json(), nonce, vkey)
+        # Every inference entry names the verdict in force, as the header does.
+        standing = appliance.tee.verdict_in_force()
+        assert reply.headers["x-inferno-attestation"].startswith(f"id={standing}; age=")
         # The console's Overview names the sealed manifest the key was released for.
         overview = appliance.console_page("/console/")
         manifest = json.loads((deployment.sealed_dir / "manifest.json").read_text())
@@ -299,6 +309,9 @@ def test_a_passing_tee_releases_the_key_loads_the_sealed_weights_and_serves(
     [verdict] = [e for e in entries if e["action"] == "attestation.verdict"]
     assert verdict["outcome"] == "success"
     assert verdict["details"]["claims"]["gpu"], "the verified GPU claims are recorded"
+    assert verdict["details"]["verdict_id"] == standing
+    inference = [e for e in entries if e["action"].startswith("inference.")]
+    assert [e["details"]["verdict_id"] for e in inference] == [standing, standing]
     [ready] = [e for e in entries if e["action"] == "boot.ready"]
     # The sealed model is named by the same digest as the plain one it was sealed from.
     assert ready["details"]["weights_digest"] == deployment.weights_digest
@@ -484,6 +497,8 @@ def test_a_production_appliance_unseals_through_the_hsm_after_a_passing_verdict(
     }  # fmt: skip
     settings = settings_from_mapping(raw, base_dir=tmp_path)
     assert settings.appliance.profile == "production"
+    # What `listen` does before the server starts: the attestation binds this certificate's key.
+    ensure_self_signed_certificate(tmp_path / "tls" / "cert.pem", tmp_path / "tls" / "key.pem")
     gpus, cpu = SyntheticGpus(deployment.gpus), SyntheticCpu(deployment.snp)
     service = TeeService("required", EvidenceCollection(gpus, cpu), OfflineVerifier(settings.tee))
     app = build(settings, start_audit_log(settings), tee=service)

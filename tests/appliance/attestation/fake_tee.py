@@ -12,6 +12,7 @@ from datetime import datetime
 from typing import Any
 
 from appliance.attestation.evidence import TeeEvidence
+from attestation.binding import NO_CHANNEL, Channel
 from attestation.errors import CollectionError
 from attestation.verdict import Check, Verdict
 
@@ -36,14 +37,17 @@ class FakeCollector:
     num_collections: int = 0
     num_gpus_ready: int = 0
 
-    def collect(self, challenge: bytes, public_key: bytes) -> TeeEvidence:
+    def collect(
+        self, challenge: bytes, public_key: bytes, channel: Channel = NO_CHANNEL
+    ) -> TeeEvidence:
         self.num_collections += 1
         if self.fail_with is not None:
             raise CollectionError(self.fail_with)
         gpu = (FakeReport("gpu", challenge),)
         digest = hashlib.sha256(challenge).digest()
         bound = hashlib.sha512(challenge + digest + public_key).digest()
-        return TeeEvidence(challenge, public_key, gpu, FakeReport("cpu", bound), digest, bound)  # type: ignore[arg-type]
+        cpu = FakeReport("cpu", bound)
+        return TeeEvidence(challenge, public_key, gpu, cpu, digest, bound, channel)  # type: ignore[arg-type]
 
     def set_gpus_ready(self) -> None:
         self.num_gpus_ready += 1

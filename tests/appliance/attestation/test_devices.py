@@ -26,7 +26,7 @@ from appliance.attestation.devices import (
 from appliance.attestation.service import TeeService
 from appliance.config import TeeSettings
 from appliance.trust_store import TrustStore
-from attestation.binding import report_data
+from attestation.binding import Channel, report_data_v2
 from attestation.cpu import verify_cpu_evidence
 from attestation.errors import CollectionError
 from attestation.gpu import gpu_evidence_digest
@@ -39,6 +39,7 @@ from tests.attestation.trust_bundles import build_trust_bundle, make_release_key
 
 CHALLENGE = bytes(range(32))
 KEY = bytes(range(100, 132))
+CHANNEL = Channel(bytes(range(200, 232)), "inferno.test/devices+01020304+AAAA")
 
 
 @pytest.fixture(scope="module")
@@ -63,13 +64,15 @@ def _tee_settings(
     )
 
 
-def test_the_cpu_report_binds_challenge_gpu_evidence_and_key(
+def test_the_cpu_report_binds_challenge_gpu_evidence_key_and_channel(
     gpus: SyntheticGpuSetup, snp: SyntheticSnp
 ) -> None:
-    evidence = EvidenceCollection(SyntheticGpus(gpus), SyntheticCpu(snp)).collect(CHALLENGE, KEY)
+    evidence = EvidenceCollection(SyntheticGpus(gpus), SyntheticCpu(snp)).collect(
+        CHALLENGE, KEY, CHANNEL
+    )
     assert [item.nonce for item in evidence.gpu] == gpu_nonces(CHALLENGE, 2)
     assert evidence.gpu_evidence_digest == gpu_evidence_digest(evidence.gpu)
-    bound = report_data(CHALLENGE, gpu_evidence_digest(evidence.gpu), KEY)
+    bound = report_data_v2(CHALLENGE, gpu_evidence_digest(evidence.gpu), KEY, CHANNEL)
     assert evidence.report_data == bound
     verdict = verify_cpu_evidence(
         evidence.cpu,
@@ -107,7 +110,7 @@ def test_gpu_evidence_spliced_from_another_collection_fails_the_cpu_binding(
     settings = _tee_settings(gpus, snp, tmp_path, {"gpu": gpus.policy_table(),
                                                    "snp": snp.policy_table()})  # fmt: skip
     collection = EvidenceCollection(SyntheticGpus(gpus), SyntheticCpu(snp))
-    evidence = collection.collect(CHALLENGE, KEY)
+    evidence = collection.collect(CHALLENGE, KEY, CHANNEL)
     other = gpus.collect(gpu_nonces(CHALLENGE, 2))  # ECDSA: fresh signatures, other bytes
     spliced = type(evidence)(CHALLENGE, KEY, tuple(other), evidence.cpu,
                              evidence.gpu_evidence_digest, evidence.report_data)  # fmt: skip
@@ -153,9 +156,11 @@ def test_the_nvml_and_configfs_tsm_sources_collect_a_bound_report(
 ) -> None:
     monkeypatch.setitem(sys.modules, "pynvml", FakeNvml(num_gpus=2))
     collection = EvidenceCollection(NvmlGpus(), ConfigfsTsmCpu(configfs))
-    evidence = collection.collect(CHALLENGE, KEY)
+    evidence = collection.collect(CHALLENGE, KEY, CHANNEL)
     assert [item.nonce for item in evidence.gpu] == gpu_nonces(CHALLENGE, 2)
-    assert evidence.report_data == report_data(CHALLENGE, gpu_evidence_digest(evidence.gpu), KEY)
+    assert evidence.report_data == report_data_v2(
+        CHALLENGE, gpu_evidence_digest(evidence.gpu), KEY, CHANNEL
+    )
     verdict = verify_cpu_evidence(
         evidence.cpu,
         expected_report_data=evidence.report_data,
@@ -188,7 +193,7 @@ def test_no_configfs_tsm_fails_the_boot_with_that_reason(
 ) -> None:
     collection = EvidenceCollection(SyntheticGpus(gpus), ConfigfsTsmCpu(tmp_path / "absent"))
     with pytest.raises(CollectionError, match="configfs-tsm is not available"):
-        collection.collect(CHALLENGE, KEY)
+        collection.collect(CHALLENGE, KEY, CHANNEL)
 
 
 def test_missing_nvml_bindings_are_a_collection_error(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -287,10 +292,10 @@ def test_an_update_is_used_from_the_next_attestation_without_a_restart(
     stale = _install(settings, gpus, snp, release_key, timedelta(days=16))
     collection = EvidenceCollection(SyntheticGpus(gpus), SyntheticCpu(snp))
     verifier = OfflineVerifier(settings)
-    before = verifier.verify(collection.collect(CHALLENGE, KEY), at=datetime.now(UTC))
+    before = verifier.verify(collection.collect(CHALLENGE, KEY, CHANNEL), at=datetime.now(UTC))
     assert not before.trusted
     fresh = _install(settings, gpus, snp, release_key, timedelta(hours=2))
-    after = verifier.verify(collection.collect(CHALLENGE, KEY), at=datetime.now(UTC))
+    after = verifier.verify(collection.collect(CHALLENGE, KEY, CHANNEL), at=datetime.now(UTC))
     assert after.trusted, after.failures
     assert before.claims["collateral"]["trust_bundle"]["digest"] == stale.digest
     assert after.claims["collateral"]["trust_bundle"]["digest"] == fresh.digest

@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 
 import pytest
 
 from appliance.attestation.service import AttestationBusyError, TeeService
 from appliance.attestation.signing import verify_signed_verdict
+from attestation.binding import Channel
 from attestation.errors import PolicyError
 from tests.appliance.attestation.fake_tee import FakeCollector, FakeVerifier
 
@@ -56,19 +57,42 @@ def test_a_verifier_that_raises_gives_a_failed_verdict(raises: Exception, detail
     assert tee.state() == "FAILED"
 
 
-def test_evidence_for_another_challenge_or_key_fails_before_verification() -> None:
+@pytest.mark.parametrize("changed", ["challenge", "channel"])
+def test_evidence_for_another_challenge_key_or_channel_fails_before_verification(
+    changed: str,
+) -> None:
     verifier = FakeVerifier()
     collector = FakeCollector()
     tee = _service(collector, verifier)
+    tee.bind_channel(Channel(bytes(32), "inferno.test/log+00000000+AAAA"))
     original = collector.collect
 
-    def replayed(challenge: bytes, public_key: bytes):  # type: ignore[no-untyped-def]
-        return original(bytes(32), public_key)
+    def replayed(challenge: bytes, public_key: bytes, channel: Channel):  # type: ignore[no-untyped-def]
+        if changed == "challenge":
+            return original(bytes(32), public_key, channel)
+        return original(challenge, public_key, Channel(bytes(range(32)), channel.audit_vkey))
 
     collector.collect = replayed  # type: ignore[method-assign]
     attestation = asyncio.run(tee.attest("boot"))
-    assert attestation.summary() == "collect: the evidence answers another challenge or key"
+    assert attestation.summary() == (
+        "collect: the evidence answers another challenge, key or channel"
+    )
     assert verifier.verdicts == []
+
+
+def test_the_header_names_the_standing_verdict_and_its_age() -> None:
+    now = [datetime(2026, 11, 26, 4, 0, tzinfo=UTC)]
+    tee = TeeService("required", FakeCollector(), FakeVerifier(), clock=lambda: now[0])
+    assert tee.attestation_header() == "PENDING"
+    assert tee.verdict_in_force() is None
+    attestation = asyncio.run(tee.attest("boot"))
+    now[0] += timedelta(seconds=42.7)
+    assert tee.attestation_header() == f"id={attestation.id}; age=42"
+    assert tee.verdict_in_force() == attestation.id
+    assert len(attestation.id) == 32
+    later = asyncio.run(tee.attest("reattest"))
+    assert later.id != attestation.id and tee.verdict_in_force() == later.id
+    assert TeeService("insecure-dev", None, None).attestation_header() == "UNVERIFIED"
 
 
 def test_a_failure_stays_failed_even_if_a_later_attestation_passes() -> None:

@@ -121,7 +121,7 @@ def test_the_gate_passes_the_real_tdx_quote_trusted_through_cpu_trust_dir(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.setattr(
-        "appliance.attestation.devices.report_data", lambda *_: DCAP_REPORT_DATA
+        "appliance.attestation.devices.report_data_v2", lambda *_: DCAP_REPORT_DATA
     )  # the quote's own report_data (module docstring: what is not exercised)
     monkeypatch.setattr(
         LoadedModel, "load", lambda config: LoadedModel(engine, "sha256:" + "00" * 32)
