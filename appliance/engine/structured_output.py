@@ -97,7 +97,7 @@ class GrammarCompiler:
         )
         if matcher.is_error():
             raise InvalidRequestError(
-                f"the {_NAMES[spec.kind]} cannot be compiled: {_first_line(matcher.get_error())}",
+                f"the {_NAMES[spec.kind]} cannot be compiled: {_reason(matcher.get_error())}",
                 param=spec.param,
             )
         elapsed = time.perf_counter() - started
@@ -151,13 +151,17 @@ def _grammar_text(spec: StructuredOutput) -> str:
         return llguidance.grammar_from("grammar", spec.spec)
     except ValueError as exc:
         raise InvalidRequestError(
-            f"the {_NAMES[spec.kind]} cannot be compiled: {_first_line(str(exc))}",
+            f"the {_NAMES[spec.kind]} cannot be compiled: {_reason(str(exc))}",
             param=spec.param,
         ) from None
 
 
-def _first_line(message: str) -> str:
-    return message.strip().splitlines()[0][:300] if message.strip() else "no reason given"
+def _reason(message: str) -> str:
+    """llguidance's multi-line error (message, quoted source, caret line, cause) on one line,
+    bounded: it goes back to the caller as a 400's message."""
+    lines = [line.strip() for line in message.splitlines()]
+    kept = [line for line in lines if line and set(line) != {"^"}]
+    return " ".join(kept)[:500] or "no reason given"
 
 
 class TokenMasks:

@@ -28,6 +28,8 @@ class Painting(BaseModel):
     medium: Literal["oil", "tempera", "fresco"]
 
 
+# As OpenAI's client sends a Pydantic model (`strict`): no properties beyond the model's.
+STRICT_PAINTING = {**Painting.model_json_schema(), "additionalProperties": False}
 WEATHER_PARAMETERS = {
     "type": "object",
     "properties": {
@@ -118,7 +120,7 @@ def test_parse_with_a_pydantic_model_returns_the_parsed_object(client: openai.Op
 
 
 def test_streamed_json_schema_output_adds_up_to_a_valid_object(client: openai.OpenAI) -> None:
-    schema = Painting.model_json_schema()
+    schema = STRICT_PAINTING
     response_format = {
         "type": "json_schema",
         "json_schema": {"name": "painting", "schema": schema, "strict": True},
@@ -145,7 +147,7 @@ def test_vllm_extensions_constrain_chat_and_completions(client: openai.OpenAI) -
         model=MODEL_NAME,
         prompt="The painting's data:",
         max_tokens=100,
-        extra_body={"guided_json": Painting.model_json_schema()},
+        extra_body={"guided_json": STRICT_PAINTING},
     )
     Painting.model_validate_json(completion.choices[0].text)
 
@@ -291,7 +293,7 @@ def test_a_named_function_that_is_not_offered_is_refused(client: openai.OpenAI) 
 
 
 def test_responses_text_format_json_schema_streamed_and_not(client: openai.OpenAI) -> None:
-    schema = Painting.model_json_schema()
+    schema = STRICT_PAINTING
     text = {"format": {"type": "json_schema", "name": "painting", "schema": schema}}
     whole = client.responses.create(
         model=MODEL_NAME, input="Describe a painting.", text=text, max_output_tokens=120

@@ -111,7 +111,11 @@ def _schema_params(schema: dict[str, object], **kwargs: object) -> SamplingParam
 
 
 @pytest.mark.slow
-def test_200_sampled_objects_of_varied_schemas_all_parse_and_validate(engine: Engine) -> None:
+def test_200_sampled_objects_of_varied_schemas_all_parse_and_validate(
+    smollm2_engine: Callable[..., Engine],
+) -> None:
+    # All 200 in one batch: the fewest steps (the longest object is some 60 tokens).
+    engine = smollm2_engine(max_model_len=512, num_kv_blocks=1600, max_num_seqs=200)
     prompt = _prompt(engine, "Write a JSON value with realistic, varied content.")
     params = [
         _schema_params(SCHEMAS[i % len(SCHEMAS)], temperature=1.0, seed=i) for i in range(200)
