@@ -65,7 +65,7 @@ class TensorParallelGroup:
         self._failure: TensorParallelError | None = None
         self._closing = threading.Event()
         self._wake_read, self._wake_write = multiprocessing.Pipe(duplex=False)
-        self.broadcast = StepBroadcast(channels, leader=True, check_alive=self.check_alive)
+        self.broadcast = StepBroadcast(channels, leader=True, failure=self.failure)
         self._watch = threading.Thread(target=self._watch_workers, name="inferno-tp-watch")
         self._watch.daemon = True
         self._watch.start()
@@ -144,11 +144,6 @@ class TensorParallelGroup:
     @property
     def worker_pids(self) -> list[int]:
         return [w.pid for w in self._workers if w.pid is not None]
-
-    def check_alive(self) -> None:
-        """Raise the recorded TensorParallelError if a worker died."""
-        if self._failure is not None:
-            raise self._failure
 
     def failure(self, grace_s: float = 0.0) -> TensorParallelError | None:
         """Why a worker died, if one did; waits up to `grace_s` for the watch to see it."""

@@ -30,6 +30,9 @@ from appliance.engine.errors import TensorParallelError
 from kernels.ops import AttentionMetadata
 
 _HEADER_LEN = 8
+# How long a failed announcement waits to learn that a worker died (its socket may close before
+# its process is seen to end).
+_DEATH_GRACE_S = 2.0
 # gpu_memory_utilization travels as an integer number of millionths.
 _PPM = 1_000_000
 
@@ -85,13 +88,18 @@ class Message:
 
 class StepBroadcast:
     def __init__(
-        self, channels: Channels, *, leader: bool, check_alive: Callable[[], None] = lambda: None
+        self,
+        channels: Channels,
+        *,
+        leader: bool,
+        failure: Callable[[float], TensorParallelError | None] = lambda _grace_s: None,
     ):
-        """`check_alive` raises TensorParallelError when a peer is known to have died (rank 0
-        asks it before every announcement, so that a step never starts on a dead group)."""
+        """`failure(grace_s)` says why a peer died, if one did, waiting up to `grace_s` to
+        learn it (rank 0 asks before every announcement, so that a step never starts on a dead
+        group, and after a failed one, to name the cause)."""
         self.channels = channels
         self.leader = leader
-        self._check_alive = check_alive
+        self._failure = failure
 
     @classmethod
     def follower(cls, channels: Channels) -> StepBroadcast:
@@ -148,14 +156,16 @@ class StepBroadcast:
             self._send_header(Op.STOP)
 
     def _send_header(self, op: Op, *args: int) -> None:
-        self._check_alive()
+        if (failure := self._failure(0.0)) is not None:
+            raise failure
         header = torch.zeros(_HEADER_LEN, dtype=torch.int64)
         header[0] = op
         header[1 : 1 + len(args)] = torch.tensor(args, dtype=torch.int64)
         try:
             dist.broadcast(header, 0, group=self.channels.control)
         except RuntimeError as exc:
-            self._check_alive()
+            if (failure := self._failure(_DEATH_GRACE_S)) is not None:
+                raise failure from exc
             raise TensorParallelError(
                 f"a tensor-parallel worker stopped answering ({exc}); the engine stops"
             ) from exc
