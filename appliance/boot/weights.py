@@ -19,9 +19,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from appliance.engine.engine import Engine, EngineConfig
+from appliance.engine.errors import EngineConfigError
 from appliance.engine.models.config import ModelConfig
+from appliance.engine.models.llama import LlamaForCausalLM
 from appliance.engine.models.loader import load_model
 from appliance.engine.models.sealed_images import SealedImages, StagingRing
+from appliance.engine.parallel.sharding import ShardPlan
 from appliance.engine.tokenizer import Tokenizer
 from appliance.errors import ModelFilesError
 from attestation.sealed import SealedModel
@@ -45,12 +48,22 @@ class LoadedModel:
         model_dir = Path(config.model_dir)
         ModelConfig.from_model_dir(model_dir)  # the clearest errors first, before any heavy load
         tokenizer = Tokenizer.from_model_dir(model_dir)
-        started_s = time.monotonic()
-        model = load_model(
-            model_dir, dtype=config.torch_dtype, device=config.torch_device, ops=config.kernel_ops()
-        )
-        loaded_s = time.monotonic()
-        engine = Engine.build(config, model, tokenizer)
+        started_s = loaded_s = time.monotonic()
+
+        def load_weights(shard: ShardPlan | None) -> LlamaForCausalLM:
+            nonlocal started_s, loaded_s
+            started_s = time.monotonic()  # after the tensor-parallel workers' start
+            model = load_model(
+                model_dir,
+                dtype=config.torch_dtype,
+                device=config.torch_device,
+                ops=config.kernel_ops(),
+                shard=shard,
+            )
+            loaded_s = time.monotonic()
+            return model
+
+        engine = Engine.load(config, tokenizer, load_weights)
         phases = _phases(weights=(started_s, loaded_s), engine_build=(loaded_s, time.monotonic()))
         return cls(engine, digest_weights(model_dir), phases_ms=phases)
 
@@ -75,6 +88,13 @@ class LoadedModel:
         beforehand (it needs no key: allocate it while attestation runs; pinning costs ~1 s per
         GB). Raises SealedModelError for a wrong key or a tampered chunk, EngineError for an
         unusable model."""
+        if config.tensor_parallel_size > 1:
+            # Each GPU must receive only its own shard's plaintext; the loader below decrypts
+            # whole files onto rank 0's GPU. Refused rather than served that way.
+            raise EngineConfigError(
+                "a sealed model cannot yet be served with tensor_parallel_size > 1: set "
+                "engine.tensor_parallel_size = 1, or serve the plain model"
+            )
         if Path(config.model_dir).resolve() != sealed.directory.resolve():
             raise ModelFilesError(
                 f"model.dir {config.model_dir} is not the sealed directory {sealed.directory}"

@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import logging
 import os
+from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,6 +27,7 @@ from appliance.engine.models.llama import LlamaForCausalLM
 from appliance.engine.models.loader import load_model
 from appliance.engine.outputs import EngineStats, RequestOutput, RequestState
 from appliance.engine.parallel.group import TensorParallelGroup
+from appliance.engine.parallel.sharding import ShardPlan
 from appliance.engine.sampling_params import SamplingParams
 from appliance.engine.scheduler import Scheduler, SchedulerConfig
 from appliance.engine.sequence import RequestId, Sequence, SequenceStatus
@@ -156,15 +158,31 @@ class Engine:
         device = config.torch_device
         ModelConfig.from_model_dir(model_dir)  # the clearest errors first, before any heavy load
         tokenizer = Tokenizer.from_model_dir(model_dir)
-        group = config.start_workers()
-        try:
-            model = load_model(
+
+        def load_weights(shard: ShardPlan | None) -> LlamaForCausalLM:
+            return load_model(
                 model_dir,
                 dtype=config.torch_dtype,
                 device=device,
                 ops=config.kernel_ops(),
-                shard=None if group is None else group.plan,
+                shard=shard,
             )
+
+        return cls.load(config, tokenizer, load_weights)
+
+    @classmethod
+    def load(
+        cls,
+        config: EngineConfig,
+        tokenizer: Tokenizer | None,
+        load_weights: Callable[[ShardPlan | None], LlamaForCausalLM],
+    ) -> Engine:
+        """Start the config's tensor-parallel workers (if any), load this process's weights
+        with `load_weights(shard)` (rank 0's part, or None: all of them), and build the engine
+        around them. The workers are stopped if anything fails."""
+        group = config.start_workers()
+        try:
+            model = load_weights(None if group is None else group.plan)
             return cls.build(config, model, tokenizer, group=group)
         except BaseException:
             if group is not None:
