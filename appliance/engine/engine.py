@@ -88,10 +88,10 @@ class EngineConfig(EngineSettings):
         """max_model_len: the setting, at most the model's own."""
         return min(self.max_model_len or model_config.max_model_len, model_config.max_model_len)
 
-    def start_workers(self) -> TensorParallelGroup | None:
+    def start_workers(self, *, random_weights: bool = False) -> TensorParallelGroup | None:
         """Spawn this config's tensor-parallel workers (None for one device). Load rank 0's
         shard of the weights with `shard=group.plan`, then `Engine.build(..., group=group)`;
-        close the group if that fails."""
+        close the group if that fails. `random_weights`: benchmarks (loader.random_model)."""
         if self.tensor_parallel_size == 1:
             return None
         return TensorParallelGroup.start(
@@ -100,6 +100,7 @@ class EngineConfig(EngineSettings):
             max_model_len=self.context_length(ModelConfig.from_model_dir(self.model_dir)),
             dtype=self.torch_dtype,
             num_cpu_threads=self.rank_num_threads,
+            random_weights=random_weights,
         )
 
     @property

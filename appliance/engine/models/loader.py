@@ -106,6 +106,36 @@ def load_model(
     return model.eval()
 
 
+def random_model(
+    model_dir: Path,
+    *,
+    dtype: torch.dtype,
+    device: torch.device | str,
+    ops: KernelOps,
+    shard: ShardPlan | None = None,
+    seed: int = 0,
+) -> LlamaForCausalLM:
+    """The architecture of `model_dir/config.json` (one rank's part with `shard`) with
+    normal(0, 0.02) weights drawn on `device` and norm weights 1: benchmarks of shapes whose
+    checkpoint is not at hand. Each rank draws its own (the model computes nothing meaningful)."""
+    config = ModelConfig.from_model_dir(model_dir)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config, ops)
+    if shard is not None:
+        shard_model(model, shard)
+    model.to_empty(device=device)
+    model.to(dtype)
+    generator = torch.Generator(device).manual_seed(seed + (0 if shard is None else shard.rank))
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.fill_(1.0)
+            else:
+                param.normal_(0.0, 0.02, generator=generator)
+    model.init_rope_tables(config.max_model_len)
+    return model.eval()
+
+
 def _shard_sizes(config: ModelConfig, num_ranks: int = 1) -> dict[str, list[int]]:
     """Rows of each fused projection, in checkpoint order ([q; k; v] and [gate; up]), on each
     of `num_ranks` tensor-parallel ranks."""

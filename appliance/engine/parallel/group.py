@@ -79,10 +79,12 @@ class TensorParallelGroup:
         max_model_len: int,
         dtype: torch.dtype,
         num_cpu_threads: int,
+        random_weights: bool = False,
     ) -> TensorParallelGroup:
         """Spawn workers for ranks 1 .. tensor_parallel_size - 1 and join them. Raises
         EngineConfigError for a split the model or the machine cannot take, TensorParallelError
-        when a worker cannot start."""
+        when a worker cannot start. `random_weights`: the workers draw their shards at random
+        instead of reading the checkpoint (benchmarks)."""
         size = settings.tensor_parallel_size
         verify_divisible(ModelConfig.from_model_dir(model_dir), size)
         devices = rank_devices(torch.device(settings.device), size)
@@ -112,6 +114,7 @@ class TensorParallelGroup:
                     rendezvous=rendezvous,
                     step_timeout_s=STEP_TIMEOUT_S,
                     parent_pid=os.getpid(),
+                    random_weights=random_weights,
                 )
                 worker = context.Process(
                     target=run_worker,

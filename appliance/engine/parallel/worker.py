@@ -16,6 +16,7 @@ import threading
 import time
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
+from pathlib import Path
 
 import torch
 
@@ -23,7 +24,7 @@ from appliance.engine.engine_settings import EngineSettings
 from appliance.engine.kv_cache import KVCacheSpec
 from appliance.engine.model_runner import ModelRunner
 from appliance.engine.models.config import ModelConfig
-from appliance.engine.models.loader import load_model
+from appliance.engine.models.loader import load_model, random_model
 from appliance.engine.parallel.sharding import ShardPlan, connect_model
 from appliance.engine.parallel.step_broadcast import (
     Channels,
@@ -57,6 +58,8 @@ class WorkerSpec:
     rendezvous: str
     step_timeout_s: float
     parent_pid: int
+    # Benchmarks of shapes without a checkpoint: the shard's weights are drawn at random.
+    random_weights: bool = False
 
 
 def run_worker(spec: WorkerSpec, errors: Connection) -> None:
@@ -78,10 +81,11 @@ def _serve(spec: WorkerSpec) -> None:
     else:
         torch.set_num_threads(spec.num_cpu_threads)
     channels = Channels.join(spec.rendezvous, spec.rank, spec.size, device, spec.step_timeout_s)
-    model_config = ModelConfig.from_model_dir(spec.model_dir)
+    model_config = ModelConfig.from_model_dir(Path(spec.model_dir))
     plan = ShardPlan.for_model(model_config, spec.rank, spec.size)
-    model = load_model(
-        spec.model_dir,
+    load = random_model if spec.random_weights else load_model
+    model = load(
+        Path(spec.model_dir),
         dtype=spec.dtype,
         device=device,
         ops=kernel_ops_for(device, triton_cache_dir=spec.settings.triton_cache_dir),
