@@ -47,6 +47,7 @@ from appliance.boot.audit_events import (
     boot_phase_failed,
     boot_ready,
     boot_start,
+    engine_stopped,
 )
 from appliance.boot.audit_log import open_audit_log
 from appliance.boot.key_release import key_provider, release_and_load
@@ -65,6 +66,9 @@ from audit.event import AuditEvent
 from audit.log import AuditLog
 
 logger = logging.getLogger(__name__)
+
+# How long shutdown waits for an engine's failure to be recorded before closing the log.
+_RECORD_STOP_TIMEOUT_S = 5.0
 
 
 class StartUpError(BootError):
@@ -124,6 +128,7 @@ class StartUp:
     # The signed manifest of the sealed model served, once served (None: plain weights).
     sealed_manifest: SealedManifest | None = None
     _reattesting: asyncio.Task[None] | None = field(default=None, repr=False)
+    _watching_engine: asyncio.Task[None] | None = field(default=None, repr=False)
 
     @classmethod
     def prepare(
@@ -191,9 +196,16 @@ class StartUp:
         """Stop re-attesting and serving; requests still running in the engine end aborted."""
         if self._reattesting is not None:
             self._reattesting.cancel()
+        if self._watching_engine is not None:
+            if self.engine is not None and self.engine.has_failed:
+                # Let the engine's failure reach the log before it closes.
+                with contextlib.suppress(Exception):
+                    await asyncio.wait_for(self._watching_engine, _RECORD_STOP_TIMEOUT_S)
+            self._watching_engine.cancel()
         self.readiness.set_stopped()
         if self.engine is not None:
             await self.engine.shutdown()
+            await asyncio.to_thread(self.engine.close_engine)  # its tensor-parallel workers
 
     async def _attest(self) -> Attestation | None:
         """Step 3: the passing attestation, or None in insecure-dev. Raises StartUpError saying
@@ -275,6 +287,7 @@ class StartUp:
             ) from exc
         engine = AsyncEngine(model.engine)
         engine.start()
+        self._watching_engine = asyncio.create_task(self._record_engine_stop(engine))
         self.metrics.watch(engine)
         self.readiness.set_ready(engine)
         # The line operators and scripts wait for (shown at any log.level: appliance.logs).
@@ -284,6 +297,14 @@ class StartUp:
             self.tee.state(),
         )
         return engine
+
+    async def _record_engine_stop(self, engine: AsyncEngine) -> None:
+        """An engine that stops on an error while serving is recorded (`/health` reports it
+        stopped already, from the engine itself)."""
+        exc = await engine.wait_failed()
+        logger.error("the engine stopped (%s); nothing is served until restart", exc)
+        with contextlib.suppress(StartUpError):  # the log's own failure is reported by /health
+            await self._record(engine_stopped(exc), "the engine's stop")
 
     async def _reattest(self, engine: AsyncEngine) -> None:
         """Step 8, until cancelled or the first failure, which drains and stops inference."""

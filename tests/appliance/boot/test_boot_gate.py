@@ -25,6 +25,7 @@ from appliance.boot.startup import start_audit_log
 from appliance.boot.weights import LoadedModel
 from appliance.config import Settings, settings_from_mapping
 from appliance.engine.engine import Engine, EngineConfig
+from appliance.engine.errors import TensorParallelError
 from appliance.errors import BootError, ConfigError
 from attestation.errors import CollectionError
 from tests.appliance.attestation.fake_tee import FakeCollector, FakeVerifier
@@ -312,6 +313,27 @@ def test_insecure_dev_serves_unverified_and_the_log_says_nothing_was_attested(
     assert skipped["details"]["result"] == "skipped"
     [ready] = [e for e in entries if e["action"] == "boot.ready"]
     assert ready["details"]["tee"] == "UNVERIFIED"
+
+
+def test_an_engine_that_stops_on_an_error_is_recorded_and_health_says_stopped(
+    tmp_path: Path, smollm2_dir: Path, load_spy: LoadSpy, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """As when a tensor-parallel worker dies mid-step (tests/appliance/engine/parallel)."""
+
+    def dead_worker_step() -> list[Any]:
+        raise TensorParallelError("tensor-parallel worker rank 1 (pid 1) killed by signal 9")
+
+    monkeypatch.setattr(load_spy.engine, "step", dead_worker_step)
+    settings = _settings(tmp_path, smollm2_dir, mode="insecure-dev")
+    for client in _serve(settings, TeeService("insecure-dev", None, None)):
+        assert _chat(client, settings).status_code == 503
+        deadline = time.monotonic() + 10
+        while client.get("/health").json()["status"] != "stopped":
+            assert time.monotonic() < deadline, "health never said the engine stopped"
+            time.sleep(0.02)
+        assert client.get("/health").status_code == 503
+    [stopped] = [e for e in _entries(settings) if e["action"] == "engine.stopped"]
+    assert (stopped["outcome"], stopped["details"]) == ("failure", {"error": "TensorParallelError"})
 
 
 def test_a_model_loaded_before_the_gate_is_refused_in_required_mode(
