@@ -28,6 +28,7 @@ from appliance.engine.models.loader import load_model
 from appliance.engine.outputs import EngineStats, RequestOutput, RequestState
 from appliance.engine.parallel.group import TensorParallelGroup
 from appliance.engine.parallel.sharding import ShardPlan
+from appliance.engine.parallel.worker import SealedWeights
 from appliance.engine.sampling_params import SamplingParams
 from appliance.engine.scheduler import Scheduler, SchedulerConfig
 from appliance.engine.sequence import RequestId, Sequence, SequenceStatus
@@ -88,10 +89,13 @@ class EngineConfig(EngineSettings):
         """max_model_len: the setting, at most the model's own."""
         return min(self.max_model_len or model_config.max_model_len, model_config.max_model_len)
 
-    def start_workers(self, *, random_weights: bool = False) -> TensorParallelGroup | None:
+    def start_workers(
+        self, *, random_weights: bool = False, sealed: SealedWeights | None = None
+    ) -> TensorParallelGroup | None:
         """Spawn this config's tensor-parallel workers (None for one device). Load rank 0's
         shard of the weights with `shard=group.plan`, then `Engine.build(..., group=group)`;
-        close the group if that fails. `random_weights`: benchmarks (loader.random_model)."""
+        close the group if that fails. `random_weights`: benchmarks (loader.random_model);
+        `sealed`: the workers decrypt their parts of this sealed model."""
         if self.tensor_parallel_size == 1:
             return None
         return TensorParallelGroup.start(
@@ -101,6 +105,7 @@ class EngineConfig(EngineSettings):
             dtype=self.torch_dtype,
             num_cpu_threads=self.rank_num_threads,
             random_weights=random_weights,
+            sealed=sealed,
         )
 
     @property
@@ -177,11 +182,14 @@ class Engine:
         config: EngineConfig,
         tokenizer: Tokenizer | None,
         load_weights: Callable[[ShardPlan | None], LlamaForCausalLM],
+        *,
+        sealed: SealedWeights | None = None,
     ) -> Engine:
         """Start the config's tensor-parallel workers (if any), load this process's weights
         with `load_weights(shard)` (rank 0's part, or None: all of them), and build the engine
-        around them. The workers are stopped if anything fails."""
-        group = config.start_workers()
+        around them. The workers are stopped if anything fails. `sealed`: the workers decrypt
+        their parts of this sealed model (as `load_weights` must for rank 0)."""
+        group = config.start_workers(sealed=sealed)
         try:
             model = load_weights(None if group is None else group.plan)
             return cls.build(config, model, tokenizer, group=group)

@@ -68,9 +68,7 @@ def load_model(
     shard_sizes = _shard_sizes(config, 1 if shard is None else shard.size)
     missing = {(name, part) for name in params for part in _shards_of(name, shard_sizes)}
 
-    def part_of(name: str, shape: tuple[int, ...]) -> tuple[int, int, int] | None:
-        return None if shard is None else shard.split(_map_name(name)[0], shape)
-
+    part_of = parts_of(shard)
     tensors = (
         _read_tensors(Path(model_dir), part_of)
         if weights is None
@@ -172,6 +170,15 @@ def _map_name(name: str) -> tuple[str, str | None, int | None]:
 
 # A tensor's name and full shape -> (dim, start, stop) of the part to read; None: all of it.
 PartOf = Callable[[str, tuple[int, ...]], tuple[int, int, int] | None]
+
+
+def parts_of(shard: ShardPlan | None) -> PartOf:
+    """Which part of each checkpoint tensor (by its checkpoint name) `shard` holds."""
+
+    def part_of(name: str, shape: tuple[int, ...]) -> tuple[int, int, int] | None:
+        return None if shard is None else shard.split(_map_name(name)[0], shape)
+
+    return part_of
 
 
 def _read_tensors(model_dir: Path, part_of: PartOf) -> Iterator[tuple[Path, str, torch.Tensor]]:

@@ -33,7 +33,7 @@ from appliance.engine.models.config import ModelConfig
 from appliance.engine.models.llama import LlamaForCausalLM
 from appliance.engine.parallel.sharding import ShardPlan, connect_model, verify_divisible
 from appliance.engine.parallel.step_broadcast import Channels, StepBroadcast
-from appliance.engine.parallel.worker import WorkerSpec, run_worker
+from appliance.engine.parallel.worker import SealedWeights, WorkerSpec, run_worker
 
 logger = logging.getLogger(__name__)
 
@@ -80,11 +80,13 @@ class TensorParallelGroup:
         dtype: torch.dtype,
         num_cpu_threads: int,
         random_weights: bool = False,
+        sealed: SealedWeights | None = None,
     ) -> TensorParallelGroup:
         """Spawn workers for ranks 1 .. tensor_parallel_size - 1 and join them. Raises
         EngineConfigError for a split the model or the machine cannot take, TensorParallelError
         when a worker cannot start. `random_weights`: the workers draw their shards at random
-        instead of reading the checkpoint (benchmarks)."""
+        instead of reading the checkpoint (benchmarks); `sealed`: each worker decrypts its own
+        part of this sealed model."""
         size = settings.tensor_parallel_size
         verify_divisible(ModelConfig.from_model_dir(model_dir), size)
         devices = rank_devices(torch.device(settings.device), size)
@@ -115,6 +117,7 @@ class TensorParallelGroup:
                     step_timeout_s=STEP_TIMEOUT_S,
                     parent_pid=os.getpid(),
                     random_weights=random_weights,
+                    sealed=sealed,
                 )
                 worker = context.Process(
                     target=run_worker,

@@ -14,7 +14,7 @@ import logging
 import os
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from pathlib import Path
 
@@ -24,7 +24,9 @@ from appliance.engine.engine_settings import EngineSettings
 from appliance.engine.kv_cache import KVCacheSpec
 from appliance.engine.model_runner import ModelRunner
 from appliance.engine.models.config import ModelConfig
-from appliance.engine.models.loader import load_model, random_model
+from appliance.engine.models.llama import LlamaForCausalLM
+from appliance.engine.models.loader import load_model, parts_of, random_model
+from appliance.engine.models.sealed_images import SealedShardImages
 from appliance.engine.parallel.sharding import ShardPlan, connect_model
 from appliance.engine.parallel.step_broadcast import (
     Channels,
@@ -35,12 +37,40 @@ from appliance.engine.parallel.step_broadcast import (
     receive_hidden,
     utilization,
 )
+from attestation.sealed import SealedModel
 from kernels.backend import kernel_ops_for
+from kernels.ops import KernelOps
 
 logger = logging.getLogger(__name__)
 
 # How often a worker checks that the process that started it is still there.
 _PARENT_POLL_S = 1.0
+
+
+@dataclass(frozen=True, slots=True)
+class SealedWeights:
+    """A sealed model whose data key was released to the verdict: each rank decrypts only the
+    chunks of its own part (SealedShardImages). The key reaches a worker inside its spec,
+    through the pipe that starts it (memory to memory in this VM, never a file)."""
+
+    model: SealedModel
+    data_key: bytes = field(repr=False)
+    decrypt_workers: int | None = None
+
+    def load(
+        self, *, dtype: torch.dtype, device: torch.device, ops: KernelOps, shard: ShardPlan
+    ) -> LlamaForCausalLM:
+        with SealedShardImages(
+            self.model, self.data_key, parts_of(shard), workers=self.decrypt_workers
+        ) as images:
+            return load_model(
+                self.model.directory,
+                dtype=dtype,
+                device=device,
+                ops=ops,
+                weights=images,
+                shard=shard,
+            )
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,6 +90,8 @@ class WorkerSpec:
     parent_pid: int
     # Benchmarks of shapes without a checkpoint: the shard's weights are drawn at random.
     random_weights: bool = False
+    # A sealed model: the shard is decrypted from it rather than read from model_dir.
+    sealed: SealedWeights | None = None
 
 
 def run_worker(spec: WorkerSpec, errors: Connection) -> None:
@@ -83,14 +115,12 @@ def _serve(spec: WorkerSpec) -> None:
     channels = Channels.join(spec.rendezvous, spec.rank, spec.size, device, spec.step_timeout_s)
     model_config = ModelConfig.from_model_dir(Path(spec.model_dir))
     plan = ShardPlan.for_model(model_config, spec.rank, spec.size)
-    load = random_model if spec.random_weights else load_model
-    model = load(
-        Path(spec.model_dir),
-        dtype=spec.dtype,
-        device=device,
-        ops=kernel_ops_for(device, triton_cache_dir=spec.settings.triton_cache_dir),
-        shard=plan,
-    )
+    ops = kernel_ops_for(device, triton_cache_dir=spec.settings.triton_cache_dir)
+    if spec.sealed is not None:
+        model = spec.sealed.load(dtype=spec.dtype, device=device, ops=ops, shard=plan)
+    else:
+        load = random_model if spec.random_weights else load_model
+        model = load(Path(spec.model_dir), dtype=spec.dtype, device=device, ops=ops, shard=plan)
     connect_model(model, plan, channels.data)
     settings = spec.settings
     runner = ModelRunner(
