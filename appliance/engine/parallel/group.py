@@ -95,6 +95,10 @@ class TensorParallelGroup:
                 "this process already runs a tensor-parallel engine; close it first"
             )
         os.environ.update(_MULTICAST_OFF)
+        # A collective that times out aborts the communicators and fails the step (2: clean
+        # up only), rather than tearing the whole process down (the default, 3): rank 0 is
+        # the server, which must stay up to report the stopped engine.
+        os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # gloo's sockets stay on loopback
         rendezvous_dir = Path(tempfile.mkdtemp(prefix="inferno-tp-"))  # mode 0700
         rendezvous = str(rendezvous_dir / "rendezvous")
