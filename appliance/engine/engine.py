@@ -19,6 +19,7 @@ from appliance.engine.errors import (
     ContextLengthExceededError,
     EngineConfigError,
     InvalidRequestError,
+    TensorParallelError,
 )
 from appliance.engine.kv_cache import KVCacheSpec
 from appliance.engine.model_runner import ModelRunner
@@ -409,12 +410,19 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         try:
             return self._step()
-        except RuntimeError as exc:
-            # A collective that failed because a worker died: say so, not gloo's or NCCL's words.
-            failure = None if self.group is None else self.group.failure(_WORKER_DEATH_GRACE_S)
-            if failure is not None:
-                raise failure from exc
-            raise
+        except (RuntimeError, TensorParallelError) as exc:
+            if self.group is None:
+                raise
+            # A collective failed: name the worker that died, if one did, rather than gloo's or
+            # NCCL's words; either way the group is broken for good.
+            failure = self.group.failure(_WORKER_DEATH_GRACE_S)
+            if failure is None:
+                failure = self.group.fail(
+                    exc
+                    if isinstance(exc, TensorParallelError)
+                    else TensorParallelError(f"a tensor-parallel step failed: {exc}")
+                )
+            raise failure from exc
 
     def _step(self) -> list[RequestOutput]:
         schedule = self.scheduler.schedule()

@@ -155,6 +155,14 @@ class TensorParallelGroup:
     def worker_pids(self) -> list[int]:
         return [w.pid for w in self._workers if w.pid is not None]
 
+    def fail(self, error: TensorParallelError) -> TensorParallelError:
+        """Record that the group is broken (a step timed out on a worker that hangs alive):
+        every later announcement raises the recorded error; `close` kills the workers."""
+        if self._failure is None:
+            self._failure = error
+            logger.error("%s", error)
+        return self._failure
+
     def failure(self, grace_s: float = 0.0) -> TensorParallelError | None:
         """Why a worker died, if one did; waits up to `grace_s` for the watch to see it."""
         if self._failure is None and grace_s > 0:
@@ -168,10 +176,7 @@ class TensorParallelGroup:
         self._closing.set()
         self._wake_write.send_bytes(b"stop")
         if self._failure is None:
-            try:
-                self.broadcast.stop()
-            except (TensorParallelError, RuntimeError):
-                logger.warning("a tensor-parallel worker did not take the stop; killing it")
+            self._send_stop()
         for worker in self._workers:
             worker.join(_STOP_TIMEOUT_S)
         _kill(self._workers)
@@ -181,6 +186,21 @@ class TensorParallelGroup:
         else:
             _abandon_process_groups()
         shutil.rmtree(self._rendezvous_dir, ignore_errors=True)
+
+    def _send_stop(self) -> None:
+        """Tell the workers to exit, waiting at most _STOP_TIMEOUT_S for them to take it (a
+        broadcast returns only once every worker took it; one still loading or hung would
+        hold it): those that did not are killed after."""
+
+        def stop() -> None:
+            try:
+                self.broadcast.stop()
+            except (TensorParallelError, RuntimeError):
+                logger.warning("a tensor-parallel worker did not take the stop; killing it")
+
+        sender = threading.Thread(target=stop, name="inferno-tp-stop", daemon=True)
+        sender.start()
+        sender.join(_STOP_TIMEOUT_S)
 
     def _watch_workers(self) -> None:
         sentinels = {w.sentinel: (rank, w) for rank, w in enumerate(self._workers, start=1)}
@@ -195,11 +215,12 @@ class TensorParallelGroup:
             if worker.exitcode is not None and worker.exitcode < 0
             else f"exited with code {worker.exitcode}"
         )
-        self._failure = TensorParallelError(
-            f"tensor-parallel worker rank {rank} (pid {worker.pid}) {how}"
-            f"{f': {report}' if report else ''}; the engine cannot serve without its shard"
+        self.fail(
+            TensorParallelError(
+                f"tensor-parallel worker rank {rank} (pid {worker.pid}) {how}"
+                f"{f': {report}' if report else ''}; the engine cannot serve without its shard"
+            )
         )
-        logger.error("%s", self._failure)
         if self.channels.device.type == "cuda":
             _abort_nccl(self.channels.data)
 

@@ -4,8 +4,10 @@
   its sizes), then, for a forward pass, the sequences' lengths, which the host side of attention
   reads (`AttentionMetadata.seq_lens`, `query_lens`). Rank 0 knows them on the host already, so
   sending them costs no device synchronization. Workers wait here between steps, for as long as
-  the engine is idle: this group's timeout is long, and a rank that dies closes its sockets,
-  which fails the wait at once.
+  the engine is idle: their side of this group has a practically endless timeout (a rank 0 that
+  dies closes its sockets, which fails the wait at once). Rank 0's side has the step timeout
+  (gloo's timeouts are each process's own): a gloo broadcast returns only once every worker
+  took it, so a worker that hangs alive fails rank 0's next announcement in bounded time.
 - data (NCCL on GPUs, gloo on the CPU): what lives on rank 0's device (token ids, positions,
   slots and block tables packed into one int64 tensor; the hidden rows whose logits are
   wanted), and the model's own all-reduces and all-gathers. Its timeout bounds every step.
@@ -73,7 +75,10 @@ class Channels:
             timeout=timedelta(seconds=step_timeout_s),
             device_id=device if on_gpu else None,
         )
-        control = dist.new_group(list(range(size)), backend="gloo", timeout=_IDLE_TIMEOUT)
+        # Rank 0 waits at most a step for a worker to take an announcement; a worker waits as
+        # long as the engine idles (module docstring).
+        wait = timedelta(seconds=step_timeout_s) if rank == 0 else _IDLE_TIMEOUT
+        control = dist.new_group(list(range(size)), backend="gloo", timeout=wait)
         assert dist.group.WORLD is not None
         return cls(control, dist.group.WORLD, device)
 

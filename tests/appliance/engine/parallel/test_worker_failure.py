@@ -1,6 +1,7 @@
 """A tensor-parallel worker that dies stops the engine visibly, in bounded time, naming the
 worker: the synchronous engine raises TensorParallelError; the async engine stops (what /health
-reports as 503 "stopped") and ends every stream with EngineDeadError."""
+reports as 503 "stopped") and ends every stream with EngineDeadError. A worker that hangs alive
+fails the step within the step timeout."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import pytest
 from appliance.engine.async_engine import AsyncEngine, EngineDeadError
 from appliance.engine.engine import Engine
 from appliance.engine.errors import TensorParallelError
+from appliance.engine.parallel import group as group_module
 from appliance.engine.sampling_params import SamplingParams
 from tests.appliance.engine.models.conftest import build_hf_model, save_checkpoint
 from tests.appliance.engine.parallel.test_tensor_parallel import build_engine, prompt_ids
@@ -80,3 +82,25 @@ def test_a_killed_worker_stops_the_async_engine_and_ends_its_streams(tiny_dir: P
         asyncio.run(main())
     finally:
         engine.close()
+
+
+def test_a_worker_that_hangs_alive_fails_the_step_within_the_step_timeout(
+    tiny_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(group_module, "STEP_TIMEOUT_S", 8.0)
+    engine = build_engine(tiny_dir, 2)
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
+        engine.add_request("r", prompt_ids(5), params)
+        engine.step()
+        assert engine.group is not None
+        [pid] = engine.group.worker_pids
+        os.kill(pid, signal.SIGSTOP)  # alive, answering nothing
+        started = time.monotonic()
+        with pytest.raises(TensorParallelError, match=r"stopped answering|step failed"):
+            _step_for(engine, seconds=60)
+        assert time.monotonic() - started < 8.0 + 5
+        with pytest.raises(TensorParallelError):  # and at once from then on
+            engine.step()
+    finally:
+        engine.close()  # kills the stopped worker
