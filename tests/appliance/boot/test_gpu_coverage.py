@@ -34,3 +34,22 @@ def test_a_verdict_not_covering_exactly_the_engines_gpus_is_refused(
 ) -> None:
     with pytest.raises(GpuCoverageError, match=message):
         verify_gpus_covered(attested, used)
+
+
+@pytest.mark.gpu
+def test_cuda_and_nvml_name_this_machines_gpus_alike() -> None:
+    """What the collector reports (NVML) and what the engine uses (CUDA) match on a real host
+    (run without CUDA_VISIBLE_DEVICES, which renumbers CUDA's devices but not NVML's)."""
+    import pynvml
+    import torch
+
+    from appliance.boot.gpu_coverage import engine_gpu_uuids
+
+    pynvml.nvmlInit()
+    try:
+        handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(pynvml.nvmlDeviceGetCount())]
+        nvml = [pynvml.nvmlDeviceGetUUID(h) for h in handles]
+    finally:
+        pynvml.nvmlShutdown()
+    nvml = [u.decode() if isinstance(u, bytes) else u for u in nvml]
+    verify_gpus_covered(nvml, engine_gpu_uuids("cuda", torch.cuda.device_count()))
