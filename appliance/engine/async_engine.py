@@ -9,6 +9,7 @@ to its caller at once and never reaches the engine thread.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import queue
 import threading
@@ -203,7 +204,8 @@ class AsyncEngine:
             logger.exception("engine thread failed")
             self._error = exc
             if self._loop is not None:
-                self._loop.call_soon_threadsafe(self._set_failed, exc)
+                with contextlib.suppress(RuntimeError):  # the event loop is already closed
+                    self._loop.call_soon_threadsafe(self._set_failed, exc)
             for rid in list(self._streams):
                 self._push(rid, exc)
 
