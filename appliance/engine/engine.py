@@ -185,12 +185,14 @@ class Engine:
         load_weights: Callable[[ShardPlan | None], LlamaForCausalLM],
         *,
         sealed: SealedWeights | None = None,
+        random_weights: bool = False,
     ) -> Engine:
         """Start the config's tensor-parallel workers (if any), load this process's weights
         with `load_weights(shard)` (rank 0's part, or None: all of them), and build the engine
         around them. The workers are stopped if anything fails. `sealed`: the workers decrypt
-        their parts of this sealed model (as `load_weights` must for rank 0)."""
-        group = config.start_workers(sealed=sealed)
+        their parts of this sealed model (as `load_weights` must for rank 0); `random_weights`:
+        the workers draw theirs at random (warm-up, benchmarks)."""
+        group = config.start_workers(sealed=sealed, random_weights=random_weights)
         try:
             model = load_weights(None if group is None else group.plan)
             return cls.build(config, model, tokenizer, group=group)
