@@ -130,6 +130,14 @@ def _parser() -> argparse.ArgumentParser:
     )
     gen.add_argument("--prompt", required=True, help="prompt text (a user message with --chat)")
     gen.add_argument("--chat", action="store_true", help="apply the model's chat template")
+    gen.add_argument(
+        "--tensor-parallel-size",
+        type=_tensor_parallel_size,
+        default=1,
+        metavar="N",
+        help="split the model across N devices (cuda:0..N-1 with --device cuda; N processes "
+        "with gloo on cpu)",
+    )
     _add_sampling_args(gen)
     gen.set_defaults(run=_run_generate)
 
@@ -245,6 +253,12 @@ def _device(value: str) -> str:
     raise argparse.ArgumentTypeError(f"invalid device {value!r} (choose cpu, cuda or cuda:N)")
 
 
+def _tensor_parallel_size(value: str) -> int:
+    if value.isdigit() and 1 <= int(value) <= 8:
+        return int(value)
+    raise argparse.ArgumentTypeError(f"invalid tensor parallel size {value!r} (choose 1 to 8)")
+
+
 def _port(value: str) -> int:
     try:
         port = int(value)
@@ -288,19 +302,24 @@ def _sampling_params(args: argparse.Namespace) -> SamplingParams:
     )
 
 
-def _load_engine(model_dir: Path, device: str) -> Engine:
+def _load_engine(model_dir: Path, device: str, tensor_parallel_size: int = 1) -> Engine:
     from appliance.engine.engine import Engine, EngineConfig
 
-    return Engine.from_config(EngineConfig(model_dir=model_dir, device=device))
+    return Engine.from_config(
+        EngineConfig(model_dir=model_dir, device=device, tensor_parallel_size=tensor_parallel_size)
+    )
 
 
 def _run_generate(args: argparse.Namespace) -> int:
     params = _sampling_params(args)
-    engine = _load_engine(args.model, args.device)
+    engine = _load_engine(args.model, args.device, args.tensor_parallel_size)
     prompt: str | list[int] = args.prompt
-    if args.chat:
-        prompt = engine.tokenizer.encode_chat([{"role": "user", "content": args.prompt}])
-    [completion] = engine.generate([prompt], params)
+    try:
+        if args.chat:
+            prompt = engine.tokenizer.encode_chat([{"role": "user", "content": args.prompt}])
+        [completion] = engine.generate([prompt], params)
+    finally:
+        engine.close()
     sys.stdout.write(completion.text)
     if sys.stdout.isatty():
         sys.stdout.write("\n")

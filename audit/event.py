@@ -40,6 +40,7 @@ class Action(StrEnum):
     BOOT_START = "boot.start"
     BOOT_PHASE = "boot.phase"
     BOOT_READY = "boot.ready"
+    ENGINE_STOPPED = "engine.stopped"
     ATTESTATION_VERDICT = "attestation.verdict"
     INFERENCE_REQUEST = "inference.request"
     INFERENCE_COMPLETE = "inference.complete"

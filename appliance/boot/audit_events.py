@@ -88,6 +88,17 @@ def boot_phase_failed(phase: str, exc: BaseException) -> AuditEvent:
     )
 
 
+def engine_stopped(exc: BaseException) -> AuditEvent:
+    """The engine stopped on an error while serving (a tensor-parallel worker died, a GPU
+    fault): nothing is served until restart. The error's class, not its message."""
+    return system_event(
+        Action.ENGINE_STOPPED,
+        time=datetime.now(UTC),
+        outcome=Outcome.FAILURE,
+        details={"error": type(exc).__name__},
+    )
+
+
 def boot_ready(
     *,
     model: str,

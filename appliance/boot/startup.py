@@ -13,7 +13,9 @@ Then, as the server starts (`StartUp.run`; `/live` answers and `/health` says wh
     audit log's vkey (the channel), verified offline against the policy and the pinned roots;
     the verdict is recorded. A failing verdict, or one the log cannot record, closes the
     gate. In insecure-dev nothing is attested, and the log records that.
- 4. Only after a recorded pass: the GPUs are set ready.
+ 4. Only after a recorded pass: the GPUs are set ready; then the verdict must cover exactly
+    the GPUs the engine's ranks will use, by count and UUID (`appliance.boot.gpu_coverage`).
+    The tensor-parallel workers, one per further GPU, are started only in step 6.
  5. A sealed model's data key is released to that verdict by the key provider.
  6. The weights are decrypted straight into memory (sealed) or read from `model.dir`, and the
     engine is built around them.
@@ -23,7 +25,8 @@ Then, as the server starts (`StartUp.run`; `/live` answers and `/health` says wh
     A failure is recorded, the requests in flight drain, and inference stops until restart.
 
 A step that fails leaves the server up and failed, its reason on `/health`; the log records the
-failing verdict, or a failed `boot.phase` for the key release and the load.
+failing verdict, or a failed `boot.phase` for the GPU coverage, the key release and the load;
+an engine that stops on an error while serving is recorded as `engine.stopped`.
 """
 
 from __future__ import annotations
@@ -48,8 +51,10 @@ from appliance.boot.audit_events import (
     boot_phase_failed,
     boot_ready,
     boot_start,
+    engine_stopped,
 )
 from appliance.boot.audit_log import open_audit_log
+from appliance.boot.gpu_coverage import GpuCoverageError, engine_gpu_uuids, verify_gpus_covered
 from appliance.boot.key_release import key_provider, release_and_load
 from appliance.boot.weights import LoadedModel
 from appliance.config import Settings
@@ -68,6 +73,9 @@ from audit.event import AuditEvent
 from audit.log import AuditLog
 
 logger = logging.getLogger(__name__)
+
+# How long shutdown waits for an engine's failure to be recorded before closing the log.
+_RECORD_STOP_TIMEOUT_S = 5.0
 
 
 class StartUpError(BootError):
@@ -127,6 +135,7 @@ class StartUp:
     # The signed manifest of the sealed model served, once served (None: plain weights).
     sealed_manifest: SealedManifest | None = None
     _reattesting: asyncio.Task[None] | None = field(default=None, repr=False)
+    _watching_engine: asyncio.Task[None] | None = field(default=None, repr=False)
 
     @classmethod
     def prepare(
@@ -175,6 +184,8 @@ class StartUp:
             # 4. The GPUs accept work only now.
             if attestation is not None:
                 await self._set_gpus_ready()
+                # 4b. The verdict covers exactly the GPUs the engine's ranks will use.
+                await self._verify_gpu_coverage(attestation)
             attestation_ms = _ms_since(started_s) if attestation is not None else None
             # 5-6. The key is released to the verdict; the weights are loaded (and 7, warmed up).
             started_s = time.monotonic()
@@ -195,9 +206,16 @@ class StartUp:
         """Stop re-attesting and serving; requests still running in the engine end aborted."""
         if self._reattesting is not None:
             self._reattesting.cancel()
+        if self._watching_engine is not None:
+            if self.engine is not None and self.engine.has_failed:
+                # Let the engine's failure reach the log before it closes.
+                with contextlib.suppress(Exception):
+                    await asyncio.wait_for(self._watching_engine, _RECORD_STOP_TIMEOUT_S)
+            self._watching_engine.cancel()
         self.readiness.set_stopped()
         if self.engine is not None:
             await self.engine.shutdown()
+            await asyncio.to_thread(self.engine.close_engine)  # its tensor-parallel workers
 
     async def _attest(self) -> Attestation | None:
         """Step 3: the passing attestation, or None in insecure-dev. Raises StartUpError saying
@@ -245,6 +263,23 @@ class StartUp:
             ) from exc
         except Exception as exc:
             raise _unexpected("the TEE gate", exc) from exc
+
+    async def _verify_gpu_coverage(self, attestation: Attestation) -> None:
+        """Step 4b (appliance.boot.gpu_coverage), for an engine on GPUs. A mismatch is
+        recorded as a failed `boot.phase` (gpu_coverage). Raises StartUpError: no key, no
+        weights, and no tensor-parallel worker is ever started."""
+        config = self.config
+        try:
+            if config is None or not config.on_gpu:
+                return  # a CPU engine puts no weight on any GPU
+            evidence = attestation.evidence
+            attested = [] if evidence is None else [gpu.uuid for gpu in evidence.gpu]
+            used = engine_gpu_uuids(config.device, config.tensor_parallel_size)
+            verify_gpus_covered(attested, used)
+        except (GpuCoverageError, EngineError) as exc:
+            with contextlib.suppress(StartUpError):  # the failure to report is the mismatch
+                await self._record(boot_phase_failed("gpu_coverage", exc), "the GPU mismatch")
+            raise StartUpError(f"the verdict does not cover the engine's GPUs: {exc}") from exc
 
     async def _load_model(self, attestation: Attestation | None) -> LoadedModel:
         """Steps 5 and 6 in a thread (the event loop keeps answering `/live` and `/health`), or
@@ -296,6 +331,7 @@ class StartUp:
             ) from exc
         engine = AsyncEngine(model.engine)
         engine.start()
+        self._watching_engine = asyncio.create_task(self._record_engine_stop(engine))
         self.metrics.watch(engine)
         self.readiness.set_ready(engine)
         # The line operators and scripts wait for (shown at any log.level: appliance.logs).
@@ -305,6 +341,14 @@ class StartUp:
             self.tee.state(),
         )
         return engine
+
+    async def _record_engine_stop(self, engine: AsyncEngine) -> None:
+        """An engine that stops on an error while serving is recorded (`/health` reports it
+        stopped already, from the engine itself)."""
+        exc = await engine.wait_failed()
+        logger.error("the engine stopped (%s); nothing is served until restart", exc)
+        with contextlib.suppress(StartUpError):  # the log's own failure is reported by /health
+            await self._record(engine_stopped(exc), "the engine's stop")
 
     async def _reattest(self, engine: AsyncEngine) -> None:
         """Step 8, until cancelled or the first failure, which drains and stops inference."""

@@ -20,8 +20,11 @@ from pathlib import Path
 
 from appliance.engine.engine import Engine, EngineConfig
 from appliance.engine.models.config import ModelConfig
+from appliance.engine.models.llama import LlamaForCausalLM
 from appliance.engine.models.loader import load_model
 from appliance.engine.models.sealed_images import SealedImages, StagingRing
+from appliance.engine.parallel.sharding import ShardPlan
+from appliance.engine.parallel.worker import SealedWeights
 from appliance.engine.tokenizer import Tokenizer
 from appliance.errors import ModelFilesError
 from attestation.sealed import SealedModel
@@ -45,17 +48,59 @@ class LoadedModel:
         model_dir = Path(config.model_dir)
         ModelConfig.from_model_dir(model_dir)  # the clearest errors first, before any heavy load
         tokenizer = Tokenizer.from_model_dir(model_dir)
-        started_s = time.monotonic()
-        model = load_model(
-            model_dir, dtype=config.torch_dtype, device=config.torch_device, ops=config.kernel_ops()
-        )
-        loaded_s = time.monotonic()
-        engine = Engine.build(config, model, tokenizer)
+        started_s = loaded_s = time.monotonic()
+
+        def load_weights(shard: ShardPlan | None) -> LlamaForCausalLM:
+            nonlocal started_s, loaded_s
+            started_s = time.monotonic()  # after the tensor-parallel workers' start
+            model = load_model(
+                model_dir,
+                dtype=config.torch_dtype,
+                device=config.torch_device,
+                ops=config.kernel_ops(),
+                shard=shard,
+            )
+            loaded_s = time.monotonic()
+            return model
+
+        engine = Engine.load(config, tokenizer, load_weights)
         phases = _phases(weights=(started_s, loaded_s), engine_build=(loaded_s, time.monotonic()))
         return cls(engine, digest_weights(model_dir), phases_ms=phases)
 
     def with_phase(self, name: str, milliseconds: float) -> LoadedModel:
         return dataclasses.replace(self, phases_ms={**self.phases_ms, name: milliseconds})
+
+    @classmethod
+    def _load_sealed_parallel(
+        cls,
+        config: EngineConfig,
+        sealed: SealedModel,
+        data_key: bytes,
+        workers: int | None,
+        tokenizer: Tokenizer,
+    ) -> LoadedModel:
+        """Under tensor parallelism every rank, this one included, decrypts only the chunks of
+        its own part of each tensor on the host and copies just that part to its GPU
+        (SealedShardImages): no GPU holds another's plaintext."""
+        weights = SealedWeights(sealed, data_key, workers)
+        started_s = loaded_s = time.monotonic()
+
+        def load_weights(shard: ShardPlan | None) -> LlamaForCausalLM:
+            nonlocal started_s, loaded_s
+            assert shard is not None, "tensor_parallel_size > 1"
+            started_s = time.monotonic()
+            model = weights.load(
+                dtype=config.torch_dtype,
+                device=config.torch_device,
+                ops=config.kernel_ops(),
+                shard=shard,
+            )
+            loaded_s = time.monotonic()
+            return model
+
+        engine = Engine.load(config, tokenizer, load_weights, sealed=weights)
+        phases = _phases(weights=(started_s, loaded_s), engine_build=(loaded_s, time.monotonic()))
+        return cls(engine, digest_sealed_weights(sealed), sealed.manifest, phases)
 
     @classmethod
     def load_sealed(
@@ -82,6 +127,8 @@ class LoadedModel:
         ModelConfig.from_model_dir(sealed.directory)  # the clearest errors first
         tokenizer = Tokenizer.from_model_dir(sealed.directory)
         device = config.torch_device
+        if config.tensor_parallel_size > 1:
+            return cls._load_sealed_parallel(config, sealed, data_key, workers, tokenizer)
         started_s = time.monotonic()
         with SealedImages(sealed, data_key, device, workers=workers, ring=ring) as images:
             model = load_model(

@@ -9,6 +9,7 @@ to its caller at once and never reaches the engine thread.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import queue
 import threading
@@ -54,6 +55,7 @@ class AsyncEngine:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
+        self._failed: asyncio.Future[BaseException] | None = None
 
     async def __aenter__(self) -> AsyncEngine:
         self.start()
@@ -77,11 +79,17 @@ class AsyncEngine:
         return self._engine.stats()
 
     @property
+    def has_failed(self) -> bool:
+        """The engine thread stopped on an error (`wait_failed` has it)."""
+        return self._error is not None
+
+    @property
     def is_running(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 
     def start(self) -> None:
         self._loop = asyncio.get_running_loop()
+        self._failed = self._loop.create_future()
         self._thread = threading.Thread(target=self._run, name="inferno-engine", daemon=True)
         self._thread.start()
 
@@ -92,6 +100,17 @@ class AsyncEngine:
         self._commands.put(None)
         await asyncio.to_thread(self._thread.join)
         self._thread = None
+
+    async def wait_failed(self) -> BaseException:
+        """Wait until the engine thread stops on an error (a dead tensor-parallel worker, a
+        GPU fault); that error. Never returns for an engine that only shuts down."""
+        assert self._failed is not None, "start() first"
+        return await asyncio.shield(self._failed)
+
+    def close_engine(self) -> None:
+        """After `shutdown`: stop what the engine holds outside this process's thread (its
+        tensor-parallel workers). Blocking; the engine serves nothing after."""
+        self._engine.close()
 
     def generate(
         self,
@@ -184,8 +203,15 @@ class AsyncEngine:
         except BaseException as exc:  # the thread must report, whatever went wrong
             logger.exception("engine thread failed")
             self._error = exc
+            if self._loop is not None:
+                with contextlib.suppress(RuntimeError):  # the event loop is already closed
+                    self._loop.call_soon_threadsafe(self._set_failed, exc)
             for rid in list(self._streams):
                 self._push(rid, exc)
+
+    def _set_failed(self, exc: BaseException) -> None:
+        if self._failed is not None and not self._failed.done():
+            self._failed.set_result(exc)
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         # One wake-up of the event loop per step, not one per request: each wake-up is a

@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import logging
 import os
+from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,6 +19,7 @@ from appliance.engine.errors import (
     ContextLengthExceededError,
     EngineConfigError,
     InvalidRequestError,
+    TensorParallelError,
 )
 from appliance.engine.kv_cache import KVCacheSpec
 from appliance.engine.model_runner import ModelRunner
@@ -25,6 +27,9 @@ from appliance.engine.models.config import ModelConfig
 from appliance.engine.models.llama import LlamaForCausalLM
 from appliance.engine.models.loader import load_model
 from appliance.engine.outputs import EngineStats, RequestOutput, RequestState
+from appliance.engine.parallel.group import TensorParallelGroup
+from appliance.engine.parallel.sharding import ShardPlan
+from appliance.engine.parallel.worker import SealedWeights
 from appliance.engine.sampling_params import SamplingParams
 from appliance.engine.scheduler import Scheduler, SchedulerConfig
 from appliance.engine.sequence import RequestId, Sequence, SequenceStatus
@@ -34,6 +39,10 @@ from kernels.backend import kernel_ops_for
 from kernels.ops import KernelOps
 
 logger = logging.getLogger(__name__)
+
+# How long a failed step waits to learn that it failed because a worker died (the collective may
+# see the closed socket before the watch thread sees the process end).
+_WORKER_DEATH_GRACE_S = 2.0
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -74,6 +83,34 @@ class EngineConfig(EngineSettings):
         return self.num_cpu_threads or automatic_cpu_threads(len(os.sched_getaffinity(0)))
 
     @property
+    def rank_num_threads(self) -> int:
+        """Torch's threads in each tensor-parallel process on the CPU: they share the CPUs."""
+        return max(1, self.torch_num_threads // self.tensor_parallel_size)
+
+    def context_length(self, model_config: ModelConfig) -> int:
+        """max_model_len: the setting, at most the model's own."""
+        return min(self.max_model_len or model_config.max_model_len, model_config.max_model_len)
+
+    def start_workers(
+        self, *, random_weights: bool = False, sealed: SealedWeights | None = None
+    ) -> TensorParallelGroup | None:
+        """Spawn this config's tensor-parallel workers (None for one device). Load rank 0's
+        shard of the weights with `shard=group.plan`, then `Engine.build(..., group=group)`;
+        close the group if that fails. `random_weights`: benchmarks (loader.random_model);
+        `sealed`: the workers decrypt their parts of this sealed model."""
+        if self.tensor_parallel_size == 1:
+            return None
+        return TensorParallelGroup.start(
+            self,
+            self.model_dir,
+            max_model_len=self.context_length(ModelConfig.from_model_dir(self.model_dir)),
+            dtype=self.torch_dtype,
+            num_cpu_threads=self.rank_num_threads,
+            random_weights=random_weights,
+            sealed=sealed,
+        )
+
+    @property
     def torch_dtype(self) -> torch.dtype:
         return _DTYPES[self.dtype or ("bfloat16" if self.on_gpu else "float32")]
 
@@ -108,6 +145,7 @@ class Engine:
         *,
         vocab_size: int,
         device: torch.device | str = "cpu",
+        group: TensorParallelGroup | None = None,
     ):
         # Without a tokenizer the engine takes and returns token ids only (benchmarks).
         self.tokenizer = tokenizer
@@ -116,6 +154,7 @@ class Engine:
         self.vocab_size = vocab_size
         self.device = torch.device(device)
         self.max_model_len = scheduler.config.max_model_len
+        self.group = group
         self._requests: dict[RequestId, RequestState] = {}
         self._generators: dict[RequestId, torch.Generator] = {}
         self._arrivals = itertools.count()
@@ -132,31 +171,83 @@ class Engine:
         device = config.torch_device
         ModelConfig.from_model_dir(model_dir)  # the clearest errors first, before any heavy load
         tokenizer = Tokenizer.from_model_dir(model_dir)
-        model = load_model(
-            model_dir, dtype=config.torch_dtype, device=device, ops=config.kernel_ops()
-        )
-        return cls.build(config, model, tokenizer)
+
+        def load_weights(shard: ShardPlan | None) -> LlamaForCausalLM:
+            return load_model(
+                model_dir,
+                dtype=config.torch_dtype,
+                device=device,
+                ops=config.kernel_ops(),
+                shard=shard,
+            )
+
+        return cls.load(config, tokenizer, load_weights)
+
+    @classmethod
+    def load(
+        cls,
+        config: EngineConfig,
+        tokenizer: Tokenizer | None,
+        load_weights: Callable[[ShardPlan | None], LlamaForCausalLM],
+        *,
+        sealed: SealedWeights | None = None,
+        random_weights: bool = False,
+    ) -> Engine:
+        """Start the config's tensor-parallel workers (if any), load this process's weights
+        with `load_weights(shard)` (rank 0's part, or None: all of them), and build the engine
+        around them. The workers are stopped if anything fails. `sealed`: the workers decrypt
+        their parts of this sealed model (as `load_weights` must for rank 0); `random_weights`:
+        the workers draw theirs at random (warm-up, benchmarks)."""
+        group = config.start_workers(sealed=sealed, random_weights=random_weights)
+        try:
+            model = load_weights(None if group is None else group.plan)
+            return cls.build(config, model, tokenizer, group=group)
+        except BaseException:
+            if group is not None:
+                group.close()
+            raise
 
     @classmethod
     def build(
-        cls, config: EngineConfig, model: LlamaForCausalLM, tokenizer: Tokenizer | None
+        cls,
+        config: EngineConfig,
+        model: LlamaForCausalLM,
+        tokenizer: Tokenizer | None,
+        *,
+        group: TensorParallelGroup | None = None,
     ) -> Engine:
         """Size the KV pool, make the scheduler and runner, and capture CUDA graphs. On the CPU,
-        set torch's threads (for the whole process: torch has no other kind)."""
+        set torch's threads (for the whole process: torch has no other kind). Under tensor
+        parallelism, `model` is rank 0's shard and `group` its workers (EngineConfig.start_workers),
+        which do each of these steps on their own shard as this one does it."""
+        if (group is None) != (config.tensor_parallel_size == 1):
+            raise EngineConfigError(
+                f"tensor_parallel_size {config.tensor_parallel_size} needs its workers: "
+                "build the engine with EngineConfig.start_workers' group"
+            )
         if not config.on_gpu:
-            torch.set_num_threads(config.torch_num_threads)
+            torch.set_num_threads(config.rank_num_threads)
         model_config = model.config
-        max_model_len = min(
-            config.max_model_len or model_config.max_model_len, model_config.max_model_len
-        )
+        max_model_len = config.context_length(model_config)
         if not config.enable_chunked_prefill and config.max_num_batched_tokens < max_model_len:
             raise EngineConfigError(
                 f"without chunked prefill, max_num_batched_tokens ({config.max_num_batched_tokens})"
                 f" must be at least max_model_len ({max_model_len})"
             )
-        spec = KVCacheSpec.for_model(model_config, config.block_size, config.torch_dtype)
+        spec = KVCacheSpec.for_model(
+            model_config,
+            config.block_size,
+            config.torch_dtype,
+            tensor_parallel_size=config.tensor_parallel_size,
+        )
         eos_token_ids = tokenizer.eos_token_ids if tokenizer is not None else frozenset()
-        runner = ModelRunner(model, config.block_size, config.device, max_model_len, eos_token_ids)
+        peers = None
+        if group is not None:
+            group.connect(model)
+            peers = group.broadcast
+        runner = ModelRunner(
+            model, config.block_size, config.device, max_model_len, eos_token_ids, peers=peers
+        )
         num_blocks = config.num_kv_blocks
         if num_blocks is None and config.on_gpu:
             num_blocks = runner.num_kv_blocks_for_free_memory(
@@ -167,7 +258,7 @@ class Engine:
             )
         elif num_blocks is None:
             num_blocks = spec.num_blocks_within(config.kv_cache_memory_bytes)
-        runner.set_kv_caches(spec.allocate(num_blocks, config.device))
+        runner.allocate_kv_caches(spec, num_blocks)
         if config.on_gpu and config.enable_cuda_graphs:
             runner.capture_decode_graphs(config.max_num_seqs)
         block_manager = BlockManager(
@@ -192,8 +283,18 @@ class Engine:
             max_model_len,
         )
         return cls(
-            tokenizer, runner, scheduler, vocab_size=model_config.vocab_size, device=config.device
+            tokenizer,
+            runner,
+            scheduler,
+            vocab_size=model_config.vocab_size,
+            device=config.device,
+            group=group,
         )
+
+    def close(self) -> None:
+        """Stop the tensor-parallel workers, if any (the engine serves nothing after)."""
+        if self.group is not None:
+            self.group.close()
 
     @property
     def block_manager(self) -> BlockManager:
@@ -324,6 +425,23 @@ class Engine:
         return [out for rid in list(self._requests) if (out := self.abort(rid)) is not None]
 
     def step(self) -> list[RequestOutput]:
+        try:
+            return self._step()
+        except (RuntimeError, TensorParallelError) as exc:
+            if self.group is None:
+                raise
+            # A collective failed: name the worker that died, if one did, rather than gloo's or
+            # NCCL's words; either way the group is broken for good.
+            failure = self.group.failure(_WORKER_DEATH_GRACE_S)
+            if failure is None:
+                failure = self.group.fail(
+                    exc
+                    if isinstance(exc, TensorParallelError)
+                    else TensorParallelError(f"a tensor-parallel step failed: {exc}")
+                )
+            raise failure from exc
+
+    def _step(self) -> list[RequestOutput]:
         schedule = self.scheduler.schedule()
         if schedule.is_empty:
             return []

@@ -56,6 +56,13 @@ class EngineSettings(BaseModel):
     max_decode_burst: int = Field(
         default=1, ge=1, description="decode steps run back to back without the host"
     )
+    # One process per device: this one (rank 0: the scheduler, sampling and its own shard) and
+    # tensor_parallel_size - 1 workers, on cuda:i+1 .. for device cuda:i (gloo on the CPU). The
+    # model's heads, KV heads, intermediate size and vocabulary must divide by it; the KV pool
+    # is sized per GPU, from the smallest one's free memory.
+    tensor_parallel_size: int = Field(
+        default=1, ge=1, le=8, description="devices (processes) the model is split across"
+    )
     num_cpu_threads: int = Field(
         default=0, ge=0, description="torch threads when the engine runs on cpu; 0: automatic"
     )

@@ -31,3 +31,8 @@ class InvalidRequestError(EngineError):
 class ContextLengthExceededError(InvalidRequestError):
     """The prompt, or the prompt plus the tokens asked for, does not fit in the context or the
     KV cache."""
+
+
+class TensorParallelError(EngineError):
+    """A tensor-parallel worker could not start, died, or stopped answering: the engine stops
+    (it cannot serve with part of the model missing)."""

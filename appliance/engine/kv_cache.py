@@ -19,8 +19,17 @@ class KVCacheSpec:
     dtype: torch.dtype
 
     @classmethod
-    def for_model(cls, config: ModelConfig, block_size: int, dtype: torch.dtype) -> KVCacheSpec:
-        return cls(config.num_layers, config.num_kv_heads, config.head_dim, block_size, dtype)
+    def for_model(
+        cls,
+        config: ModelConfig,
+        block_size: int,
+        dtype: torch.dtype,
+        *,
+        tensor_parallel_size: int = 1,
+    ) -> KVCacheSpec:
+        """One device's pool: under tensor parallelism each holds its share of the KV heads."""
+        num_kv_heads = config.num_kv_heads // tensor_parallel_size
+        return cls(config.num_layers, num_kv_heads, config.head_dim, block_size, dtype)
 
     @property
     def bytes_per_block(self) -> int:

@@ -21,6 +21,7 @@ from appliance.engine.errors import EngineConfigError
 from appliance.engine.kv_cache import KVCacheSpec
 from appliance.engine.models.llama import LlamaForCausalLM
 from appliance.engine.outputs import TokenLogprob
+from appliance.engine.parallel.step_broadcast import StepBroadcast
 from appliance.engine.sampling import sample, token_logprobs
 from appliance.engine.sampling_controls import SamplingControls
 from appliance.engine.sampling_params import SamplingParams
@@ -56,7 +57,12 @@ class _Batch:
 
 
 class ModelRunner:
-    """Runs the model for scheduled chunks on one device; owns the KV cache tensors."""
+    """Runs the model for scheduled chunks on one device; owns the KV cache tensors.
+
+    Under tensor parallelism every rank has a runner around its shard; `peers` tells rank 0's
+    forward passes, logits and set-up steps to the other ranks as they start (and is silent
+    on the others, which run them because they were told: appliance.engine.parallel).
+    """
 
     def __init__(
         self,
@@ -65,8 +71,10 @@ class ModelRunner:
         device: torch.device | str,
         max_model_len: int,
         eos_token_ids: Collection[int] = frozenset(),
+        peers: StepBroadcast | None = None,
     ):
         self.model = model
+        self.peers = peers
         self.block_size = block_size
         self.device = torch.device(device)
         self.max_model_len = max_model_len
@@ -83,6 +91,11 @@ class ModelRunner:
     def set_kv_caches(self, kv_caches: list[torch.Tensor]) -> None:
         self.kv_caches = kv_caches
 
+    def allocate_kv_caches(self, spec: KVCacheSpec, num_blocks: int) -> None:
+        if self.peers is not None:
+            self.peers.allocate_kv(num_blocks)
+        self.kv_caches = spec.allocate(num_blocks, self.device)
+
     @torch.inference_mode()
     def num_kv_blocks_for_free_memory(
         self,
@@ -93,7 +106,10 @@ class ModelRunner:
     ) -> int:
         """How many KV blocks fit in `gpu_memory_utilization` of the GPU, after the weights and
         the peak activations of the largest step (`num_tokens` tokens and `num_logit_rows` rows
-        of logits, profiled here with a scratch cache just big enough for it)."""
+        of logits, profiled here with a scratch cache just big enough for it). Under tensor
+        parallelism every rank profiles its own GPU and all take the smallest count."""
+        if self.peers is not None:
+            self.peers.profile(num_tokens, num_logit_rows, gpu_memory_utilization)
         torch.cuda.synchronize(self.device)
         torch.cuda.empty_cache()
         self.kv_caches = spec.allocate(-(-num_tokens // self.block_size) + 1, self.device)
@@ -114,6 +130,8 @@ class ModelRunner:
         free, total = torch.cuda.mem_get_info(self.device)
         budget = int(total * gpu_memory_utilization) - (total - free) - peak_activations
         num_blocks = budget // spec.bytes_per_block
+        if self.peers is not None:
+            num_blocks = self.peers.agree_num_blocks(num_blocks)
         logger.info(
             "profiled a %d-token step: activation peak %.2f GiB, in use %.2f GiB, KV %.2f GiB",
             num_tokens,
@@ -160,8 +178,12 @@ class ModelRunner:
     def capture_decode_graphs(self, max_batch: int) -> None:
         from kernels.decode_attention import choose_num_splits
 
+        if self.peers is not None:
+            self.peers.capture_graphs(max_batch)
         num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count
-        num_kv_heads, max_model_len = self.model.config.num_kv_heads, self.max_model_len
+        # This device's KV heads (a share of them under tensor parallelism).
+        num_kv_heads = self.model.layers[0].self_attn.num_kv_heads
+        max_model_len = self.max_model_len
 
         def num_splits_for(batch: int) -> int:
             return choose_num_splits(batch, num_kv_heads, max_model_len, num_sms)
@@ -190,7 +212,7 @@ class ModelRunner:
                 masks.fill()
             ends = [batch.query_ends[i] for i in sampling_rows]
             rows = self._to_device(ends, torch.int64)
-            logits = self.model.compute_logits(hidden[rows])
+            logits = self._compute_logits(hidden[rows])
             params = [s.params for s in seqs]
             controls = self._controls(seqs)
             adjusted = logits if controls is None else controls.apply(logits)
@@ -241,7 +263,7 @@ class ModelRunner:
                     query_lens=meta.query_lens,
                 )
             hidden = self._forward(input_ids, positions, meta)
-            logits = self.model.compute_logits(hidden)
+            logits = self._compute_logits(hidden)
             if controls is not None:
                 logits = controls.apply(logits, step)
             input_ids = sample(logits, params, generators)
@@ -258,6 +280,20 @@ class ModelRunner:
         return values.tolist()
 
     def _forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        if self.peers is not None:
+            self.peers.forward(input_ids, positions, meta)
+        return self.run_model(input_ids, positions, meta)
+
+    def _compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[N, hidden] -> [N, vocab] float32. Every logits computation goes through here: under
+        tensor parallelism the other ranks must join it."""
+        if self.peers is not None:
+            self.peers.logits(hidden)
+        return self.model.compute_logits(hidden)
+
+    def run_model(
         self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
     ) -> torch.Tensor:
         """Hidden states [T, hidden]: from a CUDA graph for decode batches that fit one."""
@@ -369,7 +405,7 @@ class ModelRunner:
             out: list[TokenLogprob] = []
             for row in range(0, num_rows, _PROMPT_LOGPROB_ROWS):
                 rows = range(row, min(row + _PROMPT_LOGPROB_ROWS, num_rows))
-                logits = self.model.compute_logits(hidden[first + rows.start : first + rows.stop])
+                logits = self._compute_logits(hidden[first + rows.start : first + rows.stop])
                 targets = torch.tensor(
                     seq.token_ids[chunk.start + rows.start + 1 : chunk.start + rows.stop + 1],
                     device=self.device,

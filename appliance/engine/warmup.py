@@ -24,8 +24,9 @@ from pathlib import Path
 import torch
 
 from appliance.engine.engine import Engine, EngineConfig
-from appliance.engine.models.config import ModelConfig
+from appliance.engine.models import loader
 from appliance.engine.models.llama import LlamaForCausalLM
+from appliance.engine.parallel.sharding import ShardPlan
 from appliance.engine.sampling_params import SamplingParams
 from kernels.backend import triton_cache_dir
 
@@ -53,23 +54,19 @@ def cached_kernels(cache_dir: Path) -> int:
     return sum(1 for entry in cache_dir.iterdir() if entry.is_dir())
 
 
-def random_model(config: EngineConfig, seed: int = 0) -> LlamaForCausalLM:
-    """The model directory's architecture on the engine's device, with random weights."""
-    model_config = ModelConfig.from_model_dir(config.model_dir)
-    device = config.torch_device
-    with torch.device("meta"):
-        model = LlamaForCausalLM(model_config, config.kernel_ops())
-    model.to_empty(device=device)
-    model.to(config.torch_dtype)
-    generator = torch.Generator(device).manual_seed(seed)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if name.endswith("norm.weight"):
-                param.fill_(1.0)
-            else:
-                param.normal_(0.0, 0.02, generator=generator)
-    model.init_rope_tables(model_config.max_model_len)
-    return model.eval()
+def random_model(
+    config: EngineConfig, seed: int = 0, shard: ShardPlan | None = None
+) -> LlamaForCausalLM:
+    """The model directory's architecture on the engine's device, with random weights (one
+    tensor-parallel rank's part with `shard`)."""
+    return loader.random_model(
+        Path(config.model_dir),
+        dtype=config.torch_dtype,
+        device=config.torch_device,
+        ops=config.kernel_ops(),
+        shard=shard,
+        seed=seed,
+    )
 
 
 def warm_up(config: EngineConfig) -> WarmupReport:
@@ -81,9 +78,21 @@ def warm_up(config: EngineConfig) -> WarmupReport:
         cache_dir = triton_cache_dir()
     before = cached_kernels(cache_dir) if cache_dir else 0
     start = time.perf_counter()
-    model = random_model(config)
-    engine = Engine.build(config, model, tokenizer=None)
-    built = time.perf_counter()
+    # Under tensor parallelism every rank draws its own part, and compiles its own kernels.
+    engine = Engine.load(
+        config, None, lambda shard: random_model(config, shard=shard), random_weights=True
+    )
+    try:
+        built = time.perf_counter()
+        _run_workload(engine, config)
+    finally:
+        engine.close()
+    done = time.perf_counter()
+    after = cached_kernels(cache_dir) if cache_dir else 0
+    return WarmupReport(built - start, done - built, before, after)
+
+
+def _run_workload(engine: Engine, config: EngineConfig) -> None:
     vocab = engine.vocab_size
     generator = torch.Generator().manual_seed(0)
 
@@ -98,6 +107,3 @@ def warm_up(config: EngineConfig) -> WarmupReport:
     # the batch, and a prompt longer than one step's token budget (chunked prefill).
     longest = min(config.max_num_batched_tokens + 100, engine.max_model_len - 4)
     engine.generate(prompts([*_PROMPT_LENGTHS, longest]), sampled)
-    done = time.perf_counter()
-    after = cached_kernels(cache_dir) if cache_dir else 0
-    return WarmupReport(built - start, done - built, before, after)

@@ -30,7 +30,7 @@ CC_MODES = ("on", "off", "devtools")
 EVIDENCE_FORMAT_VERSIONS = ("1.0",)
 _REQUIRED_KEYS = {"arch", "nonce", "evidence", "certificate"}
 _KEYS = _REQUIRED_KEYS | {
-    "cc_mode", "dev_tools_mode", "driver_version", "vbios_version", "version"
+    "cc_mode", "dev_tools_mode", "driver_version", "vbios_version", "version", "uuid"
 }  # fmt: skip
 
 
@@ -51,6 +51,11 @@ class GpuEvidence:
     driver_version: str | None = None
     vbios_version: str | None = None
     format_version: str | None = None
+    # NVML's UUID of the GPU that gave this evidence (`GPU-` and 36 hex digits and dashes): a
+    # declaration of the collector, not signed by the GPU, but covered by the evidence digest
+    # that the CPU report binds, so it is what the attested VM's own code saw. The appliance
+    # matches it against the devices its engine uses (appliance.boot.gpu_coverage).
+    uuid: str | None = None
 
     def certificates(self) -> tuple[x509.Certificate, ...]:
         """The chain parsed, leaf first. Raises GpuEvidenceFormatError."""
@@ -73,6 +78,7 @@ class GpuEvidence:
             ("driver_version", self.driver_version),
             ("vbios_version", self.vbios_version),
             ("version", self.format_version),
+            ("uuid", self.uuid),
         ):
             if value is not None:
                 item[key] = value
@@ -115,6 +121,7 @@ class GpuEvidence:
             driver_version=_optional_text(item, "driver_version"),
             vbios_version=_optional_text(item, "vbios_version"),
             format_version=format_version,
+            uuid=_optional_text(item, "uuid"),
         )
         evidence.certificates()
         return evidence

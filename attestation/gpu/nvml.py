@@ -116,7 +116,13 @@ def _collect_one(nvml: Any, index: int, nonce: bytes, dev_tools: bool) -> GpuEvi
         certificate_chain=chain,
         cc_mode="devtools" if dev_tools else "on",
         dev_tools_mode=dev_tools,
+        uuid=_text(nvml.nvmlDeviceGetUUID(handle)),
     )
+
+
+def _text(value: str | bytes) -> str:
+    """pynvml returns str, older versions bytes."""
+    return value.decode("ascii") if isinstance(value, bytes) else value
 
 
 def _call_with_deadline(body: Callable[[], T], timeout_s: float) -> T:

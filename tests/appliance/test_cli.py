@@ -71,6 +71,27 @@ def test_generate_chat_prints_only_the_greedy_completion(
     assert expected.text
 
 
+@pytest.mark.slow
+def test_generate_on_three_processes_prints_what_one_process_prints(smollm2_dir: Path) -> None:
+    """--tensor-parallel-size 3: the embedded model split over 3 gloo processes (9 heads, 3 KV
+    heads), greedy, gives the same text; the workers are gone when the command ends."""
+    args = ("generate", "--model", str(smollm2_dir), "--prompt", "The sky is", "--max-tokens", "8")
+    single = _inferno(*args)
+    parallel = _inferno(*args, "--tensor-parallel-size", "3")
+    assert single.returncode == 0 and parallel.returncode == 0, parallel.stderr
+    assert parallel.stdout == single.stdout and single.stdout
+
+
+def test_generate_refuses_a_tensor_parallel_size_the_heads_cannot_split(smollm2_dir: Path) -> None:
+    result = _inferno(
+        "generate", "--model", str(smollm2_dir), "--prompt", "hi", "--tensor-parallel-size", "2"
+    )
+    assert result.returncode == 2
+    assert "tensor_parallel_size 2 does not divide the model's num_attention_heads (9)" in (
+        result.stderr
+    )
+
+
 def test_generate_with_an_unknown_model_dir_says_so_and_exits_2(tmp_path: Path) -> None:
     missing = tmp_path / "no-such-model"
     result = _inferno("generate", "--model", str(missing), "--prompt", "hi")

@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import re
 import struct
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 
 import torch
@@ -23,6 +23,7 @@ from safetensors import SafetensorError, safe_open
 from appliance.engine.errors import ModelLoadError
 from appliance.engine.models.config import ModelConfig
 from appliance.engine.models.llama import LlamaForCausalLM
+from appliance.engine.parallel.sharding import ShardPlan, shard_model
 from kernels.ops import KernelOps
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
@@ -45,10 +46,12 @@ def load_model(
     device: torch.device | str = "cpu",
     ops: KernelOps | None = None,
     weights: Mapping[str, memoryview | bytearray | torch.Tensor] | None = None,
+    shard: ShardPlan | None = None,
 ) -> LlamaForCausalLM:
     """Build the architecture in `model_dir/config.json` and fill it from its safetensors, or,
     when `weights` is given, from those in-memory safetensors images (by file name) instead of
-    the directory's files.
+    the directory's files. With `shard`, build and fill one tensor-parallel rank's part
+    (appliance.engine.parallel.sharding): from files, only that part of each tensor is read.
 
     Raises ModelLoadError naming the file for a missing directory or config, an unsupported
     architecture, a corrupt or truncated safetensors file or image, or missing/unexpected/
@@ -57,18 +60,24 @@ def load_model(
     config = ModelConfig.from_model_dir(model_dir)
     with torch.device("meta"):
         model = LlamaForCausalLM(config) if ops is None else LlamaForCausalLM(config, ops)
+    if shard is not None:
+        shard_model(model, shard)
     model.to_empty(device=device)
     model.to(dtype)
     params = dict(model.named_parameters())
-    shard_sizes = _shard_sizes(config)
-    missing = {(name, shard) for name in params for shard in _shards_of(name, shard_sizes)}
+    shard_sizes = _shard_sizes(config, 1 if shard is None else shard.size)
+    missing = {(name, part) for name in params for part in _shards_of(name, shard_sizes)}
+
+    part_of = parts_of(shard)
     tensors = (
-        _read_tensors(Path(model_dir)) if weights is None else _read_images(model_dir, weights)
+        _read_tensors(Path(model_dir), part_of)
+        if weights is None
+        else _read_images(model_dir, weights, part_of)
     )
     for path, name, tensor in tensors:
         if _IGNORED.search(name) or (name == "lm_head.weight" and config.tie_word_embeddings):
             continue
-        target, fused, shard = _map_name(name)
+        target, fused, piece = _map_name(name)
         if target not in params:
             raise ModelLoadError(
                 f"{path.name}: unexpected tensor {name!r} for {config.architecture}"
@@ -76,29 +85,63 @@ def load_model(
         dest = params[target].data
         if fused is not None:
             sizes = shard_sizes[fused]
-            start = sum(sizes[:shard])
-            dest = dest[start : start + sizes[shard]]
+            start = sum(sizes[:piece])
+            dest = dest[start : start + sizes[piece]]
         if tuple(dest.shape) != tuple(tensor.shape):
             raise ModelLoadError(
                 f"{path.name}: tensor {name!r} has shape {tuple(tensor.shape)}, "
                 f"the config needs {tuple(dest.shape)}"
             )
         dest.copy_(tensor)
-        missing.discard((target, shard))
+        missing.discard((target, piece))
     if missing:
         names = sorted({name for name, _ in missing})
         shown = ", ".join(names[:5]) + (" ..." if len(names) > 5 else "")
         raise ModelLoadError(f"{model_dir}: the checkpoint lacks tensors for {shown}")
+    if shard is not None:
+        shard.finish_load(model)
     model.init_rope_tables(config.max_model_len)
     return model.eval()
 
 
-def _shard_sizes(config: ModelConfig) -> dict[str, list[int]]:
-    """Rows of each fused projection, in checkpoint order ([q; k; v] and [gate; up])."""
-    kv = config.num_kv_heads * config.head_dim
+def random_model(
+    model_dir: Path,
+    *,
+    dtype: torch.dtype,
+    device: torch.device | str,
+    ops: KernelOps,
+    shard: ShardPlan | None = None,
+    seed: int = 0,
+) -> LlamaForCausalLM:
+    """The architecture of `model_dir/config.json` (one rank's part with `shard`) with
+    normal(0, 0.02) weights drawn on `device` and norm weights 1: benchmarks of shapes whose
+    checkpoint is not at hand. Each rank draws its own (the model computes nothing meaningful)."""
+    config = ModelConfig.from_model_dir(model_dir)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config, ops)
+    if shard is not None:
+        shard_model(model, shard)
+    model.to_empty(device=device)
+    model.to(dtype)
+    generator = torch.Generator(device).manual_seed(seed + (0 if shard is None else shard.rank))
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.fill_(1.0)
+            else:
+                param.normal_(0.0, 0.02, generator=generator)
+    model.init_rope_tables(config.max_model_len)
+    return model.eval()
+
+
+def _shard_sizes(config: ModelConfig, num_ranks: int = 1) -> dict[str, list[int]]:
+    """Rows of each fused projection, in checkpoint order ([q; k; v] and [gate; up]), on each
+    of `num_ranks` tensor-parallel ranks."""
+    kv = config.num_kv_heads * config.head_dim // num_ranks
+    mlp = config.intermediate_size // num_ranks
     return {
-        "self_attn.qkv_proj": [config.num_heads * config.head_dim, kv, kv],
-        "mlp.gate_up_proj": [config.intermediate_size, config.intermediate_size],
+        "self_attn.qkv_proj": [config.num_heads * config.head_dim // num_ranks, kv, kv],
+        "mlp.gate_up_proj": [mlp, mlp],
     }
 
 
@@ -125,12 +168,32 @@ def _map_name(name: str) -> tuple[str, str | None, int | None]:
     return name.removeprefix("model."), None, None
 
 
-def _read_tensors(model_dir: Path) -> Iterator[tuple[Path, str, torch.Tensor]]:
+# A tensor's name and full shape -> (dim, start, stop) of the part to read; None: all of it.
+PartOf = Callable[[str, tuple[int, ...]], tuple[int, int, int] | None]
+
+
+def parts_of(shard: ShardPlan | None) -> PartOf:
+    """Which part of each checkpoint tensor (by its checkpoint name) `shard` holds."""
+
+    def part_of(name: str, shape: tuple[int, ...]) -> tuple[int, int, int] | None:
+        return None if shard is None else shard.split(_map_name(name)[0], shape)
+
+    return part_of
+
+
+def _read_tensors(model_dir: Path, part_of: PartOf) -> Iterator[tuple[Path, str, torch.Tensor]]:
     for path in _safetensors_files(model_dir):
         try:
             with safe_open(path, framework="pt", device="cpu") as f:
                 for name in f.keys():  # noqa: SIM118 - safe_open is not a dict
-                    yield path, name, f.get_tensor(name)
+                    view = f.get_slice(name)
+                    part = part_of(name, tuple(view.get_shape()))
+                    if part is None:
+                        yield path, name, f.get_tensor(name)
+                    else:
+                        dim, start, stop = part
+                        index = (slice(None),) * dim + (slice(start, stop),)
+                        yield path, name, view[index]
         except (SafetensorError, OSError, RuntimeError) as exc:
             raise ModelLoadError(
                 f"{path} is not a valid safetensors file ({exc}); re-convert or re-copy the model"
@@ -146,7 +209,9 @@ _SAFETENSORS_DTYPES = {
 
 
 def _read_images(
-    model_dir: Path, weights: Mapping[str, memoryview | bytearray | torch.Tensor]
+    model_dir: Path,
+    weights: Mapping[str, memoryview | bytearray | torch.Tensor],
+    part_of: PartOf,
 ) -> Iterator[tuple[Path, str, torch.Tensor]]:
     """The tensors of in-memory safetensors images (host buffers, or uint8 tensors on any
     device), viewed in place (no copy). Images are taken one at a time, in name order."""
@@ -156,6 +221,9 @@ def _read_images(
             image = memoryview(image).cast("B")
         path = Path(model_dir) / file_name
         for name, tensor in _image_tensors(path, image):
+            part = part_of(name, tuple(tensor.shape))
+            if part is not None:
+                tensor = tensor.narrow(part[0], part[1], part[2] - part[1])
             yield path, name, tensor
 
 

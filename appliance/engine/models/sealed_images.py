@@ -17,13 +17,15 @@ the ring. On the CPU each file is decrypted straight into its image (no ring), u
 
 from __future__ import annotations
 
+import json
 from collections import deque
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from types import TracebackType
 
 import torch
 
+from appliance.engine.errors import ModelLoadError
 from attestation.sealed import ChunkReader, SealedModel, default_workers
 
 
@@ -174,3 +176,135 @@ class StagingRing:
     def _synchronize(self) -> None:
         if self.pinned:
             torch.cuda.synchronize()
+
+
+class SealedShardImages(Mapping[str, torch.Tensor]):
+    """Host images of a sealed model's weight files in which only the chunks holding a part of
+    some tensor that `part_of` asks for (one tensor-parallel rank's: loader.parts_of) are
+    decrypted: the loader then copies just those parts to the rank's GPU, so no GPU ever holds
+    another rank's plaintext, and chunks that hold only other ranks' rows are never decrypted.
+
+    What the format allows (chunks of `manifest.chunk_size` bytes, each encrypted on its own):
+    a rank's rows of a row-split tensor (q/k/v, gate/up, embedding, lm_head) are one byte range,
+    so only the chunks it spans are decrypted, and at most the two chunks at its ends also hold
+    a neighbour's rows; a column-split tensor (o_proj, down_proj: [out, in], split along `in`)
+    has a piece of every rank's columns in every row, so all its chunks are decrypted on the
+    host, and only this rank's columns go to its GPU. Host memory of this process holds those
+    bytes until the next file is asked for (then they are zeroed), never the GPU. Avoiding even
+    that needs the sealer to store column-split tensors rank by rank (a tensor-parallel seal).
+
+    Bytes of an image that were never decrypted are zero and are never read by the loader.
+    `num_chunks_decrypted` / `num_chunks` count what this mapping decrypted of what exists.
+    """
+
+    def __init__(
+        self,
+        sealed: SealedModel,
+        data_key: bytes,
+        part_of: Callable[[str, tuple[int, ...]], tuple[int, int, int] | None],
+        *,
+        workers: int | None = None,
+    ) -> None:
+        self._sealed = sealed
+        self._data_key = data_key
+        self._part_of = part_of
+        self._workers = workers or default_workers()
+        self._names = sorted(entry.name for entry in sealed.manifest.sealed_files)
+        self._last: tuple[torch.Tensor, list[tuple[int, int]]] | None = None
+        self.num_chunks_decrypted = 0
+        self.num_chunks = sum(entry.num_chunks for entry in sealed.manifest.sealed_files)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._names)
+
+    def __len__(self) -> int:
+        return len(self._names)
+
+    def __enter__(self) -> SealedShardImages:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Zero the plaintext of the last image handed out."""
+        if self._last is not None:
+            image, spans = self._last
+            for start, length in spans:
+                image[start : start + length].zero_()
+            self._last = None
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        if name not in self._names:
+            raise KeyError(name)
+        self.close()
+        entry = self._sealed.manifest.file(name)
+        chunk_size = self._sealed.manifest.chunk_size
+        image = torch.zeros(entry.size, dtype=torch.uint8)  # [bytes]; only some get plaintext
+        view = memoryview(image.numpy())
+        spans: list[tuple[int, int]] = []
+        self._last = (image, spans)
+        with self._sealed.chunk_reader(self._data_key) as reader:
+
+            def decrypt(indices: Iterable[int]) -> None:
+                todo = [i for i in sorted(set(indices)) if reader.chunk_span(name, i) not in spans]
+                with ThreadPoolExecutor(self._workers, thread_name_prefix="unseal") as pool:
+                    done = []
+                    try:
+                        for index in todo:
+                            start, length = reader.chunk_span(name, index)
+                            out = view[start : start + length]
+                            done.append(pool.submit(reader.decrypt_chunk_into, name, index, out))
+                        for future in done:
+                            future.result()
+                    finally:
+                        spans.extend(reader.chunk_span(name, i) for i in todo)
+                self.num_chunks_decrypted += len(todo)
+
+            try:
+                decrypt(_chunks_of(0, min(8, entry.size), chunk_size))
+                header_end = 8 + int.from_bytes(bytes(view[:8]), "little")
+                if header_end > entry.size:
+                    raise ModelLoadError(f"{name}: the safetensors header exceeds the file")
+                decrypt(_chunks_of(0, header_end, chunk_size))
+                ranges = _needed_ranges(bytes(view[8:header_end]), header_end, self._part_of)
+                decrypt(i for lo, hi in ranges for i in _chunks_of(lo, hi, chunk_size))
+            except BaseException:
+                self.close()  # no unauthenticated or partial plaintext survives a failure
+                raise
+        return image
+
+
+def _chunks_of(start: int, stop: int, chunk_size: int) -> range:
+    """Indices of the chunks that bytes start .. stop - 1 fall in."""
+    if stop <= start:
+        return range(0)
+    return range(start // chunk_size, (stop - 1) // chunk_size + 1)
+
+
+def _needed_ranges(
+    header_bytes: bytes,
+    data_start: int,
+    part_of: Callable[[str, tuple[int, ...]], tuple[int, int, int] | None],
+) -> list[tuple[int, int]]:
+    """Byte ranges (in the file) of the parts `part_of` asks for, from a safetensors header.
+    The loader validates the header strictly afterwards; here only what is needed is read."""
+    try:
+        header = json.loads(header_bytes)
+        header.pop("__metadata__", None)
+        tensors = [
+            (name, [int(n) for n in info["shape"]], *map(int, info["data_offsets"]))
+            for name, info in header.items()
+        ]
+    except (ValueError, TypeError, KeyError, AttributeError) as exc:
+        raise ModelLoadError(f"a sealed safetensors header is unusable: {exc}") from None
+    ranges = []
+    for name, shape, begin, end in tensors:
+        begin, end = data_start + begin, data_start + end
+        part = part_of(name, tuple(shape)) if shape else None
+        if part is None or part[0] != 0:
+            ranges.append((begin, end))  # all of it, or a column split: every row has a piece
+            continue
+        row_bytes = (end - begin) // max(shape[0], 1)
+        ranges.append((begin + part[1] * row_bytes, begin + part[2] * row_bytes))
+    return ranges

@@ -23,9 +23,10 @@ class FakeReport:
 
     kind: str
     bound_to: bytes
+    uuid: str | None = None  # a GPU's, as NVML names it
 
     def to_json(self) -> dict[str, Any]:
-        return {"kind": self.kind, "bound_to": self.bound_to.hex()}
+        return {"kind": self.kind, "bound_to": self.bound_to.hex(), "uuid": self.uuid}
 
 
 @dataclass
@@ -34,6 +35,7 @@ class FakeCollector:
     raise CollectionError with that message."""
 
     fail_with: str | None = None
+    gpu_uuids: tuple[str, ...] = ("GPU-00000000-fake",)
     num_collections: int = 0
     num_gpus_ready: int = 0
 
@@ -43,7 +45,7 @@ class FakeCollector:
         self.num_collections += 1
         if self.fail_with is not None:
             raise CollectionError(self.fail_with)
-        gpu = (FakeReport("gpu", challenge),)
+        gpu = tuple(FakeReport("gpu", challenge, uuid) for uuid in self.gpu_uuids)
         digest = hashlib.sha256(challenge).digest()
         bound = hashlib.sha512(challenge + digest + public_key).digest()
         cpu = FakeReport("cpu", bound)

@@ -20,11 +20,13 @@ from appliance.attestation.service import TeeService
 from appliance.attestation.signing import verify_signed_verdict
 from appliance.auth.local_issuer import LocalIssuer
 from appliance.auth.roles import Role
+from appliance.boot import startup
 from appliance.boot.audit_log import open_audit_log
 from appliance.boot.startup import start_audit_log
 from appliance.boot.weights import LoadedModel
 from appliance.config import Settings, settings_from_mapping
 from appliance.engine.engine import Engine, EngineConfig
+from appliance.engine.errors import TensorParallelError
 from appliance.errors import BootError, ConfigError
 from attestation.errors import CollectionError
 from tests.appliance.attestation.fake_tee import FakeCollector, FakeVerifier
@@ -312,6 +314,63 @@ def test_insecure_dev_serves_unverified_and_the_log_says_nothing_was_attested(
     assert skipped["details"]["result"] == "skipped"
     [ready] = [e for e in entries if e["action"] == "boot.ready"]
     assert ready["details"]["tee"] == "UNVERIFIED"
+
+
+@pytest.fixture
+def two_gpu_engine(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """An engine on two GPUs (tensor_parallel_size 2), as CUDA names them."""
+    uuids = ["0a1b2c3d-0000-1111-2222-333344445555", "9f8e7d6c-0000-1111-2222-333344445555"]
+    monkeypatch.setattr(EngineConfig, "on_gpu", property(lambda _config: True))
+    monkeypatch.setattr(startup, "engine_gpu_uuids", lambda _device, _size: uuids)
+    return uuids
+
+
+def test_a_verdict_covering_exactly_the_engines_gpus_opens_the_gate(
+    tmp_path: Path, smollm2_dir: Path, load_spy: LoadSpy, two_gpu_engine: list[str]
+) -> None:
+    settings = _settings(tmp_path, smollm2_dir)
+    collector = FakeCollector(gpu_uuids=tuple(f"GPU-{uuid}" for uuid in reversed(two_gpu_engine)))
+    for client in _serve(settings, TeeService("required", collector, FakeVerifier())):
+        assert client.get("/health").status_code == 200
+    assert load_spy.num_calls == 1
+
+
+def test_a_verdict_missing_one_of_the_engines_gpus_keeps_the_gate_shut(
+    tmp_path: Path, smollm2_dir: Path, load_spy: LoadSpy, two_gpu_engine: list[str]
+) -> None:
+    settings = _settings(tmp_path, smollm2_dir)
+    collector = FakeCollector(gpu_uuids=(f"GPU-{two_gpu_engine[0]}",))
+    for client in _serve(settings, TeeService("required", collector, FakeVerifier())):
+        health = client.get("/health")
+        assert health.status_code == 503
+        assert "covers 1 GPUs but the engine uses 2" in health.json()["reason"]
+    assert load_spy.num_calls == 0  # no key, no weights, no worker
+    assert _actions(_entries(settings)) == [
+        ("boot.start", "success"),
+        ("attestation.verdict", "success"),
+        ("boot.phase", "failure"),
+    ]
+
+
+def test_an_engine_that_stops_on_an_error_is_recorded_and_health_says_stopped(
+    tmp_path: Path, smollm2_dir: Path, load_spy: LoadSpy, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """As when a tensor-parallel worker dies mid-step (tests/appliance/engine/parallel)."""
+
+    def dead_worker_step() -> list[Any]:
+        raise TensorParallelError("tensor-parallel worker rank 1 (pid 1) killed by signal 9")
+
+    monkeypatch.setattr(load_spy.engine, "step", dead_worker_step)
+    settings = _settings(tmp_path, smollm2_dir, mode="insecure-dev")
+    for client in _serve(settings, TeeService("insecure-dev", None, None)):
+        assert _chat(client, settings).status_code == 503
+        deadline = time.monotonic() + 10
+        while client.get("/health").json()["status"] != "stopped":
+            assert time.monotonic() < deadline, "health never said the engine stopped"
+            time.sleep(0.02)
+        assert client.get("/health").status_code == 503
+    [stopped] = [e for e in _entries(settings) if e["action"] == "engine.stopped"]
+    assert (stopped["outcome"], stopped["details"]) == ("failure", {"error": "TensorParallelError"})
 
 
 def test_a_model_loaded_before_the_gate_is_refused_in_required_mode(

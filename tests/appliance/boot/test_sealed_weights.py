@@ -84,3 +84,27 @@ def test_the_engine_config_must_name_the_sealed_directory(
     sealed, data_key = sealed_smollm2
     with pytest.raises(ModelFilesError, match="is not the sealed directory"):
         LoadedModel.load_sealed(EngineConfig(model_dir=smollm2_dir), sealed, data_key, workers=2)
+
+
+@pytest.mark.slow
+def test_a_sealed_model_on_three_processes_answers_as_the_plaintext_model_on_one(
+    smollm2_dir: Path, sealed_smollm2: tuple[SealedModel, bytes]
+) -> None:
+    """Tensor parallelism: every rank, rank 0 included, decrypts its own part of the sealed
+    weights (appliance.engine.models.sealed_images.SealedShardImages)."""
+    from appliance.engine.tokenizer import Tokenizer
+    from tests.appliance.engine.parallel.test_tensor_parallel import build_engine, compare
+
+    sealed, data_key = sealed_smollm2
+    settings = {"max_num_batched_tokens": 8, "num_kv_blocks": 32, "num_cpu_threads": 1}
+    config = EngineConfig(model_dir=sealed.directory, tensor_parallel_size=3, **settings)
+    loaded = LoadedModel.load_sealed(config, sealed, data_key, workers=2)
+    try:
+        tokenizer = Tokenizer.from_model_dir(smollm2_dir)
+        plain = build_engine(smollm2_dir, 1, tokenizer, **settings)
+        prompt = tokenizer.encode("The capital of France is Paris, and the capital of Italy is")
+        params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, prompt_logprobs=1)
+        assert compare((plain, loaded.engine), [prompt], params, scale_by_logits=True) >= 4
+        assert loaded.weights_digest == digest_weights(smollm2_dir)
+    finally:
+        loaded.engine.close()

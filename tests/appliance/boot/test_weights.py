@@ -30,3 +30,28 @@ def test_the_digest_is_the_documented_sha256sum_listing_of_every_weight_file(
 def test_a_directory_without_weight_files_has_no_digest(tmp_path: Path) -> None:
     with pytest.raises(ModelFilesError, match=r"holds no \*\.safetensors weight files"):
         digest_weights(tmp_path)
+
+
+@pytest.mark.slow
+def test_the_served_model_on_three_processes_answers_as_on_one(smollm2_dir: Path) -> None:
+    """`engine.tensor_parallel_size = 3` on the server's load path (LoadedModel.load): the
+    workers start, each reads its shard, and the greedy answer is the one-process answer."""
+    from appliance.boot.weights import LoadedModel
+    from appliance.engine.engine import EngineConfig
+    from appliance.engine.sampling_params import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=8)
+    answers = []
+    for size in (1, 3):
+        config = EngineConfig(
+            model_dir=smollm2_dir, tensor_parallel_size=size, num_kv_blocks=32, num_cpu_threads=1
+        )
+        loaded = LoadedModel.load(config)
+        try:
+            [answer] = loaded.engine.generate(["The capital of France is"], params)
+            answers.append(answer.token_ids)
+            assert loaded.weights_digest == digest_weights(smollm2_dir)
+            assert set(loaded.phases_ms) == {"weights_ms", "engine_build_ms"}
+        finally:
+            loaded.engine.close()
+    assert answers[0] == answers[1] and answers[0]

@@ -112,3 +112,20 @@ def test_a_warmed_cache_makes_the_next_start_compile_nothing(
     first = compiled()
     assert first > 0 and cached_kernels(cache) >= first
     assert compiled() == 0
+
+
+def test_warm_up_runs_the_workload_split_over_two_processes(config_only_model: Path) -> None:
+    """`engine.tensor_parallel_size = 2`: every rank draws its own part of the random weights
+    (no checkpoint), runs the workload, and the workers are gone after."""
+    config = EngineConfig(
+        model_dir=config_only_model,
+        device="cpu",
+        tensor_parallel_size=2,
+        max_num_batched_tokens=64,
+        max_num_seqs=8,
+        num_kv_blocks=64,
+        num_cpu_threads=1,
+    )
+    report = warm_up(config)
+    assert report.workload_s > 0
+    assert not torch.distributed.is_initialized()  # the group was closed

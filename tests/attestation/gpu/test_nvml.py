@@ -14,6 +14,7 @@ import pytest
 
 from attestation.errors import CollectionError
 from attestation.gpu import collect_gpu_evidence, set_gpus_ready
+from attestation.gpu.evidence import GpuEvidence
 from attestation.gpu.report import GpuReport
 from tests.attestation.gpu.synthetic import SyntheticGpuCa, build_report, default_measurements
 
@@ -70,6 +71,9 @@ class FakeNvml:
     def nvmlDeviceGetArchitecture(self, handle: int) -> int:
         return self.NVML_DEVICE_ARCH_HOPPER
 
+    def nvmlDeviceGetUUID(self, handle: int) -> bytes:
+        return f"GPU-{handle:08x}-0000-0000-0000-000000000000".encode()  # old pynvml: bytes
+
     def nvmlDeviceGetConfComputeGpuCertificate(self, handle: int) -> SimpleNamespace:
         if not self.cc_on:
             raise FakeNVMLError(NVML_ERROR_UNKNOWN)  # as the real driver does with CC off
@@ -116,6 +120,12 @@ def test_collects_one_signed_report_per_gpu_over_its_nonce(fake_nvml: InstallNvm
     assert [e.cc_mode for e in evidence] == ["on", "on"]
     assert [e.dev_tools_mode for e in evidence] == [False, False]
     assert evidence[0].certificate_chain == fake.gpus[0].chain_pem
+    # Which GPU gave each report, as NVML names it (the boot gate matches the engine's GPUs).
+    assert [e.uuid for e in evidence] == [
+        "GPU-00000000-0000-0000-0000-000000000000",
+        "GPU-00000001-0000-0000-0000-000000000000",
+    ]
+    assert GpuEvidence.from_json(evidence[1].to_json()) == evidence[1]
     assert fake.shut_down
 
 

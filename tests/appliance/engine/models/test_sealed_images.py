@@ -126,3 +126,57 @@ def test_a_ring_with_smaller_chunks_than_the_model_is_refused(sealed: SealedFixt
     ring = StagingRing(1024, workers=1, pinned=False)
     with pytest.raises(ValueError, match="smaller than the model's"):
         SealedImages(_open(sealed), sealed.data_key, torch.device("cpu"), ring=ring)
+
+
+def _tensor_spans(path: Path) -> dict[str, tuple[int, int]]:
+    """Each tensor's (begin, end) bytes in a safetensors file."""
+    import json
+    import struct
+
+    raw = path.read_bytes()
+    (size,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8 : 8 + size])
+    header.pop("__metadata__", None)
+    return {
+        n: (8 + size + i["data_offsets"][0], 8 + size + i["data_offsets"][1])
+        for n, i in header.items()
+    }
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_a_tensor_parallel_rank_decrypts_only_chunks_of_its_part_and_loads_its_shard(
+    tmp_path: Path, rank: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Rank r of 2: the chunks that lie wholly in the other rank's rows of the embedding are
+    never decrypted; the shard loaded equals the shard read from the plain files."""
+    from appliance.engine.models.config import ModelConfig
+    from appliance.engine.models.loader import parts_of
+    from appliance.engine.models.sealed_images import SealedShardImages
+    from appliance.engine.parallel.sharding import ShardPlan
+    from attestation.sealed.model import ChunkReader
+
+    source = save_checkpoint(build_hf_model("llama-attention-bias"), tmp_path / "m")
+    fixture = seal(source, tmp_path / "sealed")
+    decrypted: set[int] = set()
+    decrypt = ChunkReader.decrypt_chunk_into
+
+    def recording(reader: ChunkReader, name: str, index: int, out: memoryview) -> None:
+        decrypted.add(index)
+        decrypt(reader, name, index, out)
+
+    monkeypatch.setattr(ChunkReader, "decrypt_chunk_into", recording)
+    plan = ShardPlan.for_model(ModelConfig.from_model_dir(source), rank, 2)
+    with SealedShardImages(_open(fixture), fixture.data_key, parts_of(plan), workers=2) as images:
+        from_sealed = load_model(fixture.sealed, weights=images, shard=plan)
+        assert images.num_chunks_decrypted == len(decrypted) < images.num_chunks
+    from_files = load_model(source, shard=plan)
+    files_params = dict(from_files.named_parameters())
+    for name, param in from_sealed.named_parameters():
+        assert torch.equal(param, files_params[name]), name
+    [file_name] = [f.name for f in fixture.manifest.sealed_files]
+    begin, end = _tensor_spans(source / file_name)["model.embed_tokens.weight"]
+    half = (end - begin) // 2
+    other = (begin + half, end) if rank == 0 else (begin, begin + half)
+    chunk = fixture.manifest.chunk_size
+    inside_other = set(range(-(-other[0] // chunk), other[1] // chunk))  # wholly inside
+    assert inside_other and not inside_other & decrypted

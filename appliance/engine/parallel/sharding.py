@@ -1,0 +1,169 @@
+"""Which slice of the model one tensor-parallel rank holds, and the module surgery that makes the
+single-device Llama run on that slice (Megatron-LM's layout, applied afterwards as gpt-fast does).
+
+Weights are [out, in] (nn.Linear's layout). Per layer, on each of `size` ranks:
+- qkv_proj splits its outputs by heads: rank r holds query heads r*Hq/n .. (r+1)*Hq/n - 1 and
+  KV heads r*Hkv/n .. (r+1)*Hkv/n - 1, the KV heads those query heads read under GQA
+  (query head h reads KV head h // (Hq/Hkv)), so attention needs no communication and the KV
+  cache holds Hkv/n heads per rank;
+- o_proj splits its inputs the same way (columns of the weight): each rank's product is a
+  partial sum of the output, all-reduced; a bias is added by rank 0 alone;
+- gate_up_proj splits each of gate and up by rows, down_proj its columns; all-reduced likewise;
+- embed_tokens and lm_head split the vocabulary by rows: each rank embeds the tokens it holds
+  (zeros for the others; all-reduced) and computes its slice of the logits (all-gathered).
+Norms are replicated. The all-reduced hidden states are the same on every rank.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn import functional as F
+
+from appliance.engine.errors import EngineConfigError, ModelLoadError
+from appliance.engine.models.config import ModelConfig
+from appliance.engine.models.llama import LlamaForCausalLM
+
+# Our parameter names (appliance.engine.models.loader) whose outputs (rows) are split.
+_SPLIT_ROWS = ("self_attn.qkv_proj", "mlp.gate_up_proj")
+# ... whose inputs (columns) are split: the row-parallel projections, followed by an all-reduce.
+_SPLIT_COLUMNS = ("self_attn.o_proj", "mlp.down_proj")
+
+
+@dataclass(frozen=True, slots=True)
+class ShardPlan:
+    """Rank `rank` of `size`: which part of every weight it holds."""
+
+    rank: int
+    size: int
+
+    @classmethod
+    def for_model(cls, config: ModelConfig, rank: int, size: int) -> ShardPlan:
+        """Refuses a split the model's shapes do not allow, naming the dimension at fault."""
+        verify_divisible(config, size)
+        if not 0 <= rank < size:
+            raise EngineConfigError(f"tensor-parallel rank {rank} is outside 0..{size - 1}")
+        return cls(rank, size)
+
+    def split(self, target: str, shape: tuple[int, ...]) -> tuple[int, int, int] | None:
+        """(dim, start, stop) of the full tensor of parameter `target` (our name, as the loader
+        maps checkpoint names) that this rank holds; None when every rank holds all of it.
+        Fused parameters are split shard by shard: `shape` is one shard's (q, k, v, gate, up)."""
+        module, _, kind = target.rpartition(".")
+        if target in ("embed_tokens.weight", "lm_head") or module.endswith(_SPLIT_ROWS):
+            dim = 0
+        elif module.endswith(_SPLIT_COLUMNS) and kind == "weight":
+            dim = 1
+        else:
+            return None
+        if shape[dim] % self.size:
+            raise ModelLoadError(
+                f"tensor {target!r} has {shape[dim]} along dimension {dim}, which does not split "
+                f"into {self.size} equal parts; choose another tensor_parallel_size"
+            )
+        part = shape[dim] // self.size
+        return dim, self.rank * part, (self.rank + 1) * part
+
+    def finish_load(self, model: LlamaForCausalLM) -> None:
+        """After the weights are in: a row-parallel bias is added once, by rank 0, to the
+        all-reduced sum, so the other ranks hold zeros in its place."""
+        if self.rank == 0:
+            return
+        for layer in model.layers:
+            bias = layer.self_attn.o_proj.bias
+            if bias is not None:
+                bias.data.zero_()
+
+
+def verify_divisible(config: ModelConfig, size: int) -> None:
+    """Every split dimension must divide by `size` (no padding of heads or vocabulary)."""
+    if size < 1:
+        raise EngineConfigError(f"tensor_parallel_size must be at least 1, not {size}")
+    dims = {
+        "num_attention_heads": config.num_heads,
+        "num_key_value_heads": config.num_kv_heads,
+        "intermediate_size": config.intermediate_size,
+        "vocab_size": config.vocab_size,
+    }
+    for name, value in dims.items():
+        if value % size:
+            raise EngineConfigError(
+                f"tensor_parallel_size {size} does not divide the model's {name} ({value}): "
+                "each GPU must hold the same number of whole heads, rows and vocabulary "
+                f"entries; choose a divisor of {value}"
+            )
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Rows vocab_start .. vocab_start + num_embeddings - 1 of the embedding; the full lookup is
+    the all-reduce of every rank's (each token is in exactly one rank's rows)."""
+
+    def __init__(self, num_embeddings: int, hidden_size: int, vocab_start: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_embeddings, hidden_size))
+        self.num_embeddings = num_embeddings
+        self.vocab_start = vocab_start
+        self.group: dist.ProcessGroup | None = None  # set by connect_model
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        local = input_ids - self.vocab_start  # [T]
+        inside = (local >= 0) & (local < self.num_embeddings)
+        x = F.embedding(torch.where(inside, local, 0), self.weight)  # [T, hidden]
+        x = x.masked_fill(~inside.unsqueeze(-1), 0)  # other ranks' tokens
+        dist.all_reduce(x, group=self.group)
+        return x
+
+
+def shard_model(model: LlamaForCausalLM, plan: ShardPlan) -> None:
+    """Shrink a model built on the meta device to this rank's shapes (before `to_empty`)."""
+    config, n = model.config, plan.size
+    if n == 1:
+        return
+    hidden = config.hidden_size
+    with torch.device("meta"):
+        for layer in model.layers:
+            attn = layer.self_attn
+            attn.num_heads //= n
+            attn.num_kv_heads //= n
+            attn.q_size //= n
+            attn.kv_size //= n
+            attn.qkv_proj = nn.Linear(hidden, attn.q_size + 2 * attn.kv_size, bias=config.qkv_bias)
+            attn.o_proj = nn.Linear(attn.q_size, hidden, bias=config.o_bias)
+            mlp = layer.mlp
+            part = config.intermediate_size // n
+            mlp.gate_up_proj = nn.Linear(hidden, 2 * part, bias=False)
+            mlp.down_proj = nn.Linear(part, hidden, bias=False)
+        vocab = config.vocab_size // n
+        model.embed_tokens = VocabParallelEmbedding(vocab, hidden, plan.rank * vocab)
+        if model.lm_head is not None:
+            model.lm_head = nn.Parameter(torch.empty(vocab, hidden))
+
+
+def connect_model(model: LlamaForCausalLM, plan: ShardPlan, group: dist.ProcessGroup) -> None:
+    """After the weights are loaded: the all-reduces after each row-parallel projection and
+    the embedding, and the all-gather of the logits. Every rank must then run the same forward
+    passes and `compute_logits` calls, in the same order."""
+    if plan.size == 1:
+        return
+
+    def all_reduce_output(_module: nn.Module, _inputs: object, output: torch.Tensor) -> None:
+        dist.all_reduce(output, group=group)  # [T, hidden]: the sum of every rank's partial
+
+    for layer in model.layers:
+        layer.self_attn.register_forward_hook(all_reduce_output)
+        layer.mlp.register_forward_hook(all_reduce_output)
+    assert isinstance(model.embed_tokens, VocabParallelEmbedding)
+    model.embed_tokens.group = group
+    local_logits = model.compute_logits
+
+    def compute_logits(hidden: torch.Tensor) -> torch.Tensor:
+        """[N, hidden] -> [N, vocab] float32, the same on every rank."""
+        local = local_logits(hidden)  # [N, vocab / n]: this rank's rows of the vocabulary
+        parts = [torch.empty_like(local) for _ in range(plan.size)]
+        dist.all_gather(parts, local, group=group)
+        return torch.cat(parts, dim=-1)
+
+    model.compute_logits = compute_logits  # type: ignore[method-assign]

@@ -1,0 +1,268 @@
+"""Tensor-parallel scaling on random-weight Llama shapes (bf16): W1 and W2 at each size.
+
+Correctness first: on a small random model (4 layers of the 8B's widths), the logits of TP=N
+against TP=1 on the same weights, every prompt position of a 256-token prompt (max and mean
+absolute difference over the largest logit, and how often the argmax agrees). Then, for each
+size, the engine with random weights drawn on every GPU (no checkpoint needed) runs W1 (batch 1
+decode, 128 prompt + 256 new, ms/token) and W2 (offline throughput, 512-token prompts and 256
+new tokens, at most --max-num-seqs running). Prints Markdown rows last.
+
+    NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 \\
+        python bench/tensor_parallel.py --shape 8b --sizes 1,2 [--workloads W1,W2]
+    ... --shape 70b --sizes 4,8 --workloads W1
+
+The sizes run one after another in this process (one tensor-parallel world at a time).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from appliance.engine.engine import Engine, EngineConfig
+from appliance.engine.models.loader import load_model, random_model
+from appliance.engine.sampling_params import SamplingParams
+from kernels import triton_ops
+
+SHAPES = {
+    "8b": {"hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
+           "num_attention_heads": 32, "num_key_value_heads": 8},
+    "70b": {"hidden_size": 8192, "intermediate_size": 28672, "num_hidden_layers": 80,
+            "num_attention_heads": 64, "num_key_value_heads": 8},
+}  # fmt: skip
+COMMON = {
+    "architectures": ["LlamaForCausalLM"],
+    "head_dim": 128,
+    "vocab_size": 128256,
+    "max_position_embeddings": 131072,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 500000.0,
+    "rope_scaling": {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    },
+    "tie_word_embeddings": False,
+}
+MAX_MODEL_LEN = 4096
+rows: list[str] = []
+
+
+def report(name: str, value: str) -> None:
+    rows.append(f"| {name} | {value} |")
+    print(rows[-1], flush=True)
+
+
+def write_config(directory: Path, shape: str, num_layers: int | None = None) -> Path:
+    config = {**COMMON, **SHAPES[shape]}
+    if num_layers is not None:
+        config["num_hidden_layers"] = num_layers
+    (directory / "config.json").write_text(json.dumps(config))
+    return directory
+
+
+def engine_config(model_dir: Path, size: int, **overrides) -> EngineConfig:
+    settings = {
+        "device": "cuda",
+        "max_model_len": MAX_MODEL_LEN,
+        "max_num_seqs": 256,
+        "max_num_batched_tokens": 8192,
+        "tensor_parallel_size": size,
+        **overrides,
+    }
+    return EngineConfig(model_dir=model_dir, **settings)
+
+
+def build_random(model_dir: Path, size: int, **overrides) -> Engine:
+    config = engine_config(model_dir, size, **overrides)
+    group = config.start_workers(random_weights=True)
+    try:
+        model = random_model(
+            model_dir,
+            dtype=torch.bfloat16,
+            device="cuda:0",
+            ops=triton_ops,
+            shard=None if group is None else group.plan,
+        )
+        return Engine.build(config, model, None, group=group)
+    except BaseException:
+        if group is not None:
+            group.close()
+        raise
+
+
+def close(engine: Engine) -> None:
+    engine.close()
+    engine.runner.kv_caches.clear()
+    engine.runner.graphs = None
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+def random_prompts(n: int, length: int, seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, COMMON["vocab_size"], (n, length), generator=g).tolist()
+
+
+def run_timed(engine: Engine, prompts: list[list[int]], params: SamplingParams):
+    start = time.perf_counter()
+    ids = [f"b{i}-{time.monotonic_ns()}" for i in range(len(prompts))]
+    for rid, p in zip(ids, prompts, strict=True):
+        engine.add_request(rid, p, params)
+    first: dict[str, float] = {}
+    num_out = 0
+    while engine.has_unfinished():
+        for out in engine.step():
+            first.setdefault(out.request_id, time.perf_counter() - start)
+            num_out += len(out.token_ids)
+    return time.perf_counter() - start, [first[r] for r in ids], num_out
+
+
+def correctness(size: int) -> None:
+    """TP=size against TP=1 on the same (saved) small random model."""
+    from safetensors.torch import save_file
+
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = write_config(Path(tmp), "8b", num_layers=4)
+        reference = random_model(model_dir, dtype=torch.bfloat16, device="cuda:0", ops=triton_ops)
+        save_file(_checkpoint_tensors(reference), str(model_dir / "model.safetensors"))
+        del reference
+        logits = []
+        for n in (1, size):
+            config = engine_config(model_dir, n, max_num_seqs=8)
+            group = config.start_workers()
+            try:
+                model = load_model(
+                    model_dir,
+                    dtype=torch.bfloat16,
+                    device="cuda:0",
+                    ops=triton_ops,
+                    shard=None if group is None else group.plan,
+                )
+                engine = Engine.build(config, model, None, group=group)
+            except BaseException:
+                if group is not None:
+                    group.close()
+                raise
+            recorded: list[torch.Tensor] = []
+            compute = engine.runner.model.compute_logits
+
+            def recording(hidden: torch.Tensor, compute=compute, recorded=recorded):
+                out = compute(hidden)
+                recorded.append(out.clone())
+                return out
+
+            engine.runner.model.compute_logits = recording
+            params = SamplingParams(
+                temperature=0.0, max_tokens=8, ignore_eos=True, prompt_logprobs=1
+            )
+            engine.generate(random_prompts(1, 256, seed=5), params)
+            logits.append(torch.cat([t for t in recorded if t.shape[0] > 1]))
+            close(engine)
+            del model
+        expected, got = logits
+        scale = expected.abs().max().item()
+        diff = (got - expected).abs()
+        agree = (got.argmax(-1) == expected.argmax(-1)).float().mean().item()
+        report(
+            f"TP={size} vs TP=1 logits, 256 prompt positions (4-layer 8B-width model, bf16)",
+            f"max |Δ| {diff.max().item():.4f} = {diff.max().item() / scale:.2%} of max |logit| "
+            f"{scale:.2f}; mean |Δ| {diff.mean().item():.5f}; argmax agrees {agree:.1%}",
+        )
+
+
+def _checkpoint_tensors(model) -> dict[str, torch.Tensor]:
+    """Our fused parameters back under the checkpoint's names (q/k/v, gate/up split)."""
+    config = model.config
+    q = config.num_heads * config.head_dim
+    kv = config.num_kv_heads * config.head_dim
+    out: dict[str, torch.Tensor] = {
+        "model.embed_tokens.weight": model.embed_tokens.weight,
+        "model.norm.weight": model.norm.weight,
+        "lm_head.weight": model.lm_head,
+    }
+    for i, layer in enumerate(model.layers):
+        p = f"model.layers.{i}."
+        wq, wk, wv = layer.self_attn.qkv_proj.weight.split([q, kv, kv])
+        gate, up = layer.mlp.gate_up_proj.weight.chunk(2)
+        out |= {
+            p + "self_attn.q_proj.weight": wq,
+            p + "self_attn.k_proj.weight": wk,
+            p + "self_attn.v_proj.weight": wv,
+            p + "self_attn.o_proj.weight": layer.self_attn.o_proj.weight,
+            p + "mlp.gate_proj.weight": gate,
+            p + "mlp.up_proj.weight": up,
+            p + "mlp.down_proj.weight": layer.mlp.down_proj.weight,
+            p + "input_layernorm.weight": layer.input_layernorm.weight,
+            p + "post_attention_layernorm.weight": layer.post_attention_layernorm.weight,
+        }
+    return {name: t.detach().contiguous().cpu() for name, t in out.items()}
+
+
+def w1(model_dir: Path, size: int, burst: int) -> None:
+    engine = build_random(model_dir, size, max_num_seqs=8, max_decode_burst=burst)
+    params = SamplingParams(temperature=0.0, max_tokens=256, ignore_eos=True)
+    [prompt] = random_prompts(1, 128, seed=1)
+    run_timed(engine, [prompt], SamplingParams(max_tokens=16, ignore_eos=True))  # warm-up
+    per_token = []
+    for _ in range(3):
+        elapsed, [ttft], num_out = run_timed(engine, [prompt], params)
+        per_token.append((elapsed - ttft) / (num_out - 1))
+    ms = statistics.median(per_token) * 1e3
+    report(
+        f"W1 TP={size} decode ms/token (batch 1, 128+256)", f"{ms:.2f} ms ({1e3 / ms:.0f} tok/s)"
+    )
+    close(engine)
+
+
+def w2(model_dir: Path, size: int, num_requests: int, max_num_seqs: int, burst: int) -> None:
+    engine = build_random(model_dir, size, max_num_seqs=max_num_seqs, max_decode_burst=burst)
+    params = SamplingParams(temperature=0.0, max_tokens=256, ignore_eos=True)
+    run_timed(engine, random_prompts(8, 512, seed=2), SamplingParams(max_tokens=8, ignore_eos=True))
+    elapsed, _, num_out = run_timed(engine, random_prompts(num_requests, 512, seed=3), params)
+    report(
+        f"W2 TP={size} output tok/s ({num_requests} × 512/256, max {max_num_seqs} running, "
+        f"{engine.block_manager.num_blocks} KV blocks)",
+        f"{num_out / elapsed:,.0f} ({elapsed:.1f} s)",
+    )
+    close(engine)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="8b")
+    parser.add_argument("--sizes", default="1,2")
+    parser.add_argument("--workloads", default="C,W1,W2")
+    parser.add_argument("--w2-requests", type=int, default=1024)
+    parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument("--max-decode-burst", type=int, default=1)
+    args = parser.parse_args()
+    sizes = [int(s) for s in args.sizes.split(",")]
+    workloads = set(args.workloads.split(","))
+    print(f"{torch.cuda.get_device_name(0)} × {torch.cuda.device_count()}", flush=True)
+    if "C" in workloads:
+        for size in sizes:
+            if size > 1:
+                correctness(size)
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = write_config(Path(tmp), args.shape)
+        for size in sizes:
+            if "W1" in workloads:
+                w1(model_dir, size, args.max_decode_burst)
+            if "W2" in workloads:
+                w2(model_dir, size, args.w2_requests, args.max_num_seqs, args.max_decode_burst)
+    print(f"\n| {args.shape} random weights, bf16 | |\n|---|---|")
+    print("\n".join(rows))
+
+
+if __name__ == "__main__":
+    main()
