@@ -181,10 +181,7 @@ class TensorParallelGroup:
             worker.join(_STOP_TIMEOUT_S)
         _kill(self._workers)
         self._watch.join(_STOP_TIMEOUT_S)
-        if self._failure is None:
-            dist.destroy_process_group()
-        else:
-            _abandon_process_groups()
+        _leave_process_groups(polite=self._failure is None)
         shutil.rmtree(self._rendezvous_dir, ignore_errors=True)
 
     def _send_stop(self) -> None:
@@ -308,9 +305,25 @@ def _abort_nccl(group: dist.ProcessGroup) -> None:
         logger.exception("aborting the NCCL communicators failed")
 
 
-def _abandon_process_groups() -> None:
-    """After a failure: leave the groups without the collective goodbye they would attempt."""
-    try:
-        dist.destroy_process_group()
-    except Exception:
-        logger.warning("leaving the broken tensor-parallel process groups failed", exc_info=True)
+def _leave_process_groups(*, polite: bool) -> None:
+    """Leave the process groups, waiting at most _STOP_TIMEOUT_S: NCCL's teardown can block
+    on a peer that is gone (seen on 2 H200s: `destroy_process_group` never returned after the
+    workers exited), and closing an engine must never hang. `polite` is false after a
+    failure, when a hang is likelier still; either way a teardown that does not finish in
+    time is left to the process's exit."""
+
+    def leave() -> None:
+        try:
+            dist.destroy_process_group()
+        except Exception:
+            logger.warning("leaving the tensor-parallel process groups failed", exc_info=True)
+
+    thread = threading.Thread(target=leave, name="inferno-tp-leave", daemon=True)
+    thread.start()
+    thread.join(_STOP_TIMEOUT_S)
+    if thread.is_alive():
+        logger.warning(
+            "leaving the tensor-parallel process groups did not finish in %.0f s%s; going on",
+            _STOP_TIMEOUT_S,
+            "" if polite else " after a failure",
+        )

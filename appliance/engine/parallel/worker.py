@@ -19,6 +19,7 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 from appliance.engine.engine_settings import EngineSettings
 from appliance.engine.kv_cache import KVCacheSpec
@@ -134,6 +135,8 @@ def _serve(spec: WorkerSpec) -> None:
         model_config, settings.block_size, spec.dtype, tensor_parallel_size=spec.size
     )
     _follow(runner, kv_spec, channels)
+    # Leave as rank 0 does after STOP: NCCL's teardown is collective.
+    dist.destroy_process_group()
 
 
 def _follow(runner: ModelRunner, kv_spec: KVCacheSpec, channels: Channels) -> None:
