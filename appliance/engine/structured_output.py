@@ -75,7 +75,10 @@ class GrammarCompiler:
     ):
         self._tokenizer_json = tokenizer_json
         self.vocab_size = vocab_size
-        self._eos_token_ids = sorted(eos_token_ids)
+        # The token a complete grammar allows (any of the model's EOS ids ends the request;
+        # llguidance 1.6, the newest with wheels for the bundle's glibc 2.28 baseline, takes
+        # one).
+        self._eos_token_id = min(eos_token_ids, default=0)
         self._tokenizer: llguidance.LLTokenizer | None = None
         self._cache: OrderedDict[StructuredOutput, llguidance.LLMatcher] = OrderedDict()
         self._lock = threading.Lock()
@@ -117,7 +120,7 @@ class GrammarCompiler:
     def _llg_tokenizer(self) -> llguidance.LLTokenizer:
         if self._tokenizer is None:
             self._tokenizer = llguidance.LLTokenizer(
-                self._tokenizer_json(), n_vocab=self.vocab_size, eos_token=self._eos_token_ids
+                self._tokenizer_json(), n_vocab=self.vocab_size, eos_token=self._eos_token_id
             )
         return self._tokenizer
 
