@@ -93,19 +93,29 @@ def test_prefill_and_chunked_prefill_logits_match_one_gpu(engines) -> None:
 
 
 def test_decode_steps_from_cuda_graphs_match_one_gpu(engines) -> None:
+    """Greedy runs on one and two GPUs may part at a bf16 tie: on this random model two tokens
+    can round to the same logit (seen on 2 H200s: 1750 and 1266 both at logprob -4.5947 on one
+    GPU, 0.06 apart on two). So each sequence is compared step by step up to where its tokens
+    part, and parting is allowed only between tokens the one-GPU logits put within the bound;
+    the steps compared must include decode steps (from CUDA graphs) of every kind of row."""
     _, parallel_engine = engines
     assert parallel_engine.runner.graphs is not None and parallel_engine.runner.graphs.max_batch
     prompts = [prompt_ids(n, offset=k) for k, n in ((3, 5), (40, 17), (90, 33))]
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
-    (tokens_1, single), (tokens_2, parallel) = (_run(e, prompts, params) for e in engines)
-    # Compare the steps before the first greedy choice that differs (a bf16 near-tie).
-    same = 0
-    for a, b in zip(single, parallel, strict=False):
-        if a.shape != b.shape or not torch.equal(a.argmax(-1), b.argmax(-1)):
-            break
-        same += 1
-    assert same >= 8, f"greedy tokens diverged after {same} steps: {tokens_1} vs {tokens_2}"
-    _check(f"decode ({same} steps)", torch.cat(single[:same]), torch.cat(parallel[:same]))
+    (_, single), (_, parallel) = (_run(e, prompts, params) for e in engines)
+    assert [s.shape for s in single] == [p.shape for p in parallel]
+    expected, got = [], []
+    for row in range(len(prompts)):
+        for one, two in zip(single, parallel, strict=True):
+            if one[row].argmax() != two[row].argmax():
+                scale = one[row].abs().max().item()
+                gap = (one[row].max() - one[row][two[row].argmax()]).item()
+                assert gap <= RELATIVE_BOUND * scale, f"row {row} parted {gap:.3f} from the max"
+                break
+            expected.append(one[row])
+            got.append(two[row])
+    assert len(expected) >= 16, f"only {len(expected)} row-steps before the runs parted"
+    _check(f"decode ({len(expected)} row-steps)", torch.stack(expected), torch.stack(got))
 
 
 def test_the_kv_pool_is_sized_per_gpu_with_half_the_kv_heads_each(engines) -> None:
