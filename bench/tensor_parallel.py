@@ -25,34 +25,19 @@ import time
 from pathlib import Path
 
 import torch
+from gpu_engine import LLAMA_31_8B  # bench/, the script's own directory
 
 from appliance.engine.engine import Engine, EngineConfig
 from appliance.engine.models.loader import load_model, random_model
 from appliance.engine.sampling_params import SamplingParams
 from kernels import triton_ops
 
+# The 8B is gpu_engine's Llama-3.1-8B; the 70B changes only its widths and depth.
 SHAPES = {
-    "8b": {"hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
-           "num_attention_heads": 32, "num_key_value_heads": 8},
-    "70b": {"hidden_size": 8192, "intermediate_size": 28672, "num_hidden_layers": 80,
-            "num_attention_heads": 64, "num_key_value_heads": 8},
+    "8b": LLAMA_31_8B,
+    "70b": {**LLAMA_31_8B, "hidden_size": 8192, "intermediate_size": 28672,
+            "num_hidden_layers": 80, "num_attention_heads": 64},
 }  # fmt: skip
-COMMON = {
-    "architectures": ["LlamaForCausalLM"],
-    "head_dim": 128,
-    "vocab_size": 128256,
-    "max_position_embeddings": 131072,
-    "rms_norm_eps": 1e-5,
-    "rope_theta": 500000.0,
-    "rope_scaling": {
-        "rope_type": "llama3",
-        "factor": 8.0,
-        "low_freq_factor": 1.0,
-        "high_freq_factor": 4.0,
-        "original_max_position_embeddings": 8192,
-    },
-    "tie_word_embeddings": False,
-}
 MAX_MODEL_LEN = 4096
 rows: list[str] = []
 
@@ -63,7 +48,7 @@ def report(name: str, value: str) -> None:
 
 
 def write_config(directory: Path, shape: str, num_layers: int | None = None) -> Path:
-    config = {**COMMON, **SHAPES[shape]}
+    config = dict(SHAPES[shape])
     if num_layers is not None:
         config["num_hidden_layers"] = num_layers
     (directory / "config.json").write_text(json.dumps(config))
@@ -110,7 +95,7 @@ def close(engine: Engine) -> None:
 
 def random_prompts(n: int, length: int, seed: int) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
-    return torch.randint(0, COMMON["vocab_size"], (n, length), generator=g).tolist()
+    return torch.randint(0, LLAMA_31_8B["vocab_size"], (n, length), generator=g).tolist()
 
 
 def run_timed(engine: Engine, prompts: list[list[int]], params: SamplingParams):
