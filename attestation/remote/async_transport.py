@@ -8,19 +8,15 @@ certificate chains are checked."""
 from __future__ import annotations
 
 import asyncio
-import ssl
-import time
-from collections.abc import Callable
-from dataclasses import dataclass
 
 import httpx
 
 from attestation.errors import EvidenceError
 from attestation.remote.connection import afetch_attestation, new_nonce
 from attestation.remote.errors import ApplianceAttestationError
-from attestation.remote.policy import AppliancePolicy
 from attestation.remote.transport import (
-    Origin,
+    AttestedPool,
+    AttestingTransport,
     async_pinning_trace,
     check_origin,
     check_response,
@@ -28,51 +24,13 @@ from attestation.remote.transport import (
     unusable,
     verdict_of,
 )
-from attestation.remote.trust import ApplianceTrust
-from attestation.verdict import Verdict
 
 
-@dataclass(frozen=True, slots=True)
-class _Attested:
-    inner: httpx.AsyncHTTPTransport
-    spki_sha256: bytes
-    verdict: Verdict
-    at_s: float
-
-
-class AsyncAttestedTransport(httpx.AsyncBaseTransport):
+class AsyncAttestedTransport(AttestingTransport, httpx.AsyncBaseTransport):
     """As AttestedTransport; `verify` likewise (False: the attestation alone authenticates the
     appliance's key)."""
 
-    def __init__(
-        self,
-        policy: AppliancePolicy,
-        trust: ApplianceTrust,
-        *,
-        verify: ssl.SSLContext | bool = True,
-        reattest_after_s: float = 300.0,
-        timeout_s: float = 60.0,
-        monotonic: Callable[[], float] = time.monotonic,
-    ) -> None:
-        if reattest_after_s <= 0:
-            raise ValueError("reattest_after_s must be positive")
-        self.policy = policy
-        self.trust = trust
-        self.verify = verify
-        self.reattest_after_s = reattest_after_s
-        self.timeout_s = timeout_s
-        self.monotonic = monotonic
-        self.num_attestations = 0
-        self._origin: Origin | None = None
-        self._attested: _Attested | None = None
-        self._verdict: Verdict | None = None
-        self._retired: list[httpx.AsyncHTTPTransport] = []
-        self._lock = asyncio.Lock()
-
-    @property
-    def verdict(self) -> Verdict | None:
-        """The verdict of the last passing attestation (None before the first)."""
-        return self._verdict
+    _new_lock = staticmethod(asyncio.Lock)
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
         attested = await self._attested_for(request.url)
@@ -97,11 +55,11 @@ class AsyncAttestedTransport(httpx.AsyncBaseTransport):
                 await self._attested.inner.aclose()
                 self._attested = None
 
-    async def _attested_for(self, url: httpx.URL) -> _Attested:
+    async def _attested_for(self, url: httpx.URL) -> AttestedPool:
         async with self._lock:
             self._origin = check_origin(self._origin, url)
             attested = self._attested
-            if attested is None or self.monotonic() - attested.at_s > self.reattest_after_s:
+            if self._due(attested):
                 attested = await self._attest(url)
                 if self._attested is not None:
                     for old in self._retired:
@@ -110,7 +68,7 @@ class AsyncAttestedTransport(httpx.AsyncBaseTransport):
                 self._attested, self._verdict = attested, attested.verdict
             return attested
 
-    async def _attest(self, url: httpx.URL) -> _Attested:
+    async def _attest(self, url: httpx.URL) -> AttestedPool:
         inner = httpx.AsyncHTTPTransport(verify=self.verify)  # a fresh pool
         try:
             nonce = new_nonce()
@@ -125,4 +83,4 @@ class AsyncAttestedTransport(httpx.AsyncBaseTransport):
         except BaseException:
             await inner.aclose()
             raise
-        return _Attested(inner, answer.peer_spki_sha256, verdict, self.monotonic())
+        return AttestedPool(inner, answer.peer_spki_sha256, verdict, self.monotonic())

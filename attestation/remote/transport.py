@@ -62,20 +62,21 @@ _HEADER = re.compile(r"id=([0-9a-f]{32}); age=([0-9]{1,12})")
 
 
 @dataclass(frozen=True, slots=True)
-class _Attested:
-    """One passing attestation: the pool it was made on, the pinned SPKI, when (monotonic)."""
+class AttestedPool:
+    """One passing attestation: the pool it was made on (an httpx.HTTPTransport, or an
+    httpx.AsyncHTTPTransport for the async transport), the pinned SPKI, when (monotonic)."""
 
-    inner: httpx.HTTPTransport
+    inner: Any
     spki_sha256: bytes
     verdict: Verdict
     at_s: float
 
 
-class AttestedTransport(httpx.BaseTransport):
-    """`verify` is httpx's: an SSLContext trusting the appliance's CA, True for the system's,
-    or False to authenticate the appliance's key by the attestation alone (its per-boot
-    self-signed key): the evidence must bind the key the connection presented, and every later
-    connection must present it too, whatever `verify` says."""
+class AttestingTransport:
+    """What the sync and async transports share: their settings, the attestation in force, the
+    pools it replaced, and when a new one is due. Each names its lock type (`_new_lock`)."""
+
+    _new_lock: Callable[[], Any]
 
     def __init__(
         self,
@@ -97,15 +98,28 @@ class AttestedTransport(httpx.BaseTransport):
         self.monotonic = monotonic
         self.num_attestations = 0
         self._origin: Origin | None = None
-        self._attested: _Attested | None = None
+        self._attested: AttestedPool | None = None
         self._verdict: Verdict | None = None
-        self._retired: list[httpx.HTTPTransport] = []
-        self._lock = threading.Lock()
+        self._retired: list[Any] = []  # pools replaced, still serving requests begun on them
+        self._lock = self._new_lock()
 
     @property
     def verdict(self) -> Verdict | None:
         """The verdict of the last passing attestation (None before the first)."""
         return self._verdict
+
+    def _due(self, attested: AttestedPool | None) -> bool:
+        """Whether a new attestation is needed: none yet, or the one in force is too old."""
+        return attested is None or self.monotonic() - attested.at_s > self.reattest_after_s
+
+
+class AttestedTransport(AttestingTransport, httpx.BaseTransport):
+    """`verify` is httpx's: an SSLContext trusting the appliance's CA, True for the system's,
+    or False to authenticate the appliance's key by the attestation alone (its per-boot
+    self-signed key): the evidence must bind the key the connection presented, and every later
+    connection must present it too, whatever `verify` says."""
+
+    _new_lock = staticmethod(threading.Lock)
 
     def handle_request(self, request: httpx.Request) -> httpx.Response:
         attested = self._attested_for(request.url)
@@ -130,20 +144,20 @@ class AttestedTransport(httpx.BaseTransport):
                 self._attested.inner.close()
                 self._attested = None
 
-    def _attested_for(self, url: httpx.URL) -> _Attested:
+    def _attested_for(self, url: httpx.URL) -> AttestedPool:
         """The attestation in force for `url`'s origin, made now if there is none or it is older
         than reattest_after_s. Raises ApplianceAttestationError."""
         with self._lock:
             self._origin = check_origin(self._origin, url)
             attested = self._attested
-            if attested is None or self.monotonic() - attested.at_s > self.reattest_after_s:
+            if self._due(attested):
                 attested = self._attest(url)
                 if self._attested is not None:
                     self._retire(self._attested.inner)
                 self._attested, self._verdict = attested, attested.verdict
             return attested
 
-    def _attest(self, url: httpx.URL) -> _Attested:
+    def _attest(self, url: httpx.URL) -> AttestedPool:
         inner = httpx.HTTPTransport(verify=self.verify)  # a fresh pool: no unchecked connection
         try:
             nonce = new_nonce()
@@ -156,7 +170,7 @@ class AttestedTransport(httpx.BaseTransport):
         except BaseException:
             inner.close()
             raise
-        return _Attested(inner, answer.peer_spki_sha256, verdict, self.monotonic())
+        return AttestedPool(inner, answer.peer_spki_sha256, verdict, self.monotonic())
 
     def _retire(self, inner: httpx.HTTPTransport) -> None:
         """Keep the replaced pool open for the requests still using it, and close the one it
