@@ -40,7 +40,7 @@ from appliance.api.schemas import (
 )
 from appliance.api.serving import GENERATION_RESPONSES, Serving
 from appliance.api.streaming import EventStreamResponse, StreamHead
-from appliance.api.structured_outputs import json_schema_output
+from appliance.api.structured_outputs import format_output
 from appliance.api.tool_parsers import Content
 from appliance.api.tools import (
     ChoiceCalls,
@@ -138,11 +138,9 @@ class TextFormat(_Body):
         return self
 
     def structure(self) -> StructuredOutput | None:
-        if self.type == "text":
-            return None
-        if self.schema_ is None:
-            return StructuredOutput("json_object", param="text.format")
-        return json_schema_output(self.schema_, param="text.format.schema")
+        return format_output(
+            self.type, self.schema_, param="text.format", schema_param="text.format.schema"
+        )
 
 
 class TextConfig(_Body):

@@ -60,12 +60,22 @@ def structured_output(body: SamplingFields) -> StructuredOutput | None:
 
 
 def response_format_output(fmt: ResponseFormat, *, param: str) -> StructuredOutput | None:
-    """OpenAI's `response_format` (or the Responses API's `text.format`): None for text."""
-    if fmt.type == "text":
+    """Chat's `response_format`: None for text."""
+    schema = fmt.json_schema.schema_ if fmt.json_schema is not None else None
+    return format_output(fmt.type, schema, param=param, schema_param=f"{param}.json_schema.schema")
+
+
+def format_output(
+    kind: str, schema: dict[str, object] | None, *, param: str, schema_param: str
+) -> StructuredOutput | None:
+    """An OpenAI output format (chat's `response_format`, the Responses API's `text.format`)
+    of type `kind`: None for text; any JSON object for json_object or a json_schema without a
+    schema; else that schema (`schema_param` names it in errors)."""
+    if kind == "text":
         return None
-    if fmt.type == "json_object" or fmt.json_schema is None or fmt.json_schema.schema_ is None:
+    if kind == "json_object" or schema is None:
         return StructuredOutput("json_object", param=param)
-    return _output("json_schema", fmt.json_schema.schema_, f"{param}.json_schema.schema")
+    return _output("json_schema", schema, schema_param)
 
 
 def json_schema_output(schema: dict[str, object], *, param: str) -> StructuredOutput:
