@@ -187,6 +187,16 @@ def wait_until_idle(engine: Engine, timeout_s: float = 10.0) -> None:
         time.sleep(0.02)
 
 
+@pytest.fixture(scope="session")
+def qwen_template_dir(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """SmolLM2's files with Qwen2.5's chat template (both ChatML: the same special tokens),
+    which shows tools and parses as Hermes calls."""
+    from tests.appliance.api.chat_templates import with_chat_template
+
+    out = tmp_path_factory.mktemp("smollm2-qwen-template")
+    return with_chat_template(smollm2_dir, "qwen2_5_instruct.jinja", out)
+
+
 @pytest.fixture(scope="module")
 def server(
     api_engine: Engine, smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory

@@ -18,7 +18,6 @@ from pydantic import BaseModel, Field
 
 from appliance.engine.engine import Engine
 from appliance.engine.tokenizer import Tokenizer
-from tests.appliance.api.chat_templates import with_chat_template
 from tests.appliance.api.conftest import MODEL_NAME, RunningServer, make_settings, running_server
 
 
@@ -64,21 +63,13 @@ QUESTION = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 
 @pytest.fixture(scope="module")
-def tool_model_dir(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The embedded model with Qwen2.5's chat template (both ChatML), which shows tools."""
-    return with_chat_template(
-        smollm2_dir, "qwen2_5_instruct.jinja", tmp_path_factory.mktemp("smollm2-tools")
-    )
-
-
-@pytest.fixture(scope="module")
 def served(
-    smollm2_engine: Any, tool_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+    smollm2_engine: Any, qwen_template_dir: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[RunningServer]:
     engine: Engine = smollm2_engine(max_model_len=768, num_kv_blocks=512)
     # The engine's tokenizer is the template's (the weights are the embedded model's).
-    engine.tokenizer = Tokenizer.from_model_dir(tool_model_dir)
-    settings = make_settings(tmp_path_factory.mktemp("tls-structured"), tool_model_dir)
+    engine.tokenizer = Tokenizer.from_model_dir(qwen_template_dir)
+    settings = make_settings(tmp_path_factory.mktemp("tls-structured"), qwen_template_dir)
     with running_server(settings, engine) as running:
         yield running
 

@@ -19,7 +19,6 @@ import pytest
 
 from appliance.engine.engine import Engine, EngineConfig
 from appliance.engine.tokenizer import Tokenizer
-from tests.appliance.api.chat_templates import with_chat_template
 from tests.appliance.api.conftest import MODEL_NAME, RunningServer, make_settings, running_server
 from tests.appliance.api.scripted_model import ScriptedModel
 from tests.appliance.api.test_audit_trail import AuditDatabase
@@ -40,13 +39,6 @@ RESPONSES_WEATHER_TOOL = {"type": "function", **WEATHER_TOOL["function"]}
 QUESTION = [{"role": "user", "content": "What is the weather in Paris?"}]
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
 ANSWER = "It is sunny in Paris."
-
-
-@pytest.fixture(scope="module")
-def qwen_template_dir(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """SmolLM2's files with Qwen2.5's chat template (both ChatML: the same special tokens)."""
-    out = tmp_path_factory.mktemp("smollm2-qwen-template")
-    return with_chat_template(smollm2_dir, "qwen2_5_instruct.jinja", out)
 
 
 @pytest.fixture(scope="module")
