@@ -21,6 +21,7 @@ from appliance.api.errors import APIError
 from appliance.api.metrics import ServerMetrics
 from appliance.api.schemas import PromptTokensDetails, SamplingFields, Usage
 from appliance.engine.async_engine import AsyncEngine
+from appliance.engine.generation_config import SamplingDefaults
 from appliance.engine.outputs import RequestOutput, TokenLogprob
 from appliance.engine.sampling_params import SamplingParams, StructuredOutput
 from appliance.engine.tokenizer import Tokenizer
@@ -42,21 +43,23 @@ def choice_params(
     body: SamplingFields,
     index: int,
     *,
+    defaults: SamplingDefaults,
     max_tokens: int,
     logprobs: int | None,
     prompt_logprobs: int | None = None,
     structured: StructuredOutput | None = None,
 ) -> SamplingParams:
-    """The engine's sampling parameters for choice `index` of a request. With a seed, choice i
-    uses seed + i, so the choices differ from each other and each is reproducible."""
+    """The engine's sampling parameters for choice `index` of a request; a sampling field the
+    request leaves out takes the model's `defaults`. With a seed, choice i uses seed + i, so
+    the choices differ from each other and each is reproducible."""
     seed = None if body.seed is None else (body.seed + index) % 2**63
     stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
     return SamplingParams(
         max_tokens=max_tokens,
-        temperature=body.temperature,
-        top_p=body.top_p,
-        top_k=body.top_k,
-        min_p=body.min_p,
+        temperature=or_default(body.temperature, defaults.temperature, 1.0),
+        top_p=or_default(body.top_p, defaults.top_p, 1.0),
+        top_k=or_default(body.top_k, defaults.top_k, 0),
+        min_p=or_default(body.min_p, defaults.min_p, 0.0),
         seed=seed,
         stop=stop,
         stop_token_ids=tuple(body.stop_token_ids or ()),
@@ -65,13 +68,26 @@ def choice_params(
         logit_bias=tuple(
             (int(token_id), bias) for token_id, bias in (body.logit_bias or {}).items()
         ),
-        repetition_penalty=body.repetition_penalty,
+        repetition_penalty=or_default(body.repetition_penalty, defaults.repetition_penalty, 1.0),
         frequency_penalty=body.frequency_penalty,
         presence_penalty=body.presence_penalty,
         logprobs=logprobs,
         prompt_logprobs=prompt_logprobs,
         structured=structured,
     )
+
+
+def default_max_tokens(room: int, defaults: SamplingDefaults) -> int:
+    """The output length of a request that gives none: the `room` left in the context (as
+    OpenAI has it), at most the model's `max_new_tokens` (as vLLM has it)."""
+    room = max(room, 1)
+    return room if defaults.max_tokens is None else min(room, defaults.max_tokens)
+
+
+def or_default(requested: T | None, model_default: T | None, fallback: T) -> T:
+    if requested is not None:
+        return requested
+    return fallback if model_default is None else model_default
 
 
 def require_tokenizer(engine: AsyncEngine) -> Tokenizer:
