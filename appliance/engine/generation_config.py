@@ -108,7 +108,7 @@ class _FieldReader:
             in_range = math.isfinite(value) and (value > low if low_open else value >= low)
             in_range = in_range and value <= high
         if not in_range:
-            bounds = f"{'(' if low_open else '['}{low:g}, {high:g}]"
+            bounds = f"in {'(' if low_open else '['}{low:g}, {high:g}]"
             if high == math.inf:
                 bounds = f"{'above' if low_open else 'at least'} {low:g}"
             raise ModelLoadError(f"{self._source}: {name} must be a number {bounds}")
