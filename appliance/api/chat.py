@@ -201,7 +201,7 @@ class _ChatOutput:
         self.choices = choices
         self.with_logprobs = with_logprobs
         # A choice whose text is parsed (reasoning, tool calls) has its parser; others none.
-        self._parsed = {}
+        self._parsed: dict[int, ParsedOutput] = {}
         if tool_use is not None or reasoning is not None:
             self._parsed = {
                 c.index: ParsedOutput(

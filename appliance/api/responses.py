@@ -338,7 +338,7 @@ class _ResponsesEndpoint:
         self.tool_use: ToolUse | None = None
         self._messages: list[ChatMessage] = []
         self._reasoning: Callable[[], ReasoningParser] | None = None
-        self._params = SamplingParams(max_tokens=1)  # set by `choices`
+        self._params: SamplingParams | None = None  # set by `choices`, which runs first
 
     @property
     def uses_tools(self) -> bool:
@@ -397,7 +397,8 @@ class _ResponsesEndpoint:
             None if self._reasoning is None else self._reasoning(),
             None if self.tool_use is None else ChoiceCalls(self.tool_use),
         )
-        return _ResponsesOutput(self.body, self._params, parsed)
+        assert self._params is not None, "the shared path plans the choices first"
+        return _ResponsesOutput(self.body, self._params, parsed, tokenizer)
 
 
 def _format_record(body: ResponsesRequest) -> dict[str, Any]:
@@ -435,10 +436,17 @@ class _ResponsesOutput:
     (the model's thought, when it reasons), a message item (its text) and function_call items,
     in the order the model wrote them."""
 
-    def __init__(self, body: ResponsesRequest, params: SamplingParams, parsed: ParsedOutput):
+    def __init__(
+        self,
+        body: ResponsesRequest,
+        params: SamplingParams,
+        parsed: ParsedOutput,
+        tokenizer: Tokenizer,
+    ):
         self._body = body
         self._params = params  # the sampling in force, the model's defaults included
         self._parsed = parsed
+        self._tokenizer = tokenizer
 
     # A Responses stream is `events`, not chunks: the chunk methods of `Output` give none.
     def opening(self) -> list[Any]:
@@ -479,7 +487,7 @@ class _ResponsesOutput:
                     "cached_tokens": counts.prompt_tokens_details.cached_tokens
                 },
                 "output_tokens": counts.completion_tokens,
-                "output_tokens_details": {"reasoning_tokens": 0},
+                "output_tokens_details": {"reasoning_tokens": self._reasoning_tokens(output)},
                 "total_tokens": counts.total_tokens,
             }
         choice = body.tool_choice
@@ -512,6 +520,16 @@ class _ResponsesOutput:
             "user": body.user,
             "metadata": body.metadata or {},
         }
+
+    def _reasoning_tokens(self, output: list[dict[str, Any]]) -> int:
+        """The thought's length in tokens, as the tokenizer encodes its text (the tags and the
+        newlines around it, which the parser drops, not counted)."""
+        return sum(
+            len(self._tokenizer.encode(part["text"]))
+            for item in output
+            if item["type"] == "reasoning"
+            for part in item["content"]
+        )
 
     def is_final(self, event: bytes) -> bool:
         return event.startswith((b"event: response.completed\n", b"event: response.incomplete\n"))

@@ -384,7 +384,7 @@ class Tokenizer:
                 "this model has no chat template; send a plain completion request instead"
             )
         conversation = self._validated_messages(messages)
-        variables = verified_template_kwargs(template_kwargs or {})
+        variables = _verified_template_kwargs(template_kwargs or {})
         try:
             return self._template.render(
                 **variables,
@@ -425,7 +425,7 @@ class Tokenizer:
         return conversation
 
 
-def verified_template_kwargs(kwargs: Mapping[str, Any]) -> dict[str, Any]:
+def _verified_template_kwargs(kwargs: Mapping[str, Any]) -> dict[str, Any]:
     """`kwargs` as plain JSON data, if they keep the rules of `apply_chat_template`; raises
     `InvalidRequestError` (param `chat_template_kwargs`) naming the rule broken."""
     param = "chat_template_kwargs"

@@ -235,7 +235,7 @@ def test_reasoning_on_an_assistant_message_only(client: openai.OpenAI) -> None:
 
 
 def test_responses_returns_the_thought_as_a_reasoning_item_before_the_message(
-    client: openai.OpenAI, scripted: ScriptedModel
+    client: openai.OpenAI, scripted: ScriptedModel, tokenizer: Tokenizer
 ) -> None:
     scripted.say(THINKING_REPLY)
     response = client.responses.create(model=MODEL_NAME, input="What is 2 + 2?")
@@ -244,6 +244,8 @@ def test_responses_returns_the_thought_as_a_reasoning_item_before_the_message(
     assert [part.text for part in reasoning.content] == [THOUGHT]
     assert message.type == "message"
     assert response.output_text == ANSWER
+    assert response.usage is not None
+    assert response.usage.output_tokens_details.reasoning_tokens == len(tokenizer.encode(THOUGHT))
 
 
 def test_responses_streams_the_reasoning_item_then_the_message(
@@ -258,6 +260,7 @@ def test_responses_streams_the_reasoning_item_then_the_message(
     final = events[-1].response
     assert [item.type for item in final.output] == ["reasoning", "message"]
     assert final.output_text == ANSWER
+    assert final.usage is not None and final.usage.output_tokens_details.reasoning_tokens > 0
 
 
 def test_responses_takes_a_reasoning_item_back_as_the_next_turns_thought(
