@@ -3,7 +3,7 @@ parsers keyed by format, and the format a template writes.
 
 Formats (as vLLM names its parsers):
 
-- `hermes`: Hermes 2 Pro, Qwen2 and Qwen2.5 wrap each call in
+- `hermes`: Hermes 2 Pro, Qwen2, Qwen2.5 and Qwen3 wrap each call in
   `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`, after any text.
 - `llama3_json`: Llama 3.1 and 3.2 answer a call with nothing but
   `{"name": ..., "parameters": {...}}` (after `<|python_tag|>`, a special token the decoded text
@@ -90,7 +90,7 @@ def held_prefix_len(text: str, marker: str) -> int:
 
 
 class HermesParser:
-    """`<tool_call>{...}</tool_call>` blocks among text (Hermes 2 Pro, Qwen2, Qwen2.5)."""
+    """`<tool_call>{...}</tool_call>` blocks among text (Hermes 2 Pro, Qwen2, Qwen2.5, Qwen3)."""
 
     OPEN, CLOSE = "<tool_call>", "</tool_call>"
 

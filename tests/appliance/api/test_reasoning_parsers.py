@@ -6,12 +6,18 @@ The templates are vendored in tests/appliance/api/chat_templates/ (each names it
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 
 from appliance.api.chat_conventions import ChatConventions, choose_conventions
+from appliance.api.parsed_output import ParsedOutput
 from appliance.api.reasoning_parsers import Reasoning, ReasoningEvent, ThinkTagParser
 from appliance.api.tool_parsers import Content
-from tests.appliance.api.chat_templates import TEMPLATES
+from appliance.api.tools import ChoiceCalls, ToolUse
+from appliance.engine.tokenizer import Tokenizer
+from tests.appliance.api.chat_templates import TEMPLATES, with_chat_template
 
 THOUGHT = "Two and two.\n\nThat makes four."
 ANSWER = "It is 4.\n"
@@ -143,3 +149,42 @@ def test_thinking_is_off_only_when_the_request_says_enable_thinking_false() -> N
     # A grammar constrains the output from its first token: there is no thought to parse.
     assert conventions.reasoning({}, constrained=True) is None
     assert ChatConventions("hermes", None).reasoning({}, constrained=False) is None
+
+
+@pytest.mark.parametrize("size", [1, 4, 10_000])
+def test_a_thought_then_calls_as_qwen3s_template_renders_them_parse_into_both(
+    smollm2_dir: Path, tmp_path: Path, size: int
+) -> None:
+    """What Qwen3's own template writes for an assistant turn that thought, then called two
+    tools: the text the model learnt to generate, through both parsers in turn."""
+    tokenizer = Tokenizer.from_model_dir(with_chat_template(smollm2_dir, "qwen3.jinja", tmp_path))
+    tools = [{"type": "function", "function": {"name": name, "parameters": {"type": "object"}}}
+             for name in ("get_weather", "get_time")]  # fmt: skip
+    calls = [("get_weather", {"city": "Paris"}), ("get_time", {"city": "Zürich"})]
+    assistant = {
+        "role": "assistant",
+        "content": None,
+        "reasoning_content": THOUGHT,
+        "tool_calls": [
+            {"id": f"call_{i}", "type": "function", "function": {"name": n, "arguments": a}}
+            for i, (n, a) in enumerate(calls)
+        ],
+    }
+    question = [{"role": "user", "content": "Weather and time in Paris?"}]
+    prompt = tokenizer.apply_chat_template(question, tools=tools)
+    whole = tokenizer.apply_chat_template(
+        [*question, assistant], add_generation_prompt=False, tools=tools
+    )
+    reply = whole.removeprefix(prompt).removesuffix("<|im_end|>\n")
+    assert reply.startswith("<think>\n") and "</think>\n\n<tool_call>" in reply
+
+    parsed = ParsedOutput(
+        ThinkTagParser(thinking=True),
+        ChoiceCalls(ToolUse(tools, frozenset({"get_weather", "get_time"}), "hermes", True)),
+    )
+    events = [e for i in range(0, len(reply), size) for e in parsed.events(
+        reply[i : i + size], finished=i + size >= len(reply))]  # fmt: skip
+    thought = "".join(e.text for e in events if isinstance(e, Reasoning))
+    assert thought == THOUGHT
+    assert [(c.name, json.loads(c.arguments)) for c in parsed.calls] == calls
+    assert not [e for e in events if isinstance(e, Content)]
