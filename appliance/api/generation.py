@@ -56,10 +56,14 @@ def choice_params(
     stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
     return SamplingParams(
         max_tokens=max_tokens,
-        temperature=or_default(body.temperature, defaults.temperature, 1.0),
-        top_p=or_default(body.top_p, defaults.top_p, 1.0),
-        top_k=or_default(body.top_k, defaults.top_k, 0),
-        min_p=or_default(body.min_p, defaults.min_p, 0.0),
+        **sampling_in_force(
+            defaults,
+            temperature=body.temperature,
+            top_p=body.top_p,
+            top_k=body.top_k,
+            min_p=body.min_p,
+            repetition_penalty=body.repetition_penalty,
+        ),
         seed=seed,
         stop=stop,
         stop_token_ids=tuple(body.stop_token_ids or ()),
@@ -68,7 +72,6 @@ def choice_params(
         logit_bias=tuple(
             (int(token_id), bias) for token_id, bias in (body.logit_bias or {}).items()
         ),
-        repetition_penalty=or_default(body.repetition_penalty, defaults.repetition_penalty, 1.0),
         frequency_penalty=body.frequency_penalty,
         presence_penalty=body.presence_penalty,
         logprobs=logprobs,
@@ -84,7 +87,27 @@ def default_max_tokens(room: int, defaults: SamplingDefaults) -> int:
     return room if defaults.max_tokens is None else min(room, defaults.max_tokens)
 
 
-def or_default(requested: T | None, model_default: T | None, fallback: T) -> T:
+def sampling_in_force(
+    defaults: SamplingDefaults,
+    *,
+    temperature: float | None,
+    top_p: float | None,
+    top_k: int | None = None,
+    min_p: float | None = None,
+    repetition_penalty: float | None = None,
+) -> dict[str, Any]:
+    """The sampling fields of SamplingParams: each the request's value, or when it leaves the
+    field out (None) the model's default, else the API's own (1, 1, 0 for off, 0, 1)."""
+    return {
+        "temperature": _or_default(temperature, defaults.temperature, 1.0),
+        "top_p": _or_default(top_p, defaults.top_p, 1.0),
+        "top_k": _or_default(top_k, defaults.top_k, 0),
+        "min_p": _or_default(min_p, defaults.min_p, 0.0),
+        "repetition_penalty": _or_default(repetition_penalty, defaults.repetition_penalty, 1.0),
+    }
+
+
+def _or_default(requested: T | None, model_default: T | None, fallback: T) -> T:
     if requested is not None:
         return requested
     return fallback if model_default is None else model_default

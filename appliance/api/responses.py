@@ -31,7 +31,7 @@ from appliance.api.generation import (
     Generation,
     cut_off_error,
     default_max_tokens,
-    or_default,
+    sampling_in_force,
 )
 from appliance.api.models import ServedModel
 from appliance.api.parsed_output import ParsedOutput
@@ -375,11 +375,7 @@ class _ResponsesEndpoint:
         self._reasoning = conventions.reasoning({}, constrained=structured is not None)
         self._params = SamplingParams(
             max_tokens=max_tokens,
-            temperature=or_default(body.temperature, model.defaults.temperature, 1.0),
-            top_p=or_default(body.top_p, model.defaults.top_p, 1.0),
-            top_k=or_default(None, model.defaults.top_k, 0),
-            min_p=or_default(None, model.defaults.min_p, 0.0),
-            repetition_penalty=or_default(None, model.defaults.repetition_penalty, 1.0),
+            **sampling_in_force(model.defaults, temperature=body.temperature, top_p=body.top_p),
             structured=structured,
         )
         return [Choice(0, 0, prompt, self._params)]
