@@ -21,6 +21,7 @@ from appliance.engine.tokenizer import Tokenizer
 from tests.appliance.api.chat_templates import with_chat_template
 from tests.appliance.api.conftest import MODEL_NAME, RunningServer, make_settings, running_server
 from tests.appliance.api.scripted_model import ScriptedModel
+from tests.appliance.api.test_audit_trail import AuditDatabase
 from tests.appliance.api.test_tool_calls import WEATHER_TOOL
 
 QUESTION = [{"role": "user", "content": "What is 2 + 2?"}]
@@ -146,6 +147,22 @@ def test_enable_thinking_false_reaches_the_template_and_the_answer_is_all_conten
     assert prompt.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
     assert response.usage.prompt_tokens == len(tokenizer.encode(prompt))
     assert response.usage.prompt_tokens > _prompt_tokens(tokenizer, QUESTION)
+
+
+def test_the_audit_log_commits_to_the_template_kwargs_as_part_of_the_prompt(
+    server: RunningServer, scripted: ScriptedModel
+) -> None:
+    scripted.say(ANSWER)
+    kwargs = {"enable_thinking": False}
+    body = {"model": MODEL_NAME, "messages": QUESTION, "chat_template_kwargs": kwargs}
+    with server.http() as http:
+        response = http.post("/v1/chat/completions", json=body)
+    assert response.status_code == 200, response.text
+    _, index, _ = response.headers["audit-entry"].split(" ")
+    db = AuditDatabase(server)
+    prompt = {"messages": QUESTION, "chat_template_kwargs": kwargs}
+    commitment = db.entry(int(index))["details"]["prompt_commitment"]
+    assert db.committer.matches("prompt", prompt, commitment)
 
 
 def test_thinking_then_a_tool_call_then_the_thought_sent_back_reaches_the_template(
