@@ -84,9 +84,10 @@ class ServedModel:
 def _architectures(config_file: Path) -> tuple[str, ...]:
     """config.json's `architectures` (none when absent); the loader validates the rest."""
     try:
-        architectures = json.loads(config_file.read_text(encoding="utf-8")).get("architectures")
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError, AttributeError) as exc:
+        config = json.loads(config_file.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise ModelLoadError(f"cannot read {config_file} ({exc}); re-import the model") from exc
+    architectures = config.get("architectures") if isinstance(config, dict) else None
     if architectures is None:
         return ()
     if not isinstance(architectures, list) or not all(isinstance(a, str) for a in architectures):

@@ -107,4 +107,5 @@ def test_the_start_up_log_states_the_models_defaults(
         model = ServedModel.from_settings("m", ModelSettings(dir=model_dir), created=0)
     stated = {name: value for name, value in DEFAULTS.items() if name != "max_new_tokens"}
     assert model.defaults.stated() == {**stated, "max_tokens": 5}
+    assert model.architectures == ("LlamaForCausalLM",)  # SmolLM2's config.json
     assert "generation_config.json" in caplog.text and "'temperature': 0.6" in caplog.text
