@@ -142,7 +142,9 @@ def build(
     app.state.limits = CallerLimits(
         settings.limits, trail, server_metrics, retry_after_s=settings.server.retry_after_s
     )
-    app.state.served_model = ServedModel(settings.served_model_name, created=int(time.time()))
+    app.state.served_model = ServedModel.from_settings(
+        settings.served_model_name, settings.model, created=int(time.time())
+    )
     sessions = SessionStore.open(
         settings.audit.effective_database_url,
         auth.session_idle_timeout_s,

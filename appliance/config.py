@@ -30,6 +30,7 @@ from pydantic import (
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import ArgumentError
 
+from appliance.api.chat_conventions import reasoning_parser_names, tool_parser_names
 from appliance.auth.roles import Role
 from appliance.auth.settings import AuthSettings
 from appliance.engine.engine_settings import EngineSettings
@@ -55,6 +56,26 @@ class ModelSettings(_Section):
         min_length=1,
         description="the model id clients name in requests; default: the directory's name",
     )
+    tool_parser: str = Field(
+        default="auto",
+        description="the format of the model's tool calls: auto (from its chat template and "
+        "architecture), none, or a format",
+    )
+    reasoning_parser: str = Field(
+        default="auto",
+        description="the format of the model's reasoning: auto (from its chat template), none, "
+        "or a format",
+    )
+
+    @field_validator("tool_parser")
+    @classmethod
+    def _check_tool_parser(cls, value: str) -> str:
+        return _one_of(value, tool_parser_names())
+
+    @field_validator("reasoning_parser")
+    @classmethod
+    def _check_reasoning_parser(cls, value: str) -> str:
+        return _one_of(value, reasoning_parser_names())
 
     @field_validator("dir")
     @classmethod
@@ -65,6 +86,12 @@ class ModelSettings(_Section):
                 "`inferno model import-gguf` or point it at a converted model"
             )
         return value
+
+
+def _one_of(value: str, names: tuple[str, ...]) -> str:
+    if value not in names:
+        raise ValueError(f"must be one of {', '.join(names)}")
+    return value
 
 
 class ServerSettings(_Section):

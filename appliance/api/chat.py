@@ -3,7 +3,8 @@ streamed as OpenAI streams it."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 from fastapi import APIRouter, Request
 
@@ -14,9 +15,13 @@ from appliance.api.generation import (
     Generation,
     choice_params,
     cut_off_error,
+    default_max_tokens,
     verify_stream_options,
 )
 from appliance.api.logprobs import chat_logprobs
+from appliance.api.models import ServedModel
+from appliance.api.parsed_output import ParsedOutput
+from appliance.api.reasoning_parsers import Reasoning, ReasoningParser
 from appliance.api.schemas import (
     AssistantMessage,
     ChatChoice,
@@ -64,6 +69,7 @@ class _ChatEndpoint:
     def __init__(self, body: ChatCompletionRequest):
         self.body = body
         self.tool_use: ToolUse | None = None
+        self.reasoning: Callable[[], ReasoningParser] | None = None
 
     @property
     def uses_tools(self) -> bool:
@@ -72,15 +78,17 @@ class _ChatEndpoint:
     def verify_supported(self) -> None:
         _verify_supported(self.body)
 
-    def choices(self, tokenizer: Tokenizer, max_model_len: int) -> list[Choice]:
+    def choices(self, model: ServedModel, tokenizer: Tokenizer, max_model_len: int) -> list[Choice]:
         body = self.body
         verify_tool_messages(body.messages, tokenizer, body.model, param="messages")
+        conventions = model.conventions(tokenizer)
         self.tool_use = plan_tool_use(
             body.tools,
             body.tool_choice,
             parallel=body.parallel_tool_calls,
             tokenizer=tokenizer,
             model_name=body.model,
+            tool_format=conventions.tool_format,
         )
         structured = structure_with_tools(structured_output(body), self.tool_use)
         if self.tool_use is not None and body.logprobs:
@@ -89,13 +97,16 @@ class _ChatEndpoint:
                 "not available with tools: tool-call text is held back and parsed, so its "
                 "tokens' log-probabilities would match no content",
             )
+        template_kwargs = body.chat_template_kwargs or {}
+        self.reasoning = conventions.reasoning(template_kwargs, constrained=structured is not None)
         prompt = tokenizer.encode_chat(
             [template_message(m) for m in body.messages],
             tools=None if self.tool_use is None else self.tool_use.definitions,
+            template_kwargs=template_kwargs,
         )
         # Unset: up to the end of the context, as OpenAI does.
         max_tokens = body.max_completion_tokens or body.max_tokens
-        max_tokens = max_tokens or max(max_model_len - len(prompt), 1)
+        max_tokens = max_tokens or default_max_tokens(max_model_len - len(prompt), model.defaults)
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         return [
             Choice(
@@ -103,7 +114,12 @@ class _ChatEndpoint:
                 0,
                 prompt,
                 choice_params(
-                    body, i, max_tokens=max_tokens, logprobs=logprobs, structured=structured
+                    body,
+                    i,
+                    defaults=model.defaults,
+                    max_tokens=max_tokens,
+                    logprobs=logprobs,
+                    structured=structured,
                 ),
             )
             for i in range(body.n)
@@ -111,14 +127,24 @@ class _ChatEndpoint:
 
     def prompt_record(self) -> JsonValue:
         messages: JsonValue = [m.model_dump(exclude_none=True) for m in self.body.messages]
-        if self.tool_use is None:
+        kwargs = self.body.chat_template_kwargs
+        if self.tool_use is None and not kwargs:
             return messages
-        # The tools are part of the prompt the model saw.
-        return {"messages": messages, "tools": self.tool_use.definitions}  # type: ignore[dict-item]
+        # The tools and the template's variables are part of the prompt the model saw.
+        record: dict[str, JsonValue] = {"messages": messages}
+        if self.tool_use is not None:
+            record["tools"] = self.tool_use.definitions  # type: ignore[assignment]
+        if kwargs:
+            record["chat_template_kwargs"] = kwargs  # type: ignore[assignment]
+        return record
 
     def output(self, tokenizer: Tokenizer, choices: list[Choice]) -> _ChatOutput:
         return _ChatOutput(
-            tokenizer, choices, with_logprobs=self.body.logprobs, tool_use=self.tool_use
+            tokenizer,
+            choices,
+            with_logprobs=self.body.logprobs,
+            tool_use=self.tool_use,
+            reasoning=self.reasoning,
         )
 
 
@@ -128,7 +154,8 @@ _REFUSED = {
     "audio": "the served model writes text only",
     "modalities": "the served model writes text only",
     "prediction": "predicted outputs (speculative decoding) are not supported",
-    "reasoning_effort": "the served model has no reasoning controls",
+    "reasoning_effort": "the served model has no reasoning effort control (a Qwen3 model's "
+    "thinking is switched with chat_template_kwargs.enable_thinking)",
     "service_tier": "the appliance has one service tier",
     "web_search_options": "the appliance has no network access and searches nothing",
     "functions": "deprecated by OpenAI: use tools",
@@ -157,9 +184,9 @@ def _verify_supported(body: ChatCompletionRequest) -> None:
 
 
 class _ChatOutput:
-    """OpenAI's chunk sequence per choice: the role with empty content, the content deltas (and
-    tool calls, under tool use), an empty delta with the finish reason. Whole, one assistant
-    message per choice."""
+    """OpenAI's chunk sequence per choice: the role with empty content, the reasoning, content
+    and tool-call deltas, an empty delta with the finish reason. Whole, one assistant message
+    per choice."""
 
     def __init__(
         self,
@@ -168,12 +195,21 @@ class _ChatOutput:
         *,
         with_logprobs: bool,
         tool_use: ToolUse | None = None,
+        reasoning: Callable[[], ReasoningParser] | None = None,
     ):
         self.tokenizer = tokenizer
         self.choices = choices
         self.with_logprobs = with_logprobs
-        # Under tool use, each choice's output goes through its tool-call parser.
-        self._calls = {c.index: ChoiceCalls(tool_use) for c in choices} if tool_use else {}
+        # A choice whose text is parsed (reasoning, tool calls) has its parser; others none.
+        self._parsed: dict[int, ParsedOutput] = {}
+        if tool_use is not None or reasoning is not None:
+            self._parsed = {
+                c.index: ParsedOutput(
+                    None if reasoning is None else reasoning(),
+                    None if tool_use is None else ChoiceCalls(tool_use),
+                )
+                for c in choices
+            }
 
     def opening(self) -> Iterator[ChatChunkChoice]:
         for choice in self.choices:
@@ -183,15 +219,15 @@ class _ChatOutput:
         logprobs = None
         if self.with_logprobs and out.logprobs:
             logprobs = {"content": chat_logprobs(self.tokenizer, out.logprobs)}
-        calls = self._calls.get(index)
-        if calls is not None:
-            yield from _tool_chunks(index, calls, out)
+        parsed = self._parsed.get(index)
+        if parsed is not None:
+            yield from _parsed_chunks(index, parsed, out, logprobs)
         elif out.text or logprobs:
             yield ChatChunkChoice(index, ChatDelta(content=out.text), logprobs)
         if out.finish_reason == "abort":
             raise cut_off_error()
         if out.finished:
-            reason = _finish_reason(out.finish_reason, calls)
+            reason = _finish_reason(out.finish_reason, parsed)
             yield ChatChunkChoice(index, ChatDelta(), finish_reason=reason)
 
     def response(
@@ -211,7 +247,7 @@ class _ChatOutput:
                     if self.with_logprobs
                     else None,
                     finish_reason=_finish_reason(  # type: ignore[arg-type]
-                        result.finish_reason, self._calls.get(choice.index)
+                        result.finish_reason, self._parsed.get(choice.index)
                     ),
                 )
                 for choice, result in zip(generation.choices, results, strict=True)
@@ -220,11 +256,15 @@ class _ChatOutput:
         )
 
     def _message(self, index: int, text: str) -> AssistantMessage:
-        calls = self._calls.get(index)
-        if calls is None:
+        parsed = self._parsed.get(index)
+        if parsed is None:
             return AssistantMessage(content=text)
-        content, parsed = calls.whole(text)
-        return AssistantMessage(content=content, tool_calls=[_tool_call_out(c) for c in parsed])
+        whole = parsed.whole(text)
+        return AssistantMessage(
+            content=whole.content,
+            reasoning=whole.reasoning,
+            tool_calls=[_tool_call_out(c) for c in whole.calls],
+        )
 
 
 def _tool_call_out(call: IdentifiedCall) -> ToolCallOut:
@@ -233,24 +273,33 @@ def _tool_call_out(call: IdentifiedCall) -> ToolCallOut:
     )
 
 
-def _finish_reason(reason: str | None, calls: ChoiceCalls | None) -> str | None:
+def _finish_reason(reason: str | None, parsed: ParsedOutput | None) -> str | None:
     """OpenAI's "tool_calls" for a choice that stopped after calling tools."""
-    if reason == "stop" and calls is not None and calls.calls:
+    if reason == "stop" and parsed is not None and parsed.calls:
         return "tool_calls"
     return reason
 
 
-def _tool_chunks(index: int, calls: ChoiceCalls, out: RequestOutput) -> Iterator[ChatChunkChoice]:
-    """A choice's content and calls as OpenAI streams them: a call's first delta carries its
-    index, id, type and name (arguments empty), the next its arguments. A call is sent once
-    it is complete and valid (appliance.api.tool_parsers), so its arguments come whole."""
-    for event in calls.events(out.text, finished=out.finished):
-        if isinstance(event, Content):
-            yield ChatChunkChoice(index, ChatDelta(content=event.text))
-            continue
-        position = calls.calls.index(event)
-        head = {"index": position, "id": event.id, "type": "function"}
-        function = {"name": event.name, "arguments": ""}
-        yield ChatChunkChoice(index, ChatDelta(tool_calls=[{**head, "function": function}]))
-        arguments = {"index": position, "function": {"arguments": event.arguments}}
-        yield ChatChunkChoice(index, ChatDelta(tool_calls=[arguments]))
+def _parsed_chunks(
+    index: int, parsed: ParsedOutput, out: RequestOutput, logprobs: dict[str, Any] | None
+) -> Iterator[ChatChunkChoice]:
+    """A choice's reasoning, content and calls as vLLM and OpenAI stream them: reasoning in
+    `reasoning` deltas; a call's first delta carries its index, id, type and name (arguments
+    empty), the next its arguments. A call is sent once it is complete and valid
+    (appliance.api.tool_parsers), so its arguments come whole. The output's log-probabilities
+    (never with tools) ride on its first chunk, or an empty one while the text is held back."""
+    for event in parsed.events(out.text, finished=out.finished):
+        if isinstance(event, Reasoning):
+            yield ChatChunkChoice(index, ChatDelta(reasoning=event.text), logprobs)
+        elif isinstance(event, Content):
+            yield ChatChunkChoice(index, ChatDelta(content=event.text), logprobs)
+        else:
+            position = parsed.calls.index(event)
+            head = {"index": position, "id": event.id, "type": "function"}
+            function = {"name": event.name, "arguments": ""}
+            yield ChatChunkChoice(index, ChatDelta(tool_calls=[{**head, "function": function}]))
+            arguments = {"index": position, "function": {"arguments": event.arguments}}
+            yield ChatChunkChoice(index, ChatDelta(tool_calls=[arguments]))
+        logprobs = None
+    if logprobs is not None:
+        yield ChatChunkChoice(index, ChatDelta(), logprobs)

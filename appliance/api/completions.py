@@ -19,6 +19,7 @@ from appliance.api.generation import (
     verify_stream_options,
 )
 from appliance.api.logprobs import completion_logprobs
+from appliance.api.models import ServedModel
 from appliance.api.schemas import (
     CompletionChoice,
     CompletionLogprobs,
@@ -55,7 +56,7 @@ class _CompletionEndpoint:
     def verify_supported(self) -> None:
         _verify_supported(self.body)
 
-    def choices(self, tokenizer: Tokenizer, max_model_len: int) -> list[Choice]:
+    def choices(self, model: ServedModel, tokenizer: Tokenizer, max_model_len: int) -> list[Choice]:
         body = self.body
         prompt_logprobs = body.logprobs if body.echo else None
         prompts = _prompt_token_ids(body.prompt, tokenizer)
@@ -68,6 +69,7 @@ class _CompletionEndpoint:
                 choice_params(
                     body,
                     index,
+                    defaults=model.defaults,
                     max_tokens=body.max_tokens,
                     logprobs=body.logprobs,
                     prompt_logprobs=prompt_logprobs,

@@ -21,6 +21,7 @@ from appliance.api.errors import APIError
 from appliance.api.metrics import ServerMetrics
 from appliance.api.schemas import PromptTokensDetails, SamplingFields, Usage
 from appliance.engine.async_engine import AsyncEngine
+from appliance.engine.generation_config import SamplingDefaults
 from appliance.engine.outputs import RequestOutput, TokenLogprob
 from appliance.engine.sampling_params import SamplingParams, StructuredOutput
 from appliance.engine.tokenizer import Tokenizer
@@ -42,21 +43,27 @@ def choice_params(
     body: SamplingFields,
     index: int,
     *,
+    defaults: SamplingDefaults,
     max_tokens: int,
     logprobs: int | None,
     prompt_logprobs: int | None = None,
     structured: StructuredOutput | None = None,
 ) -> SamplingParams:
-    """The engine's sampling parameters for choice `index` of a request. With a seed, choice i
-    uses seed + i, so the choices differ from each other and each is reproducible."""
+    """The engine's sampling parameters for choice `index` of a request; a sampling field the
+    request leaves out takes the model's `defaults`. With a seed, choice i uses seed + i, so
+    the choices differ from each other and each is reproducible."""
     seed = None if body.seed is None else (body.seed + index) % 2**63
     stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
     return SamplingParams(
         max_tokens=max_tokens,
-        temperature=body.temperature,
-        top_p=body.top_p,
-        top_k=body.top_k,
-        min_p=body.min_p,
+        **sampling_in_force(
+            defaults,
+            temperature=body.temperature,
+            top_p=body.top_p,
+            top_k=body.top_k,
+            min_p=body.min_p,
+            repetition_penalty=body.repetition_penalty,
+        ),
         seed=seed,
         stop=stop,
         stop_token_ids=tuple(body.stop_token_ids or ()),
@@ -65,13 +72,45 @@ def choice_params(
         logit_bias=tuple(
             (int(token_id), bias) for token_id, bias in (body.logit_bias or {}).items()
         ),
-        repetition_penalty=body.repetition_penalty,
         frequency_penalty=body.frequency_penalty,
         presence_penalty=body.presence_penalty,
         logprobs=logprobs,
         prompt_logprobs=prompt_logprobs,
         structured=structured,
     )
+
+
+def default_max_tokens(room: int, defaults: SamplingDefaults) -> int:
+    """The output length of a request that gives none: the `room` left in the context (as
+    OpenAI has it), at most the model's `max_new_tokens` (as vLLM has it)."""
+    room = max(room, 1)
+    return room if defaults.max_tokens is None else min(room, defaults.max_tokens)
+
+
+def sampling_in_force(
+    defaults: SamplingDefaults,
+    *,
+    temperature: float | None,
+    top_p: float | None,
+    top_k: int | None = None,
+    min_p: float | None = None,
+    repetition_penalty: float | None = None,
+) -> dict[str, Any]:
+    """The sampling fields of SamplingParams: each the request's value, or when it leaves the
+    field out (None) the model's default, else the API's own (1, 1, 0 for off, 0, 1)."""
+    return {
+        "temperature": _or_default(temperature, defaults.temperature, 1.0),
+        "top_p": _or_default(top_p, defaults.top_p, 1.0),
+        "top_k": _or_default(top_k, defaults.top_k, 0),
+        "min_p": _or_default(min_p, defaults.min_p, 0.0),
+        "repetition_penalty": _or_default(repetition_penalty, defaults.repetition_penalty, 1.0),
+    }
+
+
+def _or_default(requested: T | None, model_default: T | None, fallback: T) -> T:
+    if requested is not None:
+        return requested
+    return fallback if model_default is None else model_default
 
 
 def require_tokenizer(engine: AsyncEngine) -> Tokenizer:

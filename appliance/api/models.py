@@ -1,18 +1,74 @@
-"""`/v1/models`: the one model this appliance serves, and the check that a request names it."""
+"""`/v1/models`: the one model this appliance serves, and the check that a request names it;
+what the API must know of that model besides its engine: the conventions of its output
+(appliance.api.chat_conventions) and the sampling defaults of its generation_config.json."""
 
 from __future__ import annotations
 
+import json
+import logging
+from collections.abc import Sequence
+from pathlib import Path
 from typing import Annotated
 
 from fastapi import APIRouter, Depends, Request
 
+from appliance.api.chat_conventions import AUTO, ChatConventions, choose_conventions
 from appliance.api.errors import APIError
 from appliance.api.schemas import ErrorResponse, ModelCard, ModelList
+from appliance.config import ModelSettings
+from appliance.engine.errors import ModelLoadError
+from appliance.engine.generation_config import GenerationConfig, SamplingDefaults
+from appliance.engine.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+NO_DEFAULTS = SamplingDefaults()
 
 
 class ServedModel:
-    def __init__(self, name: str, created: int):
+    def __init__(
+        self,
+        name: str,
+        created: int,
+        *,
+        architectures: Sequence[str] = (),
+        defaults: SamplingDefaults = NO_DEFAULTS,
+        tool_parser: str = AUTO,
+        reasoning_parser: str = AUTO,
+    ):
         self.card = ModelCard(id=name, created=created)
+        self.architectures = tuple(architectures)
+        self.defaults = defaults
+        self._tool_parser = tool_parser
+        self._reasoning_parser = reasoning_parser
+
+    @classmethod
+    def from_settings(cls, name: str, settings: ModelSettings, created: int) -> ServedModel:
+        """The model of `settings`, its architectures read from config.json and its sampling
+        defaults from generation_config.json (files a sealed model keeps in the clear). Raises
+        `ModelLoadError` for a generation_config.json this server cannot use."""
+        defaults = GenerationConfig.from_model_dir(settings.dir).defaults
+        if defaults.stated():
+            # As vLLM says it: a request that leaves these out gets the model's values.
+            logger.info("sampling defaults from the model's generation_config.json: %s",
+                        defaults.stated())  # fmt: skip
+        return cls(
+            name,
+            created,
+            architectures=_architectures(settings.dir / "config.json"),
+            defaults=defaults,
+            tool_parser=settings.tool_parser,
+            reasoning_parser=settings.reasoning_parser,
+        )
+
+    def conventions(self, tokenizer: Tokenizer) -> ChatConventions:
+        """The formats of the model's tool calls and reasoning (appliance.api.chat_conventions)."""
+        return choose_conventions(
+            self.architectures,
+            tokenizer.chat_template,
+            tool_parser=self._tool_parser,
+            reasoning_parser=self._reasoning_parser,
+        )
 
     def verify(self, requested: str) -> None:
         """Raise the 404 OpenAI answers for a model that is not served here."""
@@ -23,6 +79,20 @@ class ServedModel:
                 param="model",
                 code="model_not_found",
             )
+
+
+def _architectures(config_file: Path) -> tuple[str, ...]:
+    """config.json's `architectures` (none when absent); the loader validates the rest."""
+    try:
+        config = json.loads(config_file.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ModelLoadError(f"cannot read {config_file} ({exc}); re-import the model") from exc
+    architectures = config.get("architectures") if isinstance(config, dict) else None
+    if architectures is None:
+        return ()
+    if not isinstance(architectures, list) or not all(isinstance(a, str) for a in architectures):
+        raise ModelLoadError(f"{config_file}: architectures must be a list of names")
+    return tuple(architectures)
 
 
 async def _served_model(request: Request) -> ServedModel:

@@ -17,14 +17,25 @@ from __future__ import annotations
 
 import json
 import uuid
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable
+from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field, RootModel, model_validator
 
 from appliance.api.errors import APIError, api_error_for, unsupported
-from appliance.api.generation import Choice, CollectedChoice, Generation, cut_off_error
+from appliance.api.generation import (
+    Choice,
+    CollectedChoice,
+    Generation,
+    cut_off_error,
+    default_max_tokens,
+    sampling_in_force,
+)
+from appliance.api.models import ServedModel
+from appliance.api.parsed_output import ParsedOutput
+from appliance.api.reasoning_parsers import Reasoning, ReasoningParser
 from appliance.api.schemas import (
     CalledFunction,
     ChatMessage,
@@ -102,8 +113,25 @@ class FunctionCallOutputItem(_Body):
     status: Text | None = None
 
 
+class ReasoningText(_Body):
+    type: Literal["reasoning_text"]
+    text: Text
+
+
+class ReasoningItem(_Body):
+    """A reasoning output item sent back: its thought goes to the assistant turn after it."""
+
+    type: Literal["reasoning"]
+    content: list[ReasoningText] | None = None
+    summary: list[object] | None = None  # this server writes none; accepted and unused
+    encrypted_content: None = None
+    id: Text | None = None
+    status: Text | None = None
+
+
 InputItem = Annotated[
-    MessageItem | FunctionCallItem | FunctionCallOutputItem, Field(union_mode="left_to_right")
+    MessageItem | FunctionCallItem | FunctionCallOutputItem | ReasoningItem,
+    Field(union_mode="left_to_right"),
 ]
 
 
@@ -151,7 +179,7 @@ class TextConfig(_Body):
 # Standard fields this server does not honour, and why; each may be absent or null only.
 _REFUSED = {
     "include": "no extra output data is available",
-    "reasoning": "the served model has no reasoning controls",
+    "reasoning": "the served model has no reasoning effort or summary controls",
     "background": "responses are answered in the request; none run in the background",
     "conversation": "the appliance keeps no conversation state",
     "prompt": "the appliance stores no prompt templates",
@@ -171,8 +199,9 @@ class ResponsesRequest(_Body):
     tool_choice: Literal["none", "auto", "required"] | ResponsesNamedToolChoice | None = None
     parallel_tool_calls: bool = True
     max_output_tokens: int | None = Field(default=None, ge=1)
-    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    # Left out: the model's generation_config.json value, else 1 (as in chat).
+    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     stream: bool = False
     store: bool | None = None
     previous_response_id: Text | None = None
@@ -243,17 +272,27 @@ def _verify_supported(body: ResponsesRequest) -> None:
 
 def _conversation(body: ResponsesRequest) -> list[ChatMessage]:
     """The input as chat messages: instructions first as a system message, consecutive
-    function calls as one assistant message with tool calls, each output as a tool message."""
+    function calls as one assistant message with tool calls, each output as a tool message;
+    a reasoning item's thought as the reasoning of the assistant message that follows it
+    (dropped when none does)."""
     messages: list[ChatMessage] = []
     if body.instructions is not None:
         messages.append(ChatMessage(role="system", content=body.instructions))
     items = [MessageItem(role="user", content=body.input)] if isinstance(body.input, str) else []
+    thought: str | None = None
     for item in items or body.input:  # type: ignore[union-attr]
+        if isinstance(item, ReasoningItem):
+            thought = "".join(part.text for part in item.content or ())
+            continue
+        reasoning = thought if item.type != "function_call_output" else None
+        thought = None
         if isinstance(item, MessageItem):
             content = item.content
             if not isinstance(content, str):
                 content = "\n".join(part.text for part in content)
-            messages.append(ChatMessage(role=item.role, content=content))
+            if item.role != "assistant":
+                reasoning = None
+            messages.append(ChatMessage(role=item.role, content=content, reasoning=reasoning))
         elif isinstance(item, FunctionCallItem):
             call = ToolCall(
                 id=item.call_id,
@@ -264,7 +303,9 @@ def _conversation(body: ResponsesRequest) -> list[ChatMessage]:
             if last is not None and last.role == "assistant" and last.tool_calls is not None:
                 last.tool_calls.append(call)
             else:
-                messages.append(ChatMessage(role="assistant", tool_calls=[call]))
+                messages.append(
+                    ChatMessage(role="assistant", tool_calls=[call], reasoning=reasoning)
+                )
         else:
             messages.append(
                 ChatMessage(role="tool", content=item.output, tool_call_id=item.call_id)
@@ -296,6 +337,8 @@ class _ResponsesEndpoint:
         self.body = body
         self.tool_use: ToolUse | None = None
         self._messages: list[ChatMessage] = []
+        self._reasoning: Callable[[], ReasoningParser] | None = None
+        self._params: SamplingParams | None = None  # set by `choices`, which runs first
 
     @property
     def uses_tools(self) -> bool:
@@ -304,10 +347,11 @@ class _ResponsesEndpoint:
     def verify_supported(self) -> None:
         _verify_supported(self.body)
 
-    def choices(self, tokenizer: Tokenizer, max_model_len: int) -> list[Choice]:
+    def choices(self, model: ServedModel, tokenizer: Tokenizer, max_model_len: int) -> list[Choice]:
         body = self.body
         self._messages = _conversation(body)
         verify_tool_messages(self._messages, tokenizer, body.model, param="input", indexed=False)
+        conventions = model.conventions(tokenizer)
         choice = body.tool_choice
         if isinstance(choice, ResponsesNamedToolChoice):
             choice = NamedToolChoice(type="function", function=ToolChoiceFunction(name=choice.name))
@@ -317,20 +361,24 @@ class _ResponsesEndpoint:
             parallel=body.parallel_tool_calls,
             tokenizer=tokenizer,
             model_name=body.model,
+            tool_format=conventions.tool_format,
         )
         prompt = tokenizer.encode_chat(
             [template_message(m) for m in self._messages],
             tools=None if self.tool_use is None else self.tool_use.definitions,
         )
-        max_tokens = body.max_output_tokens or max(max_model_len - len(prompt), 1)
-        requested = body.text.format.structure() if body.text and body.text.format else None
-        params = SamplingParams(
-            max_tokens=max_tokens,
-            temperature=body.temperature,
-            top_p=body.top_p,
-            structured=structure_with_tools(requested, self.tool_use),
+        max_tokens = body.max_output_tokens or default_max_tokens(
+            max_model_len - len(prompt), model.defaults
         )
-        return [Choice(0, 0, prompt, params)]
+        requested = body.text.format.structure() if body.text and body.text.format else None
+        structured = structure_with_tools(requested, self.tool_use)
+        self._reasoning = conventions.reasoning({}, constrained=structured is not None)
+        self._params = SamplingParams(
+            max_tokens=max_tokens,
+            **sampling_in_force(model.defaults, temperature=body.temperature, top_p=body.top_p),
+            structured=structured,
+        )
+        return [Choice(0, 0, prompt, self._params)]
 
     def prompt_record(self) -> JsonValue:
         record: dict[str, JsonValue] = {
@@ -341,7 +389,12 @@ class _ResponsesEndpoint:
         return record
 
     def output(self, tokenizer: Tokenizer, choices: list[Choice]) -> _ResponsesOutput:
-        return _ResponsesOutput(self.body, self.tool_use)
+        parsed = ParsedOutput(
+            None if self._reasoning is None else self._reasoning(),
+            None if self.tool_use is None else ChoiceCalls(self.tool_use),
+        )
+        assert self._params is not None, "the shared path plans the choices first"
+        return _ResponsesOutput(self.body, self._params, parsed, tokenizer)
 
 
 def _format_record(body: ResponsesRequest) -> dict[str, Any]:
@@ -357,6 +410,12 @@ def _message_item(item_id: str, text: str, status: str) -> dict[str, Any]:
             "content": content if status == "completed" else []}  # fmt: skip
 
 
+def _reasoning_item(item_id: str, text: str, status: str) -> dict[str, Any]:
+    content = [{"type": "reasoning_text", "text": text}] if status == "completed" else []
+    return {"id": item_id, "type": "reasoning", "status": status, "summary": [],
+            "content": content, "encrypted_content": None}  # fmt: skip
+
+
 def _call_item(call: IdentifiedCall, status: str) -> dict[str, Any]:
     return {
         "id": f"fc_{call.id.removeprefix('call_')}",
@@ -369,11 +428,21 @@ def _call_item(call: IdentifiedCall, status: str) -> dict[str, Any]:
 
 
 class _ResponsesOutput:
-    """The Response object, whole, or its typed events as OpenAI streams them."""
+    """The Response object, whole, or its typed events as OpenAI streams them: a reasoning item
+    (the model's thought, when it reasons), a message item (its text) and function_call items,
+    in the order the model wrote them."""
 
-    def __init__(self, body: ResponsesRequest, tool_use: ToolUse | None):
+    def __init__(
+        self,
+        body: ResponsesRequest,
+        params: SamplingParams,
+        parsed: ParsedOutput,
+        tokenizer: Tokenizer,
+    ):
         self._body = body
-        self._calls = ChoiceCalls(tool_use) if tool_use is not None else None
+        self._params = params  # the sampling in force, the model's defaults included
+        self._parsed = parsed
+        self._tokenizer = tokenizer
 
     # A Responses stream is `events`, not chunks: the chunk methods of `Output` give none.
     def opening(self) -> list[Any]:
@@ -386,14 +455,13 @@ class _ResponsesOutput:
         self, head: StreamHead, generation: Generation, results: list[CollectedChoice]
     ) -> ResponseObject:
         [result] = results
-        if self._calls is None:
-            content, calls = result.text, []
-        else:
-            content, calls = self._calls.whole(result.text)
+        whole = self._parsed.whole(result.text)
         output = []
-        if content:
-            output.append(_message_item(f"msg_{uuid.uuid4().hex}", content, "completed"))
-        output += [_call_item(call, "completed") for call in calls]
+        if whole.reasoning:
+            output.append(_reasoning_item(f"rs_{uuid.uuid4().hex}", whole.reasoning, "completed"))
+        if whole.content:
+            output.append(_message_item(f"msg_{uuid.uuid4().hex}", whole.content, "completed"))
+        output += [_call_item(call, "completed") for call in whole.calls]
         return ResponseObject(self._object(head, generation, output, result.finish_reason))
 
     def _object(
@@ -415,7 +483,7 @@ class _ResponsesOutput:
                     "cached_tokens": counts.prompt_tokens_details.cached_tokens
                 },
                 "output_tokens": counts.completion_tokens,
-                "output_tokens_details": {"reasoning_tokens": 0},
+                "output_tokens_details": {"reasoning_tokens": self._reasoning_tokens(output)},
                 "total_tokens": counts.total_tokens,
             }
         choice = body.tool_choice
@@ -436,18 +504,28 @@ class _ResponsesOutput:
             "previous_response_id": None,
             "reasoning": {"effort": None, "summary": None},
             "store": False,
-            "temperature": body.temperature,
+            "temperature": self._params.temperature,
             "text": {"format": _format_record(body)},
             "tool_choice": choice.model_dump()
             if isinstance(choice, BaseModel)
             else choice or "auto",
             "tools": [tool.model_dump() for tool in body.tools or ()],
-            "top_p": body.top_p,
+            "top_p": self._params.top_p,
             "truncation": "disabled",
             "usage": usage,
             "user": body.user,
             "metadata": body.metadata or {},
         }
+
+    def _reasoning_tokens(self, output: list[dict[str, Any]]) -> int:
+        """The thought's length in tokens, as the tokenizer encodes its text (the tags and the
+        newlines around it, which the parser drops, not counted)."""
+        return sum(
+            len(self._tokenizer.encode(part["text"]))
+            for item in output
+            if item["type"] == "reasoning"
+            for part in item["content"]
+        )
 
     def is_final(self, event: bytes) -> bool:
         return event.startswith((b"event: response.completed\n", b"event: response.incomplete\n"))
@@ -459,35 +537,32 @@ class _ResponsesOutput:
         output: list[dict[str, Any]] = []
         yield stream.event("response.created", response=self._object(head, None, [], None))
         yield stream.event("response.in_progress", response=self._object(head, None, [], None))
-        message: _OpenMessage | None = None
+        open_item: _OpenItem | None = None  # the reasoning or message item being written
         finish_reason: str | None = None
         try:
             async for _, out in generation.outputs():
                 if out.finish_reason == "abort":
                     raise cut_off_error()
-                if self._calls is None:
-                    pieces: list[Content | IdentifiedCall] = [Content(out.text)] if out.text else []
-                else:
-                    pieces = self._calls.events(out.text, finished=out.finished)
-                for piece in pieces:
-                    if isinstance(piece, Content):
-                        if message is None:
-                            message = _OpenMessage(len(output))
-                            for event in message.open(stream):
-                                yield event
-                        yield message.delta(stream, piece.text)
-                        continue
-                    if message is not None:
-                        for event in message.close(stream, output):
+                for piece in self._parsed.events(out.text, finished=out.finished):
+                    kind = _TEXT_ITEMS.get(type(piece))
+                    if open_item is not None and open_item.kind is not kind:
+                        for event in open_item.close(stream, output):
                             yield event
-                        message = None
-                    for event in _call_events(stream, piece, len(output)):
-                        yield event
-                    output.append(_call_item(piece, "completed"))
+                        open_item = None
+                    if isinstance(piece, IdentifiedCall):
+                        for event in _call_events(stream, piece, len(output)):
+                            yield event
+                        output.append(_call_item(piece, "completed"))
+                        continue
+                    if open_item is None:
+                        open_item = _OpenItem(kind, len(output))  # type: ignore[arg-type]
+                        for event in open_item.open(stream):
+                            yield event
+                    yield open_item.delta(stream, piece.text)
                 if out.finished:
                     finish_reason = out.finish_reason
-            if message is not None:
-                for event in message.close(stream, output):
+            if open_item is not None:
+                for event in open_item.close(stream, output):
                     yield event
         except APIError as exc:
             yield stream.event("error", **_error_fields(exc))
@@ -518,38 +593,64 @@ class _EventWriter:
         return f"event: {type_}\ndata: {data_json}\n\n".encode()
 
 
-class _OpenMessage:
-    """A message output item being streamed: its text so far."""
+@dataclass(frozen=True, slots=True)
+class _TextItem:
+    """An output item written as text: its id prefix, part type, event names and item."""
 
-    def __init__(self, output_index: int):
-        self.id = f"msg_{uuid.uuid4().hex}"
+    id_prefix: str
+    part_type: str
+    event_prefix: str
+    item: Callable[[str, str, str], dict[str, Any]]
+    logprobs: bool  # whether its events carry (empty) logprobs
+
+
+_MESSAGE = _TextItem("msg", "output_text", "response.output_text", _message_item, True)
+_REASONING = _TextItem("rs", "reasoning_text", "response.reasoning_text", _reasoning_item, False)
+_TEXT_ITEMS: dict[type, _TextItem] = {Content: _MESSAGE, Reasoning: _REASONING}
+
+
+class _OpenItem:
+    """A message or reasoning output item being streamed: its text so far."""
+
+    def __init__(self, kind: _TextItem, output_index: int):
+        self.kind = kind
+        self.id = f"{kind.id_prefix}_{uuid.uuid4().hex}"
         self.output_index = output_index
         self.parts: list[str] = []
 
     def _where(self) -> dict[str, Any]:
         return {"item_id": self.id, "output_index": self.output_index, "content_index": 0}
 
+    def _logprobs(self) -> dict[str, Any]:
+        return {"logprobs": []} if self.kind.logprobs else {}
+
     def open(self, stream: _EventWriter) -> list[bytes]:
-        part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+        part = {"type": self.kind.part_type, "text": "", **self._logprobs()}
+        if self.kind.logprobs:
+            part["annotations"] = []
         return [
             stream.event(
                 "response.output_item.added",
                 output_index=self.output_index,
-                item=_message_item(self.id, "", "in_progress"),
+                item=self.kind.item(self.id, "", "in_progress"),
             ),
             stream.event("response.content_part.added", **self._where(), part=part),
         ]
 
     def delta(self, stream: _EventWriter, text: str) -> bytes:
         self.parts.append(text)
-        return stream.event("response.output_text.delta", **self._where(), delta=text, logprobs=[])
+        return stream.event(
+            f"{self.kind.event_prefix}.delta", **self._where(), delta=text, **self._logprobs()
+        )
 
     def close(self, stream: _EventWriter, output: list[dict[str, Any]]) -> list[bytes]:
         text = "".join(self.parts)
-        item = _message_item(self.id, text, "completed")
+        item = self.kind.item(self.id, text, "completed")
         output.append(item)
         return [
-            stream.event("response.output_text.done", **self._where(), text=text, logprobs=[]),
+            stream.event(
+                f"{self.kind.event_prefix}.done", **self._where(), text=text, **self._logprobs()
+            ),
             stream.event("response.content_part.done", **self._where(), part=item["content"][0]),
             stream.event("response.output_item.done", output_index=self.output_index, item=item),
         ]

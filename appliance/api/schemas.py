@@ -152,6 +152,9 @@ class StructuredOutputsParams(_Request):
     structural_tag: object = None
 
 
+_MODEL_DEFAULT = "default: the model's generation_config.json, else "
+
+
 class SamplingFields(_Request):
     """Fields both endpoints share."""
 
@@ -163,20 +166,33 @@ class SamplingFields(_Request):
     ) = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    # Left out (or null): the model's generation_config.json value, else the one in brackets
+    # (appliance.engine.generation_config), as vLLM's `--generation-config auto` does.
+    temperature: float | None = Field(
+        default=None, ge=0.0, le=2.0, description=_MODEL_DEFAULT + "1"
+    )
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0, description=_MODEL_DEFAULT + "1")
     frequency_penalty: float = Field(default=0.0, ge=-MAX_PENALTY, le=MAX_PENALTY)
     presence_penalty: float = Field(default=0.0, ge=-MAX_PENALTY, le=MAX_PENALTY)
     logit_bias: LogitBias | None = None
     user: Text | None = Field(default=None, description="an end-user id; accepted and unused")
-    top_k: int = Field(default=0, ge=0, description="extension: sample from the k most likely")
-    min_p: float = Field(default=0.0, ge=0.0, le=1.0, description="extension: min-p sampling")
-    repetition_penalty: float = Field(
-        default=1.0,
+    top_k: int | None = Field(
+        default=None,
+        ge=0,
+        description="extension: sample from the k most likely (0: all); " + _MODEL_DEFAULT + "0",
+    )
+    min_p: float | None = Field(
+        default=None,
+        ge=0.0,
+        le=1.0,
+        description="extension: min-p sampling; " + _MODEL_DEFAULT + "0",
+    )
+    repetition_penalty: float | None = Field(
+        default=None,
         gt=0.0,
         allow_inf_nan=False,
         description="extension (vLLM): divide the positive logits (multiply the negative ones) "
-        "of tokens of the prompt or the output by this; 1 disables it",
+        "of tokens of the prompt or the output by this; 1 disables it; " + _MODEL_DEFAULT + "1",
     )
     min_tokens: int = Field(
         default=0, ge=0, description="extension: no EOS or stop token before this many tokens"
@@ -286,11 +302,20 @@ class ChatMessage(_Request):
     tool_calls: Annotated[list[ToolCall], Field(max_length=MAX_TOOL_CALLS)] | None = None
     tool_call_id: ToolCallId | None = None  # which call a `tool` message answers
     refusal: None = None  # what OpenAI's client sends back of an assistant message it got
+    # An assistant's thought, sent back (vLLM's field, and its older name, both accepted).
+    reasoning: Text | None = None
+    reasoning_content: Text | None = None
 
     @model_validator(mode="after")
     def _fields_fit_role(self) -> ChatMessage:
         if self.tool_calls is not None and self.role != "assistant":
             raise ValueError("tool_calls: only an assistant message carries tool calls")
+        if (self.reasoning, self.reasoning_content) != (None, None) and self.role != "assistant":
+            raise ValueError("reasoning: only an assistant message carries reasoning")
+        if None not in (self.reasoning, self.reasoning_content) and (
+            self.reasoning != self.reasoning_content
+        ):
+            raise ValueError("reasoning and reasoning_content are two names of one field: give one")
         if (self.tool_call_id is None) != (self.role != "tool"):
             raise ValueError(
                 "tool_call_id: a tool message, and only one, names the call it answers"
@@ -313,6 +338,12 @@ class ChatCompletionRequest(SamplingFields):
     tools: Annotated[list[FunctionTool], Field(max_length=MAX_TOOLS)] | None = None
     tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool = True
+    chat_template_kwargs: dict[str, object] | None = Field(
+        default=None,
+        description="extension (vLLM): further variables of the chat template, such as "
+        "Qwen3's enable_thinking; JSON values, bounded in size and depth, none of the "
+        "variables the server sets itself (appliance.engine.tokenizer)",
+    )
     # Standard fields this server does not honour: refused by name, with the reason
     # (appliance.api.chat, `_REFUSED`), rather than as unrecognized.
     audio: object = None
@@ -395,6 +426,8 @@ class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None
     refusal: None = None
+    # The model's thought, apart from its answer (vLLM's field); left out when it has none.
+    reasoning: str | None = Field(default=None, exclude_if=lambda reasoning: reasoning is None)
     # Left out when the model called no tool, as OpenAI leaves it out.
     tool_calls: list[ToolCallOut] | None = Field(default=None, exclude_if=lambda calls: not calls)
 

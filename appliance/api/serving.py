@@ -35,7 +35,7 @@ from appliance.api.generation import (
 )
 from appliance.api.limits import CallerLimits, Charge, Limits
 from appliance.api.metrics import Metrics
-from appliance.api.models import Model
+from appliance.api.models import Model, ServedModel
 from appliance.api.readiness import ReadyEngine
 from appliance.api.schemas import StreamOptions
 from appliance.api.streaming import (
@@ -121,9 +121,9 @@ class Endpoint(Protocol[ResponseT]):
         """Raise an APIError for what the request asks and this server does not do."""
         ...
 
-    def choices(self, tokenizer: Tokenizer, max_model_len: int) -> list[Choice]:
-        """Every engine request of the request; may raise EngineError (a prompt the tokenizer
-        refuses)."""
+    def choices(self, model: ServedModel, tokenizer: Tokenizer, max_model_len: int) -> list[Choice]:
+        """Every engine request of the request, for the served `model`; may raise EngineError (a
+        prompt the tokenizer refuses)."""
         ...
 
     def prompt_record(self) -> JsonValue:
@@ -176,7 +176,7 @@ class Server:
         tokenizer = require_tokenizer(self.engine)
         response_id = f"{endpoint.id_prefix}-{uuid.uuid4().hex}"
         try:
-            choices = endpoint.choices(tokenizer, self.engine.max_model_len)
+            choices = endpoint.choices(self.model, tokenizer, self.engine.max_model_len)
             generation = Generation(
                 self.engine,
                 self.metrics,

@@ -73,13 +73,14 @@ class CompletionChunkChoice:
 @dataclass(frozen=True, slots=True)
 class ChatDelta:
     """What a chat chunk adds to its message: first the role (with empty content), then
-    content or parts of tool calls (`tool_calls`, in OpenAI's delta shape: the first part of
-    a call has its index, id, type and name, later parts `function.arguments` fragments); a
-    choice's last delta adds nothing."""
+    reasoning, content or parts of tool calls (`tool_calls`, in OpenAI's delta shape: the first
+    part of a call has its index, id, type and name, later parts `function.arguments`
+    fragments); a choice's last delta adds nothing."""
 
     role: Literal["assistant"] | None = None
     content: str | None = None
     tool_calls: list[dict[str, Any]] | None = None
+    reasoning: str | None = None  # a piece of the model's thought (vLLM's field)
 
     def to_json(self) -> dict[str, Any]:
         if self.role is not None:
@@ -87,6 +88,8 @@ class ChatDelta:
             return {"role": self.role, "content": self.content, "refusal": None}
         if self.tool_calls is not None:
             return {"tool_calls": self.tool_calls}
+        if self.reasoning is not None:
+            return {"reasoning": self.reasoning}
         return {} if self.content is None else {"content": self.content}
 
 

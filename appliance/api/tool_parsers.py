@@ -3,11 +3,16 @@ parsers keyed by format, and the format a template writes.
 
 Formats (as vLLM names its parsers):
 
-- `hermes`: Hermes 2 Pro, Qwen2 and Qwen2.5 wrap each call in
+- `hermes`: Hermes 2 Pro, Qwen2, Qwen2.5 and Qwen3 wrap each call in
   `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`, after any text.
 - `llama3_json`: Llama 3.1 and 3.2 answer a call with nothing but
   `{"name": ..., "parameters": {...}}` (after `<|python_tag|>`, a special token the decoded text
   usually drops); several calls are separated by `;`.
+- `granite`: Granite 3 answers a call with nothing but a JSON array of
+  `{"name": ..., "arguments": {...}}`, after `<|tool_call|>` (a special token the decoded text
+  drops; 3.1 may write `<tool_call>` instead).
+- `phi4_mini_json`: Phi-4-mini, under the tool template vLLM ships for it (its own template
+  shows no tools), answers a call with nothing but `functools[{"name": ..., "arguments": ...}]`.
 
 A parser is incremental (`feed` the text as it is generated, then `finish`) and gives back
 `Content` (text to send) and `Call` (a complete, valid call) events. The one parser serves both
@@ -75,7 +80,7 @@ def _call_from(value: object, arguments_key: str, names: Collection[str]) -> Cal
     return Call(name, json.dumps(arguments, ensure_ascii=False))
 
 
-def _held_prefix_len(text: str, marker: str) -> int:
+def held_prefix_len(text: str, marker: str) -> int:
     """Length of the longest end of `text` that is a start of `marker` (text to hold back,
     since the next piece may complete the marker)."""
     for size in range(min(len(marker) - 1, len(text)), 0, -1):
@@ -85,7 +90,7 @@ def _held_prefix_len(text: str, marker: str) -> int:
 
 
 class HermesParser:
-    """`<tool_call>{...}</tool_call>` blocks among text (Hermes 2 Pro, Qwen2, Qwen2.5)."""
+    """`<tool_call>{...}</tool_call>` blocks among text (Hermes 2 Pro, Qwen2, Qwen2.5, Qwen3)."""
 
     OPEN, CLOSE = "<tool_call>", "</tool_call>"
 
@@ -109,7 +114,7 @@ class HermesParser:
             else:
                 start = self._pending.find(self.OPEN)
                 if start < 0:
-                    keep = _held_prefix_len(self._pending, self.OPEN)
+                    keep = held_prefix_len(self._pending, self.OPEN)
                     sendable = self._pending[: len(self._pending) - keep]
                     self._pending = self._pending[len(sendable) :]
                     if sendable:
@@ -183,6 +188,86 @@ class Llama3JsonParser:
         return calls
 
 
+class _MarkedCallsArrayParser:
+    """A reply that is only a JSON array of calls after the format's markers (each optional in
+    order, unless MARKER_REQUIRED says the first must be there); any other reply is text."""
+
+    MARKERS: tuple[str, ...]
+    MARKER_REQUIRED: bool
+
+    def __init__(self, names: Collection[str]):
+        self._names = names
+        self._pending = ""
+        self._mode: str | None = None  # None until decided, then "text" or "calls"
+
+    def feed(self, text: str) -> list[Event]:
+        if self._mode == "text":
+            return [Content(text)] if text else []
+        self._pending += text
+        if self._mode is None:
+            self._mode = self._decide(self._pending.lstrip())
+            if self._mode == "text":
+                pending, self._pending = self._pending, ""
+                return [Content(pending)]
+        return []
+
+    def finish(self) -> list[Event]:
+        pending, self._pending = self._pending, ""
+        if self._mode != "calls":
+            return [Content(pending)] if pending else []
+        calls = self._calls(self._after_markers(pending.lstrip()))
+        return list(calls) if calls else [Content(pending)]
+
+    def _decide(self, start: str) -> str | None:
+        """ "calls", "text", or None while `start` could still become either."""
+        rest, marked = start, False
+        for marker in self.MARKERS:
+            if len(rest) < len(marker) and marker.startswith(rest):
+                return None
+            if rest.startswith(marker):
+                rest, marked = rest[len(marker) :].lstrip(), True
+        if not rest:
+            return None
+        if rest.startswith("[") and (marked or not self.MARKER_REQUIRED):
+            return "calls"
+        return "text"
+
+    def _after_markers(self, text: str) -> str:
+        for marker in self.MARKERS:
+            text = text.removeprefix(marker).lstrip()
+        return text
+
+    def _calls(self, text: str) -> list[Call] | None:
+        try:
+            value, end = json.JSONDecoder().raw_decode(text)
+        except (json.JSONDecodeError, RecursionError):
+            return None
+        if text[end:].strip() or not isinstance(value, list) or not value:
+            return None
+        calls = [
+            _call_from(item, "arguments", self._names)
+            or _call_from(item, "parameters", self._names)
+            for item in value
+        ]
+        return None if None in calls else calls  # type: ignore[return-value]
+
+
+class GraniteParser(_MarkedCallsArrayParser):
+    """`<|tool_call|>[{"name": ..., "arguments": {...}}, ...]` (Granite 3.0 to 3.3; vLLM's
+    `granite`)."""
+
+    MARKERS = ("<|tool_call|>", "<tool_call>")
+    MARKER_REQUIRED = False  # the special token is dropped from the decoded text
+
+
+class Phi4MiniJsonParser(_MarkedCallsArrayParser):
+    """`functools[{"name": ..., "arguments": {...}}, ...]` (Phi-4-mini; vLLM's
+    `phi4_mini_json`)."""
+
+    MARKERS = ("functools",)
+    MARKER_REQUIRED = True
+
+
 class ForcedCallsParser:
     """The output of a request whose `tool_choice` forces calls, written under a grammar
     (appliance.api.tools.forced_calls), as vLLM writes it: for a named function, the arguments
@@ -220,15 +305,22 @@ ParserFactory = Callable[[Collection[str]], ToolCallParser]
 PARSERS: dict[str, ParserFactory] = {
     "hermes": HermesParser,
     "llama3_json": Llama3JsonParser,
+    "granite": GraniteParser,
+    "phi4_mini_json": Phi4MiniJsonParser,
 }
 """Every tool-call format this server parses, by name."""
 
 
 def format_of_template(chat_template: str) -> str | None:
     """The tool-call format a chat template teaches its model, from what the template writes
-    for an assistant's tool calls; None for a template this server has no parser for."""
+    for an assistant's tool calls or asks of it; None for a template this server has no parser
+    for. Granite's marker is tested first: its templates may mention `<tool_call>` too."""
+    if "<|tool_call|>" in chat_template and "<|start_of_role|>" in chat_template:
+        return "granite"
     if HermesParser.OPEN in chat_template:
         return "hermes"
+    if "functools[" in chat_template:
+        return "phi4_mini_json"
     if '"parameters": ' in chat_template and "<|start_header_id|>" in chat_template:
         return "llama3_json"
     return None

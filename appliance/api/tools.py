@@ -33,7 +33,6 @@ from appliance.api.tool_parsers import (
     ForcedCallsParser,
     ToolCallParser,
     decode_json,
-    format_of_template,
 )
 from appliance.engine.sampling_params import StructuredOutput
 from appliance.engine.tokenizer import Tokenizer
@@ -73,10 +72,12 @@ def plan_tool_use(
     parallel: bool,
     tokenizer: Tokenizer,
     model_name: str,
+    tool_format: str | None,
     param: str = "tools",
 ) -> ToolUse | None:
-    """The request's tool use, None when it offers no tool or says `none`. Raises a 400 naming
-    the field for what this server cannot honour."""
+    """The request's tool use, None when it offers no tool or says `none`; the model writes
+    its calls in `tool_format` (appliance.api.chat_conventions), None when no parser reads
+    them. Raises a 400 naming the field for what this server cannot honour."""
     if tool_choice is not None and not tools:
         raise APIError(400, "tool_choice is only allowed when tools are given", param="tool_choice")
     if not tools or tool_choice == "none":
@@ -92,14 +93,13 @@ def plan_tool_use(
         function = None if tool_choice == "required" else tool_choice.function.name
         forced = forced_calls(tools, function, parallel=parallel, param=param)
         return ToolUse(definitions, names, None, parallel, forced, function)
-    format_ = format_of_template(tokenizer.chat_template or "")
-    if format_ is None:
+    if tool_format is None:
         raise unsupported(
             param,
             f"model {model_name!r} writes tool calls in a format this server does not parse "
-            f"(it parses: {', '.join(sorted(PARSERS))})",
+            f"(it parses: {', '.join(sorted(PARSERS))}; model.tool_parser names one)",
         )
-    return ToolUse(definitions, names, format_, parallel)
+    return ToolUse(definitions, names, tool_format, parallel)
 
 
 def structure_with_tools(
@@ -195,8 +195,8 @@ def _depth(value: object) -> int:
 
 def template_message(message: ChatMessage) -> dict[str, Any]:
     """A chat message as chat templates read it (transformers' conventions): "developer" as
-    "system", text parts joined, and an assistant's call arguments as the JSON object they
-    spell (templates write them with `tojson`), as vLLM passes them."""
+    "system", text parts joined, an assistant's call arguments as the JSON object they spell
+    (templates write them with `tojson`) and its reasoning, as vLLM passes them."""
     if isinstance(message.content, list):
         content: str | None = "\n".join(part.text for part in message.content)
     else:
@@ -219,6 +219,10 @@ def template_message(message: ChatMessage) -> dict[str, Any]:
         ]
     if message.tool_call_id is not None:
         rendered["tool_call_id"] = message.tool_call_id
+    reasoning = message.reasoning if message.reasoning is not None else message.reasoning_content
+    if reasoning is not None:
+        # Under both names, as vLLM passes it: Qwen3's template reads the older one.
+        rendered["reasoning"] = rendered["reasoning_content"] = reasoning
     return rendered
 
 
@@ -295,9 +299,3 @@ class ChoiceCalls:
         if finished and self._held_space and not self.calls:
             events.append(Content(self._held_space))
         return events
-
-    def whole(self, text: str) -> tuple[str | None, list[IdentifiedCall]]:
-        """A whole output's content (None when empty beside calls) and calls."""
-        events = self.events(text, finished=True)
-        content = "".join(event.text for event in events if isinstance(event, Content))
-        return (content or None) if self.calls else content, self.calls

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 import jinja2
+import jinja2.defaults
 import jinja2.ext
 import jinja2.meta
 from jinja2.exceptions import SecurityError
@@ -23,6 +24,36 @@ from tokenizers import Tokenizer as BackendTokenizer
 from tokenizers import decoders
 
 from appliance.engine.errors import InvalidRequestError, ModelLoadError
+from appliance.engine.generation_config import GenerationConfig
+
+CHAT_TEMPLATE_FILE = "chat_template.jinja"
+"""A chat template beside the tokenizer: it wins over tokenizer_config.json's, as in
+transformers."""
+
+MAX_TEMPLATE_KWARGS_BYTES = 4096
+"""Largest `chat_template_kwargs` of one request, as compact JSON."""
+
+MAX_TEMPLATE_KWARGS_DEPTH = 4
+"""Deepest nesting of objects and arrays in `chat_template_kwargs`."""
+
+# What the server itself gives the template: a request's kwargs may not replace it (the
+# conversation, the tools, where the reply starts, the model's special tokens, the functions
+# transformers and jinja provide).
+RESERVED_TEMPLATE_VARIABLES = frozenset(jinja2.defaults.DEFAULT_NAMESPACE) | frozenset(
+    {
+        "messages",
+        "tools",
+        "documents",
+        "add_generation_prompt",
+        "continue_final_message",
+        "bos_token",
+        "eos_token",
+        "unk_token",
+        "pad_token",
+        "raise_exception",
+        "strftime_now",
+    }
+)
 
 
 class _FailOnUnsafeUndefined(jinja2.Undefined):
@@ -190,7 +221,9 @@ class Tokenizer:
 
     @classmethod
     def from_model_dir(cls, path: Path) -> Tokenizer:
-        """Load tokenizer.json, tokenizer_config.json and (if present) generation_config.json.
+        """Load tokenizer.json, tokenizer_config.json and, if present, chat_template.jinja (whose
+        template wins over tokenizer_config.json's, as in transformers) and
+        generation_config.json (its eos ids).
 
         Raises `ModelLoadError` when a file is missing, not valid, or names unknown tokens.
         """
@@ -202,22 +235,13 @@ class Tokenizer:
                 f"cannot load {path / 'tokenizer.json'} ({exc}); the model directory is "
                 "incomplete: re-import or re-download the model"
             ) from exc
-        config = _read_json(path / "tokenizer_config.json", required=True)
-        generation = _read_json(path / "generation_config.json", required=False)
-        chat_template = config.get("chat_template")
-        if not isinstance(chat_template, str | None):
-            # Some models ship named templates as a list; this engine uses the default one only.
-            chat_template = next(
-                (
-                    entry.get("template")
-                    for entry in chat_template
-                    if isinstance(entry, dict) and entry.get("name") == "default"
-                ),
-                None,
-            )
-        generation_eos = generation.get("eos_token_id")
-        if isinstance(generation_eos, int):
-            generation_eos = [generation_eos]
+        config = _read_json(path / "tokenizer_config.json")
+        generation = GenerationConfig.from_model_dir(path)
+        template_file = path / CHAT_TEMPLATE_FILE
+        chat_template = _read_template_file(template_file)
+        if chat_template is None:
+            template_file = path / "tokenizer_config.json"
+            chat_template = _config_template(config.get("chat_template"))
         try:
             return cls(
                 backend,
@@ -225,7 +249,7 @@ class Tokenizer:
                 eos_token=_token_content(config.get("eos_token")),
                 add_bos_token=bool(config.get("add_bos_token", False)),
                 chat_template=chat_template,
-                generation_eos_token_ids=generation_eos or (),
+                generation_eos_token_ids=generation.eos_token_ids,
                 extra_template_tokens={
                     name: token
                     for name in ("unk_token", "pad_token")
@@ -234,7 +258,7 @@ class Tokenizer:
             )
         except jinja2.TemplateSyntaxError as exc:
             raise ModelLoadError(
-                f"the chat template in {path / 'tokenizer_config.json'} does not compile "
+                f"the chat template in {template_file} does not compile "
                 f"(line {exc.lineno}: {exc.message}); fix or remove it"
             ) from exc
 
@@ -319,13 +343,19 @@ class Tokenizer:
         return data
 
     def encode_chat(
-        self, messages: list[dict[str, Any]], *, tools: list[dict[str, Any]] | None = None
+        self,
+        messages: list[dict[str, Any]],
+        *,
+        tools: list[dict[str, Any]] | None = None,
+        template_kwargs: Mapping[str, Any] | None = None,
     ) -> list[int]:
         """Token ids of a conversation in the chat template, ready for the assistant's reply.
 
         The template writes its own BOS, so none is added. Raises like `apply_chat_template`.
         """
-        text = self.apply_chat_template(messages, add_generation_prompt=True, tools=tools)
+        text = self.apply_chat_template(
+            messages, add_generation_prompt=True, tools=tools, template_kwargs=template_kwargs
+        )
         return self.encode(text, add_special_tokens=False)
 
     def apply_chat_template(
@@ -334,23 +364,30 @@ class Tokenizer:
         *,
         add_generation_prompt: bool = True,
         tools: list[dict[str, Any]] | None = None,
+        template_kwargs: Mapping[str, Any] | None = None,
     ) -> str:
         """Render `messages` with the model's chat template, as transformers' tokenize=False does.
 
         `tools` (JSON tool definitions, `{"type": "function", "function": {...}}`) are passed to
         the template as `tools`, None when there are none, as transformers passes them.
+        `template_kwargs` (a request's `chat_template_kwargs`, such as Qwen3's
+        `enable_thinking`) are further template variables: JSON values within
+        MAX_TEMPLATE_KWARGS_BYTES and MAX_TEMPLATE_KWARGS_DEPTH, none of them one of
+        RESERVED_TEMPLATE_VARIABLES.
 
         Raises `InvalidRequestError` when the model has no template, the messages are not a list
-        of JSON objects with a string "role", or the template rejects or fails on them. Error
-        messages never quote message content.
+        of JSON objects with a string "role", the kwargs break a rule above, or the template
+        rejects or fails on them. Error messages never quote message content.
         """
         if self._template is None:
             raise InvalidRequestError(
                 "this model has no chat template; send a plain completion request instead"
             )
         conversation = self._validated_messages(messages)
+        variables = _verified_template_kwargs(template_kwargs or {})
         try:
             return self._template.render(
+                **variables,
                 messages=conversation,
                 tools=None if tools is None else _plain_message_data(tools),
                 documents=None,
@@ -388,6 +425,72 @@ class Tokenizer:
         return conversation
 
 
+def _verified_template_kwargs(kwargs: Mapping[str, Any]) -> dict[str, Any]:
+    """`kwargs` as plain JSON data, if they keep the rules of `apply_chat_template`; raises
+    `InvalidRequestError` (param `chat_template_kwargs`) naming the rule broken."""
+    param = "chat_template_kwargs"
+    try:
+        plain = _plain_message_data(dict(kwargs))
+        size = len(json.dumps(plain, separators=(",", ":")))
+    except (InvalidRequestError, RecursionError, ValueError):
+        raise InvalidRequestError(
+            "chat_template_kwargs must hold JSON values only", param=param
+        ) from None
+    if size > MAX_TEMPLATE_KWARGS_BYTES:
+        raise InvalidRequestError(
+            f"chat_template_kwargs is larger than {MAX_TEMPLATE_KWARGS_BYTES} bytes as JSON",
+            param=param,
+        )
+    if _depth(plain) > MAX_TEMPLATE_KWARGS_DEPTH:
+        raise InvalidRequestError(
+            f"chat_template_kwargs is nested deeper than {MAX_TEMPLATE_KWARGS_DEPTH} levels",
+            param=param,
+        )
+    reserved = sorted(RESERVED_TEMPLATE_VARIABLES.intersection(plain))
+    if reserved:
+        raise InvalidRequestError(
+            f"chat_template_kwargs may not set {', '.join(reserved)}: the server gives the "
+            "template those (the messages, tools and reply prompt come from the request's own "
+            "fields)",
+            param=param,
+        )
+    return plain
+
+
+def _depth(value: Any) -> int:
+    """Nesting depth of plain JSON data (already bounded in size, so recursion is safe)."""
+    if isinstance(value, dict):
+        return 1 + max(map(_depth, value.values()), default=0)
+    if isinstance(value, list):
+        return 1 + max(map(_depth, value), default=0)
+    return 0
+
+
+def _read_template_file(path: Path) -> str | None:
+    """The template in `path`, None when there is no such file."""
+    if not path.is_file():
+        return None
+    try:
+        return path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ModelLoadError(f"cannot read {path} ({exc}); re-import the model") from exc
+
+
+def _config_template(value: Any) -> str | None:
+    """tokenizer_config.json's `chat_template`: a string, or named templates as a list, of
+    which this engine uses the default one only."""
+    if isinstance(value, str | None):
+        return value
+    return next(
+        (
+            entry.get("template")
+            for entry in value
+            if isinstance(entry, dict) and entry.get("name") == "default"
+        ),
+        None,
+    )
+
+
 def _token_content(value: Any) -> str | None:
     """A special token as tokenizer_config.json states it: a string or an AddedToken dict."""
     if isinstance(value, dict):
@@ -395,13 +498,11 @@ def _token_content(value: Any) -> str | None:
     return value if isinstance(value, str) else None
 
 
-def _read_json(path: Path, *, required: bool) -> dict[str, Any]:
+def _read_json(path: Path) -> dict[str, Any]:
     if not path.is_file():
-        if required:
-            raise ModelLoadError(
-                f"{path} is missing; the model directory is incomplete: re-import the model"
-            )
-        return {}
+        raise ModelLoadError(
+            f"{path} is missing; the model directory is incomplete: re-import the model"
+        )
     try:
         content = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:

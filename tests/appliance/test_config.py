@@ -106,6 +106,29 @@ def test_bad_value_names_the_setting_and_its_source_but_not_the_value(
     assert "many" not in message and "70000" not in message
 
 
+def test_the_models_parsers_are_auto_by_default_and_an_unknown_one_is_named(
+    tmp_path: Path, model_dir: Path
+) -> None:
+    path = _write(tmp_path, _insecure(model_dir))
+    model = load_settings(path, environ={}).model
+    assert (model.tool_parser, model.reasoning_parser) == ("auto", "auto")
+    environ = {"INFERNO_MODEL_TOOL_PARSER": "granite", "INFERNO_MODEL_REASONING_PARSER": "qwen3"}
+    model = load_settings(path, environ=environ).model
+    assert (model.tool_parser, model.reasoning_parser) == ("granite", "qwen3")
+    with pytest.raises(ConfigError) as error:
+        load_settings(path, environ={"INFERNO_MODEL_TOOL_PARSER": "mistral"})
+    assert "model.tool_parser: must be one of auto, none, hermes, llama3_json, granite, " in str(
+        error.value
+    )
+    assert "(from INFERNO_MODEL_TOOL_PARSER)" in str(error.value)
+    with pytest.raises(
+        ConfigError, match=r"model\.reasoning_parser: must be one of auto, none, qwen3"
+    ):
+        load_settings(_write(tmp_path, _insecure(model_dir).replace(
+            f'dir = "{model_dir}"\n', f'dir = "{model_dir}"\nreasoning_parser = "r1"\n'
+        )), environ={})  # fmt: skip
+
+
 def test_misspelt_setting_in_the_file_is_an_error(tmp_path: Path, model_dir: Path) -> None:
     path = _write(tmp_path, _insecure(model_dir, "prot = 9000\n"))
     with pytest.raises(ConfigError, match=r"server\.prot: not a setting"):

@@ -374,7 +374,7 @@ def test_responses_streams_a_function_call_as_its_item_and_argument_events(
     [
         ({"store": True}, "store", "keeps no conversation state"),
         ({"previous_response_id": "resp_1"}, "previous_response_id", "keeps no conversation"),
-        ({"reasoning": {"effort": "high"}}, "reasoning", "no reasoning controls"),
+        ({"reasoning": {"effort": "high"}}, "reasoning", "no reasoning effort or summary controls"),
         ({"truncation": "auto"}, "truncation", "'auto' is not supported"),
         ({"text": {"verbosity": "low"}}, "text.verbosity", "no verbosity control"),
     ],

@@ -18,8 +18,10 @@ from appliance.api.tool_parsers import (
     Call,
     Content,
     Event,
+    GraniteParser,
     HermesParser,
     Llama3JsonParser,
+    Phi4MiniJsonParser,
     ToolCallParser,
     format_of_template,
 )
@@ -118,6 +120,72 @@ def test_llama3_json_parser_reads_the_call_llama3_1_renders(
     for text in (reply, "<|python_tag|>" + reply):
         events = _parse(Llama3JsonParser(NAMES), _pieces(text, size))
         assert events == [Call("get_weather", '{"city": "Paris"}')]
+
+
+GRANITE_CALLS = (
+    '[{"name": "get_weather", "arguments": {"city": "Paris"}}, '
+    '{"name": "get_time", "arguments": {}}]'
+)
+
+
+@pytest.mark.parametrize("size", [1, 2, 5, 10_000])
+@pytest.mark.parametrize("marker", ["<|tool_call|>", "<tool_call>", ""])
+def test_granite_parser_reads_the_json_list_its_template_asks_for(
+    tokenizers: dict[str, Tokenizer], marker: str, size: int
+) -> None:
+    # Granite 3's template renders no calls; its system message asks for "<|tool_call|>
+    # followed by a JSON list", and the decoded text drops that special token.
+    tokenizer = tokenizers["granite_3_1_instruct.jinja"]
+    assert tokenizer.chat_template_reads_tools
+    prompt = tokenizer.apply_chat_template(QUESTION, tools=TOOLS)
+    assert "respond with <|tool_call|> followed by a JSON list" in prompt
+    assert format_of_template(tokenizer.chat_template or "") == "granite"
+    events = _parse(GraniteParser(NAMES), _pieces(f"{marker}{GRANITE_CALLS}", size))
+    assert events == [Call("get_weather", '{"city": "Paris"}'), Call("get_time", "{}")]
+
+
+@pytest.mark.parametrize("size", [1, 3, 10_000])
+def test_phi4_mini_json_parser_reads_the_functools_list_its_template_asks_for(
+    tokenizers: dict[str, Tokenizer], size: int
+) -> None:
+    tokenizer = tokenizers["phi4_mini_tools.jinja"]
+    assert tokenizer.chat_template_reads_tools
+    prompt = tokenizer.apply_chat_template(QUESTION, tools=TOOLS)
+    assert 'formatted as functools[{"name": [function name], "arguments"' in prompt
+    assert format_of_template(tokenizer.chat_template or "") == "phi4_mini_json"
+    text = 'functools[{"name": "get_weather", "arguments": {"city": "Paris"}}]'
+    events = _parse(Phi4MiniJsonParser(NAMES), _pieces(text, size))
+    assert events == [Call("get_weather", '{"city": "Paris"}')]
+
+
+NOT_ARRAY_CALLS = {
+    "plain_text": "The weather is fine.",
+    "a_list_answer": "[1, 2] are the numbers.",
+    "unknown_function": '[{"name": "rm_rf", "arguments": {}}]',
+    "one_bad_call_of_two": '[{"name": "get_time", "arguments": {}}, {"name": 7}]',
+    "empty_list": "[]",
+    "trailing_text": '[{"name": "get_time", "arguments": {}}] done',
+    "truncated": '[{"name": "get_time", "argu',
+    "deeply_nested": "[" * 100_000,
+}
+
+
+@pytest.mark.parametrize("text", NOT_ARRAY_CALLS.values(), ids=NOT_ARRAY_CALLS.keys())
+@pytest.mark.parametrize("parser", [GraniteParser, Phi4MiniJsonParser])
+def test_json_list_parsers_give_back_what_is_not_a_valid_call_list_as_content(
+    parser: type[ToolCallParser], text: str
+) -> None:
+    marked = "functools" + text if parser is Phi4MiniJsonParser else text
+    assert _parse(parser(NAMES), _pieces(marked, 4)) == [Content(marked)]  # type: ignore[call-arg]
+
+
+def test_phi4_mini_json_needs_its_marker_and_streams_other_text_at_once() -> None:
+    parser = Phi4MiniJsonParser(NAMES)
+    assert parser.feed(" func") == []
+    assert parser.feed("tion") == [Content(" function")]
+    assert _parse(Phi4MiniJsonParser(NAMES), ['[{"name": "get_time", "arguments": {}}]']) == [
+        Content('[{"name": "get_time", "arguments": {}}]')
+    ]
 
 
 def test_smollm2_template_has_no_tool_support(tokenizers: dict[str | None, Tokenizer]) -> None:

@@ -290,3 +290,66 @@ def test_encode_chat_is_the_rendered_template_without_an_extra_bos(
         messages, add_generation_prompt=True, tokenize=True, return_dict=True
     )["input_ids"]
     assert tokenizer.encode_chat(messages) == list(expected)
+
+
+def _model_dir_with(smollm2_dir: Path, out: Path, **files: str) -> Path:
+    """SmolLM2's tokenizer files in `out`, plus `files` (name with '.' for '_dot_')."""
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (out / name).write_bytes((smollm2_dir / name).read_bytes())
+    for name, text in files.items():
+        (out / name.replace("_dot_", ".")).write_text(text)
+    return out
+
+
+def test_chat_template_jinja_wins_over_tokenizer_config_as_in_transformers(
+    smollm2_dir: Path, tmp_path: Path
+) -> None:
+    from transformers import AutoTokenizer
+
+    template = "{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}"
+    model_dir = _model_dir_with(smollm2_dir, tmp_path, chat_template_dot_jinja=template)
+    messages = [{"role": "user", "content": "Hi"}]
+
+    ours = Tokenizer.from_model_dir(model_dir).apply_chat_template(messages)
+    theirs = AutoTokenizer.from_pretrained(model_dir).apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=True
+    )
+    assert ours == theirs == "[user] Hi\n"
+
+
+def test_a_chat_template_jinja_that_does_not_compile_is_named(
+    smollm2_dir: Path, tmp_path: Path
+) -> None:
+    model_dir = _model_dir_with(smollm2_dir, tmp_path, chat_template_dot_jinja="{% for %}")
+    with pytest.raises(ModelLoadError, match=r"chat_template\.jinja does not compile"):
+        Tokenizer.from_model_dir(model_dir)
+
+
+def test_chat_template_kwargs_reach_the_template(smollm2_dir: Path) -> None:
+    template = "{% if enable_thinking is false %}no{% else %}yes{% endif %}:{{ depth.a[0] }}"
+    tokenizer = _tokenizer_with_template(smollm2_dir, template)
+    messages = [{"role": "user", "content": "Hi"}]
+    kwargs = {"enable_thinking": False, "depth": {"a": [7]}}
+    assert tokenizer.apply_chat_template(messages, template_kwargs=kwargs) == "no:7"
+    assert tokenizer.apply_chat_template(messages, template_kwargs={"depth": {"a": [1]}}) == (
+        "yes:1"
+    )
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "words"),
+    [
+        ({"tools": []}, "may not set tools"),
+        ({"bos_token": "x"}, "may not set bos_token"),
+        ({"raise_exception": 1, "namespace": 2}, "may not set namespace, raise_exception"),
+        ({"x": {"a": [[[1]]]}}, "nested deeper than 4"),
+        ({"x": "y" * 4100}, "larger than 4096 bytes"),
+        ({"x": object()}, "JSON values only"),
+    ],
+)
+def test_chat_template_kwargs_breaking_a_rule_are_refused(
+    tokenizer: Tokenizer, kwargs: dict[str, Any], words: str
+) -> None:
+    with pytest.raises(InvalidRequestError, match=words) as refused:
+        tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}], template_kwargs=kwargs)
+    assert refused.value.param == "chat_template_kwargs"
