@@ -93,15 +93,22 @@ def random_llama(seed: int = 0) -> LlamaForCausalLM:
         model.to_empty(device="cuda")
     finally:
         torch.set_default_dtype(torch.float32)
-    generator = torch.Generator("cuda").manual_seed(seed)
+    draw_random_weights(model, seed)
+    model.init_rope_tables(MAX_MODEL_LEN)
+    return model.eval()
+
+
+def draw_random_weights(model: torch.nn.Module, seed: int) -> None:
+    """Every parameter normal(0, 0.02), drawn from `seed` on the model's device in parameter
+    order, but those named "*norm.weight" (1): Inferno's model here, gpt-fast's in
+    gpt_fast_peer.py."""
+    generator = torch.Generator(next(model.parameters()).device).manual_seed(seed)
     with torch.no_grad():
         for name, param in model.named_parameters():
             if name.endswith("norm.weight"):
                 param.fill_(1.0)
             else:
                 param.normal_(0.0, 0.02, generator=generator)
-    model.init_rope_tables(MAX_MODEL_LEN)
-    return model.eval()
 
 
 def build_engine(model: LlamaForCausalLM, **overrides) -> Engine:
