@@ -34,7 +34,7 @@ import triton
 
 from appliance.engine.engine import Engine, EngineConfig
 from appliance.engine.models.config import ModelConfig
-from appliance.engine.models.llama import LlamaForCausalLM
+from appliance.engine.models.decoder import CausalLM
 from appliance.engine.sampling_params import SamplingParams
 from kernels import triton_ops
 
@@ -83,13 +83,13 @@ def matmul_rate() -> float:
     return 2 * 8192**3 / (ms * 1e-3)
 
 
-def random_llama(seed: int = 0) -> LlamaForCausalLM:
+def random_llama(seed: int = 0) -> CausalLM:
     """Llama-3.1-8B with normal(0, 0.02) weights drawn on the GPU (norm weights 1)."""
     config = ModelConfig.from_dict(LLAMA_31_8B)
     torch.set_default_dtype(torch.bfloat16)
     try:
         with torch.device("meta"):
-            model = LlamaForCausalLM(config, triton_ops)
+            model = CausalLM(config, triton_ops)
         model.to_empty(device="cuda")
     finally:
         torch.set_default_dtype(torch.float32)
@@ -104,7 +104,7 @@ def random_llama(seed: int = 0) -> LlamaForCausalLM:
     return model.eval()
 
 
-def build_engine(model: LlamaForCausalLM, **overrides) -> Engine:
+def build_engine(model: CausalLM, **overrides) -> Engine:
     settings = {
         "model_dir": Path("random-llama-3.1-8b"),
         "device": "cuda",
@@ -121,7 +121,7 @@ def random_prompts(n: int, length: int, seed: int) -> list[list[int]]:
     return torch.randint(0, LLAMA_31_8B["vocab_size"], (n, length), generator=g).tolist()
 
 
-def weight_bytes(model: LlamaForCausalLM) -> tuple[int, int]:
+def weight_bytes(model: CausalLM) -> tuple[int, int]:
     total = sum(p.numel() * p.element_size() for p in model.parameters())
     embed = model.embed_tokens.weight
     return total, total - embed.numel() * embed.element_size()
@@ -150,7 +150,7 @@ def release(engine: Engine) -> None:
     torch.cuda.empty_cache()
 
 
-def w1(model: LlamaForCausalLM, copy_bw: float, burst: int) -> None:
+def w1(model: CausalLM, copy_bw: float, burst: int) -> None:
     engine = build_engine(model, max_num_seqs=8, max_decode_burst=burst)
     params = SamplingParams(temperature=0.0, max_tokens=256, ignore_eos=True)
     [prompt] = random_prompts(1, 128, seed=1)
@@ -257,7 +257,7 @@ class BusySampler:
         return statistics.mean(self._samples) / 100 if self._samples else float("nan")
 
 
-def w2(model: LlamaForCausalLM, num_requests: int, max_num_seqs: int, burst: int) -> None:
+def w2(model: CausalLM, num_requests: int, max_num_seqs: int, burst: int) -> None:
     engine = build_engine(model, max_num_seqs=max_num_seqs, max_decode_burst=burst)
     params = SamplingParams(temperature=0.0, max_tokens=256, ignore_eos=True)
     run_timed(engine, random_prompts(8, 512, seed=2), SamplingParams(max_tokens=8, ignore_eos=True))
@@ -310,7 +310,7 @@ W2S_SCHEMAS = [
 
 
 def w2_structured(
-    model: LlamaForCausalLM, num_requests: int, max_num_seqs: int, tokenizer_json: Path
+    model: CausalLM, num_requests: int, max_num_seqs: int, tokenizer_json: Path
 ) -> None:
     """W2 with a JSON schema on every request (structured outputs' cost per token), its
     grammars compiled against a real tokenizer's vocabulary (the rest of the model's
@@ -347,7 +347,7 @@ def w2_structured(
     release(engine)
 
 
-def w6(engine: Engine, model: LlamaForCausalLM) -> None:
+def w6(engine: Engine, model: CausalLM) -> None:
     total_weights, _ = weight_bytes(model)
     kv = sum(t.numel() * t.element_size() for t in engine.runner.kv_caches)
     free, total = torch.cuda.mem_get_info()
@@ -360,7 +360,7 @@ def w6(engine: Engine, model: LlamaForCausalLM) -> None:
     )
 
 
-def prefill_throughput(model: LlamaForCausalLM, matmul: float) -> None:
+def prefill_throughput(model: CausalLM, matmul: float) -> None:
     """8 prompts of 2,048 tokens computed in one step (PERFORMANCE.md, "Prefill and kernels")."""
     engine = build_engine(model, max_num_batched_tokens=16384, enable_prefix_caching=False)
     params = SamplingParams(max_tokens=1, ignore_eos=True)
@@ -383,7 +383,7 @@ def prefill_throughput(model: LlamaForCausalLM, matmul: float) -> None:
     release(engine)
 
 
-def w4(model: LlamaForCausalLM) -> None:
+def w4(model: CausalLM) -> None:
     prompts = w4_prompts()
     params = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
     p50 = {}

@@ -24,7 +24,7 @@ from appliance.engine.errors import (
 from appliance.engine.kv_cache import KVCacheSpec
 from appliance.engine.model_runner import ModelRunner
 from appliance.engine.models.config import ModelConfig
-from appliance.engine.models.llama import LlamaForCausalLM
+from appliance.engine.models.decoder import CausalLM
 from appliance.engine.models.loader import load_model
 from appliance.engine.outputs import EngineStats, RequestOutput, RequestState
 from appliance.engine.parallel.group import TensorParallelGroup
@@ -172,7 +172,7 @@ class Engine:
         ModelConfig.from_model_dir(model_dir)  # the clearest errors first, before any heavy load
         tokenizer = Tokenizer.from_model_dir(model_dir)
 
-        def load_weights(shard: ShardPlan | None) -> LlamaForCausalLM:
+        def load_weights(shard: ShardPlan | None) -> CausalLM:
             return load_model(
                 model_dir,
                 dtype=config.torch_dtype,
@@ -188,7 +188,7 @@ class Engine:
         cls,
         config: EngineConfig,
         tokenizer: Tokenizer | None,
-        load_weights: Callable[[ShardPlan | None], LlamaForCausalLM],
+        load_weights: Callable[[ShardPlan | None], CausalLM],
         *,
         sealed: SealedWeights | None = None,
         random_weights: bool = False,
@@ -211,7 +211,7 @@ class Engine:
     def build(
         cls,
         config: EngineConfig,
-        model: LlamaForCausalLM,
+        model: CausalLM,
         tokenizer: Tokenizer | None,
         *,
         group: TensorParallelGroup | None = None,

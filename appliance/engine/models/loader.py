@@ -12,6 +12,7 @@ tensors are read in place (`torch.frombuffer`, no copy) after their header is va
 from __future__ import annotations
 
 import json
+import logging
 import re
 import struct
 from collections.abc import Callable, Iterator, Mapping
@@ -21,13 +22,16 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from appliance.engine.errors import ModelLoadError
+from appliance.engine.models.checkpoint_layout import LLAMA_LAYOUT, CheckpointLayout
 from appliance.engine.models.config import ModelConfig
-from appliance.engine.models.llama import LlamaForCausalLM
+from appliance.engine.models.decoder import CausalLM
 from appliance.engine.parallel.sharding import ShardPlan, shard_model
 from kernels.ops import KernelOps
 
+logger = logging.getLogger(__name__)
+
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
-# Checkpoint name (inside a layer) -> (our parameter, which shard of the fused rows).
+# Canonical checkpoint name (inside a layer) -> (our parameter, which shard of the fused rows).
 _FUSED = {
     "self_attn.q_proj": ("self_attn.qkv_proj", 0),
     "self_attn.k_proj": ("self_attn.qkv_proj", 1),
@@ -37,6 +41,25 @@ _FUSED = {
 }
 # Buffers some checkpoints carry that are recomputed here.
 _IGNORED = re.compile(r"rotary_emb\.inv_freq$")
+# A shard index names files and tensors; the largest real ones are a few MiB.
+_MAX_INDEX_BYTES = 64 << 20
+
+
+def build_model(
+    config: ModelConfig,
+    *,
+    dtype: torch.dtype,
+    device: torch.device | str,
+    ops: KernelOps | None,
+    shard: ShardPlan | None,
+) -> CausalLM:
+    """The architecture (one rank's part with `shard`), its tensors allocated, not filled."""
+    with torch.device("meta"):
+        model = CausalLM(config) if ops is None else CausalLM(config, ops)
+    if shard is not None:
+        shard_model(model, shard)
+    model.to_empty(device=device)
+    return model.to(dtype)
 
 
 def load_model(
@@ -47,57 +70,71 @@ def load_model(
     ops: KernelOps | None = None,
     weights: Mapping[str, memoryview | bytearray | torch.Tensor] | None = None,
     shard: ShardPlan | None = None,
-) -> LlamaForCausalLM:
+) -> CausalLM:
     """Build the architecture in `model_dir/config.json` and fill it from its safetensors, or,
     when `weights` is given, from those in-memory safetensors images (by file name) instead of
     the directory's files. With `shard`, build and fill one tensor-parallel rank's part
-    (appliance.engine.parallel.sharding): from files, only that part of each tensor is read.
+    (appliance.engine.parallel.sharding): from files, only that part of each tensor is read
+    (a projection the checkpoint stores fused is read whole and split here).
 
     Raises ModelLoadError naming the file for a missing directory or config, an unsupported
-    architecture, a corrupt or truncated safetensors file or image, or missing/unexpected/
-    misshapen tensors.
+    architecture, a corrupt or truncated safetensors file or image, a shard index that names a
+    file outside the directory, or missing/unexpected/misshapen tensors.
     """
     config = ModelConfig.from_model_dir(model_dir)
-    with torch.device("meta"):
-        model = LlamaForCausalLM(config) if ops is None else LlamaForCausalLM(config, ops)
-    if shard is not None:
-        shard_model(model, shard)
-    model.to_empty(device=device)
-    model.to(dtype)
+    model = build_model(config, dtype=dtype, device=device, ops=ops, shard=shard)
     params = dict(model.named_parameters())
     shard_sizes = _shard_sizes(config, 1 if shard is None else shard.size)
+    checkpoint_rows = {k: tuple(v) for k, v in _shard_sizes(config).items()}
     missing = {(name, part) for name in params for part in _shards_of(name, shard_sizes)}
+    layout = config.family.layout
 
-    part_of = parts_of(shard)
+    part_of = parts_of(shard, layout)
     tensors = (
         _read_tensors(Path(model_dir), part_of)
         if weights is None
         else _read_images(model_dir, weights, part_of)
     )
+    num_unserved = 0
     for path, name, tensor in tensors:
-        if _IGNORED.search(name) or (name == "lm_head.weight" and config.tie_word_embeddings):
-            continue
-        target, fused, piece = _map_name(name)
-        if target not in params:
-            raise ModelLoadError(
-                f"{path.name}: unexpected tensor {name!r} for {config.architecture}"
-            )
-        dest = params[target].data
-        if fused is not None:
-            sizes = shard_sizes[fused]
-            start = sum(sizes[:piece])
-            dest = dest[start : start + sizes[piece]]
-        if tuple(dest.shape) != tuple(tensor.shape):
-            raise ModelLoadError(
-                f"{path.name}: tensor {name!r} has shape {tuple(tensor.shape)}, "
-                f"the config needs {tuple(dest.shape)}"
-            )
-        dest.copy_(tensor)
-        missing.discard((target, piece))
+        pieces = layout.pieces(name, checkpoint_rows)
+        num_unserved += not pieces
+        for piece in pieces:
+            part = tensor if piece.stop is None else tensor[piece.start : piece.stop]
+            canonical = piece.name
+            if _IGNORED.search(canonical) or (
+                canonical == "lm_head.weight" and config.tie_word_embeddings
+            ):
+                continue
+            target, fused, index = _map_name(canonical)
+            if target not in params:
+                raise ModelLoadError(
+                    f"{path.name}: unexpected tensor {name!r} for {config.architecture}"
+                )
+            if piece.stop is not None and shard is not None:
+                split = shard.split(target, tuple(part.shape))
+                if split is not None:
+                    part = part.narrow(split[0], split[1], split[2] - split[1])
+            dest = params[target].data
+            if fused is not None:
+                sizes = shard_sizes[fused]
+                start = sum(sizes[:index])
+                dest = dest[start : start + sizes[index]]
+            if tuple(dest.shape) != tuple(part.shape):
+                raise ModelLoadError(
+                    f"{path.name}: tensor {name!r} has shape {tuple(part.shape)}, "
+                    f"the config needs {tuple(dest.shape)}"
+                )
+            if config.norm_weight_offset and target.endswith("norm.weight"):
+                part = part.float() + config.norm_weight_offset  # Gemma's (1 + w), in float32
+            dest.copy_(part)
+            missing.discard((target, index))
     if missing:
         names = sorted({name for name, _ in missing})
         shown = ", ".join(names[:5]) + (" ..." if len(names) > 5 else "")
         raise ModelLoadError(f"{model_dir}: the checkpoint lacks tensors for {shown}")
+    if num_unserved:
+        logger.info("skipped %d tensors of %s", num_unserved, layout.unserved_part)
     if shard is not None:
         shard.finish_load(model)
     model.init_rope_tables(config.max_model_len)
@@ -112,25 +149,28 @@ def random_model(
     ops: KernelOps,
     shard: ShardPlan | None = None,
     seed: int = 0,
-) -> LlamaForCausalLM:
+) -> CausalLM:
     """The architecture of `model_dir/config.json` (one rank's part with `shard`) with
     normal(0, 0.02) weights drawn on `device` and norm weights 1: benchmarks of shapes whose
     checkpoint is not at hand. Each rank draws its own (the model computes nothing meaningful)."""
     config = ModelConfig.from_model_dir(model_dir)
-    with torch.device("meta"):
-        model = LlamaForCausalLM(config, ops)
-    if shard is not None:
-        shard_model(model, shard)
-    model.to_empty(device=device)
-    model.to(dtype)
-    generator = torch.Generator(device).manual_seed(seed + (0 if shard is None else shard.rank))
+    return fill_randomly(
+        build_model(config, dtype=dtype, device=device, ops=ops, shard=shard),
+        seed + (0 if shard is None else shard.rank),
+    )
+
+
+def fill_randomly(model: CausalLM, seed: int) -> CausalLM:
+    """normal(0, 0.02) weights and norm weights 1, drawn on the model's device."""
+    device = model.embed_tokens.weight.device
+    generator = torch.Generator(device).manual_seed(seed)
     with torch.no_grad():
         for name, param in model.named_parameters():
             if name.endswith("norm.weight"):
                 param.fill_(1.0)
             else:
                 param.normal_(0.0, 0.02, generator=generator)
-    model.init_rope_tables(config.max_model_len)
+    model.init_rope_tables(model.config.max_model_len)
     return model.eval()
 
 
@@ -154,7 +194,7 @@ def _shards_of(param: str, shard_sizes: dict[str, list[int]]) -> list[int | None
 
 
 def _map_name(name: str) -> tuple[str, str | None, int | None]:
-    """Checkpoint tensor name -> (our parameter, fused projection or None, shard index)."""
+    """Canonical checkpoint name -> (our parameter, fused projection or None, shard index)."""
     if name == "lm_head.weight":
         return "lm_head", None, None
     match = _LAYER.match(name)
@@ -172,11 +212,14 @@ def _map_name(name: str) -> tuple[str, str | None, int | None]:
 PartOf = Callable[[str, tuple[int, ...]], tuple[int, int, int] | None]
 
 
-def parts_of(shard: ShardPlan | None) -> PartOf:
-    """Which part of each checkpoint tensor (by its checkpoint name) `shard` holds."""
+def parts_of(shard: ShardPlan | None, layout: CheckpointLayout = LLAMA_LAYOUT) -> PartOf:
+    """Which part of each checkpoint tensor (by its checkpoint name) `shard` holds. A
+    projection the checkpoint stores fused is wanted whole: the loader splits it."""
 
     def part_of(name: str, shape: tuple[int, ...]) -> tuple[int, int, int] | None:
-        return None if shard is None else shard.split(_map_name(name)[0], shape)
+        if shard is None or layout.is_unserved(name) or layout.fused_parts(name) is not None:
+            return None
+        return shard.split(_map_name(layout.canonical_name(name))[0], shape)
 
     return part_of
 
@@ -292,14 +335,35 @@ def _image_tensors(
 
 
 def _safetensors_files(model_dir: Path) -> list[Path]:
+    """The weight files: those `model.safetensors.index.json` names when it exists (each must
+    lie inside the model directory, symlinks resolved), else `model.safetensors`."""
     index = model_dir / "model.safetensors.index.json"
-    if index.exists():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (OSError, ValueError, KeyError) as exc:
-            raise ModelLoadError(f"{index} is not a valid safetensors index: {exc}") from exc
-        return [model_dir / name for name in sorted(set(weight_map.values()))]
-    single = model_dir / "model.safetensors"
-    if not single.exists():
-        raise ModelLoadError(f"{model_dir} has no model.safetensors (nor an index of shards)")
-    return [single]
+    if not index.exists():
+        single = model_dir / "model.safetensors"
+        if not single.exists():
+            raise ModelLoadError(f"{model_dir} has no model.safetensors (nor an index of shards)")
+        return [single]
+    try:
+        if index.stat().st_size > _MAX_INDEX_BYTES:
+            raise ModelLoadError(
+                f"{index} is larger than {_MAX_INDEX_BYTES >> 20} MiB; no real shard index is"
+            )
+        weight_map = json.loads(index.read_text())["weight_map"]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ModelLoadError(f"{index} is not a valid safetensors index: {exc}") from exc
+    if not isinstance(weight_map, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()
+    ):
+        raise ModelLoadError(f"{index}: 'weight_map' must map tensor names to file names")
+    root = model_dir.resolve()
+    files = []
+    for name in sorted(set(weight_map.values())):
+        path = (model_dir / name).resolve()
+        if not path.is_relative_to(root) or path == root:
+            raise ModelLoadError(
+                f"{index} names {name!r}, which is outside the model directory; refusing it"
+            )
+        if not path.is_file():
+            raise ModelLoadError(f"{index} names {name!r}, which is not in {model_dir}")
+        files.append(model_dir / name)
+    return files

@@ -83,7 +83,7 @@ def test_load_rejects_an_unsupported_architecture(model_dir):
 @pytest.mark.parametrize(
     ("changes", "rope_type"),
     [
-        ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}}, "yarn"),
+        ({"rope_parameters": {"rope_type": "mrope", "rope_theta": 1e4}}, "mrope"),
         ({"rope_parameters": None, "rope_scaling": {"type": "dynamic", "factor": 2.0}}, "dynamic"),
     ],
 )
