@@ -47,6 +47,7 @@ def _attend_key_tile(
     start_n,
     num_keys,
     window,
+    lowest_key,
     k_cache_ptr,
     v_cache_ptr,
     block_table_row_ptr,
@@ -69,14 +70,15 @@ def _attend_key_tile(
     acc: [BLOCK_M, HEAD_DIM] f32, m_i/l_i: [BLOCK_M] f32 (running max in log2 units, running
     sum), q: [BLOCK_M, HEAD_DIM], q_pos: [BLOCK_M] absolute position of each row's query.
     MASKED tiles may reach past a row's causal limit, below its window (`window` > 0) or past
-    `num_keys`; unmasked ones may not.
+    `num_keys`; unmasked ones may not. Keys below `lowest_key` (outside every row's window) are
+    never loaded, nor their block-table entries: their blocks may have been freed.
     """
     offs_n = start_n + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
     # Per-token gather through the block table, so BLOCK_N need not match the cache block size.
     # Block ids go to int64 before scaling by a stride: a large cache has > 2**31 elements.
     if MASKED:
-        in_seq = offs_n < num_keys
+        in_seq = (offs_n < num_keys) & (offs_n >= lowest_key)
         block_ids = tl.load(block_table_row_ptr + offs_n // BLOCK_SIZE, mask=in_seq, other=0)
     else:
         block_ids = tl.load(block_table_row_ptr + offs_n // BLOCK_SIZE)
@@ -201,9 +203,8 @@ def _paged_prefill_attention_kernel(
     causal_end = tl.minimum(num_cached + last_token + 1, num_keys)
     # With a window: tiles from `window_start` hold keys some row sees; keys from `window_end`
     # are inside every row's window. Between them the window edge needs the mask.
-    window_start = tl.where(
-        window > 0, tl.maximum(num_cached + first_token - window + 1, 0) // BLOCK_N * BLOCK_N, 0
-    )
+    lowest_key = tl.where(window > 0, tl.maximum(num_cached + first_token - window + 1, 0), 0)
+    window_start = lowest_key // BLOCK_N * BLOCK_N
     window_end = tl.where(
         window > 0,
         tl.cdiv(tl.maximum(num_cached + last_token - window + 1, 0), BLOCK_N) * BLOCK_N,
@@ -215,21 +216,21 @@ def _paged_prefill_attention_kernel(
     # (unmasked), the causal diagonal (masked). Without a window the first is empty.
     for start_n in range(window_start, tl.minimum(window_end, causal_end), BLOCK_N):
         acc, m_i, l_i = _attend_key_tile(
-            acc, m_i, l_i, q, q_pos, start_n, num_keys, window,
+            acc, m_i, l_i, q, q_pos, start_n, num_keys, window, lowest_key,
             k_cache_ptr, v_cache_ptr, block_table_row_ptr, kv_head, qk_scale,
             stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
             BLOCK_SIZE, HEAD_DIM, BLOCK_N, True, DOT_FP32,
         )  # fmt: skip
     for start_n in range(window_end, unmasked_end, BLOCK_N):
         acc, m_i, l_i = _attend_key_tile(
-            acc, m_i, l_i, q, q_pos, start_n, num_keys, window,
+            acc, m_i, l_i, q, q_pos, start_n, num_keys, window, lowest_key,
             k_cache_ptr, v_cache_ptr, block_table_row_ptr, kv_head, qk_scale,
             stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
             BLOCK_SIZE, HEAD_DIM, BLOCK_N, False, DOT_FP32,
         )  # fmt: skip
     for start_n in range(tl.maximum(unmasked_end, window_end), causal_end, BLOCK_N):
         acc, m_i, l_i = _attend_key_tile(
-            acc, m_i, l_i, q, q_pos, start_n, num_keys, window,
+            acc, m_i, l_i, q, q_pos, start_n, num_keys, window, lowest_key,
             k_cache_ptr, v_cache_ptr, block_table_row_ptr, kv_head, qk_scale,
             stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
             BLOCK_SIZE, HEAD_DIM, BLOCK_N, True, DOT_FP32,

@@ -262,7 +262,10 @@ class Engine:
         if config.on_gpu and config.enable_cuda_graphs:
             runner.capture_decode_graphs(config.max_num_seqs)
         block_manager = BlockManager(
-            num_blocks, config.block_size, enable_prefix_caching=config.enable_prefix_caching
+            num_blocks,
+            config.block_size,
+            enable_prefix_caching=config.enable_prefix_caching,
+            kv_window=model_config.kv_window,
         )
         scheduler = Scheduler(
             SchedulerConfig(
@@ -352,7 +355,9 @@ class Engine:
             )
         bm = self.block_manager
         num_tokens = min(len(token_ids) + params.max_tokens, self.max_model_len)
-        if -(-num_tokens // bm.block_size) > bm.num_blocks:
+        config = self.scheduler.config
+        max_chunk = max(config.max_num_batched_tokens, config.max_decode_burst)
+        if bm.max_blocks_held(num_tokens, max_chunk) > bm.num_blocks:
             raise ContextLengthExceededError(
                 f"prompt plus max_tokens ({num_tokens} tokens) exceeds the whole KV cache "
                 f"({bm.num_blocks * bm.block_size} tokens); lower max_tokens or the prompt length"

@@ -434,15 +434,15 @@ def test_matches_reference_on_gpu_in_float32() -> None:
 
 
 def _poison_before_windows(case: PrefillCase, window: int) -> PrefillCase:
-    """A copy whose keys and values lie NaN at every position before the first query's window,
-    rounded down to 64 (the largest key tile), which the kernel must then never read: they are
-    the blocks the block manager may free and hand to other sequences."""
+    """A copy whose keys and values are NaN at every position before the first query's window,
+    which the kernel must then never read: the block manager may have freed those blocks and
+    handed them to other sequences."""
     k_cache, v_cache = case.k_cache.clone(), case.v_cache.clone()
     block_size = k_cache.shape[1]
     tables = case.block_tables.tolist()
     lengths = zip(case.meta.seq_lens, case.meta.query_lens, strict=True)
     for b, (seq_len, query_len) in enumerate(lengths):
-        unseen = max(seq_len - query_len - window + 1, 0) // 64 * 64
+        unseen = max(seq_len - query_len - window + 1, 0)
         for pos in range(unseen):
             block = tables[b][pos // block_size]
             k_cache[block, pos % block_size] = float("nan")

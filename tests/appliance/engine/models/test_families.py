@@ -116,6 +116,27 @@ def _run_greedy(model, prompts: list[list[int]], num_new_tokens: int):
     return seqs, scheduler
 
 
+def test_engine_serves_a_prompt_four_windows_long_in_a_pool_too_small_to_keep_it_all(
+    tiny_checkpoints,
+):
+    """Issue 21's Mistral: a prompt longer than the window was refused (the window was taken as
+    the context). Six 16-token blocks hold 96 tokens; the sequence reaches 110, so it fits only
+    because blocks no window reaches are given back as it goes."""
+    from appliance.engine.engine import Engine, EngineConfig
+
+    model_dir, hf_model = tiny_checkpoints("mistral-window")
+    settings = EngineConfig(
+        model_dir=model_dir, num_kv_blocks=6, block_size=16, max_num_batched_tokens=32
+    )
+    engine = Engine.build(settings, load_model(model_dir), None)
+    assert engine.max_model_len == 512
+    [prompt] = _prompts((100,), seed=9)
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    [completion] = engine.generate([prompt], params)
+    assert completion.token_ids == _hf_greedy(hf_model, prompt, 10)
+    assert engine.block_manager.num_free_blocks == 6
+
+
 @pytest.mark.parametrize("name", ["gemma3", "mistral-window"])
 def test_comparison_would_fail_if_the_windows_were_ignored(tiny_checkpoints, name):
     model_dir, hf_model = tiny_checkpoints(name)
