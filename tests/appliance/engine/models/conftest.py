@@ -124,7 +124,38 @@ FAMILY_VARIANTS: dict[str, Variant] = {
         {"sliding_window": WINDOW, "sliding_window_pattern": 2, "query_pre_attn_scalar": 24},
     ),
 }
-ALL_VARIANTS = {**VARIANTS, **FAMILY_VARIANTS}
+# Real head shapes for the GPU tests (tests/.../test_families_gpu.py): Gemma 3's head_dim 256
+# with a 64-token window, Phi-4-mini's 96 rotary dims of 128.
+GPU_VARIANTS: dict[str, Variant] = {
+    "gemma3-head256": Variant(
+        "gemma3",
+        4,
+        {
+            "hidden_size": 256,
+            "head_dim": 256,
+            "sliding_window": 64,
+            "sliding_window_pattern": 2,
+            "query_pre_attn_scalar": 256,
+        },
+    ),
+    "phi3-head128": Variant(
+        "phi3",
+        2,
+        {
+            "hidden_size": 512,
+            "rope_parameters": {
+                "rope_type": "longrope",
+                "rope_theta": 1e4,
+                "partial_rotary_factor": 0.75,
+                "short_factor": [1.0 + 0.02 * i for i in range(48)],
+                "long_factor": [2.0 + 0.1 * i for i in range(48)],
+            },
+            "original_max_position_embeddings": 512,
+            "pad_token_id": 0,
+        },
+    ),
+}
+ALL_VARIANTS = {**VARIANTS, **FAMILY_VARIANTS, **GPU_VARIANTS}
 
 
 def _classes(arch: str) -> tuple[type, type]:
@@ -158,7 +189,7 @@ def build_hf_model(name: str, seed: int = 0) -> torch.nn.Module:
     dims = dict(TINY_DIMS)
     if variant.arch in ("qwen2", "phi3"):
         dims.pop("head_dim")  # derived: 64 / 4 = 16
-    config = config_class(num_hidden_layers=variant.num_layers, **dims, **variant.overrides)
+    config = config_class(num_hidden_layers=variant.num_layers, **{**dims, **variant.overrides})
     if variant.arch == "gemma3-multimodal":
         import transformers
 
