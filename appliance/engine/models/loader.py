@@ -17,6 +17,7 @@ import re
 import struct
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -73,7 +74,9 @@ def load_model(
 ) -> CausalLM:
     """Build the architecture in `model_dir/config.json` and fill it from its safetensors, or,
     when `weights` is given, from those in-memory safetensors images (by file name) instead of
-    the directory's files. With `shard`, build and fill one tensor-parallel rank's part
+    the directory's files. On the meta device only the files' headers are read: every check
+    below runs, no weight is loaded (`inferno model inspect`). With `shard`, build and fill one
+    tensor-parallel rank's part
     (appliance.engine.parallel.sharding): from files, only that part of each tensor is read
     (a projection the checkpoint stores fused is read whole and split here).
 
@@ -90,8 +93,9 @@ def load_model(
     layout = config.family.layout
 
     part_of = parts_of(shard, layout)
+    shapes_only = torch.device(device).type == "meta"  # a dry run: names and shapes checked
     tensors = (
-        _read_tensors(Path(model_dir), part_of)
+        _read_tensors(Path(model_dir), part_of, shapes_only=shapes_only)
         if weights is None
         else _read_images(model_dir, weights, part_of)
     )
@@ -224,14 +228,20 @@ def parts_of(shard: ShardPlan | None, layout: CheckpointLayout = LLAMA_LAYOUT) -
     return part_of
 
 
-def _read_tensors(model_dir: Path, part_of: PartOf) -> Iterator[tuple[Path, str, torch.Tensor]]:
-    for path in _safetensors_files(model_dir):
+def _read_tensors(
+    model_dir: Path, part_of: PartOf, *, shapes_only: bool = False
+) -> Iterator[tuple[Path, str, torch.Tensor]]:
+    """Each tensor of the directory's safetensors files (this rank's part of it); with
+    `shapes_only`, meta tensors of the headers' shapes and dtypes, no data read."""
+    for path in checkpoint_files(model_dir):
         try:
             with safe_open(path, framework="pt", device="cpu") as f:
                 for name in f.keys():  # noqa: SIM118 - safe_open is not a dict
                     view = f.get_slice(name)
                     part = part_of(name, tuple(view.get_shape()))
-                    if part is None:
+                    if shapes_only:
+                        yield path, name, _meta_tensor(path, name, view, part)
+                    elif part is None:
                         yield path, name, f.get_tensor(name)
                     else:
                         dim, start, stop = part
@@ -241,6 +251,20 @@ def _read_tensors(model_dir: Path, part_of: PartOf) -> Iterator[tuple[Path, str,
             raise ModelLoadError(
                 f"{path} is not a valid safetensors file ({exc}); re-convert or re-copy the model"
             ) from exc
+
+
+def _meta_tensor(
+    path: Path, name: str, view: Any, part: tuple[int, int, int] | None
+) -> torch.Tensor:
+    shape = list(view.get_shape())
+    if part is not None:
+        shape[part[0]] = part[2] - part[1]
+    dtype = _SAFETENSORS_DTYPES.get(view.get_dtype())
+    if dtype is None:
+        raise ModelLoadError(
+            f"{path.name}: tensor {name!r} is stored as {view.get_dtype()}, which is not supported"
+        )
+    return torch.empty(shape, dtype=dtype, device="meta")
 
 
 # safetensors dtype names -> torch dtypes (https://github.com/huggingface/safetensors, format).
@@ -334,7 +358,7 @@ def _image_tensors(
             yield name, flat.view(shape)
 
 
-def _safetensors_files(model_dir: Path) -> list[Path]:
+def checkpoint_files(model_dir: Path) -> list[Path]:
     """The weight files: those `model.safetensors.index.json` names when it exists (each must
     lie inside the model directory, symlinks resolved), else `model.safetensors`."""
     index = model_dir / "model.safetensors.index.json"
