@@ -1,7 +1,8 @@
 """Paged decode attention (one new query token per sequence), split-KV flash-decoding in Triton.
 
 Same semantics as `kernels.reference.paged_attention` with every `query_lens[b] == 1`: query
-head h of sequence b attends to all `seq_lens[b]` cached tokens of KV head h // (Hq // Hkv).
+head h of sequence b attends to all `seq_lens[b]` cached tokens of KV head h // (Hq // Hkv), or
+with a sliding window W to the last W of them.
 
 Design (the flash-decoding scheme of vLLM and SGLang):
 1. `_decode_split_kernel`, grid (B, Hkv, num_splits): one program per (sequence, KV head, split)

@@ -86,7 +86,9 @@ class ConfigReader:
             )
         return rotary_dim
 
-    def windows(self, num_layers: int, default_types: list[str] | None = None) -> tuple:
+    def windows(
+        self, num_layers: int, default_types: list[str] | None = None
+    ) -> tuple[int | None, ...]:
         """Each layer's window from `layer_types` (transformers 5), else `default_types`, else
         `sliding_window` on every layer (Mistral). A window at least the position limit is no
         window (Phi-3.5's 262144)."""
@@ -147,17 +149,23 @@ def _silu_mlp(read: ConfigReader) -> None:
 
 
 def _llama(read: ConfigReader) -> dict[str, Any]:
+    # Mistral and Phi-3 too: Phi-3's differences (fused projections, partial rotary, LongRoPE)
+    # are its checkpoint layout and its rope parameters, which the shared parsing reads.
     _silu_mlp(read)
     return {}
 
 
-def _qwen_windows(read: ConfigReader) -> tuple:
+def _qwen_windows(read: ConfigReader) -> tuple[int | None, ...]:
     # Before transformers 5 wrote `layer_types`, Qwen's window applied only with
     # use_sliding_window, and only from layer max_window_layers on.
     num_layers = read.positive("num_hidden_layers")
     if not read.flag("use_sliding_window"):
         return read.windows(num_layers, ["full_attention"] * num_layers)
     first = read.raw.get("max_window_layers", num_layers)
+    if not isinstance(first, int) or isinstance(first, bool) or first < 0:
+        raise ModelLoadError(
+            f"{read.source}: 'max_window_layers' must be an integer >= 0, got {first!r}"
+        )
     types = ["sliding_attention" if i >= first else "full_attention" for i in range(num_layers)]
     return read.windows(num_layers, types)
 
@@ -206,7 +214,9 @@ def _gemma3(read: ConfigReader) -> dict[str, Any]:
         global_params = {"rope_theta": read.raw.get("rope_theta", 1_000_000.0), **params}
         local_params = {"rope_theta": read.raw.get("rope_local_base_freq", 10_000.0)}
     hidden_size = read.positive("hidden_size")
-    softcap = read.raw.get("final_logit_softcapping")
+    softcap = None
+    if read.raw.get("final_logit_softcapping") is not None:
+        softcap = read.number("final_logit_softcapping", 0.0)
     return {
         "rope": read.rope(global_params),
         "local_rope": read.rope(local_params),
@@ -223,18 +233,13 @@ def _gemma3(read: ConfigReader) -> dict[str, Any]:
     }
 
 
-def _phi3(read: ConfigReader) -> dict[str, Any]:
-    _silu_mlp(read)
-    return {}
-
-
 FAMILIES: dict[str, Family] = {
     "LlamaForCausalLM": Family(_llama),
     "MistralForCausalLM": Family(_llama),
     "Qwen2ForCausalLM": Family(_qwen2),
     "Qwen3ForCausalLM": Family(_qwen3),
     "GraniteForCausalLM": Family(_granite),
-    "Phi3ForCausalLM": Family(_phi3, layout=FUSED_PROJECTIONS),
+    "Phi3ForCausalLM": Family(_llama, layout=FUSED_PROJECTIONS),
     "Gemma3ForCausalLM": Family(_gemma3, tied_by_default=True),
     "Gemma3ForConditionalGeneration": Family(
         _gemma3, layout=GEMMA3_MULTIMODAL, text_config_key="text_config", tied_by_default=True

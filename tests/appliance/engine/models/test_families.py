@@ -74,7 +74,7 @@ def test_chunks_across_the_window_edge_then_decode_match_transformers(family):
 
 
 def test_greedy_with_chunked_prefill_and_a_prefix_cache_hit_matches_transformers(
-    tiny_checkpoints, request
+    tiny_checkpoints,
 ):
     """The real Scheduler and ModelRunner, a 32-token budget (chunks cross the window edge),
     and two prompts sharing 48 tokens (two windows) so the second hits the prefix cache."""
