@@ -220,8 +220,7 @@ def save_checkpoint(model: torch.nn.Module, model_dir: Path, **kwargs: Any) -> P
     return model_dir
 
 
-@pytest.fixture(scope="session")
-def tiny_checkpoints(tmp_path_factory: pytest.TempPathFactory):
+def checkpoint_cache(tmp_path_factory: pytest.TempPathFactory):
     """name -> (model directory, transformers' model with the same weights), built once each."""
     cache: dict[str, tuple[Path, torch.nn.Module]] = {}
 
@@ -233,3 +232,8 @@ def tiny_checkpoints(tmp_path_factory: pytest.TempPathFactory):
         return cache[name]
 
     return get
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoints(tmp_path_factory: pytest.TempPathFactory):
+    return checkpoint_cache(tmp_path_factory)

@@ -21,7 +21,7 @@ from appliance.engine.engine import Engine, EngineConfig
 from appliance.engine.models.loader import load_model
 from appliance.engine.sampling_params import SamplingParams
 
-from .conftest import FAMILY_VARIANTS, GPU_VARIANTS
+from .conftest import FAMILY_VARIANTS, GPU_VARIANTS, checkpoint_cache
 from .test_architectures import _hf_greedy, _prompts
 
 pytestmark = pytest.mark.gpu
@@ -29,6 +29,12 @@ pytestmark = pytest.mark.gpu
 NAMES = sorted(FAMILY_VARIANTS) + sorted(GPU_VARIANTS)
 PROMPT_LENS = (300, 130, 9)
 NUM_NEW_TOKENS = 16
+
+
+@pytest.fixture(scope="module")
+def tiny_checkpoints(tmp_path_factory: pytest.TempPathFactory):
+    """conftest's fixture again, so the module also runs under `pytest --noconftest`."""
+    return checkpoint_cache(tmp_path_factory)
 
 
 def _engine(model_dir, dtype: str) -> Engine:
