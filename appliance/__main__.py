@@ -222,6 +222,11 @@ def _parser() -> argparse.ArgumentParser:
     imp.add_argument("gguf", type=Path, help="the .gguf file")
     imp.add_argument("outdir", type=Path, help="model directory to create")
     imp.set_defaults(run=_run_import_gguf)
+    inspect = _command(
+        model_commands, "inspect", "show a model directory's shape and whether Inferno serves it"
+    )
+    inspect.add_argument("model_dir", type=Path, help="the model directory")
+    inspect.set_defaults(run=_run_model_inspect)
     lifecycle.add_commands(commands, _command)
     return parser
 
@@ -332,6 +337,15 @@ def _run_import_gguf(args: argparse.Namespace) -> int:
     out = import_gguf(args.gguf, args.outdir, show_progress=sys.stderr.isatty())
     print(f"model directory written: {out}", file=sys.stderr)
     return 0
+
+
+def _run_model_inspect(args: argparse.Namespace) -> int:
+    """Exit status 0 when the engine serves the model, 1 when it would refuse it."""
+    from appliance.engine.models.inspection import inspect_model
+
+    report = inspect_model(args.model_dir)
+    print(report.render())
+    return 0 if report.unsupported is None else 1
 
 
 def _run_warmup(args: argparse.Namespace) -> int:

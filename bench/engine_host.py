@@ -20,7 +20,7 @@ import torch
 import kernels.reference as reference
 from appliance.engine.engine import Engine, EngineConfig
 from appliance.engine.models.config import ModelConfig
-from appliance.engine.models.llama import LlamaForCausalLM
+from appliance.engine.models.decoder import CausalLM
 from appliance.engine.sampling_params import SamplingParams
 
 STUB_CONFIG = {
@@ -35,13 +35,13 @@ STUB_CONFIG = {
 }
 
 
-def stub_model() -> LlamaForCausalLM:
+def stub_model() -> CausalLM:
     # The reference ops (whatever the kernel contract holds), with attention stubbed out.
-    stub_attention = {"paged_attention": lambda q, k_cache, v_cache, meta, scale: q}
+    stub_attention = {"paged_attention": lambda q, k_cache, v_cache, meta, scale, window=None: q}
     ops = types.SimpleNamespace(**{**vars(reference), **stub_attention})
     config = ModelConfig.from_dict(STUB_CONFIG)
     with torch.device("meta"):
-        model = LlamaForCausalLM(config, ops)
+        model = CausalLM(config, ops)
     model.to_empty(device="cpu")
     for param in model.parameters():
         param.data.normal_()

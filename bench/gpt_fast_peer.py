@@ -34,11 +34,12 @@ import torch
 from gpu_engine import (  # bench/, the script's own directory
     LLAMA_31_8B,
     copy_bandwidth,
-    draw_random_weights,
     random_prompts,
     report,
     rows,
 )
+
+from appliance.engine.models.loader import fill_randomly
 
 GPT_FAST_DIR = Path(__file__).parent / "peers" / "gpt_fast"
 GPT_FAST_COMMIT = "6ecad9b"  # bench/peers/gpt_fast/README.md
@@ -112,7 +113,7 @@ def build_model(
     with torch.device("meta"):
         model = gpt_fast.model.Transformer(args).to(torch.bfloat16)
     model.to_empty(device=device)
-    draw_random_weights(model, seed=0)
+    fill_randomly(model, seed=0)
     if int8:
         # As gpt-fast's quantize.py writes an int8 checkpoint and generate.py loads it: the
         # quantized state, then the int8 modules (on meta) filled by assignment.

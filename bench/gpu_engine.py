@@ -1,4 +1,5 @@
-"""GPU benchmarks of PERFORMANCE.md on the random-weight Llama-3.1-8B (bf16), in one run.
+"""GPU benchmarks of PERFORMANCE.md on a random-weight model of a real shape (bf16), in one run:
+Llama-3.1-8B by default, or with --model Qwen3-8B, Gemma-3-12B or Phi-4-mini.
 
 Measures the ceilings first (device-to-device copy bandwidth, dense bf16 matmul rate), then
 W1 (batch-1 decode), W2 (offline throughput), W4 (shared-prefix TTFT, prefix cache on vs off)
@@ -6,7 +7,8 @@ and W6 (GPU memory that is neither weights nor KV cache), and transformers' cont
 (`generate_batch`) on the same model for W2 (HF) and W4 (HFW4) as the peer. Prints Markdown
 rows last.
 
-    python bench/gpu_engine.py [--workloads W1,W2,W2S,P,W4,HF,HFW4] [--max-num-seqs 256]
+    python bench/gpu_engine.py [--model llama-3.1-8b|qwen3-8b|gemma-3-12b|phi-4-mini]
+                               [--workloads W1,W2,W2S,P,W4,HF,HFW4] [--max-num-seqs 256]
                                [--max-decode-burst 1]
                                [--w2-requests 1024] [--hf-requests 128]
                                [--tokenizer-json PATH]
@@ -14,6 +16,7 @@ rows last.
 W2S is W2 with a JSON schema on every request (grammars compiled against --tokenizer-json).
 
 W6 is measured right after W2, at W2's largest batch. P is prefill throughput at 8 × 2,048.
+The transformers peer (HF, HFW4) is Llama's only.
 """
 
 from __future__ import annotations
@@ -34,7 +37,8 @@ import triton
 
 from appliance.engine.engine import Engine, EngineConfig
 from appliance.engine.models.config import ModelConfig
-from appliance.engine.models.llama import LlamaForCausalLM
+from appliance.engine.models.decoder import CausalLM
+from appliance.engine.models.loader import build_model, fill_randomly
 from appliance.engine.sampling_params import SamplingParams
 from kernels import triton_ops
 
@@ -58,6 +62,63 @@ LLAMA_31_8B = {
         "original_max_position_embeddings": 8192,
     },
     "tie_word_embeddings": False,
+}
+# The text models' config.json values that set their shapes (from the releases' own files).
+QWEN3_8B = {
+    "architectures": ["Qwen3ForCausalLM"],
+    "hidden_size": 4096,
+    "intermediate_size": 12288,
+    "num_hidden_layers": 36,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "vocab_size": 151936,
+    "max_position_embeddings": 40960,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 1000000.0,
+    "tie_word_embeddings": False,
+}
+GEMMA_3_12B = {
+    "architectures": ["Gemma3ForCausalLM"],
+    "hidden_size": 3840,
+    "intermediate_size": 15360,
+    "num_hidden_layers": 48,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 8,
+    "head_dim": 256,
+    "vocab_size": 262208,
+    "max_position_embeddings": 131072,
+    "rms_norm_eps": 1e-6,
+    "query_pre_attn_scalar": 256,
+    "sliding_window": 1024,
+    "sliding_window_pattern": 6,
+    "rope_theta": 1000000.0,
+    "rope_local_base_freq": 10000.0,
+    "rope_scaling": {"rope_type": "linear", "factor": 8.0},
+}
+PHI_4_MINI = {
+    "architectures": ["Phi3ForCausalLM"],
+    "hidden_size": 3072,
+    "intermediate_size": 8192,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 24,
+    "num_key_value_heads": 8,
+    "vocab_size": 200064,
+    "max_position_embeddings": 131072,
+    "original_max_position_embeddings": 4096,
+    "rms_norm_eps": 1e-5,
+    "partial_rotary_factor": 0.75,
+    # LongRoPE's 48 factors of each kind; their values change no cost, so these are made up.
+    "rope_scaling": {"rope_type": "longrope", "short_factor": [1.0] * 48,
+                     "long_factor": [4.0] * 48},
+    "rope_theta": 10000.0,
+    "tie_word_embeddings": True,
+}  # fmt: skip
+SHAPES = {
+    "llama-3.1-8b": LLAMA_31_8B,
+    "qwen3-8b": QWEN3_8B,
+    "gemma-3-12b": GEMMA_3_12B,
+    "phi-4-mini": PHI_4_MINI,
 }
 MAX_MODEL_LEN = 4096
 rows: list[str] = []
@@ -83,37 +144,19 @@ def matmul_rate() -> float:
     return 2 * 8192**3 / (ms * 1e-3)
 
 
-def random_llama(seed: int = 0) -> LlamaForCausalLM:
-    """Llama-3.1-8B with normal(0, 0.02) weights drawn on the GPU (norm weights 1)."""
-    config = ModelConfig.from_dict(LLAMA_31_8B)
-    torch.set_default_dtype(torch.bfloat16)
-    try:
-        with torch.device("meta"):
-            model = LlamaForCausalLM(config, triton_ops)
-        model.to_empty(device="cuda")
-    finally:
-        torch.set_default_dtype(torch.float32)
-    draw_random_weights(model, seed)
+def random_model(shape: str = "llama-3.1-8b", seed: int = 0) -> CausalLM:
+    """The model of `SHAPES[shape]` with normal(0, 0.02) weights drawn on the GPU (norm
+    weights 1), in bf16 on the Triton kernels."""
+    config = ModelConfig.from_dict(SHAPES[shape])
+    model = build_model(config, dtype=torch.bfloat16, device="cuda", ops=triton_ops, shard=None)
+    fill_randomly(model, seed)
     model.init_rope_tables(MAX_MODEL_LEN)
     return model.eval()
 
 
-def draw_random_weights(model: torch.nn.Module, seed: int) -> None:
-    """Every parameter normal(0, 0.02), drawn from `seed` on the model's device in parameter
-    order, but those named "*norm.weight" (1): Inferno's model here, gpt-fast's in
-    gpt_fast_peer.py."""
-    generator = torch.Generator(next(model.parameters()).device).manual_seed(seed)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if name.endswith("norm.weight"):
-                param.fill_(1.0)
-            else:
-                param.normal_(0.0, 0.02, generator=generator)
-
-
-def build_engine(model: LlamaForCausalLM, **overrides) -> Engine:
+def build_engine(model: CausalLM, **overrides) -> Engine:
     settings = {
-        "model_dir": Path("random-llama-3.1-8b"),
+        "model_dir": Path("random-model"),
         "device": "cuda",
         "max_model_len": MAX_MODEL_LEN,
         "max_num_seqs": 256,
@@ -128,7 +171,7 @@ def random_prompts(n: int, length: int, seed: int) -> list[list[int]]:
     return torch.randint(0, LLAMA_31_8B["vocab_size"], (n, length), generator=g).tolist()
 
 
-def weight_bytes(model: LlamaForCausalLM) -> tuple[int, int]:
+def weight_bytes(model: CausalLM) -> tuple[int, int]:
     total = sum(p.numel() * p.element_size() for p in model.parameters())
     embed = model.embed_tokens.weight
     return total, total - embed.numel() * embed.element_size()
@@ -157,7 +200,7 @@ def release(engine: Engine) -> None:
     torch.cuda.empty_cache()
 
 
-def w1(model: LlamaForCausalLM, copy_bw: float, burst: int) -> None:
+def w1(model: CausalLM, copy_bw: float, burst: int) -> None:
     engine = build_engine(model, max_num_seqs=8, max_decode_burst=burst)
     params = SamplingParams(temperature=0.0, max_tokens=256, ignore_eos=True)
     [prompt] = random_prompts(1, 128, seed=1)
@@ -264,7 +307,7 @@ class BusySampler:
         return statistics.mean(self._samples) / 100 if self._samples else float("nan")
 
 
-def w2(model: LlamaForCausalLM, num_requests: int, max_num_seqs: int, burst: int) -> None:
+def w2(model: CausalLM, num_requests: int, max_num_seqs: int, burst: int) -> None:
     engine = build_engine(model, max_num_seqs=max_num_seqs, max_decode_burst=burst)
     params = SamplingParams(temperature=0.0, max_tokens=256, ignore_eos=True)
     run_timed(engine, random_prompts(8, 512, seed=2), SamplingParams(max_tokens=8, ignore_eos=True))
@@ -317,7 +360,7 @@ W2S_SCHEMAS = [
 
 
 def w2_structured(
-    model: LlamaForCausalLM, num_requests: int, max_num_seqs: int, tokenizer_json: Path
+    model: CausalLM, num_requests: int, max_num_seqs: int, tokenizer_json: Path
 ) -> None:
     """W2 with a JSON schema on every request (structured outputs' cost per token), its
     grammars compiled against a real tokenizer's vocabulary (the rest of the model's
@@ -354,7 +397,7 @@ def w2_structured(
     release(engine)
 
 
-def w6(engine: Engine, model: LlamaForCausalLM) -> None:
+def w6(engine: Engine, model: CausalLM) -> None:
     total_weights, _ = weight_bytes(model)
     kv = sum(t.numel() * t.element_size() for t in engine.runner.kv_caches)
     free, total = torch.cuda.mem_get_info()
@@ -367,7 +410,7 @@ def w6(engine: Engine, model: LlamaForCausalLM) -> None:
     )
 
 
-def prefill_throughput(model: LlamaForCausalLM, matmul: float) -> None:
+def prefill_throughput(model: CausalLM, matmul: float) -> None:
     """8 prompts of 2,048 tokens computed in one step (PERFORMANCE.md, "Prefill and kernels")."""
     engine = build_engine(model, max_num_batched_tokens=16384, enable_prefix_caching=False)
     params = SamplingParams(max_tokens=1, ignore_eos=True)
@@ -390,7 +433,7 @@ def prefill_throughput(model: LlamaForCausalLM, matmul: float) -> None:
     release(engine)
 
 
-def w4(model: LlamaForCausalLM) -> None:
+def w4(model: CausalLM) -> None:
     prompts = w4_prompts()
     params = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
     p50 = {}
@@ -449,6 +492,7 @@ def transformers_peer(workloads: set[str], num_requests: int) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
+    parser.add_argument("--model", choices=sorted(SHAPES), default="llama-3.1-8b")
     parser.add_argument("--workloads", default="W1,W2,P,W4,HF,HFW4")
     parser.add_argument("--w2-requests", type=int, default=1024)
     parser.add_argument("--hf-requests", type=int, default=128)
@@ -460,6 +504,8 @@ def main() -> None:
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
     wanted = set(args.workloads.split(","))
+    if args.model != "llama-3.1-8b" and wanted & {"HF", "HFW4"}:
+        parser.error("the transformers peer (HF, HFW4) runs Llama-3.1-8B only")
     props = torch.cuda.get_device_properties(0)
     commit = (
         os.environ.get("INFERNO_COMMIT")
@@ -471,14 +517,15 @@ def main() -> None:
         f"date {datetime.date.today()} device {props.name} ({props.total_memory / 2**30:.0f} GiB, "
         f"{props.multi_processor_count} SMs) torch {torch.__version__} triton {triton.__version__}"
         f" commit {commit or 'unknown'} max_decode_burst {args.max_decode_burst}"
+        f" model {args.model}"
     )
     copy_bw = copy_bandwidth()
     report("copy bandwidth (read + write)", f"{copy_bw / 1e12:.2f} TB/s")
     matmul = matmul_rate()
     report("dense bf16 matmul 8192³", f"{matmul / 1e12:.0f} TFLOP/s")
     start = time.perf_counter()
-    model = random_llama()
-    report("random 8B model built", f"{time.perf_counter() - start:.1f} s")
+    model = random_model(args.model)
+    report(f"random {args.model} built", f"{time.perf_counter() - start:.1f} s")
     if "W1" in wanted:
         w1(model, copy_bw, args.max_decode_burst)
     if "W2" in wanted:

@@ -79,9 +79,9 @@ def serve_built_model(kind: str, config_path: Path) -> None:
 
     settings = load_settings(config_path)
     if kind == "random-8b":
-        from gpu_engine import random_llama  # the same model as W1/W2
+        from gpu_engine import random_model  # the same model as W1/W2
 
-        model = random_llama()
+        model = random_model()
     else:
         from engine_host import stub_model  # model math stubbed out: host cost only
 

@@ -1,7 +1,8 @@
 """Paged decode attention (one new query token per sequence), split-KV flash-decoding in Triton.
 
 Same semantics as `kernels.reference.paged_attention` with every `query_lens[b] == 1`: query
-head h of sequence b attends to all `seq_lens[b]` cached tokens of KV head h // (Hq // Hkv).
+head h of sequence b attends to all `seq_lens[b]` cached tokens of KV head h // (Hq // Hkv), or
+with a sliding window W to the last W of them.
 
 Design (the flash-decoding scheme of vLLM and SGLang):
 1. `_decode_split_kernel`, grid (B, Hkv, num_splits): one program per (sequence, KV head, split)
@@ -47,6 +48,7 @@ def _decode_split_kernel(
     lse_ptr,  # [B, Hq, num_splits] float32 (unused when DIRECT)
     qk_scale,  # softmax scale * log2(e)
     max_blocks,
+    window,  # attend to the last `window` tokens; 0: to all of them
     stride_qb,
     stride_qh,
     stride_kb,
@@ -77,9 +79,12 @@ def _decode_split_kernel(
     # Clamp to what the block table can address: a corrupt length must never make the kernel read
     # past the table row (physical block ids themselves are the caller's contract).
     seq_len = tl.minimum(tl.load(seq_lens_ptr + seq), max_blocks * BLOCK_SIZE)
+    # A windowed layer's query (position seq_len - 1) sees only the last `window` keys; the
+    # splits share out those. Blocks before them are never read (they may have been freed).
+    first = tl.where(window > 0, tl.maximum(seq_len - window, 0), 0)
     # Split boundaries are multiples of BLOCK_N, so only a split's last tile is partial.
-    tokens_per_split = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
-    start = split * tokens_per_split
+    tokens_per_split = tl.cdiv(tl.cdiv(seq_len - first, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    start = first + split * tokens_per_split
     end = tl.minimum(start + tokens_per_split, seq_len)
 
     offs_g = tl.arange(0, G_PAD)
@@ -232,9 +237,11 @@ def paged_decode_attention(
     scale: float,
     *,
     num_splits: int,
+    sliding_window: int | None = None,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Attention of one new query token per sequence over its paged KV cache.
+    """Attention of one new query token per sequence over its paged KV cache: all of it, or
+    with `sliding_window` W its last W tokens (the earlier blocks are never read).
 
     q: [B, Hq, D] (last dim contiguous); k_cache, v_cache: [num_blocks, block_size, Hkv, D]
     (last dim contiguous, other strides free); block_tables: [B, max_blocks] int32;
@@ -247,6 +254,7 @@ def paged_decode_attention(
     Raises KernelInputError for any shape, dtype, device or layout it cannot handle.
     """
     _verify_inputs(q, k_cache, v_cache, block_tables, seq_lens, scale, num_splits, out)
+    verify_window(sliding_window)
     if out is None:
         out = torch.empty_like(q)
     batch, num_q_heads, head_dim = q.shape
@@ -277,6 +285,7 @@ def paged_decode_attention(
         lse,
         scale * _LOG2E,
         block_tables.shape[1],
+        sliding_window or 0,
         q.stride(0),
         q.stride(1),
         k_cache.stride(0),
@@ -320,6 +329,20 @@ def paged_decode_attention(
             num_warps=4,
         )
     return out
+
+
+def verify_window(sliding_window: int | None) -> None:
+    """A window is None (none) or a positive int that fits the kernels' int32 positions."""
+    if sliding_window is None:
+        return
+    if (
+        isinstance(sliding_window, bool)
+        or not isinstance(sliding_window, int)
+        or not 1 <= sliding_window < 2**31
+    ):
+        raise KernelInputError(
+            f"sliding_window must be None or a positive int, got {sliding_window!r}"
+        )
 
 
 def _tile_config(head_dim: int) -> tuple[int, int, int]:

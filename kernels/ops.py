@@ -83,6 +83,8 @@ class KernelOps(Protocol):
 
     def silu_mul_linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor: ...
 
+    def gelu_tanh_mul_linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor: ...
+
     def write_kv_cache(
         self,
         k: torch.Tensor,
@@ -99,4 +101,5 @@ class KernelOps(Protocol):
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        sliding_window: int | None = None,
     ) -> torch.Tensor: ...

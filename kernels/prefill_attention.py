@@ -14,7 +14,9 @@ Work decomposition (why it looks the way it does):
   softmax in float32 (exp2, with log2(e) folded into the scale).
 - Tiles wholly below the causal limit of the program's FIRST row need no mask at all; only the
   few "diagonal" tiles between that limit and the limit of its LAST row are masked, and tiles
-  past the last row's limit are never loaded.
+  past the last row's limit are never loaded. A sliding window adds the mirror image at the
+  other end: tiles before the first row's window are never loaded, and those its rows' window
+  edges cross are masked.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.decode_attention import verify_window
 from kernels.errors import KernelInputError
 from kernels.launch_checks import FLOAT_DTYPES, check_devices, check_paged_cache, triton_interprets
 
@@ -43,6 +46,8 @@ def _attend_key_tile(
     q_pos,
     start_n,
     num_keys,
+    window,
+    lowest_key,
     k_cache_ptr,
     v_cache_ptr,
     block_table_row_ptr,
@@ -64,14 +69,16 @@ def _attend_key_tile(
 
     acc: [BLOCK_M, HEAD_DIM] f32, m_i/l_i: [BLOCK_M] f32 (running max in log2 units, running
     sum), q: [BLOCK_M, HEAD_DIM], q_pos: [BLOCK_M] absolute position of each row's query.
-    MASKED tiles may reach past a row's causal limit or past `num_keys`; unmasked ones may not.
+    MASKED tiles may reach past a row's causal limit, below its window (`window` > 0) or past
+    `num_keys`; unmasked ones may not. Keys below `lowest_key` (outside every row's window) are
+    never loaded, nor their block-table entries: their blocks may have been freed.
     """
     offs_n = start_n + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
     # Per-token gather through the block table, so BLOCK_N need not match the cache block size.
     # Block ids go to int64 before scaling by a stride: a large cache has > 2**31 elements.
     if MASKED:
-        in_seq = offs_n < num_keys
+        in_seq = (offs_n < num_keys) & (offs_n >= lowest_key)
         block_ids = tl.load(block_table_row_ptr + offs_n // BLOCK_SIZE, mask=in_seq, other=0)
     else:
         block_ids = tl.load(block_table_row_ptr + offs_n // BLOCK_SIZE)
@@ -103,10 +110,11 @@ def _attend_key_tile(
     qk = qk * qk_scale  # [BLOCK_M, BLOCK_N], in log2 units
     if MASKED:
         visible = (offs_n[None, :] <= q_pos[:, None]) & in_seq[None, :]
+        visible &= (offs_n[None, :] > q_pos[:, None] - window) | (window == 0)
         qk = tl.where(visible, qk, float("-inf"))
 
-    # Every row sees key 0 and tiles run in order, so m_new is finite from the first tile on:
-    # no -inf - -inf NaNs, even for the padding rows past the sequence's last query.
+    # m_i starts at a finite floor, not -inf: a row that sees no key of a tile (outside its
+    # window, or a padding row) then gets p = 0 there, not a (-inf) - (-inf) NaN.
     m_new = tl.maximum(m_i, tl.max(qk, 1))
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(qk - m_new[:, None])
@@ -132,6 +140,7 @@ def _paged_prefill_attention_kernel(
     query_start_loc_ptr,
     qk_scale,
     max_blocks,
+    window,
     stride_qt,
     stride_qh,
     stride_kb,
@@ -180,7 +189,7 @@ def _paged_prefill_attention_kernel(
     q_ptrs = q_ptr + q_rows[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :]
     q = tl.load(q_ptrs, mask=row_valid[:, None], other=0.0)
 
-    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
 
@@ -192,60 +201,40 @@ def _paged_prefill_attention_kernel(
     # Keys below `unmasked_end` are visible to every row of the tile (and all < num_keys).
     unmasked_end = tl.minimum(num_cached + first_token + 1, num_keys) // BLOCK_N * BLOCK_N
     causal_end = tl.minimum(num_cached + last_token + 1, num_keys)
+    # With a window: tiles from `window_start` hold keys some row sees; keys from `window_end`
+    # are inside every row's window. Between them the window edge needs the mask.
+    lowest_key = tl.where(window > 0, tl.maximum(num_cached + first_token - window + 1, 0), 0)
+    window_start = lowest_key // BLOCK_N * BLOCK_N
+    window_end = tl.where(
+        window > 0,
+        tl.cdiv(tl.maximum(num_cached + last_token - window + 1, 0), BLOCK_N) * BLOCK_N,
+        0,
+    )
     block_table_row_ptr = block_tables_ptr + seq.to(tl.int64) * stride_bt
 
-    for start_n in range(0, unmasked_end, BLOCK_N):
+    # Three runs of tiles, in key order: the window's edge (masked), the keys every row sees
+    # (unmasked), the causal diagonal (masked). Without a window the first is empty.
+    for start_n in range(window_start, tl.minimum(window_end, causal_end), BLOCK_N):
         acc, m_i, l_i = _attend_key_tile(
-            acc,
-            m_i,
-            l_i,
-            q,
-            q_pos,
-            start_n,
-            num_keys,
-            k_cache_ptr,
-            v_cache_ptr,
-            block_table_row_ptr,
-            kv_head,
-            qk_scale,
-            stride_kb,
-            stride_kt,
-            stride_kh,
-            stride_vb,
-            stride_vt,
-            stride_vh,
-            BLOCK_SIZE,
-            HEAD_DIM,
-            BLOCK_N,
-            False,
-            DOT_FP32,
-        )
-    for start_n in range(unmasked_end, causal_end, BLOCK_N):
+            acc, m_i, l_i, q, q_pos, start_n, num_keys, window, lowest_key,
+            k_cache_ptr, v_cache_ptr, block_table_row_ptr, kv_head, qk_scale,
+            stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+            BLOCK_SIZE, HEAD_DIM, BLOCK_N, True, DOT_FP32,
+        )  # fmt: skip
+    for start_n in range(window_end, unmasked_end, BLOCK_N):
         acc, m_i, l_i = _attend_key_tile(
-            acc,
-            m_i,
-            l_i,
-            q,
-            q_pos,
-            start_n,
-            num_keys,
-            k_cache_ptr,
-            v_cache_ptr,
-            block_table_row_ptr,
-            kv_head,
-            qk_scale,
-            stride_kb,
-            stride_kt,
-            stride_kh,
-            stride_vb,
-            stride_vt,
-            stride_vh,
-            BLOCK_SIZE,
-            HEAD_DIM,
-            BLOCK_N,
-            True,
-            DOT_FP32,
-        )
+            acc, m_i, l_i, q, q_pos, start_n, num_keys, window, lowest_key,
+            k_cache_ptr, v_cache_ptr, block_table_row_ptr, kv_head, qk_scale,
+            stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+            BLOCK_SIZE, HEAD_DIM, BLOCK_N, False, DOT_FP32,
+        )  # fmt: skip
+    for start_n in range(tl.maximum(unmasked_end, window_end), causal_end, BLOCK_N):
+        acc, m_i, l_i = _attend_key_tile(
+            acc, m_i, l_i, q, q_pos, start_n, num_keys, window, lowest_key,
+            k_cache_ptr, v_cache_ptr, block_table_row_ptr, kv_head, qk_scale,
+            stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+            BLOCK_SIZE, HEAD_DIM, BLOCK_N, True, DOT_FP32,
+        )  # fmt: skip
 
     out = acc / l_i[:, None]
     o_ptrs = out_ptr + q_rows[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
@@ -291,9 +280,12 @@ def paged_prefill_attention(
     *,
     max_query_len: int,
     scale: float,
+    sliding_window: int | None = None,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Causal attention of each sequence's new tokens over its whole paged context.
+    """Causal attention of each sequence's new tokens over its paged context: all of it, or
+    with `sliding_window` W the last W tokens up to each query's own (tiles wholly before a
+    tile's windows are never read).
 
     q: [T, Hq, D] the new tokens of all B sequences, concatenated in batch order
     k_cache, v_cache: [num_blocks, block_size, Hkv, D], already holding the new tokens' K/V
@@ -303,6 +295,7 @@ def paged_prefill_attention(
     query_start_loc: [B + 1] int32, sequence b owns rows query_start_loc[b] : [b + 1] of q
     max_query_len: the largest query_len in the batch (sizes the grid without a device sync)
     scale: softmax scale, usually D ** -0.5
+    sliding_window: None, or how many of the latest keys (its own included) a query sees
     out: optional [T, Hq, D] destination in q's dtype
     -> [T, Hq, D] in q's dtype; query i of sequence b sits at position
        seq_len_b - query_len_b + i and attends to keys 0 ..= that position.
@@ -314,6 +307,7 @@ def paged_prefill_attention(
     of a tensor needs to be contiguous.
     """
     _check_inputs(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, max_query_len)
+    verify_window(sliding_window)
     if not (isinstance(scale, int | float) and math.isfinite(scale) and scale > 0):
         raise KernelInputError(f"scale must be a finite positive number, got {scale!r}")
     if out is None:
@@ -344,6 +338,7 @@ def paged_prefill_attention(
         query_start_loc,
         scale * _LOG2_E,
         block_tables.shape[1],
+        sliding_window or 0,
         q.stride(0),
         q.stride(1),
         k_cache.stride(0),

@@ -66,6 +66,13 @@ def silu_mul_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return F.linear(silu_and_mul(x), weight)
 
 
+def gelu_tanh_mul_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """The MLP's down projection of GELU(gate) * up, GELU with the tanh approximation (Gemma),
+    for the fused x = [gate | up]: [T, 2I]."""
+    gate, up = x.chunk(2, dim=-1)
+    return F.linear(F.gelu(gate, approximate="tanh") * up, weight)
+
+
 def write_kv_cache(
     k: torch.Tensor,
     v: torch.Tensor,
@@ -90,8 +97,10 @@ def paged_attention(
     v_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
-    """Causal attention of each sequence's new tokens over its whole cached context.
+    """Causal attention of each sequence's new tokens over its cached context: all of it, or
+    with `sliding_window` W the last W tokens up to and including each query's own.
 
     Sequence b owns `meta.query_lens[b]` consecutive rows of q (in batch order), the last
     `query_lens[b]` of its `meta.seq_lens[b]` tokens, whose keys and values are already in the
@@ -110,9 +119,13 @@ def paged_attention(
         k = k_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len]
         v = v_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len]
         q_b = q[start : start + query_len]
-        # Query i sits at position seq_len - query_len + i and sees keys 0 ..= that position.
-        q_pos = torch.arange(seq_len - query_len, seq_len, device=q.device)
-        mask = torch.arange(seq_len, device=q.device)[None, :] <= q_pos[:, None]
+        # Query i sits at position p = seq_len - query_len + i and sees keys 0 ..= p, or with a
+        # window W keys p - W + 1 ..= p.
+        q_pos = torch.arange(seq_len - query_len, seq_len, device=q.device)[:, None]
+        k_pos = torch.arange(seq_len, device=q.device)[None, :]
+        mask = k_pos <= q_pos
+        if sliding_window is not None:
+            mask &= k_pos > q_pos - sliding_window
         o = F.scaled_dot_product_attention(
             q_b.transpose(0, 1),  # [Hq, Tq, D]
             k.transpose(0, 1),  # [Hkv, S, D]

@@ -23,6 +23,7 @@ from kernels.rotary import rotary_embedding
 
 __all__ = [
     "add_rms_norm",
+    "gelu_tanh_mul_linear",
     "linear",
     "paged_attention",
     "rms_norm",
@@ -46,12 +47,20 @@ def silu_mul_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return F.linear(silu_and_mul(x), weight)
 
 
+def gelu_tanh_mul_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """Down projection of GELU-tanh(gate) * up (Gemma), in torch (no fused kernel yet); see
+    `kernels.reference.gelu_tanh_mul_linear`."""
+    gate, up = x.chunk(2, dim=-1)
+    return linear(F.gelu(gate, approximate="tanh") * up, weight, None)
+
+
 def paged_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
     """q: [T, Hq, D] -> [T, Hq, D]; see `kernels.reference.paged_attention` for the semantics."""
     if meta.decode_only:
@@ -63,6 +72,7 @@ def paged_attention(
             meta.seq_lens_t,
             scale,
             num_splits=meta.num_splits,
+            sliding_window=sliding_window,
         )
     return paged_prefill_attention(
         q,
@@ -73,4 +83,5 @@ def paged_attention(
         meta.query_start_loc,
         max_query_len=meta.max_query_len,
         scale=scale,
+        sliding_window=sliding_window,
     )

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from appliance.engine.engine import Engine, EngineConfig
 from appliance.engine.models.config import ModelConfig
-from appliance.engine.models.llama import LlamaForCausalLM
+from appliance.engine.models.decoder import CausalLM
 from appliance.engine.models.loader import load_model
 from appliance.engine.models.sealed_images import SealedImages, StagingRing
 from appliance.engine.parallel.sharding import ShardPlan
@@ -50,7 +50,7 @@ class LoadedModel:
         tokenizer = Tokenizer.from_model_dir(model_dir)
         started_s = loaded_s = time.monotonic()
 
-        def load_weights(shard: ShardPlan | None) -> LlamaForCausalLM:
+        def load_weights(shard: ShardPlan | None) -> CausalLM:
             nonlocal started_s, loaded_s
             started_s = time.monotonic()  # after the tensor-parallel workers' start
             model = load_model(
@@ -85,7 +85,7 @@ class LoadedModel:
         weights = SealedWeights(sealed, data_key, workers)
         started_s = loaded_s = time.monotonic()
 
-        def load_weights(shard: ShardPlan | None) -> LlamaForCausalLM:
+        def load_weights(shard: ShardPlan | None) -> CausalLM:
             nonlocal started_s, loaded_s
             assert shard is not None, "tensor_parallel_size > 1"
             started_s = time.monotonic()

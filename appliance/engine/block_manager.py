@@ -44,11 +44,23 @@ class _Block:
 class BlockManager:
     """Owns the block pool; sequences hold block ids in `Sequence.block_table`."""
 
-    def __init__(self, num_blocks: int, block_size: int, *, enable_prefix_caching: bool = True):
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        *,
+        enable_prefix_caching: bool = True,
+        kv_window: int | None = None,
+    ):
+        """kv_window: when every layer of the model attends only to its last W tokens, the
+        largest W; a sequence's blocks wholly older than that are released as it advances."""
         if num_blocks < 1 or block_size < 1:
             raise EngineConfigError(
                 f"need num_blocks >= 1 and block_size >= 1, got {num_blocks} and {block_size}"
             )
+        if kv_window is not None and kv_window < 1:
+            raise EngineConfigError(f"kv_window must be None or >= 1, got {kv_window}")
+        self.kv_window = kv_window
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
@@ -68,6 +80,16 @@ class BlockManager:
 
     def ref_count(self, block_id: int) -> int:
         return self._blocks[block_id].ref_count
+
+    def max_blocks_held(self, num_tokens: int, max_chunk: int) -> int:
+        """The most blocks a sequence of `num_tokens` tokens holds at once, computed in steps
+        of at most `max_chunk` tokens: all of its blocks, or with a window those from the
+        step's first query's window to the step's end (one more where they straddle a block)."""
+        num_blocks = -(-num_tokens // self.block_size)
+        if self.kv_window is None:
+            return num_blocks
+        span = self.kv_window - 1 + max_chunk
+        return min(num_blocks, -(-span // self.block_size) + 1)
 
     def find_cached_prefix(self, seq: Sequence) -> list[int]:
         """The cached blocks that hold the longest prefix of `seq`, for a sequence with no blocks.
@@ -100,6 +122,7 @@ class BlockManager:
         if not cached and num_tokens <= len(seq.block_table) * self.block_size:
             # Most decode steps: the last block still has room.
             self._register_full_blocks(seq, num_tokens)
+            self._release_out_of_window(seq, seq.num_computed_tokens)
             return True
         if self._num_blocks_to_take(seq, num_new_tokens, cached) > len(self._free):
             return False
@@ -112,19 +135,35 @@ class BlockManager:
         while len(seq.block_table) * self.block_size < num_tokens:
             seq.block_table.append(self._take_free_block())
         self._register_full_blocks(seq, num_tokens)
+        self._release_out_of_window(seq, num_tokens - num_new_tokens)
         return True
 
     def free(self, seq: Sequence) -> None:
         """Drop `seq`'s references. Its blocks keep their hashes, tail first in the free queue so
         that a shared prefix outlives the unique suffixes behind it."""
-        for block_id in reversed(seq.block_table):
-            block = self._blocks[block_id]
-            block.ref_count -= 1
-            assert block.ref_count >= 0, f"block {block_id} freed more often than allocated"
-            if block.ref_count == 0:
-                self._free[block_id] = None
+        for block_id in reversed(seq.block_table[seq.num_released_blocks :]):
+            self._drop_reference(block_id)
         seq.block_table = []
         seq.num_published_blocks = 0
+        seq.num_released_blocks = 0
+
+    def _release_out_of_window(self, seq: Sequence, first_query: int) -> None:
+        """Give back `seq`'s blocks that no layer can see from position `first_query` (the
+        step's earliest query) on: a query at p sees keys p - W + 1 ..= p, and later queries
+        see less of the past. They keep their hashes, so the prefix cache can still hit them."""
+        if self.kv_window is None:
+            return
+        num_unseen = max(first_query - self.kv_window + 1, 0) // self.block_size
+        for block_id in seq.block_table[seq.num_released_blocks : num_unseen]:
+            self._drop_reference(block_id)
+        seq.num_released_blocks = max(seq.num_released_blocks, num_unseen)
+
+    def _drop_reference(self, block_id: int) -> None:
+        block = self._blocks[block_id]
+        block.ref_count -= 1
+        assert block.ref_count >= 0, f"block {block_id} freed more often than allocated"
+        if block.ref_count == 0:
+            self._free[block_id] = None
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached hash (blocks in use stay allocated, just no longer shareable)."""

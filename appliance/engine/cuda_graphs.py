@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 import torch
 
-from appliance.engine.models.llama import LlamaForCausalLM
+from appliance.engine.models.decoder import CausalLM
 from kernels.ops import AttentionMetadata
 
 
@@ -28,7 +28,7 @@ def batch_size_ladder(max_batch: int) -> list[int]:
 class DecodeGraphs:
     def __init__(
         self,
-        model: LlamaForCausalLM,
+        model: CausalLM,
         kv_caches: list[torch.Tensor],
         max_blocks_per_seq: int,
         num_splits_for: Callable[[int], int],

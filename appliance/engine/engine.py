@@ -24,7 +24,7 @@ from appliance.engine.errors import (
 from appliance.engine.kv_cache import KVCacheSpec
 from appliance.engine.model_runner import ModelRunner
 from appliance.engine.models.config import ModelConfig
-from appliance.engine.models.llama import LlamaForCausalLM
+from appliance.engine.models.decoder import CausalLM
 from appliance.engine.models.loader import load_model
 from appliance.engine.outputs import EngineStats, RequestOutput, RequestState
 from appliance.engine.parallel.group import TensorParallelGroup
@@ -172,7 +172,7 @@ class Engine:
         ModelConfig.from_model_dir(model_dir)  # the clearest errors first, before any heavy load
         tokenizer = Tokenizer.from_model_dir(model_dir)
 
-        def load_weights(shard: ShardPlan | None) -> LlamaForCausalLM:
+        def load_weights(shard: ShardPlan | None) -> CausalLM:
             return load_model(
                 model_dir,
                 dtype=config.torch_dtype,
@@ -188,7 +188,7 @@ class Engine:
         cls,
         config: EngineConfig,
         tokenizer: Tokenizer | None,
-        load_weights: Callable[[ShardPlan | None], LlamaForCausalLM],
+        load_weights: Callable[[ShardPlan | None], CausalLM],
         *,
         sealed: SealedWeights | None = None,
         random_weights: bool = False,
@@ -211,7 +211,7 @@ class Engine:
     def build(
         cls,
         config: EngineConfig,
-        model: LlamaForCausalLM,
+        model: CausalLM,
         tokenizer: Tokenizer | None,
         *,
         group: TensorParallelGroup | None = None,
@@ -262,7 +262,10 @@ class Engine:
         if config.on_gpu and config.enable_cuda_graphs:
             runner.capture_decode_graphs(config.max_num_seqs)
         block_manager = BlockManager(
-            num_blocks, config.block_size, enable_prefix_caching=config.enable_prefix_caching
+            num_blocks,
+            config.block_size,
+            enable_prefix_caching=config.enable_prefix_caching,
+            kv_window=model_config.kv_window,
         )
         scheduler = Scheduler(
             SchedulerConfig(
@@ -352,7 +355,9 @@ class Engine:
             )
         bm = self.block_manager
         num_tokens = min(len(token_ids) + params.max_tokens, self.max_model_len)
-        if -(-num_tokens // bm.block_size) > bm.num_blocks:
+        config = self.scheduler.config
+        max_chunk = max(config.max_num_batched_tokens, config.max_decode_burst)
+        if bm.max_blocks_held(num_tokens, max_chunk) > bm.num_blocks:
             raise ContextLengthExceededError(
                 f"prompt plus max_tokens ({num_tokens} tokens) exceeds the whole KV cache "
                 f"({bm.num_blocks * bm.block_size} tokens); lower max_tokens or the prompt length"

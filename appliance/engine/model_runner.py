@@ -19,7 +19,7 @@ import torch
 from appliance.engine.cuda_graphs import DecodeGraphs
 from appliance.engine.errors import EngineConfigError
 from appliance.engine.kv_cache import KVCacheSpec
-from appliance.engine.models.llama import LlamaForCausalLM
+from appliance.engine.models.decoder import CausalLM
 from appliance.engine.outputs import TokenLogprob
 from appliance.engine.parallel.step_broadcast import StepBroadcast
 from appliance.engine.sampling import sample, token_logprobs
@@ -66,7 +66,7 @@ class ModelRunner:
 
     def __init__(
         self,
-        model: LlamaForCausalLM,
+        model: CausalLM,
         block_size: int,
         device: torch.device | str,
         max_model_len: int,

@@ -66,6 +66,9 @@ class Sequence:
     num_cached_tokens: int = 0
     num_preemptions: int = 0
     block_table: list[int] = field(default_factory=list)
+    # Leading entries of `block_table` given back because no layer's window reaches them any
+    # more (their ids stay, so positions still index the table; attention never reads them).
+    num_released_blocks: int = 0
     # Chained hashes of this sequence's full blocks, extended as blocks fill.
     block_hashes: list[bytes] = field(default_factory=list)
     # Leading blocks of `block_table` already offered to the prefix cache.

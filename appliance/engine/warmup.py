@@ -25,7 +25,7 @@ import torch
 
 from appliance.engine.engine import Engine, EngineConfig
 from appliance.engine.models import loader
-from appliance.engine.models.llama import LlamaForCausalLM
+from appliance.engine.models.decoder import CausalLM
 from appliance.engine.parallel.sharding import ShardPlan
 from appliance.engine.sampling_params import SamplingParams
 from kernels.backend import triton_cache_dir
@@ -54,9 +54,7 @@ def cached_kernels(cache_dir: Path) -> int:
     return sum(1 for entry in cache_dir.iterdir() if entry.is_dir())
 
 
-def random_model(
-    config: EngineConfig, seed: int = 0, shard: ShardPlan | None = None
-) -> LlamaForCausalLM:
+def random_model(config: EngineConfig, seed: int = 0, shard: ShardPlan | None = None) -> CausalLM:
     """The model directory's architecture on the engine's device, with random weights (one
     tensor-parallel rank's part with `shard`)."""
     return loader.random_model(

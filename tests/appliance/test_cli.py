@@ -360,7 +360,7 @@ def test_every_subcommands_help_has_a_one_line_description_and_shows_defaults() 
     subcommands = dict(_subcommands(_parser()))
     assert {" ".join(path) for path in subcommands} >= {
         "generate", "serve", "demo", "audit", "audit export", "audit vkey", "token", "model",
-        "model import-gguf",
+        "model import-gguf", "model inspect",
     }  # fmt: skip
     for path, parser in subcommands.items():
         result = _inferno(*path, "--help")

@@ -75,7 +75,7 @@ def make_case(
     )
 
 
-def run_kernel(case: DecodeCase, num_splits: int, **kwargs: torch.Tensor) -> torch.Tensor:
+def run_kernel(case: DecodeCase, num_splits: int, **kwargs: object) -> torch.Tensor:
     return paged_decode_attention(
         case.q,
         case.k_cache,
@@ -88,7 +88,7 @@ def run_kernel(case: DecodeCase, num_splits: int, **kwargs: torch.Tensor) -> tor
     )
 
 
-def reference_output(case: DecodeCase) -> torch.Tensor:
+def reference_output(case: DecodeCase, sliding_window: int | None = None) -> torch.Tensor:
     """The reference in float32 on the non-padding rows; padding rows (seq_len 0) are zeros."""
     rows = [b for b, n in enumerate(case.seq_lens_host) if n > 0]
     expected = torch.zeros(case.q.shape, dtype=torch.float32, device=case.q.device)
@@ -100,15 +100,36 @@ def reference_output(case: DecodeCase) -> torch.Tensor:
             [1] * len(rows),
         )
         expected[rows] = paged_attention(
-            case.q[rows].float(), case.k_cache.float(), case.v_cache.float(), meta, case.scale
+            case.q[rows].float(),
+            case.k_cache.float(),
+            case.v_cache.float(),
+            meta,
+            case.scale,
+            sliding_window,
         )
     return expected
 
 
-def assert_matches_reference(case: DecodeCase, out: torch.Tensor) -> None:
+def assert_matches_reference(
+    case: DecodeCase, out: torch.Tensor, sliding_window: int | None = None
+) -> None:
     assert out.dtype == case.q.dtype
     tol = TOLERANCE[case.q.dtype]
-    torch.testing.assert_close(out.float(), reference_output(case), atol=tol, rtol=tol)
+    expected = reference_output(case, sliding_window)
+    torch.testing.assert_close(out.float(), expected, atol=tol, rtol=tol)
+
+
+def poison_before_windows(case: DecodeCase, window: int) -> DecodeCase:
+    """A copy whose keys and values are NaN at every position before each sequence's window:
+    the kernel must never read them (the block manager may have freed those blocks)."""
+    k_cache, v_cache = case.k_cache.clone(), case.v_cache.clone()
+    block_size = k_cache.shape[1]
+    tables = case.block_tables.tolist()
+    for b, seq_len in enumerate(case.seq_lens_host):
+        for pos in range(max(seq_len - window, 0)):
+            k_cache[tables[b][pos // block_size], pos % block_size] = float("nan")
+            v_cache[tables[b][pos // block_size], pos % block_size] = float("nan")
+    return replace(case, k_cache=k_cache, v_cache=v_cache)
 
 
 # Ragged lengths around block boundaries (block_size 16), a zero-length padding row, and one long
@@ -128,6 +149,16 @@ def test_decode_attention_matches_reference_on_ragged_batch(
         CPU_SEQ_LENS, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=32, dtype=dtype
     )
     assert_matches_reference(case, run_kernel(case, num_splits))
+
+
+@pytest.mark.parametrize("window", [1, 16, 33])
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_windowed_decode_matches_reference_and_reads_nothing_before_the_window(
+    window: int, num_splits: int
+) -> None:
+    case = make_case(CPU_SEQ_LENS, num_q_heads=4, num_kv_heads=2, head_dim=32, dtype=torch.float32)
+    out = run_kernel(poison_before_windows(case, window), num_splits, sliding_window=window)
+    assert_matches_reference(case, out, sliding_window=window)
 
 
 def test_decode_attention_matches_reference_with_head_dim_16_and_large_blocks() -> None:
@@ -393,3 +424,23 @@ def test_decode_attention_replays_in_a_cuda_graph_after_inputs_change(num_splits
     graph.replay()
     torch.cuda.synchronize()
     assert_matches_reference(replace(case, seq_lens_host=new_lens), out)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("head_dim", [128, 256])
+@pytest.mark.parametrize("num_splits", [1, 4, 16])
+def test_windowed_decode_matches_reference_on_gpu_in_bfloat16(
+    head_dim: int, num_splits: int
+) -> None:
+    # Gemma 3's local layers: head_dim 256, a 1024-token window over contexts up to 4096.
+    case = make_case(
+        _gpu_seq_lens(13, seed=7),
+        num_q_heads=16,
+        num_kv_heads=8,
+        head_dim=head_dim,
+        dtype=torch.bfloat16,
+        device="cuda",
+        seed=head_dim,
+    )
+    out = run_kernel(poison_before_windows(case, 1024), num_splits, sliding_window=1024)
+    assert_matches_reference(case, out, sliding_window=1024)

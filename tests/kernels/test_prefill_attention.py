@@ -61,10 +61,15 @@ class PrefillCase:
         args.update(overrides)
         return paged_prefill_attention(**args)
 
-    def reference(self) -> torch.Tensor:
+    def reference(self, sliding_window: int | None = None) -> torch.Tensor:
         """float32 reference on the same rounded inputs: [T, Hq, D] float32."""
         return paged_attention(
-            self.q.float(), self.k_cache.float(), self.v_cache.float(), self.meta, self.scale
+            self.q.float(),
+            self.k_cache.float(),
+            self.v_cache.float(),
+            self.meta,
+            self.scale,
+            sliding_window,
         )
 
 
@@ -129,13 +134,15 @@ def make_case(
     )
 
 
-def assert_matches_reference(case: PrefillCase, out: torch.Tensor) -> None:
+def assert_matches_reference(
+    case: PrefillCase, out: torch.Tensor, sliding_window: int | None = None
+) -> None:
     assert out.dtype == case.q.dtype
     assert out.shape == case.q.shape
     tol = TOLERANCE[case.q.dtype]
     torch.testing.assert_close(
         out.float(),
-        case.reference(),
+        case.reference(sliding_window),
         atol=tol,
         rtol=tol,
         msg=lambda detail: f"{detail}\nreplay with make_case(..., seed={case.seed})",
@@ -424,3 +431,75 @@ def test_matches_reference_on_gpu_in_float32() -> None:
         device="cuda",
     )
     assert_matches_reference(case, case.run())
+
+
+def _poison_before_windows(case: PrefillCase, window: int) -> PrefillCase:
+    """A copy whose keys and values are NaN at every position before the first query's window,
+    which the kernel must then never read: the block manager may have freed those blocks and
+    handed them to other sequences."""
+    k_cache, v_cache = case.k_cache.clone(), case.v_cache.clone()
+    block_size = k_cache.shape[1]
+    tables = case.block_tables.tolist()
+    lengths = zip(case.meta.seq_lens, case.meta.query_lens, strict=True)
+    for b, (seq_len, query_len) in enumerate(lengths):
+        unseen = max(seq_len - query_len - window + 1, 0)
+        for pos in range(unseen):
+            block = tables[b][pos // block_size]
+            k_cache[block, pos % block_size] = float("nan")
+            v_cache[block, pos % block_size] = float("nan")
+    return replace(case, k_cache=k_cache, v_cache=v_cache)
+
+
+# (query_lens, num_cached): a first prefill longer than the window, an extend whose chunk
+# crosses the window edge, a decode row far past it, and one short of it.
+WINDOWED_BATCH = ([70, 9, 1, 3], [0, 150, 200, 2])
+
+
+@pytest.mark.parametrize("window", [1, 16, 37])
+@pytest.mark.parametrize(("num_q_heads", "num_kv_heads"), [(2, 2), (4, 1)])
+def test_windowed_attention_matches_reference_and_reads_nothing_before_the_window(
+    window: int, num_q_heads: int, num_kv_heads: int
+) -> None:
+    query_lens, num_cached = WINDOWED_BATCH
+    case = make_case(
+        query_lens,
+        num_cached,
+        num_q_heads=num_q_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=16,
+        dtype=torch.float32,
+    )
+    out = _poison_before_windows(case, window).run(sliding_window=window)
+    assert_matches_reference(case, out, sliding_window=window)
+
+
+def test_a_window_wider_than_every_context_changes_nothing() -> None:
+    case = make_case([20, 3], [0, 30], num_q_heads=2, num_kv_heads=1, head_dim=16,
+                     dtype=torch.float32)  # fmt: skip
+    torch.testing.assert_close(case.run(sliding_window=1000), case.run(), atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("window", [0, -3, 2.5, True])
+def test_rejects_a_window_that_is_not_a_positive_int(window: object) -> None:
+    with pytest.raises(KernelInputError, match="sliding_window"):
+        _tiny_case().run(sliding_window=window)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("head_dim", [128, 256])
+@pytest.mark.parametrize("window", [512, 1024])
+def test_windowed_attention_matches_reference_on_gpu_in_bfloat16(
+    head_dim: int, window: int
+) -> None:
+    # Gemma 3's shapes: head_dim 256, 1024-token windows; chunks crossing the window edge.
+    case = make_case(
+        [1500, 300, 1, 700],
+        [0, 900, 3000, 200],
+        num_q_heads=8,
+        num_kv_heads=4,
+        head_dim=head_dim,
+        dtype=torch.bfloat16,
+        device="cuda",
+    )
+    out = _poison_before_windows(case, window).run(sliding_window=window)
+    assert_matches_reference(case, out, sliding_window=window)

@@ -1,28 +1,24 @@
-"""The architecture of a model directory, parsed once from its `config.json`."""
+"""The architecture of a model directory, parsed once from its `config.json`.
+
+The fields every decoder family shares are read here; what a family changes (biases, norms,
+multipliers, windows, its own rope) comes from its declaration in `models.families`.
+"""
 
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from appliance.engine.errors import ModelLoadError
+from appliance.engine.models.families import FAMILIES, ConfigReader, Family
+from appliance.engine.models.rotary import RopeConfig
 
-SUPPORTED_ARCHITECTURES = frozenset({"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"})
-SUPPORTED_ROPE_TYPES = frozenset({"default", "linear", "llama3"})
+__all__ = ["SUPPORTED_ARCHITECTURES", "ModelConfig", "RopeConfig"]
 
-
-@dataclass(frozen=True, slots=True)
-class RopeConfig:
-    """Rotary position embedding: base frequency and optional context-extension scaling."""
-
-    theta: float
-    rope_type: str = "default"
-    factor: float = 1.0
-    low_freq_factor: float = 1.0
-    high_freq_factor: float = 4.0
-    original_max_position_embeddings: int = 8192
+SUPPORTED_ARCHITECTURES = frozenset(FAMILIES)
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,7 +37,25 @@ class ModelConfig:
     tie_word_embeddings: bool
     qkv_bias: bool
     o_bias: bool
-    sliding_window: int | None = None
+    # Per layer: how many of the latest tokens it attends to (None: all of them).
+    layer_windows: tuple[int | None, ...]
+    # The leading part of each head that rope rotates (Phi-4-mini: 96 of 128).
+    rotary_dim: int
+    # The rope of windowed layers where it differs from `rope` (Gemma 3's local base).
+    local_rope: RopeConfig | None = None
+    # RMSNorm of each head of q and k before rope (Qwen3, Gemma 3).
+    qk_norm: bool = False
+    # Gemma's norms scale by (1 + w): the checkpoint holds w, the model 1 + w.
+    norm_weight_offset: float = 0.0
+    # Gemma 3: a norm after attention and around the MLP (pre and post), four per layer.
+    sandwich_norms: bool = False
+    activation: str = "silu"  # of the gated MLP: "silu" or "gelu_tanh"
+    # None: head_dim ** -0.5; Gemma's query_pre_attn_scalar and Granite's multiplier set it.
+    attention_scale: float | None = None
+    embedding_multiplier: float = 1.0
+    residual_multiplier: float = 1.0
+    logits_divisor: float = 1.0  # Granite's logits_scaling
+    final_logit_softcapping: float | None = None
 
     @classmethod
     def from_model_dir(cls, model_dir: Path) -> ModelConfig:
@@ -62,82 +76,69 @@ class ModelConfig:
         return cls.from_dict(raw, source=str(path))
 
     @classmethod
-    def from_dict(cls, raw: dict[str, Any], *, source: str = "config") -> ModelConfig:
-        def need(key: str, default: int | None = None) -> int:
-            value = raw.get(key)
-            if value is None:
-                value = default
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ModelLoadError(f"{source}: {key!r} must be a positive integer, got {value!r}")
-            return value
-
-        archs = raw.get("architectures")
-        arch = archs[0] if isinstance(archs, list) and archs else None
-        if not isinstance(arch, str) or arch not in SUPPORTED_ARCHITECTURES:
-            raise ModelLoadError(
-                f"{source}: architecture {arch!r} is not supported; "
-                f"supported: {', '.join(sorted(SUPPORTED_ARCHITECTURES))}"
-            )
-        num_heads = need("num_attention_heads")
-        hidden_size = need("hidden_size")
-        head_dim = need("head_dim", hidden_size // num_heads)
-        num_kv_heads = need("num_key_value_heads", num_heads)
+    def from_dict(cls, raw: Mapping[str, Any], *, source: str = "config") -> ModelConfig:
+        family = family_of(raw, source)
+        text = family.text_config(raw, source)
+        read = ConfigReader(text, source)
+        num_heads = read.positive("num_attention_heads")
+        hidden_size = read.positive("hidden_size")
+        head_dim = read.positive("head_dim", hidden_size // num_heads)
+        num_kv_heads = read.positive("num_key_value_heads", num_heads)
         if num_heads % num_kv_heads:
             raise ModelLoadError(
                 f"{source}: num_attention_heads {num_heads} is not a multiple of "
                 f"num_key_value_heads {num_kv_heads}"
             )
-        sliding_window = None
-        if raw.get("sliding_window") is not None and (
-            arch != "Qwen2ForCausalLM" or raw.get("use_sliding_window", False)
-        ):
-            sliding_window = need("sliding_window")
-        attention_bias = bool(raw.get("attention_bias", False))
-        return cls(
-            architecture=arch,
-            vocab_size=need("vocab_size"),
-            hidden_size=hidden_size,
-            intermediate_size=need("intermediate_size"),
-            num_layers=need("num_hidden_layers"),
-            num_heads=num_heads,
-            num_kv_heads=num_kv_heads,
-            head_dim=head_dim,
-            max_position_embeddings=need("max_position_embeddings"),
-            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-            rope=_parse_rope(raw, source),
-            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-            qkv_bias=attention_bias or arch == "Qwen2ForCausalLM",
-            o_bias=attention_bias,
-            sliding_window=sliding_window,
-        )
+        if text.get("mlp_bias"):
+            raise ModelLoadError(f"{source}: 'mlp_bias' true is not supported (no family uses it)")
+        num_layers = read.positive("num_hidden_layers")
+        attention_bias = read.flag("attention_bias")
+        fields: dict[str, Any] = {
+            "architecture": raw["architectures"][0],
+            "vocab_size": read.positive("vocab_size"),
+            "hidden_size": hidden_size,
+            "intermediate_size": read.positive("intermediate_size"),
+            "num_layers": num_layers,
+            "num_heads": num_heads,
+            "num_kv_heads": num_kv_heads,
+            "head_dim": head_dim,
+            "max_position_embeddings": read.positive("max_position_embeddings"),
+            "rms_norm_eps": read.number("rms_norm_eps", 1e-6),
+            "rope": read.rope(),
+            "tie_word_embeddings": read.flag("tie_word_embeddings", family.tied_by_default),
+            "qkv_bias": attention_bias,
+            "o_bias": attention_bias,
+            "layer_windows": read.windows(num_layers),
+            "rotary_dim": read.rotary_dim(head_dim),
+        }
+        fields.update(family.configure(read))
+        return cls(**fields)
+
+    @property
+    def family(self) -> Family:
+        return FAMILIES[self.architecture]
 
     @property
     def max_model_len(self) -> int:
-        """Longest context this engine serves exactly: with a sliding window shorter than the
-        position limit, full attention is only equivalent up to the window."""
-        if self.sliding_window is not None:
-            return min(self.max_position_embeddings, self.sliding_window)
+        """The longest context the model serves: its position limit. Windowed layers attend to
+        their last W tokens at any length."""
         return self.max_position_embeddings
 
+    @property
+    def kv_window(self) -> int | None:
+        """How far back any layer looks: the largest window when every layer has one, else
+        None. Blocks wholly older than this are seen by no layer and can be freed."""
+        if any(w is None for w in self.layer_windows):
+            return None
+        return max(w for w in self.layer_windows if w is not None)
 
-def _parse_rope(raw: dict[str, Any], source: str) -> RopeConfig:
-    # transformers 5 writes `rope_parameters` (theta inside); older configs `rope_theta` plus an
-    # optional `rope_scaling` dict whose type key was once called "type".
-    params = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
-    theta = params.get("rope_theta", raw.get("rope_theta", 10000.0))
-    rope_type = params.get("rope_type", params.get("type", "default"))
-    if rope_type not in SUPPORTED_ROPE_TYPES:
+
+def family_of(raw: Mapping[str, Any], source: str) -> Family:
+    archs = raw.get("architectures")
+    arch = archs[0] if isinstance(archs, list) and archs else None
+    if not isinstance(arch, str) or arch not in FAMILIES:
         raise ModelLoadError(
-            f"{source}: rope scaling {rope_type!r} is not supported; "
-            f"supported: {', '.join(sorted(SUPPORTED_ROPE_TYPES))}"
+            f"{source}: architecture {arch!r} is not supported; "
+            f"supported: {', '.join(sorted(FAMILIES))}"
         )
-    kwargs: dict[str, Any] = {"theta": float(theta), "rope_type": rope_type}
-    for key in (
-        "factor",
-        "low_freq_factor",
-        "high_freq_factor",
-        "original_max_position_embeddings",
-    ):
-        if params.get(key) is not None:
-            kwargs[key] = params[key]
-    return RopeConfig(**kwargs)
+    return FAMILIES[arch]

@@ -12,22 +12,28 @@ tensors are read in place (`torch.frombuffer`, no copy) after their header is va
 from __future__ import annotations
 
 import json
+import logging
 import re
 import struct
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import SafetensorError, safe_open
+from torch import nn
 
 from appliance.engine.errors import ModelLoadError
+from appliance.engine.models.checkpoint_layout import LLAMA_LAYOUT, CheckpointLayout
 from appliance.engine.models.config import ModelConfig
-from appliance.engine.models.llama import LlamaForCausalLM
+from appliance.engine.models.decoder import CausalLM
 from appliance.engine.parallel.sharding import ShardPlan, shard_model
 from kernels.ops import KernelOps
 
+logger = logging.getLogger(__name__)
+
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
-# Checkpoint name (inside a layer) -> (our parameter, which shard of the fused rows).
+# Canonical checkpoint name (inside a layer) -> (our parameter, which shard of the fused rows).
 _FUSED = {
     "self_attn.q_proj": ("self_attn.qkv_proj", 0),
     "self_attn.k_proj": ("self_attn.qkv_proj", 1),
@@ -37,6 +43,25 @@ _FUSED = {
 }
 # Buffers some checkpoints carry that are recomputed here.
 _IGNORED = re.compile(r"rotary_emb\.inv_freq$")
+# A shard index names files and tensors; the largest real ones are a few MiB.
+_MAX_INDEX_BYTES = 64 << 20
+
+
+def build_model(
+    config: ModelConfig,
+    *,
+    dtype: torch.dtype,
+    device: torch.device | str,
+    ops: KernelOps | None,
+    shard: ShardPlan | None,
+) -> CausalLM:
+    """The architecture (one rank's part with `shard`), its tensors allocated, not filled."""
+    with torch.device("meta"):
+        model = CausalLM(config) if ops is None else CausalLM(config, ops)
+    if shard is not None:
+        shard_model(model, shard)
+    model.to_empty(device=device)
+    return model.to(dtype)
 
 
 def load_model(
@@ -47,57 +72,74 @@ def load_model(
     ops: KernelOps | None = None,
     weights: Mapping[str, memoryview | bytearray | torch.Tensor] | None = None,
     shard: ShardPlan | None = None,
-) -> LlamaForCausalLM:
+) -> CausalLM:
     """Build the architecture in `model_dir/config.json` and fill it from its safetensors, or,
     when `weights` is given, from those in-memory safetensors images (by file name) instead of
-    the directory's files. With `shard`, build and fill one tensor-parallel rank's part
-    (appliance.engine.parallel.sharding): from files, only that part of each tensor is read.
+    the directory's files. On the meta device only the files' headers are read: every check
+    below runs, no weight is loaded (`inferno model inspect`). With `shard`, build and fill one
+    tensor-parallel rank's part
+    (appliance.engine.parallel.sharding): from files, only that part of each tensor is read
+    (a projection the checkpoint stores fused is read whole and split here).
 
     Raises ModelLoadError naming the file for a missing directory or config, an unsupported
-    architecture, a corrupt or truncated safetensors file or image, or missing/unexpected/
-    misshapen tensors.
+    architecture, a corrupt or truncated safetensors file or image, a shard index that names a
+    file outside the directory, or missing/unexpected/misshapen tensors.
     """
     config = ModelConfig.from_model_dir(model_dir)
-    with torch.device("meta"):
-        model = LlamaForCausalLM(config) if ops is None else LlamaForCausalLM(config, ops)
-    if shard is not None:
-        shard_model(model, shard)
-    model.to_empty(device=device)
-    model.to(dtype)
+    model = build_model(config, dtype=dtype, device=device, ops=ops, shard=shard)
     params = dict(model.named_parameters())
     shard_sizes = _shard_sizes(config, 1 if shard is None else shard.size)
+    checkpoint_rows = {k: tuple(v) for k, v in _shard_sizes(config).items()}
     missing = {(name, part) for name in params for part in _shards_of(name, shard_sizes)}
+    layout = config.family.layout
 
-    part_of = parts_of(shard)
+    part_of = parts_of(shard, layout)
+    shapes_only = torch.device(device).type == "meta"  # a dry run: names and shapes checked
     tensors = (
-        _read_tensors(Path(model_dir), part_of)
+        _read_tensors(Path(model_dir), part_of, shapes_only=shapes_only)
         if weights is None
         else _read_images(model_dir, weights, part_of)
     )
+    num_unserved = 0
     for path, name, tensor in tensors:
-        if _IGNORED.search(name) or (name == "lm_head.weight" and config.tie_word_embeddings):
-            continue
-        target, fused, piece = _map_name(name)
-        if target not in params:
-            raise ModelLoadError(
-                f"{path.name}: unexpected tensor {name!r} for {config.architecture}"
-            )
-        dest = params[target].data
-        if fused is not None:
-            sizes = shard_sizes[fused]
-            start = sum(sizes[:piece])
-            dest = dest[start : start + sizes[piece]]
-        if tuple(dest.shape) != tuple(tensor.shape):
-            raise ModelLoadError(
-                f"{path.name}: tensor {name!r} has shape {tuple(tensor.shape)}, "
-                f"the config needs {tuple(dest.shape)}"
-            )
-        dest.copy_(tensor)
-        missing.discard((target, piece))
+        pieces = layout.pieces(name, checkpoint_rows)
+        num_unserved += not pieces
+        for piece in pieces:
+            part = tensor if piece.stop is None else tensor[piece.start : piece.stop]
+            canonical = piece.name
+            if _IGNORED.search(canonical) or (
+                canonical == "lm_head.weight" and config.tie_word_embeddings
+            ):
+                continue
+            target, fused, index = _map_name(canonical)
+            if target not in params:
+                raise ModelLoadError(
+                    f"{path.name}: unexpected tensor {name!r} for {config.architecture}"
+                )
+            if piece.stop is not None and shard is not None:
+                split = shard.split(target, tuple(part.shape))
+                if split is not None:
+                    part = part.narrow(split[0], split[1], split[2] - split[1])
+            dest = params[target].data
+            if fused is not None:
+                sizes = shard_sizes[fused]
+                start = sum(sizes[:index])
+                dest = dest[start : start + sizes[index]]
+            if tuple(dest.shape) != tuple(part.shape):
+                raise ModelLoadError(
+                    f"{path.name}: tensor {name!r} has shape {tuple(part.shape)}, "
+                    f"the config needs {tuple(dest.shape)}"
+                )
+            if config.norm_weight_offset and target.endswith("norm.weight"):
+                part = part.float() + config.norm_weight_offset  # Gemma's (1 + w), in float32
+            dest.copy_(part)
+            missing.discard((target, index))
     if missing:
         names = sorted({name for name, _ in missing})
         shown = ", ".join(names[:5]) + (" ..." if len(names) > 5 else "")
         raise ModelLoadError(f"{model_dir}: the checkpoint lacks tensors for {shown}")
+    if num_unserved:
+        logger.info("skipped %d tensors of %s", num_unserved, layout.unserved_part)
     if shard is not None:
         shard.finish_load(model)
     model.init_rope_tables(config.max_model_len)
@@ -112,26 +154,28 @@ def random_model(
     ops: KernelOps,
     shard: ShardPlan | None = None,
     seed: int = 0,
-) -> LlamaForCausalLM:
+) -> CausalLM:
     """The architecture of `model_dir/config.json` (one rank's part with `shard`) with
     normal(0, 0.02) weights drawn on `device` and norm weights 1: benchmarks of shapes whose
     checkpoint is not at hand. Each rank draws its own (the model computes nothing meaningful)."""
     config = ModelConfig.from_model_dir(model_dir)
-    with torch.device("meta"):
-        model = LlamaForCausalLM(config, ops)
-    if shard is not None:
-        shard_model(model, shard)
-    model.to_empty(device=device)
-    model.to(dtype)
-    generator = torch.Generator(device).manual_seed(seed + (0 if shard is None else shard.rank))
+    model = build_model(config, dtype=dtype, device=device, ops=ops, shard=shard)
+    fill_randomly(model, seed + (0 if shard is None else shard.rank))
+    model.init_rope_tables(config.max_model_len)
+    return model.eval()
+
+
+def fill_randomly(model: nn.Module, seed: int) -> None:
+    """Every parameter normal(0, 0.02) but those named "*norm.weight" (1), drawn from `seed` on
+    the model's device in parameter order: random_model's weights, and those of a peer's model
+    given the same shapes (bench/gpt_fast_peer.py)."""
+    generator = torch.Generator(next(model.parameters()).device).manual_seed(seed)
     with torch.no_grad():
         for name, param in model.named_parameters():
             if name.endswith("norm.weight"):
                 param.fill_(1.0)
             else:
                 param.normal_(0.0, 0.02, generator=generator)
-    model.init_rope_tables(config.max_model_len)
-    return model.eval()
 
 
 def _shard_sizes(config: ModelConfig, num_ranks: int = 1) -> dict[str, list[int]]:
@@ -154,7 +198,7 @@ def _shards_of(param: str, shard_sizes: dict[str, list[int]]) -> list[int | None
 
 
 def _map_name(name: str) -> tuple[str, str | None, int | None]:
-    """Checkpoint tensor name -> (our parameter, fused projection or None, shard index)."""
+    """Canonical checkpoint name -> (our parameter, fused projection or None, shard index)."""
     if name == "lm_head.weight":
         return "lm_head", None, None
     match = _LAYER.match(name)
@@ -172,23 +216,32 @@ def _map_name(name: str) -> tuple[str, str | None, int | None]:
 PartOf = Callable[[str, tuple[int, ...]], tuple[int, int, int] | None]
 
 
-def parts_of(shard: ShardPlan | None) -> PartOf:
-    """Which part of each checkpoint tensor (by its checkpoint name) `shard` holds."""
+def parts_of(shard: ShardPlan | None, layout: CheckpointLayout = LLAMA_LAYOUT) -> PartOf:
+    """Which part of each checkpoint tensor (by its checkpoint name) `shard` holds. A
+    projection the checkpoint stores fused is wanted whole: the loader splits it."""
 
     def part_of(name: str, shape: tuple[int, ...]) -> tuple[int, int, int] | None:
-        return None if shard is None else shard.split(_map_name(name)[0], shape)
+        if shard is None or layout.is_unserved(name) or layout.fused_parts(name) is not None:
+            return None
+        return shard.split(_map_name(layout.canonical_name(name))[0], shape)
 
     return part_of
 
 
-def _read_tensors(model_dir: Path, part_of: PartOf) -> Iterator[tuple[Path, str, torch.Tensor]]:
-    for path in _safetensors_files(model_dir):
+def _read_tensors(
+    model_dir: Path, part_of: PartOf, *, shapes_only: bool = False
+) -> Iterator[tuple[Path, str, torch.Tensor]]:
+    """Each tensor of the directory's safetensors files (this rank's part of it); with
+    `shapes_only`, meta tensors of the headers' shapes and dtypes, no data read."""
+    for path in checkpoint_files(model_dir):
         try:
             with safe_open(path, framework="pt", device="cpu") as f:
                 for name in f.keys():  # noqa: SIM118 - safe_open is not a dict
                     view = f.get_slice(name)
                     part = part_of(name, tuple(view.get_shape()))
-                    if part is None:
+                    if shapes_only:
+                        yield path, name, _meta_tensor(path, name, view, part)
+                    elif part is None:
                         yield path, name, f.get_tensor(name)
                     else:
                         dim, start, stop = part
@@ -198,6 +251,20 @@ def _read_tensors(model_dir: Path, part_of: PartOf) -> Iterator[tuple[Path, str,
             raise ModelLoadError(
                 f"{path} is not a valid safetensors file ({exc}); re-convert or re-copy the model"
             ) from exc
+
+
+def _meta_tensor(
+    path: Path, name: str, view: Any, part: tuple[int, int, int] | None
+) -> torch.Tensor:
+    shape = list(view.get_shape())
+    if part is not None:
+        shape[part[0]] = part[2] - part[1]
+    dtype = _SAFETENSORS_DTYPES.get(view.get_dtype())
+    if dtype is None:
+        raise ModelLoadError(
+            f"{path.name}: tensor {name!r} is stored as {view.get_dtype()}, which is not supported"
+        )
+    return torch.empty(shape, dtype=dtype, device="meta")
 
 
 # safetensors dtype names -> torch dtypes (https://github.com/huggingface/safetensors, format).
@@ -291,15 +358,36 @@ def _image_tensors(
             yield name, flat.view(shape)
 
 
-def _safetensors_files(model_dir: Path) -> list[Path]:
+def checkpoint_files(model_dir: Path) -> list[Path]:
+    """The weight files: those `model.safetensors.index.json` names when it exists (each must
+    lie inside the model directory, symlinks resolved), else `model.safetensors`."""
     index = model_dir / "model.safetensors.index.json"
-    if index.exists():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (OSError, ValueError, KeyError) as exc:
-            raise ModelLoadError(f"{index} is not a valid safetensors index: {exc}") from exc
-        return [model_dir / name for name in sorted(set(weight_map.values()))]
-    single = model_dir / "model.safetensors"
-    if not single.exists():
-        raise ModelLoadError(f"{model_dir} has no model.safetensors (nor an index of shards)")
-    return [single]
+    if not index.exists():
+        single = model_dir / "model.safetensors"
+        if not single.exists():
+            raise ModelLoadError(f"{model_dir} has no model.safetensors (nor an index of shards)")
+        return [single]
+    try:
+        if index.stat().st_size > _MAX_INDEX_BYTES:
+            raise ModelLoadError(
+                f"{index} is larger than {_MAX_INDEX_BYTES >> 20} MiB; no real shard index is"
+            )
+        weight_map = json.loads(index.read_text())["weight_map"]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ModelLoadError(f"{index} is not a valid safetensors index: {exc}") from exc
+    if not isinstance(weight_map, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()
+    ):
+        raise ModelLoadError(f"{index}: 'weight_map' must map tensor names to file names")
+    root = model_dir.resolve()
+    files = []
+    for name in sorted(set(weight_map.values())):
+        path = (model_dir / name).resolve()
+        if not path.is_relative_to(root) or path == root:
+            raise ModelLoadError(
+                f"{index} names {name!r}, which is outside the model directory; refusing it"
+            )
+        if not path.is_file():
+            raise ModelLoadError(f"{index} names {name!r}, which is not in {model_dir}")
+        files.append(model_dir / name)
+    return files

@@ -189,8 +189,10 @@ class SealedShardImages(Mapping[str, torch.Tensor]):
     so only the chunks it spans are decrypted, and at most the two chunks at its ends also hold
     a neighbour's rows; a column-split tensor (o_proj, down_proj: [out, in], split along `in`)
     has a piece of every rank's columns in every row, so all its chunks are decrypted on the
-    host, and only this rank's columns go to its GPU. Host memory of this process holds those
-    bytes until the next file is asked for (then they are zeroed), never the GPU. Avoiding even
+    host, and only this rank's columns go to its GPU. A projection the checkpoint stores fused
+    (Phi-3's qkv_proj and gate_up_proj) is decrypted whole on the host likewise. Host memory of
+    this process holds those bytes until the next file is asked for (then they are zeroed),
+    never the GPU. Avoiding even
     that needs the sealer to store column-split tensors rank by rank (a tensor-parallel seal).
 
     Bytes of an image that were never decrypted are zero and are never read by the loader.

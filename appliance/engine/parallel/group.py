@@ -30,7 +30,7 @@ import torch.distributed as dist
 from appliance.engine.engine_settings import EngineSettings
 from appliance.engine.errors import EngineConfigError, TensorParallelError
 from appliance.engine.models.config import ModelConfig
-from appliance.engine.models.llama import LlamaForCausalLM
+from appliance.engine.models.decoder import CausalLM
 from appliance.engine.parallel.sharding import ShardPlan, connect_model, verify_divisible
 from appliance.engine.parallel.step_broadcast import Channels, StepBroadcast
 from appliance.engine.parallel.worker import SealedWeights, WorkerSpec, run_worker
@@ -147,7 +147,7 @@ class TensorParallelGroup:
         logger.info("tensor parallelism: %d ranks on %s", size, ", ".join(map(str, devices)))
         return cls(plan, channels, workers, reports, rendezvous_dir)
 
-    def connect(self, model: LlamaForCausalLM) -> None:
+    def connect(self, model: CausalLM) -> None:
         """Wire rank 0's loaded shard to the others (its all-reduces and all-gathers)."""
         connect_model(model, self.plan, self.channels.data)
 

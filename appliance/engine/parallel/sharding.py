@@ -25,7 +25,7 @@ from torch.nn import functional as F
 
 from appliance.engine.errors import EngineConfigError, ModelLoadError
 from appliance.engine.models.config import ModelConfig
-from appliance.engine.models.llama import LlamaForCausalLM
+from appliance.engine.models.decoder import CausalLM
 
 # Our parameter names (appliance.engine.models.loader) whose outputs (rows) are split.
 _SPLIT_ROWS = ("self_attn.qkv_proj", "mlp.gate_up_proj")
@@ -67,7 +67,7 @@ class ShardPlan:
         part = shape[dim] // self.size
         return dim, self.rank * part, (self.rank + 1) * part
 
-    def finish_load(self, model: LlamaForCausalLM) -> None:
+    def finish_load(self, model: CausalLM) -> None:
         """After the weights are in: a row-parallel bias is added once, by rank 0, to the
         all-reduced sum, so the other ranks hold zeros in its place."""
         if self.rank == 0:
@@ -117,7 +117,7 @@ class VocabParallelEmbedding(nn.Module):
         return x
 
 
-def shard_model(model: LlamaForCausalLM, plan: ShardPlan) -> None:
+def shard_model(model: CausalLM, plan: ShardPlan) -> None:
     """Shrink a model built on the meta device to this rank's shapes (before `to_empty`)."""
     config, n = model.config, plan.size
     if n == 1:
@@ -142,7 +142,7 @@ def shard_model(model: LlamaForCausalLM, plan: ShardPlan) -> None:
             model.lm_head = nn.Parameter(torch.empty(vocab, hidden))
 
 
-def connect_model(model: LlamaForCausalLM, plan: ShardPlan, group: dist.ProcessGroup) -> None:
+def connect_model(model: CausalLM, plan: ShardPlan, group: dist.ProcessGroup) -> None:
     """After the weights are loaded: the all-reduces after each row-parallel projection and
     the embedding, and the all-gather of the logits. Every rank must then run the same forward
     passes and `compute_logits` calls, in the same order."""

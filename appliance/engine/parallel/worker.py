@@ -25,7 +25,7 @@ from appliance.engine.engine_settings import EngineSettings
 from appliance.engine.kv_cache import KVCacheSpec
 from appliance.engine.model_runner import ModelRunner
 from appliance.engine.models.config import ModelConfig
-from appliance.engine.models.llama import LlamaForCausalLM
+from appliance.engine.models.decoder import CausalLM
 from appliance.engine.models.loader import load_model, parts_of, random_model
 from appliance.engine.models.sealed_images import SealedShardImages
 from appliance.engine.parallel.sharding import ShardPlan, connect_model
@@ -60,9 +60,10 @@ class SealedWeights:
 
     def load(
         self, *, dtype: torch.dtype, device: torch.device, ops: KernelOps, shard: ShardPlan
-    ) -> LlamaForCausalLM:
+    ) -> CausalLM:
+        layout = ModelConfig.from_model_dir(self.model.directory).family.layout
         with SealedShardImages(
-            self.model, self.data_key, parts_of(shard), workers=self.decrypt_workers
+            self.model, self.data_key, parts_of(shard, layout), workers=self.decrypt_workers
         ) as images:
             return load_model(
                 self.model.directory,

@@ -377,6 +377,54 @@ def test_reset_prefix_cache_forgets_every_hash_but_keeps_allocations() -> None:
     assert bm.num_free_blocks == 6
 
 
+# --- sliding windows -----------------------------------------------------------------------
+
+
+def test_a_decode_releases_the_blocks_no_window_reaches_and_free_skips_them() -> None:
+    # Window 6, blocks of 4: the query at position p sees p - 5 ..= p.
+    bm = BlockManager(num_blocks=8, block_size=4, kv_window=6)
+    seq = make_seq(list(range(13)))
+    admit(bm, seq)  # the prefill's first query is at 0: nothing is released
+    assert seq.num_released_blocks == 0 and bm.num_free_blocks == 4
+    seq.append_token(13)
+    assert bm.allocate(seq, 1)  # query at 13 sees 8 ..= 13: blocks 0 and 1 are unseen
+    assert seq.num_released_blocks == 2 and bm.num_free_blocks == 6
+    assert set(seq.block_table[:2]) <= free_block_ids(bm)
+    assert len(seq.block_table) == 4, "positions still index the table"
+    bm.free(seq)
+    assert bm.num_free_blocks == 8 and seq.num_released_blocks == 0
+
+
+def test_a_chunk_keeps_every_block_its_first_query_can_see() -> None:
+    bm = BlockManager(num_blocks=10, block_size=4, kv_window=6)
+    seq = make_seq(list(range(30)))
+    assert bm.allocate(seq, 16)
+    seq.num_computed_tokens = 16
+    assert bm.allocate(seq, 8)  # the chunk's first query, at 16, sees 11 ..= 16
+    assert seq.num_released_blocks == 2  # blocks 0-1 (positions 0-7); block 2 holds 11
+
+
+def test_released_blocks_stay_in_the_prefix_cache_for_the_next_request() -> None:
+    bm = BlockManager(num_blocks=12, block_size=4, kv_window=4)
+    first = make_seq(list(range(20)))
+    assert bm.allocate(first, 12)
+    first.num_computed_tokens = 12
+    assert bm.allocate(first, 8)
+    assert first.num_released_blocks == 2
+    second = make_seq([*range(20), 99])
+    hits = bm.find_cached_prefix(second)
+    assert hits == first.block_table[:5], "released blocks still serve as a cached prefix"
+
+
+def test_without_a_window_no_block_is_released() -> None:
+    bm = BlockManager(num_blocks=8, block_size=4)
+    seq = make_seq(list(range(13)))
+    admit(bm, seq)
+    seq.append_token(13)
+    assert bm.allocate(seq, 1)
+    assert seq.num_released_blocks == 0 and bm.num_free_blocks == 4
+
+
 # --- hash_block -----------------------------------------------------------------------------
 
 

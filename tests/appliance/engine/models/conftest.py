@@ -43,7 +43,7 @@ LLAMA31_ROPE = {
 class Variant:
     """One architecture as transformers builds it: which classes and which config overrides."""
 
-    arch: str  # "llama", "mistral" or "qwen2"
+    arch: str  # a key of _classes
     num_layers: int
     overrides: dict[str, Any] = field(default_factory=dict)
 
@@ -59,6 +59,103 @@ VARIANTS: dict[str, Variant] = {
     "mistral": Variant("mistral", 2),
     "qwen2": Variant("qwen2", 3),
 }
+# The families beyond Llama's, each with what distinguishes it switched on. Windows of 24 tokens
+# sit well inside the test prompts (up to ~100 tokens), so every windowed layer drops keys.
+WINDOW = 24
+FAMILY_VARIANTS: dict[str, Variant] = {
+    "mistral-window": Variant("mistral", 2, {"sliding_window": WINDOW}),
+    "qwen3": Variant("qwen3", 2),
+    "qwen3-yarn-window": Variant(
+        "qwen3",
+        3,
+        {
+            "rope_parameters": {
+                "rope_type": "yarn",
+                "rope_theta": 1e4,
+                "factor": 4.0,
+                "original_max_position_embeddings": 32,
+            },
+            "use_sliding_window": True,
+            "sliding_window": WINDOW,
+            "max_window_layers": 1,
+        },
+    ),
+    "granite": Variant(
+        "granite",
+        2,
+        {
+            "embedding_multiplier": 2.0,
+            "residual_multiplier": 0.5,
+            "attention_multiplier": 0.2,
+            "logits_scaling": 4.0,
+        },
+    ),
+    # Partial rotary (12 of 16 dims) and LongRoPE; the test prompts stay inside the original
+    # context, where transformers and Inferno both take the short factors (test_rotary covers
+    # the long ones).
+    "phi3-longrope": Variant(
+        "phi3",
+        2,
+        {
+            "rope_parameters": {
+                "rope_type": "longrope",
+                "rope_theta": 1e4,
+                "partial_rotary_factor": 0.75,
+                "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.5],
+                "long_factor": [2.0, 3.0, 4.0, 5.0, 6.0, 8.0],
+            },
+            "original_max_position_embeddings": 128,
+            "pad_token_id": 0,
+        },
+    ),
+    "gemma3": Variant(
+        "gemma3",
+        3,
+        {
+            "sliding_window": WINDOW,
+            "sliding_window_pattern": 2,
+            "query_pre_attn_scalar": 24,
+            "final_logit_softcapping": 30.0,
+        },
+    ),
+    "gemma3-multimodal": Variant(
+        "gemma3-multimodal",
+        2,
+        {"sliding_window": WINDOW, "sliding_window_pattern": 2, "query_pre_attn_scalar": 24},
+    ),
+}
+# Real head shapes for the GPU tests (tests/.../test_families_gpu.py): Gemma 3's head_dim 256
+# with a 64-token window, Phi-4-mini's 96 rotary dims of 128.
+GPU_VARIANTS: dict[str, Variant] = {
+    "gemma3-head256": Variant(
+        "gemma3",
+        4,
+        {
+            "hidden_size": 256,
+            "head_dim": 256,
+            "sliding_window": 64,
+            "sliding_window_pattern": 2,
+            "query_pre_attn_scalar": 256,
+        },
+    ),
+    "phi3-head128": Variant(
+        "phi3",
+        2,
+        {
+            "hidden_size": 512,
+            "rope_parameters": {
+                "rope_type": "longrope",
+                "rope_theta": 1e4,
+                "partial_rotary_factor": 0.75,
+                "short_factor": [1.0 + 0.02 * i for i in range(48)],
+                "long_factor": [2.0 + 0.1 * i for i in range(48)],
+            },
+            "original_max_position_embeddings": 512,
+            "pad_token_id": 0,
+        },
+    ),
+}
+ALL_VARIANTS = {**VARIANTS, **FAMILY_VARIANTS, **GPU_VARIANTS}
 
 
 def _classes(arch: str) -> tuple[type, type]:
@@ -68,17 +165,37 @@ def _classes(arch: str) -> tuple[type, type]:
         "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
         "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
         "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+        "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+        "granite": (transformers.GraniteConfig, transformers.GraniteForCausalLM),
+        "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM),
+        "gemma3": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM),
+        "gemma3-multimodal": (
+            transformers.Gemma3TextConfig,
+            transformers.Gemma3ForConditionalGeneration,
+        ),
     }[arch]
+
+
+# A vision tower as small as Siglip allows: the multimodal checkpoint must carry one, for the
+# loader to skip by name.
+_TINY_VISION = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
+                "num_attention_heads": 2, "image_size": 28, "patch_size": 14}  # fmt: skip
 
 
 def build_hf_model(name: str, seed: int = 0) -> torch.nn.Module:
     """transformers' model for variant `name`, float32, eval mode, seeded random weights."""
-    variant = VARIANTS[name]
+    variant = ALL_VARIANTS[name]
     config_class, model_class = _classes(variant.arch)
     dims = dict(TINY_DIMS)
-    if variant.arch == "qwen2":
-        dims.pop("head_dim")  # Qwen2 derives it: 64 / 4 = 16
-    config = config_class(num_hidden_layers=variant.num_layers, **dims, **variant.overrides)
+    if variant.arch in ("qwen2", "phi3"):
+        dims.pop("head_dim")  # derived: 64 / 4 = 16
+    config = config_class(num_hidden_layers=variant.num_layers, **{**dims, **variant.overrides})
+    if variant.arch == "gemma3-multimodal":
+        import transformers
+
+        config = transformers.Gemma3Config(
+            text_config=config.to_dict(), vision_config=_TINY_VISION, mm_tokens_per_image=4
+        )
     torch.manual_seed(seed)
     model = model_class(config).eval()
     generator = torch.Generator().manual_seed(seed)
@@ -103,8 +220,7 @@ def save_checkpoint(model: torch.nn.Module, model_dir: Path, **kwargs: Any) -> P
     return model_dir
 
 
-@pytest.fixture(scope="session")
-def tiny_checkpoints(tmp_path_factory: pytest.TempPathFactory):
+def checkpoint_cache(tmp_path_factory: pytest.TempPathFactory):
     """name -> (model directory, transformers' model with the same weights), built once each."""
     cache: dict[str, tuple[Path, torch.nn.Module]] = {}
 
@@ -116,3 +232,8 @@ def tiny_checkpoints(tmp_path_factory: pytest.TempPathFactory):
         return cache[name]
 
     return get
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoints(tmp_path_factory: pytest.TempPathFactory):
+    return checkpoint_cache(tmp_path_factory)

@@ -17,7 +17,7 @@ from appliance.engine.block_manager import BlockManager
 from appliance.engine.kv_cache import KVCacheSpec
 from appliance.engine.model_runner import ModelRunner
 from appliance.engine.models.config import RopeConfig
-from appliance.engine.models.llama import LlamaForCausalLM
+from appliance.engine.models.decoder import CausalLM
 from appliance.engine.models.loader import load_model
 from appliance.engine.models.rotary import cos_sin_table
 from appliance.engine.sampling_params import SamplingParams
@@ -53,7 +53,7 @@ class PagedBatch:
     logically consecutive blocks are physically scattered.
     """
 
-    def __init__(self, model: LlamaForCausalLM, prompts: list[list[int]], seed: int = 2):
+    def __init__(self, model: CausalLM, prompts: list[list[int]], seed: int = 2):
         self.model = model
         self.prompts = prompts
         needed = [-(-len(p) // BLOCK_SIZE) for p in prompts]
@@ -154,7 +154,7 @@ def test_chunked_prefill_across_two_steps_matches_transformers(variant):
 def test_comparison_would_fail_if_rope_scaling_were_ignored(tiny_checkpoints, name, wrong_rope):
     model_dir, hf_model = tiny_checkpoints(name)
     model = load_model(model_dir)
-    model.cos, model.sin = cos_sin_table(wrong_rope, model.config.head_dim, 512)
+    model.rope_tables = {model.config.rope: cos_sin_table(wrong_rope, model.config.head_dim, 512)}
     prompt = _prompts((300,))
     ours = PagedBatch(model, prompt).step([(0, 0, 300)])[0]
     assert (ours - _hf_logits(hf_model, prompt[0])).abs().max() > 1000 * ATOL

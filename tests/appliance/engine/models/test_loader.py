@@ -83,7 +83,7 @@ def test_load_rejects_an_unsupported_architecture(model_dir):
 @pytest.mark.parametrize(
     ("changes", "rope_type"),
     [
-        ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}}, "yarn"),
+        ({"rope_parameters": {"rope_type": "mrope", "rope_theta": 1e4}}, "mrope"),
         ({"rope_parameters": None, "rope_scaling": {"type": "dynamic", "factor": 2.0}}, "dynamic"),
     ],
 )
@@ -223,3 +223,44 @@ def test_load_rejects_a_shard_index_that_is_not_json(model_dir):
     (model_dir / "model.safetensors.index.json").write_text("{not json")
     message = _load_error(model_dir)
     assert "model.safetensors.index.json" in message and "index" in message
+
+
+def _sharded(tmp_path) -> Path:
+    return save_checkpoint(build_hf_model("llama2"), tmp_path / "sharded", max_shard_size="100KB")
+
+
+def _point_index_at(model_dir: Path, file_name: str) -> None:
+    path = model_dir / "model.safetensors.index.json"
+    index = json.loads(path.read_text())
+    first = next(iter(index["weight_map"]))
+    index["weight_map"][first] = file_name
+    path.write_text(json.dumps(index))
+
+
+@pytest.mark.parametrize("file_name", ["../outside.safetensors", "/etc/passwd", "."])
+def test_load_refuses_a_shard_index_naming_a_file_outside_the_model_dir(tmp_path, file_name):
+    sharded_dir = _sharded(tmp_path)
+    (tmp_path / "outside.safetensors").write_bytes(
+        (sorted(sharded_dir.glob("model-*.safetensors"))[0]).read_bytes()
+    )
+    _point_index_at(sharded_dir, file_name)
+    message = _load_error(sharded_dir)
+    assert repr(file_name) in message and "outside the model directory" in message
+
+
+def test_load_refuses_a_shard_that_is_a_symlink_out_of_the_model_dir(tmp_path):
+    sharded_dir = _sharded(tmp_path)
+    shard = sorted(sharded_dir.glob("model-*.safetensors"))[0]
+    outside = tmp_path / "elsewhere.safetensors"
+    shard.rename(outside)
+    shard.symlink_to(outside)
+    message = _load_error(sharded_dir)
+    assert shard.name in message and "outside the model directory" in message
+
+
+def test_load_refuses_an_oversized_shard_index_before_reading_it(tmp_path):
+    sharded_dir = _sharded(tmp_path)
+    with open(sharded_dir / "model.safetensors.index.json", "r+b") as f:
+        f.truncate(65 << 20)  # sparse: no 65 MiB written
+    message = _load_error(sharded_dir)
+    assert "model.safetensors.index.json" in message and "MiB" in message

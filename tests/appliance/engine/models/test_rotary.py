@@ -155,3 +155,70 @@ def test_legacy_rope_scaling_config_parses_like_transformers_5_rope_parameters()
         {**base, "rope_theta": 1e4, "rope_scaling": {"type": "linear", "factor": 2.0}}
     )
     assert oldest.rope == RopeConfig(theta=1e4, rope_type="linear", factor=2.0)
+
+
+# Qwen3's long-context recipe (YaRN x4 over 32k), DeepSeek-style mscale, and Phi-4-mini's
+# LongRoPE on 96 of 128 head dims (factors here are made up; the shapes are Phi-4-mini's).
+SCALED_ROPES = {
+    "yarn-qwen3": (
+        "Qwen3ForCausalLM",
+        {"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0,
+         "original_max_position_embeddings": 32768},
+        1.0,
+    ),
+    "yarn-mscale": (
+        "Qwen3ForCausalLM",
+        {"rope_type": "yarn", "rope_theta": 1e4, "factor": 40.0, "mscale": 1.0,
+         "mscale_all_dim": 0.707, "beta_fast": 32, "beta_slow": 1,
+         "original_max_position_embeddings": 3277},
+        1.0,
+    ),
+    "longrope-phi4-mini": (
+        "Phi3ForCausalLM",
+        {"rope_type": "longrope", "rope_theta": 1e4, "partial_rotary_factor": 0.75,
+         "short_factor": [1.0 + 0.05 * i for i in range(48)],
+         "long_factor": [1.5 + 0.5 * i for i in range(48)]},
+        0.75,
+    ),
+}  # fmt: skip
+
+
+def _scaled_hf_config(arch: str, params: dict):
+    import transformers
+
+    config_class = {
+        "Qwen3ForCausalLM": transformers.Qwen3Config,
+        "Phi3ForCausalLM": transformers.Phi3Config,
+    }[arch]
+    extra = {"original_max_position_embeddings": 4096} if arch == "Phi3ForCausalLM" else {}
+    return config_class(
+        hidden_size=512,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        head_dim=128,
+        max_position_embeddings=131072,
+        rope_parameters=dict(params),
+        **extra,
+    )
+
+
+@pytest.mark.parametrize("name", sorted(SCALED_ROPES))
+def test_yarn_and_longrope_tables_equal_transformers(name):
+    arch, params, partial = SCALED_ROPES[name]
+    hf_config = _scaled_hf_config(arch, params)
+    config = ModelConfig.from_dict({**hf_config.to_dict(), "architectures": [arch]})
+    assert config.rotary_dim == int(128 * partial)
+    init = ROPE_INIT_FUNCTIONS[params["rope_type"]]
+    hf_short, hf_factor = init(hf_config, "cpu")
+    assert torch.equal(inverse_frequencies(config.rope, config.rotary_dim), hf_short)
+    original = config.rope.original_max_position_embeddings
+    cos, _ = cos_sin_table(config.rope, config.rotary_dim, original + 8)
+    assert cos.shape == (original + 8, config.rotary_dim)
+    positions = torch.tensor([0, 1, original - 1, original, original + 7], dtype=torch.float32)
+    hf_long, _ = init(hf_config, "cpu", seq_len=original + 1)  # longrope's long factors
+    inv = torch.stack([hf_short if p < original else hf_long for p in positions.tolist()])
+    freqs = positions[:, None] * inv
+    expected = torch.cat((freqs, freqs), dim=-1).cos() * hf_factor
+    assert torch.equal(cos[positions.long()], expected)
+    if params["rope_type"] == "longrope":
+        assert not torch.equal(hf_long, hf_short), "the long factors must be in use past 4096"

@@ -74,8 +74,11 @@ def test_one_ring_serves_every_file_and_holds_no_plaintext_once_closed(
     assert images._ring is None
 
 
-def test_a_sealed_checkpoint_loads_the_same_model_as_its_files(tmp_path: Path) -> None:
-    source = save_checkpoint(build_hf_model("llama2"), tmp_path / "m", max_shard_size="100KB")
+@pytest.mark.parametrize(
+    "name", ["llama2", "qwen3", "granite", "phi3-longrope", "gemma3", "gemma3-multimodal"]
+)
+def test_a_sealed_checkpoint_loads_the_same_model_as_its_files(tmp_path: Path, name: str) -> None:
+    source = save_checkpoint(build_hf_model(name), tmp_path / "m", max_shard_size="100KB")
     fixture = seal(source, tmp_path / "sealed")
     model = _open(fixture)
     images = SealedImages(model, fixture.data_key, torch.device("cpu"), workers=2, staging=True)

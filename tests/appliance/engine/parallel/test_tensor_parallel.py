@@ -29,8 +29,9 @@ SETTINGS = {
 }
 # Tiny models of the engine's tests, with what each adds: GQA and untied lm_head with llama3
 # rope scaling; tied embeddings (the vocab-parallel embedding is the lm_head); q/k/v and o_proj
-# biases (o_proj's bias is added by rank 0 alone).
-VARIANTS = ["llama3.1", "smollm2-tied", "llama-attention-bias"]
+# biases (o_proj's bias is added by rank 0 alone); Phi-3's projections stored fused, which each
+# rank reads whole and splits.
+VARIANTS = ["llama3.1", "smollm2-tied", "llama-attention-bias", "phi3-longrope"]
 
 
 def build_engine(

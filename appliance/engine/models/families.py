@@ -1,0 +1,247 @@
+"""The supported architectures, each a short declaration of how it differs from Llama.
+
+A family is its `config.json` mapping (`configure`: the ModelConfig fields it changes) and its
+checkpoint layout (`models.checkpoint_layout`); the decoder in `models.decoder` reads those
+fields and has no per-family branches. To add a family, see docs/ARCHITECTURE.md ("Model
+families").
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from appliance.engine.errors import ModelLoadError
+from appliance.engine.models.checkpoint_layout import (
+    FUSED_PROJECTIONS,
+    GEMMA3_MULTIMODAL,
+    LLAMA_LAYOUT,
+    CheckpointLayout,
+)
+from appliance.engine.models.rotary import RopeConfig
+
+_LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
+class ConfigReader:
+    """Typed reads from one config.json object (the text model's), each failing with the key."""
+
+    def __init__(self, raw: Mapping[str, Any], source: str):
+        self.raw = raw
+        self.source = source
+
+    def positive(self, key: str, default: int | None = None) -> int:
+        value = self.raw.get(key)
+        if value is None:
+            value = default
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ModelLoadError(
+                f"{self.source}: {key!r} must be a positive integer, got {value!r}"
+            )
+        return value
+
+    def number(self, key: str, default: float) -> float:
+        value = self.raw.get(key)
+        if value is None:
+            return default
+        if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
+            raise ModelLoadError(f"{self.source}: {key!r} must be a positive number, got {value!r}")
+        return float(value)
+
+    def flag(self, key: str, default: bool = False) -> bool:
+        value = self.raw.get(key)
+        if value is None:
+            return default
+        if not isinstance(value, bool):
+            raise ModelLoadError(f"{self.source}: {key!r} must be true or false, got {value!r}")
+        return value
+
+    def rope_parameters(self) -> dict[str, Any]:
+        # transformers 5 writes `rope_parameters` (theta inside); older configs `rope_theta`
+        # plus an optional `rope_scaling` dict whose type key was once called "type".
+        params = self.raw.get("rope_parameters") or self.raw.get("rope_scaling") or {}
+        if not isinstance(params, dict):
+            raise ModelLoadError(f"{self.source}: 'rope_parameters' must be an object")
+        return dict(params)
+
+    def rope(self, params: Mapping[str, Any] | None = None) -> RopeConfig:
+        params = self.rope_parameters() if params is None else params
+        if isinstance(params.get("full_attention"), dict):  # nested by layer type
+            params = params["full_attention"]
+        return RopeConfig.parse(params, self.raw, source=self.source)
+
+    def rotary_dim(self, head_dim: int) -> int:
+        params = self.rope_parameters()
+        factor = params.get("partial_rotary_factor", self.raw.get("partial_rotary_factor", 1.0))
+        if isinstance(factor, bool) or not isinstance(factor, int | float) or not 0 < factor <= 1:
+            raise ModelLoadError(
+                f"{self.source}: 'partial_rotary_factor' must be in (0, 1], got {factor!r}"
+            )
+        rotary_dim = int(head_dim * factor)
+        if rotary_dim < 2 or rotary_dim % 2:
+            raise ModelLoadError(
+                f"{self.source}: partial_rotary_factor {factor} rotates {rotary_dim} of "
+                f"{head_dim} dims; rope needs an even number"
+            )
+        return rotary_dim
+
+    def windows(
+        self, num_layers: int, default_types: list[str] | None = None
+    ) -> tuple[int | None, ...]:
+        """Each layer's window from `layer_types` (transformers 5), else `default_types`, else
+        `sliding_window` on every layer (Mistral). A window at least the position limit is no
+        window (Phi-3.5's 262144)."""
+        layer_types = self.raw.get("layer_types") or default_types
+        window = self.raw.get("sliding_window")
+        if layer_types is None:
+            layer_types = ["sliding_attention" if window is not None else "full_attention"]
+            layer_types *= num_layers
+        if not isinstance(layer_types, list) or len(layer_types) != num_layers:
+            raise ModelLoadError(
+                f"{self.source}: 'layer_types' must list one type per layer ({num_layers})"
+            )
+        unknown = sorted({str(t) for t in layer_types} - set(_LAYER_TYPES))
+        if unknown:
+            raise ModelLoadError(
+                f"{self.source}: layer type {unknown[0]!r} is not supported; "
+                f"supported: {', '.join(_LAYER_TYPES)}"
+            )
+        if "sliding_attention" not in layer_types:
+            return (None,) * num_layers
+        window = self.positive("sliding_window")
+        if window >= self.positive("max_position_embeddings"):
+            return (None,) * num_layers
+        return tuple(window if t == "sliding_attention" else None for t in layer_types)
+
+    def refuse_unless(self, key: str, allowed: tuple[Any, ...], default: Any = None) -> None:
+        value = self.raw.get(key, default)
+        if value not in allowed:
+            raise ModelLoadError(
+                f"{self.source}: {key!r} = {value!r} is not supported; supported: "
+                f"{', '.join(repr(a) for a in allowed)}"
+            )
+
+
+@dataclass(frozen=True, slots=True)
+class Family:
+    """What one architecture changes. `configure` returns the ModelConfig fields it sets beyond
+    the shared ones (models.config); `text_config_key` names where a multimodal config keeps
+    its text model's."""
+
+    configure: Callable[[ConfigReader], dict[str, Any]]
+    layout: CheckpointLayout = LLAMA_LAYOUT
+    text_config_key: str | None = None
+    tied_by_default: bool = False
+
+    def text_config(self, raw: Mapping[str, Any], source: str) -> Mapping[str, Any]:
+        if self.text_config_key is None:
+            return raw
+        text = raw.get(self.text_config_key)
+        if not isinstance(text, dict):
+            raise ModelLoadError(f"{source}: {self.text_config_key!r} must be an object")
+        # The outer object may hold what the text model's leaves out (its tie, its names).
+        return {**{k: v for k, v in raw.items() if k != self.text_config_key}, **text}
+
+
+def _silu_mlp(read: ConfigReader) -> None:
+    read.refuse_unless("hidden_act", ("silu",), default="silu")
+
+
+def _llama(read: ConfigReader) -> dict[str, Any]:
+    # Mistral and Phi-3 too: Phi-3's differences (fused projections, partial rotary, LongRoPE)
+    # are its checkpoint layout and its rope parameters, which the shared parsing reads.
+    _silu_mlp(read)
+    return {}
+
+
+def _qwen_windows(read: ConfigReader) -> tuple[int | None, ...]:
+    # Before transformers 5 wrote `layer_types`, Qwen's window applied only with
+    # use_sliding_window, and only from layer max_window_layers on.
+    num_layers = read.positive("num_hidden_layers")
+    if not read.flag("use_sliding_window"):
+        return read.windows(num_layers, ["full_attention"] * num_layers)
+    first = read.raw.get("max_window_layers", num_layers)
+    if not isinstance(first, int) or isinstance(first, bool) or first < 0:
+        raise ModelLoadError(
+            f"{read.source}: 'max_window_layers' must be an integer >= 0, got {first!r}"
+        )
+    types = ["sliding_attention" if i >= first else "full_attention" for i in range(num_layers)]
+    return read.windows(num_layers, types)
+
+
+def _qwen2(read: ConfigReader) -> dict[str, Any]:
+    _silu_mlp(read)
+    return {"qkv_bias": True, "o_bias": False, "layer_windows": _qwen_windows(read)}
+
+
+def _qwen3(read: ConfigReader) -> dict[str, Any]:
+    _silu_mlp(read)
+    return {"qk_norm": True, "layer_windows": _qwen_windows(read)}
+
+
+def _granite(read: ConfigReader) -> dict[str, Any]:
+    _silu_mlp(read)
+    return {
+        "attention_scale": read.number("attention_multiplier", 1.0),
+        "embedding_multiplier": read.number("embedding_multiplier", 1.0),
+        "residual_multiplier": read.number("residual_multiplier", 1.0),
+        "logits_divisor": read.number("logits_scaling", 1.0),
+    }
+
+
+def _gemma3(read: ConfigReader) -> dict[str, Any]:
+    act = read.raw.get("hidden_activation") or read.raw.get("hidden_act") or "gelu_pytorch_tanh"
+    if act not in ("gelu_pytorch_tanh", "gelu_tanh"):
+        raise ModelLoadError(
+            f"{read.source}: 'hidden_activation' {act!r} is not supported; Gemma 3 uses "
+            "'gelu_pytorch_tanh'"
+        )
+    read.refuse_unless("attn_logit_softcapping", (None,))
+    read.refuse_unless("use_bidirectional_attention", (None, False))
+    num_layers = read.positive("num_hidden_layers")
+    pattern = read.positive("sliding_window_pattern", 6)
+    default_types = [
+        "sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(num_layers)
+    ]
+    params = read.rope_parameters()
+    if isinstance(params.get("sliding_attention"), dict):  # transformers 5: nested by layer type
+        global_params, local_params = (
+            params.get("full_attention") or {},
+            params["sliding_attention"],
+        )
+    else:  # as Google ships it: rope_theta (+ rope_scaling) global, rope_local_base_freq local
+        global_params = {"rope_theta": read.raw.get("rope_theta", 1_000_000.0), **params}
+        local_params = {"rope_theta": read.raw.get("rope_local_base_freq", 10_000.0)}
+    hidden_size = read.positive("hidden_size")
+    softcap = None
+    if read.raw.get("final_logit_softcapping") is not None:
+        softcap = read.number("final_logit_softcapping", 0.0)
+    return {
+        "rope": read.rope(global_params),
+        "local_rope": read.rope(local_params),
+        "layer_windows": read.windows(num_layers, default_types),
+        "qk_norm": True,
+        "norm_weight_offset": 1.0,
+        "sandwich_norms": True,
+        "activation": "gelu_tanh",
+        "attention_scale": read.number("query_pre_attn_scalar", 256.0) ** -0.5,
+        "embedding_multiplier": hidden_size**0.5,
+        "final_logit_softcapping": None
+        if softcap is None
+        else read.number("final_logit_softcapping", 0.0),
+    }
+
+
+FAMILIES: dict[str, Family] = {
+    "LlamaForCausalLM": Family(_llama),
+    "MistralForCausalLM": Family(_llama),
+    "Qwen2ForCausalLM": Family(_qwen2),
+    "Qwen3ForCausalLM": Family(_qwen3),
+    "GraniteForCausalLM": Family(_granite),
+    "Phi3ForCausalLM": Family(_llama, layout=FUSED_PROJECTIONS),
+    "Gemma3ForCausalLM": Family(_gemma3, tied_by_default=True),
+    "Gemma3ForConditionalGeneration": Family(
+        _gemma3, layout=GEMMA3_MULTIMODAL, text_config_key="text_config", tied_by_default=True
+    ),
+}

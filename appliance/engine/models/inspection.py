@@ -1,0 +1,109 @@
+"""What `inferno model inspect DIR` reports about a model directory, without loading weights.
+
+The config is parsed as the engine parses it, and the loader runs dry on the meta device (the
+safetensors headers only), so "served: yes" means the engine's own checks passed: a supported
+architecture and settings, every tensor present with the shape the config needs, no stray one.
+Anything else is one line naming what is not supported.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from appliance.engine.errors import ModelLoadError
+from appliance.engine.models.config import ModelConfig
+from appliance.engine.models.loader import checkpoint_files, load_model
+
+# The KV cache's dtype on the GPU (the engine's default there).
+_KV_DTYPE = torch.bfloat16
+
+
+@dataclass(frozen=True, slots=True)
+class ModelReport:
+    architecture: str
+    lines: list[tuple[str, str]]  # (what, value), in display order
+    unsupported: str | None  # why the engine would refuse it, or None: it serves it
+
+    def render(self) -> str:
+        rows = [*self.lines, ("served", "yes" if self.unsupported is None else "no")]
+        if self.unsupported is not None:
+            rows.append(("not supported", self.unsupported))
+        width = max(len(what) for what, _ in rows)
+        return "\n".join(f"{what:<{width}}  {value}" for what, value in rows)
+
+
+def inspect_model(model_dir: Path) -> ModelReport:
+    """Raises ModelLoadError only for a directory without a readable config.json."""
+    config_path = Path(model_dir) / "config.json"
+    try:
+        raw = json.loads(config_path.read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        raise ModelLoadError(f"{config_path} is not readable JSON: {exc}") from exc
+    archs = raw.get("architectures") if isinstance(raw, dict) else None
+    architecture = str(archs[0]) if isinstance(archs, list) and archs else "(none given)"
+    lines = [("architecture", architecture)]
+    lines += _tensor_lines(Path(model_dir))
+    try:
+        config = ModelConfig.from_dict(raw, source=str(config_path))
+    except ModelLoadError as exc:
+        return ModelReport(architecture, lines, str(exc))
+    lines += _config_lines(config)
+    quantization = raw.get("quantization_config")
+    if quantization is not None:
+        method = quantization.get("quant_method") if isinstance(quantization, dict) else None
+        unsupported = f"quantized weights ('quantization_config', method {method!r})"
+        return ModelReport(architecture, lines, unsupported)
+    try:
+        load_model(model_dir, device="meta")
+    except ModelLoadError as exc:
+        return ModelReport(architecture, lines, str(exc))
+    return ModelReport(architecture, lines, None)
+
+
+def _tensor_lines(model_dir: Path) -> list[tuple[str, str]]:
+    try:
+        files = checkpoint_files(model_dir)
+        num_params, dtypes = 0, Counter[str]()
+        for path in files:
+            with safe_open(path, framework="pt", device="cpu") as f:
+                for name in f.keys():  # noqa: SIM118 - safe_open is not a dict
+                    view = f.get_slice(name)
+                    numel = 1
+                    for n in view.get_shape():
+                        numel *= n
+                    num_params += numel
+                    dtypes[view.get_dtype()] += numel
+    except (ModelLoadError, OSError, RuntimeError, ValueError) as exc:
+        return [("weights", f"unreadable ({exc})")]
+    shown = ", ".join(f"{d} {n / num_params:.0%}" for d, n in dtypes.most_common())
+    scaled = f"{num_params / 1e9:.2f} B" if num_params >= 1e9 else f"{num_params / 1e6:.2f} M"
+    return [
+        ("parameters", f"{scaled} ({num_params:,}) in {len(files)} file(s)"),
+        ("dtype", shown or "no tensors"),
+    ]
+
+
+def _config_lines(config: ModelConfig) -> list[tuple[str, str]]:
+    windows = Counter(config.layer_windows)
+    num_layers = config.num_layers
+    if None in windows and len(windows) == 1:
+        window_text = f"none: full attention on all {num_layers} layers"
+    else:
+        parts = [
+            f"{w} tokens on {n} of {num_layers} layers" for w, n in windows.items() if w is not None
+        ]
+        if windows[None]:
+            parts.append(f"full attention on {windows[None]}")
+        window_text = "; ".join(parts)
+    kv_bytes = 2 * num_layers * config.num_kv_heads * config.head_dim * _KV_DTYPE.itemsize
+    return [
+        ("context", f"{config.max_model_len} tokens"),
+        ("windows", window_text),
+        ("KV bytes/token", f"{kv_bytes:,} ({kv_bytes / 1024:.0f} KiB in bf16, all layers)"),
+    ]

@@ -1,0 +1,105 @@
+"""The layers every decoder family is built from, each with the options families differ in.
+
+Pure single-device math on a flat batch of tokens ([T] rows from many sequences): every
+projection, norm and attention call (and so every read and write of the paged KV cache) goes
+through the kernel ops the layer was given. Projections are fused: one `qkv_proj` ([q; k; v]
+rows) and one `gate_up_proj` ([gate; up] rows), so a layer issues two large matmuls, not five.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from appliance.engine.models.config import ModelConfig
+from kernels.ops import AttentionMetadata, KernelOps
+
+
+class RMSNorm(nn.Module):
+    """Holds the weight the kernels scale by (Gemma's 1 + w already added by the loader)."""
+
+    def __init__(self, hidden_size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(hidden_size))
+        self.eps = eps
+
+
+class Attention(nn.Module):
+    """Grouped-query attention over the paged KV cache, with the options of the families:
+    per-head q/k RMSNorm before rope (Qwen3, Gemma 3), rope on a leading part of each head
+    (Phi-4-mini), a sliding window (Mistral, Gemma 3's local layers) and a softmax scale other
+    than head_dim ** -0.5 (Gemma 3's query_pre_attn_scalar, Granite's attention_multiplier)."""
+
+    def __init__(self, config: ModelConfig, ops: KernelOps, layer_index: int):
+        super().__init__()
+        self.ops = ops
+        self.num_heads = config.num_heads
+        self.num_kv_heads = config.num_kv_heads
+        self.head_dim = config.head_dim
+        self.rotary_dim = config.rotary_dim
+        self.q_size = config.num_heads * config.head_dim
+        self.kv_size = config.num_kv_heads * config.head_dim
+        self.scale = config.attention_scale or config.head_dim**-0.5
+        self.sliding_window = config.layer_windows[layer_index]
+        self.qkv_proj = nn.Linear(
+            config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.qkv_bias
+        )
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.o_bias)
+        self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        num_tokens = x.shape[0]
+        qkv = self.ops.linear(x, self.qkv_proj.weight, self.qkv_proj.bias)  # [T, (Hq+2Hkv) D]
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(num_tokens, self.num_heads, self.head_dim)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q = self._norm_heads(q, self.q_norm)
+            k = self._norm_heads(k, self.k_norm)
+        q, k = self._rotate(q, k, cos, sin)
+        k_cache, v_cache = kv_cache[0], kv_cache[1]
+        self.ops.write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
+        o = self.ops.paged_attention(q, k_cache, v_cache, meta, self.scale, self.sliding_window)
+        o = o.reshape(num_tokens, self.q_size)
+        return self.ops.linear(o, self.o_proj.weight, self.o_proj.bias)
+
+    def _norm_heads(self, x: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
+        """[T, H, D] -> the same, each head's vector RMS-normalised."""
+        flat = x.reshape(-1, self.head_dim)  # [T * H, D]
+        return self.ops.rms_norm(flat, norm.weight, norm.eps).view(x.shape)
+
+    def _rotate(
+        self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin: [T, rotary_dim]; the dims past rotary_dim pass through unrotated."""
+        if self.rotary_dim == self.head_dim:
+            return self.ops.rotary_embedding(q, k, cos, sin)
+        r = self.rotary_dim
+        q_rot, k_rot = self.ops.rotary_embedding(q[..., :r], k[..., :r], cos, sin)
+        return torch.cat((q_rot, q[..., r:]), dim=-1), torch.cat((k_rot, k[..., r:]), dim=-1)
+
+
+class MLP(nn.Module):
+    """Gated MLP: down(act(gate) * up), act SiLU or tanh-approximated GELU (Gemma)."""
+
+    def __init__(self, config: ModelConfig, ops: KernelOps):
+        super().__init__()
+        self.ops = ops
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.gelu_tanh = config.activation == "gelu_tanh"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate_up = self.ops.linear(x, self.gate_up_proj.weight, None)  # [T, 2I]
+        if self.gelu_tanh:
+            return self.ops.gelu_tanh_mul_linear(gate_up, self.down_proj.weight)
+        return self.ops.silu_mul_linear(gate_up, self.down_proj.weight)
