@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from appliance.engine.errors import ModelLoadError
+from appliance.engine.models.quantization import Fp8Checkpoint
 
 SUPPORTED_ARCHITECTURES = frozenset({"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"})
 SUPPORTED_ROPE_TYPES = frozenset({"default", "linear", "llama3"})
@@ -42,6 +43,8 @@ class ModelConfig:
     qkv_bias: bool
     o_bias: bool
     sliding_window: int | None = None
+    # An FP8 checkpoint's layout (config.json's quantization_config); None: unquantized.
+    fp8: Fp8Checkpoint | None = None
 
     @classmethod
     def from_model_dir(cls, model_dir: Path) -> ModelConfig:
@@ -109,6 +112,7 @@ class ModelConfig:
             qkv_bias=attention_bias or arch == "Qwen2ForCausalLM",
             o_bias=attention_bias,
             sliding_window=sliding_window,
+            fp8=Fp8Checkpoint.from_config(raw.get("quantization_config"), source),
         )
 
     @property

@@ -1,9 +1,11 @@
 """The Llama family (Llama 2/3/3.1, SmolLM2, Mistral, Qwen2): pure single-device math.
 
 Projections are fused: one `qkv_proj` ([q; k; v] rows) and one `gate_up_proj` ([gate; up] rows),
-so each layer issues two large matmuls instead of five. The forward pass takes a flat batch of
-tokens from many sequences ([T] ids and positions); every projection, norm and attention call
-(and so every read and write of the paged KV cache) goes through the kernel ops it was given.
+so each layer issues two large matmuls instead of five. A projection may be FP8
+(`models.projections`): the kernel ops take its weight either way. The forward pass takes a
+flat batch of tokens from many sequences ([T] ids and positions); every projection, norm and
+attention call (and so every read and write of the paged KV cache) goes through the kernel ops
+it was given.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from torch import nn
 
 import kernels.reference
 from appliance.engine.models.config import ModelConfig
+from appliance.engine.models.projections import projection_weight
 from appliance.engine.models.rotary import cos_sin_table
 from kernels.ops import AttentionMetadata, KernelOps
 
@@ -48,7 +51,9 @@ class Attention(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         num_tokens = x.shape[0]
-        qkv = self.ops.linear(x, self.qkv_proj.weight, self.qkv_proj.bias)  # [T, (Hq+2Hkv) D]
+        qkv = self.ops.linear(
+            x, projection_weight(self.qkv_proj), self.qkv_proj.bias
+        )  # [T, (Hq+2Hkv) D]
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
@@ -58,7 +63,7 @@ class Attention(nn.Module):
         self.ops.write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
         o = self.ops.paged_attention(q, k_cache, v_cache, meta, self.scale)
         o = o.reshape(num_tokens, self.q_size)
-        return self.ops.linear(o, self.o_proj.weight, self.o_proj.bias)
+        return self.ops.linear(o, projection_weight(self.o_proj), self.o_proj.bias)
 
 
 class MLP(nn.Module):
@@ -69,8 +74,8 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.ops.linear(x, self.gate_up_proj.weight, None)
-        return self.ops.silu_mul_linear(gate_up, self.down_proj.weight)
+        gate_up = self.ops.linear(x, projection_weight(self.gate_up_proj), None)
+        return self.ops.silu_mul_linear(gate_up, projection_weight(self.down_proj))
 
 
 class DecoderLayer(nn.Module):

@@ -11,20 +11,29 @@ tensors are read in place (`torch.frombuffer`, no copy) after their header is va
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 import struct
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
+from typing import Literal
 
 import torch
 from safetensors import SafetensorError, safe_open
+from torch import nn
 
 from appliance.engine.errors import ModelLoadError
 from appliance.engine.models.config import ModelConfig
 from appliance.engine.models.llama import LlamaForCausalLM
+from appliance.engine.models.projections import quantize_projections, use_fp8_projections
+from appliance.engine.models.quantization import Fp8Checkpoint
 from appliance.engine.parallel.sharding import ShardPlan, shard_model
+from kernels.fp8 import FP8_DTYPE, dequantize_blocks, quantize_rows
 from kernels.ops import KernelOps
+
+# What `engine.quantization` may ask of an unquantized checkpoint.
+Quantization = Literal["fp8"]
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 # Checkpoint name (inside a layer) -> (our parameter, which shard of the fused rows).
@@ -47,26 +56,39 @@ def load_model(
     ops: KernelOps | None = None,
     weights: Mapping[str, memoryview | bytearray | torch.Tensor] | None = None,
     shard: ShardPlan | None = None,
+    quantization: Quantization | None = None,
 ) -> LlamaForCausalLM:
     """Build the architecture in `model_dir/config.json` and fill it from its safetensors, or,
     when `weights` is given, from those in-memory safetensors images (by file name) instead of
     the directory's files. With `shard`, build and fill one tensor-parallel rank's part
     (appliance.engine.parallel.sharding): from files, only that part of each tensor is read.
 
+    `dtype` is the model's; an FP8 checkpoint (config.json's quantization_config,
+    models.quantization) keeps its projections in FP8 with a scale per output channel, and
+    `quantization="fp8"` quantizes an unquantized checkpoint's projections so (models.projections).
+
     Raises ModelLoadError naming the file for a missing directory or config, an unsupported
-    architecture, a corrupt or truncated safetensors file or image, or missing/unexpected/
-    misshapen tensors.
+    architecture or quantization, a corrupt or truncated safetensors file or image, or
+    missing/unexpected/misshapen tensors.
     """
     config = ModelConfig.from_model_dir(model_dir)
     with torch.device("meta"):
         model = LlamaForCausalLM(config) if ops is None else LlamaForCausalLM(config, ops)
     if shard is not None:
         shard_model(model, shard)
+    model.to(dtype)  # on the meta device: the parameters are then allocated in their dtype
+    if config.fp8 is not None:
+        keep = functools.partial(_left_unquantized, config.fp8)
+        use_fp8_projections(model, keep, static_input_scale=config.fp8.static_input)
     model.to_empty(device=device)
-    model.to(dtype)
     params = dict(model.named_parameters())
+    for name, param in params.items():
+        if name.endswith(".input_scale"):
+            param.data.zero_()  # the largest of the fused modules' static scales is kept
     shard_sizes = _shard_sizes(config, 1 if shard is None else shard.size)
     missing = {(name, part) for name in params for part in _shards_of(name, shard_sizes)}
+    blocks = _BlockScaledWeights(config, shard)
+    block_scaled = config.fp8 is not None and config.fp8.scales == "block"
 
     part_of = parts_of(shard)
     tensors = (
@@ -78,30 +100,154 @@ def load_model(
         if _IGNORED.search(name) or (name == "lm_head.weight" and config.tie_word_embeddings):
             continue
         target, fused, piece = _map_name(name)
+        module, _, kind = target.rpartition(".")
+        if kind == "weight_scale_inv" and f"{module}.weight" in params:
+            blocks.add_scales(params, module, piece, tensor, path=path, name=name)
+            missing -= blocks.finished(params)
+            continue
         if target not in params:
             raise ModelLoadError(
                 f"{path.name}: unexpected tensor {name!r} for {config.architecture}"
             )
         dest = params[target].data
-        if fused is not None:
+        if fused is not None and kind != "input_scale":
             sizes = shard_sizes[fused]
             start = sum(sizes[:piece])
             dest = dest[start : start + sizes[piece]]
-        if tuple(dest.shape) != tuple(tensor.shape):
-            raise ModelLoadError(
-                f"{path.name}: tensor {name!r} has shape {tuple(tensor.shape)}, "
-                f"the config needs {tuple(dest.shape)}"
-            )
-        dest.copy_(tensor)
+        _copy_tensor(dest, tensor, kind, where=f"{path.name}: tensor {name!r}")
         missing.discard((target, piece))
+        if block_scaled and kind == "weight" and dest.dtype == FP8_DTYPE:
+            blocks.add_weight(module, piece)
+            missing -= blocks.finished(params)
     if missing:
         names = sorted({name for name, _ in missing})
         shown = ", ".join(names[:5]) + (" ..." if len(names) > 5 else "")
         raise ModelLoadError(f"{model_dir}: the checkpoint lacks tensors for {shown}")
     if shard is not None:
         shard.finish_load(model)
+    if quantization == "fp8" and config.fp8 is None:
+        quantize_projections(model)
     model.init_rope_tables(config.max_model_len)
     return model.eval()
+
+
+def _copy_tensor(dest: torch.Tensor, tensor: torch.Tensor, kind: str, *, where: str) -> None:
+    """Copy a checkpoint tensor into its parameter (or slice of one). FP8 weights only into FP8
+    parameters (a cast would drop their scales); a weight scale of one number becomes every
+    output channel's; a static input scale keeps the largest of a fused module's."""
+    if (tensor.dtype == FP8_DTYPE) != (dest.dtype == FP8_DTYPE):
+        raise ModelLoadError(
+            f"{where} is {tensor.dtype}, but its parameter is {dest.dtype}: the checkpoint does "
+            "not match its config.json's quantization_config"
+        )
+    if kind in ("weight_scale", "input_scale"):
+        if tensor.numel() == 1:
+            tensor = tensor.reshape(1).expand(dest.shape)
+        elif tuple(tensor.shape) in ((dest.shape[0], 1), (dest.shape[0],)):
+            tensor = tensor.reshape(dest.shape)
+    if tuple(dest.shape) != tuple(tensor.shape):
+        raise ModelLoadError(
+            f"{where} has shape {tuple(tensor.shape)}, the config needs {tuple(dest.shape)}"
+        )
+    if kind == "input_scale":
+        torch.maximum(dest, tensor.to(dest.device, dest.dtype), out=dest)
+    else:
+        dest.copy_(tensor)
+
+
+def _left_unquantized(fp8: Fp8Checkpoint, projection: str) -> bool:
+    """Whether an FP8 checkpoint left our projection `projection` (e.g. layers.0.mlp.gate_up_
+    proj) unquantized: all of its checkpoint modules ignored. Refuses a fused projection whose
+    parts disagree (it has one dtype)."""
+    layer, _, module = projection.partition(".")[2].partition(".")
+    parts = [name for name, (fused, _) in _FUSED.items() if fused == module] or [module]
+    ignored = {fp8.ignores(f"model.layers.{layer}.{part}") for part in parts}
+    if len(ignored) > 1:
+        raise ModelLoadError(
+            f"config.json's quantization_config leaves only some of layer {layer}'s "
+            f"{', '.join(parts)} unquantized; Inferno fuses them into one projection"
+        )
+    return ignored.pop()
+
+
+class _BlockScaledWeights:
+    """The block-scaled layout's weights, each requantized per output channel once both its
+    FP8 rows and its block scales (`weight_scale_inv`) have been read, in either order."""
+
+    def __init__(self, config: ModelConfig, shard: ShardPlan | None):
+        self._config = config
+        self._shard = shard
+        self._shard_sizes = _shard_sizes(config, 1 if shard is None else shard.size)
+        self._weights: set[tuple[str, int | None]] = set()
+        self._scales: dict[tuple[str, int | None], torch.Tensor] = {}
+
+    def add_weight(self, module: str, piece: int | None) -> None:
+        self._weights.add((module, piece))
+
+    def add_scales(
+        self,
+        params: dict[str, nn.Parameter],
+        module: str,
+        piece: int | None,
+        scales: torch.Tensor,
+        *,
+        path: Path,
+        name: str,
+    ) -> None:
+        """scales: [ceil(out / bn), ceil(in / bk)], for the whole (unsharded) weight."""
+        if self._config.fp8 is None or self._config.fp8.scales != "block":
+            raise ModelLoadError(f"{path.name}: unexpected tensor {name!r} (no block layout)")
+        # A copy: an image's tensors are views of a buffer the next file may reuse.
+        device = params[f"{module}.weight"].device
+        self._scales[(module, piece)] = scales.to(device, torch.float32, copy=True)
+
+    def finished(self, params: dict[str, nn.Parameter]) -> set[tuple[str, int | None]]:
+        """Requantize every weight whose rows and scales are both in; returns the (parameter,
+        piece) pairs that are now filled."""
+        done = set()
+        for key in self._weights & self._scales.keys():
+            module, piece = key
+            rows, scale_rows = self._rows(params, module, piece)
+            grid = self._grid(module, rows.shape, self._scales.pop(key))
+            q, scale = quantize_rows(dequantize_blocks(rows, grid, self._block))
+            rows.copy_(q)
+            scale_rows.copy_(scale)
+            self._weights.discard(key)
+            done |= {(f"{module}.weight", piece), (f"{module}.weight_scale", piece)}
+        return done
+
+    @property
+    def _block(self) -> tuple[int, int]:
+        assert self._config.fp8 is not None and self._config.fp8.block_size is not None
+        return self._config.fp8.block_size
+
+    def _rows(
+        self, params: dict[str, nn.Parameter], module: str, piece: int | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        weight = params[f"{module}.weight"].data
+        scale = params[f"{module}.weight_scale"].data
+        if piece is None:
+            return weight, scale
+        sizes = self._shard_sizes[module.split(".", 2)[-1]]
+        start = sum(sizes[:piece])
+        return weight[start : start + sizes[piece]], scale[start : start + sizes[piece]]
+
+    def _grid(self, module: str, shape: tuple[int, ...], scales: torch.Tensor) -> torch.Tensor:
+        """The block scales of this rank's part (rows x columns of `shape`) of the weight."""
+        (bn, bk), (n, k) = self._block, shape
+        row, col = (0, 0) if self._shard is None else self._shard.offset(f"{module}.weight", shape)
+        if row % bn or col % bk:
+            raise ModelLoadError(
+                f"{module}: the tensor-parallel split starts at row {row}, column {col}, inside "
+                f"a {bn}x{bk} block of its scales; choose another tensor_parallel_size"
+            )
+        part = scales[row // bn : -(-(row + n) // bn), col // bk : -(-(col + k) // bk)]
+        if tuple(part.shape) != (-(-n // bn), -(-k // bk)):
+            raise ModelLoadError(
+                f"{module}: block scales of shape {tuple(scales.shape)} do not cover its weight "
+                f"in {bn}x{bk} blocks"
+            )
+        return part
 
 
 def random_model(
@@ -112,10 +258,12 @@ def random_model(
     ops: KernelOps,
     shard: ShardPlan | None = None,
     seed: int = 0,
+    quantization: Quantization | None = None,
 ) -> LlamaForCausalLM:
     """The architecture of `model_dir/config.json` (one rank's part with `shard`) with
     normal(0, 0.02) weights drawn on `device` and norm weights 1: benchmarks of shapes whose
-    checkpoint is not at hand. Each rank draws its own (the model computes nothing meaningful)."""
+    checkpoint is not at hand. Each rank draws its own (the model computes nothing meaningful).
+    `quantization="fp8"`: the projections are then quantized (models.projections)."""
     config = ModelConfig.from_model_dir(model_dir)
     with torch.device("meta"):
         model = LlamaForCausalLM(config, ops)
@@ -130,6 +278,8 @@ def random_model(
                 param.fill_(1.0)
             else:
                 param.normal_(0.0, 0.02, generator=generator)
+    if quantization == "fp8":
+        quantize_projections(model)
     model.init_rope_tables(config.max_model_len)
     return model.eval()
 
@@ -204,7 +354,7 @@ def _read_tensors(model_dir: Path, part_of: PartOf) -> Iterator[tuple[Path, str,
 _SAFETENSORS_DTYPES = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
     "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
-    "U8": torch.uint8, "BOOL": torch.bool,
+    "U8": torch.uint8, "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn,
 }  # fmt: skip
 
 
