@@ -43,9 +43,7 @@ def _per_tensor(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (weight.float() / scale).to(FP8_DTYPE), scale.reshape(1)
 
 
-def _per_block(
-    weight: torch.Tensor, block: tuple[int, int]
-) -> tuple[torch.Tensor, torch.Tensor]:
+def _per_block(weight: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
     (bn, bk), (n, k) = block, weight.shape
     scales = torch.empty(-(-n // bn), -(-k // bk))
     q = torch.empty(n, k, dtype=FP8_DTYPE)
@@ -270,7 +268,7 @@ def test_fp8_checkpoint_under_tensor_parallelism_splits_weights_and_scales(fp8_c
 def test_block_layout_refuses_a_tensor_parallel_split_inside_a_block(fp8_checkpoints):
     model_dir, _, _ = fp8_checkpoints("fp8-block")
     # Rank 1's down_proj columns start at column 64, inside the second 48-wide block.
-    with pytest.raises(ModelLoadError, match="down_proj: .* column 64, inside a 16x48 block"):
+    with pytest.raises(ModelLoadError, match=r"down_proj: .* column 64, inside a 16x48 block"):
         load_model(model_dir, shard=ShardPlan(1, 2))
 
 
@@ -320,13 +318,11 @@ def test_unsupported_quantization_configs_are_refused_by_field(
     assert named in str(info.value)
 
 
-def test_a_checkpoint_whose_weights_disagree_with_its_config_is_refused(
-    tiny_checkpoints, tmp_path
-):
+def test_a_checkpoint_whose_weights_disagree_with_its_config_is_refused(tiny_checkpoints, tmp_path):
     source, _ = tiny_checkpoints("qwen2")
     model_dir = Path(shutil.copytree(source, tmp_path / "model"))
     config = json.loads((model_dir / "config.json").read_text())
     config["quantization_config"] = LAYOUTS["ct-channel"]
     (model_dir / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ModelLoadError, match="does not match its config.json"):
+    with pytest.raises(ModelLoadError, match=r"does not match its config\.json"):
         load_model(model_dir)
