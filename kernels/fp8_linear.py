@@ -80,7 +80,7 @@ def _quantize_rows_kernel(
             offs_k = k0 + tl.arange(0, BLOCK_K)
             values = _row_values(x_row, offs_k, offs_k < k, k, SILU_MUL)
             amax = tl.maximum(amax, tl.abs(values))
-        scale = tl.maximum(tl.max(amax, axis=0), _MIN_AMAX_C) / _FP8_MAX_C
+        scale = tl.math.div_rn(tl.maximum(tl.max(amax, axis=0), _MIN_AMAX_C), _FP8_MAX_C)
     tl.store(scale_ptr + row, scale)
     for k0 in range(0, k, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
@@ -223,7 +223,7 @@ def linear(x: torch.Tensor, weight: Fp8Weight, bias: torch.Tensor | None = None)
     """x: [M, K], weight: an [N, K] Fp8Weight, bias: [N] or None -> [M, N] in x's dtype."""
     _validate(x, weight, bias, in_features=weight.weight.shape[-1])
     xq, x_scale = quantize_rows(x, static_scale=weight.input_scale)
-    return _project(xq, x_scale, weight, bias, x.dtype)
+    return project(xq, x_scale, weight, bias, x.dtype)
 
 
 def silu_mul_linear(x: torch.Tensor, weight: Fp8Weight) -> torch.Tensor:
@@ -231,17 +231,18 @@ def silu_mul_linear(x: torch.Tensor, weight: Fp8Weight) -> torch.Tensor:
     [N, I] Fp8Weight -> [M, N] in x's dtype."""
     _validate(x, weight, None, in_features=2 * weight.weight.shape[-1])
     xq, x_scale = quantize_rows(x, silu_mul=True, static_scale=weight.input_scale)
-    return _project(xq, x_scale, weight, None, x.dtype)
+    return project(xq, x_scale, weight, None, x.dtype)
 
 
-def _project(
+def project(
     xq: torch.Tensor,
     x_scale: torch.Tensor,
     weight: Fp8Weight,
     bias: torch.Tensor | None,
     dtype: torch.dtype,
 ) -> torch.Tensor:
-    """xq: [M, K] FP8, x_scale: [M] -> [M, N] in `dtype`, by the path the module docstring names."""
+    """Rows already quantized: xq: [M, K] float8_e4m3fn, x_scale: [M] float32 -> [M, N] in
+    `dtype`, by the path the module docstring names."""
     rows, (n, k) = xq.shape[0], weight.weight.shape
     if rows > MAX_ROWS and _scaled_mm_takes(n, k, xq.device):
         out = torch._scaled_mm(

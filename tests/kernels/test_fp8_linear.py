@@ -1,0 +1,165 @@
+"""The W8A8 FP8 projection kernels against `kernels.reference` (and `kernels.fp8`).
+
+Without a GPU the products run in Triton's interpreter on tiny shapes, fed rows quantized by
+the reference: the interpreter's own float32 -> float8 conversion is wrong (it rounds 124.3 to
+64 and mishandles subnormals, Triton 3.9), so the quantization kernel, whose output is that
+conversion, is checked on the GPU only, where the hardware converts. The `gpu` cases use the
+8B model's projections at one row, a tensor-core tile of rows and a prefill-sized batch
+(cuBLASLt's FP8 matmul), and capture them in a CUDA graph as the engine does.
+"""
+
+from __future__ import annotations
+
+import zlib
+
+import pytest
+import torch
+
+from kernels import fp8, fp8_linear, reference, triton_ops
+from kernels.errors import KernelInputError
+from kernels.ops import Fp8Weight
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# Both sides sum the same exact FP8 products in float32 in different orders, then round once.
+TOLERANCE = {
+    torch.float32: {"atol": 1e-4, "rtol": 1e-4},
+    torch.float16: {"atol": 4e-3, "rtol": 4e-3},
+    torch.bfloat16: {"atol": 3e-2, "rtol": 3e-2},
+}
+# The 8B model's projections: qkv, gate/up and down (N, K).
+LLAMA_8B = [(6144, 4096), (28672, 4096), (4096, 14336)]
+
+
+def _weight(n: int, k: int, device: str, seed: int) -> Fp8Weight:
+    generator = torch.Generator(device).manual_seed(seed)
+    # Rows of different magnitudes, so the per-channel scales matter.
+    magnitudes = torch.rand(n, 1, device=device, generator=generator) + 0.1
+    dense = torch.randn(n, k, device=device, generator=generator) * magnitudes * k**-0.5
+    return Fp8Weight(*fp8.quantize_rows(dense))
+
+
+def _case(rows: int, n: int, k: int, dtype: torch.dtype, *, bias: bool) -> tuple:
+    seed = zlib.crc32(repr((rows, n, k, dtype, bias)).encode())
+    generator = torch.Generator(DEVICE).manual_seed(seed)
+    x = torch.randn(rows, k, device=DEVICE, generator=generator).to(dtype)
+    b = torch.randn(n, device=DEVICE, generator=generator).to(dtype) if bias else None
+    return x, _weight(n, k, DEVICE, seed), b
+
+
+def _reference_product(xq, x_scale, weight: Fp8Weight, bias, dtype) -> torch.Tensor:
+    out = (xq.float() @ weight.weight.float().T) * x_scale[:, None] * weight.scale[None, :]
+    return (out if bias is None else out + bias.float()).to(dtype)
+
+
+@pytest.mark.parametrize(
+    ("rows", "n", "k", "dtype", "bias"),
+    [
+        (1, 48, 64, torch.float32, False),  # the GEMV on the CUDA cores
+        (1, 37, 50, torch.float16, True),  # N and K off the tiles
+        (3, 40, 72, torch.float32, True),  # the tensor-core tile
+        (16, 33, 96, torch.bfloat16, False),
+        (21, 24, 40, torch.float16, True),  # more rows than a tile, widths cuBLASLt refuses
+    ],
+)
+def test_products_of_quantized_rows_match_reference(rows, n, k, dtype, bias) -> None:
+    x, weight, b = _case(rows, n, k, dtype, bias=bias)
+    xq, x_scale = fp8.quantize_rows(x)
+
+    out = fp8_linear.project(xq, x_scale, weight, b, dtype)
+
+    expected = _reference_product(xq, x_scale, weight, b, dtype)
+    torch.testing.assert_close(out, expected, **TOLERANCE[dtype])
+
+
+def test_reference_linear_is_the_product_of_its_quantized_rows() -> None:
+    x, weight, b = _case(5, 24, 40, torch.float32, bias=True)
+    xq, x_scale = fp8.quantize_rows(x)
+    expected = _reference_product(xq, x_scale, weight, b, torch.float32)
+    torch.testing.assert_close(reference.linear(x, weight, b), expected, rtol=1e-6, atol=1e-6)
+    static = torch.tensor([0.01], device=DEVICE)
+    xq, x_scale = fp8.quantize_rows(x, static)
+    assert (x_scale == 0.01).all() and xq.float().abs().max() <= fp8.FP8_MAX
+
+
+def test_weights_must_be_fp8_with_a_float32_scale_per_output_channel() -> None:
+    x, weight, _ = _case(1, 8, 16, torch.float32, bias=False)
+    for bad, named in [
+        (Fp8Weight(weight.weight.float(), weight.scale), "float8_e4m3fn"),
+        (Fp8Weight(weight.weight, weight.scale[:4]), r"scale must be \[8\] float32"),
+        (Fp8Weight(weight.weight, weight.scale.half()), r"scale must be \[8\] float32"),
+    ]:
+        with pytest.raises(KernelInputError, match=named):
+            fp8_linear.linear(x, bad)
+    with pytest.raises(KernelInputError, match=r"x must have shape \[M, 16\]"):
+        fp8_linear.linear(x[:, :8], weight)
+
+
+def _assert_quantized_alike(q: torch.Tensor, scale: torch.Tensor, x: torch.Tensor) -> None:
+    """The kernel's quantization against the reference's: the same scales, and each value
+    the same or, where the kernel's SiLU/exp rounds differently, one e4m3 step away."""
+    q_ref, scale_ref = fp8.quantize_rows(x)
+    torch.testing.assert_close(scale, scale_ref, rtol=1e-6, atol=0)
+    step = q_ref.float().abs() * 2**-3 + 2**-9
+    assert ((q.float() - q_ref.float()).abs() <= step).all()
+    assert (q.float() == q_ref.float()).float().mean() > 0.99
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [1, 16, 256])
+@pytest.mark.parametrize(("n", "k"), LLAMA_8B)
+def test_projections_of_the_8b_model_match_reference_on_the_gpu(rows, n, k) -> None:
+    x, weight, _ = _case(rows, n, k, torch.bfloat16, bias=False)
+    q, scale = fp8_linear.quantize_rows(x)
+    _assert_quantized_alike(q, scale, x)
+    out = triton_ops.linear(x, weight, None)
+    expected = reference.linear(x, weight, None)
+    # cuBLASLt (256 rows) rounds to bfloat16 as the reference does; a quantized input one
+    # step apart moves an output by far less than this.
+    torch.testing.assert_close(out, expected, **TOLERANCE[torch.bfloat16])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [1, 16, 256])
+def test_fused_silu_mul_down_projection_matches_reference_on_the_gpu(rows) -> None:
+    n, k = LLAMA_8B[2]
+    gate_up, weight, _ = _case(rows, n, 2 * k, torch.bfloat16, bias=False)
+    weight = _weight(n, k, DEVICE, seed=rows)
+    q, scale = fp8_linear.quantize_rows(gate_up, silu_mul=True)
+    _assert_quantized_alike(q, scale, reference.silu_and_mul(gate_up))
+    out = triton_ops.silu_mul_linear(gate_up, weight)
+    expected = reference.silu_mul_linear(gate_up, weight)
+    torch.testing.assert_close(out, expected, **TOLERANCE[torch.bfloat16])
+
+
+@pytest.mark.gpu
+def test_static_input_scale_and_bias_match_reference_on_the_gpu() -> None:
+    x, weight, b = _case(32, 1024, 512, torch.bfloat16, bias=True)
+    weight = Fp8Weight(weight.weight, weight.scale, torch.tensor([0.02], device=DEVICE))
+    for rows in (1, 8, 32):
+        torch.testing.assert_close(
+            triton_ops.linear(x[:rows], weight, b),
+            reference.linear(x[:rows], weight, b),
+            **TOLERANCE[torch.bfloat16],
+        )
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [1, 8, 64])
+def test_fp8_projections_replay_in_a_cuda_graph(rows) -> None:
+    n, k = 2048, 1024
+    x, weight, _ = _case(rows, n, k, torch.bfloat16, bias=False)
+    gate_up = torch.cat([x, x.flip(1)], dim=1)
+    down = _weight(n, k, DEVICE, seed=7)
+    triton_ops.linear(x, weight, None), triton_ops.silu_mul_linear(gate_up, down)  # compile
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = triton_ops.linear(x, weight, None)
+        fused = triton_ops.silu_mul_linear(gate_up, down)
+    x.copy_(torch.randn_like(x))
+    gate_up.copy_(torch.randn_like(gate_up))
+    graph.replay()
+    torch.testing.assert_close(out, reference.linear(x, weight, None), **TOLERANCE[torch.bfloat16])
+    torch.testing.assert_close(
+        fused, reference.silu_mul_linear(gate_up, down), **TOLERANCE[torch.bfloat16]
+    )
