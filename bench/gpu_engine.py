@@ -1,4 +1,6 @@
 """GPU benchmarks of PERFORMANCE.md on the random-weight Llama-3.1-8B (bf16), in one run.
+With `--quantization fp8` its projections are FP8 (W8A8, models.projections), as
+`engine.quantization = "fp8"` loads them.
 
 Measures the ceilings first (device-to-device copy bandwidth, dense bf16 matmul rate), then
 W1 (batch-1 decode), W2 (offline throughput), W4 (shared-prefix TTFT, prefix cache on vs off)
@@ -9,7 +11,7 @@ rows last.
     python bench/gpu_engine.py [--workloads W1,W2,W2S,P,W4,HF,HFW4] [--max-num-seqs 256]
                                [--max-decode-burst 1]
                                [--w2-requests 1024] [--hf-requests 128]
-                               [--tokenizer-json PATH]
+                               [--tokenizer-json PATH] [--quantization fp8]
 
 W2S is W2 with a JSON schema on every request (grammars compiled against --tokenizer-json).
 
@@ -35,6 +37,7 @@ import triton
 from appliance.engine.engine import Engine, EngineConfig
 from appliance.engine.models.config import ModelConfig
 from appliance.engine.models.llama import LlamaForCausalLM
+from appliance.engine.models.projections import quantize_projections
 from appliance.engine.sampling_params import SamplingParams
 from kernels import triton_ops
 
@@ -83,8 +86,9 @@ def matmul_rate() -> float:
     return 2 * 8192**3 / (ms * 1e-3)
 
 
-def random_llama(seed: int = 0) -> LlamaForCausalLM:
-    """Llama-3.1-8B with normal(0, 0.02) weights drawn on the GPU (norm weights 1)."""
+def random_llama(seed: int = 0, quantization: str | None = None) -> LlamaForCausalLM:
+    """Llama-3.1-8B with normal(0, 0.02) weights drawn on the GPU (norm weights 1); with
+    quantization "fp8", its projections then quantized to FP8."""
     config = ModelConfig.from_dict(LLAMA_31_8B)
     torch.set_default_dtype(torch.bfloat16)
     try:
@@ -100,6 +104,8 @@ def random_llama(seed: int = 0) -> LlamaForCausalLM:
                 param.fill_(1.0)
             else:
                 param.normal_(0.0, 0.02, generator=generator)
+    if quantization == "fp8":
+        quantize_projections(model)
     model.init_rope_tables(MAX_MODEL_LEN)
     return model.eval()
 
@@ -450,6 +456,9 @@ def main() -> None:
     parser.add_argument(
         "--tokenizer-json", type=Path, help="W2S: the tokenizer.json its grammars compile against"
     )
+    parser.add_argument(
+        "--quantization", choices=["fp8"], help="FP8 projections (W8A8) instead of bf16"
+    )
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
     wanted = set(args.workloads.split(","))
@@ -464,13 +473,14 @@ def main() -> None:
         f"date {datetime.date.today()} device {props.name} ({props.total_memory / 2**30:.0f} GiB, "
         f"{props.multi_processor_count} SMs) torch {torch.__version__} triton {triton.__version__}"
         f" commit {commit or 'unknown'} max_decode_burst {args.max_decode_burst}"
+        f" quantization {args.quantization or 'none (bf16)'}"
     )
     copy_bw = copy_bandwidth()
     report("copy bandwidth (read + write)", f"{copy_bw / 1e12:.2f} TB/s")
     matmul = matmul_rate()
     report("dense bf16 matmul 8192³", f"{matmul / 1e12:.0f} TFLOP/s")
     start = time.perf_counter()
-    model = random_llama()
+    model = random_llama(quantization=args.quantization)
     report("random 8B model built", f"{time.perf_counter() - start:.1f} s")
     if "W1" in wanted:
         w1(model, copy_bw, args.max_decode_burst)

@@ -66,6 +66,7 @@ def random_model(
         ops=config.kernel_ops(),
         shard=shard,
         seed=seed,
+        quantization=config.quantization,
     )
 
 

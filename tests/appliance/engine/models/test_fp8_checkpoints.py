@@ -20,10 +20,13 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from appliance.engine.errors import ModelLoadError
-from appliance.engine.models.loader import load_model
+from appliance.engine.models.loader import load_model, parts_of
 from appliance.engine.models.projections import Fp8Linear
+from appliance.engine.models.sealed_images import SealedImages, SealedShardImages
 from appliance.engine.parallel.sharding import ShardPlan
+from attestation.sealed import SealedModel
 from kernels.fp8 import FP8_DTYPE, FP8_MAX, dequantize_blocks, quantize_rows
+from tests.attestation.sealed.conftest import seal
 
 from .test_architectures import SEQ_LENS, PagedBatch, _hf_logits, _prompts
 
@@ -326,3 +329,26 @@ def test_a_checkpoint_whose_weights_disagree_with_its_config_is_refused(tiny_che
     (model_dir / "config.json").write_text(json.dumps(config))
     with pytest.raises(ModelLoadError, match=r"does not match its config\.json"):
         load_model(model_dir)
+
+
+@pytest.mark.parametrize("layout", ["ct-channel", "fp8-block-tp"])
+def test_a_sealed_fp8_checkpoint_loads_as_its_files_do(fp8_checkpoints, tmp_path, layout):
+    """F8_E4M3 tensors seal, and decrypt into the same model, whole or one rank's part."""
+    model_dir, _, _ = fp8_checkpoints(layout)
+    fixture = seal(model_dir, tmp_path / "sealed")
+    sealed = SealedModel.open(fixture.sealed, manifest_key=fixture.public_key)
+    with SealedImages(sealed, fixture.data_key, torch.device("cpu"), workers=2) as images:
+        _assert_same_bytes(load_model(fixture.sealed, weights=images), load_model(model_dir))
+    plan = ShardPlan(1, 2)
+    with SealedShardImages(sealed, fixture.data_key, parts_of(plan), workers=2) as images:
+        _assert_same_bytes(
+            load_model(fixture.sealed, weights=images, shard=plan),
+            load_model(model_dir, shard=plan),
+        )
+
+
+def _assert_same_bytes(a: torch.nn.Module, b: torch.nn.Module) -> None:
+    params_b = dict(b.named_parameters())
+    assert params_b.keys() == dict(a.named_parameters()).keys()
+    for name, param in a.named_parameters():
+        assert torch.equal(param.view(torch.uint8), params_b[name].view(torch.uint8)), name
