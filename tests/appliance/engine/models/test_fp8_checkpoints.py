@@ -352,3 +352,23 @@ def _assert_same_bytes(a: torch.nn.Module, b: torch.nn.Module) -> None:
     assert params_b.keys() == dict(a.named_parameters()).keys()
     for name, param in a.named_parameters():
         assert torch.equal(param.view(torch.uint8), params_b[name].view(torch.uint8)), name
+
+
+def test_the_cpu_engine_decodes_an_fp8_checkpoint_as_a_fresh_prefill_reads_it(fp8_checkpoints):
+    """Continuous batching, the paged KV cache and sampling over FP8 projections: each greedy
+    token is the argmax of a one-pass prefill of everything before it (activations are
+    quantized per token, so batching changes nothing but float32 summation order)."""
+    from appliance.engine.engine import Engine, EngineConfig
+    from appliance.engine.sampling_params import SamplingParams
+
+    model_dir, _, _ = fp8_checkpoints("ct-channel")
+    model = load_model(model_dir)
+    config = EngineConfig(model_dir=model_dir, num_kv_blocks=64, num_cpu_threads=1)
+    engine = Engine.build(config, model, tokenizer=None)
+    prompts = _prompts((23, 9))
+    greedy = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    completions = engine.generate(prompts, greedy)
+    full = [p + c.token_ids for p, c in zip(prompts, completions, strict=True)]
+    logits = PagedBatch(model, full).step([(i, 0, len(t)) for i, t in enumerate(full)])
+    for prompt, tokens, lg in zip(prompts, full, logits, strict=True):
+        assert lg[len(prompt) - 1 : -1].argmax(-1).tolist() == tokens[len(prompt) :]
