@@ -13,7 +13,8 @@ Two steps, each one launch:
      FP8 rows along K once, so the step reads half the bytes of the bfloat16 weight;
    - 2 to `MAX_ROWS` rows: the same stream, each [BLOCK_N, BLOCK_K] weight tile meeting all rows
      of x on the tensor cores (FP8 values widened exactly to float16);
-   - more rows: cuBLASLt's FP8 tensor-core matmul (`torch._scaled_mm` with row-wise scales).
+   - more rows: cuBLASLt's FP8 tensor-core matmul (`torch._scaled_mm` with row-wise scales;
+     torch's CPU build has the same operator, so the interpreted tests call it as the GPU does).
    All sum the exact FP8 products in float32 and scale the sums by x's scale, then the weight's.
 
 Semantics are `kernels.reference.linear` with an `Fp8Weight`: the sums differ only in their
@@ -29,7 +30,7 @@ import triton.language as tl
 
 from kernels.errors import KernelInputError
 from kernels.fp8 import FP8_DTYPE, FP8_MAX, MIN_AMAX
-from kernels.launch_checks import FLOAT_DTYPES, check_devices, triton_interprets
+from kernels.launch_checks import FLOAT_DTYPES, check_devices
 from kernels.linear import MAX_ROWS, config_for
 from kernels.ops import Fp8Weight
 
@@ -244,7 +245,7 @@ def project(
     """Rows already quantized: xq: [M, K] float8_e4m3fn, x_scale: [M] float32 -> [M, N] in
     `dtype`, by the path the module docstring names."""
     rows, (n, k) = xq.shape[0], weight.weight.shape
-    if rows > MAX_ROWS and _scaled_mm_takes(n, k, xq.device):
+    if rows > MAX_ROWS and n % _SCALED_MM_ALIGN == 0 and k % _SCALED_MM_ALIGN == 0:
         out = torch._scaled_mm(
             xq,
             weight.weight.t(),  # [K, N], column-major: the layout cuBLASLt's FP8 matmul needs
@@ -261,15 +262,6 @@ def project(
         stop = min(start + MAX_ROWS, rows)
         _launch_skinny(xq[start:stop], x_scale[start:stop], weight, bias, out[start:stop])
     return out
-
-
-def _scaled_mm_takes(n: int, k: int, device: torch.device) -> bool:
-    return (
-        device.type == "cuda"
-        and not triton_interprets()
-        and n % _SCALED_MM_ALIGN == 0
-        and k % _SCALED_MM_ALIGN == 0
-    )
 
 
 def _launch_skinny(

@@ -1,7 +1,7 @@
 """The W8A8 FP8 projection kernels against `kernels.reference` (and `kernels.fp8`).
 
-Without a GPU the products run in Triton's interpreter on tiny shapes, fed rows quantized by
-the reference: the interpreter's own float32 -> float8 conversion is wrong (it rounds 124.3 to
+Without a GPU the products run in Triton's interpreter on tiny shapes (and large batches in
+torch's CPU `_scaled_mm`, called as on the GPU), fed rows quantized by the reference: the interpreter's own float32 -> float8 conversion is wrong (it rounds 124.3 to
 64 and mishandles subnormals, Triton 3.9), so the quantization kernel, whose output is that
 conversion, is checked on the GPU only, where the hardware converts. The `gpu` cases use the
 8B model's projections at one row, a tensor-core tile of rows and a prefill-sized batch
@@ -10,6 +10,9 @@ conversion, is checked on the GPU only, where the hardware converts. The `gpu` c
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import zlib
 
 import pytest
@@ -59,6 +62,7 @@ def _reference_product(xq, x_scale, weight: Fp8Weight, bias, dtype) -> torch.Ten
         (3, 40, 72, torch.float32, True),  # the tensor-core tile
         (16, 33, 96, torch.bfloat16, False),
         (21, 24, 40, torch.float16, True),  # more rows than a tile, widths cuBLASLt refuses
+        (20, 48, 32, torch.bfloat16, True),  # torch._scaled_mm (on the CPU too)
     ],
 )
 def test_products_of_quantized_rows_match_reference(rows, n, k, dtype, bias) -> None:
@@ -171,3 +175,56 @@ def test_fp8_projections_replay_in_a_cuda_graph(rows) -> None:
     torch.testing.assert_close(
         fused, reference.silu_mul_linear(gate_up, down), **TOLERANCE[torch.bfloat16]
     )
+
+
+# Compiles the kernels for an H100 (sm_90) ahead of time; Triton's own compiler and ptxas need
+# no GPU. Run in a fresh process: under TRITON_INTERPRET=1 the kernels are not compilable.
+_COMPILE_FOR_HOPPER = """
+import re, triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from kernels import fp8_linear as k
+
+common = {"x_scale_ptr": "*fp32", "w_ptr": "*fp8e4nv", "w_scale_ptr": "*fp32", "b_ptr": "*bf16",
+          "out_ptr": "*bf16", "HAS_BIAS": "constexpr", "EVEN_K": "constexpr",
+          "BLOCK_N": "constexpr", "BLOCK_K": "constexpr"}
+kernels = [
+    (k._quantize_rows_kernel,
+     {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "scale_ptr": "*fp32", "static_scale_ptr": "*fp32",
+      "k": "i32", "x_row_stride": "i32", "q_row_stride": "i32", "SILU_MUL": "constexpr",
+      "STATIC": "constexpr", "BLOCK_K": "constexpr"},
+     {"SILU_MUL": True, "STATIC": False, "BLOCK_K": 4096}),
+    (k._fp8_gemv_kernel,
+     {"xq_ptr": "*fp8e4nv", **common, "n": "i32", "k": "i32", "w_row_stride": "i32"},
+     {"HAS_BIAS": True, "EVEN_K": False, "BLOCK_N": 2, "BLOCK_K": 1024}),
+    (k._fp8_skinny_kernel,
+     {"xq_ptr": "*fp8e4nv", **common, "rows": "i32", "n": "i32", "k": "i32",
+      "x_row_stride": "i32", "w_row_stride": "i32", "out_row_stride": "i32",
+      "BLOCK_M": "constexpr"},
+     {"HAS_BIAS": True, "EVEN_K": False, "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 256}),
+]
+for fn, signature, constexprs in kernels:
+    source = ASTSource(fn=fn, signature=signature, constexprs=constexprs)
+    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32))
+    assert compiled.asm["cubin"], fn
+    if fn is k._quantize_rows_kernel:
+        print(sorted(set(re.findall(r"cvt\\.rn\\.satfinite\\.e4m3x2\\.f32|div\\.rn\\.f32",
+                                    compiled.asm["ptx"]))))
+"""
+
+
+def test_the_kernels_compile_for_hopper_with_exact_division_and_rounding() -> None:
+    """What the interpreter cannot show: the kernels compile for sm_90, and the quantization
+    divides correctly rounded and converts to e4m3 rounding to nearest even, saturating, which
+    the GPU test's bit-for-bit comparison with torch relies on."""
+    env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_DEFAULT_FP_FUSION": "1"}
+    result = subprocess.run(
+        [sys.executable, "-c", _COMPILE_FOR_HOPPER],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.strip() == "['cvt.rn.satfinite.e4m3x2.f32', 'div.rn.f32']"
