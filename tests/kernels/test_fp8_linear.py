@@ -1,11 +1,13 @@
 """The W8A8 FP8 projection kernels against `kernels.reference` (and `kernels.fp8`).
 
 Without a GPU the products run in Triton's interpreter on tiny shapes (and large batches in
-torch's CPU `_scaled_mm`, called as on the GPU), fed rows quantized by the reference: the interpreter's own float32 -> float8 conversion is wrong (it rounds 124.3 to
-64 and mishandles subnormals, Triton 3.9), so the quantization kernel, whose output is that
-conversion, is checked on the GPU only, where the hardware converts. The `gpu` cases use the
-8B model's projections at one row, a tensor-core tile of rows and a prefill-sized batch
-(cuBLASLt's FP8 matmul), and capture them in a CUDA graph as the engine does.
+torch's CPU `_scaled_mm`, called as on the GPU), fed rows quantized by the reference: the
+interpreter's own float32 -> float8 conversion is wrong (it rounds 124.3 to 64 and mishandles
+subnormals, Triton 3.9), so the quantization kernel, whose output is that conversion, is
+checked on the GPU only, where the hardware converts, and compiled for sm_90 here. The `gpu`
+cases use the 8B model's projections at one row, a tensor-core tile of rows and a
+prefill-sized batch (cuBLASLt's FP8 matmul), and capture them in a CUDA graph as the engine
+does.
 """
 
 from __future__ import annotations
