@@ -11,6 +11,7 @@ tensors are read in place (`torch.frombuffer`, no copy) after their header is va
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import re
@@ -72,15 +73,7 @@ def load_model(
     missing/unexpected/misshapen tensors.
     """
     config = ModelConfig.from_model_dir(model_dir)
-    with torch.device("meta"):
-        model = LlamaForCausalLM(config) if ops is None else LlamaForCausalLM(config, ops)
-    if shard is not None:
-        shard_model(model, shard)
-    model.to(dtype)  # on the meta device: the parameters are then allocated in their dtype
-    if config.fp8 is not None:
-        keep = functools.partial(_left_unquantized, config.fp8)
-        use_fp8_projections(model, keep, static_input_scale=config.fp8.static_input)
-    model.to_empty(device=device)
+    model = _empty_model(config, dtype, device, ops, shard)
     params = dict(model.named_parameters())
     for name, param in params.items():
         if name.endswith(".input_scale"):
@@ -129,6 +122,26 @@ def load_model(
         quantize_projections(model)
     model.init_rope_tables(config.max_model_len)
     return model.eval()
+
+
+def _empty_model(
+    config: ModelConfig,
+    dtype: torch.dtype,
+    device: torch.device | str,
+    ops: KernelOps | None,
+    shard: ShardPlan | None,
+) -> LlamaForCausalLM:
+    """The architecture (one rank's part with `shard`), its parameters allocated on `device`
+    in `dtype` and left empty; an FP8 checkpoint's projections as empty Fp8Linears."""
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config) if ops is None else LlamaForCausalLM(config, ops)
+    if shard is not None:
+        shard_model(model, shard)
+    model.to(dtype)  # on the meta device: the parameters are then allocated in their dtype
+    if config.fp8 is not None:
+        keep = functools.partial(_left_unquantized, config.fp8)
+        use_fp8_projections(model, keep, static_input_scale=config.fp8.static_input)
+    return model.to_empty(device=device)
 
 
 def _copy_tensor(dest: torch.Tensor, tensor: torch.Tensor, kind: str, *, where: str) -> None:
@@ -263,14 +276,10 @@ def random_model(
     """The architecture of `model_dir/config.json` (one rank's part with `shard`) with
     normal(0, 0.02) weights drawn on `device` and norm weights 1: benchmarks of shapes whose
     checkpoint is not at hand. Each rank draws its own (the model computes nothing meaningful).
-    `quantization="fp8"`: the projections are then quantized (models.projections)."""
+    With `quantization="fp8"`, or for an FP8 checkpoint's directory, the projections are then
+    quantized (models.projections), so warm-up compiles the kernels that model runs."""
     config = ModelConfig.from_model_dir(model_dir)
-    with torch.device("meta"):
-        model = LlamaForCausalLM(config, ops)
-    if shard is not None:
-        shard_model(model, shard)
-    model.to_empty(device=device)
-    model.to(dtype)
+    model = _empty_model(dataclasses.replace(config, fp8=None), dtype, device, ops, shard)
     generator = torch.Generator(device).manual_seed(seed + (0 if shard is None else shard.rank))
     with torch.no_grad():
         for name, param in model.named_parameters():
@@ -278,7 +287,7 @@ def random_model(
                 param.fill_(1.0)
             else:
                 param.normal_(0.0, 0.02, generator=generator)
-    if quantization == "fp8":
+    if quantization == "fp8" or config.fp8 is not None:
         quantize_projections(model)
     model.init_rope_tables(config.max_model_len)
     return model.eval()

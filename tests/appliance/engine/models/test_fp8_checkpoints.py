@@ -206,6 +206,27 @@ def test_block_layout_is_requantized_per_row_within_one_fp8_rounding(fp8_checkpo
         assert ((ours[name] - weight).abs() <= bound).all(), name
 
 
+def test_the_block_layout_written_here_is_the_one_transformers_reads(fp8_checkpoints):
+    """transformers' FineGrainedFP8 integration, dequantizing on the CPU, reads the block
+    checkpoint as the reference here does (weight_scale_inv multiplies its block), and our
+    load stays within one rounding of it. (transformers needs whole blocks: the 16x32 layout.)"""
+    from transformers import AutoModelForCausalLM, FineGrainedFP8Config
+
+    model_dir, meaning, _ = fp8_checkpoints("fp8-block-tp")
+    theirs = AutoModelForCausalLM.from_pretrained(
+        model_dir,
+        dtype=torch.float32,
+        quantization_config=FineGrainedFP8Config(dequantize=True, weight_block_size=TP_BLOCK),
+    )
+    ours = _dequantized(load_model(model_dir))
+    for name, weight in meaning.items():
+        reference = theirs.get_submodule(name).weight
+        assert torch.equal(reference, weight), name
+        row_scale = weight.abs().amax(1, keepdim=True) / FP8_MAX
+        bound = torch.maximum(weight.abs() * 2**-4, row_scale * 2**-10) + 1e-12
+        assert ((ours[name] - reference).abs() <= bound).all(), name
+
+
 @pytest.mark.parametrize("layout", ["ct-channel", "ct-tensor", "ct-tensor-static", "fp8-block"])
 def test_fp8_logits_follow_transformers_on_the_dequantized_weights(fp8_checkpoints, layout):
     """Our W8A8 forward against transformers' float32 forward of the weights the checkpoint
@@ -372,3 +393,23 @@ def test_the_cpu_engine_decodes_an_fp8_checkpoint_as_a_fresh_prefill_reads_it(fp
     logits = PagedBatch(model, full).step([(i, 0, len(t)) for i, t in enumerate(full)])
     for prompt, tokens, lg in zip(prompts, full, logits, strict=True):
         assert lg[len(prompt) - 1 : -1].argmax(-1).tolist() == tokens[len(prompt) :]
+
+
+def test_random_weights_are_fp8_when_asked_or_when_the_checkpoint_is(fp8_checkpoints, tmp_path):
+    """Warm-up and benchmarks draw random weights: FP8 ones for an FP8 model, so the kernels
+    they compile are those it will run."""
+    from appliance.engine.models.loader import random_model
+    from kernels import reference
+
+    model_dir, _, _ = fp8_checkpoints("ct-channel")
+    config = json.loads((model_dir / "config.json").read_text())
+    del config["quantization_config"]
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    for directory, quantization in [(model_dir, None), (tmp_path, "fp8")]:
+        model = random_model(
+            directory, dtype=torch.float32, device="cpu", ops=reference, quantization=quantization
+        )
+        assert isinstance(model.layers[0].mlp.down_proj, Fp8Linear)
+        assert model.embed_tokens.weight.dtype == torch.float32
+    plain = random_model(tmp_path, dtype=torch.float32, device="cpu", ops=reference)
+    assert isinstance(plain.layers[0].mlp.down_proj, torch.nn.Linear)
