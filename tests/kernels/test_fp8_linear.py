@@ -100,6 +100,19 @@ def test_weights_must_be_fp8_with_a_float32_scale_per_output_channel() -> None:
         fp8_linear.linear(x[:, :8], weight)
 
 
+@pytest.mark.parametrize("silu_mul", [False, True])
+def test_quantization_scales_match_reference(silu_mul: bool) -> None:
+    """The scales (the interpreter computes them exactly; only its float8 conversion is off)."""
+    x, _, _ = _case(5, 8, 2 * 600, torch.float32, bias=False)
+    q, scale = fp8_linear.quantize_rows(x, silu_mul=silu_mul)
+    _, expected = fp8.quantize_rows(reference.silu_and_mul(x) if silu_mul else x)
+    assert q.shape == (5, 600 if silu_mul else 1200) and q.dtype == fp8.FP8_DTYPE
+    torch.testing.assert_close(scale, expected, rtol=1e-6, atol=0)
+    static = torch.tensor([0.25], device=DEVICE)
+    _, scale = fp8_linear.quantize_rows(x, silu_mul=silu_mul, static_scale=static)
+    assert (scale == 0.25).all()
+
+
 def _assert_quantized_alike(q: torch.Tensor, scale: torch.Tensor, x: torch.Tensor) -> None:
     """The kernel's quantization of x against the reference's: bit for bit. (Both take the
     exact maximum, divide correctly rounded and round to nearest even.)"""
