@@ -1,5 +1,7 @@
 """GPU benchmarks of PERFORMANCE.md on a random-weight model of a real shape (bf16), in one run:
 Llama-3.1-8B by default, or with --model Qwen3-8B, Gemma-3-12B or Phi-4-mini.
+With `--quantization fp8` its projections are FP8 (W8A8, models.projections), as
+`engine.quantization = "fp8"` loads them.
 
 Measures the ceilings first (device-to-device copy bandwidth, dense bf16 matmul rate), then
 W1 (batch-1 decode), W2 (offline throughput), W4 (shared-prefix TTFT, prefix cache on vs off)
@@ -11,7 +13,7 @@ rows last.
                                [--workloads W1,W2,W2S,P,W4,HF,HFW4] [--max-num-seqs 256]
                                [--max-decode-burst 1]
                                [--w2-requests 1024] [--hf-requests 128]
-                               [--tokenizer-json PATH]
+                               [--tokenizer-json PATH] [--quantization fp8]
 
 W2S is W2 with a JSON schema on every request (grammars compiled against --tokenizer-json).
 
@@ -39,6 +41,7 @@ from appliance.engine.engine import Engine, EngineConfig
 from appliance.engine.models.config import ModelConfig
 from appliance.engine.models.decoder import CausalLM
 from appliance.engine.models.loader import build_model, fill_randomly
+from appliance.engine.models.projections import quantize_projections
 from appliance.engine.sampling_params import SamplingParams
 from kernels import triton_ops
 
@@ -144,12 +147,17 @@ def matmul_rate() -> float:
     return 2 * 8192**3 / (ms * 1e-3)
 
 
-def random_model(shape: str = "llama-3.1-8b", seed: int = 0) -> CausalLM:
+def random_model(
+    shape: str = "llama-3.1-8b", seed: int = 0, quantization: str | None = None
+) -> CausalLM:
     """The model of `SHAPES[shape]` with normal(0, 0.02) weights drawn on the GPU (norm
-    weights 1), in bf16 on the Triton kernels."""
+    weights 1), in bf16 on the Triton kernels; with quantization "fp8", its projections then
+    quantized to FP8."""
     config = ModelConfig.from_dict(SHAPES[shape])
     model = build_model(config, dtype=torch.bfloat16, device="cuda", ops=triton_ops, shard=None)
     fill_randomly(model, seed)
+    if quantization == "fp8":
+        quantize_projections(model)
     model.init_rope_tables(MAX_MODEL_LEN)
     return model.eval()
 
@@ -501,6 +509,9 @@ def main() -> None:
     parser.add_argument(
         "--tokenizer-json", type=Path, help="W2S: the tokenizer.json its grammars compile against"
     )
+    parser.add_argument(
+        "--quantization", choices=["fp8"], help="FP8 projections (W8A8) instead of bf16"
+    )
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
     wanted = set(args.workloads.split(","))
@@ -518,13 +529,14 @@ def main() -> None:
         f"{props.multi_processor_count} SMs) torch {torch.__version__} triton {triton.__version__}"
         f" commit {commit or 'unknown'} max_decode_burst {args.max_decode_burst}"
         f" model {args.model}"
+        f" quantization {args.quantization or 'none (bf16)'}"
     )
     copy_bw = copy_bandwidth()
     report("copy bandwidth (read + write)", f"{copy_bw / 1e12:.2f} TB/s")
     matmul = matmul_rate()
     report("dense bf16 matmul 8192³", f"{matmul / 1e12:.0f} TFLOP/s")
     start = time.perf_counter()
-    model = random_model(args.model)
+    model = random_model(args.model, quantization=args.quantization)
     report(f"random {args.model} built", f"{time.perf_counter() - start:.1f} s")
     if "W1" in wanted:
         w1(model, copy_bw, args.max_decode_burst)

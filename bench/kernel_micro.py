@@ -6,9 +6,12 @@ second against the copy bandwidth; prefill attention reports FLOP/s against the 
 rate. Shapes are those of PERFORMANCE.md (Llama-3.1-8B heads: 32 query, 8 KV, head dim 128).
 The skinny projections (decode batches of at most 16 rows) report weight bytes streamed per
 second against the copy bandwidth, beside cuBLAS on the same shapes; `--sweep-linear` also
-times a grid of tile configurations and prints the fastest per shape.
+times a grid of tile configurations and prints the fastest per shape. The FP8 (W8A8)
+projections (`kernels.fp8_linear`: per-token activation quantization, then the FP8 GEMV, the
+FP8-in-registers skinny kernel or cuBLASLt's FP8 matmul) are timed as the engine runs them
+beside the bf16 path on the same shapes at 1, 16 and 256 rows; `--fp8-only` times just those.
 
-    python bench/kernel_micro.py [--sweep-linear]
+    python bench/kernel_micro.py [--sweep-linear] [--fp8-only]
 """
 
 from __future__ import annotations
@@ -22,11 +25,11 @@ from collections.abc import Callable
 import torch
 import triton
 
-from kernels import reference, triton_ops
+from kernels import fp8, reference, triton_ops
 from kernels.activation import silu_and_mul
 from kernels.decode_attention import choose_num_splits, paged_decode_attention
 from kernels.linear import LinearConfig, linear, silu_mul_linear
-from kernels.ops import AttentionMetadata
+from kernels.ops import AttentionMetadata, Fp8Weight
 from kernels.prefill_attention import paged_prefill_attention
 from kernels.rmsnorm import add_rms_norm
 
@@ -225,9 +228,41 @@ def projection(name: str, n: int, k: int, rows: int, copy_bw: float, sweep: bool
     )
 
 
+FP8_PROJECTIONS = [("qkv", 6144, 4096), ("gate_up", 28672, 4096), ("down + SiLU·mul", 4096, 14336)]
+
+
+def fp8_projection(name: str, n: int, k: int, rows: int, copy_bw: float) -> str:
+    """The engine's FP8 projection (activation quantization included) against its bf16 one."""
+    fused = name.startswith("down")
+    x = torch.randn(rows, 2 * k if fused else k, dtype=DTYPE, device="cuda")
+    dense = [torch.randn(n, k, dtype=DTYPE, device="cuda") * k**-0.5 for _ in range(COPIES)]
+    weights = [Fp8Weight(*fp8.quantize_rows(w)) for w in dense]
+
+    def engine(w: torch.Tensor | Fp8Weight) -> Callable[[], object]:
+        if fused:
+            return lambda: triton_ops.silu_mul_linear(x, w)
+        return lambda: triton_ops.linear(x, w, None)
+
+    ref_x = reference.silu_and_mul(x) if fused else x
+    check(f"fp8 {name} M={rows}", engine(weights[0])(), reference.linear(ref_x, weights[0], None),
+          5e-2, 5e-2)  # fmt: skip
+    fp8_ms = graph_time(engine, weights)
+    bf16_ms = graph_time(engine, dense)
+    fp8_bytes = n * k + 4 * n
+    rate = fp8_bytes / (fp8_ms * 1e-3)
+    flops = 2 * rows * n * k
+    return (
+        f"| FP8 {name} {n} × {k}, M = {rows} | {fp8_ms * 1e3:.1f} µs | "
+        f"{rate / 1e12:.2f} TB/s of weights = {rate / copy_bw:.0%} of copy, "
+        f"{flops / (fp8_ms * 1e-3) / 1e12:.0f} TFLOP/s | "
+        f"bf16 {bf16_ms * 1e3:.1f} µs: FP8 is {bf16_ms / fp8_ms:.2f}× |"
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--sweep-linear", action="store_true")
+    parser.add_argument("--fp8-only", action="store_true")
     args = parser.parse_args()
     torch.manual_seed(int.from_bytes(os.urandom(4), "little"))  # fresh inputs every run
     props = torch.cuda.get_device_properties(0)
@@ -241,15 +276,20 @@ def main() -> None:
     print(f"commit {commit}")
     copy_bw, matmul_rate = ceilings()
     print(f"ceilings: copy {copy_bw / 1e12:.2f} TB/s, bf16 matmul {matmul_rate / 1e12:.0f} TFLOP/s")
-    rows = [
-        decode(copy_bw),
-        decode(copy_bw, batch=1, context=4096),
-        prefill(matmul_rate),
-        norm(copy_bw),
-    ]
-    for rows_per_batch in (1, 8):
-        for name, n, k in PROJECTIONS:
-            rows.append(projection(name, n, k, rows_per_batch, copy_bw, args.sweep_linear))
+    rows = []
+    if not args.fp8_only:
+        rows += [
+            decode(copy_bw),
+            decode(copy_bw, batch=1, context=4096),
+            prefill(matmul_rate),
+            norm(copy_bw),
+        ]
+        for rows_per_batch in (1, 8):
+            for name, n, k in PROJECTIONS:
+                rows.append(projection(name, n, k, rows_per_batch, copy_bw, args.sweep_linear))
+    for rows_per_batch in (1, 16, 256):
+        for name, n, k in FP8_PROJECTIONS:
+            rows.append(fp8_projection(name, n, k, rows_per_batch, copy_bw))
     print("\n| kernel and shape | median time | achieved | goal |\n|---|---|---|---|")
     print("\n".join(rows))
 

@@ -66,6 +66,22 @@ class AttentionMetadata:
         )
 
 
+@dataclass(frozen=True, slots=True)
+class Fp8Weight:
+    """A projection weight in FP8 (e4m3) with a scale per output channel: the weight it stands
+    for is `weight * scale[:, None]`. A projection with it is W8A8: its input is quantized to
+    FP8 too, per token (dynamically, `kernels.fp8.quantize_rows`), or with one static scale
+    when `input_scale` is given; the FP8 products are summed in float32 and scaled by both.
+
+    weight: [N, K] float8_e4m3fn (nn.Linear's layout); scale: [N] float32;
+    input_scale: [1] float32 or None
+    """
+
+    weight: torch.Tensor
+    scale: torch.Tensor
+    input_scale: torch.Tensor | None = None
+
+
 class KernelOps(Protocol):
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor: ...
 
@@ -78,12 +94,16 @@ class KernelOps(Protocol):
     ) -> tuple[torch.Tensor, torch.Tensor]: ...
 
     def linear(
-        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+        self, x: torch.Tensor, weight: torch.Tensor | Fp8Weight, bias: torch.Tensor | None
     ) -> torch.Tensor: ...
 
-    def silu_mul_linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor: ...
+    def silu_mul_linear(
+        self, x: torch.Tensor, weight: torch.Tensor | Fp8Weight
+    ) -> torch.Tensor: ...
 
-    def gelu_tanh_mul_linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor: ...
+    def gelu_tanh_mul_linear(
+        self, x: torch.Tensor, weight: torch.Tensor | Fp8Weight
+    ) -> torch.Tensor: ...
 
     def write_kv_cache(
         self,

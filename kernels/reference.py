@@ -11,7 +11,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels.ops import AttentionMetadata
+from kernels.fp8 import quantize_rows
+from kernels.ops import AttentionMetadata, Fp8Weight
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -56,21 +57,36 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x @ weight.T + bias: x [T, K], weight [N, K] (nn.Linear's layout), bias [N] or None."""
-    return F.linear(x, weight, bias)
+def linear(
+    x: torch.Tensor, weight: torch.Tensor | Fp8Weight, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """x @ weight.T + bias: x [T, K], weight [N, K] (nn.Linear's layout), bias [N] or None.
+
+    An FP8 weight makes it W8A8 (`Fp8Weight`): x is quantized per token (or with the weight's
+    static input scale), the FP8 products summed in float32 and scaled by x's scale, then the
+    weight's, the bias added in float32, and the sum rounded once to x's dtype.
+    """
+    if not isinstance(weight, Fp8Weight):
+        return F.linear(x, weight, bias)
+    xq, x_scale = quantize_rows(x, weight.input_scale)  # [T, K] fp8, [T]
+    out = xq.float() @ weight.weight.float().T  # [T, N]: exact products, float32 sums
+    out = out * x_scale[:, None] * weight.scale[None, :]
+    if bias is not None:
+        out = out + bias.float()
+    return out.to(x.dtype)
 
 
-def silu_mul_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """The MLP's down projection of SiLU(gate) * up, for the fused x = [gate | up]: [T, 2I]."""
-    return F.linear(silu_and_mul(x), weight)
+def silu_mul_linear(x: torch.Tensor, weight: torch.Tensor | Fp8Weight) -> torch.Tensor:
+    """The MLP's down projection of SiLU(gate) * up, for the fused x = [gate | up]: [T, 2I].
+    With an FP8 weight, the product (in x's dtype) is what is quantized."""
+    return linear(silu_and_mul(x), weight, None)
 
 
-def gelu_tanh_mul_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def gelu_tanh_mul_linear(x: torch.Tensor, weight: torch.Tensor | Fp8Weight) -> torch.Tensor:
     """The MLP's down projection of GELU(gate) * up, GELU with the tanh approximation (Gemma),
     for the fused x = [gate | up]: [T, 2I]."""
     gate, up = x.chunk(2, dim=-1)
-    return F.linear(F.gelu(gate, approximate="tanh") * up, weight)
+    return linear(F.gelu(gate, approximate="tanh") * up, weight, None)
 
 
 def write_kv_cache(

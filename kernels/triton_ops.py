@@ -4,7 +4,8 @@ Attention picks its kernel from the batch: a batch of single-token decodes (the 
 and what CUDA graphs capture) runs the split-KV decode kernel; anything with a longer query
 (prefill, chunked prefill, prefix-cache extends, mixed batches) runs the varlen prefill kernel.
 Projections of decode-sized batches (at most `kernels.linear.MAX_ROWS` rows) stream their
-weights through Inferno's skinny-matmul kernel; larger ones are cuBLAS matmuls.
+weights through Inferno's skinny-matmul kernel; larger ones are cuBLAS matmuls. FP8 weights
+(`kernels.ops.Fp8Weight`) take `kernels.fp8_linear`'s W8A8 path, which routes the same way.
 """
 
 from __future__ import annotations
@@ -12,11 +13,12 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from kernels import fp8_linear
 from kernels import linear as skinny
 from kernels.activation import silu_and_mul
 from kernels.decode_attention import paged_decode_attention
 from kernels.kv_cache_write import write_kv_cache
-from kernels.ops import AttentionMetadata
+from kernels.ops import AttentionMetadata, Fp8Weight
 from kernels.prefill_attention import paged_prefill_attention
 from kernels.rmsnorm import add_rms_norm, rms_norm
 from kernels.rotary import rotary_embedding
@@ -33,21 +35,27 @@ __all__ = [
 ]
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def linear(
+    x: torch.Tensor, weight: torch.Tensor | Fp8Weight, bias: torch.Tensor | None
+) -> torch.Tensor:
     """x @ weight.T + bias; see `kernels.reference.linear`."""
+    if isinstance(weight, Fp8Weight):
+        return fp8_linear.linear(x, weight, bias)
     if x.shape[0] <= skinny.MAX_ROWS:
         return skinny.linear(x, weight, bias)
     return F.linear(x, weight, bias)
 
 
-def silu_mul_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def silu_mul_linear(x: torch.Tensor, weight: torch.Tensor | Fp8Weight) -> torch.Tensor:
     """Down projection of SiLU(gate) * up; see `kernels.reference.silu_mul_linear`."""
+    if isinstance(weight, Fp8Weight):
+        return fp8_linear.silu_mul_linear(x, weight)
     if x.shape[0] == 1:
         return skinny.silu_mul_linear(x, weight)
     return F.linear(silu_and_mul(x), weight)
 
 
-def gelu_tanh_mul_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def gelu_tanh_mul_linear(x: torch.Tensor, weight: torch.Tensor | Fp8Weight) -> torch.Tensor:
     """Down projection of GELU-tanh(gate) * up (Gemma), in torch (no fused kernel yet); see
     `kernels.reference.gelu_tanh_mul_linear`."""
     gate, up = x.chunk(2, dim=-1)

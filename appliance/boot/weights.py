@@ -59,6 +59,7 @@ class LoadedModel:
                 device=config.torch_device,
                 ops=config.kernel_ops(),
                 shard=shard,
+                quantization=config.quantization,
             )
             loaded_s = time.monotonic()
             return model
@@ -94,6 +95,7 @@ class LoadedModel:
                 device=config.torch_device,
                 ops=config.kernel_ops(),
                 shard=shard,
+                quantization=config.quantization,
             )
             loaded_s = time.monotonic()
             return model
@@ -137,6 +139,7 @@ class LoadedModel:
                 device=device,
                 ops=config.kernel_ops(),
                 weights=images,
+                quantization=config.quantization,
             )
         loaded_s = time.monotonic()
         engine = Engine.build(config, model, tokenizer)

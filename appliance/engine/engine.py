@@ -179,6 +179,7 @@ class Engine:
                 device=device,
                 ops=config.kernel_ops(),
                 shard=shard,
+                quantization=config.quantization,
             )
 
         return cls.load(config, tokenizer, load_weights)

@@ -23,6 +23,13 @@ class EngineSettings(BaseModel):
     dtype: Literal["float32", "bfloat16", "float16"] | None = Field(
         default=None, description="weights and KV cache; default float32 on cpu, bfloat16 on cuda"
     )
+    # W8A8 FP8 projections (e4m3, a scale per output channel, activations per token) for a
+    # checkpoint that is not quantized already; an FP8 checkpoint (its config.json's
+    # quantization_config) is served in FP8 whatever this says. Embeddings, norms and the LM
+    # head stay in dtype.
+    quantization: Literal["fp8"] | None = Field(
+        default=None, description="fp8: quantize an unquantized checkpoint's projections on load"
+    )
     block_size: int = Field(default=16, ge=1, le=1024, description="tokens per KV-cache block")
     # KV pool: an explicit block count; otherwise, on the CPU, as many blocks as fit in
     # kv_cache_memory_bytes, and on a GPU, what gpu_memory_utilization leaves after the weights

@@ -64,6 +64,7 @@ def random_model(config: EngineConfig, seed: int = 0, shard: ShardPlan | None = 
         ops=config.kernel_ops(),
         shard=shard,
         seed=seed,
+        quantization=config.quantization,
     )
 
 

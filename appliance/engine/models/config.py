@@ -14,6 +14,7 @@ from typing import Any
 
 from appliance.engine.errors import ModelLoadError
 from appliance.engine.models.families import FAMILIES, ConfigReader, Family
+from appliance.engine.models.quantization import Fp8Checkpoint
 from appliance.engine.models.rotary import RopeConfig
 
 __all__ = ["SUPPORTED_ARCHITECTURES", "ModelConfig", "RopeConfig"]
@@ -56,6 +57,8 @@ class ModelConfig:
     residual_multiplier: float = 1.0
     logits_divisor: float = 1.0  # Granite's logits_scaling
     final_logit_softcapping: float | None = None
+    # An FP8 checkpoint's layout (config.json's quantization_config); None: unquantized.
+    fp8: Fp8Checkpoint | None = None
 
     @classmethod
     def from_model_dir(cls, model_dir: Path) -> ModelConfig:
@@ -110,6 +113,7 @@ class ModelConfig:
             "o_bias": attention_bias,
             "layer_windows": read.windows(num_layers),
             "rotary_dim": read.rotary_dim(head_dim),
+            "fp8": Fp8Checkpoint.from_config(raw.get("quantization_config"), source),
         }
         fields.update(family.configure(read))
         return cls(**fields)

@@ -4,6 +4,7 @@ Pure single-device math on a flat batch of tokens ([T] rows from many sequences)
 projection, norm and attention call (and so every read and write of the paged KV cache) goes
 through the kernel ops the layer was given. Projections are fused: one `qkv_proj` ([q; k; v]
 rows) and one `gate_up_proj` ([gate; up] rows), so a layer issues two large matmuls, not five.
+A projection may be FP8 (`models.projections`): the kernel ops take its weight either way.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import torch
 from torch import nn
 
 from appliance.engine.models.config import ModelConfig
+from appliance.engine.models.projections import projection_weight
 from kernels.ops import AttentionMetadata, KernelOps
 
 
@@ -57,7 +59,8 @@ class Attention(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         num_tokens = x.shape[0]
-        qkv = self.ops.linear(x, self.qkv_proj.weight, self.qkv_proj.bias)  # [T, (Hq+2Hkv) D]
+        qkv_weight = projection_weight(self.qkv_proj)
+        qkv = self.ops.linear(x, qkv_weight, self.qkv_proj.bias)  # [T, (Hq+2Hkv) D]
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
@@ -70,7 +73,7 @@ class Attention(nn.Module):
         self.ops.write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
         o = self.ops.paged_attention(q, k_cache, v_cache, meta, self.scale, self.sliding_window)
         o = o.reshape(num_tokens, self.q_size)
-        return self.ops.linear(o, self.o_proj.weight, self.o_proj.bias)
+        return self.ops.linear(o, projection_weight(self.o_proj), self.o_proj.bias)
 
     def _norm_heads(self, x: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
         """[T, H, D] -> the same, each head's vector RMS-normalised."""
@@ -99,7 +102,8 @@ class MLP(nn.Module):
         self.gelu_tanh = config.activation == "gelu_tanh"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.ops.linear(x, self.gate_up_proj.weight, None)  # [T, 2I]
+        gate_up = self.ops.linear(x, projection_weight(self.gate_up_proj), None)  # [T, 2I]
+        down = projection_weight(self.down_proj)
         if self.gelu_tanh:
-            return self.ops.gelu_tanh_mul_linear(gate_up, self.down_proj.weight)
-        return self.ops.silu_mul_linear(gate_up, self.down_proj.weight)
+            return self.ops.gelu_tanh_mul_linear(gate_up, down)
+        return self.ops.silu_mul_linear(gate_up, down)

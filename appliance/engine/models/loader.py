@@ -11,13 +11,15 @@ tensors are read in place (`torch.frombuffer`, no copy) after their header is va
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import json
 import logging
 import re
 import struct
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -27,10 +29,16 @@ from appliance.engine.errors import ModelLoadError
 from appliance.engine.models.checkpoint_layout import LLAMA_LAYOUT, CheckpointLayout
 from appliance.engine.models.config import ModelConfig
 from appliance.engine.models.decoder import CausalLM
+from appliance.engine.models.projections import quantize_projections, use_fp8_projections
+from appliance.engine.models.quantization import Fp8Checkpoint
 from appliance.engine.parallel.sharding import ShardPlan, shard_model
+from kernels.fp8 import FP8_DTYPE, dequantize_blocks, quantize_rows
 from kernels.ops import KernelOps
 
 logger = logging.getLogger(__name__)
+
+# What `engine.quantization` may ask of an unquantized checkpoint.
+Quantization = Literal["fp8"]
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 # Canonical checkpoint name (inside a layer) -> (our parameter, which shard of the fused rows).
@@ -55,13 +63,17 @@ def build_model(
     ops: KernelOps | None,
     shard: ShardPlan | None,
 ) -> CausalLM:
-    """The architecture (one rank's part with `shard`), its tensors allocated, not filled."""
+    """The architecture (one rank's part with `shard`), its parameters allocated on `device`
+    in `dtype` and left empty; an FP8 checkpoint's projections as empty Fp8Linears."""
     with torch.device("meta"):
         model = CausalLM(config) if ops is None else CausalLM(config, ops)
     if shard is not None:
         shard_model(model, shard)
-    model.to_empty(device=device)
-    return model.to(dtype)
+    model.to(dtype)  # on the meta device: the parameters are then allocated in their dtype
+    if config.fp8 is not None:
+        keep = functools.partial(_left_unquantized, config.fp8)
+        use_fp8_projections(model, keep, static_input_scale=config.fp8.static_input)
+    return model.to_empty(device=device)
 
 
 def load_model(
@@ -72,6 +84,7 @@ def load_model(
     ops: KernelOps | None = None,
     weights: Mapping[str, memoryview | bytearray | torch.Tensor] | None = None,
     shard: ShardPlan | None = None,
+    quantization: Quantization | None = None,
 ) -> CausalLM:
     """Build the architecture in `model_dir/config.json` and fill it from its safetensors, or,
     when `weights` is given, from those in-memory safetensors images (by file name) instead of
@@ -81,17 +94,26 @@ def load_model(
     (appliance.engine.parallel.sharding): from files, only that part of each tensor is read
     (a projection the checkpoint stores fused is read whole and split here).
 
+    `dtype` is the model's; an FP8 checkpoint (config.json's quantization_config,
+    models.quantization) keeps its projections in FP8 with a scale per output channel, and
+    `quantization="fp8"` quantizes an unquantized checkpoint's projections so (models.projections).
+
     Raises ModelLoadError naming the file for a missing directory or config, an unsupported
-    architecture, a corrupt or truncated safetensors file or image, a shard index that names a
-    file outside the directory, or missing/unexpected/misshapen tensors.
+    architecture or quantization, a corrupt or truncated safetensors file or image, a shard
+    index that names a file outside the directory, or missing/unexpected/misshapen tensors.
     """
     config = ModelConfig.from_model_dir(model_dir)
     model = build_model(config, dtype=dtype, device=device, ops=ops, shard=shard)
     params = dict(model.named_parameters())
+    for name, param in params.items():
+        if name.endswith(".input_scale"):
+            param.data.zero_()  # the largest of the fused modules' static scales is kept
     shard_sizes = _shard_sizes(config, 1 if shard is None else shard.size)
     checkpoint_rows = {k: tuple(v) for k, v in _shard_sizes(config).items()}
     missing = {(name, part) for name in params for part in _shards_of(name, shard_sizes)}
     layout = config.family.layout
+    blocks = _BlockScaledWeights(config, shard)
+    block_scaled = config.fp8 is not None and config.fp8.scales == "block"
 
     part_of = parts_of(shard, layout)
     shapes_only = torch.device(device).type == "meta"  # a dry run: names and shapes checked
@@ -112,6 +134,11 @@ def load_model(
             ):
                 continue
             target, fused, index = _map_name(canonical)
+            module, _, kind = target.rpartition(".")
+            if kind == "weight_scale_inv" and f"{module}.weight" in params:
+                blocks.add_scales(params, module, index, part, path=path, name=name)
+                missing -= blocks.finished(params)
+                continue
             if target not in params:
                 raise ModelLoadError(
                     f"{path.name}: unexpected tensor {name!r} for {config.architecture}"
@@ -121,19 +148,17 @@ def load_model(
                 if split is not None:
                     part = part.narrow(split[0], split[1], split[2] - split[1])
             dest = params[target].data
-            if fused is not None:
+            if fused is not None and kind != "input_scale":
                 sizes = shard_sizes[fused]
                 start = sum(sizes[:index])
                 dest = dest[start : start + sizes[index]]
-            if tuple(dest.shape) != tuple(part.shape):
-                raise ModelLoadError(
-                    f"{path.name}: tensor {name!r} has shape {tuple(part.shape)}, "
-                    f"the config needs {tuple(dest.shape)}"
-                )
             if config.norm_weight_offset and target.endswith("norm.weight"):
                 part = part.float() + config.norm_weight_offset  # Gemma's (1 + w), in float32
-            dest.copy_(part)
+            _copy_tensor(dest, part, kind, where=f"{path.name}: tensor {name!r}")
             missing.discard((target, index))
+            if block_scaled and kind == "weight" and dest.dtype == FP8_DTYPE:
+                blocks.add_weight(module, index)
+                missing -= blocks.finished(params)
     if missing:
         names = sorted({name for name, _ in missing})
         shown = ", ".join(names[:5]) + (" ..." if len(names) > 5 else "")
@@ -142,6 +167,8 @@ def load_model(
         logger.info("skipped %d tensors of %s", num_unserved, layout.unserved_part)
     if shard is not None:
         shard.finish_load(model)
+    if quantization == "fp8" and config.fp8 is None:
+        quantize_projections(model)
     model.init_rope_tables(config.max_model_len)
     return model.eval()
 
@@ -154,13 +181,20 @@ def random_model(
     ops: KernelOps,
     shard: ShardPlan | None = None,
     seed: int = 0,
+    quantization: Quantization | None = None,
 ) -> CausalLM:
     """The architecture of `model_dir/config.json` (one rank's part with `shard`) with
     normal(0, 0.02) weights drawn on `device` and norm weights 1: benchmarks of shapes whose
-    checkpoint is not at hand. Each rank draws its own (the model computes nothing meaningful)."""
+    checkpoint is not at hand. Each rank draws its own (the model computes nothing meaningful).
+    With `quantization="fp8"`, or for an FP8 checkpoint's directory, the projections are then
+    quantized (models.projections), so warm-up compiles the kernels that model runs."""
     config = ModelConfig.from_model_dir(model_dir)
-    model = build_model(config, dtype=dtype, device=device, ops=ops, shard=shard)
+    model = build_model(
+        dataclasses.replace(config, fp8=None), dtype=dtype, device=device, ops=ops, shard=shard
+    )
     fill_randomly(model, seed + (0 if shard is None else shard.rank))
+    if quantization == "fp8" or config.fp8 is not None:
+        quantize_projections(model)
     model.init_rope_tables(config.max_model_len)
     return model.eval()
 
@@ -176,6 +210,125 @@ def fill_randomly(model: nn.Module, seed: int) -> None:
                 param.fill_(1.0)
             else:
                 param.normal_(0.0, 0.02, generator=generator)
+
+
+def _copy_tensor(dest: torch.Tensor, tensor: torch.Tensor, kind: str, *, where: str) -> None:
+    """Copy a checkpoint tensor into its parameter (or slice of one). FP8 weights only into FP8
+    parameters (a cast would drop their scales); a weight scale of one number becomes every
+    output channel's; a static input scale keeps the largest of a fused module's."""
+    if (tensor.dtype == FP8_DTYPE) != (dest.dtype == FP8_DTYPE):
+        raise ModelLoadError(
+            f"{where} is {tensor.dtype}, but its parameter is {dest.dtype}: the checkpoint does "
+            "not match its config.json's quantization_config"
+        )
+    if kind in ("weight_scale", "input_scale"):
+        if tensor.numel() == 1:
+            tensor = tensor.reshape(1).expand(dest.shape)
+        elif tuple(tensor.shape) in ((dest.shape[0], 1), (dest.shape[0],)):
+            tensor = tensor.reshape(dest.shape)
+    if tuple(dest.shape) != tuple(tensor.shape):
+        raise ModelLoadError(
+            f"{where} has shape {tuple(tensor.shape)}, the config needs {tuple(dest.shape)}"
+        )
+    if kind == "input_scale":
+        torch.maximum(dest, tensor.to(dest.device, dest.dtype), out=dest)
+    else:
+        dest.copy_(tensor)
+
+
+def _left_unquantized(fp8: Fp8Checkpoint, projection: str) -> bool:
+    """Whether an FP8 checkpoint left our projection `projection` (e.g. layers.0.mlp.gate_up_
+    proj) unquantized: all of its checkpoint modules ignored. Refuses a fused projection whose
+    parts disagree (it has one dtype)."""
+    layer, _, module = projection.partition(".")[2].partition(".")
+    parts = [name for name, (fused, _) in _FUSED.items() if fused == module] or [module]
+    ignored = {fp8.ignores(f"model.layers.{layer}.{part}") for part in parts}
+    if len(ignored) > 1:
+        raise ModelLoadError(
+            f"config.json's quantization_config leaves only some of layer {layer}'s "
+            f"{', '.join(parts)} unquantized; Inferno fuses them into one projection"
+        )
+    return ignored.pop()
+
+
+class _BlockScaledWeights:
+    """The block-scaled layout's weights, each requantized per output channel once both its
+    FP8 rows and its block scales (`weight_scale_inv`) have been read, in either order."""
+
+    def __init__(self, config: ModelConfig, shard: ShardPlan | None):
+        self._config = config
+        self._shard = shard
+        self._shard_sizes = _shard_sizes(config, 1 if shard is None else shard.size)
+        self._weights: set[tuple[str, int | None]] = set()
+        self._scales: dict[tuple[str, int | None], torch.Tensor] = {}
+
+    def add_weight(self, module: str, piece: int | None) -> None:
+        self._weights.add((module, piece))
+
+    def add_scales(
+        self,
+        params: dict[str, nn.Parameter],
+        module: str,
+        piece: int | None,
+        scales: torch.Tensor,
+        *,
+        path: Path,
+        name: str,
+    ) -> None:
+        """scales: [ceil(out / bn), ceil(in / bk)], for the whole (unsharded) weight."""
+        if self._config.fp8 is None or self._config.fp8.scales != "block":
+            raise ModelLoadError(f"{path.name}: unexpected tensor {name!r} (no block layout)")
+        # A copy: an image's tensors are views of a buffer the next file may reuse.
+        device = params[f"{module}.weight"].device
+        self._scales[(module, piece)] = scales.to(device, torch.float32, copy=True)
+
+    def finished(self, params: dict[str, nn.Parameter]) -> set[tuple[str, int | None]]:
+        """Requantize every weight whose rows and scales are both in; returns the (parameter,
+        piece) pairs that are now filled."""
+        done = set()
+        for key in self._weights & self._scales.keys():
+            module, piece = key
+            rows, scale_rows = self._rows(params, module, piece)
+            grid = self._grid(module, rows.shape, self._scales.pop(key))
+            q, scale = quantize_rows(dequantize_blocks(rows, grid, self._block))
+            rows.copy_(q)
+            scale_rows.copy_(scale)
+            self._weights.discard(key)
+            done |= {(f"{module}.weight", piece), (f"{module}.weight_scale", piece)}
+        return done
+
+    @property
+    def _block(self) -> tuple[int, int]:
+        assert self._config.fp8 is not None and self._config.fp8.block_size is not None
+        return self._config.fp8.block_size
+
+    def _rows(
+        self, params: dict[str, nn.Parameter], module: str, piece: int | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        weight = params[f"{module}.weight"].data
+        scale = params[f"{module}.weight_scale"].data
+        if piece is None:
+            return weight, scale
+        sizes = self._shard_sizes[module.split(".", 2)[-1]]
+        start = sum(sizes[:piece])
+        return weight[start : start + sizes[piece]], scale[start : start + sizes[piece]]
+
+    def _grid(self, module: str, shape: tuple[int, ...], scales: torch.Tensor) -> torch.Tensor:
+        """The block scales of this rank's part (rows x columns of `shape`) of the weight."""
+        (bn, bk), (n, k) = self._block, shape
+        row, col = (0, 0) if self._shard is None else self._shard.offset(f"{module}.weight", shape)
+        if row % bn or col % bk:
+            raise ModelLoadError(
+                f"{module}: the tensor-parallel split starts at row {row}, column {col}, inside "
+                f"a {bn}x{bk} block of its scales; choose another tensor_parallel_size"
+            )
+        part = scales[row // bn : -(-(row + n) // bn), col // bk : -(-(col + k) // bk)]
+        if tuple(part.shape) != (-(-n // bn), -(-k // bk)):
+            raise ModelLoadError(
+                f"{module}: block scales of shape {tuple(scales.shape)} do not cover its weight "
+                f"in {bn}x{bk} blocks"
+            )
+        return part
 
 
 def _shard_sizes(config: ModelConfig, num_ranks: int = 1) -> dict[str, list[int]]:
@@ -271,7 +424,7 @@ def _meta_tensor(
 _SAFETENSORS_DTYPES = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
     "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
-    "U8": torch.uint8, "BOOL": torch.bool,
+    "U8": torch.uint8, "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn,
 }  # fmt: skip
 
 

@@ -226,6 +226,7 @@ class TensorParallelGroup:
 _SETTINGS_FIELDS = {
     "device",
     "dtype",
+    "quantization",
     "block_size",
     "gpu_memory_utilization",
     "max_num_seqs",

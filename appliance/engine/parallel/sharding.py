@@ -16,6 +16,7 @@ Norms are replicated. The all-reduced hidden states are the same on every rank.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -31,6 +32,11 @@ from appliance.engine.models.decoder import CausalLM
 _SPLIT_ROWS = ("self_attn.qkv_proj", "mlp.gate_up_proj")
 # ... whose inputs (columns) are split: the row-parallel projections, followed by an all-reduce.
 _SPLIT_COLUMNS = ("self_attn.o_proj", "mlp.down_proj")
+# FP8 scales every rank holds whole: a static input scale and block-scale grids (the loader
+# takes each rank's blocks). A scale per output channel ([out, 1]) follows its weight's rows;
+# a row-parallel weight's is whole (every rank's partial sums have every output); a scale of
+# a whole tensor (one number) is the same everywhere.
+_WHOLE_SCALES = ("input_scale", "weight_scale_inv")
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,6 +59,8 @@ class ShardPlan:
         maps checkpoint names) that this rank holds; None when every rank holds all of it.
         Fused parameters are split shard by shard: `shape` is one shard's (q, k, v, gate, up)."""
         module, _, kind = target.rpartition(".")
+        if kind in _WHOLE_SCALES or (kind == "weight_scale" and math.prod(shape) == 1):
+            return None
         if target in ("embed_tokens.weight", "lm_head") or module.endswith(_SPLIT_ROWS):
             dim = 0
         elif module.endswith(_SPLIT_COLUMNS) and kind == "weight":
@@ -66,6 +74,18 @@ class ShardPlan:
             )
         part = shape[dim] // self.size
         return dim, self.rank * part, (self.rank + 1) * part
+
+    def offset(self, target: str, shape: tuple[int, ...]) -> tuple[int, int]:
+        """(row, column) where this rank's part of parameter `target`, of `shape` on this rank,
+        starts in the whole tensor."""
+        full = list(shape)
+        for dim in (0, 1):
+            full[dim] = shape[dim] * self.size
+            part = self.split(target, tuple(full))
+            if part is not None and part[0] == dim:
+                return (part[1], 0) if dim == 0 else (0, part[1])
+            full[dim] = shape[dim]
+        return 0, 0
 
     def finish_load(self, model: CausalLM) -> None:
         """After the weights are in: a row-parallel bias is added once, by rank 0, to the

@@ -26,7 +26,7 @@ from appliance.engine.kv_cache import KVCacheSpec
 from appliance.engine.model_runner import ModelRunner
 from appliance.engine.models.config import ModelConfig
 from appliance.engine.models.decoder import CausalLM
-from appliance.engine.models.loader import load_model, parts_of, random_model
+from appliance.engine.models.loader import Quantization, load_model, parts_of, random_model
 from appliance.engine.models.sealed_images import SealedShardImages
 from appliance.engine.parallel.sharding import ShardPlan, connect_model
 from appliance.engine.parallel.step_broadcast import (
@@ -59,7 +59,13 @@ class SealedWeights:
     decrypt_workers: int | None = None
 
     def load(
-        self, *, dtype: torch.dtype, device: torch.device, ops: KernelOps, shard: ShardPlan
+        self,
+        *,
+        dtype: torch.dtype,
+        device: torch.device,
+        ops: KernelOps,
+        shard: ShardPlan,
+        quantization: Quantization | None,
     ) -> CausalLM:
         layout = ModelConfig.from_model_dir(self.model.directory).family.layout
         with SealedShardImages(
@@ -72,6 +78,7 @@ class SealedWeights:
                 ops=ops,
                 weights=images,
                 shard=shard,
+                quantization=quantization,
             )
 
 
@@ -118,11 +125,21 @@ def _serve(spec: WorkerSpec) -> None:
     model_config = ModelConfig.from_model_dir(Path(spec.model_dir))
     plan = ShardPlan.for_model(model_config, spec.rank, spec.size)
     ops = kernel_ops_for(device, triton_cache_dir=spec.settings.triton_cache_dir)
+    quantization = spec.settings.quantization
     if spec.sealed is not None:
-        model = spec.sealed.load(dtype=spec.dtype, device=device, ops=ops, shard=plan)
+        model = spec.sealed.load(
+            dtype=spec.dtype, device=device, ops=ops, shard=plan, quantization=quantization
+        )
     else:
         load = random_model if spec.random_weights else load_model
-        model = load(Path(spec.model_dir), dtype=spec.dtype, device=device, ops=ops, shard=plan)
+        model = load(
+            Path(spec.model_dir),
+            dtype=spec.dtype,
+            device=device,
+            ops=ops,
+            shard=plan,
+            quantization=quantization,
+        )
     connect_model(model, plan, channels.data)
     settings = spec.settings
     runner = ModelRunner(

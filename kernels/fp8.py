@@ -1,0 +1,53 @@
+"""FP8 e4m3 numbers as Inferno uses them: symmetric scales, one per row, in plain torch.
+
+The format is OCP's E4M3 as NVIDIA's Hopper tensor cores take it (`torch.float8_e4m3fn`: no
+infinities, largest finite value 448). A row is quantized by dividing it by its scale
+`amax / 448`, so its largest magnitude lands on 448 and nothing overflows; values round to
+nearest (even). Weights are quantized per output channel (a row of nn.Linear's [N, K]),
+activations per token (a row of x), which is the scheme vLLM serves as FP8 "dynamic" W8A8.
+
+These functions are the reference the Triton kernels (`kernels.fp8_linear`) reproduce, and what
+the loader uses to quantize a checkpoint's bfloat16 weights.
+"""
+
+from __future__ import annotations
+
+import torch
+
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = 448.0
+# An all-zero row still needs a finite, non-zero scale (its values all quantize to 0).
+MIN_AMAX = 1e-12
+
+
+def row_scales(x: torch.Tensor) -> torch.Tensor:
+    """x: [M, K] -> [M] float32, the scale that maps each row's largest magnitude to FP8_MAX."""
+    return x.float().abs().amax(dim=-1).clamp(min=MIN_AMAX) / FP8_MAX
+
+
+def quantize_rows(
+    x: torch.Tensor, scale: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """x: [M, K] -> (q: [M, K] float8_e4m3fn, scale: [M] float32) with x ≈ q * scale[:, None].
+
+    `scale`: one static scale ([1] float32) for every row instead of each row's own; values
+    beyond its range saturate at ±FP8_MAX.
+    """
+    scale = row_scales(x) if scale is None else scale.float().expand(x.shape[0])
+    q = (x.float() / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    return q, scale
+
+
+def dequantize_rows(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The weight an FP8 weight with per-row scales stands for: q [N, K], scale [N] -> [N, K]."""
+    return (q.float() * scale.float()[:, None]).to(dtype)
+
+
+def dequantize_blocks(
+    q: torch.Tensor, scales: torch.Tensor, block: tuple[int, int]
+) -> torch.Tensor:
+    """The float32 weight a block-scaled FP8 weight stands for: q [N, K], scales
+    [ceil(N / bn), ceil(K / bk)] (one per bn x bk block, the last ones partial) -> [N, K]."""
+    (bn, bk), (n, k) = block, q.shape
+    per_element = scales.float().repeat_interleave(bn, 0)[:n].repeat_interleave(bk, 1)[:, :k]
+    return q.float() * per_element

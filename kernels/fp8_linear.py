@@ -1,0 +1,328 @@
+"""W8A8 FP8 projections on the GPU: `x @ W.T (+ b)` with W an `Fp8Weight` (e4m3, a scale per
+output channel), x quantized to FP8 per token as the projection runs.
+
+Two steps, each one launch:
+1. `quantize_rows`: one program per row of x finds the row's largest magnitude, then writes the
+   row in FP8 and its scale (`kernels.fp8.quantize_rows`' rounding). For the MLP's down
+   projection it takes the fused [gate | up] output and applies SiLU(gate)·up while loading,
+   rounded where `kernels.reference.silu_and_mul` rounds, so the product never goes through
+   memory in the model's dtype.
+2. The product, by batch size:
+   - one row (batch-1 decode): a weight-streaming GEMV on the CUDA cores, `kernels.linear`'s
+     design with 1-byte weights: each program owns a few output features and streams their
+     FP8 rows along K once, so the step reads half the bytes of the bfloat16 weight;
+   - 2 to `MAX_ROWS` rows: the same stream, each [BLOCK_N, BLOCK_K] weight tile meeting all rows
+     of x on the tensor cores (FP8 values widened exactly to float16);
+   - more rows: cuBLASLt's FP8 tensor-core matmul (`torch._scaled_mm` with row-wise scales;
+     torch's CPU build has the same operator, so the interpreted tests call it as the GPU does).
+   All sum the exact FP8 products in float32 and scale the sums by x's scale, then the weight's.
+
+Semantics are `kernels.reference.linear` with an `Fp8Weight`: the sums differ only in their
+order, and the large-batch path rounds its output to bfloat16 before the bias is added (cuBLAS's
+row-wise FP8 matmul writes bfloat16 only).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.errors import KernelInputError
+from kernels.fp8 import FP8_DTYPE, FP8_MAX, MIN_AMAX
+from kernels.launch_checks import FLOAT_DTYPES, check_devices
+from kernels.linear import MAX_ROWS, config_for
+from kernels.ops import Fp8Weight
+
+# Triton reads module globals only as constexprs.
+_FP8_MAX_C = tl.constexpr(FP8_MAX)
+_MIN_AMAX_C = tl.constexpr(MIN_AMAX)
+# A row of x is quantized in tiles of at most this many elements (two passes: amax, then
+# quantize); 4096 covers the 8B model's hidden size in one tile.
+_QUANT_BLOCK_K = 4096
+# cuBLASLt's FP8 matmul needs both matrix widths to be multiples of 16.
+_SCALED_MM_ALIGN = 16
+
+
+@triton.jit
+def _row_values(x_row, offs_k, mask, k, SILU_MUL: tl.constexpr):
+    """A tile of one row of x in float32; with SILU_MUL, of SiLU(gate) * up for x = [gate | up],
+    each rounded to x's dtype as the reference rounds."""
+    if SILU_MUL:
+        gate = tl.load(x_row + offs_k, mask=mask, other=0.0)
+        up = tl.load(x_row + k + offs_k, mask=mask, other=0.0)
+        gate32 = gate.to(tl.float32)
+        silu = (gate32 / (1.0 + tl.exp(-gate32))).to(gate.dtype).to(tl.float32)
+        return (silu * up.to(tl.float32)).to(gate.dtype).to(tl.float32)
+    return tl.load(x_row + offs_k, mask=mask, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _quantize_rows_kernel(
+    x_ptr,
+    q_ptr,
+    scale_ptr,
+    static_scale_ptr,
+    k,
+    x_row_stride,
+    q_row_stride,
+    SILU_MUL: tl.constexpr,
+    STATIC: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """One row per program: q[row] = x[row] / scale, scale = max|x[row]| / FP8_MAX (or static)."""
+    row = tl.program_id(0).to(tl.int64)
+    x_row = x_ptr + row * x_row_stride
+    if STATIC:
+        scale = tl.load(static_scale_ptr).to(tl.float32)
+    else:
+        amax = tl.zeros((BLOCK_K,), dtype=tl.float32)
+        for k0 in range(0, k, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            values = _row_values(x_row, offs_k, offs_k < k, k, SILU_MUL)
+            amax = tl.maximum(amax, tl.abs(values))
+        scale = tl.math.div_rn(tl.maximum(tl.max(amax, axis=0), _MIN_AMAX_C), _FP8_MAX_C)
+    tl.store(scale_ptr + row, scale)
+    for k0 in range(0, k, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        mask = offs_k < k
+        values = _row_values(x_row, offs_k, mask, k, SILU_MUL)
+        # div_rn: correctly rounded, as torch divides (Triton's default division is approximate).
+        q = tl.clamp(tl.math.div_rn(values, scale), -_FP8_MAX_C, _FP8_MAX_C)
+        tl.store(q_ptr + row * q_row_stride + offs_k, q.to(q_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _fp8_gemv_kernel(
+    xq_ptr,
+    x_scale_ptr,
+    w_ptr,
+    w_scale_ptr,
+    b_ptr,
+    out_ptr,
+    n,
+    k,
+    w_row_stride,
+    HAS_BIAS: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """One row of x: FP8 products on the CUDA cores, summed along K once at the end."""
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < n
+    w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * w_row_stride
+    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for k0 in range(0, k, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        x_mask = offs_k < k
+        w_mask = n_mask[:, None] if EVEN_K else n_mask[:, None] & x_mask[None, :]
+        w = tl.load(w_rows + offs_k[None, :], mask=w_mask, other=0.0)
+        x = tl.load(xq_ptr + offs_k, mask=x_mask, other=0.0)
+        acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
+    y = tl.sum(acc, axis=1)  # [BLOCK_N]
+    y = y * tl.load(x_scale_ptr) * tl.load(w_scale_ptr + offs_n, mask=n_mask, other=0.0)
+    if HAS_BIAS:
+        y += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + offs_n, y.to(out_ptr.dtype.element_ty), mask=n_mask)
+
+
+@triton.jit
+def _fp8_skinny_kernel(
+    xq_ptr,
+    x_scale_ptr,
+    w_ptr,
+    w_scale_ptr,
+    b_ptr,
+    out_ptr,
+    rows,
+    n,
+    k,
+    x_row_stride,
+    w_row_stride,
+    out_row_stride,
+    HAS_BIAS: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """Up to BLOCK_M rows of x: each weight tile meets all of them on the tensor cores."""
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = tl.arange(0, BLOCK_M)
+    n_mask = offs_n < n
+    m_mask = offs_m < rows
+    w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * w_row_stride
+    x_rows = xq_ptr + offs_m.to(tl.int64)[:, None] * x_row_stride
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    for k0 in range(0, k, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        if EVEN_K:
+            w_mask = n_mask[:, None]
+            x_mask = m_mask[:, None]
+        else:
+            w_mask = n_mask[:, None] & (offs_k < k)[None, :]
+            x_mask = m_mask[:, None] & (offs_k < k)[None, :]
+        w = tl.load(w_rows + offs_k[None, :], mask=w_mask, other=0.0)
+        x = tl.load(x_rows + offs_k[None, :], mask=x_mask, other=0.0)
+        # Every e4m3 value is exact in float16, so the float16 products are the FP8 products.
+        # [BLOCK_N, BLOCK_K] @ [BLOCK_K, BLOCK_M]: the weight tile is the wide operand.
+        acc = tl.dot(w.to(tl.float16), tl.trans(x.to(tl.float16)), acc)
+    x_scale = tl.load(x_scale_ptr + offs_m, mask=m_mask, other=0.0)
+    w_scale = tl.load(w_scale_ptr + offs_n, mask=n_mask, other=0.0)
+    acc = acc * x_scale[None, :] * w_scale[:, None]
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[:, None]
+    out = out_ptr + offs_m.to(tl.int64)[None, :] * out_row_stride + offs_n[:, None]
+    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=n_mask[:, None] & m_mask[None, :])
+
+
+def quantize_rows(
+    x: torch.Tensor, *, silu_mul: bool = False, static_scale: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """x: [M, K] (or [M, 2K] = [gate | up] with `silu_mul`) -> (q: [M, K] float8_e4m3fn,
+    scale: [M] float32); see `kernels.fp8.quantize_rows`. `static_scale`: [1] float32."""
+    named = {"x": x} if static_scale is None else {"x": x, "static_scale": static_scale}
+    check_devices(named)
+    if x.dim() != 2 or x.dtype not in FLOAT_DTYPES:
+        raise KernelInputError(
+            f"x must be [M, K] of float16, bfloat16 or float32, got {tuple(x.shape)} {x.dtype}"
+        )
+    if x.shape[-1] > 1 and x.stride(-1) != 1:
+        raise KernelInputError(f"x must be contiguous along its last dimension: {x.stride()}")
+    if silu_mul and x.shape[1] % 2:
+        raise KernelInputError(f"[gate | up] needs an even width, got {x.shape[1]}")
+    if static_scale is not None and (
+        static_scale.shape != (1,) or static_scale.dtype != torch.float32
+    ):
+        raise KernelInputError(
+            f"static_scale must be [1] float32, got {tuple(static_scale.shape)} "
+            f"{static_scale.dtype}"
+        )
+    rows, k = x.shape[0], x.shape[1] // 2 if silu_mul else x.shape[1]
+    q = torch.empty((rows, k), dtype=FP8_DTYPE, device=x.device)
+    scale = torch.empty(rows, dtype=torch.float32, device=x.device)
+    if rows == 0 or k == 0:
+        return q, scale.fill_(MIN_AMAX / FP8_MAX)
+    _quantize_rows_kernel[(rows,)](
+        x,
+        q,
+        scale,
+        static_scale if static_scale is not None else scale,  # never read without STATIC
+        k,
+        x.stride(0),
+        q.stride(0),
+        SILU_MUL=silu_mul,
+        STATIC=static_scale is not None,
+        BLOCK_K=min(triton.next_power_of_2(k), _QUANT_BLOCK_K),
+        num_warps=8,
+    )
+    return q, scale
+
+
+def linear(x: torch.Tensor, weight: Fp8Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x: [M, K], weight: an [N, K] Fp8Weight, bias: [N] or None -> [M, N] in x's dtype."""
+    _validate(x, weight, bias, in_features=weight.weight.shape[-1])
+    xq, x_scale = quantize_rows(x, static_scale=weight.input_scale)
+    return project(xq, x_scale, weight, bias, x.dtype)
+
+
+def silu_mul_linear(x: torch.Tensor, weight: Fp8Weight) -> torch.Tensor:
+    """The MLP's down projection of SiLU(gate) * up: x = [gate | up]: [M, 2I], weight: an
+    [N, I] Fp8Weight -> [M, N] in x's dtype."""
+    _validate(x, weight, None, in_features=2 * weight.weight.shape[-1])
+    xq, x_scale = quantize_rows(x, silu_mul=True, static_scale=weight.input_scale)
+    return project(xq, x_scale, weight, None, x.dtype)
+
+
+def project(
+    xq: torch.Tensor,
+    x_scale: torch.Tensor,
+    weight: Fp8Weight,
+    bias: torch.Tensor | None,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """Rows already quantized: xq: [M, K] float8_e4m3fn, x_scale: [M] float32 -> [M, N] in
+    `dtype`, by the path the module docstring names."""
+    rows, (n, k) = xq.shape[0], weight.weight.shape
+    if rows > MAX_ROWS and n % _SCALED_MM_ALIGN == 0 and k % _SCALED_MM_ALIGN == 0:
+        out = torch._scaled_mm(
+            xq,
+            weight.weight.t(),  # [K, N], column-major: the layout cuBLASLt's FP8 matmul needs
+            scale_a=x_scale[:, None],  # [M, 1]
+            scale_b=weight.scale[None, :],  # [1, N]
+            out_dtype=torch.bfloat16,
+        )
+        if bias is not None:
+            return (out.float() + bias.float()).to(dtype)
+        return out.to(dtype)
+    out = torch.empty((rows, n), dtype=dtype, device=xq.device)
+    # Shapes cuBLASLt refuses take the skinny kernel, MAX_ROWS rows at a time.
+    for start in range(0, rows, MAX_ROWS):
+        stop = min(start + MAX_ROWS, rows)
+        _launch_skinny(xq[start:stop], x_scale[start:stop], weight, bias, out[start:stop])
+    return out
+
+
+def _launch_skinny(
+    xq: torch.Tensor,
+    x_scale: torch.Tensor,
+    weight: Fp8Weight,
+    bias: torch.Tensor | None,
+    out: torch.Tensor,
+) -> None:
+    rows, (n, k) = xq.shape[0], weight.weight.shape
+    if n == 0:
+        return
+    # The bfloat16 tables' tiles: the same elements per tile, half the bytes.
+    config = config_for(n, k, rows, 2)
+    common = {
+        "HAS_BIAS": bias is not None,
+        "EVEN_K": k % config.block_k == 0,
+        "BLOCK_N": config.block_n,
+        "BLOCK_K": config.block_k,
+        "num_warps": config.num_warps,
+        "num_stages": config.num_stages,
+    }
+    grid = (triton.cdiv(n, config.block_n),)
+    b = bias if bias is not None else weight.scale  # never read without HAS_BIAS
+    if rows == 1:
+        _fp8_gemv_kernel[grid](
+            xq, x_scale, weight.weight, weight.scale, b, out, n, k, weight.weight.stride(0),
+            **common,
+        )  # fmt: skip
+        return
+    _fp8_skinny_kernel[grid](
+        xq, x_scale, weight.weight, weight.scale, b, out, rows, n, k,
+        xq.stride(0), weight.weight.stride(0), out.stride(0), BLOCK_M=MAX_ROWS, **common,
+    )  # fmt: skip
+
+
+def _validate(
+    x: torch.Tensor, weight: Fp8Weight, bias: torch.Tensor | None, *, in_features: int
+) -> None:
+    named = {"x": x, "weight": weight.weight, "scale": weight.scale}
+    if bias is not None:
+        named["bias"] = bias
+    check_devices(named)
+    w, scale = weight.weight, weight.scale
+    if w.dim() != 2 or w.dtype != FP8_DTYPE or (w.shape[-1] > 1 and w.stride(-1) != 1):
+        raise KernelInputError(
+            f"an Fp8Weight's weight must be [N, K] float8_e4m3fn, contiguous along K; got "
+            f"{tuple(w.shape)} {w.dtype} strides {w.stride()}"
+        )
+    if scale.shape != (w.shape[0],) or scale.dtype != torch.float32 or scale.stride(0) != 1:
+        raise KernelInputError(
+            f"an Fp8Weight's scale must be [{w.shape[0]}] float32 and contiguous, got "
+            f"{tuple(scale.shape)} {scale.dtype}"
+        )
+    if x.dim() != 2 or x.shape[1] != in_features:
+        raise KernelInputError(
+            f"x must have shape [M, {in_features}] for weight {tuple(w.shape)}, "
+            f"got {tuple(x.shape)}"
+        )
+    if bias is not None and (bias.shape != (w.shape[0],) or bias.dtype != x.dtype):
+        raise KernelInputError(
+            f"bias must be [{w.shape[0]}] of x's dtype {x.dtype}, got {tuple(bias.shape)} "
+            f"{bias.dtype}"
+        )

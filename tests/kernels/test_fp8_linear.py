@@ -1,0 +1,245 @@
+"""The W8A8 FP8 projection kernels against `kernels.reference` (and `kernels.fp8`).
+
+Without a GPU the products run in Triton's interpreter on tiny shapes (and large batches in
+torch's CPU `_scaled_mm`, called as on the GPU), fed rows quantized by the reference: the
+interpreter's own float32 -> float8 conversion is wrong (it rounds 124.3 to 64 and mishandles
+subnormals, Triton 3.9), so the quantization kernel, whose output is that conversion, is
+checked on the GPU only, where the hardware converts, and compiled for sm_90 here. The `gpu`
+cases use the 8B model's projections at one row, a tensor-core tile of rows and a
+prefill-sized batch (cuBLASLt's FP8 matmul), and capture them in a CUDA graph as the engine
+does.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import zlib
+
+import pytest
+import torch
+
+from kernels import fp8, fp8_linear, reference, triton_ops
+from kernels.errors import KernelInputError
+from kernels.ops import Fp8Weight
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# Both sides sum the same exact FP8 products in float32 in different orders, then round once.
+TOLERANCE = {
+    torch.float32: {"atol": 1e-4, "rtol": 1e-4},
+    torch.float16: {"atol": 4e-3, "rtol": 4e-3},
+    torch.bfloat16: {"atol": 3e-2, "rtol": 3e-2},
+}
+# The 8B model's projections: qkv, gate/up and down (N, K).
+LLAMA_8B = [(6144, 4096), (28672, 4096), (4096, 14336)]
+
+
+def _weight(n: int, k: int, device: str, seed: int) -> Fp8Weight:
+    generator = torch.Generator(device).manual_seed(seed)
+    # Rows of different magnitudes, so the per-channel scales matter.
+    magnitudes = torch.rand(n, 1, device=device, generator=generator) + 0.1
+    dense = torch.randn(n, k, device=device, generator=generator) * magnitudes * k**-0.5
+    return Fp8Weight(*fp8.quantize_rows(dense))
+
+
+def _case(rows: int, n: int, k: int, dtype: torch.dtype, *, bias: bool) -> tuple:
+    seed = zlib.crc32(repr((rows, n, k, dtype, bias)).encode())
+    generator = torch.Generator(DEVICE).manual_seed(seed)
+    x = torch.randn(rows, k, device=DEVICE, generator=generator).to(dtype)
+    b = torch.randn(n, device=DEVICE, generator=generator).to(dtype) if bias else None
+    return x, _weight(n, k, DEVICE, seed), b
+
+
+def _reference_product(xq, x_scale, weight: Fp8Weight, bias, dtype) -> torch.Tensor:
+    out = (xq.float() @ weight.weight.float().T) * x_scale[:, None] * weight.scale[None, :]
+    return (out if bias is None else out + bias.float()).to(dtype)
+
+
+@pytest.mark.parametrize(
+    ("rows", "n", "k", "dtype", "bias"),
+    [
+        (1, 48, 64, torch.float32, False),  # the GEMV on the CUDA cores
+        (1, 37, 50, torch.float16, True),  # N and K off the tiles
+        (3, 40, 72, torch.float32, True),  # the tensor-core tile
+        (16, 33, 96, torch.bfloat16, False),
+        (21, 24, 40, torch.float16, True),  # more rows than a tile, widths cuBLASLt refuses
+        (20, 48, 32, torch.bfloat16, True),  # torch._scaled_mm (on the CPU too)
+    ],
+)
+def test_products_of_quantized_rows_match_reference(rows, n, k, dtype, bias) -> None:
+    x, weight, b = _case(rows, n, k, dtype, bias=bias)
+    xq, x_scale = fp8.quantize_rows(x)
+
+    out = fp8_linear.project(xq, x_scale, weight, b, dtype)
+
+    expected = _reference_product(xq, x_scale, weight, b, dtype)
+    torch.testing.assert_close(out, expected, **TOLERANCE[dtype])
+
+
+def test_reference_linear_is_the_product_of_its_quantized_rows() -> None:
+    x, weight, b = _case(5, 24, 40, torch.float32, bias=True)
+    xq, x_scale = fp8.quantize_rows(x)
+    expected = _reference_product(xq, x_scale, weight, b, torch.float32)
+    torch.testing.assert_close(reference.linear(x, weight, b), expected, rtol=1e-6, atol=1e-6)
+    static = torch.tensor([0.01], device=DEVICE)
+    xq, x_scale = fp8.quantize_rows(x, static)
+    assert (x_scale == 0.01).all() and xq.float().abs().max() <= fp8.FP8_MAX
+
+
+def test_weights_must_be_fp8_with_a_float32_scale_per_output_channel() -> None:
+    x, weight, _ = _case(1, 8, 16, torch.float32, bias=False)
+    for bad, named in [
+        (Fp8Weight(weight.weight.float(), weight.scale), "float8_e4m3fn"),
+        (Fp8Weight(weight.weight, weight.scale[:4]), r"scale must be \[8\] float32"),
+        (Fp8Weight(weight.weight, weight.scale.half()), r"scale must be \[8\] float32"),
+    ]:
+        with pytest.raises(KernelInputError, match=named):
+            fp8_linear.linear(x, bad)
+    with pytest.raises(KernelInputError, match=r"x must have shape \[M, 16\]"):
+        fp8_linear.linear(x[:, :8], weight)
+
+
+@pytest.mark.parametrize("silu_mul", [False, True])
+def test_quantization_scales_match_reference(silu_mul: bool) -> None:
+    """The scales (the interpreter computes them exactly; only its float8 conversion is off)."""
+    x, _, _ = _case(5, 8, 2 * 600, torch.float32, bias=False)
+    q, scale = fp8_linear.quantize_rows(x, silu_mul=silu_mul)
+    _, expected = fp8.quantize_rows(reference.silu_and_mul(x) if silu_mul else x)
+    assert q.shape == (5, 600 if silu_mul else 1200) and q.dtype == fp8.FP8_DTYPE
+    torch.testing.assert_close(scale, expected, rtol=1e-6, atol=0)
+    static = torch.tensor([0.25], device=DEVICE)
+    _, scale = fp8_linear.quantize_rows(x, silu_mul=silu_mul, static_scale=static)
+    assert (scale == 0.25).all()
+
+
+def _assert_quantized_alike(q: torch.Tensor, scale: torch.Tensor, x: torch.Tensor) -> None:
+    """The kernel's quantization of x against the reference's: bit for bit. (Both take the
+    exact maximum, divide correctly rounded and round to nearest even.)"""
+    q_ref, scale_ref = fp8.quantize_rows(x)
+    assert torch.equal(scale, scale_ref)
+    assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
+
+
+def _assert_dequantized_alike(q: torch.Tensor, scale: torch.Tensor, x: torch.Tensor) -> None:
+    """Where the kernel computes x itself (SiLU·mul, whose exp may round a bfloat16 ulp apart
+    from torch's), the values it stands for are within one e4m3 step of the reference's."""
+    q_ref, scale_ref = fp8.quantize_rows(x)
+    ours, theirs = q.float() * scale[:, None], q_ref.float() * scale_ref[:, None]
+    step = theirs.abs() * 2**-3 + scale_ref[:, None] * 2**-9
+    assert ((ours - theirs).abs() <= 1.01 * step).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [1, 16, 256])
+@pytest.mark.parametrize(("n", "k"), LLAMA_8B)
+def test_projections_of_the_8b_model_match_reference_on_the_gpu(rows, n, k) -> None:
+    x, weight, _ = _case(rows, n, k, torch.bfloat16, bias=False)
+    q, scale = fp8_linear.quantize_rows(x)
+    _assert_quantized_alike(q, scale, x)
+    out = triton_ops.linear(x, weight, None)
+    expected = reference.linear(x, weight, None)
+    # cuBLASLt (256 rows) rounds to bfloat16 as the reference does; a quantized input one
+    # step apart moves an output by far less than this.
+    torch.testing.assert_close(out, expected, **TOLERANCE[torch.bfloat16])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [1, 16, 256])
+def test_fused_silu_mul_down_projection_matches_reference_on_the_gpu(rows) -> None:
+    n, k = LLAMA_8B[2]
+    generator = torch.Generator(DEVICE).manual_seed(rows)
+    gate_up = torch.randn(rows, 2 * k, device=DEVICE, generator=generator).to(torch.bfloat16)
+    weight = _weight(n, k, DEVICE, seed=rows)
+    q, scale = fp8_linear.quantize_rows(gate_up, silu_mul=True)
+    _assert_dequantized_alike(q, scale, reference.silu_and_mul(gate_up))
+    out = triton_ops.silu_mul_linear(gate_up, weight)
+    expected = reference.silu_mul_linear(gate_up, weight)
+    torch.testing.assert_close(out, expected, **TOLERANCE[torch.bfloat16])
+
+
+@pytest.mark.gpu
+def test_static_input_scale_and_bias_match_reference_on_the_gpu() -> None:
+    x, weight, b = _case(32, 1024, 512, torch.bfloat16, bias=True)
+    weight = Fp8Weight(weight.weight, weight.scale, torch.tensor([0.02], device=DEVICE))
+    for rows in (1, 8, 32):
+        torch.testing.assert_close(
+            triton_ops.linear(x[:rows], weight, b),
+            reference.linear(x[:rows], weight, b),
+            **TOLERANCE[torch.bfloat16],
+        )
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [1, 8, 64])
+def test_fp8_projections_replay_in_a_cuda_graph(rows) -> None:
+    n, k = 2048, 1024
+    x, weight, _ = _case(rows, n, k, torch.bfloat16, bias=False)
+    gate_up = torch.cat([x, x.flip(1)], dim=1)
+    down = _weight(n, k, DEVICE, seed=7)
+    triton_ops.linear(x, weight, None), triton_ops.silu_mul_linear(gate_up, down)  # compile
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = triton_ops.linear(x, weight, None)
+        fused = triton_ops.silu_mul_linear(gate_up, down)
+    x.copy_(torch.randn_like(x))
+    gate_up.copy_(torch.randn_like(gate_up))
+    graph.replay()
+    torch.testing.assert_close(out, reference.linear(x, weight, None), **TOLERANCE[torch.bfloat16])
+    torch.testing.assert_close(
+        fused, reference.silu_mul_linear(gate_up, down), **TOLERANCE[torch.bfloat16]
+    )
+
+
+# Compiles the kernels for an H100 (sm_90) ahead of time; Triton's own compiler and ptxas need
+# no GPU. Run in a fresh process: under TRITON_INTERPRET=1 the kernels are not compilable.
+_COMPILE_FOR_HOPPER = """
+import re, triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from kernels import fp8_linear as k
+
+common = {"x_scale_ptr": "*fp32", "w_ptr": "*fp8e4nv", "w_scale_ptr": "*fp32", "b_ptr": "*bf16",
+          "out_ptr": "*bf16", "HAS_BIAS": "constexpr", "EVEN_K": "constexpr",
+          "BLOCK_N": "constexpr", "BLOCK_K": "constexpr"}
+kernels = [
+    (k._quantize_rows_kernel,
+     {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "scale_ptr": "*fp32", "static_scale_ptr": "*fp32",
+      "k": "i32", "x_row_stride": "i32", "q_row_stride": "i32", "SILU_MUL": "constexpr",
+      "STATIC": "constexpr", "BLOCK_K": "constexpr"},
+     {"SILU_MUL": True, "STATIC": False, "BLOCK_K": 4096}),
+    (k._fp8_gemv_kernel,
+     {"xq_ptr": "*fp8e4nv", **common, "n": "i32", "k": "i32", "w_row_stride": "i32"},
+     {"HAS_BIAS": True, "EVEN_K": False, "BLOCK_N": 2, "BLOCK_K": 1024}),
+    (k._fp8_skinny_kernel,
+     {"xq_ptr": "*fp8e4nv", **common, "rows": "i32", "n": "i32", "k": "i32",
+      "x_row_stride": "i32", "w_row_stride": "i32", "out_row_stride": "i32",
+      "BLOCK_M": "constexpr"},
+     {"HAS_BIAS": True, "EVEN_K": False, "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 256}),
+]
+for fn, signature, constexprs in kernels:
+    source = ASTSource(fn=fn, signature=signature, constexprs=constexprs)
+    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32))
+    assert compiled.asm["cubin"], fn
+    if fn is k._quantize_rows_kernel:
+        print(sorted(set(re.findall(r"cvt\\.rn\\.satfinite\\.e4m3x2\\.f32|div\\.rn\\.f32",
+                                    compiled.asm["ptx"]))))
+"""
+
+
+def test_the_kernels_compile_for_hopper_with_exact_division_and_rounding() -> None:
+    """What the interpreter cannot show: the kernels compile for sm_90, and the quantization
+    divides correctly rounded and converts to e4m3 rounding to nearest even, saturating, which
+    the GPU test's bit-for-bit comparison with torch relies on."""
+    env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_DEFAULT_FP_FUSION": "1"}
+    result = subprocess.run(
+        [sys.executable, "-c", _COMPILE_FOR_HOPPER],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.strip() == "['cvt.rn.satfinite.e4m3x2.f32', 'div.rn.f32']"
