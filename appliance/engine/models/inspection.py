@@ -54,11 +54,6 @@ def inspect_model(model_dir: Path) -> ModelReport:
     except ModelLoadError as exc:
         return ModelReport(architecture, lines, str(exc))
     lines += _config_lines(config)
-    quantization = raw.get("quantization_config")
-    if quantization is not None:
-        method = quantization.get("quant_method") if isinstance(quantization, dict) else None
-        unsupported = f"quantized weights ('quantization_config', method {method!r})"
-        return ModelReport(architecture, lines, unsupported)
     try:
         load_model(model_dir, device="meta")
     except ModelLoadError as exc:
@@ -102,7 +97,17 @@ def _config_lines(config: ModelConfig) -> list[tuple[str, str]]:
             parts.append(f"full attention on {windows[None]}")
         window_text = "; ".join(parts)
     kv_bytes = 2 * num_layers * config.num_kv_heads * config.head_dim * _KV_DTYPE.itemsize
+    fp8 = config.fp8
+    if fp8 is None:
+        quantization = "none"
+    else:
+        scales = f"{fp8.scales} weight scales" + (
+            f" in {fp8.block_size[0]}x{fp8.block_size[1]} blocks" if fp8.block_size else ""
+        )
+        inputs = "static input scales" if fp8.static_input else "per-token input scales"
+        quantization = f"FP8 e4m3 projections, {scales}, {inputs}"
     return [
+        ("quantization", quantization),
         ("context", f"{config.max_model_len} tokens"),
         ("windows", window_text),
         ("KV bytes/token", f"{kv_bytes:,} ({kv_bytes / 1024:.0f} KiB in bf16, all layers)"),

@@ -20,6 +20,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from appliance.engine.errors import ModelLoadError
+from appliance.engine.models.inspection import inspect_model
 from appliance.engine.models.loader import load_model, parts_of
 from appliance.engine.models.projections import Fp8Linear
 from appliance.engine.models.sealed_images import SealedImages, SealedShardImages
@@ -350,6 +351,23 @@ def test_a_checkpoint_whose_weights_disagree_with_its_config_is_refused(tiny_che
     (model_dir / "config.json").write_text(json.dumps(config))
     with pytest.raises(ModelLoadError, match=r"does not match its config\.json"):
         load_model(model_dir)
+
+
+@pytest.mark.parametrize(
+    ("layout", "described"),
+    [
+        ("ct-tensor-static", "FP8 e4m3 projections, tensor weight scales, static input scales"),
+        ("fp8-block", "FP8 e4m3 projections, block weight scales in 16x48 blocks, per-token"),
+    ],
+)
+def test_inspect_serves_an_fp8_checkpoint_and_names_its_layout(fp8_checkpoints, layout, described):
+    """The dry run (headers only, on the meta device) passes the FP8 checks of the real load."""
+    model_dir, _, _ = fp8_checkpoints(layout)
+    report = inspect_model(model_dir)
+    fields = dict(report.lines)
+    assert report.unsupported is None, report.unsupported
+    assert fields["quantization"].startswith(described)
+    assert "F8_E4M3" in fields["dtype"]
 
 
 @pytest.mark.parametrize("layout", ["ct-channel", "fp8-block-tp"])
