@@ -77,7 +77,13 @@ class CausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.ops = ops
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        # Given its (empty) weight, nn.Embedding skips its random init, whose first call imports
+        # torch._dynamo (seconds of a cold start, W5) even on the meta device.
+        self.embed_tokens = nn.Embedding(
+            config.vocab_size,
+            config.hidden_size,
+            _weight=torch.empty(config.vocab_size, config.hidden_size),
+        )
         self.layers = nn.ModuleList(DecoderLayer(config, ops, i) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         # Tied models (SmolLM2, Gemma) project with the embedding matrix itself.

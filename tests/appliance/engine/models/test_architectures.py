@@ -10,6 +10,11 @@ with no cache. Sequences reach position ~300 of 512 so rope scaling (whose origi
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -222,3 +227,27 @@ def test_greedy_through_model_runner_and_scheduler_matches_transformers(tiny_che
         assert seq.output_token_ids == _hf_greedy(hf_model, prompt, num_new_tokens), (
             f"greedy output for a prompt of {len(prompt)} tokens diverged from transformers"
         )
+
+
+def test_building_a_model_imports_no_compiler():
+    """A fresh process builds the model without importing torch._dynamo: nn.Embedding's random
+    init imports it at first use (seconds of every cold start, W5 in docs/BENCHMARKS.md), so the
+    model gives the embedding its empty weight instead. Would fail if the init came back."""
+    code = (
+        "import sys, torch\n"
+        "from appliance.engine.models.config import ModelConfig\n"
+        "from appliance.engine.models.decoder import CausalLM\n"
+        "config = ModelConfig.from_dict({'architectures': ['Gemma3ForCausalLM'],"
+        " 'hidden_size': 64, 'intermediate_size': 128, 'num_hidden_layers': 2,"
+        " 'num_attention_heads': 4, 'num_key_value_heads': 2, 'head_dim': 16,"
+        " 'vocab_size': 512, 'max_position_embeddings': 256, 'sliding_window': 32})\n"
+        "with torch.device('meta'):\n"
+        "    CausalLM(config)\n"
+        "print(sorted(m for m in sys.modules if m.startswith('torch._dynamo'))[:1])\n"
+    )
+    root = Path(__file__).resolve().parents[4]
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=root, check=True
+    )
+    assert done.stdout.strip() == "[]"
