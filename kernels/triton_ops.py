@@ -52,6 +52,8 @@ def paged_attention(
     v_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q: [T, Hq, D] -> [T, Hq, D]; see `kernels.reference.paged_attention` for the semantics."""
     if meta.decode_only:
@@ -63,6 +65,8 @@ def paged_attention(
             meta.seq_lens_t,
             scale,
             num_splits=meta.num_splits,
+            k_scale=k_scale,
+            v_scale=v_scale,
         )
     return paged_prefill_attention(
         q,
@@ -73,4 +77,6 @@ def paged_attention(
         meta.query_start_loc,
         max_query_len=meta.max_query_len,
         scale=scale,
+        k_scale=k_scale,
+        v_scale=v_scale,
     )
