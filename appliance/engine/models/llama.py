@@ -38,6 +38,11 @@ class Attention(nn.Module):
             config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.qkv_bias
         )
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.o_bias)
+        # An FP8 KV cache stores k / k_scale and v / v_scale (kernels.reference.quantize_kv):
+        # 1 unless the checkpoint ships scales (models.loader). Device tensors, so CUDA graphs
+        # read them where they are; the kernels ignore them for a cache in the model's dtype.
+        self.register_buffer("k_scale", torch.ones(1), persistent=False)
+        self.register_buffer("v_scale", torch.ones(1), persistent=False)
 
     def forward(
         self,
@@ -55,8 +60,9 @@ class Attention(nn.Module):
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         q, k = self.ops.rotary_embedding(q, k, cos, sin)
         k_cache, v_cache = kv_cache[0], kv_cache[1]
-        self.ops.write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
-        o = self.ops.paged_attention(q, k_cache, v_cache, meta, self.scale)
+        k_scale, v_scale = self.k_scale, self.v_scale
+        self.ops.write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping, k_scale, v_scale)
+        o = self.ops.paged_attention(q, k_cache, v_cache, meta, self.scale, k_scale, v_scale)
         o = o.reshape(num_tokens, self.q_size)
         return self.ops.linear(o, self.o_proj.weight, self.o_proj.bias)
 
@@ -122,6 +128,14 @@ class LlamaForCausalLM(nn.Module):
         )
         self.cos: torch.Tensor | None = None
         self.sin: torch.Tensor | None = None
+
+    def reset_kv_scales(self) -> None:
+        """Every layer's KV-cache scales to 1, in float32 on the model's device: after
+        `to_empty` (which leaves them unset) and a cast to the weights' dtype."""
+        device = self.embed_tokens.weight.device
+        for layer in self.layers:
+            layer.self_attn.k_scale = torch.ones(1, device=device)
+            layer.self_attn.v_scale = torch.ones(1, device=device)
 
     def init_rope_tables(self, max_len: int) -> None:
         device = self.embed_tokens.weight.device

@@ -37,6 +37,20 @@ _FUSED = {
 }
 # Buffers some checkpoints carry that are recomputed here.
 _IGNORED = re.compile(r"rotary_emb\.inv_freq$")
+# The FP8 KV-cache scales FP8 checkpoints ship, by the names their tools write (inside a
+# layer; the names vLLM accepts): llm-compressor / compressed-tensors' `self_attn.k_scale` and
+# `v_scale`, its older `k_proj.output_scale` / `v_proj.output_scale`, ModelOpt's
+# `k_proj.k_scale` / `v_proj.v_scale`, and AutoFP8's `self_attn.kv_scale` (one scale for both).
+# -> which of our scales each sets.
+_KV_SCALES = {
+    "self_attn.k_scale": ("k_scale",),
+    "self_attn.v_scale": ("v_scale",),
+    "self_attn.k_proj.output_scale": ("k_scale",),
+    "self_attn.v_proj.output_scale": ("v_scale",),
+    "self_attn.k_proj.k_scale": ("k_scale",),
+    "self_attn.v_proj.v_scale": ("v_scale",),
+    "self_attn.kv_scale": ("k_scale", "v_scale"),
+}
 
 
 def load_model(
@@ -64,6 +78,7 @@ def load_model(
         shard_model(model, shard)
     model.to_empty(device=device)
     model.to(dtype)
+    model.reset_kv_scales()
     params = dict(model.named_parameters())
     shard_sizes = _shard_sizes(config, 1 if shard is None else shard.size)
     missing = {(name, part) for name in params for part in _shards_of(name, shard_sizes)}
@@ -76,6 +91,8 @@ def load_model(
     )
     for path, name, tensor in tensors:
         if _IGNORED.search(name) or (name == "lm_head.weight" and config.tie_word_embeddings):
+            continue
+        if _load_kv_scale(model, path, name, tensor):
             continue
         target, fused, piece = _map_name(name)
         if target not in params:
@@ -123,6 +140,7 @@ def random_model(
         shard_model(model, shard)
     model.to_empty(device=device)
     model.to(dtype)
+    model.reset_kv_scales()
     generator = torch.Generator(device).manual_seed(seed + (0 if shard is None else shard.rank))
     with torch.no_grad():
         for name, param in model.named_parameters():
@@ -132,6 +150,32 @@ def random_model(
                 param.normal_(0.0, 0.02, generator=generator)
     model.init_rope_tables(config.max_model_len)
     return model.eval()
+
+
+def _load_kv_scale(model: LlamaForCausalLM, path: Path, name: str, tensor: torch.Tensor) -> bool:
+    """Set a layer's FP8 KV-cache scale(s) if `name` is one; whether it was. Only per-tensor
+    scales: one positive finite value (every tensor-parallel rank reads the same)."""
+    match = _LAYER.match(name)
+    if match is None or match.group(2) not in _KV_SCALES:
+        return False
+    index = int(match.group(1))
+    if index >= len(model.layers):
+        raise ModelLoadError(f"{path.name}: tensor {name!r} is for a layer the config lacks")
+    if tensor.numel() != 1:
+        raise ModelLoadError(
+            f"{path.name}: KV-cache scale {name!r} has shape {tuple(tensor.shape)}; only one "
+            "scale per tensor (per layer) is supported"
+        )
+    value = tensor.float().reshape(1)
+    if not (torch.isfinite(value).all() and (value > 0).all()):
+        raise ModelLoadError(
+            f"{path.name}: KV-cache scale {name!r} is {value.item()}; it must be positive and "
+            "finite"
+        )
+    attn = model.layers[index].self_attn
+    for which in _KV_SCALES[match.group(2)]:
+        getattr(attn, which).copy_(value)
+    return True
 
 
 def _shard_sizes(config: ModelConfig, num_ranks: int = 1) -> dict[str, list[int]]:

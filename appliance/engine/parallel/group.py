@@ -227,6 +227,7 @@ _SETTINGS_FIELDS = {
     "device",
     "dtype",
     "block_size",
+    "kv_cache_dtype",
     "gpu_memory_utilization",
     "max_num_seqs",
     "max_num_batched_tokens",

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 from appliance.engine.engine import Engine, EngineConfig
 from appliance.engine.errors import EngineConfigError
@@ -134,6 +135,28 @@ def test_decode_bursts_match_one_process(engines) -> None:
     """Bursts feed each step's sampled ids, on rank 0's device, to the next step."""
     params = SamplingParams(temperature=0.0, max_tokens=9, ignore_eos=True)
     assert compare(engines, [prompt_ids(5), prompt_ids(7, offset=11)], params) == 9
+
+
+@pytest.mark.slow
+def test_fp8_kv_cache_with_checkpoint_scales_matches_one_process(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """Each rank stores its KV heads in FP8 with the layer's scales (per tensor, so every rank
+    holds the same ones; here the checkpoint's, not 1, so a rank that missed them would show)."""
+    model_dir = save_checkpoint(build_hf_model("llama3.1"), tmp_path_factory.mktemp("tp_fp8"))
+    path = model_dir / "model.safetensors"
+    tensors = load_file(path)
+    for layer in range(2):
+        tensors[f"model.layers.{layer}.self_attn.k_scale"] = torch.tensor(0.05)
+        tensors[f"model.layers.{layer}.self_attn.v_scale"] = torch.tensor(0.02)
+    save_file(tensors, path, metadata={"format": "pt"})
+    pair = (build_engine(model_dir, 1, kv_cache_dtype="fp8_e4m3"),)
+    pair += (build_engine(model_dir, 2, kv_cache_dtype="fp8_e4m3"),)
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, prompt_logprobs=1)
+        assert compare(pair, [prompt_ids(40), prompt_ids(6, offset=90)], params) >= 5
+    finally:
+        pair[1].close()
 
 
 def test_a_split_the_heads_do_not_allow_is_refused_before_any_worker_starts(
