@@ -52,7 +52,8 @@ def tiny_gpu_engine(tiny_model: tuple[Path, LlamaForCausalLM]) -> Callable[..., 
     model = load_model(model_dir, device="cuda", ops=kernel_ops_for("cuda"))
 
     def build(**overrides: object) -> Engine:
-        settings = {"device": "cuda", "dtype": "float32", "max_model_len": 512, **overrides}
+        settings = {"device": "cuda", "dtype": "float32", "max_model_len": 512, "max_num_seqs": 4}
+        settings.update(overrides)
         return Engine.build(EngineConfig(model_dir=model_dir, **settings), model, None)
 
     return build
