@@ -30,8 +30,11 @@ SETTINGS = {
 }
 # Tiny models of the engine's tests, with what each adds: GQA and untied lm_head with llama3
 # rope scaling; tied embeddings (the vocab-parallel embedding is the lm_head); q/k/v and o_proj
-# biases (o_proj's bias is added by rank 0 alone).
-VARIANTS = ["llama3.1", "smollm2-tied", "llama-attention-bias"]
+# biases (o_proj's bias is added by rank 0 alone); and an FP8 KV cache, each rank storing its
+# KV heads with the layer's scales (per tensor, so every rank holds the same ones: here the
+# checkpoint's, not 1, so a rank that missed them would show).
+VARIANTS = ["llama3.1", "smollm2-tied", "llama-attention-bias", "llama3.1-fp8-kv"]
+FP8_KV_SCALES = {"k_scale": 0.05, "v_scale": 0.02}
 
 
 def build_engine(
@@ -79,11 +82,25 @@ def engines(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[tuple[Engine, Engine]]:
     """(one process, two processes) around the same tiny checkpoint, built once per variant."""
-    model_dir = save_checkpoint(build_hf_model(request.param), tmp_path_factory.mktemp("tp"))
-    single = build_engine(model_dir, 1)
-    parallel = build_engine(model_dir, 2)
+    variant, fp8_kv, _ = request.param.partition("-fp8-kv")
+    model_dir = save_checkpoint(build_hf_model(variant), tmp_path_factory.mktemp("tp"))
+    settings = {}
+    if fp8_kv:
+        _add_kv_scales(model_dir / "model.safetensors")
+        settings["kv_cache_dtype"] = "fp8_e4m3"
+    single = build_engine(model_dir, 1, **settings)
+    parallel = build_engine(model_dir, 2, **settings)
     yield single, parallel
     parallel.close()
+
+
+def _add_kv_scales(path: Path) -> None:
+    tensors = load_file(path)
+    num_layers = len({name.split(".")[2] for name in tensors if name.startswith("model.layers.")})
+    for layer in range(num_layers):
+        for name, value in FP8_KV_SCALES.items():
+            tensors[f"model.layers.{layer}.self_attn.{name}"] = torch.tensor(value)
+    save_file(tensors, path, metadata={"format": "pt"})
 
 
 def compare(
@@ -135,28 +152,6 @@ def test_decode_bursts_match_one_process(engines) -> None:
     """Bursts feed each step's sampled ids, on rank 0's device, to the next step."""
     params = SamplingParams(temperature=0.0, max_tokens=9, ignore_eos=True)
     assert compare(engines, [prompt_ids(5), prompt_ids(7, offset=11)], params) == 9
-
-
-@pytest.mark.slow
-def test_fp8_kv_cache_with_checkpoint_scales_matches_one_process(
-    tmp_path_factory: pytest.TempPathFactory,
-) -> None:
-    """Each rank stores its KV heads in FP8 with the layer's scales (per tensor, so every rank
-    holds the same ones; here the checkpoint's, not 1, so a rank that missed them would show)."""
-    model_dir = save_checkpoint(build_hf_model("llama3.1"), tmp_path_factory.mktemp("tp_fp8"))
-    path = model_dir / "model.safetensors"
-    tensors = load_file(path)
-    for layer in range(2):
-        tensors[f"model.layers.{layer}.self_attn.k_scale"] = torch.tensor(0.05)
-        tensors[f"model.layers.{layer}.self_attn.v_scale"] = torch.tensor(0.02)
-    save_file(tensors, path, metadata={"format": "pt"})
-    pair = (build_engine(model_dir, 1, kv_cache_dtype="fp8_e4m3"),)
-    pair += (build_engine(model_dir, 2, kv_cache_dtype="fp8_e4m3"),)
-    try:
-        params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, prompt_logprobs=1)
-        assert compare(pair, [prompt_ids(40), prompt_ids(6, offset=90)], params) >= 5
-    finally:
-        pair[1].close()
 
 
 def test_a_split_the_heads_do_not_allow_is_refused_before_any_worker_starts(
