@@ -37,7 +37,7 @@ STUB_CONFIG = {
 
 def stub_model() -> CausalLM:
     # The reference ops (whatever the kernel contract holds), with attention stubbed out.
-    stub_attention = {"paged_attention": lambda q, k_cache, v_cache, meta, scale, window=None: q}
+    stub_attention = {"paged_attention": lambda q, *args, **kwargs: q}
     ops = types.SimpleNamespace(**{**vars(reference), **stub_attention})
     config = ModelConfig.from_dict(STUB_CONFIG)
     with torch.device("meta"):

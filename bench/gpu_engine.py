@@ -11,7 +11,7 @@ rows last.
 
     python bench/gpu_engine.py [--model llama-3.1-8b|qwen3-8b|gemma-3-12b|phi-4-mini]
                                [--workloads W1,W2,W2S,P,W4,HF,HFW4] [--max-num-seqs 256]
-                               [--max-decode-burst 1]
+                               [--max-decode-burst 1] [--kv-cache-dtype auto|fp8_e4m3]
                                [--w2-requests 1024] [--hf-requests 128]
                                [--tokenizer-json PATH] [--quantization fp8]
 
@@ -19,6 +19,8 @@ W2S is W2 with a JSON schema on every request (grammars compiled against --token
 
 W6 is measured right after W2, at W2's largest batch. P is prefill throughput at 8 × 2,048.
 The transformers peer (HF, HFW4) is Llama's only.
+Every engine of the run stores its KV cache as --kv-cache-dtype says (the engine setting);
+W2 reports its pool (blocks, tokens, bytes).
 """
 
 from __future__ import annotations
@@ -125,6 +127,8 @@ SHAPES = {
 }
 MAX_MODEL_LEN = 4096
 rows: list[str] = []
+# Engine settings every engine of this run shares (main fills it from the command line).
+run_settings: dict[str, object] = {}
 
 
 def report(name: str, value: str, goal: str = "") -> None:
@@ -169,6 +173,7 @@ def build_engine(model: CausalLM, **overrides) -> Engine:
         "max_model_len": MAX_MODEL_LEN,
         "max_num_seqs": 256,
         "max_num_batched_tokens": 8192,
+        **run_settings,
         **overrides,
     }
     return Engine.build(EngineConfig(**settings), model, tokenizer=None)
@@ -317,6 +322,13 @@ class BusySampler:
 
 def w2(model: CausalLM, num_requests: int, max_num_seqs: int, burst: int) -> None:
     engine = build_engine(model, max_num_seqs=max_num_seqs, max_decode_burst=burst)
+    cache = engine.runner.kv_caches
+    blocks = engine.block_manager
+    report(
+        "W2 KV pool",
+        f"{blocks.num_blocks:,} blocks ({blocks.num_blocks * blocks.block_size:,} tokens), "
+        f"{cache[0].dtype}, {sum(t.numel() * t.element_size() for t in cache) / 2**30:.2f} GiB",
+    )
     params = SamplingParams(temperature=0.0, max_tokens=256, ignore_eos=True)
     run_timed(engine, random_prompts(8, 512, seed=2), SamplingParams(max_tokens=8, ignore_eos=True))
     profile = StepProfile(engine)
@@ -506,6 +518,7 @@ def main() -> None:
     parser.add_argument("--hf-requests", type=int, default=128)
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--max-decode-burst", type=int, default=1)
+    parser.add_argument("--kv-cache-dtype", choices=["auto", "fp8_e4m3"], default="auto")
     parser.add_argument(
         "--tokenizer-json", type=Path, help="W2S: the tokenizer.json its grammars compile against"
     )
@@ -513,6 +526,7 @@ def main() -> None:
         "--quantization", choices=["fp8"], help="FP8 projections (W8A8) instead of bf16"
     )
     args = parser.parse_args()
+    run_settings["kv_cache_dtype"] = args.kv_cache_dtype
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
     wanted = set(args.workloads.split(","))
     if args.model != "llama-3.1-8b" and wanted & {"HF", "HFW4"}:
@@ -530,6 +544,7 @@ def main() -> None:
         f" commit {commit or 'unknown'} max_decode_burst {args.max_decode_burst}"
         f" model {args.model}"
         f" quantization {args.quantization or 'none (bf16)'}"
+        f" kv_cache_dtype {args.kv_cache_dtype}"
     )
     copy_bw = copy_bandwidth()
     report("copy bandwidth (read + write)", f"{copy_bw / 1e12:.2f} TB/s")

@@ -13,6 +13,10 @@ Design (the flash-decoding scheme of vLLM and SGLang):
 2. `_combine_splits_kernel`, grid (B, Hq): merges the per-split partial outputs by their
    log-sum-exp. With one split the first kernel writes the output itself and this one is skipped.
 
+An FP8 cache is read as `stored * scale` without a multiply per element: the stored values
+(exact in q's dtype) enter the products as they are, K's scale is folded into the score scale
+and V's multiplies each split's output once.
+
 The grid depends only on (B, Hkv, num_splits), never on `seq_lens`' values: each program reads
 its sequence length on the device and derives its token range there, so a launch captured in a
 CUDA graph stays correct when `seq_lens` and `block_tables` are rewritten in place before replay.
@@ -27,7 +31,12 @@ import triton
 import triton.language as tl
 
 from kernels.errors import KernelInputError
-from kernels.launch_checks import FLOAT_DTYPES, check_paged_cache, triton_interprets
+from kernels.launch_checks import (
+    FLOAT_DTYPES,
+    check_kv_cache_encoding,
+    check_paged_cache,
+    triton_interprets,
+)
 
 # exp2 is the native instruction: scores are pre-scaled by log2(e), and exp2(s * log2 e) = exp(s).
 _LOG2E = 1.4426950408889634
@@ -46,6 +55,8 @@ def _decode_split_kernel(
     seq_lens_ptr,  # [B] int32
     out_ptr,  # [B, Hq, D] (DIRECT) or partial out [B, Hq, num_splits, D] float32
     lse_ptr,  # [B, Hq, num_splits] float32 (unused when DIRECT)
+    k_scale_ptr,  # [1]: an FP8 cache's K scale (read only when FP8_KV)
+    v_scale_ptr,  # [1]
     qk_scale,  # softmax scale * log2(e)
     max_blocks,
     window,  # attend to the last `window` tokens; 0: to all of them
@@ -71,6 +82,7 @@ def _decode_split_kernel(
     NUM_SPLITS: tl.constexpr,
     DIRECT: tl.constexpr,  # NUM_SPLITS == 1: write the normalised output in out_ptr's dtype
     DOT_PRECISION: tl.constexpr,  # "ieee" for float32 inputs, so scores are not rounded to tf32
+    FP8_KV: tl.constexpr,  # the cache holds float8_e4m3fn values and their per-tensor scales
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -105,6 +117,11 @@ def _decode_split_kernel(
     l_i = tl.zeros([G_PAD], dtype=tl.float32)
     acc = tl.zeros([G_PAD, HEAD_DIM], dtype=tl.float32)
 
+    v_scale = 1.0
+    if FP8_KV:
+        qk_scale = qk_scale * tl.load(k_scale_ptr).to(tl.float32)
+        v_scale = tl.load(v_scale_ptr).to(tl.float32)
+
     block_table_row = block_tables_ptr + seq * stride_btb
     for tile_start in range(start, end, BLOCK_N):
         tokens = tile_start + offs_n
@@ -121,6 +138,8 @@ def _decode_split_kernel(
         k_t = tl.load(
             k_cache_ptr + k_offsets[None, :] + offs_d[:, None], mask=n_mask[None, :], other=0.0
         )
+        if FP8_KV:
+            k_t = k_t.to(q.dtype)  # exact: every e4m3 value is a float16/bfloat16/float32
         scores = tl.dot(q, k_t, input_precision=DOT_PRECISION) * qk_scale  # [G_PAD, BLOCK_N]
         scores = tl.where(n_mask[None, :], scores, float("-inf"))
 
@@ -134,13 +153,15 @@ def _decode_split_kernel(
         v = tl.load(
             v_cache_ptr + v_offsets[:, None] + offs_d[None, :], mask=n_mask[:, None], other=0.0
         )
+        if FP8_KV:
+            v = v.to(q.dtype)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
 
     # An empty split (or a seq_len 0 padding row) has l_i == 0: its output is 0 and its lse -inf,
     # which the combine step weighs as exp(-inf) = 0.
     has_tokens = l_i > 0.0
-    out = acc / tl.where(has_tokens, l_i, 1.0)[:, None]
+    out = acc * (v_scale / tl.where(has_tokens, l_i, 1.0))[:, None]
     if DIRECT:
         tl.store(
             out_ptr + seq * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
@@ -239,6 +260,8 @@ def paged_decode_attention(
     num_splits: int,
     sliding_window: int | None = None,
     out: torch.Tensor | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of one new query token per sequence over its paged KV cache: all of it, or
     with `sliding_window` W its last W tokens (the earlier blocks are never read).
@@ -247,6 +270,8 @@ def paged_decode_attention(
     (last dim contiguous, other strides free); block_tables: [B, max_blocks] int32;
     seq_lens: [B] int32 on the device, each <= max_blocks * block_size (longer ones are clamped).
     A row with seq_len 0 is padding: its output is zeros and it reads no cache memory.
+    The cache may instead be float8_e4m3fn, read as `stored * k_scale` (and v_scale): [1]
+    tensors on the device, read there (so a CUDA graph captures them, not their values).
     Returns out: [B, Hq, D] in q's dtype (written into `out` when given), accumulated in float32.
 
     Preconditions the kernel cannot check without a device sync: block ids in the first
@@ -255,6 +280,7 @@ def paged_decode_attention(
     """
     _verify_inputs(q, k_cache, v_cache, block_tables, seq_lens, scale, num_splits, out)
     verify_window(sliding_window)
+    fp8_kv = check_kv_cache_encoding(q.dtype, k_cache, v_cache, k_scale, v_scale)
     if out is None:
         out = torch.empty_like(q)
     batch, num_q_heads, head_dim = q.shape
@@ -283,6 +309,8 @@ def paged_decode_attention(
         seq_lens,
         partial,
         lse,
+        k_scale if fp8_kv else seq_lens,  # any pointer: not read unless FP8_KV
+        v_scale if fp8_kv else seq_lens,
         scale * _LOG2E,
         block_tables.shape[1],
         sliding_window or 0,
@@ -308,6 +336,7 @@ def paged_decode_attention(
         NUM_SPLITS=num_splits,
         DIRECT=direct,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        FP8_KV=fp8_kv,
         num_warps=num_warps,
         num_stages=num_stages,
     )
@@ -397,9 +426,8 @@ def _verify_inputs(
     # 2. Dtypes.
     if q.dtype not in FLOAT_DTYPES:
         raise KernelInputError(f"q dtype must be float16, bfloat16 or float32, got {q.dtype}")
-    for name, tensor in (("k_cache", k_cache), ("v_cache", v_cache), ("out", out)):
-        if tensor is not None and tensor.dtype != q.dtype:
-            raise KernelInputError(f"{name} dtype {tensor.dtype} differs from q dtype {q.dtype}")
+    if out is not None and out.dtype != q.dtype:
+        raise KernelInputError(f"out dtype {out.dtype} differs from q dtype {q.dtype}")
     if block_tables.dtype != torch.int32:
         raise KernelInputError(f"block_tables must be int32, got {block_tables.dtype}")
     if seq_lens.dtype != torch.int32:

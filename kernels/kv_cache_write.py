@@ -3,6 +3,8 @@
 Semantics are those of `kernels.reference.write_kv_cache`: token t is stored at flat slot
 `slot_mapping[t] = block_id * block_size + offset`; a negative slot marks a padding token (a
 CUDA-graph batch padded to its captured size) and is skipped, so padding never touches the cache.
+An FP8 cache stores each value divided by its tensor's scale (K's or V's), saturated to e4m3's
+range: `kernels.reference.quantize_kv`.
 """
 
 from __future__ import annotations
@@ -12,10 +14,11 @@ import triton
 import triton.language as tl
 
 from kernels.errors import KernelInputError
-from kernels.launch_checks import FLOAT_DTYPES, check_devices
+from kernels.launch_checks import FLOAT_DTYPES, KV_CACHE_FP8, check_devices, check_kv_cache_encoding
 
 # One program holds a whole token (all KV heads) in registers; beyond this it would spill.
 _MAX_TOKEN_ELEMENTS = 16384
+_FP8_MAX = torch.finfo(KV_CACHE_FP8).max
 
 
 @triton.jit
@@ -25,11 +28,15 @@ def _write_kv_cache_kernel(
     k_cache_ptr,
     v_cache_ptr,
     slot_mapping_ptr,
+    k_scale_ptr,  # [1] (read only when QUANTIZE)
+    v_scale_ptr,  # [1]
     k_token_stride,
     v_token_stride,
     cache_elements,  # num_blocks * block_size * TOKEN_ELEMENTS
     TOKEN_ELEMENTS: tl.constexpr,  # num_kv_heads * head_dim
     BLOCK: tl.constexpr,  # next power of two of TOKEN_ELEMENTS
+    QUANTIZE: tl.constexpr,  # the cache is FP8: store x / scale, saturated
+    FP8_MAX: tl.constexpr,
 ):
     token = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_mapping_ptr + token)
@@ -44,6 +51,13 @@ def _write_kv_cache_kernel(
     mask = (offs < TOKEN_ELEMENTS) & (cache_offs >= 0) & (cache_offs < cache_elements)
     k = tl.load(k_ptr + token * k_token_stride + offs, mask=mask)
     v = tl.load(v_ptr + token * v_token_stride + offs, mask=mask)
+    if QUANTIZE:
+        # Correctly rounded division (as torch's), so the stored bytes equal the reference's.
+        k = tl.div_rn(k.to(tl.float32), tl.load(k_scale_ptr).to(tl.float32))
+        v = tl.div_rn(v.to(tl.float32), tl.load(v_scale_ptr).to(tl.float32))
+        # Saturate: converting a value beyond the finite range would give NaN (e4m3 has no inf).
+        k = tl.clamp(k, -FP8_MAX, FP8_MAX).to(k_cache_ptr.dtype.element_ty)
+        v = tl.clamp(v, -FP8_MAX, FP8_MAX).to(v_cache_ptr.dtype.element_ty)
     tl.store(k_cache_ptr + cache_offs, k, mask=mask)
     tl.store(v_cache_ptr + cache_offs, v, mask=mask)
 
@@ -54,19 +68,22 @@ def write_kv_cache(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> None:
     """Store each token's key and value at its slot of the paged cache, in place.
 
     k, v: [T, Hkv, D], each token's [Hkv, D] contiguous (a token-strided view of a fused qkv
-    output is fine); k_cache, v_cache: [num_blocks, block_size, Hkv, D], contiguous, same dtype
-    as k and v; slot_mapping: [T] int64, contiguous.
+    output is fine); k_cache, v_cache: [num_blocks, block_size, Hkv, D], contiguous, in k's
+    dtype or float8_e4m3fn; slot_mapping: [T] int64, contiguous. An FP8 cache needs k_scale and
+    v_scale ([1] tensors on the device, read there, so a CUDA graph may capture them).
 
     Slots < 0 are padding and skipped. Slot values are not checked on the host (that would
     sync the device): a slot >= num_blocks * block_size is silently dropped instead of written
     out of bounds. Raises `KernelInputError` for any shape, dtype, device or layout it cannot
     handle.
     """
-    _validate(k, v, k_cache, v_cache, slot_mapping)
+    quantize = _validate(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
     num_tokens, num_kv_heads, head_dim = k.shape
     if num_tokens == 0:
         return
@@ -80,11 +97,15 @@ def write_kv_cache(
         k_cache,
         v_cache,
         slot_mapping,
+        k_scale if quantize else slot_mapping,  # any pointer: not read unless QUANTIZE
+        v_scale if quantize else slot_mapping,
         k.stride(0),
         v.stride(0),
         k_cache.numel(),
         TOKEN_ELEMENTS=token_elements,
         BLOCK=block,
+        QUANTIZE=quantize,
+        FP8_MAX=_FP8_MAX,
         num_warps=num_warps,
     )
 
@@ -95,7 +116,10 @@ def _validate(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
-) -> None:
+    k_scale: torch.Tensor | None,
+    v_scale: torch.Tensor | None,
+) -> bool:
+    """Raise KernelInputError for anything the kernel cannot take; whether it quantizes."""
     named = {"k": k, "v": v, "k_cache": k_cache, "v_cache": v_cache, "slot_mapping": slot_mapping}
     for name, tensor in named.items():
         if not isinstance(tensor, torch.Tensor):
@@ -124,9 +148,9 @@ def _validate(
         )
     if k.dtype not in FLOAT_DTYPES:
         raise KernelInputError(f"k dtype {k.dtype} is not one of float16, bfloat16, float32")
-    for name, tensor in (("v", v), ("k_cache", k_cache), ("v_cache", v_cache)):
-        if tensor.dtype != k.dtype:
-            raise KernelInputError(f"{name} dtype {tensor.dtype} differs from k dtype {k.dtype}")
+    if v.dtype != k.dtype:
+        raise KernelInputError(f"v dtype {v.dtype} differs from k dtype {k.dtype}")
+    quantize = check_kv_cache_encoding(k.dtype, k_cache, v_cache, k_scale, v_scale)
     if slot_mapping.dtype != torch.int64:
         raise KernelInputError(f"slot_mapping must be int64, got {slot_mapping.dtype}")
     num_kv_heads, head_dim = k.shape[1:]
@@ -148,3 +172,4 @@ def _validate(
     ):
         if not tensor.is_contiguous():
             raise KernelInputError(f"{name} must be contiguous, got strides {tensor.stride()}")
+    return quantize

@@ -10,6 +10,8 @@ from kernels.errors import KernelInputError
 
 # The floating-point types every kernel takes.
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+# The one 8-bit KV-cache encoding (e4m3: 3 mantissa bits, finite range +-448; no infinities).
+KV_CACHE_FP8 = torch.float8_e4m3fn
 
 
 def triton_interprets() -> bool:
@@ -42,3 +44,38 @@ def check_paged_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
         raise KernelInputError(
             f"v_cache shape {tuple(v_cache.shape)} differs from k_cache {tuple(k_cache.shape)}"
         )
+
+
+def check_kv_cache_encoding(
+    compute_dtype: torch.dtype,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    k_scale: torch.Tensor | None,
+    v_scale: torch.Tensor | None,
+) -> bool:
+    """Whether the cache is FP8 (`KV_CACHE_FP8`), raising unless it is that or `compute_dtype`.
+
+    An FP8 cache needs both scales, one-element floating-point tensors on the cache's device
+    (a cache in the compute dtype ignores them). Their values are not read here: that would
+    sync the device, and the engine sets them once, positive and finite.
+    """
+    if k_cache.dtype != v_cache.dtype:
+        raise KernelInputError(
+            f"k_cache dtype {k_cache.dtype} differs from v_cache dtype {v_cache.dtype}"
+        )
+    if k_cache.dtype == compute_dtype:
+        return False
+    if k_cache.dtype != KV_CACHE_FP8:
+        raise KernelInputError(
+            f"cache dtype {k_cache.dtype} must be {compute_dtype} (as q/k/v) or {KV_CACHE_FP8}"
+        )
+    for name, scale in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if not isinstance(scale, torch.Tensor):
+            raise KernelInputError(f"an {KV_CACHE_FP8} cache needs {name} as a tensor, got {scale}")
+        if scale.numel() != 1 or not scale.dtype.is_floating_point:
+            raise KernelInputError(
+                f"{name} must be one floating-point value, got {tuple(scale.shape)} {scale.dtype}"
+            )
+        if scale.device != k_cache.device:
+            raise KernelInputError(f"{name} is on {scale.device}, the cache on {k_cache.device}")
+    return True

@@ -2,6 +2,11 @@
 
 `kernels.reference` implements it in plain torch; `kernels.triton_ops` implements the same
 functions with the same semantics on the GPU, so the model never knows which one it runs on.
+
+The paged KV cache is either in the model's dtype or FP8 (`kernels.launch_checks.KV_CACHE_FP8`);
+`write_kv_cache` and `paged_attention` take the FP8 cache's per-tensor K and V scales as
+one-element device tensors (`kernels.reference.quantize_kv` defines the encoding), and ignore
+them for a cache in the model's dtype.
 """
 
 from __future__ import annotations
@@ -112,6 +117,8 @@ class KernelOps(Protocol):
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         slot_mapping: torch.Tensor,
+        k_scale: torch.Tensor | None = None,
+        v_scale: torch.Tensor | None = None,
     ) -> None: ...
 
     def paged_attention(
@@ -122,4 +129,6 @@ class KernelOps(Protocol):
         meta: AttentionMetadata,
         scale: float,
         sliding_window: int | None = None,
+        k_scale: torch.Tensor | None = None,
+        v_scale: torch.Tensor | None = None,
     ) -> torch.Tensor: ...

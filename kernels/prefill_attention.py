@@ -17,6 +17,8 @@ Work decomposition (why it looks the way it does):
   past the last row's limit are never loaded. A sliding window adds the mirror image at the
   other end: tiles before the first row's window are never loaded, and those its rows' window
   edges cross are masked.
+- An FP8 cache's tiles are converted to q's dtype as loaded (exactly: every e4m3 value is one);
+  K's per-tensor scale is folded into the score scale and V's multiplies the output once.
 """
 
 from __future__ import annotations
@@ -30,7 +32,13 @@ import triton.language as tl
 
 from kernels.decode_attention import verify_window
 from kernels.errors import KernelInputError
-from kernels.launch_checks import FLOAT_DTYPES, check_devices, check_paged_cache, triton_interprets
+from kernels.launch_checks import (
+    FLOAT_DTYPES,
+    check_devices,
+    check_kv_cache_encoding,
+    check_paged_cache,
+    triton_interprets,
+)
 
 __all__ = ["paged_prefill_attention"]
 
@@ -102,6 +110,7 @@ def _attend_key_tile(
         + offs_d[None, :]
     )
     k_t = tl.load(k_ptrs, mask=in_seq[None, :], other=0.0) if MASKED else tl.load(k_ptrs)
+    k_t = k_t.to(q.dtype)  # no-op unless the cache is FP8
 
     if DOT_FP32:
         qk = tl.dot(q.to(tl.float32), k_t.to(tl.float32), input_precision="ieee")
@@ -121,6 +130,7 @@ def _attend_key_tile(
     l_i = l_i * alpha + tl.sum(p, 1)
 
     v = tl.load(v_ptrs, mask=in_seq[:, None], other=0.0) if MASKED else tl.load(v_ptrs)
+    v = v.to(q.dtype)
     if DOT_FP32:
         pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
     else:
@@ -138,6 +148,8 @@ def _paged_prefill_attention_kernel(
     block_tables_ptr,
     seq_lens_ptr,
     query_start_loc_ptr,
+    k_scale_ptr,  # [1]: an FP8 cache's K scale (read only when FP8_KV)
+    v_scale_ptr,  # [1]
     qk_scale,
     max_blocks,
     window,
@@ -161,6 +173,7 @@ def _paged_prefill_attention_kernel(
     # Both matmuls on float32 operands with exact ("ieee", not tf32) products: float32 inputs,
     # and bfloat16 under the interpreter, whose bf16 tl.dot returns garbage (Triton 3.9).
     DOT_FP32: tl.constexpr,
+    FP8_KV: tl.constexpr,  # the cache holds float8_e4m3fn values and their per-tensor scales
 ):
     """Grid: (row tiles, Hq // PACK, B). Row r of a tile is query token r // PACK of the
     sequence, for query head (program's first head) + r % PACK."""
@@ -188,6 +201,11 @@ def _paged_prefill_attention_kernel(
     q_rows = (q_start + token).to(tl.int64)
     q_ptrs = q_ptr + q_rows[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :]
     q = tl.load(q_ptrs, mask=row_valid[:, None], other=0.0)
+
+    v_scale = 1.0
+    if FP8_KV:
+        qk_scale = qk_scale * tl.load(k_scale_ptr).to(tl.float32)
+        v_scale = tl.load(v_scale_ptr).to(tl.float32)
 
     m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -236,7 +254,7 @@ def _paged_prefill_attention_kernel(
             BLOCK_SIZE, HEAD_DIM, BLOCK_N, True, DOT_FP32,
         )  # fmt: skip
 
-    out = acc / l_i[:, None]
+    out = acc * (v_scale / l_i)[:, None]
     o_ptrs = out_ptr + q_rows[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
     tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=row_valid[:, None])
 
@@ -282,6 +300,8 @@ def paged_prefill_attention(
     scale: float,
     sliding_window: int | None = None,
     out: torch.Tensor | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of each sequence's new tokens over its paged context: all of it, or
     with `sliding_window` W the last W tokens up to each query's own (tiles wholly before a
@@ -297,6 +317,8 @@ def paged_prefill_attention(
     scale: softmax scale, usually D ** -0.5
     sliding_window: None, or how many of the latest keys (its own included) a query sees
     out: optional [T, Hq, D] destination in q's dtype
+    k_scale, v_scale: [1] tensors on the device, for a float8_e4m3fn cache (read as
+        `stored * scale`); a cache in q's dtype ignores them
     -> [T, Hq, D] in q's dtype; query i of sequence b sits at position
        seq_len_b - query_len_b + i and attends to keys 0 ..= that position.
 
@@ -308,6 +330,7 @@ def paged_prefill_attention(
     """
     _check_inputs(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, max_query_len)
     verify_window(sliding_window)
+    fp8_kv = check_kv_cache_encoding(q.dtype, k_cache, v_cache, k_scale, v_scale)
     if not (isinstance(scale, int | float) and math.isfinite(scale) and scale > 0):
         raise KernelInputError(f"scale must be a finite positive number, got {scale!r}")
     if out is None:
@@ -336,6 +359,8 @@ def paged_prefill_attention(
         block_tables,
         seq_lens,
         query_start_loc,
+        k_scale if fp8_kv else seq_lens,  # any pointer: not read unless FP8_KV
+        v_scale if fp8_kv else seq_lens,
         scale * _LOG2_E,
         block_tables.shape[1],
         sliding_window or 0,
@@ -357,6 +382,7 @@ def paged_prefill_attention(
         BLOCK_M=config.block_m,
         BLOCK_N=config.block_n,
         DOT_FP32=q.dtype == torch.float32 or (interpreted and q.dtype == torch.bfloat16),
+        FP8_KV=fp8_kv,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )
@@ -378,10 +404,6 @@ def _check_inputs(
     check_paged_cache(k_cache, v_cache)
     if q.dtype not in FLOAT_DTYPES:
         raise KernelInputError(f"q dtype {q.dtype} unsupported; use float16, bfloat16 or float32")
-    if k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
-        raise KernelInputError(
-            f"k_cache/v_cache dtypes {k_cache.dtype}/{v_cache.dtype} must equal q dtype {q.dtype}"
-        )
     num_q_heads, head_dim = q.shape[1:]
     num_kv_heads, cache_head_dim = k_cache.shape[2:]
     if cache_head_dim != head_dim:

@@ -12,7 +12,10 @@ import torch
 import torch.nn.functional as F
 
 from kernels.fp8 import quantize_rows
+from kernels.launch_checks import KV_CACHE_FP8, check_kv_cache_encoding
 from kernels.ops import AttentionMetadata, Fp8Weight
+
+_FP8_MAX = torch.finfo(KV_CACHE_FP8).max
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -89,17 +92,31 @@ def gelu_tanh_mul_linear(x: torch.Tensor, weight: torch.Tensor | Fp8Weight) -> t
     return linear(F.gelu(gate, approximate="tanh") * up, weight, None)
 
 
+def quantize_kv(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """x / scale in float32, saturated to e4m3's finite range (+-448) and rounded to nearest
+    even: what an FP8 cache stores. Saturation, not overflow to NaN, keeps an outlier finite;
+    dequantized, a value is `stored.float() * scale`."""
+    scaled = x.float() / scale.float()
+    return scaled.clamp(-_FP8_MAX, _FP8_MAX).to(KV_CACHE_FP8)
+
+
 def write_kv_cache(
     k: torch.Tensor,
     v: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> None:
     """Store each token's key and value at its slot; slots < 0 are padding and skipped.
 
-    k, v: [T, Hkv, D]; slot_mapping: [T] int64
+    k, v: [T, Hkv, D]; slot_mapping: [T] int64. An FP8 cache stores `quantize_kv(k, k_scale)`
+    and `quantize_kv(v, v_scale)` (one-element scales); a cache in k's dtype ignores them.
     """
+    if check_kv_cache_encoding(k.dtype, k_cache, v_cache, k_scale, v_scale):
+        assert k_scale is not None and v_scale is not None  # checked above
+        k, v = quantize_kv(k, k_scale), quantize_kv(v, v_scale)
     keep = slot_mapping >= 0
     slots = slot_mapping[keep]
     num_kv_heads, head_dim = k_cache.shape[2:]
@@ -114,6 +131,8 @@ def paged_attention(
     meta: AttentionMetadata,
     scale: float,
     sliding_window: int | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of each sequence's new tokens over its cached context: all of it, or
     with `sliding_window` W the last W tokens up to and including each query's own.
@@ -124,8 +143,12 @@ def paged_attention(
     A decode step is `query_lens[b] == 1`; a first prefill has `query_lens[b] == seq_lens[b]`.
     Heads are grouped (GQA): query head h reads KV head h // (Hq // Hkv).
 
+    An FP8 cache (`write_kv_cache`) is read as `stored.float() * k_scale` (and v_scale), and the
+    attention then runs in float32.
+
     q: [T, Hq, D] -> out: [T, Hq, D]
     """
+    fp8 = check_kv_cache_encoding(q.dtype, k_cache, v_cache, k_scale, v_scale)
     block_size, num_kv_heads, head_dim = k_cache.shape[1:]
     out = torch.empty_like(q)
     start = 0
@@ -135,6 +158,10 @@ def paged_attention(
         k = k_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len]
         v = v_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len]
         q_b = q[start : start + query_len]
+        if fp8:
+            assert k_scale is not None and v_scale is not None  # checked above
+            k, v = k.float() * k_scale.float(), v.float() * v_scale.float()
+            q_b = q_b.float()
         # Query i sits at position p = seq_len - query_len + i and sees keys 0 ..= p, or with a
         # window W keys p - W + 1 ..= p.
         q_pos = torch.arange(seq_len - query_len, seq_len, device=q.device)[:, None]
@@ -150,6 +177,6 @@ def paged_attention(
             scale=scale,
             enable_gqa=True,
         )
-        out[start : start + query_len] = o.transpose(0, 1)
+        out[start : start + query_len] = o.transpose(0, 1).to(q.dtype)
         start += query_len
     return out

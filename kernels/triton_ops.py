@@ -69,6 +69,8 @@ def paged_attention(
     meta: AttentionMetadata,
     scale: float,
     sliding_window: int | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q: [T, Hq, D] -> [T, Hq, D]; see `kernels.reference.paged_attention` for the semantics."""
     if meta.decode_only:
@@ -81,6 +83,8 @@ def paged_attention(
             scale,
             num_splits=meta.num_splits,
             sliding_window=sliding_window,
+            k_scale=k_scale,
+            v_scale=v_scale,
         )
     return paged_prefill_attention(
         q,
@@ -92,4 +96,6 @@ def paged_attention(
         max_query_len=meta.max_query_len,
         scale=scale,
         sliding_window=sliding_window,
+        k_scale=k_scale,
+        v_scale=v_scale,
     )

@@ -239,6 +239,7 @@ class Engine:
             model_config,
             config.block_size,
             config.torch_dtype,
+            kv_cache_dtype=config.kv_cache_dtype,
             tensor_parallel_size=config.tensor_parallel_size,
         )
         eos_token_ids = tokenizer.eos_token_ids if tokenizer is not None else frozenset()
@@ -279,11 +280,14 @@ class Engine:
             block_manager,
         )
         logger.info(
-            "engine ready: %s on %s, %d KV blocks of %d tokens, max_model_len %d",
+            "engine ready: %s on %s, %d KV blocks of %d tokens (%s, %.2f GiB per device), "
+            "max_model_len %d",
             model_config.architecture,
             config.device,
             num_blocks,
             config.block_size,
+            str(spec.dtype).removeprefix("torch."),
+            num_blocks * spec.bytes_per_block / 2**30,
             max_model_len,
         )
         return cls(

@@ -15,6 +15,9 @@ from pydantic import BaseModel, ConfigDict, Field
 PrefixCacheIsolation = Literal["principal", "role", "issuer", "shared"]
 """Who may reuse whose cached prompt prefixes (appliance.api.cache_domains)."""
 
+KVCacheDtype = Literal["auto", "fp8_e4m3"]
+"""What the KV cache stores: the model's dtype, or FP8 (appliance.engine.kv_cache)."""
+
 
 class EngineSettings(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -39,6 +42,12 @@ class EngineSettings(BaseModel):
     )
     kv_cache_memory_bytes: int = Field(
         default=1 << 30, ge=1, description="KV-cache size on cpu when num_kv_blocks is unset"
+    )
+    # fp8_e4m3 stores keys and values in one byte (float8_e4m3fn) with a per-layer scale each,
+    # so the same memory holds twice the tokens of a bf16 cache, at some accuracy: see
+    # docs/ARCHITECTURE.md, "FP8 KV cache".
+    kv_cache_dtype: KVCacheDtype = Field(
+        default="auto", description="KV-cache storage: auto (the model's dtype) or fp8_e4m3"
     )
     gpu_memory_utilization: float = Field(
         default=0.9, gt=0.0, le=1.0, description="fraction of GPU memory the engine may use"

@@ -94,6 +94,7 @@ class ModelRunner:
     def allocate_kv_caches(self, spec: KVCacheSpec, num_blocks: int) -> None:
         if self.peers is not None:
             self.peers.allocate_kv(num_blocks)
+        spec.verify_scales(self.model)
         self.kv_caches = spec.allocate(num_blocks, self.device)
 
     @torch.inference_mode()

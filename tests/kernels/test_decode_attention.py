@@ -8,6 +8,10 @@ Tolerances, against a float32 reference on the same (rounded) inputs:
 - float32: 1e-5 abs/rel (the kernel's dots run in IEEE fp32, not tf32);
 - float16: 4e-3 abs/rel (probabilities rounded to fp16 before the P @ V product, one output ulp);
 - bfloat16: 3e-2 abs/rel (the same with 8 mantissa bits instead of 11).
+An FP8 cache is compared with the reference on its dequantized values (`stored * scale` in
+float32), at the same tolerances: the kernel converts the stored values exactly and only the
+order of its float32 operations differs. (Triton's interpreter converts e4m3 to wider floats
+exactly; only its float -> e4m3 rounding is wrong, which reading never does.)
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ import kernels.decode_attention as decode_attention
 from kernels.decode_attention import choose_num_splits, paged_decode_attention
 from kernels.errors import KernelInputError
 from kernels.ops import AttentionMetadata
-from kernels.reference import paged_attention
+from kernels.reference import paged_attention, quantize_kv
 
 # The small cases run on the GPU too when there is one (the launcher refuses CPU tensors there).
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -85,6 +89,27 @@ def run_kernel(case: DecodeCase, num_splits: int, **kwargs: object) -> torch.Ten
         case.scale,
         num_splits=num_splits,
         **kwargs,
+    )
+
+
+def with_fp8_cache(case: DecodeCase) -> tuple[DecodeCase, dict[str, torch.Tensor]]:
+    """The case with its caches quantized to e4m3 at scales other than 1 (so a kernel that
+    skipped or swapped them fails), and the dequantized case the reference reads."""
+    device = case.q.device
+    scales = {
+        "k_scale": torch.tensor([0.02], device=device),
+        "v_scale": torch.tensor([0.5], device=device),
+    }
+    k_fp8 = quantize_kv(case.k_cache, scales["k_scale"])
+    v_fp8 = quantize_kv(case.v_cache, scales["v_scale"])
+    return replace(case, k_cache=k_fp8, v_cache=v_fp8), scales
+
+
+def dequantized(case: DecodeCase, scales: dict[str, torch.Tensor]) -> DecodeCase:
+    return replace(
+        case,
+        k_cache=case.k_cache.float() * scales["k_scale"],
+        v_cache=case.v_cache.float() * scales["v_scale"],
     )
 
 
@@ -159,6 +184,17 @@ def test_windowed_decode_matches_reference_and_reads_nothing_before_the_window(
     case = make_case(CPU_SEQ_LENS, num_q_heads=4, num_kv_heads=2, head_dim=32, dtype=torch.float32)
     out = run_kernel(poison_before_windows(case, window), num_splits, sliding_window=window)
     assert_matches_reference(case, out, sliding_window=window)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_decode_attention_reads_fp8_cache_with_its_scales(
+    dtype: torch.dtype, num_splits: int
+) -> None:
+    case = make_case(CPU_SEQ_LENS, num_q_heads=4, num_kv_heads=2, head_dim=32, dtype=dtype)
+    fp8_case, scales = with_fp8_cache(case)
+    out = run_kernel(fp8_case, num_splits, **scales)
+    assert_matches_reference(dequantized(fp8_case, scales), out)
 
 
 def test_decode_attention_matches_reference_with_head_dim_16_and_large_blocks() -> None:
@@ -322,6 +358,10 @@ BAD_INPUTS: dict[str, tuple[Mutation, str]] = {
     "num_splits_zero": (_set("num_splits", lambda c: 0), "num_splits"),
     "num_splits_too_many": (_set("num_splits", lambda c: 65), "num_splits"),
     "scale_nan": (_set("scale", lambda c: float("nan")), "scale"),
+    "fp8_without_scales": (
+        _set_caches(lambda cache: cache.to(torch.float8_e4m3fn)),
+        "needs k_scale",
+    ),
 }
 
 
@@ -379,6 +419,26 @@ def test_decode_attention_matches_reference_on_gpu(
         seed=batch + head_dim,
     )
     assert_matches_reference(case, run_kernel(case, num_splits))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(("batch", "num_splits"), [(1, 16), (13, 4), (64, 1)])
+def test_decode_attention_reads_fp8_cache_on_gpu(
+    dtype: torch.dtype, batch: int, num_splits: int
+) -> None:
+    case = make_case(
+        _gpu_seq_lens(batch, seed=batch),
+        num_q_heads=32,
+        num_kv_heads=8,
+        head_dim=128,
+        dtype=dtype,
+        device="cuda",
+        seed=batch,
+    )
+    fp8_case, scales = with_fp8_cache(case)
+    out = run_kernel(fp8_case, num_splits, **scales)
+    assert_matches_reference(dequantized(fp8_case, scales), out)
 
 
 @pytest.mark.gpu

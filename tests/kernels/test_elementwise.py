@@ -135,6 +135,60 @@ def test_write_kv_cache_matches_reference_at_serving_shapes(
     _check_write_kv_cache(num_tokens, num_kv_heads, head_dim, dtype, "cuda")
 
 
+def _check_write_fp8_kv_cache(
+    num_tokens: int, dtype: torch.dtype, device: str, *, representable: bool
+) -> None:
+    """Stored bytes equal `reference.quantize_kv`'s, at scales that put some values past e4m3's
+    +-448 (saturated, never NaN).
+
+    `representable`: every value in range is an e4m3 value times its (power-of-two) scale, so
+    nothing is rounded. Triton's 3.9 interpreter rounds float -> e4m3 wrongly (a value that
+    rounds up to a power of two comes out at half of it), but converts exact values exactly;
+    so on the CPU this checks the kernel's scales, slots and saturation, and the rounding
+    itself (round to nearest even, as torch) is checked on the GPU with random values.
+    """
+    _seed("kv-fp8", num_tokens, dtype, representable)
+    block_size, num_kv_heads, head_dim = 16, 2, 32
+    num_blocks = num_tokens // block_size + 3
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    k_cache = torch.zeros(shape, dtype=torch.float8_e4m3fn, device=device)
+    v_cache = torch.zeros(shape, dtype=torch.float8_e4m3fn, device=device)
+    k_scale = torch.tensor([0.0625], device=device)  # |k| / k_scale > 448 for |k| > 28
+    v_scale = torch.tensor([2.0], device=device)
+    qkv = 10 * torch.randn(num_tokens, 3, num_kv_heads, head_dim, device=device)
+    if representable:
+        fp8 = qkv.to(torch.float8_e4m3fn).float()
+        qkv = torch.stack((fp8[:, 0], fp8[:, 1] * k_scale, fp8[:, 2] * v_scale), dim=1)
+        qkv[:, 1] *= 1 + 31 * (torch.rand_like(qkv[:, 1]) < 0.2)  # some past the range
+    qkv[0, 1, 0, :2] = torch.tensor([1e4, -float("inf")])  # far past the range
+    qkv = qkv.to(dtype)
+    k, v = qkv[:, 1], qkv[:, 2]
+    slot_mapping = torch.randperm(num_blocks * block_size, device=device)[:num_tokens]
+    k_expected, v_expected = k_cache.clone(), v_cache.clone()
+    reference.write_kv_cache(k, v, k_expected, v_expected, slot_mapping, k_scale, v_scale)
+
+    write_kv_cache(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+
+    assert k_cache.view(-1, head_dim)[slot_mapping[0] * num_kv_heads, :2].tolist() == [448, -448]
+    assert (k_cache.float().abs() == 448).sum() > 2
+    for got, expected in ((k_cache, k_expected), (v_cache, v_expected)):
+        assert not got.float().isnan().any()
+        assert torch.equal(got.view(torch.uint8), expected.view(torch.uint8))
+
+
+@pytest.mark.parametrize(("num_tokens", "dtype"), [(5, torch.float32), (33, torch.float16)])
+def test_write_kv_cache_stores_fp8_values_scaled_and_saturated(
+    num_tokens: int, dtype: torch.dtype
+) -> None:
+    _check_write_fp8_kv_cache(num_tokens, dtype, DEVICE, representable=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_write_kv_cache_rounds_to_fp8_bytes_equal_to_reference_on_gpu(dtype: torch.dtype) -> None:
+    _check_write_fp8_kv_cache(257, dtype, "cuda", representable=False)
+
+
 # --- rms_norm / add_rms_norm ------------------------------------------------------------------
 
 
@@ -410,7 +464,39 @@ BAD_CALLS: dict[str, tuple[Callable[[], object], str]] = {
             _t(1, 4, 1, 16),
             _slots(2),
         ),
-        "k_cache dtype torch.float16 differs from k",
+        "k_cache dtype torch.float16 differs from v_cache",
+    ),
+    "kv_fp8_cache_without_scales": (
+        lambda: write_kv_cache(
+            _t(2, 1, 16),
+            _t(2, 1, 16),
+            _t(1, 4, 1, 16, dtype=torch.float8_e4m3fn),
+            _t(1, 4, 1, 16, dtype=torch.float8_e4m3fn),
+            _slots(2),
+        ),
+        "needs k_scale",
+    ),
+    "kv_fp8_scale_per_head": (
+        lambda: write_kv_cache(
+            _t(2, 2, 16),
+            _t(2, 2, 16),
+            _t(1, 4, 2, 16, dtype=torch.float8_e4m3fn),
+            _t(1, 4, 2, 16, dtype=torch.float8_e4m3fn),
+            _slots(2),
+            _t(2),
+            _t(1),
+        ),
+        "k_scale must be one floating-point value",
+    ),
+    "kv_int8_cache": (
+        lambda: write_kv_cache(
+            _t(2, 1, 16),
+            _t(2, 1, 16),
+            _t(1, 4, 1, 16, dtype=torch.int8),
+            _t(1, 4, 1, 16, dtype=torch.int8),
+            _slots(2),
+        ),
+        "cache dtype torch.int8 must be torch.float32",
     ),
     "kv_k_head_strided": (
         lambda: write_kv_cache(

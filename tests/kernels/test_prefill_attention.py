@@ -14,6 +14,8 @@ Tolerances, against a float32 reference on the same (rounded) inputs:
 - float32: 1e-5 abs/rel (both matmuls run in IEEE fp32, not tf32);
 - float16: 4e-3 abs/rel (probabilities rounded to fp16 before P @ V, one output ulp);
 - bfloat16: 3e-2 abs/rel (the same with 8 mantissa bits instead of 11).
+An FP8 cache is compared with the reference on its dequantized values (`stored * scale` in
+float32), at the same tolerances: the kernel converts the stored values to q's dtype exactly.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ import torch
 from kernels.errors import KernelInputError
 from kernels.ops import AttentionMetadata
 from kernels.prefill_attention import paged_prefill_attention
-from kernels.reference import paged_attention
+from kernels.reference import paged_attention, quantize_kv
 
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 4e-3, torch.bfloat16: 3e-2}
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -149,6 +151,18 @@ def assert_matches_reference(
     )
 
 
+def check_fp8_cache(case: PrefillCase) -> None:
+    """Quantize the case's caches to e4m3 at scales other than 1 (a kernel that skipped or
+    swapped them fails) and compare with the reference on the dequantized values."""
+    device = case.q.device
+    k_scale = torch.tensor([0.02], device=device)
+    v_scale = torch.tensor([0.5], device=device)
+    k_fp8, v_fp8 = quantize_kv(case.k_cache, k_scale), quantize_kv(case.v_cache, v_scale)
+    out = replace(case, k_cache=k_fp8, v_cache=v_fp8).run(k_scale=k_scale, v_scale=v_scale)
+    dequantized = replace(case, k_cache=k_fp8.float() * k_scale, v_cache=v_fp8.float() * v_scale)
+    assert_matches_reference(dequantized, out)
+
+
 # (query_lens, num_cached): a one-token first prefill, an extend, a chunk after a full block;
 # then the same lengths paired so there is a decode row, a pure prefill and an extend whose
 # context ends off a block boundary.
@@ -184,6 +198,17 @@ def test_matches_reference_in_half_precision(
         query_lens, num_cached, num_q_heads=8, num_kv_heads=2, head_dim=32, dtype=dtype
     )
     assert_matches_reference(case, case.run())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize(("query_lens", "num_cached"), RAGGED_BATCHES)
+def test_reads_fp8_cache_with_its_scales(
+    dtype: torch.dtype, query_lens: list[int], num_cached: list[int]
+) -> None:
+    case = make_case(
+        query_lens, num_cached, num_q_heads=8, num_kv_heads=2, head_dim=32, dtype=dtype
+    )
+    check_fp8_cache(case)
 
 
 @pytest.mark.parametrize(("num_q_heads", "num_kv_heads"), [(4, 4), (8, 2), (8, 1)])
@@ -291,7 +316,7 @@ BAD_INPUTS: list[tuple[str, Callable[[PrefillCase], dict[str, object]], str]] = 
     ("cache-3d", lambda c: {"k_cache": c.k_cache[0]}, "k_cache must be"),
     ("v-shape", lambda c: {"v_cache": c.v_cache[:-1]}, "v_cache shape"),
     ("q-float64", lambda c: {"q": c.q.double()}, "q dtype"),
-    ("cache-dtype", lambda c: {"k_cache": c.k_cache.half()}, "must equal q dtype"),
+    ("cache-dtype", lambda c: {"k_cache": c.k_cache.half()}, "k_cache dtype"),
     ("head-dim-mismatch", lambda c: {"q": torch.cat((c.q, c.q), -1)}, "head_dim mismatch"),
     (
         "head-dim-not-pow2",
@@ -402,6 +427,25 @@ def test_matches_reference_on_gpu(
         seed=seed,
     )
     assert_matches_reference(case, case.run())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", ["prefill-8x2048", "extend-ragged", "mixed-with-decode"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_reads_fp8_cache_on_gpu(layout: str, dtype: torch.dtype) -> None:
+    seed = random.randrange(2**31)
+    query_lens, num_cached = _gpu_batch(layout, random.Random(seed))
+    case = make_case(
+        query_lens,
+        num_cached,
+        num_q_heads=32,
+        num_kv_heads=8,
+        head_dim=128,
+        dtype=dtype,
+        device="cuda",
+        seed=seed,
+    )
+    check_fp8_cache(case)
 
 
 @pytest.mark.gpu

@@ -100,6 +100,14 @@ class CausalLM(nn.Module):
         # rope -> (cos, sin), each [max_len, rotary_dim] float32
         self.rope_tables: dict[RopeConfig, tuple[torch.Tensor, torch.Tensor]] = {}
 
+    def reset_kv_scales(self) -> None:
+        """Every layer's KV-cache scales to 1, in float32 on the model's device: after
+        `to_empty` (which leaves them unset) and a cast to the weights' dtype."""
+        device = self.embed_tokens.weight.device
+        for layer in self.layers:
+            layer.self_attn.k_scale = torch.ones(1, device=device)
+            layer.self_attn.v_scale = torch.ones(1, device=device)
+
     def init_rope_tables(self, max_len: int) -> None:
         device = self.embed_tokens.weight.device
         self.rope_tables = {

@@ -49,6 +49,11 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.o_bias)
         self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        # An FP8 KV cache stores k / k_scale and v / v_scale (kernels.reference.quantize_kv):
+        # 1 unless the checkpoint ships scales (models.loader). Device tensors, so CUDA graphs
+        # read them where they are; the kernels ignore them for a cache in the model's dtype.
+        self.register_buffer("k_scale", torch.ones(1), persistent=False)
+        self.register_buffer("v_scale", torch.ones(1), persistent=False)
 
     def forward(
         self,
@@ -70,8 +75,18 @@ class Attention(nn.Module):
             k = self._norm_heads(k, self.k_norm)
         q, k = self._rotate(q, k, cos, sin)
         k_cache, v_cache = kv_cache[0], kv_cache[1]
-        self.ops.write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
-        o = self.ops.paged_attention(q, k_cache, v_cache, meta, self.scale, self.sliding_window)
+        k_scale, v_scale = self.k_scale, self.v_scale
+        self.ops.write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping, k_scale, v_scale)
+        o = self.ops.paged_attention(
+            q,
+            k_cache,
+            v_cache,
+            meta,
+            self.scale,
+            sliding_window=self.sliding_window,
+            k_scale=k_scale,
+            v_scale=v_scale,
+        )
         o = o.reshape(num_tokens, self.q_size)
         return self.ops.linear(o, projection_weight(self.o_proj), self.o_proj.bias)
 

@@ -51,6 +51,20 @@ _FUSED = {
 }
 # Buffers some checkpoints carry that are recomputed here.
 _IGNORED = re.compile(r"rotary_emb\.inv_freq$")
+# The FP8 KV-cache scales FP8 checkpoints ship, by the names their tools write (inside a
+# layer; the names vLLM accepts): llm-compressor / compressed-tensors' `self_attn.k_scale` and
+# `v_scale`, its older `k_proj.output_scale` / `v_proj.output_scale`, ModelOpt's
+# `k_proj.k_scale` / `v_proj.v_scale`, and AutoFP8's `self_attn.kv_scale` (one scale for both).
+# -> which of our scales each sets.
+_KV_SCALES = {
+    "self_attn.k_scale": ("k_scale",),
+    "self_attn.v_scale": ("v_scale",),
+    "self_attn.k_proj.output_scale": ("k_scale",),
+    "self_attn.v_proj.output_scale": ("v_scale",),
+    "self_attn.k_proj.k_scale": ("k_scale",),
+    "self_attn.v_proj.v_scale": ("v_scale",),
+    "self_attn.kv_scale": ("k_scale", "v_scale"),
+}
 # A shard index names files and tensors; the largest real ones are a few MiB.
 _MAX_INDEX_BYTES = 64 << 20
 
@@ -73,7 +87,9 @@ def build_model(
     if config.fp8 is not None:
         keep = functools.partial(_left_unquantized, config.fp8)
         use_fp8_projections(model, keep, static_input_scale=config.fp8.static_input)
-    return model.to_empty(device=device)
+    model.to_empty(device=device)
+    model.reset_kv_scales()
+    return model
 
 
 def load_model(
@@ -132,6 +148,8 @@ def load_model(
             if _IGNORED.search(canonical) or (
                 canonical == "lm_head.weight" and config.tie_word_embeddings
             ):
+                continue
+            if _load_kv_scale(model, path, canonical, part):
                 continue
             target, fused, index = _map_name(canonical)
             module, _, kind = target.rpartition(".")
@@ -210,6 +228,32 @@ def fill_randomly(model: nn.Module, seed: int) -> None:
                 param.fill_(1.0)
             else:
                 param.normal_(0.0, 0.02, generator=generator)
+
+
+def _load_kv_scale(model: CausalLM, path: Path, name: str, tensor: torch.Tensor) -> bool:
+    """Set a layer's FP8 KV-cache scale(s) if `name` is one; whether it was. Only per-tensor
+    scales: one positive finite value (every tensor-parallel rank reads the same)."""
+    match = _LAYER.match(name)
+    if match is None or match.group(2) not in _KV_SCALES:
+        return False
+    index = int(match.group(1))
+    if index >= len(model.layers):
+        raise ModelLoadError(f"{path.name}: tensor {name!r} is for a layer the config lacks")
+    if tensor.numel() != 1:
+        raise ModelLoadError(
+            f"{path.name}: KV-cache scale {name!r} has shape {tuple(tensor.shape)}; only one "
+            "scale per tensor (per layer) is supported"
+        )
+    value = tensor.float().reshape(1)
+    if not (torch.isfinite(value).all() and (value > 0).all()):
+        raise ModelLoadError(
+            f"{path.name}: KV-cache scale {name!r} is {value.item()}; it must be positive and "
+            "finite"
+        )
+    attn = model.layers[index].self_attn
+    for which in _KV_SCALES[match.group(2)]:
+        getattr(attn, which).copy_(value)
+    return True
 
 
 def _copy_tensor(dest: torch.Tensor, tensor: torch.Tensor, kind: str, *, where: str) -> None:

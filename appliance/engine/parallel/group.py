@@ -228,6 +228,7 @@ _SETTINGS_FIELDS = {
     "dtype",
     "quantization",
     "block_size",
+    "kv_cache_dtype",
     "gpu_memory_utilization",
     "max_num_seqs",
     "max_num_batched_tokens",

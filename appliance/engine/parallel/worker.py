@@ -150,7 +150,11 @@ def _serve(spec: WorkerSpec) -> None:
         peers=StepBroadcast.follower(channels),
     )
     kv_spec = KVCacheSpec.for_model(
-        model_config, settings.block_size, spec.dtype, tensor_parallel_size=spec.size
+        model_config,
+        settings.block_size,
+        spec.dtype,
+        kv_cache_dtype=settings.kv_cache_dtype,
+        tensor_parallel_size=spec.size,
     )
     _follow(runner, kv_spec, channels)
     # Leave as rank 0 does after STOP: NCCL's teardown is collective.

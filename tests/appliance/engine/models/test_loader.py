@@ -264,3 +264,45 @@ def test_load_refuses_an_oversized_shard_index_before_reading_it(tmp_path):
         f.truncate(65 << 20)  # sparse: no 65 MiB written
     message = _load_error(sharded_dir)
     assert "model.safetensors.index.json" in message and "MiB" in message
+
+
+# The FP8 KV-cache scales of FP8 checkpoints, by each name their tools write: the checkpoint
+# name inside layer 1, and which of (k_scale, v_scale) it sets.
+KV_SCALE_NAMES = [
+    ("self_attn.k_scale", (0.25, 1.0)),
+    ("self_attn.v_scale", (1.0, 0.25)),
+    ("self_attn.k_proj.output_scale", (0.25, 1.0)),
+    ("self_attn.v_proj.output_scale", (1.0, 0.25)),
+    ("self_attn.k_proj.k_scale", (0.25, 1.0)),
+    ("self_attn.v_proj.v_scale", (1.0, 0.25)),
+    ("self_attn.kv_scale", (0.25, 0.25)),
+]
+
+
+@pytest.mark.parametrize(("name", "expected"), KV_SCALE_NAMES, ids=[n for n, _ in KV_SCALE_NAMES])
+def test_load_reads_a_kv_cache_scale_by_each_name_fp8_checkpoints_use(model_dir, name, expected):
+    tensor = f"model.layers.1.{name}"
+    _rewrite_weights(model_dir, lambda tensors: tensors.update({tensor: torch.tensor(0.25)}))
+    model = load_model(model_dir, dtype=torch.bfloat16)
+    for index, layer in enumerate(model.layers):
+        attn = layer.self_attn
+        # float32 whatever the weights' dtype; other layers keep the default of 1.
+        assert attn.k_scale.dtype == attn.v_scale.dtype == torch.float32
+        scales = (attn.k_scale.item(), attn.v_scale.item())
+        assert scales == (expected if index == 1 else (1.0, 1.0))
+
+
+@pytest.mark.parametrize(
+    ("value", "reported"),
+    [
+        (torch.tensor(0.0), "must be positive and finite"),
+        (torch.tensor(float("nan")), "must be positive and finite"),
+        (torch.tensor([0.5, 0.25]), "only one scale per tensor"),
+    ],
+    ids=["zero", "nan", "per-head"],
+)
+def test_load_rejects_a_kv_cache_scale_it_cannot_use(model_dir, value, reported):
+    tensor = "model.layers.0.self_attn.k_scale"
+    _rewrite_weights(model_dir, lambda tensors: tensors.update({tensor: value}))
+    message = _load_error(model_dir)
+    assert repr(tensor) in message and reported in message

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 from appliance.engine.engine import Engine, EngineConfig
 from appliance.engine.errors import EngineConfigError
@@ -30,8 +31,11 @@ SETTINGS = {
 # Tiny models of the engine's tests, with what each adds: GQA and untied lm_head with llama3
 # rope scaling; tied embeddings (the vocab-parallel embedding is the lm_head); q/k/v and o_proj
 # biases (o_proj's bias is added by rank 0 alone); Phi-3's projections stored fused, which each
-# rank reads whole and splits.
-VARIANTS = ["llama3.1", "smollm2-tied", "llama-attention-bias", "phi3-longrope"]
+# rank reads whole and splits; and an FP8 KV cache, each rank storing its KV heads with the
+# layer's scales (per tensor, so every rank holds the same ones: here the checkpoint's, not 1,
+# so a rank that missed them would show).
+VARIANTS = ["llama3.1", "smollm2-tied", "llama-attention-bias", "phi3-longrope", "llama3.1-fp8-kv"]
+FP8_KV_SCALES = {"k_scale": 0.05, "v_scale": 0.02}
 
 
 def build_engine(
@@ -79,11 +83,25 @@ def engines(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[tuple[Engine, Engine]]:
     """(one process, two processes) around the same tiny checkpoint, built once per variant."""
-    model_dir = save_checkpoint(build_hf_model(request.param), tmp_path_factory.mktemp("tp"))
-    single = build_engine(model_dir, 1)
-    parallel = build_engine(model_dir, 2)
+    variant, fp8_kv, _ = request.param.partition("-fp8-kv")
+    model_dir = save_checkpoint(build_hf_model(variant), tmp_path_factory.mktemp("tp"))
+    settings = {}
+    if fp8_kv:
+        _add_kv_scales(model_dir / "model.safetensors")
+        settings["kv_cache_dtype"] = "fp8_e4m3"
+    single = build_engine(model_dir, 1, **settings)
+    parallel = build_engine(model_dir, 2, **settings)
     yield single, parallel
     parallel.close()
+
+
+def _add_kv_scales(path: Path) -> None:
+    tensors = load_file(path)
+    num_layers = len({name.split(".")[2] for name in tensors if name.startswith("model.layers.")})
+    for layer in range(num_layers):
+        for name, value in FP8_KV_SCALES.items():
+            tensors[f"model.layers.{layer}.self_attn.{name}"] = torch.tensor(value)
+    save_file(tensors, path, metadata={"format": "pt"})
 
 
 def compare(
