@@ -21,8 +21,11 @@ MIN_AMAX = 1e-12
 
 
 def row_scales(x: torch.Tensor) -> torch.Tensor:
-    """x: [M, K] -> [M] float32, the scale that maps each row's largest magnitude to FP8_MAX."""
-    return x.float().abs().amax(dim=-1).clamp(min=MIN_AMAX) / FP8_MAX
+    """x: [M, K] -> [M] float32, the scale that maps each row's largest magnitude to FP8_MAX.
+    Divided by a tensor: CUDA divides by a Python scalar as a multiplication by its reciprocal,
+    an ulp off the correctly rounded quotient the Triton kernels compute."""
+    amax = x.float().abs().amax(dim=-1).clamp(min=MIN_AMAX)
+    return amax / torch.full_like(amax, FP8_MAX)
 
 
 def quantize_rows(

@@ -17,6 +17,12 @@ from kernels.errors import KernelInputError
 from kernels.linear import MAX_ROWS, LinearConfig, linear, silu_mul_linear
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _on_device(*shape: int) -> torch.Tensor:
+    return torch.randn(*shape, device=DEVICE)
+
+
 # Both sides accumulate in float32 in different orders, then round once to the output dtype.
 TOLERANCE = {
     torch.float32: {"atol": 1e-4, "rtol": 1e-4},
@@ -127,27 +133,27 @@ def test_empty_batch_and_empty_reduction() -> None:
 @pytest.mark.parametrize(
     ("call", "message"),
     [
-        (lambda: linear(torch.randn(2, 8), torch.randn(4, 16)), r"x must have shape \[M, 16\]"),
-        (lambda: linear(torch.randn(2, 8), torch.randn(4, 8, 1)), "weight must have shape"),
+        (lambda: linear(_on_device(2, 8), _on_device(4, 16)), r"x must have shape \[M, 16\]"),
+        (lambda: linear(_on_device(2, 8), _on_device(4, 8, 1)), "weight must have shape"),
         (
-            lambda: linear(torch.randn(2, 8), torch.randn(4, 8).half()),
+            lambda: linear(_on_device(2, 8), _on_device(4, 8).half()),
             "weight dtype torch.float16 differs",
         ),
         (
-            lambda: linear(torch.randn(2, 8), torch.randn(4, 8), torch.randn(5)),
+            lambda: linear(_on_device(2, 8), _on_device(4, 8), _on_device(5)),
             r"bias must have shape \(4,\)",
         ),
-        (lambda: linear(torch.randn(2, 8), torch.randn(8, 4).t()), "contiguous"),
-        (lambda: linear(torch.randn(2, 8).int(), torch.randn(4, 8).int()), "dtype torch.int32"),
-        (lambda: silu_mul_linear(torch.randn(1, 8), torch.randn(4, 8)), r"\[M, 16\]"),
-        (lambda: silu_mul_linear(torch.randn(2, 16), torch.randn(4, 8)), "one row of x, got 2"),
+        (lambda: linear(_on_device(2, 8), _on_device(8, 4).t()), "contiguous"),
+        (lambda: linear(_on_device(2, 8).int(), _on_device(4, 8).int()), "dtype torch.int32"),
+        (lambda: silu_mul_linear(_on_device(1, 8), _on_device(4, 8)), r"\[M, 16\]"),
+        (lambda: silu_mul_linear(_on_device(2, 16), _on_device(4, 8)), "one row of x, got 2"),
         (
-            lambda: silu_mul_linear(torch.randn(1, 16), torch.randn(4, 8), config=SMALL_TILES),
+            lambda: silu_mul_linear(_on_device(1, 16), _on_device(4, 8), config=SMALL_TILES),
             "give an fma config",
         ),
-        (lambda: linear([[1.0]], torch.randn(1, 1)), "x must be a torch.Tensor"),
+        (lambda: linear([[1.0]], _on_device(1, 1)), "x must be a torch.Tensor"),
         (
-            lambda: linear(torch.randn(2, 8), torch.randn(4, 8), config=SMALL_FMA_TILES),
+            lambda: linear(_on_device(2, 8), _on_device(4, 8), config=SMALL_FMA_TILES),
             "one row of x, got 2",
         ),
     ],
