@@ -430,16 +430,12 @@ class ModelRunner:
         # Tokens the host does not have yet: (row of previous.sampled, row of input_ids).
         in_flight: list[tuple[int, int]] = []
         previous_rows: dict[Sequence, int] | None = None
-        positions: list[int] = []
-        slots: list[int] = []
-        query_ends: list[int] = []
         block_tables = np.zeros(
             (len(chunks), max(len(c.seq.block_table) for c in chunks)), np.int32
         )
         for i, chunk in enumerate(chunks):
             seq, start, end = chunk.seq, chunk.start, chunk.start + chunk.num_new_tokens
-            table = seq.block_table
-            block_tables[i, : len(table)] = table
+            block_tables[i, : len(seq.block_table)] = seq.block_table
             if end > len(seq.token_ids):
                 if previous_rows is None:
                     assert previous is not None, "a pending token comes from the step in flight"
@@ -448,20 +444,19 @@ class ModelRunner:
                 input_ids.append(0)  # a placeholder, replaced on the device below
             else:
                 input_ids.extend(seq.token_ids[start:end])
-            if end - start == 1:  # decode: plain Python is cheapest for one token
-                positions.append(start)
-                slots.append(table[start // bs] * bs + start % bs)
-            else:
-                chunk_positions = np.arange(start, end)
-                positions.extend(chunk_positions.tolist())
-                chunk_slots = block_tables[i, chunk_positions // bs].astype(np.int64) * bs
-                slots.extend((chunk_slots + chunk_positions % bs).tolist())
-            query_ends.append(len(input_ids) - 1)
+        # Every token's position and cache slot at once: [T] arrays, no loop over tokens.
+        num_new = np.fromiter((c.num_new_tokens for c in chunks), np.int64, len(chunks))
+        starts = np.fromiter((c.start for c in chunks), np.int64, len(chunks))
+        ends = np.cumsum(num_new)
+        rows = np.repeat(np.arange(len(chunks)), num_new)
+        positions = np.repeat(starts - (ends - num_new), num_new) + np.arange(ends[-1])
+        slots = block_tables[rows, positions // bs].astype(np.int64) * bs + positions % bs
+        query_ends = (ends - 1).tolist()
         meta = AttentionMetadata.build(
             self._to_device(slots, torch.int64),
             self._to_device(block_tables, torch.int32),
-            seq_lens=[c.start + c.num_new_tokens for c in chunks],
-            query_lens=[c.num_new_tokens for c in chunks],
+            seq_lens=(starts + num_new).tolist(),
+            query_lens=num_new.tolist(),
         )
         input_ids_t = self._to_device(input_ids, torch.int64)
         if in_flight:

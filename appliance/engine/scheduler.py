@@ -158,7 +158,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            if self._num_tokens_left(seq) <= 0:
+            if seq.num_pending_tokens and self._num_tokens_left(seq) <= 0:
                 # Its tokens in flight end it (asynchronous scheduling): nothing left to run.
                 i += 1
                 continue
