@@ -164,6 +164,8 @@ class Engine:
         # The step launched and not yet processed (asynchronous scheduling keeps one queued).
         self._in_flight: LaunchedStep | None = None
         self._requests: dict[RequestId, RequestState] = {}
+        # The unfinished sequences whose next step needs their last token on the host.
+        self._host_bound: set[Sequence] = set()
         self._generators: dict[RequestId, torch.Generator] = {}
         self._arrivals = itertools.count()
         self.grammars = (
@@ -415,6 +417,8 @@ class Engine:
             )
         eos = tokenizer.eos_token_ids if tokenizer is not None else frozenset()
         self._requests[seq.request_id] = RequestState(seq, detokenizer, eos, self.max_model_len)
+        if seq.grammar is not None or seq.params.penalizes:
+            self._host_bound.add(seq)
         if seq.params.seed is not None:
             generator = torch.Generator(self.device)
             generator.manual_seed(seq.params.seed)
@@ -467,13 +471,10 @@ class Engine:
         return outputs
 
     def _waits_for_host(self) -> bool:
-        """Whether a running sequence with a token in flight needs that token on the host before
-        its next step can be prepared: a grammar builds its next mask from it, and penalties
+        """Whether a sequence with a token in flight needs that token on the host before its
+        next step can be prepared: a grammar builds its next mask from it, and penalties
         rebuild their counts from the host's tokens whenever the penalized batch changes."""
-        return any(
-            seq.num_pending_tokens and (seq.grammar is not None or seq.params.penalizes)
-            for seq in self.scheduler.running
-        )
+        return any(seq.num_pending_tokens for seq in self._host_bound)
 
     def _launch(self, schedule: SchedulerOutput) -> LaunchedStep:
         chunks = schedule.chunks
@@ -510,6 +511,7 @@ class Engine:
 
     def _finish(self, seq: Sequence, status: SequenceStatus) -> None:
         self._requests.pop(seq.request_id)
+        self._host_bound.discard(seq)
         self._generators.pop(seq.request_id, None)
         self.scheduler.finish(seq, status)
 

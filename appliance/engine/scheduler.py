@@ -149,10 +149,8 @@ class Scheduler:
 
     def _num_tokens_left(self, seq: Sequence) -> int:
         """Tokens `seq` may still sample before its max_tokens or the context ends it."""
-        return min(
-            seq.params.max_tokens - seq.num_scheduled_output_tokens,
-            self.config.max_model_len - seq.num_tokens,
-        )
+        limit = min(seq.num_prompt_tokens + seq.params.max_tokens, self.config.max_model_len)
+        return limit - len(seq.token_ids) - seq.num_pending_tokens
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
         i = 0
