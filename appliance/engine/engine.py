@@ -480,9 +480,10 @@ class Engine:
         chunks = schedule.chunks
         generators = [self._generators.get(c.seq.request_id) for c in chunks]
         step = self.runner.launch(chunks, schedule.num_steps, generators, self._in_flight)
-        for chunk in chunks:
-            if chunk.samples:
-                chunk.seq.num_pending_tokens += schedule.num_steps
+        if self.async_scheduling:  # synchronous steps are processed before the next schedule
+            for chunk in chunks:
+                if chunk.samples:
+                    chunk.seq.num_pending_tokens += schedule.num_steps
         return step
 
     def _process(self, step: LaunchedStep) -> list[RequestOutput]:
@@ -499,7 +500,8 @@ class Engine:
                 state.add_prompt_logprobs(result.prompt_logprobs, chunk.start)
             if not result.token_ids:
                 continue
-            seq.num_pending_tokens -= len(result.token_ids)
+            if seq.num_pending_tokens:
+                seq.num_pending_tokens -= len(result.token_ids)
             finish = None
             for token_id in result.token_ids:
                 finish = state.add_token(token_id, result.logprob)
