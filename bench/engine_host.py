@@ -5,7 +5,8 @@ is a one-layer, 64-wide Llama whose attention returns its queries, so what is ti
 entirely the Python the engine runs between GPU steps (the part that leaves the GPU idle until
 host and device work overlap). Runs anywhere, no GPU needed.
 
-    python bench/engine_host.py [--requests 1024] [--max-num-seqs 512]
+    python bench/engine_host.py [--requests 1024] [--max-num-seqs 512] [--max-decode-burst 1]
+                                [--async-scheduling]
 """
 
 from __future__ import annotations
@@ -53,12 +54,16 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--requests", type=int, default=1024)
     parser.add_argument("--max-num-seqs", type=int, default=512)
+    parser.add_argument("--max-decode-burst", type=int, default=1)
+    parser.add_argument("--async-scheduling", action="store_true")
     args = parser.parse_args()
     config = EngineConfig(
         model_dir=Path("stub"),
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=8192,
         num_kv_blocks=40_000,
+        max_decode_burst=args.max_decode_burst,
+        async_scheduling=args.async_scheduling,
     )
     engine = Engine.build(config, stub_model(), tokenizer=None)
     prompts = torch.randint(

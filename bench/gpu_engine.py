@@ -12,6 +12,7 @@ rows last.
     python bench/gpu_engine.py [--model llama-3.1-8b|qwen3-8b|gemma-3-12b|phi-4-mini]
                                [--workloads W1,W2,W2S,P,W4,HF,HFW4] [--max-num-seqs 256]
                                [--max-decode-burst 1] [--kv-cache-dtype auto|fp8_e4m3]
+                               [--async-scheduling]
                                [--w2-requests 1024] [--hf-requests 128]
                                [--tokenizer-json PATH] [--quantization fp8]
 
@@ -213,8 +214,10 @@ def release(engine: Engine) -> None:
     torch.cuda.empty_cache()
 
 
-def w1(model: CausalLM, copy_bw: float, burst: int) -> None:
-    engine = build_engine(model, max_num_seqs=8, max_decode_burst=burst)
+def w1(model: CausalLM, copy_bw: float, burst: int, async_scheduling: bool) -> None:
+    engine = build_engine(
+        model, max_num_seqs=8, max_decode_burst=burst, async_scheduling=async_scheduling
+    )
     params = SamplingParams(temperature=0.0, max_tokens=256, ignore_eos=True)
     [prompt] = random_prompts(1, 128, seed=1)
     run_timed(engine, [prompt], SamplingParams(max_tokens=16, ignore_eos=True))  # warm-up
@@ -250,31 +253,34 @@ def w1(model: CausalLM, copy_bw: float, burst: int) -> None:
 class StepProfile:
     """Where a run's wall time goes: model steps with prefill work, decode steps (single or in
     bursts; each including input preparation and the wait for its sampled tokens), and
-    everything else (scheduling, output processing)."""
+    everything else (scheduling, output processing). With asynchronous scheduling the host
+    prepares a step while the previous one runs, so a step's time here is its launch plus the
+    part of its run the host still had to wait for."""
 
     def __init__(self, engine: Engine):
         self.time = {"prefill": 0.0, "decode": 0.0}
         self.steps = {"prefill": 0, "decode": 0}
         runner = engine.runner
-        execute, execute_burst = runner.execute, runner.execute_burst
+        launch, collect = runner.launch, runner.collect
 
-        def timed(chunks, generators):
+        def kind(chunks) -> str:
+            return "decode" if all(c.num_new_tokens == 1 for c in chunks) else "prefill"
+
+        def timed_launch(chunks, num_steps, generators, previous=None):
             start = time.perf_counter()
-            results = execute(chunks, generators)
-            kind = "decode" if all(c.num_new_tokens == 1 for c in chunks) else "prefill"
-            self.time[kind] += time.perf_counter() - start
-            self.steps[kind] += 1
+            step = launch(chunks, num_steps, generators, previous)
+            self.time[kind(chunks)] += time.perf_counter() - start
+            self.steps[kind(chunks)] += num_steps
+            return step
+
+        def timed_collect(step):
+            start = time.perf_counter()
+            results = collect(step)
+            self.time[kind(step.chunks)] += time.perf_counter() - start
             return results
 
-        def timed_burst(chunks, num_steps, generators):
-            start = time.perf_counter()
-            tokens = execute_burst(chunks, num_steps, generators)
-            self.time["decode"] += time.perf_counter() - start
-            self.steps["decode"] += num_steps
-            return tokens
-
-        runner.execute = timed
-        runner.execute_burst = timed_burst
+        runner.launch = timed_launch
+        runner.collect = timed_collect
 
     @property
     def mean_decode_ms(self) -> float:
@@ -320,8 +326,19 @@ class BusySampler:
         return statistics.mean(self._samples) / 100 if self._samples else float("nan")
 
 
-def w2(model: CausalLM, num_requests: int, max_num_seqs: int, burst: int) -> None:
-    engine = build_engine(model, max_num_seqs=max_num_seqs, max_decode_burst=burst)
+def w2(
+    model: CausalLM,
+    num_requests: int,
+    max_num_seqs: int,
+    burst: int,
+    async_scheduling: bool,
+) -> None:
+    engine = build_engine(
+        model,
+        max_num_seqs=max_num_seqs,
+        max_decode_burst=burst,
+        async_scheduling=async_scheduling,
+    )
     cache = engine.runner.kv_caches
     blocks = engine.block_manager
     report(
@@ -520,6 +537,9 @@ def main() -> None:
     parser.add_argument("--max-decode-burst", type=int, default=1)
     parser.add_argument("--kv-cache-dtype", choices=["auto", "fp8_e4m3"], default="auto")
     parser.add_argument(
+        "--async-scheduling", action="store_true", help="W1/W2: engine.async_scheduling on"
+    )
+    parser.add_argument(
         "--tokenizer-json", type=Path, help="W2S: the tokenizer.json its grammars compile against"
     )
     parser.add_argument(
@@ -545,6 +565,7 @@ def main() -> None:
         f" model {args.model}"
         f" quantization {args.quantization or 'none (bf16)'}"
         f" kv_cache_dtype {args.kv_cache_dtype}"
+        f" async_scheduling {args.async_scheduling}"
     )
     copy_bw = copy_bandwidth()
     report("copy bandwidth (read + write)", f"{copy_bw / 1e12:.2f} TB/s")
@@ -554,9 +575,9 @@ def main() -> None:
     model = random_model(args.model, quantization=args.quantization)
     report(f"random {args.model} built", f"{time.perf_counter() - start:.1f} s")
     if "W1" in wanted:
-        w1(model, copy_bw, args.max_decode_burst)
+        w1(model, copy_bw, args.max_decode_burst, args.async_scheduling)
     if "W2" in wanted:
-        w2(model, args.w2_requests, args.max_num_seqs, args.max_decode_burst)
+        w2(model, args.w2_requests, args.max_num_seqs, args.max_decode_burst, args.async_scheduling)
     if "W2S" in wanted:
         w2_structured(model, args.w2_requests, args.max_num_seqs, args.tokenizer_json)
     if "P" in wanted:

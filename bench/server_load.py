@@ -142,6 +142,7 @@ def write_server_files(directory: Path, args: argparse.Namespace) -> tuple[Path,
         "max_num_seqs": args.max_num_seqs,
         "max_num_batched_tokens": args.max_num_batched_tokens,
         "max_decode_burst": args.max_decode_burst,
+        "async_scheduling": args.async_scheduling,
     }
     if max_model_len is not None:
         engine["max_model_len"] = max_model_len
@@ -602,6 +603,9 @@ def main() -> None:
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
     parser.add_argument("--max-decode-burst", type=int, default=1)
+    parser.add_argument(
+        "--async-scheduling", action="store_true", help="engine.async_scheduling on"
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
         "--console",

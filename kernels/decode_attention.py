@@ -46,7 +46,9 @@ MAX_NUM_SPLITS = 64
 _MIN_TOKENS_PER_SPLIT = 256
 
 
-@triton.jit
+# The block-table width varies from step to step outside CUDA graphs; specialized (== 1,
+# divisible by 16) it would make three compiled variants, the later ones compiled while serving.
+@triton.jit(do_not_specialize=["max_blocks", "stride_btb"])
 def _decode_split_kernel(
     q_ptr,  # [B, Hq, D]
     k_cache_ptr,  # [num_blocks, block_size, Hkv, D]

@@ -139,7 +139,9 @@ def _attend_key_tile(
     return acc, m_new, l_i
 
 
-@triton.jit
+# The block-table width varies from step to step; specialized (== 1, divisible by 16) it would
+# make three compiled variants, the later ones compiled while serving, seconds each.
+@triton.jit(do_not_specialize=["max_blocks", "stride_bt"])
 def _paged_prefill_attention_kernel(
     q_ptr,
     k_cache_ptr,

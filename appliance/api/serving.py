@@ -222,13 +222,18 @@ async def _events(
     generation: Generation, writer: ChunkWriter, output: Output[BaseModel]
 ) -> AsyncGenerator[bytes, None]:
     """The output's opening chunks, then its chunks as the engine produces them; then the usage
-    (if asked for) and [DONE]. An error after the status was sent becomes an error event."""
+    (if asked for) and [DONE]. An error after the status was sent becomes an error event.
+
+    What is ready together goes out in one write: an engine output carries every token ready
+    for its request (a decode burst's, or all those queued while this stream was busy), and its
+    chunks (text, then finish) are joined, so the transport sends one TLS record for them."""
     for choice in output.opening():
         yield writer.chunk(choice)
     try:
         async for index, out in generation.outputs():
-            for choice in output.chunks(index, out):
-                yield writer.chunk(choice)
+            ready = b"".join(writer.chunk(choice) for choice in output.chunks(index, out))
+            if ready:
+                yield ready
         if writer.include_usage:
             yield writer.usage(generation.usage())
     except APIError as exc:

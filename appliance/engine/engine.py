@@ -22,7 +22,7 @@ from appliance.engine.errors import (
     TensorParallelError,
 )
 from appliance.engine.kv_cache import KVCacheSpec
-from appliance.engine.model_runner import ModelRunner
+from appliance.engine.model_runner import LaunchedStep, ModelRunner
 from appliance.engine.models.config import ModelConfig
 from appliance.engine.models.decoder import CausalLM
 from appliance.engine.models.loader import load_model
@@ -31,7 +31,7 @@ from appliance.engine.parallel.group import TensorParallelGroup
 from appliance.engine.parallel.sharding import ShardPlan
 from appliance.engine.parallel.worker import SealedWeights
 from appliance.engine.sampling_params import SamplingParams
-from appliance.engine.scheduler import Scheduler, SchedulerConfig
+from appliance.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from appliance.engine.sequence import RequestId, Sequence, SequenceStatus
 from appliance.engine.structured_output import GrammarCompiler
 from appliance.engine.tokenizer import Tokenizer
@@ -135,6 +135,10 @@ class Engine:
     `add_request` validates and queues; each `step` schedules one batch (decodes and prefill
     chunks together), runs it, and returns an update for every request that produced a token or
     finished. Invalid requests are refused at `add_request`, so they never disturb the others.
+
+    With `async_scheduling`, a step schedules and launches the next batch before it waits for
+    the one in flight and processes its outputs, so the device always has a step queued while
+    the host works (docs/ARCHITECTURE.md, "Asynchronous scheduling").
     """
 
     def __init__(
@@ -146,6 +150,7 @@ class Engine:
         vocab_size: int,
         device: torch.device | str = "cpu",
         group: TensorParallelGroup | None = None,
+        async_scheduling: bool = False,
     ):
         # Without a tokenizer the engine takes and returns token ids only (benchmarks).
         self.tokenizer = tokenizer
@@ -155,7 +160,12 @@ class Engine:
         self.device = torch.device(device)
         self.max_model_len = scheduler.config.max_model_len
         self.group = group
+        self.async_scheduling = async_scheduling
+        # The step launched and not yet processed (asynchronous scheduling keeps one queued).
+        self._in_flight: LaunchedStep | None = None
         self._requests: dict[RequestId, RequestState] = {}
+        # The unfinished sequences whose next step needs their last token on the host.
+        self._host_bound: set[Sequence] = set()
         self._generators: dict[RequestId, torch.Generator] = {}
         self._arrivals = itertools.count()
         self.grammars = (
@@ -297,6 +307,7 @@ class Engine:
             vocab_size=model_config.vocab_size,
             device=config.device,
             group=group,
+            async_scheduling=config.async_scheduling,
         )
 
     def close(self) -> None:
@@ -416,6 +427,8 @@ class Engine:
             )
         eos = tokenizer.eos_token_ids if tokenizer is not None else frozenset()
         self._requests[seq.request_id] = RequestState(seq, detokenizer, eos, self.max_model_len)
+        if seq.grammar is not None or seq.params.penalizes:
+            self._host_bound.add(seq)
         if seq.params.seed is not None:
             generator = torch.Generator(self.device)
             generator.manual_seed(seq.params.seed)
@@ -424,11 +437,10 @@ class Engine:
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Stop a request now and free its blocks; None if it is unknown or already finished."""
-        state = self._requests.pop(RequestId(request_id), None)
+        state = self._requests.get(RequestId(request_id))
         if state is None:
             return None
-        self._generators.pop(state.seq.request_id, None)
-        self.scheduler.finish(state.seq, SequenceStatus.FINISHED_ABORTED)
+        self._finish(state.seq, SequenceStatus.FINISHED_ABORTED)
         return state.make_output(SequenceStatus.FINISHED_ABORTED)
 
     def abort_all(self) -> list[RequestOutput]:
@@ -452,45 +464,68 @@ class Engine:
             raise failure from exc
 
     def _step(self) -> list[RequestOutput]:
+        """Schedule and launch the next step, then process the previous one's outputs (with
+        asynchronous scheduling: the device runs the new step meanwhile), or this one's."""
+        outputs: list[RequestOutput] = []
+        if self._in_flight is not None and self._waits_for_host():
+            outputs = self._process(self._in_flight)
+            self._in_flight = None
         schedule = self.scheduler.schedule()
-        if schedule.is_empty:
-            return []
+        launched = None if schedule.is_empty else self._launch(schedule)
+        previous, self._in_flight = self._in_flight, launched
+        if previous is not None:
+            outputs += self._process(previous)
+        if not self.async_scheduling and self._in_flight is not None:
+            outputs += self._process(self._in_flight)
+            self._in_flight = None
+        return outputs
+
+    def _waits_for_host(self) -> bool:
+        """Whether a sequence with a token in flight needs that token on the host before its
+        next step can be prepared: a grammar builds its next mask from it, and penalties
+        rebuild their counts from the host's tokens whenever the penalized batch changes."""
+        return any(seq.num_pending_tokens for seq in self._host_bound)
+
+    def _launch(self, schedule: SchedulerOutput) -> LaunchedStep:
         chunks = schedule.chunks
         generators = [self._generators.get(c.seq.request_id) for c in chunks]
-        if schedule.num_steps > 1:
-            tokens = self.runner.execute_burst(chunks, schedule.num_steps, generators)
-            return [
-                self._add_tokens(c.seq, seq_tokens)
-                for c, seq_tokens in zip(chunks, tokens, strict=True)
-            ]
-        results = self.runner.execute(chunks, generators)
+        step = self.runner.launch(chunks, schedule.num_steps, generators, self._in_flight)
+        if self.async_scheduling:  # synchronous steps are processed before the next schedule
+            for chunk in chunks:
+                if chunk.samples:
+                    chunk.seq.num_pending_tokens += schedule.num_steps
+        return step
+
+    def _process(self, step: LaunchedStep) -> list[RequestOutput]:
+        """Wait for a launched step and apply its tokens in order: stop checks, text, finishes.
+        A stop drops the tokens after it (in a burst, and the extra step a sequence ran under
+        asynchronous scheduling before its stop was seen)."""
         outputs = []
-        for chunk, result in zip(chunks, results, strict=True):
-            state = self._requests[chunk.seq.request_id]
+        for chunk, result in zip(step.chunks, self.runner.collect(step), strict=True):
+            seq = chunk.seq
+            state = self._requests.get(seq.request_id)
+            if state is None or state.seq is not seq:
+                continue  # finished or aborted after this step was launched
             if result.prompt_logprobs:
                 state.add_prompt_logprobs(result.prompt_logprobs, chunk.start)
-            if result.token_id is None:
+            if not result.token_ids:
                 continue
-            finish = state.add_token(result.token_id, result.logprob)
-            if finish is not None:
-                self._requests.pop(chunk.seq.request_id)
-                self._generators.pop(chunk.seq.request_id, None)
-                self.scheduler.finish(chunk.seq, finish)
+            if seq.num_pending_tokens:
+                seq.num_pending_tokens -= len(result.token_ids)
+            finish = None
+            for token_id in result.token_ids:
+                finish = state.add_token(token_id, result.logprob)
+                if finish is not None:
+                    self._finish(seq, finish)
+                    break
             outputs.append(state.make_output(finish))
         return outputs
 
-    def _add_tokens(self, seq: Sequence, token_ids: list[int]) -> RequestOutput:
-        """Apply a burst's tokens in order; a stop drops the ones after it."""
-        state = self._requests[seq.request_id]
-        finish = None
-        for token_id in token_ids:
-            finish = state.add_token(token_id, None)
-            if finish is not None:
-                self._requests.pop(seq.request_id)
-                self._generators.pop(seq.request_id, None)
-                self.scheduler.finish(seq, finish)
-                break
-        return state.make_output(finish)
+    def _finish(self, seq: Sequence, status: SequenceStatus) -> None:
+        self._requests.pop(seq.request_id)
+        self._host_bound.discard(seq)
+        self._generators.pop(seq.request_id, None)
+        self.scheduler.finish(seq, status)
 
     def generate(
         self, prompts: Seq[str | Seq[int]], params: SamplingParams | Seq[SamplingParams]

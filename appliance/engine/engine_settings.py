@@ -72,6 +72,12 @@ class EngineSettings(BaseModel):
     max_decode_burst: int = Field(
         default=1, ge=1, description="decode steps run back to back without the host"
     )
+    # Schedule and prepare each step while the one before it runs on the device, its outputs
+    # processed once the next is queued. A sequence that stops runs one step more than it
+    # needs (that token is dropped); grammars and penalties wait for their tokens instead.
+    async_scheduling: bool = Field(
+        default=False, description="prepare the next step while the device runs this one"
+    )
     # One process per device: this one (rank 0: the scheduler, sampling and its own shard) and
     # tensor_parallel_size - 1 workers, on cuda:i+1 .. for device cuda:i (gloo on the CPU). The
     # model's heads, KV heads, intermediate size and vocabulary must divide by it; the KV pool

@@ -24,7 +24,6 @@ from appliance.engine.outputs import TokenLogprob
 from appliance.engine.parallel.step_broadcast import StepBroadcast
 from appliance.engine.sampling import sample, token_logprobs
 from appliance.engine.sampling_controls import SamplingControls
-from appliance.engine.sampling_params import SamplingParams
 from appliance.engine.scheduler import ScheduledChunk
 from appliance.engine.sequence import Sequence
 from appliance.engine.structured_output import TokenMasks
@@ -40,9 +39,9 @@ _PROMPT_LOGPROB_ROWS = 256
 class ChunkResult:
     """What one scheduled chunk produced."""
 
-    # The next token, when the chunk reached the sequence's end; its log-probabilities when the
-    # request asked for them.
-    token_id: int | None
+    # The tokens sampled after it, one per step, when the chunk reached the sequence's end
+    # (empty otherwise); the first one's log-probabilities when the request asked for them.
+    token_ids: list[int]
     logprob: TokenLogprob | None
     # Log-probabilities of prompt tokens start+1 .. start+len, predicted at this chunk's positions.
     prompt_logprobs: list[TokenLogprob]
@@ -54,6 +53,47 @@ class _Batch:
     positions: torch.Tensor  # [T]
     meta: AttentionMetadata
     query_ends: list[int]  # row of each chunk's last token
+
+
+@dataclass(frozen=True, slots=True)
+class _SampledLogprobs:
+    """Host copies (complete once their step is done) of the sampled rows' log-probabilities."""
+
+    chosen: torch.Tensor  # [S]
+    top_ids: torch.Tensor  # [S, num_top]
+    top_logprobs: torch.Tensor  # [S, num_top]
+
+
+@dataclass(frozen=True, slots=True)
+class _PromptLogprobs:
+    """One chunk's prompt log-probabilities: the targets (known on the host) and host copies
+    of what the device computed for them, in pieces of at most _PROMPT_LOGPROB_ROWS rows."""
+
+    targets: list[int]
+    pieces: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]  # chosen, top ids, top lps
+
+
+@dataclass(frozen=True, slots=True)
+class LaunchedStep:
+    """A step queued on the device and not yet collected (`ModelRunner.collect`).
+
+    Its sampled tokens stay on the device in `sampled` ([S, num_steps] int64, row r for the
+    chunk `sampling_rows[r]`), where the next step reads the ones the host does not have yet.
+    Everything the host needs is copied back by the step itself; `done` marks the end of it.
+    """
+
+    chunks: list[ScheduledChunk]
+    num_steps: int
+    sampling_rows: list[int]
+    sampled: torch.Tensor | None
+    sampled_on_host: torch.Tensor | None
+    logprobs: _SampledLogprobs | None
+    prompt_logprobs: dict[int, _PromptLogprobs]
+    done: torch.cuda.Event | None
+
+    def rows_of(self) -> dict[Sequence, int]:
+        """The row of `sampled` holding each sampled sequence's tokens."""
+        return {self.chunks[i].seq: row for row, i in enumerate(self.sampling_rows)}
 
 
 class ModelRunner:
@@ -84,9 +124,6 @@ class ModelRunner:
         self._last_controls: SamplingControls | None = None
         self.kv_caches: list[torch.Tensor] = []
         self.graphs: DecodeGraphs | None = None
-        # Marks the end of a step's work. A blocking event puts the waiting thread to sleep; a
-        # plain `tolist()` would spin on the stream and burn a whole core for the whole step.
-        self._step_done = torch.cuda.Event(blocking=True) if self.device.type == "cuda" else None
 
     def set_kv_caches(self, kv_caches: list[torch.Tensor]) -> None:
         self.kv_caches = kv_caches
@@ -194,54 +231,116 @@ class ModelRunner:
         )
         self.graphs.capture(max_batch)
 
-    @torch.inference_mode()
     def execute(
         self, chunks: Seq[ScheduledChunk], generators: Seq[torch.Generator | None]
     ) -> list[ChunkResult]:
-        """Run one step. `generators[i]` drives sampling for `chunks[i]` (None: global RNG)."""
-        batch = self._prepare(chunks)
-        hidden = self._forward(batch.input_ids, batch.positions, batch.meta)
-        sampling_rows = [i for i, c in enumerate(chunks) if c.samples]
-        token_ids: dict[int, int] = {}
-        logprobs: dict[int, TokenLogprob] = {}
-        if sampling_rows:
-            seqs = [chunks[i].seq for i in sampling_rows]
-            # The grammars' masks are computed here, on the host, while the device runs the
-            # forward pass queued above.
-            masks = TokenMasks.for_rows([s.grammar for s in seqs], self.model.config.vocab_size)
-            if masks is not None:
-                masks.fill()
-            ends = [batch.query_ends[i] for i in sampling_rows]
-            rows = self._to_device(ends, torch.int64)
-            logits = self._compute_logits(hidden[rows])
-            params = [s.params for s in seqs]
-            controls = self._controls(seqs)
-            adjusted = logits if controls is None else controls.apply(logits)
-            if masks is not None:
-                adjusted = masks.apply(adjusted)
-            sampled = sample(adjusted, params, [generators[i] for i in sampling_rows])
-            if controls is not None:
-                controls.record(sampled)
-            token_ids = dict(zip(sampling_rows, self._to_host(sampled), strict=True))
-            logprobs = self._logprobs(logits, sampled, params, sampling_rows)
-        prompt = self._prompt_logprobs(chunks, hidden)
-        return [
-            ChunkResult(token_ids.get(i), logprobs.get(i), prompt.get(i, []))
-            for i in range(len(chunks))
-        ]
+        """Run one step and wait for it. `generators[i]` drives sampling for `chunks[i]` (None:
+        global RNG)."""
+        return self.collect(self.launch(chunks, 1, generators))
 
     @torch.inference_mode()
-    def execute_burst(
+    def launch(
         self,
         chunks: Seq[ScheduledChunk],
         num_steps: int,
         generators: Seq[torch.Generator | None],
-    ) -> list[list[int]]:
-        """Run `num_steps` decode steps of single-token chunks back to back; the tokens sampled
-        in one step are the next step's inputs without leaving the device, and the host waits
-        once, at the end. Returns each chunk's `num_steps` sampled tokens. No chunk follows a
-        grammar (the scheduler never bursts those: each mask needs the token before)."""
-        batch = self._prepare(chunks)
+        previous: LaunchedStep | None = None,
+    ) -> LaunchedStep:
+        """Queue a step on the device and return without waiting for it.
+
+        `num_steps` > 1 is a decode burst: single-token chunks run that many steps back to
+        back, the tokens sampled in one step being the next step's inputs without leaving the
+        device. A chunk whose input token is still being sampled by `previous` (asynchronous
+        scheduling: `seq.num_pending_tokens`) reads it from `previous.sampled` on the device.
+        No chunk with pending tokens follows a grammar (each mask needs the token before: the
+        engine collects first) and a burst has none (the scheduler never bursts those).
+        """
+        chunks = list(chunks)
+        batch = self._prepare(chunks, previous)
+        sampling_rows = [i for i, c in enumerate(chunks) if c.samples]
+        logprobs, prompt_logprobs = None, {}
+        if num_steps > 1:
+            sampled = self._decode_burst(chunks, num_steps, generators, batch)
+        else:
+            hidden = self._forward(batch.input_ids, batch.positions, batch.meta)
+            sampled, logprobs = self._sample_step(chunks, sampling_rows, generators, batch, hidden)
+            prompt_logprobs = self._prompt_logprobs(chunks, hidden)
+        done = None
+        if self.device.type == "cuda":
+            # A blocking event puts the collecting thread to sleep; a plain `tolist()` would
+            # spin on the stream (a whole core for the whole step) and wait for every step
+            # queued since, not only this one.
+            done = torch.cuda.Event(blocking=True)
+            done.record()
+        return LaunchedStep(
+            chunks,
+            num_steps,
+            sampling_rows,
+            sampled,
+            None if sampled is None else self._copy_to_host(sampled),
+            logprobs,
+            prompt_logprobs,
+            done,
+        )
+
+    def collect(self, step: LaunchedStep) -> list[ChunkResult]:
+        """Wait (asleep) for a launched step and return what each of its chunks produced."""
+        if step.done is not None:
+            step.done.synchronize()
+        token_ids: dict[int, list[int]] = {}
+        if step.sampled_on_host is not None:
+            token_ids = dict(zip(step.sampling_rows, step.sampled_on_host.tolist(), strict=True))
+        logprobs = self._collect_logprobs(step)
+        prompt = {i: _collect_prompt(p) for i, p in step.prompt_logprobs.items()}
+        return [
+            ChunkResult(token_ids.get(i, []), logprobs.get(i), prompt.get(i, []))
+            for i in range(len(step.chunks))
+        ]
+
+    def _sample_step(
+        self,
+        chunks: list[ScheduledChunk],
+        sampling_rows: list[int],
+        generators: Seq[torch.Generator | None],
+        batch: _Batch,
+        hidden: torch.Tensor,
+    ) -> tuple[torch.Tensor | None, _SampledLogprobs | None]:
+        """Sample the next token of each chunk that reaches its sequence's end: [S, 1] ids on
+        the device, and host copies of their log-probabilities where asked for."""
+        if not sampling_rows:
+            return None, None
+        seqs = [chunks[i].seq for i in sampling_rows]
+        # The grammars' masks are computed here, on the host, while the device runs the forward
+        # pass queued above.
+        masks = TokenMasks.for_rows([s.grammar for s in seqs], self.model.config.vocab_size)
+        if masks is not None:
+            masks.fill()
+        ends = [batch.query_ends[i] for i in sampling_rows]
+        rows = self._to_device(ends, torch.int64)
+        logits = self._compute_logits(hidden[rows])
+        params = [s.params for s in seqs]
+        controls = self._controls(seqs)
+        adjusted = logits if controls is None else controls.apply(logits)
+        if masks is not None:
+            adjusted = masks.apply(adjusted)
+        sampled = sample(adjusted, params, [generators[i] for i in sampling_rows])
+        if controls is not None:
+            controls.record(sampled)
+        logprobs = None
+        if any(p.logprobs is not None for p in params):
+            num_top = max((p.logprobs or 0) for p in params)
+            chosen, top_ids, top_lps = token_logprobs(logits, sampled, num_top)
+            logprobs = _SampledLogprobs(*map(self._copy_to_host, (chosen, top_ids, top_lps)))
+        return sampled[:, None], logprobs
+
+    def _decode_burst(
+        self,
+        chunks: list[ScheduledChunk],
+        num_steps: int,
+        generators: Seq[torch.Generator | None],
+        batch: _Batch,
+    ) -> torch.Tensor:
+        """[N, num_steps] tokens of `num_steps` decode steps of single-token chunks."""
         params = [c.seq.params for c in chunks]
         controls = self._controls([c.seq for c in chunks])
         input_ids, positions, meta = batch.input_ids, batch.positions, batch.meta
@@ -271,14 +370,14 @@ class ModelRunner:
             if controls is not None:
                 controls.record(input_ids)
             sampled.append(input_ids)
-        return self._to_host(torch.stack(sampled, dim=1))
+        return torch.stack(sampled, dim=1)
 
-    def _to_host(self, values: torch.Tensor) -> list:
-        """The values of a tensor the queued work is still computing, waiting asleep for it."""
-        if self._step_done is not None:
-            self._step_done.record()
-            self._step_done.synchronize()
-        return values.tolist()
+    def _copy_to_host(self, values: torch.Tensor) -> torch.Tensor:
+        """A host copy of a device tensor, queued behind the work computing it (into pinned
+        memory, so the copy does not wait for anything queued later)."""
+        if self.device.type == "cuda":
+            return values.to("cpu", non_blocking=True)
+        return values
 
     def _forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
@@ -326,70 +425,72 @@ class ModelRunner:
             return host.pin_memory().to(self.device, non_blocking=True)
         return host
 
-    def _prepare(self, chunks: Seq[ScheduledChunk]) -> _Batch:
+    def _prepare(self, chunks: list[ScheduledChunk], previous: LaunchedStep | None) -> _Batch:
         bs = self.block_size
         input_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        query_ends: list[int] = []
+        # Tokens the host does not have yet: (row of previous.sampled, row of input_ids).
+        in_flight: list[tuple[int, int]] = []
+        previous_rows: dict[Sequence, int] | None = None
         block_tables = np.zeros(
             (len(chunks), max(len(c.seq.block_table) for c in chunks)), np.int32
         )
         for i, chunk in enumerate(chunks):
             seq, start, end = chunk.seq, chunk.start, chunk.start + chunk.num_new_tokens
-            table = seq.block_table
-            block_tables[i, : len(table)] = table
-            input_ids.extend(seq.token_ids[start:end])
-            if end - start == 1:  # decode: plain Python is cheapest for one token
-                positions.append(start)
-                slots.append(table[start // bs] * bs + start % bs)
+            block_tables[i, : len(seq.block_table)] = seq.block_table
+            if end > len(seq.token_ids):
+                if previous_rows is None:
+                    assert previous is not None, "a pending token comes from the step in flight"
+                    previous_rows = previous.rows_of()
+                in_flight.append((previous_rows[seq], len(input_ids)))
+                input_ids.append(0)  # a placeholder, replaced on the device below
             else:
-                chunk_positions = np.arange(start, end)
-                positions.extend(chunk_positions.tolist())
-                chunk_slots = block_tables[i, chunk_positions // bs].astype(np.int64) * bs
-                slots.extend((chunk_slots + chunk_positions % bs).tolist())
-            query_ends.append(len(input_ids) - 1)
+                input_ids.extend(seq.token_ids[start:end])
+        # Every token's position and cache slot at once: [T] arrays, no loop over tokens.
+        num_new = np.fromiter((c.num_new_tokens for c in chunks), np.int64, len(chunks))
+        starts = np.fromiter((c.start for c in chunks), np.int64, len(chunks))
+        ends = np.cumsum(num_new)
+        rows = np.repeat(np.arange(len(chunks)), num_new)
+        positions = np.repeat(starts - (ends - num_new), num_new) + np.arange(ends[-1])
+        slots = block_tables[rows, positions // bs].astype(np.int64) * bs + positions % bs
+        query_ends = (ends - 1).tolist()
         meta = AttentionMetadata.build(
             self._to_device(slots, torch.int64),
             self._to_device(block_tables, torch.int32),
-            seq_lens=[c.start + c.num_new_tokens for c in chunks],
-            query_lens=[c.num_new_tokens for c in chunks],
+            seq_lens=(starts + num_new).tolist(),
+            query_lens=num_new.tolist(),
         )
-        return _Batch(
-            self._to_device(input_ids, torch.int64),
-            self._to_device(positions, torch.int64),
-            meta,
-            query_ends,
-        )
+        input_ids_t = self._to_device(input_ids, torch.int64)
+        if in_flight:
+            assert previous is not None and previous.sampled is not None
+            sources, targets = zip(*in_flight, strict=True)
+            # The previous step's last sampled token of each: read on the device, no waiting.
+            input_ids_t[self._to_device(list(targets), torch.int64)] = previous.sampled[
+                self._to_device(list(sources), torch.int64), -1
+            ]
+        return _Batch(input_ids_t, self._to_device(positions, torch.int64), meta, query_ends)
 
     @staticmethod
-    def _logprobs(
-        logits: torch.Tensor,
-        token_ids: torch.Tensor,
-        params: list[SamplingParams],
-        chunk_indices: list[int],
-    ) -> dict[int, TokenLogprob]:
+    def _collect_logprobs(step: LaunchedStep) -> dict[int, TokenLogprob]:
         """Log-probabilities for the rows whose request asked for them, keyed by chunk index."""
-        if all(p.logprobs is None for p in params):
+        if step.logprobs is None or step.sampled_on_host is None:
             return {}
-        num_top = max((p.logprobs or 0) for p in params)
-        chosen, top_ids, top_lps = token_logprobs(logits, token_ids, num_top)
-        # One transfer each, not one per row.
-        chosen_list, ids = chosen.tolist(), token_ids.tolist()
-        top_ids_list, top_lps_list = top_ids.tolist(), top_lps.tolist()
+        # One conversion each, not one per row.
+        ids = step.sampled_on_host[:, 0].tolist()
+        chosen = step.logprobs.chosen.tolist()
+        top_ids, top_lps = step.logprobs.top_ids.tolist(), step.logprobs.top_logprobs.tolist()
         results = {}
-        for row, (chunk_index, p) in enumerate(zip(chunk_indices, params, strict=True)):
-            if p.logprobs is None:
+        for row, chunk_index in enumerate(step.sampling_rows):
+            k = step.chunks[chunk_index].seq.params.logprobs
+            if k is None:
                 continue
-            k = p.logprobs
-            top = tuple(zip(top_ids_list[row][:k], top_lps_list[row][:k], strict=True))
-            results[chunk_index] = TokenLogprob(ids[row], chosen_list[row], top)
+            top = tuple(zip(top_ids[row][:k], top_lps[row][:k], strict=True))
+            results[chunk_index] = TokenLogprob(ids[row], chosen[row], top)
         return results
 
     def _prompt_logprobs(
-        self, chunks: Seq[ScheduledChunk], hidden: torch.Tensor
-    ) -> dict[int, list[TokenLogprob]]:
-        results: dict[int, list[TokenLogprob]] = {}
+        self, chunks: list[ScheduledChunk], hidden: torch.Tensor
+    ) -> dict[int, _PromptLogprobs]:
+        results: dict[int, _PromptLogprobs] = {}
         offset = 0
         for i, chunk in enumerate(chunks):
             seq = chunk.seq
@@ -403,22 +504,23 @@ class ModelRunner:
             if num_rows <= 0:
                 continue
             k = seq.params.prompt_logprobs or 0
-            out: list[TokenLogprob] = []
+            targets = seq.token_ids[chunk.start + 1 : chunk.start + num_rows + 1]
+            pieces = []
             for row in range(0, num_rows, _PROMPT_LOGPROB_ROWS):
                 rows = range(row, min(row + _PROMPT_LOGPROB_ROWS, num_rows))
                 logits = self._compute_logits(hidden[first + rows.start : first + rows.stop])
-                targets = torch.tensor(
-                    seq.token_ids[chunk.start + rows.start + 1 : chunk.start + rows.stop + 1],
-                    device=self.device,
+                piece = token_logprobs(
+                    logits, self._to_device(targets[rows.start : rows.stop], torch.int64), k
                 )
-                chosen, top_ids, top_lps = token_logprobs(logits, targets, k)
-                for t, lp, ids, lps in zip(
-                    targets.tolist(),
-                    chosen.tolist(),
-                    top_ids.tolist(),
-                    top_lps.tolist(),
-                    strict=True,
-                ):
-                    out.append(TokenLogprob(t, lp, tuple(zip(ids, lps, strict=True))))
-            results[i] = out
+                pieces.append(tuple(map(self._copy_to_host, piece)))
+            results[i] = _PromptLogprobs(targets, pieces)
         return results
+
+
+def _collect_prompt(logprobs: _PromptLogprobs) -> list[TokenLogprob]:
+    out: list[TokenLogprob] = []
+    targets = iter(logprobs.targets)
+    for chosen, top_ids, top_lps in logprobs.pieces:
+        for lp, ids, lps in zip(chosen.tolist(), top_ids.tolist(), top_lps.tolist(), strict=True):
+            out.append(TokenLogprob(next(targets), lp, tuple(zip(ids, lps, strict=True))))
+    return out

@@ -99,7 +99,7 @@ class _MinTokens:
         num_steps: list[int] = []
         for row, seq in enumerate(seqs):
             params = seq.params
-            remaining = params.min_tokens - seq.num_output_tokens
+            remaining = params.min_tokens - seq.num_scheduled_output_tokens
             if remaining <= 0:
                 continue
             stops = set(params.stop_token_ids)

@@ -46,7 +46,7 @@ class ScheduledChunk:
 
     @classmethod
     def of(cls, seq: Sequence, start: int, num_new_tokens: int) -> ScheduledChunk:
-        return cls(seq, start, num_new_tokens, start + num_new_tokens == len(seq))
+        return cls(seq, start, num_new_tokens, start + num_new_tokens == seq.num_tokens)
 
 
 @dataclass(slots=True)
@@ -128,9 +128,7 @@ class Scheduler:
                 return None
             if seq.grammar is not None:  # its next mask depends on the token before
                 return None
-            remaining = min(
-                seq.params.max_tokens - seq.num_output_tokens, self.config.max_model_len - len(seq)
-            )
+            remaining = self._num_tokens_left(seq)
             steps = min(steps, remaining)
         if steps < 2:
             return None
@@ -149,10 +147,19 @@ class Scheduler:
             seq.num_computed_tokens += steps
         return out
 
+    def _num_tokens_left(self, seq: Sequence) -> int:
+        """Tokens `seq` may still sample before its max_tokens or the context ends it."""
+        limit = min(seq.num_prompt_tokens + seq.params.max_tokens, self.config.max_model_len)
+        return limit - len(seq.token_ids) - seq.num_pending_tokens
+
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
+            if seq.num_pending_tokens and self._num_tokens_left(seq) <= 0:
+                # Its tokens in flight end it (asynchronous scheduling): nothing left to run.
+                i += 1
+                continue
             num_new = min(seq.num_uncomputed_tokens, budget)
             while not self.block_manager.allocate(seq, num_new):
                 victim = self.running[-1]
@@ -170,10 +177,13 @@ class Scheduler:
         bm = self.block_manager
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
+            if seq.num_pending_tokens:
+                # Preempted while a step still samples its token: admitted once the host has it.
+                break
             # Prompt log-probabilities need logits at every prompt position: no cache hits.
             cached = [] if seq.wants_prompt_logprobs else bm.find_cached_prefix(seq)
             num_cached_tokens = len(cached) * bm.block_size
-            num_new = len(seq) - num_cached_tokens
+            num_new = seq.num_tokens - num_cached_tokens
             if num_new > budget:
                 if not self.config.enable_chunked_prefill:
                     break

@@ -48,6 +48,10 @@ class Sequence:
     A step computes the next `num_new_tokens` of them; when that reaches the end of `token_ids`
     the step also samples one new token. So prefill, a prefill chunk, a decode step and a
     recompute after preemption are all the same thing: catching up with `token_ids`.
+
+    Under asynchronous scheduling the next step is scheduled before the host has the tokens of
+    the step in flight: those `num_pending_tokens` count as the sequence's last tokens (the
+    scheduler plans with `num_tokens`), and their ids are taken from the device when needed.
     """
 
     request_id: RequestId
@@ -65,6 +69,8 @@ class Sequence:
     # Prompt tokens found in the prefix cache at first admission (reported as cached tokens).
     num_cached_tokens: int = 0
     num_preemptions: int = 0
+    # Tokens sampled by a step still in flight, not yet appended to token_ids.
+    num_pending_tokens: int = 0
     block_table: list[int] = field(default_factory=list)
     # Leading entries of `block_table` given back because no layer's window reaches them any
     # more (their ids stay, so positions still index the table; attention never reads them).
@@ -81,6 +87,11 @@ class Sequence:
         return len(self.token_ids)
 
     @property
+    def num_tokens(self) -> int:
+        """All tokens, those still in flight included."""
+        return len(self.token_ids) + self.num_pending_tokens
+
+    @property
     def num_output_tokens(self) -> int:
         return len(self.token_ids) - self.num_prompt_tokens
 
@@ -90,7 +101,12 @@ class Sequence:
 
     @property
     def num_uncomputed_tokens(self) -> int:
-        return len(self.token_ids) - self.num_computed_tokens
+        return len(self.token_ids) + self.num_pending_tokens - self.num_computed_tokens
+
+    @property
+    def num_scheduled_output_tokens(self) -> int:
+        """Output tokens, those still in flight included."""
+        return self.num_tokens - self.num_prompt_tokens
 
     @property
     def wants_prompt_logprobs(self) -> bool:

@@ -547,3 +547,30 @@ def test_windowed_attention_matches_reference_on_gpu_in_bfloat16(
     )
     out = _poison_before_windows(case, window).run(sliding_window=window)
     assert_matches_reference(case, out, sliding_window=window)
+
+
+@pytest.mark.gpu
+def test_one_compiled_variant_serves_every_block_table_width() -> None:
+    """Serving meets block tables of every width; a variant specialized on the width (1, a
+    multiple of 16, other) would be compiled at its first step while serving, seconds during
+    which every request waits (issue 17: TTFT p99 2 s at 10 req/s, from the first mixed step)."""
+    from kernels.prefill_attention import _paged_prefill_attention_kernel as kernel
+
+    def num_compiled() -> int:
+        kernel_cache = kernel.device_caches[torch.cuda.current_device()][0]
+        return len(kernel_cache)
+
+    before = None
+    for num_cached in (0, 255, 256, 511):  # tables of 1, 16, 17 and 32 blocks
+        case = make_case(
+            [1, 40],
+            [num_cached, 3],
+            num_q_heads=8,
+            num_kv_heads=2,
+            head_dim=128,
+            dtype=torch.bfloat16,
+            device="cuda",
+        )
+        assert_matches_reference(case, case.run())
+        before = num_compiled() if before is None else before
+    assert num_compiled() == before

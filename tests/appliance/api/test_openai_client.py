@@ -5,13 +5,15 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import openai
 import pytest
 import torch
 
-from tests.appliance.api.conftest import MODEL_NAME, RunningServer
+from appliance.engine.engine import Engine
+from tests.appliance.api.conftest import MODEL_NAME, RunningServer, make_settings, running_server
 
 QUESTION = "Name a famous painting by Leonardo da Vinci."
 PLAIN_PROMPT = "The three primary colours are"
@@ -309,3 +311,44 @@ def test_echoed_prompt_logprobs_agree_with_transformers(
     ]
     # The generated token is the greedy continuation.
     assert logprobs.token_logprobs[-1] == pytest.approx(ref[-1].max().item(), abs=1e-4)
+
+
+@pytest.fixture(scope="module")
+def bursting_server(
+    smollm2_engine: Callable[..., Engine],
+    smollm2_dir: Path,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[RunningServer]:
+    """The same model with decode bursts of 8 under asynchronous scheduling: each engine
+    output, and so each streamed event, carries several tokens."""
+    engine = smollm2_engine(
+        max_model_len=512, num_kv_blocks=512, max_decode_burst=8, async_scheduling=True
+    )
+    settings = make_settings(tmp_path_factory.mktemp("tls-bursts"), smollm2_dir)
+    with running_server(settings, engine) as running:
+        yield running
+
+
+def test_events_of_several_tokens_stream_what_the_whole_reply_holds(
+    bursting_server: RunningServer,
+) -> None:
+    client = bursting_server.client()
+    request = {"model": MODEL_NAME, "prompt": PLAIN_PROMPT, "max_tokens": 16, "temperature": 0}
+    whole = client.completions.create(**request).choices[0]
+    chunks = list(
+        client.completions.create(**request, stream=True, stream_options={"include_usage": True})
+    )
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == whole.text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == whole.finish_reason
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 16
+    # 16 tokens in bursts of up to 8: a handful of events, not one per token.
+    assert len([c for c in chunks if c.choices and c.choices[0].text]) <= 6
+    messages = [{"role": "user", "content": QUESTION}]
+    reply = client.chat.completions.create(
+        model=MODEL_NAME, messages=messages, temperature=0, max_tokens=16
+    )
+    streamed = client.chat.completions.create(
+        model=MODEL_NAME, messages=messages, temperature=0, max_tokens=16, stream=True
+    )
+    content = "".join(c.choices[0].delta.content or "" for c in streamed if c.choices)
+    assert content == reply.choices[0].message.content

@@ -308,13 +308,13 @@ def test_decode_bursts_give_the_same_outputs_as_single_steps(
 ) -> None:
     bursting = smollm2_engine(max_model_len=512, max_decode_burst=8)
     bursts: list[int] = []
-    execute_burst = bursting.runner.execute_burst
+    launch = bursting.runner.launch
 
-    def counting(chunks, num_steps, generators):
+    def counting(chunks, num_steps, generators, previous=None):
         bursts.append(num_steps)
-        return execute_burst(chunks, num_steps, generators)
+        return launch(chunks, num_steps, generators, previous)
 
-    bursting.runner.execute_burst = counting
+    bursting.runner.launch = counting
     full = _greedy_text(engine)
     prompts = [PROMPT, "Hello there", "Numbers: 1, 2,", PROMPT + " in Asia", "Numbers: 1, 2,"]
     params = [

@@ -92,8 +92,12 @@ def _reference(hf_cuda, prompts: list[list[int]]) -> list[list[int]]:
         {"num_kv_blocks": 12},  # preemption
         {"max_num_batched_tokens": 24, "enable_prefix_caching": False},  # chunked prefill
         {"max_decode_burst": 8},  # device-fed decode bursts through the graphs
+        # The next step launched before the previous one is collected: input ids from the
+        # device, host copies in pinned memory, one blocking event per step.
+        {"async_scheduling": True, "max_num_batched_tokens": 24},
+        {"async_scheduling": True, "max_decode_burst": 8, "num_kv_blocks": 12},
     ],
-    ids=["graphs", "eager", "preemption", "chunked", "burst"],
+    ids=["graphs", "eager", "preemption", "chunked", "burst", "async", "async-burst-preemption"],
 )
 def test_float32_greedy_on_gpu_matches_transformers(smollm2_dir, prompts, hf_cuda, overrides):
     engine = _gpu_engine(smollm2_dir, "float32", **overrides)

@@ -216,9 +216,9 @@ def test_greedy_through_model_runner_and_scheduler_matches_transformers(tiny_che
         num_steps += 1
         results = runner.execute(chunks, [None] * len(chunks))
         for chunk, result in zip(chunks, results, strict=True):
-            if result.token_id is None:
+            if not result.token_ids:
                 continue
-            chunk.seq.append_token(result.token_id)
+            chunk.seq.append_token(*result.token_ids)
             if chunk.seq.num_output_tokens == num_new_tokens:
                 scheduler.finish(chunk.seq, SequenceStatus.FINISHED_LENGTH)
     assert num_steps > num_new_tokens, "the token budget should have chunked some prefill"

@@ -160,3 +160,25 @@ def test_a_split_the_heads_do_not_allow_is_refused_before_any_worker_starts(
 ) -> None:
     with pytest.raises(EngineConfigError, match=r"does not divide the model's num_attention_heads"):
         EngineConfig(model_dir=smollm2_dir, tensor_parallel_size=2).start_workers()
+
+
+def test_async_scheduling_matches_one_synchronous_process(engines) -> None:
+    """The workers take each step's token ids from rank 0's device, where asynchronous
+    scheduling writes the tokens the host has not seen yet: the same tokens as one process
+    stepping synchronously, with chunked prefill, bursts, log-probabilities and a stop."""
+    single, parallel = engines
+    prompts = [prompt_ids(40), prompt_ids(5, offset=11), prompt_ids(9, offset=40)]
+    greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    params = [greedy, SamplingParams(temperature=0.0, max_tokens=7, logprobs=1), greedy]
+    expected = [c.token_ids for c in single.generate(prompts, params)]
+    stop = expected[2][5]
+    params[2] = SamplingParams(
+        temperature=0.0, max_tokens=12, ignore_eos=True, stop_token_ids=(stop,)
+    )
+    expected[2] = expected[2][: expected[2].index(stop) + 1]
+    # One tensor-parallel engine per process: this one's setting is switched for the test.
+    parallel.async_scheduling = True
+    try:
+        assert [c.token_ids for c in parallel.generate(prompts, params)] == expected
+    finally:
+        parallel.async_scheduling = False
