@@ -447,6 +447,8 @@ class Engine:
         return [out for rid in list(self._requests) if (out := self.abort(rid)) is not None]
 
     def step(self) -> list[RequestOutput]:
+        if self.group is not None and (failure := self.group.failure()) is not None:
+            raise failure  # the group is broken for good: refused at once, naming the cause
         try:
             return self._step()
         except (RuntimeError, TensorParallelError) as exc:

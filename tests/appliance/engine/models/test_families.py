@@ -109,8 +109,8 @@ def _run_greedy(model, prompts: list[list[int]], num_new_tokens: int):
         while seq.status is not SequenceStatus.FINISHED_LENGTH:
             chunks = scheduler.schedule().chunks
             for chunk, result in zip(chunks, runner.execute(chunks, [None]), strict=True):
-                if result.token_id is not None:
-                    chunk.seq.append_token(result.token_id)
+                if result.token_ids:
+                    chunk.seq.append_token(*result.token_ids)
                     if chunk.seq.num_output_tokens == num_new_tokens:
                         scheduler.finish(chunk.seq, SequenceStatus.FINISHED_LENGTH)
     return seqs, scheduler
