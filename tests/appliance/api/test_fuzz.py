@@ -66,15 +66,19 @@ def _narrow_to_served(schemas: dict[str, Any]) -> None:
     """Valid requests that this server can serve, so that generation itself is fuzzed: they
     name the served model (another is answered 404 at once, test_errors covers that), and
     offer no tools, tool calls or tool results (SmolLM2's template has no tool support: refused
-    400, test_tool_calls covers that), and no field the Responses API refuses by name."""
+    400, test_tool_calls covers that), no field the Responses API refuses by name, no
+    whitespace pattern (always refused: JSON is written compactly; test_structured_outputs) and
+    no reasoning on messages (only an assistant's may carry one; test_reasoning)."""
     for name in ("ChatCompletionRequest", "CompletionRequest", "ResponsesRequest"):
         schemas[name]["properties"]["model"]["enum"] = [MODEL_NAME]
     for name, fields in (
         ("ChatCompletionRequest", ("tools", "tool_choice", "audio", "modalities", "prediction",
                                    "reasoning_effort", "service_tier", "web_search_options",
                                    "functions", "function_call", "verbosity",
-                                   "prompt_cache_key", "safety_identifier")),
-        ("ChatMessage", ("tool_calls", "tool_call_id")),
+                                   "prompt_cache_key", "safety_identifier",
+                                   "guided_whitespace_pattern")),
+        ("CompletionRequest", ("guided_whitespace_pattern",)),
+        ("ChatMessage", ("tool_calls", "tool_call_id", "reasoning", "reasoning_content")),
         ("ResponsesRequest", ("tools", "tool_choice", "store", "previous_response_id",
                               "truncation", "include", "reasoning", "background", "conversation",
                               "prompt", "max_tool_calls", "top_logprobs", "prompt_cache_key",
