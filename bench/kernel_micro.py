@@ -7,11 +7,13 @@ rate. Shapes are those of PERFORMANCE.md (Llama-3.1-8B heads: 32 query, 8 KV, he
 The skinny projections (decode batches of at most 16 rows) report weight bytes streamed per
 second against the copy bandwidth, beside cuBLAS on the same shapes; `--sweep-linear` also
 times a grid of tile configurations and prints the fastest per shape. The FP8 (W8A8)
-projections (`kernels.fp8_linear`: per-token activation quantization, then the FP8 GEMV, the
-FP8-in-registers skinny kernel or cuBLASLt's FP8 matmul) are timed as the engine runs them
-beside the bf16 path on the same shapes at 1, 16 and 256 rows; `--fp8-only` times just those.
+projections (`kernels.fp8_linear`: at one row the weight-only FP8 GEMV, at more per-token
+activation quantization, then the FP8-in-registers skinny kernel or cuBLASLt's FP8 matmul) are
+timed as the engine runs them beside the bf16 path on the same shapes at 1, 16 and 256 rows;
+`--fp8-only` times just those, and `--sweep-fp8` first times a grid of the one-row GEMV's
+tiles on FP8 weights and prints the fastest per shape.
 
-    python bench/kernel_micro.py [--sweep-linear] [--fp8-only]
+    python bench/kernel_micro.py [--sweep-linear] [--fp8-only] [--sweep-fp8]
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ import triton
 from kernels import fp8, reference, triton_ops
 from kernels.activation import silu_and_mul
 from kernels.decode_attention import choose_num_splits, paged_decode_attention
-from kernels.linear import LinearConfig, linear, silu_mul_linear
+from kernels.linear import LinearConfig, gemv, linear, silu_mul_linear
 from kernels.ops import AttentionMetadata, Fp8Weight
 from kernels.prefill_attention import paged_prefill_attention
 from kernels.rmsnorm import add_rms_norm
@@ -167,6 +169,12 @@ FMA_SWEEP = [
         (2, 4, 8, 16), (256, 512, 1024), (4, 8), (2, 3, 4)
     )
 ]
+FP8_FMA_SWEEP = [
+    LinearConfig(block_n, block_k, warps, stages, fma=True)
+    for block_n, block_k, warps, stages in itertools.product(
+        (2, 4, 8), (1024, 2048, 4096), (4, 8), (3, 4)
+    )
+]
 # Back-to-back launches, each on its own copy of the weights: none is served from L2 and the
 # launch latency hides behind the previous kernel, as inside a decode step's CUDA graph.
 COPIES = 4
@@ -228,7 +236,36 @@ def projection(name: str, n: int, k: int, rows: int, copy_bw: float, sweep: bool
     )
 
 
-FP8_PROJECTIONS = [("qkv", 6144, 4096), ("gate_up", 28672, 4096), ("down + SiLU·mul", 4096, 14336)]
+FP8_PROJECTIONS = [
+    ("qkv", 6144, 4096),
+    ("o", 4096, 4096),
+    ("gate_up", 28672, 4096),
+    ("down + SiLU·mul", 4096, 14336),
+]
+
+
+def sweep_fp8_gemv(name: str, n: int, k: int, copy_bw: float) -> None:
+    """The one-row FP8 GEMV's tiles on the engine's shapes: the three fastest per shape."""
+    fused = name.startswith("down")
+    x = torch.randn(1, 2 * k if fused else k, dtype=DTYPE, device="cuda")
+    dense = [torch.randn(n, k, dtype=DTYPE, device="cuda") * k**-0.5 for _ in range(COPIES)]
+    weights = [Fp8Weight(*fp8.quantize_rows(w)) for w in dense]
+    out = torch.empty(1, n, dtype=DTYPE, device="cuda")
+
+    def tiles(config: LinearConfig) -> Callable[[Fp8Weight], Callable[[], object]]:
+        return lambda w: (
+            lambda: gemv(x, w.weight, None, out, silu_mul=fused, config=config, scale=w.scale)
+        )
+
+    timed = []
+    for config in FP8_FMA_SWEEP:
+        try:
+            timed.append((graph_time(tiles(config), weights), config))
+        except Exception as exc:  # a tile that does not fit shared memory or registers
+            print(f"  fp8 {name}: {config}: {type(exc).__name__}", flush=True)
+    for ms, config in sorted(timed, key=lambda t: t[0])[:3]:
+        rate = (n * k + 4 * n) / (ms * 1e-3)
+        print(f"  sweep fp8 {name} M=1: {ms * 1e3:.1f} µs {rate / copy_bw:.0%} {config}")
 
 
 def fp8_projection(name: str, n: int, k: int, rows: int, copy_bw: float) -> str:
@@ -263,6 +300,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--sweep-linear", action="store_true")
     parser.add_argument("--fp8-only", action="store_true")
+    parser.add_argument("--sweep-fp8", action="store_true")
     args = parser.parse_args()
     torch.manual_seed(int.from_bytes(os.urandom(4), "little"))  # fresh inputs every run
     props = torch.cuda.get_device_properties(0)
@@ -276,6 +314,9 @@ def main() -> None:
     print(f"commit {commit}")
     copy_bw, matmul_rate = ceilings()
     print(f"ceilings: copy {copy_bw / 1e12:.2f} TB/s, bf16 matmul {matmul_rate / 1e12:.0f} TFLOP/s")
+    if args.sweep_fp8:
+        for name, n, k in FP8_PROJECTIONS:
+            sweep_fp8_gemv(name, n, k, copy_bw)
     rows = []
     if not args.fp8_only:
         rows += [

@@ -1,25 +1,27 @@
-"""W8A8 FP8 projections on the GPU: `x @ W.T (+ b)` with W an `Fp8Weight` (e4m3, a scale per
-output channel), x quantized to FP8 per token as the projection runs.
+"""FP8 projections on the GPU: `x @ W.T (+ b)` with W an `Fp8Weight` (e4m3, a scale per output
+channel).
 
-Two steps, each one launch:
-1. `quantize_rows`: one program per row of x finds the row's largest magnitude, then writes the
-   row in FP8 and its scale (`kernels.fp8.quantize_rows`' rounding). For the MLP's down
-   projection it takes the fused [gate | up] output and applies SiLU(gate)·up while loading,
-   rounded where `kernels.reference.silu_and_mul` rounds, so the product never goes through
-   memory in the model's dtype.
-2. The product, by batch size:
-   - one row (batch-1 decode): a weight-streaming GEMV on the CUDA cores, `kernels.linear`'s
-     design with 1-byte weights: each program owns a few output features and streams their
-     FP8 rows along K once, so the step reads half the bytes of the bfloat16 weight;
-   - 2 to `MAX_ROWS` rows: the same stream, each [BLOCK_N, BLOCK_K] weight tile meeting all rows
-     of x on the tensor cores (FP8 values widened exactly to float16);
-   - more rows: cuBLASLt's FP8 tensor-core matmul (`torch._scaled_mm` with row-wise scales;
-     torch's CPU build has the same operator, so the interpreted tests call it as the GPU does).
-   All sum the exact FP8 products in float32 and scale the sums by x's scale, then the weight's.
+By batch size:
+- one row (batch-1 decode): weight-only, `kernels.linear`'s weight-streaming GEMV reading the
+  FP8 bytes (half the bfloat16 weight's) and multiplying them on the CUDA cores with x as it
+  is, in its own dtype. On the CUDA cores a quantized x would save nothing and cost a launch
+  (and a rounding) per projection, so the row is not quantized: the result is the dequantized
+  weight's exact product, closer to the unquantized model than W8A8's.
+- more rows, W8A8, two launches:
+  1. `quantize_rows`: one program per row of x finds the row's largest magnitude, then writes
+     the row in FP8 and its scale (`kernels.fp8.quantize_rows`' rounding). For the MLP's down
+     projection it takes the fused [gate | up] output and applies SiLU(gate)·up while loading,
+     rounded where `kernels.reference.silu_and_mul` rounds, so the product never goes through
+     memory in the model's dtype.
+  2. up to `MAX_ROWS` rows: each [BLOCK_N, BLOCK_K] FP8 weight tile meets all rows of x on the
+     tensor cores (FP8 values widened exactly to float16); more rows: cuBLASLt's FP8
+     tensor-core matmul (`torch._scaled_mm` with row-wise scales; torch's CPU build has the
+     same operator, so the interpreted tests call it as the GPU does).
+  Both sum the exact FP8 products in float32 and scale the sums by x's scale, then the weight's.
 
-Semantics are `kernels.reference.linear` with an `Fp8Weight`: the sums differ only in their
-order, and the large-batch path rounds its output to bfloat16 before the bias is added (cuBLAS's
-row-wise FP8 matmul writes bfloat16 only).
+Semantics of the W8A8 path are `kernels.reference.linear` with an `Fp8Weight`: the sums differ
+only in their order, and the large-batch path rounds its output to bfloat16 before the bias is
+added (cuBLAS's row-wise FP8 matmul writes bfloat16 only).
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ import triton.language as tl
 from kernels.errors import KernelInputError
 from kernels.fp8 import FP8_DTYPE, FP8_MAX, MIN_AMAX
 from kernels.launch_checks import FLOAT_DTYPES, check_devices
-from kernels.linear import MAX_ROWS, config_for
+from kernels.linear import MAX_ROWS, config_for, gemv
 from kernels.ops import Fp8Weight
 
 # Triton reads module globals only as constexprs.
@@ -90,41 +92,6 @@ def _quantize_rows_kernel(
         # div_rn: correctly rounded, as torch divides (Triton's default division is approximate).
         q = tl.clamp(tl.math.div_rn(values, scale), -_FP8_MAX_C, _FP8_MAX_C)
         tl.store(q_ptr + row * q_row_stride + offs_k, q.to(q_ptr.dtype.element_ty), mask=mask)
-
-
-@triton.jit
-def _fp8_gemv_kernel(
-    xq_ptr,
-    x_scale_ptr,
-    w_ptr,
-    w_scale_ptr,
-    b_ptr,
-    out_ptr,
-    n,
-    k,
-    w_row_stride,
-    HAS_BIAS: tl.constexpr,
-    EVEN_K: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-):
-    """One row of x: FP8 products on the CUDA cores, summed along K once at the end."""
-    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = offs_n < n
-    w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * w_row_stride
-    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    for k0 in range(0, k, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        x_mask = offs_k < k
-        w_mask = n_mask[:, None] if EVEN_K else n_mask[:, None] & x_mask[None, :]
-        w = tl.load(w_rows + offs_k[None, :], mask=w_mask, other=0.0)
-        x = tl.load(xq_ptr + offs_k, mask=x_mask, other=0.0)
-        acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
-    y = tl.sum(acc, axis=1)  # [BLOCK_N]
-    y = y * tl.load(x_scale_ptr) * tl.load(w_scale_ptr + offs_n, mask=n_mask, other=0.0)
-    if HAS_BIAS:
-        y += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + offs_n, y.to(out_ptr.dtype.element_ty), mask=n_mask)
 
 
 @triton.jit
@@ -223,6 +190,8 @@ def quantize_rows(
 def linear(x: torch.Tensor, weight: Fp8Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x: [M, K], weight: an [N, K] Fp8Weight, bias: [N] or None -> [M, N] in x's dtype."""
     _validate(x, weight, bias, in_features=weight.weight.shape[-1])
+    if x.shape[0] == 1:
+        return _one_row(x, weight, bias, silu_mul=False)
     xq, x_scale = quantize_rows(x, static_scale=weight.input_scale)
     return project(xq, x_scale, weight, bias, x.dtype)
 
@@ -231,6 +200,8 @@ def silu_mul_linear(x: torch.Tensor, weight: Fp8Weight) -> torch.Tensor:
     """The MLP's down projection of SiLU(gate) * up: x = [gate | up]: [M, 2I], weight: an
     [N, I] Fp8Weight -> [M, N] in x's dtype."""
     _validate(x, weight, None, in_features=2 * weight.weight.shape[-1])
+    if x.shape[0] == 1:
+        return _one_row(x, weight, None, silu_mul=True)
     xq, x_scale = quantize_rows(x, silu_mul=True, static_scale=weight.input_scale)
     return project(xq, x_scale, weight, None, x.dtype)
 
@@ -264,6 +235,20 @@ def project(
     return out
 
 
+def _one_row(
+    x: torch.Tensor, weight: Fp8Weight, bias: torch.Tensor | None, *, silu_mul: bool
+) -> torch.Tensor:
+    """Weight-only: x (or SiLU(gate)·up of x = [gate | up]) in its dtype times the FP8 weight."""
+    n, k = weight.weight.shape
+    out = torch.empty((1, n), dtype=x.dtype, device=x.device)
+    if n == 0:
+        return out
+    if k == 0:
+        return out.copy_(bias[None, :]) if bias is not None else out.zero_()
+    config = config_for(n, k, 1, weight.weight.element_size())
+    return gemv(x, weight.weight, bias, out, silu_mul=silu_mul, config=config, scale=weight.scale)
+
+
 def _launch_skinny(
     xq: torch.Tensor,
     x_scale: torch.Tensor,
@@ -274,8 +259,9 @@ def _launch_skinny(
     rows, (n, k) = xq.shape[0], weight.weight.shape
     if n == 0:
         return
-    # The bfloat16 tables' tiles: the same elements per tile, half the bytes.
-    config = config_for(n, k, rows, 2)
+    # The bfloat16 tensor-core tiles (also for one row: this kernel pads x to a tile): the
+    # same elements per tile, half the bytes.
+    config = config_for(n, k, MAX_ROWS, 2)
     common = {
         "HAS_BIAS": bias is not None,
         "EVEN_K": k % config.block_k == 0,
@@ -286,12 +272,6 @@ def _launch_skinny(
     }
     grid = (triton.cdiv(n, config.block_n),)
     b = bias if bias is not None else weight.scale  # never read without HAS_BIAS
-    if rows == 1:
-        _fp8_gemv_kernel[grid](
-            xq, x_scale, weight.weight, weight.scale, b, out, n, k, weight.weight.stride(0),
-            **common,
-        )  # fmt: skip
-        return
     _fp8_skinny_kernel[grid](
         xq, x_scale, weight.weight, weight.scale, b, out, rows, n, k,
         xq.stride(0), weight.weight.stride(0), out.stride(0), BLOCK_M=MAX_ROWS, **common,

@@ -59,6 +59,9 @@ _ONE_ROW = {
     (128256, 4096): LinearConfig(4, 1024, num_warps=8, num_stages=4, fma=True),
 }
 _ONE_ROW_DEFAULT = LinearConfig(2, 1024, num_warps=4, num_stages=3, fma=True)
+# The same for FP8 weights (`kernels.fp8_linear`'s one-row path, `--sweep-fp8`): a byte per
+# weight wants longer K tiles and more rows per program for the same bytes in flight.
+_ONE_ROW_FP8: dict[tuple[int, int], LinearConfig] = {}
 _FEW_ROWS = {
     (6144, 4096): LinearConfig(64, 256, num_warps=4, num_stages=4),
     (4096, 4096): LinearConfig(64, 256, num_warps=4, num_stages=4),
@@ -71,15 +74,17 @@ _FEW_ROWS_DEFAULT = LinearConfig(32, 256, num_warps=4, num_stages=4)
 def config_for(n: int, k: int, rows: int, itemsize: int) -> LinearConfig:
     """Tiles for an [N, K] weight of `itemsize`-byte elements and `rows` rows of x.
 
-    The tables are for 16-bit weights; wider elements take proportionally shorter K tiles, so
-    a tile holds the same bytes (and the pipeline stages still fit in shared memory).
+    The tables are for 16-bit weights, one row's also for FP8; other widths take K tiles of the
+    same bytes (so the pipeline stages still fit in shared memory).
     """
+    if rows == 1 and itemsize == 1 and (n, k) in _ONE_ROW_FP8:
+        return _ONE_ROW_FP8[(n, k)]
     config = (
         _ONE_ROW.get((n, k), _ONE_ROW_DEFAULT)
         if rows == 1
         else _FEW_ROWS.get((n, k), _FEW_ROWS_DEFAULT)
     )
-    if itemsize > 2:
+    if itemsize != 2:
         config = replace(config, block_k=config.block_k * 2 // itemsize)
     return config
 
@@ -88,6 +93,7 @@ def config_for(n: int, k: int, rows: int, itemsize: int) -> LinearConfig:
 def _gemv_kernel(
     x_ptr,
     w_ptr,
+    w_scale_ptr,
     b_ptr,
     out_ptr,
     n,
@@ -95,6 +101,7 @@ def _gemv_kernel(
     w_row_stride,
     HAS_BIAS: tl.constexpr,
     SILU_MUL: tl.constexpr,  # x is [1, 2k] = [gate | up]; multiply SiLU(gate) * up
+    SCALED: tl.constexpr,  # an FP8 weight: multiply each output by its channel's scale
     EVEN_K: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -119,6 +126,8 @@ def _gemv_kernel(
             x = tl.load(x_ptr + offs_k, mask=x_mask, other=0.0)
         acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
     y = tl.sum(acc, axis=1)
+    if SCALED:
+        y *= tl.load(w_scale_ptr + offs_n, mask=n_mask, other=0.0)
     if HAS_BIAS:
         y += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + offs_n, y.to(out_ptr.dtype.element_ty), mask=n_mask)
@@ -191,7 +200,7 @@ def linear(
     if k == 0:
         return out.copy_(bias.expand(rows, n)) if bias is not None else out.zero_()
     if config.fma:
-        return _gemv(x, weight, bias, out, silu_mul=False, config=config)
+        return gemv(x, weight, bias, out, silu_mul=False, config=config)
     _skinny_linear_kernel[(triton.cdiv(n, config.block_n),)](
         x,
         weight,
@@ -232,10 +241,10 @@ def silu_mul_linear(
     out = torch.empty((1, n), dtype=x.dtype, device=x.device)
     if n == 0 or k == 0:
         return out.zero_()
-    return _gemv(x, weight, None, out, silu_mul=True, config=config)
+    return gemv(x, weight, None, out, silu_mul=True, config=config)
 
 
-def _gemv(
+def gemv(
     x: torch.Tensor,
     weight: torch.Tensor,
     bias: torch.Tensor | None,
@@ -243,11 +252,15 @@ def _gemv(
     *,
     silu_mul: bool,
     config: LinearConfig,
+    scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
+    """The one-row launch, inputs already checked: out[0] = x[0] @ weight.T (* scale) (+ bias).
+    `scale`: [N] float32 per output channel, for an FP8 weight (`kernels.fp8_linear`)."""
     n, k = weight.shape
     _gemv_kernel[(triton.cdiv(n, config.block_n),)](
         x,
         weight,
+        scale if scale is not None else weight,  # never read without SCALED
         bias if bias is not None else weight,  # never read without HAS_BIAS
         out,
         n,
@@ -255,6 +268,7 @@ def _gemv(
         weight.stride(0),
         HAS_BIAS=bias is not None,
         SILU_MUL=silu_mul,
+        SCALED=scale is not None,
         EVEN_K=k % config.block_k == 0,
         BLOCK_N=config.block_n,
         BLOCK_K=config.block_k,

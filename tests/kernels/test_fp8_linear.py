@@ -1,4 +1,5 @@
-"""The W8A8 FP8 projection kernels against `kernels.reference` (and `kernels.fp8`).
+"""The FP8 projection kernels against `kernels.reference` (and `kernels.fp8`): W8A8 from two
+rows on, weight-only (the dequantized weight's product with x as it is) for one row.
 
 Without a GPU the products run in Triton's interpreter on tiny shapes (and large batches in
 torch's CPU `_scaled_mm`, called as on the GPU), fed rows quantized by the reference: the
@@ -54,6 +55,44 @@ def _case(rows: int, n: int, k: int, dtype: torch.dtype, *, bias: bool) -> tuple
 def _reference_product(xq, x_scale, weight: Fp8Weight, bias, dtype) -> torch.Tensor:
     out = (xq.float() @ weight.weight.float().T) * x_scale[:, None] * weight.scale[None, :]
     return (out if bias is None else out + bias.float()).to(dtype)
+
+
+def _weight_only_product(x, weight: Fp8Weight, bias) -> torch.Tensor:
+    """One row's semantics: x, unquantized, times the dequantized weight, summed in float32."""
+    out = (x.float() @ weight.weight.float().T) * weight.scale[None, :]
+    return (out if bias is None else out + bias.float()).to(x.dtype)
+
+
+def _expected(x, weight: Fp8Weight, bias) -> torch.Tensor:
+    if x.shape[0] == 1:
+        return _weight_only_product(x, weight, bias)
+    return reference.linear(x, weight, bias)
+
+
+@pytest.mark.parametrize(
+    ("n", "k", "dtype", "bias"),
+    [
+        (48, 64, torch.float32, False),
+        (37, 50, torch.float16, True),  # N and K off the tiles
+        (40, 2 * 1024, torch.float32, True),  # K over several tiles
+    ],
+)
+def test_one_row_multiplies_the_fp8_weight_by_x_unquantized(n, k, dtype, bias) -> None:
+    x, weight, b = _case(1, n, k, dtype, bias=bias)
+    out = fp8_linear.linear(x, weight, b)
+    torch.testing.assert_close(out, _weight_only_product(x, weight, b), **TOLERANCE[dtype])
+    # Not W8A8: x's own quantization would move the result by more than the tolerance.
+    assert not torch.allclose(out, reference.linear(x, weight, b), rtol=1e-5, atol=1e-5)
+
+
+def test_one_row_down_projection_applies_silu_mul_to_x_unquantized() -> None:
+    n, k = 24, 40
+    generator = torch.Generator(DEVICE).manual_seed(11)
+    gate_up = torch.randn(1, 2 * k, device=DEVICE, generator=generator)
+    weight = _weight(n, k, DEVICE, seed=11)
+    out = fp8_linear.silu_mul_linear(gate_up, weight)
+    expected = _weight_only_product(reference.silu_and_mul(gate_up), weight, None)
+    torch.testing.assert_close(out, expected, **TOLERANCE[torch.float32])
 
 
 @pytest.mark.parametrize(
@@ -138,7 +177,7 @@ def test_projections_of_the_8b_model_match_reference_on_the_gpu(rows, n, k) -> N
     q, scale = fp8_linear.quantize_rows(x)
     _assert_quantized_alike(q, scale, x)
     out = triton_ops.linear(x, weight, None)
-    expected = reference.linear(x, weight, None)
+    expected = _expected(x, weight, None)
     # cuBLASLt (256 rows) rounds to bfloat16 as the reference does; a quantized input one
     # step apart moves an output by far less than this.
     torch.testing.assert_close(out, expected, **TOLERANCE[torch.bfloat16])
@@ -154,7 +193,10 @@ def test_fused_silu_mul_down_projection_matches_reference_on_the_gpu(rows) -> No
     q, scale = fp8_linear.quantize_rows(gate_up, silu_mul=True)
     _assert_dequantized_alike(q, scale, reference.silu_and_mul(gate_up))
     out = triton_ops.silu_mul_linear(gate_up, weight)
-    expected = reference.silu_mul_linear(gate_up, weight)
+    if rows == 1:
+        expected = _weight_only_product(reference.silu_and_mul(gate_up), weight, None)
+    else:
+        expected = reference.silu_mul_linear(gate_up, weight)
     torch.testing.assert_close(out, expected, **TOLERANCE[torch.bfloat16])
 
 
@@ -165,7 +207,7 @@ def test_static_input_scale_and_bias_match_reference_on_the_gpu() -> None:
     for rows in (1, 8, 32):
         torch.testing.assert_close(
             triton_ops.linear(x[:rows], weight, b),
-            reference.linear(x[:rows], weight, b),
+            _expected(x[:rows], weight, b),
             **TOLERANCE[torch.bfloat16],
         )
 
@@ -186,10 +228,9 @@ def test_fp8_projections_replay_in_a_cuda_graph(rows) -> None:
     x.copy_(torch.randn_like(x))
     gate_up.copy_(torch.randn_like(gate_up))
     graph.replay()
-    torch.testing.assert_close(out, reference.linear(x, weight, None), **TOLERANCE[torch.bfloat16])
-    torch.testing.assert_close(
-        fused, reference.silu_mul_linear(gate_up, down), **TOLERANCE[torch.bfloat16]
-    )
+    torch.testing.assert_close(out, _expected(x, weight, None), **TOLERANCE[torch.bfloat16])
+    product = reference.silu_and_mul(gate_up)
+    torch.testing.assert_close(fused, _expected(product, down, None), **TOLERANCE[torch.bfloat16])
 
 
 # Compiles the kernels for an H100 (sm_90) ahead of time; Triton's own compiler and ptxas need
@@ -198,7 +239,7 @@ _COMPILE_FOR_HOPPER = """
 import re, triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from kernels import fp8_linear as k
+from kernels import fp8_linear as k, linear
 
 common = {"x_scale_ptr": "*fp32", "w_ptr": "*fp8e4nv", "w_scale_ptr": "*fp32", "b_ptr": "*bf16",
           "out_ptr": "*bf16", "HAS_BIAS": "constexpr", "EVEN_K": "constexpr",
@@ -209,9 +250,13 @@ kernels = [
       "k": "i32", "x_row_stride": "i32", "q_row_stride": "i32", "SILU_MUL": "constexpr",
       "STATIC": "constexpr", "BLOCK_K": "constexpr"},
      {"SILU_MUL": True, "STATIC": False, "BLOCK_K": 4096}),
-    (k._fp8_gemv_kernel,
-     {"xq_ptr": "*fp8e4nv", **common, "n": "i32", "k": "i32", "w_row_stride": "i32"},
-     {"HAS_BIAS": True, "EVEN_K": False, "BLOCK_N": 2, "BLOCK_K": 1024}),
+    (linear._gemv_kernel,
+     {"x_ptr": "*bf16", "w_ptr": "*fp8e4nv", "w_scale_ptr": "*fp32", "b_ptr": "*bf16",
+      "out_ptr": "*bf16", "n": "i32", "k": "i32", "w_row_stride": "i32",
+      "HAS_BIAS": "constexpr", "SILU_MUL": "constexpr", "SCALED": "constexpr",
+      "EVEN_K": "constexpr", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr"},
+     {"HAS_BIAS": True, "SILU_MUL": True, "SCALED": True, "EVEN_K": False, "BLOCK_N": 4,
+      "BLOCK_K": 2048}),
     (k._fp8_skinny_kernel,
      {"xq_ptr": "*fp8e4nv", **common, "rows": "i32", "n": "i32", "k": "i32",
       "x_row_stride": "i32", "w_row_stride": "i32", "out_row_stride": "i32",
