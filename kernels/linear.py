@@ -27,9 +27,15 @@ from dataclasses import dataclass, replace
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from kernels.errors import KernelInputError
-from kernels.launch_checks import FLOAT_DTYPES, check_devices, triton_interprets
+from kernels.launch_checks import (
+    FLOAT_DTYPES,
+    check_devices,
+    programmatic_launch,
+    triton_interprets,
+)
 
 # x rows are padded to one tensor-core tile; more rows than this go to cuBLAS.
 MAX_ROWS = 16
@@ -39,13 +45,15 @@ MAX_ROWS = 16
 class LinearConfig:
     """Tiles of one launch. `fma`: a single row of x, multiplied on the CUDA cores rather than
     padded to a tensor-core tile, so `block_n` may go below 16 and more programs share the
-    weight stream."""
+    weight stream. `pdl`: launch the one-row kernel as a programmatic dependent where the GPU
+    can (`kernels.launch_checks.programmatic_launch`)."""
 
     block_n: int
     block_k: int
     num_warps: int
     num_stages: int
     fma: bool = False
+    pdl: bool = True
 
 
 # Measured with `bench/kernel_micro.py --sweep-linear` on an H100 (back-to-back launches, none
@@ -61,7 +69,12 @@ _ONE_ROW = {
 _ONE_ROW_DEFAULT = LinearConfig(2, 1024, num_warps=4, num_stages=3, fma=True)
 # The same for FP8 weights (`kernels.fp8_linear`'s one-row path, `--sweep-fp8`): a byte per
 # weight wants longer K tiles and more rows per program for the same bytes in flight.
-_ONE_ROW_FP8: dict[tuple[int, int], LinearConfig] = {}
+_ONE_ROW_FP8 = {
+    (6144, 4096): LinearConfig(2, 2048, num_warps=4, num_stages=4, fma=True),
+    (4096, 4096): LinearConfig(4, 1024, num_warps=4, num_stages=3, fma=True),
+    (28672, 4096): LinearConfig(4, 1024, num_warps=4, num_stages=3, fma=True),
+    (4096, 14336): LinearConfig(8, 1024, num_warps=8, num_stages=4, fma=True),
+}
 _FEW_ROWS = {
     (6144, 4096): LinearConfig(64, 256, num_warps=4, num_stages=4),
     (4096, 4096): LinearConfig(64, 256, num_warps=4, num_stages=4),
@@ -90,6 +103,19 @@ def config_for(n: int, k: int, rows: int, itemsize: int) -> LinearConfig:
 
 
 @triton.jit
+def _x_tile(x_ptr, offs_k, x_mask, k, SILU_MUL: tl.constexpr):
+    """A tile of the one row of x, in x's dtype; with SILU_MUL, of SiLU(gate) * up for
+    x = [gate | up], rounded where `kernels.reference.silu_and_mul` rounds."""
+    if SILU_MUL:
+        gate = tl.load(x_ptr + offs_k, mask=x_mask, other=0.0)
+        up = tl.load(x_ptr + k + offs_k, mask=x_mask, other=0.0)
+        gate32 = gate.to(tl.float32)
+        silu = (gate32 / (1.0 + tl.exp(-gate32))).to(gate.dtype).to(tl.float32)
+        return (silu * up.to(tl.float32)).to(gate.dtype)
+    return tl.load(x_ptr + offs_k, mask=x_mask, other=0.0)
+
+
+@triton.jit
 def _gemv_kernel(
     x_ptr,
     w_ptr,
@@ -105,25 +131,32 @@ def _gemv_kernel(
     EVEN_K: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    PDL: tl.constexpr,  # launched as a programmatic dependent of the kernel before it
 ):
-    """One row of x: products on the CUDA cores, summed along K once at the end."""
+    """One row of x: products on the CUDA cores, summed along K once at the end.
+
+    The first weight tile is requested before x, the previous kernel's output, is waited for:
+    launched as a programmatic dependent (Hopper), the weights start streaming while the
+    previous kernel's last programs finish.
+    """
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < n
     w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * w_row_stride
-    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    for k0 in range(0, k, BLOCK_K):
+    offs_k = tl.arange(0, BLOCK_K)
+    x_mask = offs_k < k  # x is a few KiB read from L2: its mask costs nothing
+    w_mask = n_mask[:, None] if EVEN_K else n_mask[:, None] & x_mask[None, :]
+    w = tl.load(w_rows + offs_k[None, :], mask=w_mask, other=0.0)
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
+    x = _x_tile(x_ptr, offs_k, x_mask, k, SILU_MUL)
+    acc = w.to(tl.float32) * x.to(tl.float32)[None, :]
+    for k0 in range(BLOCK_K, k, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
-        x_mask = offs_k < k  # x is a few KiB read from L2: its mask costs nothing
+        x_mask = offs_k < k
         w_mask = n_mask[:, None] if EVEN_K else n_mask[:, None] & x_mask[None, :]
         w = tl.load(w_rows + offs_k[None, :], mask=w_mask, other=0.0)
-        if SILU_MUL:
-            gate = tl.load(x_ptr + offs_k, mask=x_mask, other=0.0)
-            up = tl.load(x_ptr + k + offs_k, mask=x_mask, other=0.0)
-            gate32 = gate.to(tl.float32)
-            silu = (gate32 / (1.0 + tl.exp(-gate32))).to(gate.dtype).to(tl.float32)
-            x = (silu * up.to(tl.float32)).to(gate.dtype)
-        else:
-            x = tl.load(x_ptr + offs_k, mask=x_mask, other=0.0)
+        x = _x_tile(x_ptr, offs_k, x_mask, k, SILU_MUL)
         acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
     y = tl.sum(acc, axis=1)
     if SCALED:
@@ -257,6 +290,7 @@ def gemv(
     """The one-row launch, inputs already checked: out[0] = x[0] @ weight.T (* scale) (+ bias).
     `scale`: [N] float32 per output channel, for an FP8 weight (`kernels.fp8_linear`)."""
     n, k = weight.shape
+    pdl = config.pdl and programmatic_launch(x.device)
     _gemv_kernel[(triton.cdiv(n, config.block_n),)](
         x,
         weight,
@@ -272,8 +306,10 @@ def gemv(
         EVEN_K=k % config.block_k == 0,
         BLOCK_N=config.block_n,
         BLOCK_K=config.block_k,
+        PDL=pdl,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
+        **({"launch_pdl": True} if pdl else {}),
     )
     return out
 

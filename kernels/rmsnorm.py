@@ -4,6 +4,11 @@ Semantics are those of `kernels.reference.rms_norm` / `add_rms_norm`, rounding i
 statistics are float32, the normalized row is rounded to x's dtype before it is scaled by the
 weight (as Hugging Face's Llama does), and the fused residual sum is rounded to x's dtype before
 it is normalized. One program normalizes one row of H elements held entirely in registers.
+
+On Hopper both kernels let the next kernel launch as soon as they start
+(`gdc_launch_dependents`): a projection launched as a programmatic dependent
+(`kernels.linear`) then streams its first weights while the norm runs, and waits for it before
+reading its output.
 """
 
 from __future__ import annotations
@@ -11,9 +16,10 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents
 
 from kernels.errors import KernelInputError
-from kernels.launch_checks import FLOAT_DTYPES, check_devices
+from kernels.launch_checks import FLOAT_DTYPES, check_devices, programmatic_launch
 
 # A whole row lives in one program's registers; 16 warps hold 32768 floats without spilling much.
 _MAX_HIDDEN = 32768
@@ -29,7 +35,10 @@ def _rms_norm_kernel(
     eps,
     HIDDEN: tl.constexpr,
     BLOCK: tl.constexpr,  # next power of two of HIDDEN
+    LAUNCH_DEPENDENTS: tl.constexpr,
 ):
+    if LAUNCH_DEPENDENTS:
+        gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < HIDDEN
@@ -55,7 +64,10 @@ def _add_rms_norm_kernel(
     eps,
     HIDDEN: tl.constexpr,
     BLOCK: tl.constexpr,
+    LAUNCH_DEPENDENTS: tl.constexpr,
 ):
+    if LAUNCH_DEPENDENTS:
+        gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < HIDDEN
@@ -102,6 +114,7 @@ def rms_norm(
         float(eps),
         HIDDEN=hidden,
         BLOCK=block,
+        LAUNCH_DEPENDENTS=programmatic_launch(x.device),
         num_warps=num_warps,
     )
     return out
@@ -137,6 +150,7 @@ def add_rms_norm(
         float(eps),
         HIDDEN=hidden,
         BLOCK=block,
+        LAUNCH_DEPENDENTS=programmatic_launch(x.device),
         num_warps=num_warps,
     )
     return out, residual
