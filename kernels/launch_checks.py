@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import os
 
 import torch
@@ -20,18 +19,6 @@ def triton_interprets() -> bool:
     without a GPU set it). Read at call time; Triton fixed its own choice when the kernels were
     defined."""
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
-def programmatic_launch(device: torch.device) -> bool:
-    """Whether kernels on `device` may be launched as programmatic dependents (Hopper and later,
-    compiled): such a kernel starts while the one before it finishes and must wait
-    (`gdc_wait`) before reading what that kernel wrote. CUDA graphs keep the dependency."""
-    return device.type == "cuda" and not triton_interprets() and _hopper_or_later(device.index)
-
-
-@functools.cache
-def _hopper_or_later(index: int | None) -> bool:
-    return torch.cuda.get_device_capability(index)[0] >= 9
 
 
 def check_devices(named: dict[str, torch.Tensor]) -> None:

@@ -27,15 +27,10 @@ from dataclasses import dataclass, replace
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from kernels.errors import KernelInputError
-from kernels.launch_checks import (
-    FLOAT_DTYPES,
-    check_devices,
-    programmatic_launch,
-    triton_interprets,
-)
+from kernels.launch_checks import FLOAT_DTYPES, check_devices, triton_interprets
+from kernels.pdl import launch_options, wait_for_previous
 
 # x rows are padded to one tensor-core tile; more rows than this go to cuBLAS.
 MAX_ROWS = 16
@@ -46,7 +41,7 @@ class LinearConfig:
     """Tiles of one launch. `fma`: a single row of x, multiplied on the CUDA cores rather than
     padded to a tensor-core tile, so `block_n` may go below 16 and more programs share the
     weight stream. `pdl`: launch the one-row kernel as a programmatic dependent where the GPU
-    can (`kernels.launch_checks.programmatic_launch`)."""
+    can (`kernels.pdl`)."""
 
     block_n: int
     block_k: int
@@ -146,9 +141,7 @@ def _gemv_kernel(
     x_mask = offs_k < k  # x is a few KiB read from L2: its mask costs nothing
     w_mask = n_mask[:, None] if EVEN_K else n_mask[:, None] & x_mask[None, :]
     w = tl.load(w_rows + offs_k[None, :], mask=w_mask, other=0.0)
-    if PDL:
-        gdc_wait()
-        gdc_launch_dependents()
+    wait_for_previous(PDL)
     x = _x_tile(x_ptr, offs_k, x_mask, k, SILU_MUL)
     acc = w.to(tl.float32) * x.to(tl.float32)[None, :]
     for k0 in range(BLOCK_K, k, BLOCK_K):
@@ -290,7 +283,6 @@ def gemv(
     """The one-row launch, inputs already checked: out[0] = x[0] @ weight.T (* scale) (+ bias).
     `scale`: [N] float32 per output channel, for an FP8 weight (`kernels.fp8_linear`)."""
     n, k = weight.shape
-    pdl = config.pdl and programmatic_launch(x.device)
     _gemv_kernel[(triton.cdiv(n, config.block_n),)](
         x,
         weight,
@@ -306,10 +298,9 @@ def gemv(
         EVEN_K=k % config.block_k == 0,
         BLOCK_N=config.block_n,
         BLOCK_K=config.block_k,
-        PDL=pdl,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
-        **({"launch_pdl": True} if pdl else {}),
+        **launch_options(x.device, config.pdl),
     )
     return out
 

@@ -19,7 +19,8 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents
 
 from kernels.errors import KernelInputError
-from kernels.launch_checks import FLOAT_DTYPES, check_devices, programmatic_launch
+from kernels.launch_checks import FLOAT_DTYPES, check_devices
+from kernels.pdl import programmatic_launch
 
 # A whole row lives in one program's registers; 16 warps hold 32768 floats without spilling much.
 _MAX_HIDDEN = 32768

@@ -13,6 +13,7 @@ import triton.language as tl
 
 from kernels.errors import KernelInputError
 from kernels.launch_checks import FLOAT_DTYPES, check_devices
+from kernels.pdl import launch_options, wait_for_previous
 
 # Elements of one half-tile [heads, D/2] a program holds at once; more heads loop.
 _MAX_TILE = 2048
@@ -66,7 +67,9 @@ def _rotary_kernel(
     BLOCK_HALF: tl.constexpr,  # next power of two of HALF
     BLOCK_Q_HEADS: tl.constexpr,
     BLOCK_KV_HEADS: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_for_previous(PDL)
     token = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_HALF)[None, :]
     col_mask = cols < HALF
@@ -148,6 +151,7 @@ def rotary_embedding(
         BLOCK_KV_HEADS=min(triton.next_power_of_2(num_kv_heads), heads_per_tile),
         # Hq=32, D=128: a 32x64 half-tile is 2048 elements, 16 per thread with 4 warps.
         num_warps=4,
+        **launch_options(q.device),
     )
     return q, k
 

@@ -210,3 +210,61 @@ def test_linear_replays_in_a_cuda_graph_after_inputs_change() -> None:
     x.copy_(torch.randn_like(x))
     graph.replay()
     torch.testing.assert_close(out, reference.linear(x, weight, b), **TOLERANCE[torch.bfloat16])
+
+
+@pytest.mark.gpu
+def test_programmatic_launches_in_a_cuda_graph_read_what_the_kernel_before_wrote() -> None:
+    """A decode layer's chain (norm, projection, rotary, norm, gate/up, fused down) replayed
+    from one CUDA graph with programmatic dependent launches gives, bit for bit, what the same
+    kernels give launched in plain stream order: each dependent waited for its input. (Were a
+    wait missing, a projection would start on the previous replay's activations.)"""
+    from dataclasses import replace
+
+    from kernels.linear import config_for
+    from kernels.pdl import programmatic_launch
+    from kernels.rmsnorm import add_rms_norm
+    from kernels.rotary import rotary_embedding
+
+    if not programmatic_launch(torch.device(DEVICE)):
+        pytest.skip("programmatic dependent launch needs Hopper or later")
+    hidden, heads, head_dim, inter = 4096, 32, 128, 14336
+    dtype = torch.bfloat16
+    norm_w = torch.rand(hidden, device=DEVICE, dtype=dtype) + 0.5
+    qkv_w = _on_device(6 * 1024 + hidden, hidden).to(dtype) * hidden**-0.5
+    gate_up_w = _on_device(2 * inter, hidden).to(dtype) * hidden**-0.5
+    down_w = _on_device(hidden, inter).to(dtype) * inter**-0.5
+    cos = torch.rand(1, head_dim // 2, device=DEVICE)
+    sin = torch.rand(1, head_dim // 2, device=DEVICE)
+    x = torch.randn(1, hidden, device=DEVICE, dtype=dtype)
+    residual = torch.randn(1, hidden, device=DEVICE, dtype=dtype)
+
+    def layer(pdl: bool) -> tuple[torch.Tensor, ...]:
+        def config(w: torch.Tensor) -> LinearConfig:
+            return replace(config_for(*w.shape, 1, 2), pdl=pdl)
+
+        normed, res = add_rms_norm(x, residual.clone(), norm_w, 1e-5)
+        qkv = linear(normed, qkv_w, config=config(qkv_w))
+        q = qkv[:, : heads * head_dim].view(1, heads, head_dim)
+        k = qkv[:, heads * head_dim : heads * head_dim + 8 * head_dim].view(1, 8, head_dim)
+        rotary_embedding(q, k, cos, sin)
+        normed2, res = add_rms_norm(q.reshape(1, hidden), res, norm_w, 1e-5)
+        gate_up = linear(normed2, gate_up_w, config=config(gate_up_w))
+        return qkv, silu_mul_linear(gate_up, down_w, config=config(down_w)), res
+
+    outputs = {}
+    for pdl in (False, True):
+        layer(pdl)  # compile outside the capture
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            captured = layer(pdl)
+        outputs[pdl] = []
+        for seed in range(3):  # new inputs for each replay
+            torch.manual_seed(seed)
+            x.copy_(torch.randn_like(x))
+            residual.copy_(torch.randn_like(residual))
+            graph.replay()
+            outputs[pdl].append([t.clone() for t in captured])
+    for plain, dependent in zip(outputs[False], outputs[True], strict=True):
+        for a, b in zip(plain, dependent, strict=True):
+            assert torch.equal(a, b)
