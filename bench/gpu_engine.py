@@ -537,7 +537,10 @@ def main() -> None:
     parser.add_argument("--max-decode-burst", type=int, default=1)
     parser.add_argument("--kv-cache-dtype", choices=["auto", "fp8_e4m3"], default="auto")
     parser.add_argument(
-        "--async-scheduling", action="store_true", help="W1/W2: engine.async_scheduling on"
+        "--async-scheduling",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="W1/W2: engine.async_scheduling (on by default on cuda, as the engine's)",
     )
     parser.add_argument(
         "--tokenizer-json", type=Path, help="W2S: the tokenizer.json its grammars compile against"

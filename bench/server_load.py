@@ -142,8 +142,9 @@ def write_server_files(directory: Path, args: argparse.Namespace) -> tuple[Path,
         "max_num_seqs": args.max_num_seqs,
         "max_num_batched_tokens": args.max_num_batched_tokens,
         "max_decode_burst": args.max_decode_burst,
-        "async_scheduling": args.async_scheduling,
     }
+    if args.async_scheduling is not None:
+        engine["async_scheduling"] = args.async_scheduling
     if max_model_len is not None:
         engine["max_model_len"] = max_model_len
     lines = [
@@ -604,7 +605,9 @@ def main() -> None:
     parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
     parser.add_argument("--max-decode-burst", type=int, default=1)
     parser.add_argument(
-        "--async-scheduling", action="store_true", help="engine.async_scheduling on"
+        "--async-scheduling",
+        action=argparse.BooleanOptionalAction,
+        help="engine.async_scheduling; default: the engine's (on for cuda)",
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(

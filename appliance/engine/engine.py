@@ -307,7 +307,7 @@ class Engine:
             vocab_size=model_config.vocab_size,
             device=config.device,
             group=group,
-            async_scheduling=config.async_scheduling,
+            async_scheduling=config.schedules_asynchronously,
         )
 
     def close(self) -> None:

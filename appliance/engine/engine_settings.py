@@ -75,9 +75,20 @@ class EngineSettings(BaseModel):
     # Schedule and prepare each step while the one before it runs on the device, its outputs
     # processed once the next is queued. A sequence that stops runs one step more than it
     # needs (that token is dropped); grammars and penalties wait for their tokens instead.
-    async_scheduling: bool = Field(
-        default=False, description="prepare the next step while the device runs this one"
+    # Unset: on for cuda (W1 and W2 faster, docs/BENCHMARKS.md), off on the cpu, where the
+    # host and the "device" are the same cores and there is nothing to overlap.
+    async_scheduling: bool | None = Field(
+        default=None,
+        description="prepare the next step while the device runs this one; default: on cuda",
     )
+
+    @property
+    def schedules_asynchronously(self) -> bool:
+        """`async_scheduling`, or its default for the device."""
+        if self.async_scheduling is not None:
+            return self.async_scheduling
+        return self.device.startswith("cuda")
+
     # One process per device: this one (rank 0: the scheduler, sampling and its own shard) and
     # tensor_parallel_size - 1 workers, on cuda:i+1 .. for device cuda:i (gloo on the CPU). The
     # model's heads, KV heads, intermediate size and vocabulary must divide by it; the KV pool

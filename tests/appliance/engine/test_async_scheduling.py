@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from appliance.engine.engine import Engine, EngineConfig
+from appliance.engine.engine_settings import EngineSettings
 from appliance.engine.models.loader import load_model
 from appliance.engine.outputs import RequestOutput
 from appliance.engine.sampling_params import SamplingParams, StructuredOutput
@@ -228,3 +229,11 @@ def test_async_scheduling_keeps_stop_strings_eos_and_grammars_of_synchronous_ste
     assert got["stop-string"].finish_reason == "stop" and got["stop-string"].stop_reason == stop
     assert got["grammar"].text in ("printing press", "movable type")
     assert order.num_overlapped > 0
+
+
+def test_async_scheduling_defaults_on_for_cuda_and_off_on_the_cpu() -> None:
+    assert EngineSettings(device="cuda").schedules_asynchronously
+    assert EngineSettings(device="cuda:1").schedules_asynchronously
+    assert not EngineSettings(device="cpu").schedules_asynchronously
+    assert not EngineSettings(device="cuda", async_scheduling=False).schedules_asynchronously
+    assert EngineSettings(device="cpu", async_scheduling=True).schedules_asynchronously
