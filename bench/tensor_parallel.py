@@ -4,12 +4,15 @@ Correctness first: on a small random model (4 layers of the 8B's widths), the lo
 against TP=1 on the same weights, every prompt position of a 256-token prompt (max and mean
 absolute difference over the largest logit, and how often the argmax agrees). Then, for each
 size, the engine with random weights drawn on every GPU (no checkpoint needed) runs W1 (batch 1
-decode, 128 prompt + 256 new, ms/token) and W2 (offline throughput, 512-token prompts and 256
-new tokens, at most --max-num-seqs running). Prints Markdown rows last.
+decode, 128 prompt + 256 new, ms/token, and its weight bytes per second against the copy
+bandwidth of all the GPUs together) and W2 (offline throughput, 512-token prompts and 256 new
+tokens, at most --max-num-seqs running). AR times what a decode step spends in all-reduces: the
+2 per layer of the model, of a batch-1 and a 256-row step's hidden rows, replayed from a CUDA
+graph as the engine replays them, in `size` processes of their own. Prints Markdown rows last.
 
     NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 \\
         python bench/tensor_parallel.py --shape 8b --sizes 1,2 [--workloads W1,W2]
-    ... --shape 70b --sizes 4,8 --workloads W1
+    ... --shape 70b --sizes 4 --workloads AR,W1,W2
 
 The sizes run one after another in this process (one tensor-parallel world at a time).
 """
@@ -19,12 +22,15 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import statistics
 import tempfile
 import time
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 from gpu_engine import LLAMA_31_8B  # bench/, the script's own directory
 
 from appliance.engine.engine import Engine, EngineConfig
@@ -40,6 +46,7 @@ SHAPES = {
 }  # fmt: skip
 MAX_MODEL_LEN = 4096
 rows: list[str] = []
+COPY_BW = [0.0]  # one GPU's, measured at start
 
 
 def report(name: str, value: str) -> None:
@@ -193,7 +200,94 @@ def _checkpoint_tensors(model) -> dict[str, torch.Tensor]:
     return {name: t.detach().contiguous().cpu() for name, t in out.items()}
 
 
-def w1(model_dir: Path, size: int, burst: int) -> None:
+def _allreduce_rank(rank: int, size: int, rendezvous: str, hidden: int, layers: int, queue) -> None:
+    torch.cuda.set_device(rank)
+    device = torch.device("cuda", rank)
+    dist.init_process_group(
+        "nccl", init_method=f"file://{rendezvous}", rank=rank, world_size=size, device_id=device
+    )
+    results = {}
+    for rows in (1, 256):
+        x = torch.zeros(rows, hidden, dtype=torch.bfloat16, device=device)
+        for _ in range(3):
+            dist.all_reduce(x)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(2 * layers):  # after o_proj and after down_proj, every layer
+                dist.all_reduce(x)
+        graph.replay()
+        torch.cuda.synchronize()
+        times = []
+        for _ in range(20):
+            start = time.perf_counter()
+            graph.replay()
+            torch.cuda.synchronize()
+            times.append(time.perf_counter() - start)
+        results[rows] = statistics.median(times)
+    dist.barrier()
+    if rank == 0:
+        queue.put(results)
+        queue.close()
+        queue.join_thread()
+    # NCCL's destroy_process_group may not return here (see docs/BENCHMARKS.md); the process
+    # has nothing left to release.
+    os._exit(0)
+
+
+def allreduce(shape: str, size: int) -> None:
+    hidden, layers = SHAPES[shape]["hidden_size"], SHAPES[shape]["num_hidden_layers"]
+    context = mp.get_context("spawn")
+    queue = context.Queue()
+    with tempfile.TemporaryDirectory() as tmp:
+        rendezvous = str(Path(tmp) / "rendezvous")
+        procs = [
+            context.Process(
+                target=_allreduce_rank, args=(rank, size, rendezvous, hidden, layers, queue)
+            )
+            for rank in range(size)
+        ]
+        for proc in procs:
+            proc.start()
+        results = queue.get(timeout=300)
+        for proc in procs:
+            proc.join(timeout=60)
+    for rows, seconds in results.items():
+        report(
+            f"AR TP={size}: {2 * layers} all-reduces of [{rows}, {hidden}] bf16 (a decode "
+            "step's), CUDA graph",
+            f"{seconds * 1e3:.2f} ms per step, {seconds / (2 * layers) * 1e6:.1f} µs each",
+        )
+
+
+def weight_bytes(shape: str) -> int:
+    """What batch-1 decode reads per token: every weight but the embedding table (one row)."""
+    c = SHAPES[shape]
+    hidden, inter, layers = c["hidden_size"], c["intermediate_size"], c["num_hidden_layers"]
+    head_dim = hidden // c["num_attention_heads"]
+    qkv = hidden * (c["num_attention_heads"] + 2 * c["num_key_value_heads"]) * head_dim
+    per_layer = qkv + hidden * hidden + 3 * hidden * inter + 2 * hidden
+    return 2 * (layers * per_layer + hidden + c["vocab_size"] * hidden)
+
+
+def copy_bandwidth() -> float:
+    """Bytes per second one GPU copies (read + write), as gpu_engine measures it."""
+    src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda:0")
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(10):
+        dst.copy_(src)
+    torch.cuda.synchronize()
+    rate = 2 * src.numel() * 10 / (time.perf_counter() - start)
+    del src, dst
+    torch.cuda.empty_cache()
+    return rate
+
+
+def w1(model_dir: Path, shape: str, size: int, burst: int) -> None:
     engine = build_random(model_dir, size, max_num_seqs=8, max_decode_burst=burst)
     params = SamplingParams(temperature=0.0, max_tokens=256, ignore_eos=True)
     [prompt] = random_prompts(1, 128, seed=1)
@@ -203,8 +297,15 @@ def w1(model_dir: Path, size: int, burst: int) -> None:
         elapsed, [ttft], num_out = run_timed(engine, [prompt], params)
         per_token.append((elapsed - ttft) / (num_out - 1))
     ms = statistics.median(per_token) * 1e3
+    shape = json.loads((model_dir / "config.json").read_text())
+    shape_name = next(
+        name for name, s in SHAPES.items() if s["hidden_size"] == shape["hidden_size"]
+    )
+    rate = weight_bytes(shape_name) / (ms * 1e-3)
     report(
-        f"W1 TP={size} decode ms/token (batch 1, 128+256)", f"{ms:.2f} ms ({1e3 / ms:.0f} tok/s)"
+        f"W1 TP={size} decode ms/token (batch 1, 128+256)",
+        f"{ms:.2f} ms ({1e3 / ms:.0f} tok/s); weights {rate / 1e12:.2f} TB/s = "
+        f"{rate / (size * COPY_BW[0]):.0%} of {size} GPUs' copy bandwidth",
     )
     close(engine)
 
@@ -234,6 +335,12 @@ def main() -> None:
     sizes = [int(s) for s in args.sizes.split(",")]
     workloads = set(args.workloads.split(","))
     print(f"{torch.cuda.get_device_name(0)} × {torch.cuda.device_count()}", flush=True)
+    COPY_BW[0] = copy_bandwidth()
+    print(f"copy bandwidth of one GPU: {COPY_BW[0] / 1e12:.2f} TB/s", flush=True)
+    if "AR" in workloads:
+        for size in sizes:
+            if size > 1:
+                allreduce(args.shape, size)
     if "C" in workloads:
         for size in sizes:
             if size > 1:
@@ -242,7 +349,7 @@ def main() -> None:
         model_dir = write_config(Path(tmp), args.shape)
         for size in sizes:
             if "W1" in workloads:
-                w1(model_dir, size, args.max_decode_burst)
+                w1(model_dir, args.shape, size, args.max_decode_burst)
             if "W2" in workloads:
                 w2(model_dir, size, args.w2_requests, args.max_num_seqs, args.max_decode_burst)
     print(f"\n| {args.shape} random weights, bf16 | |\n|---|---|")
