@@ -170,18 +170,24 @@ class TensorParallelGroup:
         return self._failure
 
     def close(self) -> None:
-        """Tell the workers to stop, wait a little, kill any that remain, leave the groups."""
+        """Tell the workers to stop, leave the process groups together with them, wait a
+        little, kill any worker that remains.
+
+        The workers leave the groups as soon as they take the stop, and NCCL's teardown waits
+        for every rank: rank 0 leaves at the same time, not after the workers have exited
+        (which left each side waiting for the other until the time limits ran out, and rank
+        0's groups half torn down, so that no second engine could start in the process)."""
         if self._closing.is_set():
             return
         self._closing.set()
         self._wake_write.send_bytes(b"stop")
         if self._failure is None:
             self._send_stop()
+        _leave_process_groups(polite=self._failure is None)
         for worker in self._workers:
             worker.join(_STOP_TIMEOUT_S)
         _kill(self._workers)
         self._watch.join(_STOP_TIMEOUT_S)
-        _leave_process_groups(polite=self._failure is None)
         shutil.rmtree(self._rendezvous_dir, ignore_errors=True)
 
     def _send_stop(self) -> None:
@@ -293,6 +299,7 @@ def _reports_text(reports: list[Connection]) -> str:
 def _kill(workers: list[BaseProcess]) -> None:
     for worker in workers:
         if worker.is_alive():
+            logger.warning("killing tensor-parallel worker %s, still running", worker.name)
             worker.kill()
             worker.join(_STOP_TIMEOUT_S)
 

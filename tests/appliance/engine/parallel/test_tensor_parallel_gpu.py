@@ -125,3 +125,29 @@ def test_the_kv_pool_is_sized_per_gpu_with_half_the_kv_heads_each(engines) -> No
     assert cache_2.shape[3] * 2 == cache_1.shape[3]  # [2, blocks, block_size, kv_heads, D]
     # Profiled: half of an 80 GB GPU holds far more than the reference's fixed 256 blocks.
     assert cache_2.shape[1] == parallel.block_manager.num_blocks > 256
+
+
+def test_closing_leaves_nccl_with_the_workers_and_another_engine_starts(
+    engines, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Rank 0 leaves the process groups while the workers do (NCCL's teardown wants every
+    rank): nothing waits out a time limit, no worker is killed, and the same process can then
+    run a second tensor-parallel engine. (Run last: it closes the module's engine.)"""
+    _, parallel = engines
+    with caplog.at_level(logging.WARNING, logger="appliance.engine.parallel"):
+        parallel.close()
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text
+    model_dir = save_gpu_test_model(tmp_path)
+    config = EngineConfig(
+        model_dir=model_dir, tensor_parallel_size=2, gpu_memory_utilization=0.5, **SETTINGS
+    )
+    again = Engine.load(config, None, lambda shard: _load(model_dir, shard))
+    try:
+        [completion] = again.generate(
+            [prompt_ids(16)], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+        )
+        assert len(completion.token_ids) == 4
+    finally:
+        with caplog.at_level(logging.WARNING, logger="appliance.engine.parallel"):
+            again.close()
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text
