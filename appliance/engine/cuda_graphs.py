@@ -96,6 +96,17 @@ class DecodeGraphs:
         self._graphs[size].replay()
         return self._outputs[size][:batch]
 
+    def release(self) -> None:
+        """Free every captured graph (no replay after). A graph that captured NCCL collectives
+        holds their communicator: it must be released before the process groups are left,
+        or NCCL's teardown waits for it forever (pytorch/pytorch#115388)."""
+        torch.cuda.synchronize()
+        for graph in self._graphs.values():
+            graph.reset()
+        self._graphs.clear()
+        self._outputs.clear()
+        self.sizes = []
+
     def replay_only(self, size: int) -> Callable[[], None]:
         """The bare replay of one captured size, for benchmarks of the forward pass itself."""
         return self._graphs[size].replay

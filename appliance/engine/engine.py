@@ -311,8 +311,13 @@ class Engine:
         )
 
     def close(self) -> None:
-        """Stop the tensor-parallel workers, if any (the engine serves nothing after)."""
+        """Stop the tensor-parallel workers, if any (the engine serves nothing after). The
+        decode graphs go first: they hold the NCCL communicator the groups' teardown frees.
+        (Not after a worker died: a collective of the graph may wait for it, and that teardown
+        is bounded in time instead.)"""
         if self.group is not None:
+            if self.group.failure() is None:
+                self.runner.release_decode_graphs()
             self.group.close()
 
     @property

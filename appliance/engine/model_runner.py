@@ -213,6 +213,13 @@ class ModelRunner:
         input_ids = torch.zeros(num_tokens, dtype=torch.int64, device=self.device)
         return input_ids, positions, meta
 
+    def release_decode_graphs(self) -> None:
+        """Free the decode graphs (before the tensor-parallel groups are left: they hold the
+        NCCL communicator); later decode steps run the model eagerly."""
+        if self.graphs is not None:
+            self.graphs.release()
+            self.graphs = None
+
     def capture_decode_graphs(self, max_batch: int) -> None:
         from kernels.decode_attention import choose_num_splits
 

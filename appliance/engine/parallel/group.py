@@ -173,10 +173,9 @@ class TensorParallelGroup:
         """Tell the workers to stop, leave the process groups together with them, wait a
         little, kill any worker that remains.
 
-        The workers leave the groups as soon as they take the stop, and NCCL's teardown waits
-        for every rank: rank 0 leaves at the same time, not after the workers have exited
-        (which left each side waiting for the other until the time limits ran out, and rank
-        0's groups half torn down, so that no second engine could start in the process)."""
+        NCCL's teardown waits for every rank, and for the CUDA graphs that captured its
+        collectives (the engine releases rank 0's first, each worker its own): the workers
+        leave as soon as they take the stop, and rank 0 at the same time."""
         if self._closing.is_set():
             return
         self._closing.set()

@@ -157,7 +157,9 @@ def _serve(spec: WorkerSpec) -> None:
         tensor_parallel_size=spec.size,
     )
     _follow(runner, kv_spec, channels)
-    # Leave as rank 0 does after STOP: NCCL's teardown is collective.
+    # Leave as rank 0 does after STOP (NCCL's teardown is collective), the graphs that
+    # captured its collectives released first.
+    runner.release_decode_graphs()
     dist.destroy_process_group()
 
 
