@@ -1,7 +1,7 @@
 """The decoder every supported family runs: embeddings, layers of attention and MLP (or a sparse
-mixture of experts, models.moe) with their norms, final norm and logits. A family's differences
-are ModelConfig fields (declared in `models.families`), read once here when the modules are
-built; there is no per-family branch.
+mixture of experts, models.sparse_moe) with their norms, final norm and logits. A family's
+differences are ModelConfig fields (declared in `models.families`), read once here when the
+modules are built; there is no per-family branch.
 """
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from torch import nn
 import kernels.reference
 from appliance.engine.models.config import ModelConfig, RopeConfig
 from appliance.engine.models.layers import MLP, Attention, RMSNorm
-from appliance.engine.models.moe import SparseMoeBlock, is_sparse_layer
 from appliance.engine.models.rotary import cos_sin_table
+from appliance.engine.models.sparse_moe import SparseMoeBlock, is_sparse_layer
 from kernels.ops import AttentionMetadata, KernelOps
 
 
