@@ -199,3 +199,20 @@ def test_inspect_reports_the_experts_and_the_parameters_a_token_reads(tiny_check
         out["active parameters"]
         == f"{active / 1e6:.2f} M ({active:,}) of {total / 1e6:.2f} M per token"
     )
+
+
+def test_fp8_quantization_of_a_moe_leaves_its_experts_and_router_in_the_model_dtype(
+    tiny_checkpoints,
+):
+    model_dir, _ = tiny_checkpoints("qwen2-moe")
+    model = load_model(model_dir, quantization="fp8")
+    dense, sparse = model.layers[0].mlp, model.layers[1].mlp
+    assert isinstance(sparse, SparseMoeBlock) and not isinstance(dense, SparseMoeBlock)
+    assert dense.gate_up_proj.weight.dtype == torch.float8_e4m3fn
+    assert model.layers[1].self_attn.qkv_proj.weight.dtype == torch.float8_e4m3fn
+    assert sparse.experts.gate_up_proj.dtype == torch.float32
+    assert sparse.gate.weight.dtype == torch.float32
+    assert sparse.shared_expert is not None
+    assert sparse.shared_expert.gate_up_proj.weight.dtype == torch.float32
+    [prompt] = _prompts((20,))
+    assert PagedBatch(model, [prompt]).step([(0, 0, 20)])[0].isfinite().all()
