@@ -7,7 +7,8 @@ batch is first checked against `kernels.reference.fused_moe`, then both are time
 the same run; prefill batches report FLOP/s against the bf16 matmul rate. `--sweep` times a
 grid of tiles per batch and prints the fastest, for the table in kernels/moe.py.
 
-    python bench/moe_kernel.py [--sweep] [--experts 128 --top-k 8 --hidden 2048 --size 768]
+    python bench/moe_kernel.py [--sweep] [--batches 1,4,16,64,512,2048,8192]
+                               [--experts 128 --top-k 8 --hidden 2048 --size 768]
 """
 
 from __future__ import annotations
@@ -67,7 +68,7 @@ def bench_batch(num_tokens: int, args: argparse.Namespace, copy_bw: float, mm_fl
 def sweep(x, gate_up, down, weights, ids) -> None:
     results = []
     for block_m, block_n, block_k, warps, stages in itertools.product(
-        (16, 32, 64, 128), (32, 64, 128), (64, 128, 256), (4, 8), (2, 3, 4)
+        (16, 32, 64), (64, 128), (64, 128, 256), (4, 8), (3, 4)
     ):
         tiles = MoeTiles(block_m, block_n, block_k, warps, stages)
         try:
@@ -82,6 +83,7 @@ def sweep(x, gate_up, down, weights, ids) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sweep", action="store_true", help="time a grid of tiles per batch")
+    parser.add_argument("--batches", default=",".join(map(str, DECODE_BATCHES + PREFILL_BATCHES)))
     parser.add_argument("--experts", type=int, default=128)
     parser.add_argument("--top-k", type=int, default=8)
     parser.add_argument("--hidden", type=int, default=2048)
@@ -91,7 +93,7 @@ def main() -> None:
     print(f"{torch.cuda.get_device_name()}: copy {copy_bw / 1e9:.0f} GB/s, "
           f"bf16 matmul {mm_flops / 1e12:.0f} TFLOP/s; E={args.experts} k={args.top_k} "
           f"H={args.hidden} I={args.size}")  # fmt: skip
-    for num_tokens in DECODE_BATCHES + PREFILL_BATCHES:
+    for num_tokens in map(int, args.batches.split(",")):
         bench_batch(num_tokens, args, copy_bw, mm_flops)
 
 
