@@ -1,5 +1,6 @@
 """GPU benchmarks of PERFORMANCE.md on a random-weight model of a real shape (bf16), in one run:
-Llama-3.1-8B by default, or with --model Qwen3-8B, Gemma-3-12B or Phi-4-mini.
+Llama-3.1-8B by default, or with --model Qwen3-8B, Gemma-3-12B, Phi-4-mini or Qwen3-30B-A3B (a
+mixture of experts: W1's bytes are those a token reads, its 8 chosen experts of 128 per layer).
 With `--quantization fp8` its projections are FP8 (W8A8, models.projections), as
 `engine.quantization = "fp8"` loads them.
 
@@ -9,7 +10,7 @@ and W6 (GPU memory that is neither weights nor KV cache), and transformers' cont
 (`generate_batch`) on the same model for W2 (HF) and W4 (HFW4) as the peer. Prints Markdown
 rows last.
 
-    python bench/gpu_engine.py [--model llama-3.1-8b|qwen3-8b|gemma-3-12b|phi-4-mini]
+    python bench/gpu_engine.py [--model llama-3.1-8b|qwen3-8b|gemma-3-12b|phi-4-mini|qwen3-30b-a3b]
                                [--workloads W1,W2,W2S,P,W4,HF,HFW4] [--max-num-seqs 256]
                                [--max-decode-burst 1] [--kv-cache-dtype auto|fp8_e4m3]
                                [--async-scheduling]
@@ -45,6 +46,7 @@ from appliance.engine.models.config import ModelConfig
 from appliance.engine.models.decoder import CausalLM
 from appliance.engine.models.loader import build_model, fill_randomly
 from appliance.engine.models.projections import quantize_projections
+from appliance.engine.models.sparse_moe import SparseMoeBlock
 from appliance.engine.sampling_params import SamplingParams
 from kernels import triton_ops
 
@@ -120,11 +122,32 @@ PHI_4_MINI = {
     "rope_theta": 10000.0,
     "tie_word_embeddings": True,
 }  # fmt: skip
+QWEN3_30B_A3B = {
+    "architectures": ["Qwen3MoeForCausalLM"],
+    "hidden_size": 2048,
+    "intermediate_size": 6144,
+    "moe_intermediate_size": 768,
+    "num_experts": 128,
+    "num_experts_per_tok": 8,
+    "norm_topk_prob": True,
+    "decoder_sparse_step": 1,
+    "mlp_only_layers": [],
+    "num_hidden_layers": 48,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 4,
+    "head_dim": 128,
+    "vocab_size": 151936,
+    "max_position_embeddings": 40960,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 1000000.0,
+    "tie_word_embeddings": False,
+}
 SHAPES = {
     "llama-3.1-8b": LLAMA_31_8B,
     "qwen3-8b": QWEN3_8B,
     "gemma-3-12b": GEMMA_3_12B,
     "phi-4-mini": PHI_4_MINI,
+    "qwen3-30b-a3b": QWEN3_30B_A3B,
 }
 MAX_MODEL_LEN = 4096
 rows: list[str] = []
@@ -186,9 +209,19 @@ def random_prompts(n: int, length: int, seed: int) -> list[list[int]]:
 
 
 def weight_bytes(model: CausalLM) -> tuple[int, int]:
+    """(all weights' bytes, the bytes one token's forward pass reads: all but the embedding
+    and, of a mixture of experts, the experts its router did not choose)."""
     total = sum(p.numel() * p.element_size() for p in model.parameters())
     embed = model.embed_tokens.weight
-    return total, total - embed.numel() * embed.element_size()
+    streamed = total - embed.numel() * embed.element_size()
+    moe = model.config.moe
+    if moe is not None:
+        unchosen = (moe.router.num_experts - moe.router.top_k) / moe.router.num_experts
+        for layer in model.layers:
+            if isinstance(layer.mlp, SparseMoeBlock):
+                experts = layer.mlp.experts.parameters()
+                streamed -= int(sum(p.numel() * p.element_size() for p in experts) * unchosen)
+    return total, streamed
 
 
 def run_timed(engine: Engine, prompts: list[list[int]], params: SamplingParams):

@@ -110,6 +110,15 @@ class KernelOps(Protocol):
         self, x: torch.Tensor, weight: torch.Tensor | Fp8Weight
     ) -> torch.Tensor: ...
 
+    def fused_moe(
+        self,
+        x: torch.Tensor,
+        gate_up: torch.Tensor,
+        down: torch.Tensor,
+        topk_weights: torch.Tensor,
+        topk_ids: torch.Tensor,
+    ) -> torch.Tensor: ...
+
     def write_kv_cache(
         self,
         k: torch.Tensor,

@@ -92,6 +92,35 @@ def gelu_tanh_mul_linear(x: torch.Tensor, weight: torch.Tensor | Fp8Weight) -> t
     return linear(F.gelu(gate, approximate="tanh") * up, weight, None)
 
 
+def fused_moe(
+    x: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+) -> torch.Tensor:
+    """Each token through its k experts, their outputs weighted and summed (a mixture of
+    experts' SwiGLU experts), one expert at a time.
+
+    x: [T, H]; gate_up: [E, 2I, H] ([gate; up] rows per expert); down: [E, H, I];
+    topk_weights: [T, k] float32; topk_ids: [T, k] integer, each in 0..E-1 -> [T, H].
+    Rounding: each expert's output is in x's dtype (as the dense MLP's: the gate/up product,
+    SiLU(gate) * up and the down product each rounded), times its weight in float32, rounded
+    to x's dtype; the k of a token are summed in float32 and rounded once.
+    """
+    num_tokens, top_k = topk_ids.shape
+    flat_ids = topk_ids.reshape(-1)  # [T * k]: row t * k + j is token t's j-th expert
+    flat_weights = topk_weights.reshape(-1, 1).float()
+    tokens = torch.arange(num_tokens * top_k, device=x.device) // top_k
+    weighted = torch.empty(num_tokens * top_k, x.shape[1], dtype=x.dtype, device=x.device)
+    for expert in flat_ids.unique().tolist():
+        rows = (flat_ids == expert).nonzero().squeeze(1)
+        h = silu_and_mul(F.linear(x[tokens[rows]], gate_up[expert]))
+        y = F.linear(h, down[expert])
+        weighted[rows] = (y.float() * flat_weights[rows]).to(x.dtype)
+    return weighted.view(num_tokens, top_k, -1).float().sum(dim=1).to(x.dtype)
+
+
 def quantize_kv(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """x / scale in float32, saturated to e4m3's finite range (+-448) and rounded to nearest
     even: what an FP8 cache stores. Saturation, not overflow to NaN, keeps an outlier finite;

@@ -6,6 +6,7 @@ and what CUDA graphs capture) runs the split-KV decode kernel; anything with a l
 Projections of decode-sized batches (at most `kernels.linear.MAX_ROWS` rows) stream their
 weights through Inferno's skinny-matmul kernel; larger ones are cuBLAS matmuls. FP8 weights
 (`kernels.ops.Fp8Weight`) take `kernels.fp8_linear`'s W8A8 path, which routes the same way.
+A mixture of experts' experts run as `kernels.moe`'s two grouped GEMMs.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from kernels import linear as skinny
 from kernels.activation import silu_and_mul
 from kernels.decode_attention import paged_decode_attention
 from kernels.kv_cache_write import write_kv_cache
+from kernels.moe import fused_moe
 from kernels.ops import AttentionMetadata, Fp8Weight
 from kernels.prefill_attention import paged_prefill_attention
 from kernels.rmsnorm import add_rms_norm, rms_norm
@@ -25,6 +27,7 @@ from kernels.rotary import rotary_embedding
 
 __all__ = [
     "add_rms_norm",
+    "fused_moe",
     "gelu_tanh_mul_linear",
     "linear",
     "paged_attention",

@@ -3,9 +3,11 @@
 The canonical names are Llama's as transformers saves them: `model.embed_tokens.weight`,
 `model.layers.{i}.self_attn.{q,k,v,o}_proj.weight`, `model.layers.{i}.mlp.{gate,up,down}_proj.
 weight`, the norms under their own names, `model.norm.weight` and `lm_head.weight`. The loader
-knows only those; a layout says where a family's differ: the decoder under another prefix
-(Gemma 3 inside a multimodal checkpoint), projections stored already fused (Phi-3), parts of the
-checkpoint this appliance does not serve (Gemma 3's vision tower), skipped by name.
+knows only those (and, for a mixture of experts, Qwen's `mlp.gate.weight` and
+`mlp.experts.{e}.{gate,up,down}_proj.weight`); a layout says where a family's differ: the decoder
+under another prefix (Gemma 3 inside a multimodal checkpoint), modules under other names
+(Mixtral's `block_sparse_moe.experts.{e}.w1`), projections stored already fused (Phi-3), parts
+of the checkpoint this appliance does not serve (Gemma 3's vision tower), skipped by name.
 """
 
 from __future__ import annotations
@@ -40,6 +42,8 @@ class CheckpointLayout:
     # Tensors of parts not served here, skipped by name, and what the part is.
     unserved_prefixes: tuple[str, ...] = ()
     unserved_part: str = ""
+    # (theirs, canonical) substrings of a tensor name, replaced in order.
+    renames: tuple[tuple[str, str], ...] = ()
 
     def is_unserved(self, name: str) -> bool:
         return name.startswith(self.unserved_prefixes)
@@ -48,6 +52,8 @@ class CheckpointLayout:
         """The canonical name of checkpoint tensor `name` (fused ones keep their own)."""
         if name in self.lm_head_names:
             return "lm_head.weight"
+        for theirs, canonical in self.renames:
+            name = name.replace(theirs, canonical)
         for prefix in self.decoder_prefixes:
             if name.startswith(prefix):
                 return "model." + name.removeprefix(prefix)
@@ -86,6 +92,16 @@ class CheckpointLayout:
 
 LLAMA_LAYOUT = CheckpointLayout()
 FUSED_PROJECTIONS = CheckpointLayout(fused_projections=True)
+# Mixtral's MoE block is `block_sparse_moe`, its experts' gate, down and up projections w1, w2, w3
+# (as Mistral released them and transformers 5 still saves them).
+MIXTRAL_LAYOUT = CheckpointLayout(
+    renames=(
+        (".block_sparse_moe.", ".mlp."),
+        (".w1.", ".gate_proj."),
+        (".w2.", ".down_proj."),
+        (".w3.", ".up_proj."),
+    )
+)
 # transformers 5 saves Gemma3ForConditionalGeneration as model.language_model.* next to
 # model.vision_tower.*; Google's releases as language_model.model.* next to vision_tower.*.
 GEMMA3_MULTIMODAL = CheckpointLayout(

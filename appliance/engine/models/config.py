@@ -16,6 +16,7 @@ from appliance.engine.errors import ModelLoadError
 from appliance.engine.models.families import FAMILIES, ConfigReader, Family
 from appliance.engine.models.quantization import Fp8Checkpoint
 from appliance.engine.models.rotary import RopeConfig
+from appliance.engine.models.routing import MoeConfig
 
 __all__ = ["SUPPORTED_ARCHITECTURES", "ModelConfig", "RopeConfig"]
 
@@ -59,6 +60,8 @@ class ModelConfig:
     final_logit_softcapping: float | None = None
     # An FP8 checkpoint's layout (config.json's quantization_config); None: unquantized.
     fp8: Fp8Checkpoint | None = None
+    # A mixture of experts: its router, expert sizes and which layers are sparse (None: dense).
+    moe: MoeConfig | None = None
 
     @classmethod
     def from_model_dir(cls, model_dir: Path) -> ModelConfig:
@@ -116,6 +119,11 @@ class ModelConfig:
             "fp8": Fp8Checkpoint.from_config(raw.get("quantization_config"), source),
         }
         fields.update(family.configure(read))
+        if fields.get("moe") is not None and fields["fp8"] is not None:
+            raise ModelLoadError(
+                f"{source}: 'quantization_config' of a mixture of experts is not supported "
+                "(FP8 experts are not built); use its bf16 checkpoint"
+            )
         return cls(**fields)
 
     @property

@@ -1,6 +1,7 @@
-"""The decoder every supported family runs: embeddings, layers of attention and MLP with their
-norms, final norm and logits. A family's differences are ModelConfig fields (declared in
-`models.families`), read once here when the modules are built; there is no per-family branch.
+"""The decoder every supported family runs: embeddings, layers of attention and MLP (or a sparse
+mixture of experts, models.sparse_moe) with their norms, final norm and logits. A family's
+differences are ModelConfig fields (declared in `models.families`), read once here when the
+modules are built; there is no per-family branch.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import kernels.reference
 from appliance.engine.models.config import ModelConfig, RopeConfig
 from appliance.engine.models.layers import MLP, Attention, RMSNorm
 from appliance.engine.models.rotary import cos_sin_table
+from appliance.engine.models.sparse_moe import SparseMoeBlock, is_sparse_layer
 from kernels.ops import AttentionMetadata, KernelOps
 
 
@@ -32,7 +34,11 @@ class DecoderLayer(nn.Module):
         if config.sandwich_norms:
             self.pre_feedforward_layernorm = RMSNorm(config.hidden_size, eps)
             self.post_feedforward_layernorm = RMSNorm(config.hidden_size, eps)
-        self.mlp = MLP(config, ops)
+        self.mlp: nn.Module
+        if is_sparse_layer(config, layer_index):
+            self.mlp = SparseMoeBlock(config, ops)  # a mixture of experts in the MLP's place
+        else:
+            self.mlp = MLP(config, ops)
         self.residual_multiplier = config.residual_multiplier
 
     def forward(

@@ -17,9 +17,11 @@ from appliance.engine.models.checkpoint_layout import (
     FUSED_PROJECTIONS,
     GEMMA3_MULTIMODAL,
     LLAMA_LAYOUT,
+    MIXTRAL_LAYOUT,
     CheckpointLayout,
 )
 from appliance.engine.models.rotary import RopeConfig
+from appliance.engine.models.routing import MoeConfig, Router
 
 _LAYER_TYPES = ("full_attention", "sliding_attention")
 
@@ -113,6 +115,18 @@ class ConfigReader:
         if window >= self.positive("max_position_embeddings"):
             return (None,) * num_layers
         return tuple(window if t == "sliding_attention" else None for t in layer_types)
+
+    def layer_indices(self, key: str, num_layers: int) -> frozenset[int]:
+        """A list of layer indices (absent: none), each inside 0..num_layers - 1."""
+        value = self.raw.get(key) or []
+        if not isinstance(value, list) or not all(
+            isinstance(i, int) and not isinstance(i, bool) and 0 <= i < num_layers for i in value
+        ):
+            raise ModelLoadError(
+                f"{self.source}: {key!r} must list layer indices in 0..{num_layers - 1}, "
+                f"got {value!r}"
+            )
+        return frozenset(value)
 
     def refuse_unless(self, key: str, allowed: tuple[Any, ...], default: Any = None) -> None:
         value = self.raw.get(key, default)
@@ -233,6 +247,61 @@ def _gemma3(read: ConfigReader) -> dict[str, Any]:
     }
 
 
+def _num_experts(read: ConfigReader) -> int:
+    # transformers 5 writes num_local_experts for every MoE; Qwen's own configs num_experts.
+    key = "num_local_experts" if "num_local_experts" in read.raw else "num_experts"
+    return read.positive(key)
+
+
+def _router(read: ConfigReader, **variant: Any) -> Router:
+    num_experts, top_k = _num_experts(read), read.positive("num_experts_per_tok")
+    if top_k > num_experts:
+        raise ModelLoadError(
+            f"{read.source}: 'num_experts_per_tok' {top_k} exceeds the {num_experts} experts"
+        )
+    return Router(num_experts=num_experts, top_k=top_k, **variant)
+
+
+def _mixtral(read: ConfigReader) -> dict[str, Any]:
+    _silu_mlp(read)
+    num_layers = read.positive("num_hidden_layers")
+    moe = MoeConfig(
+        router=_router(read, renormalize=True),
+        expert_size=read.positive("intermediate_size"),
+        moe_layers=(True,) * num_layers,
+    )
+    return {"moe": moe}
+
+
+def _qwen_moe_layers(read: ConfigReader) -> tuple[bool, ...]:
+    # A layer is sparse unless listed in mlp_only_layers, and then only every
+    # decoder_sparse_step-th (transformers' Qwen2MoeDecoderLayer / Qwen3MoeDecoderLayer).
+    num_layers = read.positive("num_hidden_layers")
+    dense = read.layer_indices("mlp_only_layers", num_layers)
+    step = read.positive("decoder_sparse_step", 1)
+    return tuple(i not in dense and (i + 1) % step == 0 for i in range(num_layers))
+
+
+def _qwen3_moe(read: ConfigReader) -> dict[str, Any]:
+    moe = MoeConfig(
+        router=_router(read, renormalize=read.flag("norm_topk_prob")),
+        expert_size=read.positive("moe_intermediate_size"),
+        moe_layers=_qwen_moe_layers(read),
+    )
+    return {**_qwen3(read), "moe": moe}
+
+
+def _qwen2_moe(read: ConfigReader) -> dict[str, Any]:
+    moe = MoeConfig(
+        router=_router(read, renormalize=read.flag("norm_topk_prob")),
+        expert_size=read.positive("moe_intermediate_size"),
+        moe_layers=_qwen_moe_layers(read),
+        shared_expert_size=read.positive("shared_expert_intermediate_size"),
+        shared_expert_gated=True,
+    )
+    return {**_qwen2(read), "qkv_bias": read.flag("qkv_bias", True), "moe": moe}
+
+
 FAMILIES: dict[str, Family] = {
     "LlamaForCausalLM": Family(_llama),
     "MistralForCausalLM": Family(_llama),
@@ -241,6 +310,9 @@ FAMILIES: dict[str, Family] = {
     "GraniteForCausalLM": Family(_granite),
     "Phi3ForCausalLM": Family(_llama, layout=FUSED_PROJECTIONS),
     "Gemma3ForCausalLM": Family(_gemma3, tied_by_default=True),
+    "MixtralForCausalLM": Family(_mixtral, layout=MIXTRAL_LAYOUT),
+    "Qwen2MoeForCausalLM": Family(_qwen2_moe),
+    "Qwen3MoeForCausalLM": Family(_qwen3_moe),
     "Gemma3ForConditionalGeneration": Family(
         _gemma3, layout=GEMMA3_MULTIMODAL, text_config_key="text_config", tied_by_default=True
     ),

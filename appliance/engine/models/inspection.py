@@ -18,6 +18,7 @@ from safetensors import safe_open
 
 from appliance.engine.errors import ModelLoadError
 from appliance.engine.models.config import ModelConfig
+from appliance.engine.models.decoder import CausalLM
 from appliance.engine.models.loader import checkpoint_files, load_model
 
 # The KV cache's dtype on the GPU (the engine's default there).
@@ -77,11 +78,14 @@ def _tensor_lines(model_dir: Path) -> list[tuple[str, str]]:
     except (ModelLoadError, OSError, RuntimeError, ValueError) as exc:
         return [("weights", f"unreadable ({exc})")]
     shown = ", ".join(f"{d} {n / num_params:.0%}" for d, n in dtypes.most_common())
-    scaled = f"{num_params / 1e9:.2f} B" if num_params >= 1e9 else f"{num_params / 1e6:.2f} M"
     return [
-        ("parameters", f"{scaled} ({num_params:,}) in {len(files)} file(s)"),
+        ("parameters", f"{_count(num_params)} ({num_params:,}) in {len(files)} file(s)"),
         ("dtype", shown or "no tensors"),
     ]
+
+
+def _count(num_params: int) -> str:
+    return f"{num_params / 1e9:.2f} B" if num_params >= 1e9 else f"{num_params / 1e6:.2f} M"
 
 
 def _config_lines(config: ModelConfig) -> list[tuple[str, str]]:
@@ -108,7 +112,30 @@ def _config_lines(config: ModelConfig) -> list[tuple[str, str]]:
         quantization = f"FP8 e4m3 projections, {scales}, {inputs}"
     return [
         ("quantization", quantization),
+        *_expert_lines(config),
         ("context", f"{config.max_model_len} tokens"),
         ("windows", window_text),
         ("KV bytes/token", f"{kv_bytes:,} ({kv_bytes / 1024:.0f} KiB in bf16, all layers)"),
+    ]
+
+
+def _expert_lines(config: ModelConfig) -> list[tuple[str, str]]:
+    """A mixture of experts' experts, and the parameters one token's forward pass reads: all
+    but the experts its router did not choose (the model's own, counted on the meta device)."""
+    moe = config.moe
+    if moe is None:
+        return []
+    router = moe.router
+    shared = f", a shared expert of {moe.shared_expert_size}" if moe.shared_expert_size else ""
+    experts = (
+        f"{router.num_experts} of {moe.expert_size} on {moe.num_moe_layers} of "
+        f"{config.num_layers} layers, {router.top_k} active per token{shared}"
+    )
+    with torch.device("meta"):
+        total = sum(p.numel() for p in CausalLM(config).parameters())
+    per_expert = 3 * config.hidden_size * moe.expert_size
+    active = total - moe.num_moe_layers * (router.num_experts - router.top_k) * per_expert
+    return [
+        ("experts", experts),
+        ("active parameters", f"{_count(active)} ({active:,}) of {_count(total)} per token"),
     ]

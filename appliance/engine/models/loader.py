@@ -48,7 +48,13 @@ _FUSED = {
     "self_attn.v_proj": ("self_attn.qkv_proj", 2),
     "mlp.gate_proj": ("mlp.gate_up_proj", 0),
     "mlp.up_proj": ("mlp.gate_up_proj", 1),
+    "mlp.shared_expert.gate_proj": ("mlp.shared_expert.gate_up_proj", 0),
+    "mlp.shared_expert.up_proj": ("mlp.shared_expert.gate_up_proj", 1),
 }
+# One expert's projection of a mixture of experts, stacked here into [E, ...] parameters.
+_EXPERT = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight$")
+# Our stacked expert parameters (inside a layer) and how many pieces each expert fills.
+_STACKED_EXPERTS = {"mlp.experts.gate_up_proj": 2, "mlp.experts.down_proj": 1}
 # Buffers some checkpoints carry that are recomputed here.
 _IGNORED = re.compile(r"rotary_emb\.inv_freq$")
 # The FP8 KV-cache scales FP8 checkpoints ship, by the names their tools write (inside a
@@ -126,7 +132,7 @@ def load_model(
             param.data.zero_()  # the largest of the fused modules' static scales is kept
     shard_sizes = _shard_sizes(config, 1 if shard is None else shard.size)
     checkpoint_rows = {k: tuple(v) for k, v in _shard_sizes(config).items()}
-    missing = {(name, part) for name in params for part in _shards_of(name, shard_sizes)}
+    missing = {(name, part) for name in params for part in _pieces_of(name, config, shard_sizes)}
     layout = config.family.layout
     blocks = _BlockScaledWeights(config, shard)
     block_scaled = config.fp8 is not None and config.fp8.scales == "block"
@@ -151,6 +157,10 @@ def load_model(
                 continue
             if _load_kv_scale(model, path, canonical, part):
                 continue
+            expert_piece = _load_expert(params, config, canonical, part, where=path.name)
+            if expert_piece is not None:
+                missing.discard(expert_piece)
+                continue
             target, fused, index = _map_name(canonical)
             module, _, kind = target.rpartition(".")
             if kind == "weight_scale_inv" and f"{module}.weight" in params:
@@ -174,6 +184,8 @@ def load_model(
                 part = part.float() + config.norm_weight_offset  # Gemma's (1 + w), in float32
             _copy_tensor(dest, part, kind, where=f"{path.name}: tensor {name!r}")
             missing.discard((target, index))
+            if target.endswith(tuple(_STACKED_EXPERTS)):  # stored stacked: every expert at once
+                missing -= {(target, piece) for piece in _pieces_of(target, config, shard_sizes)}
             if block_scaled and kind == "weight" and dest.dtype == FP8_DTYPE:
                 blocks.add_weight(module, index)
                 missing -= blocks.finished(params)
@@ -380,18 +392,57 @@ def _shard_sizes(config: ModelConfig, num_ranks: int = 1) -> dict[str, list[int]
     of `num_ranks` tensor-parallel ranks."""
     kv = config.num_kv_heads * config.head_dim // num_ranks
     mlp = config.intermediate_size // num_ranks
-    return {
+    sizes = {
         "self_attn.qkv_proj": [config.num_heads * config.head_dim // num_ranks, kv, kv],
         "mlp.gate_up_proj": [mlp, mlp],
     }
+    if config.moe is not None and config.moe.shared_expert_size:
+        shared = config.moe.shared_expert_size // num_ranks
+        sizes["mlp.shared_expert.gate_up_proj"] = [shared, shared]
+    return sizes
 
 
-def _shards_of(param: str, shard_sizes: dict[str, list[int]]) -> list[int | None]:
+def _pieces_of(
+    param: str, config: ModelConfig, shard_sizes: dict[str, list[int]]
+) -> list[int | None]:
+    """The pieces a checkpoint fills parameter `param` from: a fused projection's parts, each
+    expert's part of a stacked expert parameter (gate 2e, up 2e + 1; down e), else the whole."""
+    for stacked, per_expert in _STACKED_EXPERTS.items():
+        if param.endswith(stacked) and config.moe is not None:
+            return list(range(per_expert * config.moe.router.num_experts))
     module = param.rsplit(".", 1)[0]
     for fused, sizes in shard_sizes.items():
         if module.endswith(fused):
             return list(range(len(sizes)))
     return [None]
+
+
+def _load_expert(
+    params: dict[str, nn.Parameter],
+    config: ModelConfig,
+    name: str,
+    tensor: torch.Tensor,
+    *,
+    where: str,
+) -> tuple[str, int] | None:
+    """Copy one expert's projection (canonical `name`) into its slice of the stacked expert
+    parameter; returns (parameter, piece) it filled, or None when `name` is no expert's."""
+    match = _EXPERT.match(name)
+    if match is None:
+        return None
+    layer, expert, projection = match.group(1), int(match.group(2)), match.group(3)
+    stacked = "down_proj" if projection == "down" else "gate_up_proj"
+    target = f"layers.{layer}.mlp.experts.{stacked}"
+    if target not in params or expert >= params[target].shape[0]:
+        raise ModelLoadError(f"{where}: unexpected tensor {name!r} for {config.architecture}")
+    dest = params[target].data[expert]  # [2I, H] or [H, I]
+    piece = expert
+    if projection != "down":
+        size = dest.shape[0] // 2
+        half = projection == "up"
+        dest, piece = dest[half * size : (half + 1) * size], 2 * expert + half
+    _copy_tensor(dest, tensor, "weight", where=f"{where}: tensor {name!r}")
+    return target, piece
 
 
 def _map_name(name: str) -> tuple[str, str | None, int | None]:

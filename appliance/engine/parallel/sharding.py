@@ -102,6 +102,11 @@ def verify_divisible(config: ModelConfig, size: int) -> None:
     """Every split dimension must divide by `size` (no padding of heads or vocabulary)."""
     if size < 1:
         raise EngineConfigError(f"tensor_parallel_size must be at least 1, not {size}")
+    if size > 1 and config.moe is not None:
+        raise EngineConfigError(
+            f"tensor_parallel_size {size}: {config.architecture} is a mixture of experts, which "
+            "runs on one GPU (expert parallelism is not built); set tensor_parallel_size = 1"
+        )
     dims = {
         "num_attention_heads": config.num_heads,
         "num_key_value_heads": config.num_kv_heads,

@@ -123,7 +123,29 @@ FAMILY_VARIANTS: dict[str, Variant] = {
         2,
         {"sliding_window": WINDOW, "sliding_window_pattern": 2, "query_pre_attn_scalar": 24},
     ),
-}
+    # Mixtures of experts: 6 experts, each token's best 2 (Mixtral renormalises them). Mixtral
+    # with its window on every layer; Qwen3-MoE with norm_topk_prob and a dense layer between
+    # sparse ones (mlp_only_layers); Qwen2-MoE unnormalised, every other layer sparse
+    # (decoder_sparse_step), with its gated shared expert.
+    "mixtral-window": Variant(
+        "mixtral",
+        2,
+        {"num_local_experts": 6, "num_experts_per_tok": 2, "intermediate_size": 48,
+         "sliding_window": WINDOW},
+    ),
+    "qwen3-moe": Variant(
+        "qwen3-moe",
+        3,
+        {"num_experts": 6, "num_experts_per_tok": 2, "moe_intermediate_size": 48,
+         "norm_topk_prob": True, "mlp_only_layers": [1]},
+    ),
+    "qwen2-moe": Variant(
+        "qwen2-moe",
+        3,
+        {"num_experts": 6, "num_experts_per_tok": 2, "moe_intermediate_size": 48,
+         "shared_expert_intermediate_size": 96, "decoder_sparse_step": 2},
+    ),
+}  # fmt: skip
 # Real head shapes for the GPU tests (tests/.../test_families_gpu.py): Gemma 3's head_dim 256
 # with a 64-token window, Phi-4-mini's 96 rotary dims of 128.
 GPU_VARIANTS: dict[str, Variant] = {
@@ -173,6 +195,9 @@ def _classes(arch: str) -> tuple[type, type]:
             transformers.Gemma3TextConfig,
             transformers.Gemma3ForConditionalGeneration,
         ),
+        "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM),
+        "qwen3-moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),
+        "qwen2-moe": (transformers.Qwen2MoeConfig, transformers.Qwen2MoeForCausalLM),
     }[arch]
 
 
@@ -187,7 +212,7 @@ def build_hf_model(name: str, seed: int = 0) -> torch.nn.Module:
     variant = ALL_VARIANTS[name]
     config_class, model_class = _classes(variant.arch)
     dims = dict(TINY_DIMS)
-    if variant.arch in ("qwen2", "phi3"):
+    if variant.arch in ("qwen2", "phi3", "qwen2-moe"):
         dims.pop("head_dim")  # derived: 64 / 4 = 16
     config = config_class(num_hidden_layers=variant.num_layers, **{**dims, **variant.overrides})
     if variant.arch == "gemma3-multimodal":
@@ -210,8 +235,8 @@ def build_hf_model(name: str, seed: int = 0) -> torch.nn.Module:
             elif "embed_tokens" in param_name:
                 # Small enough that a tied lm_head gives logits of a few units, like the others.
                 param.copy_(0.25 * noise)
-            else:
-                param.copy_(noise * (1.5 / math.sqrt(param.shape[1])))
+            else:  # a projection, or a stack of experts' ([E, out, in]): by its fan-in
+                param.copy_(noise * (1.5 / math.sqrt(param.shape[-1])))
     return model
 
 

@@ -1,0 +1,74 @@
+"""The sparse mixture-of-experts block: a decoder layer's alternative to the dense MLP.
+
+A router projection scores the experts for each token, `models.routing.route` picks the top k
+and their weights as the family's `Router` declares, and one kernel op (`fused_moe`) runs every
+token through its k experts and sums their outputs, weighted. The experts' weights are stacked
+([E, 2I, H] gate/up rows, [E, H, I] down), whatever the checkpoint stores (models.loader). An
+optional shared expert (Qwen2-MoE) is a dense MLP every token passes through, its output scaled
+by a sigmoid gate and added.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from torch import nn
+
+from appliance.engine.models.config import ModelConfig
+from appliance.engine.models.layers import MLP
+from appliance.engine.models.routing import MoeConfig, route
+from kernels.ops import KernelOps
+
+
+def is_sparse_layer(config: ModelConfig, layer_index: int) -> bool:
+    return config.moe is not None and config.moe.moe_layers[layer_index]
+
+
+class Experts(nn.Module):
+    """The stacked expert weights: gate_up_proj [E, 2I, H] ([gate; up] rows of each expert, as
+    the dense MLP's), down_proj [E, H, I]."""
+
+    def __init__(self, moe: MoeConfig, hidden_size: int):
+        super().__init__()
+        num_experts, size = moe.router.num_experts, moe.expert_size
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * size, hidden_size))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, size))
+
+
+class SparseMoeBlock(nn.Module):
+    def __init__(self, config: ModelConfig, ops: KernelOps):
+        super().__init__()
+        assert config.moe is not None, "only a mixture of experts has sparse layers"
+        moe, hidden = config.moe, config.hidden_size
+        self.ops = ops
+        self.router = moe.router
+        self.gate = nn.Linear(hidden, moe.router.num_experts, bias=moe.router.logit_bias)
+        if moe.router.selection_bias:
+            # Where DeepSeek-V3 checkpoints keep it: mlp.gate.e_score_correction_bias.
+            bias = nn.Parameter(torch.empty(moe.router.num_experts))
+            self.gate.register_parameter("e_score_correction_bias", bias)
+        self.experts = Experts(moe, hidden)
+        self.shared_expert: MLP | None = None
+        self.shared_expert_gate: nn.Linear | None = None
+        if moe.shared_expert_size:
+            # The dense MLP, at the shared expert's size.
+            shared = dataclasses.replace(config, intermediate_size=moe.shared_expert_size)
+            self.shared_expert = MLP(shared, ops)
+        if moe.shared_expert_gated:
+            self.shared_expert_gate = nn.Linear(hidden, 1, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [T, H] -> [T, H]"""
+        ops = self.ops
+        logits = ops.linear(x, self.gate.weight, self.gate.bias)  # [T, E]
+        selection_bias = getattr(self.gate, "e_score_correction_bias", None)
+        weights, expert_ids = route(logits, self.router, selection_bias)  # [T, k] each
+        experts = self.experts
+        out = ops.fused_moe(x, experts.gate_up_proj, experts.down_proj, weights, expert_ids)
+        if self.shared_expert is None:
+            return out
+        shared = self.shared_expert(x)
+        if self.shared_expert_gate is not None:
+            shared = torch.sigmoid(ops.linear(x, self.shared_expert_gate.weight, None)) * shared
+        return out + shared

@@ -1,0 +1,101 @@
+"""The fused MoE kernel (`kernels.moe`) against the per-expert loop, on the GPU.
+
+Qwen3-30B-A3B's experts (128, top 8, H 2048, I 768) in bf16, random weights and routing. Each
+batch is first checked against `kernels.reference.fused_moe`, then both are timed with
+`triton.testing.do_bench` (median). Decode-sized batches report the expert bytes a step reads
+(each chosen expert's gate/up and down once) per second against the copy bandwidth measured in
+the same run; prefill batches report FLOP/s against the bf16 matmul rate. `--sweep` times a
+grid of tiles per batch and prints the fastest, for the table in kernels/moe.py.
+
+    python bench/moe_kernel.py [--sweep] [--batches 1,4,16,64,512,2048,8192]
+                               [--experts 128 --top-k 8 --hidden 2048 --size 768]
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+
+import torch
+import triton
+from kernel_micro import ceilings  # bench/, the script's own directory
+
+from kernels import reference
+from kernels.moe import MoeTiles, fused_moe, tiles_for
+
+DTYPE = torch.bfloat16
+DECODE_BATCHES = (1, 4, 16, 64)
+PREFILL_BATCHES = (512, 2048, 8192)
+
+
+def inputs(num_tokens: int, experts: int, top_k: int, hidden: int, size: int):
+    x = torch.randn(num_tokens, hidden, device="cuda", dtype=DTYPE)
+    gate_up = torch.randn(experts, 2 * size, hidden, device="cuda", dtype=DTYPE) * hidden**-0.5
+    down = torch.randn(experts, hidden, size, device="cuda", dtype=DTYPE) * size**-0.5
+    scores = torch.randn(num_tokens, experts, device="cuda").softmax(-1)
+    weights, ids = scores.topk(top_k, dim=-1)
+    return x, gate_up, down, weights.contiguous(), ids
+
+
+def time_ms(fn) -> float:
+    return triton.testing.do_bench(fn, warmup=25, rep=200)
+
+
+def bench_batch(num_tokens: int, args: argparse.Namespace, copy_bw: float, mm_flops: float):
+    x, gate_up, down, weights, ids = inputs(
+        num_tokens, args.experts, args.top_k, args.hidden, args.size
+    )
+    expected = reference.fused_moe(x, gate_up, down, weights, ids)
+    torch.testing.assert_close(fused_moe(x, gate_up, down, weights, ids), expected,
+                               atol=3e-2, rtol=3e-2)  # fmt: skip
+    fused = time_ms(lambda: fused_moe(x, gate_up, down, weights, ids))
+    loop = time_ms(lambda: reference.fused_moe(x, gate_up, down, weights, ids))
+    num_used = ids.unique().numel()
+    expert_bytes = num_used * 3 * args.hidden * args.size * x.element_size()
+    flops = 2 * num_tokens * args.top_k * 3 * args.hidden * args.size
+    tiles = tiles_for(num_tokens, args.top_k, args.experts)
+    rate = (
+        f"{expert_bytes / (fused * 1e-3) / copy_bw:5.1%} of copy ({num_used} experts read)"
+        if num_tokens <= max(DECODE_BATCHES)
+        else f"{flops / (fused * 1e-3) / mm_flops:5.1%} of bf16 matmul"
+    )
+    print(f"T={num_tokens:5d}  fused {fused * 1e3:8.1f} us  loop {loop * 1e3:9.1f} us  "
+          f"x{loop / fused:5.1f}  {rate}  tiles {tiles}")  # fmt: skip
+    if args.sweep:
+        sweep(x, gate_up, down, weights, ids)
+
+
+def sweep(x, gate_up, down, weights, ids) -> None:
+    results = []
+    for block_m, block_n, block_k, warps, stages in itertools.product(
+        (16, 32, 64), (64, 128), (64, 128, 256), (4, 8), (3, 4)
+    ):
+        tiles = MoeTiles(block_m, block_n, block_k, warps, stages)
+        try:
+            ms = time_ms(lambda t=tiles: fused_moe(x, gate_up, down, weights, ids, tiles=t))
+        except triton.runtime.errors.OutOfResources:
+            continue
+        results.append((ms, tiles))
+    for ms, tiles in sorted(results, key=lambda r: r[0])[:3]:
+        print(f"    {ms * 1e3:8.1f} us  {tiles}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sweep", action="store_true", help="time a grid of tiles per batch")
+    parser.add_argument("--batches", default=",".join(map(str, DECODE_BATCHES + PREFILL_BATCHES)))
+    parser.add_argument("--experts", type=int, default=128)
+    parser.add_argument("--top-k", type=int, default=8)
+    parser.add_argument("--hidden", type=int, default=2048)
+    parser.add_argument("--size", type=int, default=768, help="each expert's intermediate size")
+    args = parser.parse_args()
+    copy_bw, mm_flops = ceilings()
+    print(f"{torch.cuda.get_device_name()}: copy {copy_bw / 1e9:.0f} GB/s, "
+          f"bf16 matmul {mm_flops / 1e12:.0f} TFLOP/s; E={args.experts} k={args.top_k} "
+          f"H={args.hidden} I={args.size}")  # fmt: skip
+    for num_tokens in map(int, args.batches.split(",")):
+        bench_batch(num_tokens, args, copy_bw, mm_flops)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,257 @@
+"""Triton fused mixture-of-experts: each token through its k SwiGLU experts, weighted and summed.
+
+The plan (vLLM's and SGLang's fused_moe, in three steps):
+
+1. `align_block_size`: the T * k (token, expert) pairs are sorted by expert, and each expert's
+   run is padded to a multiple of BLOCK_M with an index no pair has, so every block of BLOCK_M
+   sorted pairs belongs to one expert. Plain torch ops on the device, no host sync: the grid is
+   sized for the worst padding, and blocks past the real total return at once, so a decode
+   step's launch has a fixed shape a CUDA graph can capture.
+2. One grouped GEMM for gate and up: a program takes a block of pairs and a column block of I,
+   gathers its tokens' rows of x, multiplies them by its expert's gate rows and up rows (two
+   accumulators over the same x tile) and stores SiLU(gate) * up for each pair: [T * k, I].
+3. One grouped GEMM for down over those rows, each pair's output multiplied by its routing
+   weight as it is stored ([T * k, H]); the k outputs of a token are then summed in float32
+   (the combine, in torch).
+
+An expert's weights are read once per block of its pairs, so a decode step reads each chosen
+expert once, and only those. Semantics are `kernels.reference.fused_moe`'s, rounding included.
+
+Tiles (`MoeTiles`) come from a small table by the pairs per expert: few (decode) want short
+BLOCK_M and long K tiles to stream weights; many (prefill) want square tensor-core tiles. The
+values are starting points from vLLM's H100 tables; `bench/moe_kernel.py --sweep` measures them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.errors import KernelInputError
+from kernels.launch_checks import FLOAT_DTYPES, check_devices, triton_interprets
+
+
+@dataclass(frozen=True, slots=True)
+class MoeTiles:
+    block_m: int  # (token, expert) pairs per program, all of one expert
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+
+
+# tl.dot needs every tile dimension >= 16.
+DECODE_TILES = MoeTiles(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=4)
+PREFILL_TILES = MoeTiles(block_m=64, block_n=128, block_k=64, num_warps=8, num_stages=3)
+# Above this many pairs per expert on average, an expert's blocks are full enough for the
+# prefill tiles.
+_DECODE_PAIRS_PER_EXPERT = 16
+
+
+def tiles_for(num_tokens: int, top_k: int, num_experts: int) -> MoeTiles:
+    """The table's tiles for a batch (a function of shapes only: CUDA graphs replay it)."""
+    pairs_per_expert = num_tokens * top_k / num_experts
+    return DECODE_TILES if pairs_per_expert <= _DECODE_PAIRS_PER_EXPERT else PREFILL_TILES
+
+
+def align_block_size(
+    topk_ids: torch.Tensor, num_experts: int, block_m: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The (token, expert) pairs grouped by expert, each group padded to a multiple of block_m.
+
+    topk_ids: [T, k] -> (sorted_ids, block_experts, num_padded):
+    sorted_ids [P] int32: pair indices (t * k + j), expert by expert, in pair order within an
+      expert, each expert's run padded with T * k; P = T*k + min(T*k, E) * (block_m - 1), the
+      most padding can take;
+    block_experts [P / block_m] int32: the expert of each block (E past the real blocks);
+    num_padded [1] int32: how many of sorted_ids are real pairs or their padding.
+    """
+    device = topk_ids.device
+    flat = topk_ids.reshape(-1).to(torch.int64)  # [N]
+    num_pairs = flat.numel()
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))
+    padded = (counts + block_m - 1) // block_m * block_m
+    padded_end = padded.cumsum(0)  # [E]
+    padded_start = padded_end - padded
+    order = torch.argsort(flat, stable=True)  # pair indices, grouped by expert
+    experts = flat[order]
+    rank = torch.arange(num_pairs, device=device) - (counts.cumsum(0) - counts)[experts]
+    size = num_pairs + min(num_pairs, num_experts) * (block_m - 1)
+    sorted_ids = torch.full((size,), num_pairs, dtype=torch.int32, device=device)
+    sorted_ids.scatter_(0, padded_start[experts] + rank, order.to(torch.int32))
+    block_starts = torch.arange(0, size, block_m, device=device)
+    block_experts = torch.searchsorted(padded_end, block_starts, right=True).to(torch.int32)
+    return sorted_ids, block_experts, padded_end[-1:].to(torch.int32)
+
+
+@triton.jit
+def _grouped_gemm_kernel(
+    a_ptr,  # [num_a_rows, K]: x (by token) or the SwiGLU rows (by pair)
+    b_ptr,  # [E, N, K]: the experts' weights, nn.Linear's layout per expert
+    c_ptr,  # [T * k, N_OUT]: one row per pair
+    weights_ptr,  # [T * k] float32 routing weights (MUL_WEIGHT)
+    sorted_ids_ptr,
+    block_experts_ptr,
+    num_padded_ptr,
+    n_out,  # output columns: I (SILU_MUL, of 2I weight rows) or H
+    k,
+    num_pairs,
+    a_row_stride,
+    b_expert_stride,
+    b_row_stride,
+    c_row_stride,
+    PAIRS_PER_A_ROW: tl.constexpr,  # top_k when a is x (pair t * k + j reads token t), else 1
+    SILU_MUL: tl.constexpr,  # b holds [gate; up] rows: store SiLU(a @ gate.T) * (a @ up.T)
+    MUL_WEIGHT: tl.constexpr,
+    PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
+        return  # past the real blocks: the grid is sized for the worst padding
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    pairs = tl.load(sorted_ids_ptr + offs_m).to(tl.int64)  # [BLOCK_M]; num_pairs: padding
+    pair_mask = pairs < num_pairs
+    expert = tl.load(block_experts_ptr + pid_m).to(tl.int64)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < n_out
+    a_rows = a_ptr + (pairs // PAIRS_PER_A_ROW)[:, None] * a_row_stride
+    b_cols = b_ptr + expert * b_expert_stride + offs_n.to(tl.int64)[None, :] * b_row_stride
+    up_cols = b_cols + n_out * b_row_stride  # SILU_MUL: the up rows follow the I gate rows
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, k, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_mask = offs_k < k
+        a = tl.load(a_rows + offs_k[None, :], mask=pair_mask[:, None] & k_mask[None, :], other=0.0)
+        b_mask = k_mask[:, None] & n_mask[None, :]
+        b = tl.load(b_cols + offs_k[:, None], mask=b_mask, other=0.0)  # [BLOCK_K, BLOCK_N]
+        acc = tl.dot(a, b, acc, input_precision=PRECISION)
+        if SILU_MUL:
+            up = tl.load(up_cols + offs_k[:, None], mask=b_mask, other=0.0)
+            acc_up = tl.dot(a, up, acc_up, input_precision=PRECISION)
+    dtype = c_ptr.dtype.element_ty
+    if SILU_MUL:
+        # As the reference rounds: gate and up to the dtype, SiLU(gate) too, then the product.
+        gate = acc.to(dtype).to(tl.float32)
+        silu = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
+        out = (silu * acc_up.to(dtype).to(tl.float32)).to(dtype)
+    else:
+        out = acc.to(dtype)
+    if MUL_WEIGHT:
+        weight = tl.load(weights_ptr + pairs, mask=pair_mask, other=0.0)
+        out = (out.to(tl.float32) * weight[:, None]).to(dtype)
+    c = c_ptr + pairs[:, None] * c_row_stride + offs_n[None, :]
+    tl.store(c, out, mask=pair_mask[:, None] & n_mask[None, :])
+
+
+def fused_moe(
+    x: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    tiles: MoeTiles | None = None,
+) -> torch.Tensor:
+    """x: [T, H]; gate_up: [E, 2I, H]; down: [E, H, I]; topk_weights: [T, k] float32;
+    topk_ids: [T, k] integer in 0..E-1 (not checked on the device: that would sync) -> [T, H].
+
+    See `kernels.reference.fused_moe`. `tiles`: None for the table's (`tiles_for`). Raises
+    `KernelInputError` for any shape, dtype, device or layout it cannot handle.
+    """
+    _validate(x, gate_up, down, topk_weights, topk_ids)
+    num_tokens, hidden = x.shape
+    num_experts, width, _ = gate_up.shape
+    size, top_k = width // 2, topk_ids.shape[1]
+    if tiles is None:
+        tiles = tiles_for(num_tokens, top_k, num_experts)
+    num_pairs = num_tokens * top_k
+    if num_pairs == 0:
+        return torch.zeros_like(x)
+    sorted_ids, block_experts, num_padded = align_block_size(topk_ids, num_experts, tiles.block_m)
+    swiglu = torch.empty(num_pairs, size, dtype=x.dtype, device=x.device)  # [T * k, I]
+    weighted = torch.empty(num_pairs, hidden, dtype=x.dtype, device=x.device)  # [T * k, H]
+    weights = topk_weights.reshape(-1)
+    precision = "ieee" if x.dtype == torch.float32 else "tf32"
+    num_blocks = block_experts.numel()
+    common = {
+        "PRECISION": precision,
+        "BLOCK_M": tiles.block_m,
+        "BLOCK_N": tiles.block_n,
+        "BLOCK_K": tiles.block_k,
+        "num_warps": tiles.num_warps,
+        "num_stages": tiles.num_stages,
+    }
+    _grouped_gemm_kernel[(num_blocks, triton.cdiv(size, tiles.block_n))](
+        x, gate_up, swiglu, weights, sorted_ids, block_experts, num_padded,
+        size, hidden, num_pairs,
+        x.stride(0), gate_up.stride(0), gate_up.stride(1), swiglu.stride(0),
+        PAIRS_PER_A_ROW=top_k, SILU_MUL=True, MUL_WEIGHT=False, **common,
+    )  # fmt: skip
+    _grouped_gemm_kernel[(num_blocks, triton.cdiv(hidden, tiles.block_n))](
+        swiglu, down, weighted, weights, sorted_ids, block_experts, num_padded,
+        hidden, size, num_pairs,
+        swiglu.stride(0), down.stride(0), down.stride(1), weighted.stride(0),
+        PAIRS_PER_A_ROW=1, SILU_MUL=False, MUL_WEIGHT=True, **common,
+    )  # fmt: skip
+    # The combine: the k weighted outputs of each token, summed in float32.
+    return weighted.view(num_tokens, top_k, hidden).float().sum(dim=1).to(x.dtype)
+
+
+def _validate(
+    x: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+) -> None:
+    named = {"x": x, "gate_up": gate_up, "down": down, "topk_weights": topk_weights,
+             "topk_ids": topk_ids}  # fmt: skip
+    for name, tensor in named.items():
+        if not isinstance(tensor, torch.Tensor):
+            raise KernelInputError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
+    check_devices(named)
+    if x.dim() != 2 or gate_up.dim() != 3 or down.dim() != 3:
+        raise KernelInputError(
+            f"x must be [T, H], gate_up [E, 2I, H], down [E, H, I]; got {tuple(x.shape)}, "
+            f"{tuple(gate_up.shape)}, {tuple(down.shape)}"
+        )
+    num_experts, width, hidden = gate_up.shape
+    if width % 2 or hidden != x.shape[1] or down.shape != (num_experts, hidden, width // 2):
+        raise KernelInputError(
+            f"gate_up {tuple(gate_up.shape)} and down {tuple(down.shape)} do not fit x "
+            f"{tuple(x.shape)}: they must be [E, 2I, H] and [E, H, I]"
+        )
+    if topk_ids.dim() != 2 or topk_ids.shape[0] != x.shape[0] or topk_ids.dtype.is_floating_point:
+        raise KernelInputError(
+            f"topk_ids must be [T, k] integers with T = {x.shape[0]}, got "
+            f"{tuple(topk_ids.shape)} {topk_ids.dtype}"
+        )
+    if topk_weights.shape != topk_ids.shape or topk_weights.dtype != torch.float32:
+        raise KernelInputError(
+            f"topk_weights must be float32 of topk_ids' shape {tuple(topk_ids.shape)}, got "
+            f"{tuple(topk_weights.shape)} {topk_weights.dtype}"
+        )
+    if x.dtype not in FLOAT_DTYPES:
+        raise KernelInputError(f"x dtype {x.dtype} is not one of float16, bfloat16, float32")
+    if x.dtype == torch.bfloat16 and triton_interprets():
+        # Triton's interpreter multiplies bfloat16 tl.dot operands as raw integers; fail closed.
+        raise KernelInputError("bfloat16 is not supported under TRITON_INTERPRET=1; use fp16/fp32")
+    for name in ("gate_up", "down"):
+        tensor = named[name]
+        if tensor.dtype != x.dtype:
+            raise KernelInputError(f"{name} dtype {tensor.dtype} differs from x dtype {x.dtype}")
+        if tensor.stride(-1) != 1:
+            raise KernelInputError(
+                f"{name} must be contiguous along its last dimension, got strides {tensor.stride()}"
+            )
+    if x.shape[1] > 1 and x.stride(1) != 1:
+        raise KernelInputError(f"x rows must be contiguous, got strides {x.stride()}")
+    if not topk_weights.is_contiguous():
+        raise KernelInputError("topk_weights must be contiguous")

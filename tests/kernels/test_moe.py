@@ -1,0 +1,113 @@
+"""The fused MoE kernel against the per-expert loop of `kernels.reference.fused_moe`.
+
+Without a GPU the kernels run in Triton's interpreter on tiny shapes, with tiles that do not
+divide them (masked edges) and a BLOCK_M that pads every expert's run; the `gpu` cases use
+Qwen3-30B-A3B's expert shapes (128 experts, top 8, H 2048, I 768) at decode and prefill sizes,
+with the table's tiles.
+"""
+
+from __future__ import annotations
+
+import zlib
+
+import pytest
+import torch
+
+from kernels import reference
+from kernels.errors import KernelInputError
+from kernels.moe import DECODE_TILES, PREFILL_TILES, MoeTiles, align_block_size, fused_moe
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# Both sides accumulate in float32 in different orders, then round where the reference does.
+TOLERANCE = {
+    torch.float32: {"atol": 1e-4, "rtol": 1e-4},
+    torch.float16: {"atol": 4e-3, "rtol": 4e-3},
+    torch.bfloat16: {"atol": 3e-2, "rtol": 3e-2},
+}
+SMALL_TILES = MoeTiles(block_m=16, block_n=16, block_k=16, num_warps=4, num_stages=2)
+
+
+def _inputs(num_tokens: int, num_experts: int, top_k: int, hidden: int, size: int,
+            dtype: torch.dtype, *, skew: bool = False):  # fmt: skip
+    """Random weights with outputs of about unit size, and each token's k distinct experts
+    (drawn at random, or with `skew` most tokens on expert 0, as a hot expert)."""
+    torch.manual_seed(zlib.crc32(repr((num_tokens, num_experts, top_k, hidden, size)).encode()))
+    x = torch.randn(num_tokens, hidden, device=DEVICE).to(dtype)
+    gate_up = (torch.randn(num_experts, 2 * size, hidden, device=DEVICE) * hidden**-0.5).to(dtype)
+    down = (torch.randn(num_experts, hidden, size, device=DEVICE) * size**-0.5).to(dtype)
+    scores = torch.rand(num_tokens, num_experts, device=DEVICE)
+    if skew:
+        scores[:, 0] += 1.0
+    weights, ids = scores.softmax(-1).topk(top_k, dim=-1)
+    return x, gate_up, down, weights.contiguous(), ids
+
+
+@pytest.mark.parametrize(
+    ("num_tokens", "num_experts", "top_k", "hidden", "size", "dtype", "skew"),
+    [
+        (1, 8, 2, 32, 24, torch.float32, False),  # decode: one block per chosen expert
+        (5, 8, 2, 48, 40, torch.float32, False),  # some experts unused, H and I off the tiles
+        (37, 4, 2, 32, 16, torch.float16, True),  # a hot expert spanning several blocks
+        (20, 6, 3, 24, 20, torch.float32, False),
+    ],
+)
+def test_fused_moe_matches_the_per_expert_loop(num_tokens, num_experts, top_k, hidden, size,
+                                               dtype, skew):  # fmt: skip
+    x, gate_up, down, weights, ids = _inputs(num_tokens, num_experts, top_k, hidden, size, dtype,
+                                             skew=skew)  # fmt: skip
+    ours = fused_moe(x, gate_up, down, weights, ids, tiles=SMALL_TILES)
+    expected = reference.fused_moe(x, gate_up, down, weights, ids)
+    torch.testing.assert_close(ours, expected, **TOLERANCE[dtype])
+
+
+def test_the_comparison_would_fail_if_a_routing_weight_were_dropped():
+    x, gate_up, down, weights, ids = _inputs(5, 8, 2, 32, 16, torch.float32)
+    ours = fused_moe(x, gate_up, down, torch.ones_like(weights), ids, tiles=SMALL_TILES)
+    expected = reference.fused_moe(x, gate_up, down, weights, ids)
+    assert (ours - expected).abs().max() > 100 * TOLERANCE[torch.float32]["atol"]
+
+
+def test_align_groups_pairs_by_expert_in_padded_blocks():
+    ids = torch.tensor([[2, 0], [2, 3], [0, 2]], device=DEVICE)  # pairs 0..5
+    sorted_ids, block_experts, num_padded = align_block_size(ids, num_experts=4, block_m=4)
+    # expert 0: pairs 1, 4; expert 2: pairs 0, 2, 5; expert 3: pair 3; each run padded to 4.
+    pad = 6
+    assert num_padded.tolist() == [12]
+    assert sorted_ids[:12].tolist() == [1, 4, pad, pad, 0, 2, 5, pad, 3, pad, pad, pad]
+    assert (sorted_ids[12:] == pad).all()
+    assert block_experts[:3].tolist() == [0, 2, 3]
+    assert (block_experts[3:] == 4).all(), "blocks past the real ones name no expert"
+
+
+def test_no_tokens_give_an_empty_output():
+    x, gate_up, down, weights, ids = _inputs(0, 4, 2, 16, 16, torch.float32)
+    assert fused_moe(x, gate_up, down, weights, ids).shape == (0, 16)
+
+
+@pytest.mark.parametrize(
+    ("change", "named"),
+    [
+        ({"down": torch.zeros(4, 16, 8)}, "down"),
+        ({"topk_weights": torch.ones(3, 2, dtype=torch.float64)}, "topk_weights"),
+        ({"topk_ids": torch.zeros(3, 2)}, "topk_ids"),
+        ({"x": torch.zeros(3, 16, dtype=torch.float16)}, "dtype"),
+    ],
+)
+def test_fused_moe_refuses_inputs_it_cannot_handle(change, named):
+    args = {"x": torch.zeros(3, 16), "gate_up": torch.zeros(4, 32, 16),
+            "down": torch.zeros(4, 16, 16), "topk_weights": torch.ones(3, 2),
+            "topk_ids": torch.zeros(3, 2, dtype=torch.int64)}  # fmt: skip
+    args = {name: t.to(DEVICE) for name, t in {**args, **change}.items()}
+    with pytest.raises(KernelInputError, match=named):
+        fused_moe(**args)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_tokens", [1, 8, 64, 512, 2048])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_fused_moe_matches_the_loop_at_qwen3_30b_shapes_on_the_gpu(num_tokens, dtype):
+    x, gate_up, down, weights, ids = _inputs(num_tokens, 128, 8, 2048, 768, dtype)
+    expected = reference.fused_moe(x, gate_up, down, weights, ids)
+    for tiles in (None, DECODE_TILES, PREFILL_TILES):
+        ours = fused_moe(x, gate_up, down, weights, ids, tiles=tiles)
+        torch.testing.assert_close(ours, expected, **TOLERANCE[dtype])
