@@ -1,9 +1,14 @@
-"""Triton SwiGLU activation: SiLU(gate) * up over the fused gate/up projection output.
+"""Triton gated activations over the fused gate/up projection output: SiLU(gate) * up (SwiGLU:
+Llama and most families) and GELU-tanh(gate) * up (GeGLU: Gemma).
 
-Semantics are those of `kernels.reference.silu_and_mul`, rounding included: the math is float32,
-SiLU(gate) is rounded to x's dtype (the reference's `F.silu` returns x's dtype) and the product
-is rounded once more. Programs tile [token, column block]: I is large (14336 for Llama-3-8B), so
-one row spans several programs and small batches still fill the GPU.
+Semantics are those of `kernels.reference.silu_and_mul` / `gelu_tanh_and_mul`, rounding
+included: the math is float32, the activation of gate is rounded to x's dtype (as torch's
+`F.silu` / `F.gelu` return x's dtype) and the product is rounded once more. GELU's tanh form,
+0.5·g·(1 + tanh(z)) with z = sqrt(2/pi)·(g + 0.044715·g³), is computed as g / (1 + exp(-2z)),
+the same function, finite for every g. `gated_product` is the one definition the fused
+projections (`kernels.linear`, `kernels.fp8_linear`) share. Programs tile [token, column
+block]: I is large (14336 for Llama-3-8B), so one row spans several programs and small batches
+still fill the GPU.
 """
 
 from __future__ import annotations
@@ -20,13 +25,33 @@ _BLOCK = 1024
 _NUM_WARPS = 4
 
 
+# The gated activations by name: the `activation` of a model's MLP (ModelConfig.activation).
+ACTIVATIONS = ("silu", "gelu_tanh")
+_SQRT_2_OVER_PI = tl.constexpr(0.7978845608028654)  # a Triton global must be a constexpr
+
+
 @triton.jit
-def _silu_and_mul_kernel(
+def gated_product(gate, up, ACTIVATION: tl.constexpr):
+    """act(gate) * up for tiles of x's dtype, rounded where the reference rounds (module
+    docstring); in x's dtype."""
+    g = gate.to(tl.float32)
+    if ACTIVATION == "gelu_tanh":
+        z = _SQRT_2_OVER_PI * (g + 0.044715 * g * g * g)
+        act = g / (1.0 + tl.exp(-2.0 * z))
+    else:
+        # g / (1 + exp(-g)) stays finite for very negative g (exp -> inf gives -0).
+        act = g / (1.0 + tl.exp(-g))
+    return (act.to(gate.dtype).to(tl.float32) * up.to(tl.float32)).to(gate.dtype)
+
+
+@triton.jit
+def _gated_and_mul_kernel(
     x_ptr,
     out_ptr,
     x_row_stride,
     out_row_stride,
     intermediate,
+    ACTIVATION: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
@@ -34,11 +59,9 @@ def _silu_and_mul_kernel(
     mask = cols < intermediate
     x_row = x_ptr + row * x_row_stride
     gate = tl.load(x_row + cols, mask=mask, other=0.0)
-    up = tl.load(x_row + intermediate + cols, mask=mask, other=0.0).to(tl.float32)
-    gate32 = gate.to(tl.float32)
-    # gate / (1 + exp(-gate)) stays finite for very negative gate (exp -> inf gives -0).
-    silu = (gate32 / (1.0 + tl.exp(-gate32))).to(gate.dtype).to(tl.float32)
-    tl.store(out_ptr + row * out_row_stride + cols, (silu * up).to(gate.dtype), mask=mask)
+    up = tl.load(x_row + intermediate + cols, mask=mask, other=0.0)
+    product = gated_product(gate, up, ACTIVATION)
+    tl.store(out_ptr + row * out_row_stride + cols, product, mask=mask)
 
 
 def silu_and_mul(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -48,6 +71,20 @@ def silu_and_mul(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tens
     unit column stride. Returns out, allocated when not given. Raises `KernelInputError` for
     any shape, dtype, device or layout it cannot handle.
     """
+    return gated_and_mul(x, "silu", out)
+
+
+def gelu_tanh_and_mul(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """GELU-tanh(x[:, :I]) * x[:, I:], as `silu_and_mul` takes and returns them."""
+    return gated_and_mul(x, "gelu_tanh", out)
+
+
+def gated_and_mul(
+    x: torch.Tensor, activation: str, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """act(x[:, :I]) * x[:, I:] for `activation` one of `ACTIVATIONS`."""
+    if activation not in ACTIVATIONS:
+        raise KernelInputError(f"activation {activation!r} is not one of {ACTIVATIONS}")
     _validate(x, out)
     num_tokens, width = x.shape
     intermediate = width // 2
@@ -56,12 +93,13 @@ def silu_and_mul(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tens
     if num_tokens == 0 or intermediate == 0:
         return out
     grid = (num_tokens, triton.cdiv(intermediate, _BLOCK))
-    _silu_and_mul_kernel[grid](
+    _gated_and_mul_kernel[grid](
         x,
         out,
         x.stride(0),
         out.stride(0),
         intermediate,
+        ACTIVATION=activation,
         BLOCK=_BLOCK,
         num_warps=_NUM_WARPS,
     )

@@ -30,6 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.activation import gated_product, gelu_tanh_and_mul
 from kernels.errors import KernelInputError
 from kernels.fp8 import FP8_DTYPE, FP8_MAX, MIN_AMAX
 from kernels.launch_checks import FLOAT_DTYPES, check_devices
@@ -53,9 +54,7 @@ def _row_values(x_row, offs_k, mask, k, SILU_MUL: tl.constexpr):
     if SILU_MUL:
         gate = tl.load(x_row + offs_k, mask=mask, other=0.0)
         up = tl.load(x_row + k + offs_k, mask=mask, other=0.0)
-        gate32 = gate.to(tl.float32)
-        silu = (gate32 / (1.0 + tl.exp(-gate32))).to(gate.dtype).to(tl.float32)
-        return (silu * up.to(tl.float32)).to(gate.dtype).to(tl.float32)
+        return gated_product(gate, up, "silu").to(tl.float32)
     return tl.load(x_row + offs_k, mask=mask, other=0.0).to(tl.float32)
 
 
@@ -191,7 +190,7 @@ def linear(x: torch.Tensor, weight: Fp8Weight, bias: torch.Tensor | None = None)
     """x: [M, K], weight: an [N, K] Fp8Weight, bias: [N] or None -> [M, N] in x's dtype."""
     _validate(x, weight, bias, in_features=weight.weight.shape[-1])
     if x.shape[0] == 1:
-        return _one_row(x, weight, bias, silu_mul=False)
+        return _one_row(x, weight, bias, activation="")
     xq, x_scale = quantize_rows(x, static_scale=weight.input_scale)
     return project(xq, x_scale, weight, bias, x.dtype)
 
@@ -201,9 +200,18 @@ def silu_mul_linear(x: torch.Tensor, weight: Fp8Weight) -> torch.Tensor:
     [N, I] Fp8Weight -> [M, N] in x's dtype."""
     _validate(x, weight, None, in_features=2 * weight.weight.shape[-1])
     if x.shape[0] == 1:
-        return _one_row(x, weight, None, silu_mul=True)
+        return _one_row(x, weight, None, activation="silu")
     xq, x_scale = quantize_rows(x, silu_mul=True, static_scale=weight.input_scale)
     return project(xq, x_scale, weight, None, x.dtype)
+
+
+def gelu_tanh_mul_linear(x: torch.Tensor, weight: Fp8Weight) -> torch.Tensor:
+    """`silu_mul_linear` with GELU-tanh(gate) * up (Gemma): one row fused as there; more rows
+    through `kernels.activation.gelu_tanh_and_mul`, whose product is then quantized."""
+    _validate(x, weight, None, in_features=2 * weight.weight.shape[-1])
+    if x.shape[0] == 1:
+        return _one_row(x, weight, None, activation="gelu_tanh")
+    return linear(gelu_tanh_and_mul(x), weight)
 
 
 def project(
@@ -236,9 +244,9 @@ def project(
 
 
 def _one_row(
-    x: torch.Tensor, weight: Fp8Weight, bias: torch.Tensor | None, *, silu_mul: bool
+    x: torch.Tensor, weight: Fp8Weight, bias: torch.Tensor | None, *, activation: str
 ) -> torch.Tensor:
-    """Weight-only: x (or SiLU(gate)·up of x = [gate | up]) in its dtype times the FP8 weight."""
+    """Weight-only: x (or act(gate)·up of x = [gate | up]) in its dtype times the FP8 weight."""
     n, k = weight.weight.shape
     out = torch.empty((1, n), dtype=x.dtype, device=x.device)
     if n == 0:
@@ -246,7 +254,9 @@ def _one_row(
     if k == 0:
         return out.copy_(bias[None, :]) if bias is not None else out.zero_()
     config = config_for(n, k, 1, weight.weight.element_size())
-    return gemv(x, weight.weight, bias, out, silu_mul=silu_mul, config=config, scale=weight.scale)
+    return gemv(
+        x, weight.weight, bias, out, activation=activation, config=config, scale=weight.scale
+    )
 
 
 def _launch_skinny(

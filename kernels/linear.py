@@ -12,11 +12,12 @@ for that. Each program owns a few output features and streams their weight rows 
 - 2 to 16 rows: each `[BLOCK_N, BLOCK_K]` weight tile meets all rows of x at once on the
   tensor cores (x padded to 16 rows).
 
-The down projection of one row can take the fused gate/up output and apply SiLU(gate)·up while
-loading it (`silu_mul_linear`), which saves the activation kernel and its output's round trip
-through memory. Semantics are those of `kernels.reference.linear` / `silu_mul_linear`: float32
-accumulation, the SwiGLU product rounded where the reference rounds it, bias added in float32,
-one final rounding to x's dtype. Batches of more than `MAX_ROWS` rows are the matmul library's
+The down projection of one row can take the fused gate/up output and apply SiLU(gate)·up or
+GELU-tanh(gate)·up while loading it (`silu_mul_linear`, `gelu_tanh_mul_linear`), which saves
+the activation kernel and its output's round trip through memory. Semantics are those of
+`kernels.reference.linear` / `silu_mul_linear` / `gelu_tanh_mul_linear`: float32 accumulation,
+the gated product rounded where the reference rounds it, bias added in float32, one final
+rounding to x's dtype. Batches of more than `MAX_ROWS` rows are the matmul library's
 job, and `kernels.triton_ops` routes them there.
 """
 
@@ -28,6 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.activation import ACTIVATIONS, gated_product
 from kernels.errors import KernelInputError
 from kernels.launch_checks import FLOAT_DTYPES, check_devices, triton_interprets
 from kernels.pdl import launch_options, wait_for_previous
@@ -98,16 +100,14 @@ def config_for(n: int, k: int, rows: int, itemsize: int) -> LinearConfig:
 
 
 @triton.jit
-def _x_tile(x_ptr, offs_k, x_mask, k, SILU_MUL: tl.constexpr):
-    """A tile of the one row of x, in x's dtype; with SILU_MUL, of SiLU(gate) * up for
-    x = [gate | up], rounded where `kernels.reference.silu_and_mul` rounds."""
-    if SILU_MUL:
-        gate = tl.load(x_ptr + offs_k, mask=x_mask, other=0.0)
-        up = tl.load(x_ptr + k + offs_k, mask=x_mask, other=0.0)
-        gate32 = gate.to(tl.float32)
-        silu = (gate32 / (1.0 + tl.exp(-gate32))).to(gate.dtype).to(tl.float32)
-        return (silu * up.to(tl.float32)).to(gate.dtype)
-    return tl.load(x_ptr + offs_k, mask=x_mask, other=0.0)
+def _x_tile(x_ptr, offs_k, x_mask, k, ACTIVATION: tl.constexpr):
+    """A tile of the one row of x, in x's dtype; with an ACTIVATION, of act(gate) * up for
+    x = [gate | up] (`kernels.activation.gated_product`)."""
+    if ACTIVATION == "":
+        return tl.load(x_ptr + offs_k, mask=x_mask, other=0.0)
+    gate = tl.load(x_ptr + offs_k, mask=x_mask, other=0.0)
+    up = tl.load(x_ptr + k + offs_k, mask=x_mask, other=0.0)
+    return gated_product(gate, up, ACTIVATION)
 
 
 @triton.jit
@@ -121,7 +121,7 @@ def _gemv_kernel(
     k,
     w_row_stride,
     HAS_BIAS: tl.constexpr,
-    SILU_MUL: tl.constexpr,  # x is [1, 2k] = [gate | up]; multiply SiLU(gate) * up
+    ACTIVATION: tl.constexpr,  # "", or x is [1, 2k] = [gate | up]: multiply act(gate) * up
     SCALED: tl.constexpr,  # an FP8 weight: multiply each output by its channel's scale
     EVEN_K: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -142,14 +142,14 @@ def _gemv_kernel(
     w_mask = n_mask[:, None] if EVEN_K else n_mask[:, None] & x_mask[None, :]
     w = tl.load(w_rows + offs_k[None, :], mask=w_mask, other=0.0)
     wait_for_previous(PDL)
-    x = _x_tile(x_ptr, offs_k, x_mask, k, SILU_MUL)
+    x = _x_tile(x_ptr, offs_k, x_mask, k, ACTIVATION)
     acc = w.to(tl.float32) * x.to(tl.float32)[None, :]
     for k0 in range(BLOCK_K, k, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         x_mask = offs_k < k
         w_mask = n_mask[:, None] if EVEN_K else n_mask[:, None] & x_mask[None, :]
         w = tl.load(w_rows + offs_k[None, :], mask=w_mask, other=0.0)
-        x = _x_tile(x_ptr, offs_k, x_mask, k, SILU_MUL)
+        x = _x_tile(x_ptr, offs_k, x_mask, k, ACTIVATION)
         acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
     y = tl.sum(acc, axis=1)
     if SCALED:
@@ -226,7 +226,7 @@ def linear(
     if k == 0:
         return out.copy_(bias.expand(rows, n)) if bias is not None else out.zero_()
     if config.fma:
-        return gemv(x, weight, bias, out, silu_mul=False, config=config)
+        return gemv(x, weight, bias, out, activation="", config=config)
     _skinny_linear_kernel[(triton.cdiv(n, config.block_n),)](
         x,
         weight,
@@ -256,18 +256,37 @@ def silu_mul_linear(
 ) -> torch.Tensor:
     """The MLP's down projection of SiLU(gate) * up for one row x = [gate | up]: [1, 2I],
     weight: [N, I] -> [1, N] in x's dtype. (Several rows: `silu_and_mul`, then a matmul.)"""
+    return gated_linear(x, weight, "silu", config=config)
+
+
+def gelu_tanh_mul_linear(
+    x: torch.Tensor, weight: torch.Tensor, *, config: LinearConfig | None = None
+) -> torch.Tensor:
+    """`silu_mul_linear` with GELU-tanh(gate) * up (Gemma)."""
+    return gated_linear(x, weight, "gelu_tanh", config=config)
+
+
+def gated_linear(
+    x: torch.Tensor, weight: torch.Tensor, activation: str, *, config: LinearConfig | None = None
+) -> torch.Tensor:
+    """The down projection of act(gate) * up for one row x = [gate | up], `activation` one of
+    `kernels.activation.ACTIVATIONS`."""
     in_features = weight.shape[1] if weight.dim() == 2 else -1
     _validate(x, weight, None, in_features=2 * in_features)
+    if activation not in ACTIVATIONS:
+        raise KernelInputError(f"activation {activation!r} is not one of {ACTIVATIONS}")
     if x.shape[0] != 1:
-        raise KernelInputError(f"silu_mul_linear takes one row of x, got {x.shape[0]}")
+        raise KernelInputError(f"the fused down projection takes one row of x, got {x.shape[0]}")
     n, k = weight.shape
     config = config or config_for(n, k, 1, weight.element_size())
     if not config.fma:
-        raise KernelInputError("silu_mul_linear runs on the CUDA cores: give an fma config")
+        raise KernelInputError(
+            "the fused down projection runs on the CUDA cores: give an fma config"
+        )
     out = torch.empty((1, n), dtype=x.dtype, device=x.device)
     if n == 0 or k == 0:
         return out.zero_()
-    return gemv(x, weight, None, out, silu_mul=True, config=config)
+    return gemv(x, weight, None, out, activation=activation, config=config)
 
 
 def gemv(
@@ -276,7 +295,7 @@ def gemv(
     bias: torch.Tensor | None,
     out: torch.Tensor,
     *,
-    silu_mul: bool,
+    activation: str,
     config: LinearConfig,
     scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
@@ -293,7 +312,7 @@ def gemv(
         k,
         weight.stride(0),
         HAS_BIAS=bias is not None,
-        SILU_MUL=silu_mul,
+        ACTIVATION=activation,
         SCALED=scale is not None,
         EVEN_K=k % config.block_k == 0,
         BLOCK_N=config.block_n,

@@ -60,6 +60,12 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """GELU(gate) * up, GELU with the tanh approximation (Gemma), for x: [T, 2I] -> [T, I]."""
+    gate, up = x.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up
+
+
 def linear(
     x: torch.Tensor, weight: torch.Tensor | Fp8Weight, bias: torch.Tensor | None
 ) -> torch.Tensor:
@@ -88,8 +94,7 @@ def silu_mul_linear(x: torch.Tensor, weight: torch.Tensor | Fp8Weight) -> torch.
 def gelu_tanh_mul_linear(x: torch.Tensor, weight: torch.Tensor | Fp8Weight) -> torch.Tensor:
     """The MLP's down projection of GELU(gate) * up, GELU with the tanh approximation (Gemma),
     for the fused x = [gate | up]: [T, 2I]."""
-    gate, up = x.chunk(2, dim=-1)
-    return linear(F.gelu(gate, approximate="tanh") * up, weight, None)
+    return linear(gelu_tanh_and_mul(x), weight, None)
 
 
 def fused_moe(

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from kernels import fp8_linear
 from kernels import linear as skinny
-from kernels.activation import silu_and_mul
+from kernels.activation import gelu_tanh_and_mul, silu_and_mul
 from kernels.decode_attention import paged_decode_attention
 from kernels.kv_cache_write import write_kv_cache
 from kernels.moe import fused_moe
@@ -59,10 +59,13 @@ def silu_mul_linear(x: torch.Tensor, weight: torch.Tensor | Fp8Weight) -> torch.
 
 
 def gelu_tanh_mul_linear(x: torch.Tensor, weight: torch.Tensor | Fp8Weight) -> torch.Tensor:
-    """Down projection of GELU-tanh(gate) * up (Gemma), in torch (no fused kernel yet); see
+    """Down projection of GELU-tanh(gate) * up (Gemma); see
     `kernels.reference.gelu_tanh_mul_linear`."""
-    gate, up = x.chunk(2, dim=-1)
-    return linear(F.gelu(gate, approximate="tanh") * up, weight, None)
+    if isinstance(weight, Fp8Weight):
+        return fp8_linear.gelu_tanh_mul_linear(x, weight)
+    if x.shape[0] == 1:
+        return skinny.gelu_tanh_mul_linear(x, weight)
+    return F.linear(gelu_tanh_and_mul(x), weight)
 
 
 def paged_attention(

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from kernels import reference
-from kernels.activation import silu_and_mul
+from kernels.activation import gelu_tanh_and_mul, silu_and_mul
 from kernels.errors import KernelInputError
 from kernels.kv_cache_write import write_kv_cache
 from kernels.rmsnorm import add_rms_norm, rms_norm
@@ -349,23 +349,43 @@ def test_rotary_embedding_matches_reference_at_serving_shapes(
     _check_rotary(num_tokens, num_q_heads, num_kv_heads, head_dim, dtype, "cuda")
 
 
-# --- silu_and_mul -----------------------------------------------------------------------------
+# --- gated activations (silu_and_mul, gelu_tanh_and_mul) --------------------------------------
+
+GATED = {
+    "silu": (silu_and_mul, reference.silu_and_mul),
+    "gelu_tanh": (gelu_tanh_and_mul, reference.gelu_tanh_and_mul),
+}
 
 
-def _check_silu_and_mul(
-    num_tokens: int, intermediate: int, dtype: torch.dtype, device: str
+def _check_gated(
+    activation: str, num_tokens: int, intermediate: int, dtype: torch.dtype, device: str
 ) -> None:
-    _seed("silu", num_tokens, intermediate, dtype)
+    _seed(activation, num_tokens, intermediate, dtype)
+    # Gates well into both tails (GELU's cube and SiLU's exp overflow there).
     x = torch.randn(num_tokens, 2 * intermediate, dtype=dtype, device=device) * 4
-    _assert_close(silu_and_mul(x), reference.silu_and_mul(x))
+    ours, theirs = GATED[activation]
+    _assert_close(ours(x), theirs(x))
 
 
+# exp(-g) overflows to inf in the tails, where the activation is then -0, as intended.
+@pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")
+@pytest.mark.parametrize("activation", sorted(GATED))
 @pytest.mark.parametrize(("num_tokens", "intermediate"), [(1, 64), (5, 96), (33, 64), (2, 1100)])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_silu_and_mul_matches_reference(
-    num_tokens: int, intermediate: int, dtype: torch.dtype
+def test_gated_activations_match_reference(
+    activation: str, num_tokens: int, intermediate: int, dtype: torch.dtype
 ) -> None:
-    _check_silu_and_mul(num_tokens, intermediate, dtype, DEVICE)
+    _check_gated(activation, num_tokens, intermediate, dtype, DEVICE)
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")
+def test_gated_activations_stay_finite_far_into_the_tails() -> None:
+    gate = torch.tensor([[-1e4, -100.0, -30.0, 0.0, 30.0, 100.0, 1e4, 3.0]], device=DEVICE)
+    x = torch.cat([gate, torch.ones_like(gate)], dim=1)
+    for ours, theirs in GATED.values():
+        out = ours(x)
+        assert torch.isfinite(out).all()
+        _assert_close(out, theirs(x))
 
 
 def test_silu_and_mul_writes_into_given_out() -> None:
@@ -377,18 +397,20 @@ def test_silu_and_mul_writes_into_given_out() -> None:
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("activation", sorted(GATED))
 @pytest.mark.parametrize(
     ("num_tokens", "intermediate", "dtype"),
     [
         *itertools.product([1, 3, 64, 1000, 8192], [14336], [torch.bfloat16, torch.float16]),
         (17, 1536, torch.bfloat16),  # SmolLM2-135M
+        (9, 15360, torch.bfloat16),  # Gemma-3-12B
         (17, 1000, torch.float32),
     ],
 )
-def test_silu_and_mul_matches_reference_at_serving_shapes(
-    num_tokens: int, intermediate: int, dtype: torch.dtype
+def test_gated_activations_match_reference_at_serving_shapes(
+    activation: str, num_tokens: int, intermediate: int, dtype: torch.dtype
 ) -> None:
-    _check_silu_and_mul(num_tokens, intermediate, dtype, "cuda")
+    _check_gated(activation, num_tokens, intermediate, dtype, "cuda")
 
 
 # --- input validation -------------------------------------------------------------------------

@@ -85,13 +85,29 @@ def test_one_row_multiplies_the_fp8_weight_by_x_unquantized(n, k, dtype, bias) -
     assert not torch.allclose(out, reference.linear(x, weight, b), rtol=1e-5, atol=1e-5)
 
 
-def test_one_row_down_projection_applies_silu_mul_to_x_unquantized() -> None:
+@pytest.mark.parametrize(
+    ("ours", "activation"),
+    [
+        (fp8_linear.silu_mul_linear, reference.silu_and_mul),
+        (fp8_linear.gelu_tanh_mul_linear, reference.gelu_tanh_and_mul),
+    ],
+)
+def test_one_row_down_projection_applies_the_activation_to_x_unquantized(ours, activation) -> None:
     n, k = 24, 40
     generator = torch.Generator(DEVICE).manual_seed(11)
-    gate_up = torch.randn(1, 2 * k, device=DEVICE, generator=generator)
+    gate_up = torch.randn(1, 2 * k, device=DEVICE, generator=generator) * 3
     weight = _weight(n, k, DEVICE, seed=11)
-    out = fp8_linear.silu_mul_linear(gate_up, weight)
-    expected = _weight_only_product(reference.silu_and_mul(gate_up), weight, None)
+    out = ours(gate_up, weight)
+    expected = _weight_only_product(activation(gate_up), weight, None)
+    torch.testing.assert_close(out, expected, **TOLERANCE[torch.float32])
+
+
+@pytest.mark.gpu  # the quantization kernel's float8 conversion (module docstring)
+def test_several_rows_of_the_gelu_down_projection_are_w8a8() -> None:
+    x = torch.randn(20, 2 * 48, generator=torch.Generator().manual_seed(3)).to(DEVICE) * 3
+    weight = _weight(32, 48, DEVICE, seed=3)
+    out = fp8_linear.gelu_tanh_mul_linear(x, weight)
+    expected = reference.gelu_tanh_mul_linear(x, weight)
     torch.testing.assert_close(out, expected, **TOLERANCE[torch.float32])
 
 
@@ -253,11 +269,11 @@ kernels = [
     (linear._gemv_kernel,
      {"x_ptr": "*bf16", "w_ptr": "*fp8e4nv", "w_scale_ptr": "*fp32", "b_ptr": "*bf16",
       "out_ptr": "*bf16", "n": "i32", "k": "i32", "w_row_stride": "i32",
-      "HAS_BIAS": "constexpr", "SILU_MUL": "constexpr", "SCALED": "constexpr",
+      "HAS_BIAS": "constexpr", "ACTIVATION": "constexpr", "SCALED": "constexpr",
       "EVEN_K": "constexpr", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr",
       "PDL": "constexpr"},
-     {"HAS_BIAS": True, "SILU_MUL": True, "SCALED": True, "EVEN_K": False, "BLOCK_N": 4,
-      "BLOCK_K": 2048, "PDL": True}),
+     {"HAS_BIAS": True, "ACTIVATION": "gelu_tanh", "SCALED": True, "EVEN_K": False,
+      "BLOCK_N": 4, "BLOCK_K": 2048, "PDL": True}),
     (k._fp8_skinny_kernel,
      {"xq_ptr": "*fp8e4nv", **common, "rows": "i32", "n": "i32", "k": "i32",
       "x_row_stride": "i32", "w_row_stride": "i32", "out_row_stride": "i32",

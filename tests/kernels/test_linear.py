@@ -14,7 +14,13 @@ import torch
 
 from kernels import reference, triton_ops
 from kernels.errors import KernelInputError
-from kernels.linear import MAX_ROWS, LinearConfig, linear, silu_mul_linear
+from kernels.linear import (
+    MAX_ROWS,
+    LinearConfig,
+    gelu_tanh_mul_linear,
+    linear,
+    silu_mul_linear,
+)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -72,10 +78,14 @@ def test_single_row_on_the_cuda_cores_matches_reference(n: int, k: int, bias: bo
 
     out = linear(x, weight, b, config=SMALL_FMA_TILES)
     fused = silu_mul_linear(gate_up, weight, config=SMALL_FMA_TILES)
+    geglu = gelu_tanh_mul_linear(gate_up, weight, config=SMALL_FMA_TILES)
 
     torch.testing.assert_close(out, reference.linear(x, weight, b), **TOLERANCE[torch.float16])
     torch.testing.assert_close(
         fused, reference.silu_mul_linear(gate_up, weight), **TOLERANCE[torch.float16]
+    )
+    torch.testing.assert_close(
+        geglu, reference.gelu_tanh_mul_linear(gate_up, weight), **TOLERANCE[torch.float16]
     )
 
 
@@ -149,7 +159,7 @@ def test_empty_batch_and_empty_reduction() -> None:
         (lambda: silu_mul_linear(_on_device(2, 16), _on_device(4, 8)), "one row of x, got 2"),
         (
             lambda: silu_mul_linear(_on_device(1, 16), _on_device(4, 8), config=SMALL_TILES),
-            "give an fma config",
+            "an fma config",
         ),
         (lambda: linear([[1.0]], _on_device(1, 1)), "x must be a torch.Tensor"),
         (
