@@ -8,7 +8,8 @@ decode, 128 prompt + 256 new, ms/token, and its weight bytes per second against 
 bandwidth of all the GPUs together) and W2 (offline throughput, 512-token prompts and 256 new
 tokens, at most --max-num-seqs running). AR times what a decode step spends in all-reduces: the
 2 per layer of the model, of a batch-1 and a 256-row step's hidden rows, replayed from a CUDA
-graph as the engine replays them, in `size` processes of their own. Prints Markdown rows last.
+graph as the engine replays them, in `size` processes of their own; through NCCL (what the
+engine uses) and through PyTorch's symmetric-memory one-shot all-reduce (a candidate). Prints Markdown rows last.
 
     NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 \\
         python bench/tensor_parallel.py --shape 8b --sizes 1,2 [--workloads W1,W2]
@@ -209,22 +210,11 @@ def _allreduce_rank(rank: int, size: int, rendezvous: str, hidden: int, layers: 
     results = {}
     for rows in (1, 256):
         x = torch.zeros(rows, hidden, dtype=torch.bfloat16, device=device)
-        for _ in range(3):
-            dist.all_reduce(x)
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for _ in range(2 * layers):  # after o_proj and after down_proj, every layer
-                dist.all_reduce(x)
-        graph.replay()
-        torch.cuda.synchronize()
-        times = []
-        for _ in range(20):
-            start = time.perf_counter()
-            graph.replay()
-            torch.cuda.synchronize()
-            times.append(time.perf_counter() - start)
-        results[rows] = statistics.median(times)
+        results[("NCCL", rows)] = _graph_seconds(lambda x=x: dist.all_reduce(x), 2 * layers)
+        try:  # PyTorch's symmetric-memory one-shot all-reduce (NVLink peer loads, no multicast)
+            results[("one-shot", rows)] = _graph_seconds(_one_shot(x), 2 * layers)
+        except Exception as exc:
+            results[("one-shot", rows)] = f"{type(exc).__name__}: {exc}"[:200]
     dist.barrier()
     if rank == 0:
         queue.put(results)
@@ -233,6 +223,44 @@ def _allreduce_rank(rank: int, size: int, rendezvous: str, hidden: int, layers: 
     # NCCL's destroy_process_group may not return here (see docs/BENCHMARKS.md); the process
     # has nothing left to release.
     os._exit(0)
+
+
+def _graph_seconds(op, repeats: int) -> float:
+    """Median seconds of one replay of a CUDA graph of `repeats` calls of op()."""
+    for _ in range(3):
+        op()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(repeats):  # after o_proj and after down_proj, every layer
+            op()
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(20):
+        start = time.perf_counter()
+        graph.replay()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def _one_shot(x: torch.Tensor):
+    """x += every rank's x through a symmetric-memory buffer: each rank reads its peers'
+    copies over NVLink and sums them (one step, for small messages)."""
+    import torch.distributed._symmetric_memory as symm_mem
+
+    group_name = dist.group.WORLD.group_name
+    if hasattr(symm_mem, "enable_symm_mem_for_group"):
+        symm_mem.enable_symm_mem_for_group(group_name)
+    buffer = symm_mem.empty(x.shape, dtype=x.dtype, device=x.device)
+    symm_mem.rendezvous(buffer, group_name)
+
+    def op() -> None:
+        buffer.copy_(x)
+        torch.ops.symm_mem.one_shot_all_reduce_out(buffer, "sum", group_name, x)
+
+    return op
 
 
 def allreduce(shape: str, size: int) -> None:
@@ -252,12 +280,16 @@ def allreduce(shape: str, size: int) -> None:
         results = queue.get(timeout=300)
         for proc in procs:
             proc.join(timeout=60)
-    for rows, seconds in results.items():
-        report(
-            f"AR TP={size}: {2 * layers} all-reduces of [{rows}, {hidden}] bf16 (a decode "
-            "step's), CUDA graph",
-            f"{seconds * 1e3:.2f} ms per step, {seconds / (2 * layers) * 1e6:.1f} µs each",
+    for (kind, rows), seconds in results.items():
+        name = (
+            f"AR TP={size}, {kind}: {2 * layers} all-reduces of [{rows}, {hidden}] bf16 (a "
+            "decode step's), CUDA graph"
         )
+        if isinstance(seconds, str):
+            report(name, f"failed: {seconds}")
+            continue
+        each = seconds / (2 * layers) * 1e6
+        report(name, f"{seconds * 1e3:.2f} ms per step, {each:.1f} µs each")
 
 
 def weight_bytes(shape: str) -> int:
