@@ -9,7 +9,8 @@ bandwidth of all the GPUs together) and W2 (offline throughput, 512-token prompt
 tokens, at most --max-num-seqs running). AR times what a decode step spends in all-reduces: the
 2 per layer of the model, of a batch-1 and a 256-row step's hidden rows, replayed from a CUDA
 graph as the engine replays them, in `size` processes of their own; through NCCL (what the
-engine uses) and through PyTorch's symmetric-memory one-shot all-reduce (a candidate). Prints Markdown rows last.
+engine uses) and through PyTorch's symmetric-memory one-shot all-reduce (a candidate). Prints
+Markdown rows last.
 
     NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 \\
         python bench/tensor_parallel.py --shape 8b --sizes 1,2 [--workloads W1,W2]
