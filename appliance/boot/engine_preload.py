@@ -9,9 +9,10 @@ driver module, the subprocesses Triton waits for (`ldconfig -p` to find libcuda'
 the way. None of it depends on the key or the weights. `EnginePreload` does it in one thread, in
 two stages:
 
- 1. From `start` (the process start, before the audit log opens): the imports only. Nothing in
-    this stage touches a GPU: a confidential GPU accepts work only once a passing verdict has
-    set it ready (step 4), and a CUDA runtime that failed to start would stay failed.
+ 1. From `start` (the process start, before the audit log opens): the imports, and on a GPU
+    Triton's hash of itself (in every kernel's cache key). Nothing in this stage touches a GPU:
+    a confidential GPU accepts work only once a passing verdict has set it ready (step 4), and
+    a CUDA runtime that failed to start would stay failed.
  2. From `warm_device` (called right after step 4): CUDA on the engine's device, one cuBLAS
     matmul, and one launch of a kernel the engine's first step runs (the RMSNorm of one token of
     the model's width and dtype: a variant `inferno warmup` puts in Triton's cache, so nothing
@@ -96,11 +97,20 @@ class EnginePreload:
 
     def _import_engine(self) -> None:
         importlib.import_module("appliance.boot.weights")  # the load, the engine, torch
+        import torch
+
         from kernels.backend import kernel_ops_for
 
         # The device's kernels (on a GPU, Triton's: Triton with them, its compiler and driver
         # modules included), Triton pointed at the settings' cache as the engine's config will.
         kernel_ops_for(self.engine.device, triton_cache_dir=self.engine.triton_cache_dir)
+        if torch.device(self.engine.device).type == "cuda":
+            from triton.runtime.cache import triton_key
+
+            # Every kernel's cache key holds a hash of Triton's own sources and of libtriton
+            # (hundreds of MB), computed once per process at the first launch. Hashing and
+            # reading release the GIL: here it runs beside the server's imports.
+            triton_key()
 
 
 def _warm_device(config: EngineConfig) -> None:

@@ -53,6 +53,27 @@ def test_the_server_imports_no_torch_before_the_preload_does() -> None:
     assert _run(_NO_TORCH_BEFORE_THE_PRELOAD) == "[] True True None"
 
 
+_GPU_ENGINE_BEFORE_THE_VERDICT = """
+import sys, torch
+from appliance.boot.engine_preload import EnginePreload
+from appliance.engine.engine_settings import EngineSettings
+from triton.runtime.cache import triton_key
+preload = EnginePreload.start(EngineSettings(device="cuda", triton_cache_dir=sys.argv[1]))
+preload.cancel()  # the gate closed: stage 2 never comes
+preload.wait()
+print(torch.cuda.is_initialized(), "kernels.triton_ops" in sys.modules,
+      triton_key.cache_info().currsize, preload.device_s)
+"""
+
+
+def test_before_the_verdict_a_gpu_engine_s_preload_reaches_no_gpu(tmp_path: Path) -> None:
+    """Stage 1 for a CUDA engine, on any machine: Triton's kernels imported and Triton's hash
+    of itself computed, and CUDA never initialized (on a machine without a GPU, reaching one
+    would have failed the thread, and `wait` raised)."""
+    result = _run(_GPU_ENGINE_BEFORE_THE_VERDICT, str(tmp_path / "triton-cache"))
+    assert result == "False True 1 None"
+
+
 # In a fresh process whose Triton cache `inferno warmup`'s workload filled: the preload (both
 # stages, a model drawn meanwhile as the load would decrypt one), then the engine built and one
 # of the warm-up's own requests run, watching for subprocesses and for modules imported there.
