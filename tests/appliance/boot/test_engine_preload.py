@@ -61,17 +61,19 @@ from triton.runtime.cache import triton_key
 preload = EnginePreload.start(EngineSettings(device="cuda", triton_cache_dir=sys.argv[1]))
 preload.cancel()  # the gate closed: stage 2 never comes
 preload.wait()
-print(torch.cuda.is_initialized(), "kernels.triton_ops" in sys.modules,
+with open("/proc/self/maps") as maps:  # the CUDA driver is loaded by the first call into it
+    driver_loaded = "libcuda.so" in maps.read()
+print(torch.cuda.is_initialized(), driver_loaded, "kernels.triton_ops" in sys.modules,
       triton_key.cache_info().currsize, preload.device_s)
 """
 
 
 def test_before_the_verdict_a_gpu_engine_s_preload_reaches_no_gpu(tmp_path: Path) -> None:
     """Stage 1 for a CUDA engine, on any machine: Triton's kernels imported and Triton's hash
-    of itself computed, and CUDA never initialized (on a machine without a GPU, reaching one
-    would have failed the thread, and `wait` raised)."""
+    of itself computed, while CUDA was never initialized and the CUDA driver library never even
+    loaded (on the GPU machine too: nothing called into it)."""
     result = _run(_GPU_ENGINE_BEFORE_THE_VERDICT, str(tmp_path / "triton-cache"))
-    assert result == "False True 1 None"
+    assert result == "False False True 1 None"
 
 
 # In a fresh process whose Triton cache `inferno warmup`'s workload filled: the preload (both
