@@ -20,9 +20,10 @@ graph capture, first token; from the audit log's own records where it has them (
 `attestation_ms` and `load_phases_ms`) and from the two processes' clocks otherwise. Beside
 them, the preload's two stages, which run in the background: the sum of all phases exceeds the
 wall time by what overlapped. The synthetic devices are made in the serving process before its
-start-up begins (their keys cannot cross processes); that time is measured and taken out, since
-a real machine has its devices already. Each run lists the subprocesses the serving process
-started (when, and in which thread: `engine-preload` is off the start's path).
+start-up begins, and before the preload starts (their keys cannot cross processes); that time
+is measured and taken out, since a real machine has its devices already. Each run lists the
+subprocesses the serving process started (when, and in which thread: `engine-preload` is off
+the start's path).
 
 Bytecode (`--bytecode`): an installed appliance runs from bytecode pip compiled at install, while
 the GPU machine sets PYTHONDONTWRITEBYTECODE=1 and so compiles every module of torch from source
@@ -225,32 +226,19 @@ def serve(config: Path, spawned_s: float, with_preload: bool) -> None:
     it existed). Every subprocess this process starts is noted in `subprocesses.jsonl` beside
     the settings (when, which thread, the command), and the preload's own times in
     `preload.json` once it has ended."""
-    imported_s = time.time()
     import threading
 
     from appliance.boot.engine_preload import EnginePreload
-    from appliance.config import load_section
+    from appliance.config import load_section, settings_from_mapping
     from appliance.engine.engine_settings import EngineSettings
-
-    work = config.parent
-    _note_subprocesses(work / "subprocesses.jsonl", since_s=spawned_s)
-    preload = None
-    if with_preload:
-        preload = EnginePreload.start(load_section(config, EngineSettings))
-        threading.Thread(target=_note_preload, args=(preload, work / "preload.json")).start()
-    from appliance.app import build
-    from appliance.attestation.devices import EvidenceCollection, OfflineVerifier
-    from appliance.attestation.service import TeeService
-    from appliance.boot.startup import start_audit_log
-    from appliance.config import settings_from_mapping
-    from appliance.server import listen
-    from appliance.server import serve as serve_app
     from tests.appliance.attestation.synthetic_tee import SyntheticCpu, SyntheticGpus, write_policy
     from tests.attestation.cpu.synthetic import SyntheticSnp
     from tests.attestation.gpu.synthetic import synthetic_gpu_setup
 
-    imports_s = time.time() - imported_s
+    # The synthetic devices first, timed apart: the preload starts only after them, so that
+    # none of its work hides in the time taken out.
     devices_started_s = time.time()
+    work = config.parent
     devices = Path(tempfile.mkdtemp(prefix="devices-", dir=work))
     gpus = synthetic_gpu_setup(devices / "gpu", num_gpus=1)
     snp = SyntheticSnp.create()
@@ -265,6 +253,20 @@ def serve(config: Path, spawned_s: float, with_preload: bool) -> None:
         "cpu_trust_dir": str(snp.write_trust_directory(devices / "cpu-trust")),
     }
     devices_s = time.time() - devices_started_s
+
+    _note_subprocesses(work / "subprocesses.jsonl", since_s=spawned_s)
+    preload = None
+    if with_preload:
+        preload = EnginePreload.start(load_section(config, EngineSettings))
+        threading.Thread(target=_note_preload, args=(preload, work / "preload.json")).start()
+    from appliance.app import build
+    from appliance.attestation.devices import EvidenceCollection, OfflineVerifier
+    from appliance.attestation.service import TeeService
+    from appliance.boot.startup import start_audit_log
+    from appliance.server import listen
+    from appliance.server import serve as serve_app
+
+    imports_s = time.time() - _STARTED_S - devices_s
 
     with config.open("rb") as f:
         tables = tomllib.load(f)
@@ -284,7 +286,7 @@ def serve(config: Path, spawned_s: float, with_preload: bool) -> None:
             {
                 "url": listener.url,
                 "python_start_s": _STARTED_S - spawned_s,
-                "imports_s": imports_s + (imported_s - _STARTED_S),
+                "imports_s": imports_s,
                 "synthetic_devices_s": devices_s,
                 "audit_open_s": audit_s,
             }
@@ -300,7 +302,8 @@ def _note_subprocesses(path: Path, since_s: float) -> None:
 
     def hook(event: str, args: tuple[Any, ...]) -> None:
         if event == "subprocess.Popen":
-            argv = [str(arg) for arg in args[1]][:3] if args[1] else [str(args[0])]
+            command = args[1] if isinstance(args[1], list | tuple) else [args[1] or args[0]]
+            argv = [str(arg) for arg in command][:3]
             line = {"at_s": time.time() - since_s, "thread": threading.current_thread().name}
             with path.open("a") as f:
                 f.write(json.dumps({**line, "argv": argv}) + "\n")
