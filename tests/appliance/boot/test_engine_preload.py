@@ -58,20 +58,24 @@ import sys, torch
 from appliance.boot.engine_preload import EnginePreload
 from appliance.engine.engine_settings import EngineSettings
 from triton.runtime.cache import triton_key
+
+def driver_loaded():  # libcuda is mapped by the first call into the CUDA driver
+    with open("/proc/self/maps") as maps:
+        return "libcuda.so" in maps.read()
+
+loaded_before = driver_loaded()
 preload = EnginePreload.start(EngineSettings(device="cuda", triton_cache_dir=sys.argv[1]))
 preload.cancel()  # the gate closed: stage 2 never comes
 preload.wait()
-with open("/proc/self/maps") as maps:  # the CUDA driver is loaded by the first call into it
-    driver_loaded = "libcuda.so" in maps.read()
-print(torch.cuda.is_initialized(), driver_loaded, "kernels.triton_ops" in sys.modules,
-      triton_key.cache_info().currsize, preload.device_s)
+print(torch.cuda.is_initialized(), driver_loaded() and not loaded_before,
+      "kernels.triton_ops" in sys.modules, triton_key.cache_info().currsize, preload.device_s)
 """
 
 
 def test_before_the_verdict_a_gpu_engine_s_preload_reaches_no_gpu(tmp_path: Path) -> None:
     """Stage 1 for a CUDA engine, on any machine: Triton's kernels imported and Triton's hash
-    of itself computed, while CUDA was never initialized and the CUDA driver library never even
-    loaded (on the GPU machine too: nothing called into it)."""
+    of itself computed, while torch made no CUDA context and the CUDA driver library was not
+    loaded by the preload (on the GPU machine too: nothing called into the driver)."""
     result = _run(_GPU_ENGINE_BEFORE_THE_VERDICT, str(tmp_path / "triton-cache"))
     assert result == "False False True 1 None"
 
