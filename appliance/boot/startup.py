@@ -18,7 +18,9 @@ Then, as the server starts (`StartUp.run`; `/live` answers and `/health` says wh
     The tensor-parallel workers, one per further GPU, are started only in step 6.
  5. A sealed model's data key is released to that verdict by the key provider.
  6. The weights are decrypted straight into memory (sealed) or read from `model.dir`, and the
-    engine is built around them.
+    engine is built around them. The engine's preload (`inferno serve`:
+    appliance.boot.engine_preload), importing the engine since the process started, is let onto
+    the GPUs after step 4 and waited for before the engine's first step.
  7. Warm-up happens as the engine is built (the KV pool is profiled, the CUDA graphs captured);
     `boot.ready` records the time of each phase, and only then is inference served.
  8. Re-attest every `tee.reattest_interval_s`, or at once when a client's attestation failed.
