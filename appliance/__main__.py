@@ -371,6 +371,11 @@ def _run_serve(args: argparse.Namespace) -> int:
     # Settings first: their errors answer at once, before torch and the app are imported.
     settings = load_settings(settings_file(args.config, demo_default=False))
     _configure_logging_from(settings, args)
+    from appliance.boot.engine_preload import EnginePreload
+
+    # torch, Triton and the kernels import in the background while the app is built, the audit
+    # log opens and the TEE is attested; the engine's GPU set-up follows the verdict.
+    preload = EnginePreload.start(settings.engine)
     from appliance.app import build
     from appliance.boot.startup import start_audit_log
     from appliance.server import listen, serve
@@ -378,7 +383,7 @@ def _run_serve(args: argparse.Namespace) -> int:
     # The app closes the log at its shutdown (after a SIGTERM the process ends right after);
     # closing it here as well covers a start that fails before serving.
     with start_audit_log(settings) as audit_log:
-        app = build(settings, audit_log)
+        app = build(settings, audit_log, preload=preload)
         listener = listen(settings)
         serve(settings, app, listener)
     return 0

@@ -15,7 +15,7 @@ import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from functools import partial
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI
 
@@ -47,8 +47,8 @@ from appliance.auth.idp_http import IdpHttp, idp_tls_context
 from appliance.auth.local_issuer import LocalIssuer
 from appliance.auth.oidc_login import ConsoleLogin
 from appliance.auth.sessions import SessionStore
+from appliance.boot.engine_preload import EnginePreload
 from appliance.boot.startup import StartUp
-from appliance.boot.weights import LoadedModel
 from appliance.config import Settings
 from appliance.console import attestation_records, audit_export, ticket_sign_in, tokens, usage_page
 from appliance.console import routes as console
@@ -57,6 +57,9 @@ from appliance.console.pages import ConsolePages, SignIn
 from appliance.console.series import SAMPLE_INTERVAL_S, SeriesSampler
 from attestation.keys import KeyProvider
 from audit.log import AuditLog
+
+if TYPE_CHECKING:  # torch: the start-up's preload thread imports it (appliance.boot.engine_preload)
+    from appliance.boot.weights import LoadedModel
 
 logger = logging.getLogger(__name__)
 
@@ -71,6 +74,7 @@ def build(
     model: LoadedModel | None = None,
     tee: TeeService | None = None,
     keys: KeyProvider | None = None,
+    preload: EnginePreload | None = None,
     series_interval_s: float = SAMPLE_INTERVAL_S,
 ) -> FastAPI:
     """The appliance's HTTP app.
@@ -85,8 +89,11 @@ def build(
     runs (or why one failed). With `model` (the demo, tests, benchmarks: insecure-dev only),
     that model is served; its engine is not closed afterwards, so several apps in turn can share
     one. A sealed model's data key comes from `keys`, by default the provider `settings.sealed`
-    names. The console's time series is sampled every `series_interval_s` while the app runs
-    (tests shorten it). Raises BootError for what could never start (StartUp.prepare).
+    names. `preload`: the engine's once-only work, started in the background before the app was
+    built (`inferno serve`: appliance.boot.engine_preload); the start-up sequence lets it use
+    the GPUs once they are attested, and waits for it before the engine's first step. The
+    console's time series is sampled every `series_interval_s` while the app runs (tests
+    shorten it). Raises BootError for what could never start (StartUp.prepare).
     """
     readiness = Readiness(lambda: audit_log.failure)
     admission = Admission(settings.server.max_concurrent_requests, settings.server.retry_after_s)
@@ -101,6 +108,7 @@ def build(
         tee=tee,
         model=model,
         keys=keys,
+        preload=preload,
     )
     sampler = SeriesSampler(server_metrics, GpuMonitor(), series_interval_s)
     auth = settings.auth

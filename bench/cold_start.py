@@ -5,20 +5,38 @@ Setup (not timed): the Llama-3.1-8B architecture with random bf16 weights writte
 with the `file` key provider, the plaintext deleted; Triton's cache filled by `inferno warmup`
 (the offline bundle ships it, docs/INSTALL.md); synthetic TEE devices and their policy.
 
-Each run starts a new process (`--serve`) that does what `inferno serve` does: imports,
-settings, the audit log (`boot.start`), then the start-up sequence of appliance.boot.startup
-with the real verifiers over synthetic GPU and SEV-SNP evidence (tests/appliance/attestation/
-synthetic_tee.py, as the e2e tests: the appliance cannot attest on a machine with CC off), the
-key release, decryption straight into GPU memory, the engine's build (KV pool, profiled step,
-CUDA graphs). This process polls /health every 10 ms and, once ready, asks for one token.
+Each run starts a new process (`--serve`) that does what `inferno serve` does: the engine's
+preload started in the background (appliance.boot.engine_preload: torch, Triton and the kernels
+imported; after the verdict the CUDA context, cuBLAS and Triton's first launch), the server's
+own imports, settings, the audit log (`boot.start`), then the start-up sequence of
+appliance.boot.startup with the real verifiers over synthetic GPU and SEV-SNP evidence
+(tests/appliance/attestation/synthetic_tee.py, as the e2e tests: the appliance cannot attest on
+a machine with CC off), the key release, decryption straight into GPU memory, the wait for the
+preload, the engine's build (KV pool, profiled step, CUDA graphs). This process polls /health
+every 10 ms and, once ready, asks for one token.
 
-Phases, from the audit log's own records where it has them (boot.ready's `attestation_ms` and
-`load_phases_ms`) and from the two processes' clocks otherwise. The synthetic devices are made
-in the serving process before its start-up begins (their keys cannot cross processes); that
-time is measured and taken out, since a real machine has its devices already.
+Phases, as issue 17 names them: audit open, attestation, key release, decrypt + load, warm-up /
+graph capture, first token; from the audit log's own records where it has them (boot.ready's
+`attestation_ms` and `load_phases_ms`) and from the two processes' clocks otherwise. Beside
+them, the preload's two stages, which run in the background: the sum of all phases exceeds the
+wall time by what overlapped. The synthetic devices are made in the serving process before its
+start-up begins, and before the preload starts (their keys cannot cross processes); that time
+is measured and taken out, since a real machine has its devices already. Each run lists the
+subprocesses the serving process started (when, and in which thread: `engine-preload` is off
+the start's path).
+
+Bytecode (`--bytecode`): an installed appliance runs from bytecode pip compiled at install, while
+the GPU machine sets PYTHONDONTWRITEBYTECODE=1 and so compiles every module of torch from source
+at each start. By default (`installed`) an untimed serving run first writes the bytecode of
+every module a start imports into a PYTHONPYCACHEPREFIX of the work directory, and the timed
+runs read it (and write nothing): what an installed appliance pays. `none` measures the
+environment as it is.
 
     python bench/cold_start.py [--shape 8b|tiny] [--device cuda|cpu] [--runs 3] [--dir DIR]
-        [--drop-caches]
+        [--drop-caches] [--bytecode installed|none] [--baseline]
+
+`--baseline`: each run is preceded by one without the preload (the start as it was before it),
+on the same machine, model and bytecode, for comparison.
 """
 
 from __future__ import annotations
@@ -201,21 +219,24 @@ file_key_dir = "{work / "keys"}"
 # ---- one run: the serving process --------------------------------------------------------
 
 
-def serve(config: Path, spawned_s: float) -> None:
-    """What `inferno serve` does, with synthetic TEE devices made first (timed apart)."""
-    imported_s = time.time()
-    from appliance.app import build
-    from appliance.attestation.devices import EvidenceCollection, OfflineVerifier
-    from appliance.attestation.service import TeeService
-    from appliance.boot.startup import start_audit_log
-    from appliance.config import settings_from_mapping
-    from appliance.server import listen
-    from appliance.server import serve as serve_app
+def serve(config: Path, spawned_s: float, with_preload: bool) -> None:
+    """What `inferno serve` does (the engine's preload started first, then the app's imports),
+    with synthetic TEE devices made first (timed apart); `with_preload=False`: without the
+    preload, every import and the engine's once-only work on the start's own path (as before
+    it existed). Every subprocess this process starts is noted in `subprocesses.jsonl` beside
+    the settings (when, which thread, the command), and the preload's own times in
+    `preload.json` once it has ended."""
+    import threading
+
+    from appliance.boot.engine_preload import EnginePreload
+    from appliance.config import load_section, settings_from_mapping
+    from appliance.engine.engine_settings import EngineSettings
     from tests.appliance.attestation.synthetic_tee import SyntheticCpu, SyntheticGpus, write_policy
     from tests.attestation.cpu.synthetic import SyntheticSnp
     from tests.attestation.gpu.synthetic import synthetic_gpu_setup
 
-    imports_s = time.time() - imported_s
+    # The synthetic devices first, timed apart: the preload starts only after them, so that
+    # none of its work hides in the time taken out.
     devices_started_s = time.time()
     work = config.parent
     devices = Path(tempfile.mkdtemp(prefix="devices-", dir=work))
@@ -233,6 +254,20 @@ def serve(config: Path, spawned_s: float) -> None:
     }
     devices_s = time.time() - devices_started_s
 
+    _note_subprocesses(work / "subprocesses.jsonl", since_s=spawned_s)
+    preload = None
+    if with_preload:
+        preload = EnginePreload.start(load_section(config, EngineSettings))
+        threading.Thread(target=_note_preload, args=(preload, work / "preload.json")).start()
+    from appliance.app import build
+    from appliance.attestation.devices import EvidenceCollection, OfflineVerifier
+    from appliance.attestation.service import TeeService
+    from appliance.boot.startup import start_audit_log
+    from appliance.server import listen
+    from appliance.server import serve as serve_app
+
+    imports_s = time.time() - _STARTED_S - devices_s
+
     with config.open("rb") as f:
         tables = tomllib.load(f)
     settings = settings_from_mapping({**tables, "tee": tee}, base_dir=work)
@@ -244,14 +279,14 @@ def serve(config: Path, spawned_s: float) -> None:
     audit_started_s = time.time()
     log = start_audit_log(settings)
     audit_s = time.time() - audit_started_s
-    app = build(settings, log, tee=service)
+    app = build(settings, log, tee=service, preload=preload)
     listener = listen(settings)
     print(
         json.dumps(
             {
                 "url": listener.url,
                 "python_start_s": _STARTED_S - spawned_s,
-                "imports_s": imports_s + (imported_s - _STARTED_S),
+                "imports_s": imports_s,
                 "synthetic_devices_s": devices_s,
                 "audit_open_s": audit_s,
             }
@@ -261,17 +296,51 @@ def serve(config: Path, spawned_s: float) -> None:
     serve_app(settings, app, listener)
 
 
+def _note_subprocesses(path: Path, since_s: float) -> None:
+    """Append a line to `path` for every subprocess this process starts from now on."""
+    import threading
+
+    def hook(event: str, args: tuple[Any, ...]) -> None:
+        if event == "subprocess.Popen":
+            command = args[1] if isinstance(args[1], list | tuple) else [args[1] or args[0]]
+            argv = [str(arg) for arg in command][:3]
+            line = {"at_s": time.time() - since_s, "thread": threading.current_thread().name}
+            with path.open("a") as f:
+                f.write(json.dumps({**line, "argv": argv}) + "\n")
+
+    sys.addaudithook(hook)
+
+
+def _note_preload(preload: Any, path: Path) -> None:
+    """Once the preload has ended: its stages' durations (or its error) into `path`."""
+    try:
+        preload.wait()
+        error = None
+    except Exception as exc:
+        error = str(exc)
+    times = {"imports_s": preload.imports_s, "device_s": preload.device_s, "error": error}
+    path.write_text(json.dumps(times))
+
+
 # ---- one run: this process ---------------------------------------------------------------
 
 
-def run_once(config: Path, prompt: str) -> dict[str, float]:
+def run_once(
+    config: Path, prompt: str, env: dict[str, str], *, with_preload: bool = True
+) -> dict[str, float]:
+    """One serving process, from its start to the first token; the phases (module docstring)."""
+    work = config.parent
+    for note in ("subprocesses.jsonl", "preload.json"):
+        (work / note).unlink(missing_ok=True)
     spawned_s = time.time()
+    without = [] if with_preload else ["--without-preload"]
     child = subprocess.Popen(
-        [sys.executable, __file__, "--serve", str(config), "--spawned", repr(spawned_s)],
+        [sys.executable, __file__, "--serve", str(config), "--spawned", repr(spawned_s), *without],
         stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,
         text=True,
         cwd=ROOT,
+        env=env,
     )
     try:
         assert child.stdout is not None
@@ -310,18 +379,48 @@ def run_once(config: Path, prompt: str) -> dict[str, float]:
         child.wait(timeout=60)
     ready = _boot_ready(config)
     phases = ready["load_phases_ms"]
-    total_s = first_token_s - spawned_s - info["synthetic_devices_s"]
-    return {
+    preload = {"imports_s": None, "device_s": None, "error": None}
+    if with_preload:
+        preload = json.loads((work / "preload.json").read_text())
+    if preload["error"] is not None:
+        raise SystemExit(f"the preload failed: {preload['error']}")
+    wall_s = first_token_s - spawned_s - info["synthetic_devices_s"]
+    # The start's own path, in order: each phase waits for the one before it.
+    path = {
         "python start": info["python_start_s"],
-        "imports": info["imports_s"],
-        "audit log open (boot.start)": info["audit_open_s"],
+        "imports (the server's own; torch is imported with the engine)": info["imports_s"],
+        "audit open (boot.start)": info["audit_open_s"],
         "attestation (collect, verify, record)": ready["attestation_ms"] / 1000,
         "key release": phases["key_release_ms"] / 1000,
-        "decrypt + load weights": phases["weights_ms"] / 1000,
-        "engine build (KV pool, profiled step, CUDA graphs)": phases["engine_build_ms"] / 1000,
-        "ready -> first token": first_token_s - ready_s,
-        "W5 total (synthetic devices taken out)": total_s,
+        "decrypt + load": phases["weights_ms"] / 1000,
+        "waiting for the preload": phases.get("preload_wait_ms", 0.0) / 1000,
+        "warm-up / graph capture (KV pool, profiled step, CUDA graphs)": (
+            phases["engine_build_ms"] / 1000
+        ),
+        "first token (ready -> first token of a request)": first_token_s - ready_s,
     }
+    # Beside it, in the preload's thread (appliance.boot.engine_preload).
+    background = {
+        "preload: torch, Triton, kernels imported (background)": preload["imports_s"] or 0.0,
+        "preload: CUDA, cuBLAS, Triton's first launch (background)": preload["device_s"] or 0.0,
+    }
+    path_s = sum(path.values())
+    return {
+        **path,
+        **background,
+        "rest (app build: without the preload, torch's import; listen; /health)": wall_s - path_s,
+        "sum of the phases (the start's path and the background)": (
+            wall_s + sum(background.values())
+        ),
+        "W5 wall: process start -> first token (synthetic devices taken out)": wall_s,
+    }
+
+
+def _subprocesses(work: Path) -> list[dict[str, Any]]:
+    notes = work / "subprocesses.jsonl"
+    if not notes.exists():
+        return []
+    return [json.loads(line) for line in notes.read_text().splitlines()]
 
 
 def _token(config: Path) -> str:
@@ -367,6 +466,32 @@ def _in_child(function: Callable[..., None], *args: Any) -> None:
         raise SystemExit(f"{function.__name__} failed (exit status {child.exitcode})")
 
 
+def _drop_page_cache() -> bool:
+    """Drop the page cache (root only); whether it was."""
+    os.sync()
+    try:
+        Path("/proc/sys/vm/drop_caches").write_text("3\n")
+    except OSError as exc:
+        print(f"the page cache could not be dropped ({exc.strerror}): warm only")
+        return False
+    return True
+
+
+def child_env(work: Path, bytecode: str, *, write: bool = False) -> dict[str, str]:
+    """The serving process's environment. `installed`: Python reads compiled bytecode from
+    `work/pycache` (PYTHONPYCACHEPREFIX), as an installed appliance reads what pip compiled;
+    `write` lets the process fill it (the untimed priming run). `none`: nothing is written and
+    no prefix is set, so whatever bytecode the environment has is read, and every other module
+    is compiled from source at each start (the GPU machine runs with PYTHONDONTWRITEBYTECODE=1:
+    there, all of torch)."""
+    env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1"}
+    if bytecode == "installed":
+        env["PYTHONPYCACHEPREFIX"] = str(work / "pycache")
+        if write:
+            del env["PYTHONDONTWRITEBYTECODE"]
+    return env
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shape", choices=("8b", "tiny"), default="8b")
@@ -376,11 +501,25 @@ def main() -> None:
     parser.add_argument(
         "--drop-caches", action="store_true", help="drop the page cache before the first run (root)"
     )
+    parser.add_argument(
+        "--bytecode",
+        choices=("installed", "none"),
+        default="installed",
+        help="installed: an untimed run first writes the bytecode of every module a start "
+        "imports, which the timed runs read (what pip's compiled install gives); none: the "
+        "environment's own bytecode, the rest compiled from source at each start",
+    )
+    parser.add_argument(
+        "--baseline",
+        action="store_true",
+        help="before each run, one more without the engine's preload (the start as it was)",
+    )
     parser.add_argument("--serve", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--spawned", type=float, help=argparse.SUPPRESS)
+    parser.add_argument("--without-preload", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.serve is not None:
-        serve(args.serve, args.spawned)
+        serve(args.serve, args.spawned, with_preload=not args.without_preload)
         return
     work = Path(tempfile.mkdtemp(prefix="cold-start-", dir=args.dir))
     shape = LLAMA_31_8B if args.shape == "8b" else TINY
@@ -394,20 +533,28 @@ def main() -> None:
         # What `inferno warmup` does (the settings above need the synthetic [tee] to load).
         _in_child(warm_up, work, args.device)
     prompt = " ".join(f"t{i}" for i in range(2, 130))
-    results = []
+    if args.bytecode == "installed":
+        run_once(config, prompt, child_env(work, args.bytecode, write=True))
+        num_files = sum(1 for _ in (work / "pycache").rglob("*.pyc"))
+        print(f"bytecode: {num_files} modules compiled into {work / 'pycache'} by an untimed run")
+    else:
+        print("bytecode: the environment's own; every other module compiles at each start")
+    env = child_env(work, args.bytecode)
     for run in range(args.runs):
-        cache = "warm"
-        if args.drop_caches and run == 0:
-            os.sync()
-            try:
-                Path("/proc/sys/vm/drop_caches").write_text("3\n")
-                cache = "cold"
-            except OSError as exc:
-                print(f"the page cache could not be dropped ({exc.strerror}): warm only")
-        results.append(run_once(config, prompt))
-        print(f"run {run + 1} (page cache {cache}):")
-        for phase, seconds in results[-1].items():
-            print(f"  {phase:55s} {seconds:7.3f} s", flush=True)
+        for with_preload in (False, True) if args.baseline else (True,):
+            cache = "warm"
+            if args.drop_caches and run == 0:
+                cache = "cold" if _drop_page_cache() else "warm"
+            result = run_once(config, prompt, env, with_preload=with_preload)
+            what = "with the preload" if with_preload else "baseline: no preload"
+            print(f"run {run + 1} (page cache {cache}, bytecode {args.bytecode}, {what}):")
+            for phase, seconds in result.items():
+                print(f"  {phase:72s} {seconds:7.3f} s", flush=True)
+            spawned = _subprocesses(work)
+            print(f"  subprocesses started: {len(spawned)}")
+            for note in spawned:
+                argv = " ".join(note["argv"])
+                print(f"    at {note['at_s']:6.3f} s in {note['thread']}: {argv}")
     shutil.rmtree(work)
 
 

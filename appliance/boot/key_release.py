@@ -13,10 +13,9 @@ Order, each step failing closed:
 from __future__ import annotations
 
 import time
+from typing import TYPE_CHECKING
 
-from appliance.boot.weights import LoadedModel
 from appliance.config import SealedSettings
-from appliance.engine.engine import EngineConfig
 from attestation.keys import (
     FileKeySettings,
     KeyProvider,
@@ -27,6 +26,11 @@ from attestation.keys import (
 from attestation.sealed import SealedModel
 from attestation.sealed.manifest import load_manifest_public_key
 from attestation.verdict import Verdict
+
+if TYPE_CHECKING:  # torch: imported by the preload thread (appliance.boot.engine_preload)
+    from appliance.boot.engine_preload import EnginePreload
+    from appliance.boot.weights import LoadedModel
+    from appliance.engine.engine import EngineConfig
 
 
 def key_provider(settings: SealedSettings, *, production: bool) -> KeyProvider:
@@ -47,10 +51,19 @@ def key_provider(settings: SealedSettings, *, production: bool) -> KeyProvider:
 
 
 def release_and_load(
-    config: EngineConfig, settings: SealedSettings, provider: KeyProvider, verdict: Verdict
+    config: EngineConfig,
+    settings: SealedSettings,
+    provider: KeyProvider,
+    verdict: Verdict,
+    *,
+    preload: EnginePreload | None = None,
 ) -> LoadedModel:
-    """Steps 1-3 of the module docstring. Raises SealedModelError (manifest, files, chunks),
-    KeyReleaseError (the provider refused or failed) or EngineError (an unusable model)."""
+    """Steps 1-3 of the module docstring; `preload` is waited for before the engine's first
+    step (LoadedModel.load_sealed). Raises SealedModelError (manifest, files, chunks),
+    KeyReleaseError (the provider refused or failed), EngineError (an unusable model) or
+    PreloadError."""
+    from appliance.boot.weights import LoadedModel
+
     assert settings.manifest_public_key_file is not None, "a sealed model is configured"
     manifest_key = load_manifest_public_key(settings.manifest_public_key_file)
     sealed = SealedModel.open(config.model_dir, manifest_key=manifest_key)
@@ -58,5 +71,7 @@ def release_and_load(
     started_s = time.monotonic()
     data_key = provider.release_data_key(manifest.key_id, manifest.wrapped_key, verdict)
     released_ms = (time.monotonic() - started_s) * 1000
-    loaded = LoadedModel.load_sealed(config, sealed, data_key, workers=settings.decrypt_workers)
+    loaded = LoadedModel.load_sealed(
+        config, sealed, data_key, workers=settings.decrypt_workers, preload=preload
+    )
     return loaded.with_phase("key_release_ms", round(released_ms, 3))

@@ -18,7 +18,9 @@ Then, as the server starts (`StartUp.run`; `/live` answers and `/health` says wh
     The tensor-parallel workers, one per further GPU, are started only in step 6.
  5. A sealed model's data key is released to that verdict by the key provider.
  6. The weights are decrypted straight into memory (sealed) or read from `model.dir`, and the
-    engine is built around them.
+    engine is built around them. The engine's preload (`inferno serve`:
+    appliance.boot.engine_preload), importing the engine since the process started, is let onto
+    the GPUs after step 4 and waited for before the engine's first step.
  7. Warm-up happens as the engine is built (the KV pool is profiled, the CUDA graphs captured);
     `boot.ready` records the time of each phase, and only then is inference served.
  8. Re-attest every `tee.reattest_interval_s`, or at once when a client's attestation failed.
@@ -39,6 +41,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
 from functools import partial
+from typing import TYPE_CHECKING
 
 from appliance.api.admission import Admission
 from appliance.api.audit_trail import AuditTrail
@@ -54,14 +57,12 @@ from appliance.boot.audit_events import (
     engine_stopped,
 )
 from appliance.boot.audit_log import open_audit_log
+from appliance.boot.engine_preload import EnginePreload, PreloadError
 from appliance.boot.gpu_coverage import GpuCoverageError, engine_gpu_uuids, verify_gpus_covered
 from appliance.boot.key_release import key_provider, release_and_load
-from appliance.boot.weights import LoadedModel
 from appliance.config import Settings
 from appliance.engine.async_engine import AsyncEngine
-from appliance.engine.engine import EngineConfig
 from appliance.engine.errors import EngineError
-from appliance.engine.models.config import ModelConfig
 from appliance.errors import BootError, ModelFilesError, TlsError
 from appliance.tls import certificate_spki_sha256
 from attestation.binding import Channel
@@ -71,6 +72,10 @@ from attestation.sealed.manifest import SealedManifest
 from audit.errors import AuditError
 from audit.event import AuditEvent
 from audit.log import AuditLog
+
+if TYPE_CHECKING:  # torch: imported by the engine's preload thread meanwhile (engine_preload)
+    from appliance.boot.weights import LoadedModel
+    from appliance.engine.engine import EngineConfig
 
 logger = logging.getLogger(__name__)
 
@@ -97,6 +102,9 @@ def start_audit_log(settings: Settings) -> AuditLog:
 def engine_config(settings: Settings) -> EngineConfig:
     """The engine's config, checked as far as it can be without loading the model (device,
     dtype, the model's config.json), so that such errors stop the start at once."""
+    from appliance.engine.engine import EngineConfig
+    from appliance.engine.models.config import ModelConfig
+
     config = EngineConfig(
         model_dir=settings.model.dir,
         **settings.engine.model_dump(),
@@ -131,6 +139,8 @@ class StartUp:
     model: LoadedModel | None
     config: EngineConfig | None
     keys: KeyProvider | None
+    # The engine's once-only work, running in the background since the process started.
+    preload: EnginePreload | None = None
     engine: AsyncEngine | None = None
     # The signed manifest of the sealed model served, once served (None: plain weights).
     sealed_manifest: SealedManifest | None = None
@@ -149,11 +159,14 @@ class StartUp:
         tee: TeeService | None = None,
         model: LoadedModel | None = None,
         keys: KeyProvider | None = None,
+        preload: EnginePreload | None = None,
     ) -> StartUp:
         """The sequence for `settings`, refusing at once what could never pass step 1: a TEE
         service of another mode, weights loaded before the gate outside insecure-dev, an
         unusable engine config, a key provider that cannot be used. `tee` defaults to this
-        machine's devices, `keys` to the provider `settings.sealed` names. Raises BootError."""
+        machine's devices, `keys` to the provider `settings.sealed` names; `preload`, if any,
+        is given the GPUs after step 4 and waited for before the engine's first step.
+        Raises BootError."""
         if tee is None:
             tee = tee_service(settings)
         if tee.mode != settings.tee.mode:
@@ -172,7 +185,12 @@ class StartUp:
                 )
             except AttestationError as exc:
                 raise BootError(f"the key provider cannot be used: {exc}") from exc
-        return cls(settings, tee, trail, readiness, admission, metrics, model, config, keys)
+        if model is not None and preload is not None:
+            preload.cancel()  # nothing to load: the model is here already
+            preload = None
+        return cls(
+            settings, tee, trail, readiness, admission, metrics, model, config, keys, preload
+        )
 
     async def run(self) -> AsyncEngine | None:
         """Steps 3 to 8; the running engine, or None when a step failed (then `/health` says
@@ -187,6 +205,10 @@ class StartUp:
                 # 4b. The verdict covers exactly the GPUs the engine's ranks will use.
                 await self._verify_gpu_coverage(attestation)
             attestation_ms = _ms_since(started_s) if attestation is not None else None
+            # The preload may now use the GPUs, while the key is released and the weights load.
+            if self.preload is not None:
+                assert self.config is not None, "a preload only comes with a model to load"
+                self.preload.warm_device(self.config)
             # 5-6. The key is released to the verdict; the weights are loaded (and 7, warmed up).
             started_s = time.monotonic()
             model = await self._load_model(attestation)
@@ -194,6 +216,8 @@ class StartUp:
             # 7. boot.ready is recorded; only then is inference served.
             self.engine = await self._serve(model, load_ms, attestation_ms)
         except StartUpError as exc:
+            if self.preload is not None:
+                self.preload.cancel()
             logger.error("start-up stopped: %s", exc)
             self.readiness.set_failed(str(exc))
             return None
@@ -289,7 +313,9 @@ class StartUp:
             return self.model
         self.readiness.set_loading("the model is loading")
         assert self.config is not None, "prepare() makes a config when it is given no model"
-        load = partial(LoadedModel.load, self.config)
+        from appliance.boot.weights import LoadedModel
+
+        load = partial(LoadedModel.load, self.config, preload=self.preload)
         if self.settings.sealed.enabled:
             assert attestation is not None and self.keys is not None, "checked by Settings"
             load = partial(
@@ -298,6 +324,7 @@ class StartUp:
                 self.settings.sealed,
                 self.keys,
                 attestation.verdict,
+                preload=self.preload,
             )
         try:
             return await asyncio.to_thread(load)
@@ -305,7 +332,7 @@ class StartUp:
             phase = "key_release" if isinstance(exc, KeyReleaseError) else "model_load"
             with contextlib.suppress(StartUpError):  # the failure to report is the load's
                 await self._record(boot_phase_failed(phase, exc), "the failed model load")
-            if isinstance(exc, EngineError | ModelFilesError | AttestationError):
+            if isinstance(exc, EngineError | ModelFilesError | AttestationError | PreloadError):
                 raise StartUpError(f"the model could not be loaded: {exc}") from exc
             raise _unexpected("the model load", exc) from exc
 

@@ -17,6 +17,7 @@ import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from appliance.engine.engine import Engine, EngineConfig
 from appliance.engine.models.config import ModelConfig
@@ -30,6 +31,9 @@ from appliance.errors import ModelFilesError
 from attestation.sealed import SealedModel
 from attestation.sealed.manifest import SealedManifest
 
+if TYPE_CHECKING:
+    from appliance.boot.engine_preload import EnginePreload
+
 
 @dataclass(frozen=True, slots=True)
 class LoadedModel:
@@ -38,20 +42,23 @@ class LoadedModel:
     # The signed manifest a sealed model was decrypted under; None for plain weights.
     sealed_manifest: SealedManifest | None = None
     # How long each phase of the load took, in ms: `weights_ms` (read or decrypt into the
-    # model), `engine_build_ms` (KV pool, profiled step, CUDA graphs), `key_release_ms`.
+    # model), `preload_wait_ms` (then waiting for the engine's preload to end, when there is
+    # one: appliance.boot.engine_preload), `engine_build_ms` (KV pool, profiled step, CUDA
+    # graphs), `key_release_ms`.
     phases_ms: Mapping[str, float] = field(default_factory=dict)
 
     @classmethod
-    def load(cls, config: EngineConfig) -> LoadedModel:
+    def load(cls, config: EngineConfig, *, preload: EnginePreload | None = None) -> LoadedModel:
         """Load the engine from `config.model_dir`, then digest the files it read (raises
-        EngineError for an unusable model, ModelFilesError for unreadable files)."""
+        EngineError for an unusable model, ModelFilesError for unreadable files, PreloadError
+        if `preload`, waited for before the engine's first step, failed)."""
         model_dir = Path(config.model_dir)
         ModelConfig.from_model_dir(model_dir)  # the clearest errors first, before any heavy load
         tokenizer = Tokenizer.from_model_dir(model_dir)
-        started_s = loaded_s = time.monotonic()
+        started_s = loaded_s = waited_s = time.monotonic()
 
         def load_weights(shard: ShardPlan | None) -> CausalLM:
-            nonlocal started_s, loaded_s
+            nonlocal started_s, loaded_s, waited_s
             started_s = time.monotonic()  # after the tensor-parallel workers' start
             model = load_model(
                 model_dir,
@@ -62,10 +69,12 @@ class LoadedModel:
                 quantization=config.quantization,
             )
             loaded_s = time.monotonic()
+            _wait_for(preload)
+            waited_s = time.monotonic()
             return model
 
         engine = Engine.load(config, tokenizer, load_weights)
-        phases = _phases(weights=(started_s, loaded_s), engine_build=(loaded_s, time.monotonic()))
+        phases = _load_phases(started_s, loaded_s, waited_s, preload is not None)
         return cls(engine, digest_weights(model_dir), phases_ms=phases)
 
     def with_phase(self, name: str, milliseconds: float) -> LoadedModel:
@@ -79,15 +88,16 @@ class LoadedModel:
         data_key: bytes,
         workers: int | None,
         tokenizer: Tokenizer,
+        preload: EnginePreload | None,
     ) -> LoadedModel:
         """Under tensor parallelism every rank, this one included, decrypts only the chunks of
         its own part of each tensor on the host and copies just that part to its GPU
         (SealedShardImages): no GPU holds another's plaintext."""
         weights = SealedWeights(sealed, data_key, workers)
-        started_s = loaded_s = time.monotonic()
+        started_s = loaded_s = waited_s = time.monotonic()
 
         def load_weights(shard: ShardPlan | None) -> CausalLM:
-            nonlocal started_s, loaded_s
+            nonlocal started_s, loaded_s, waited_s
             assert shard is not None, "tensor_parallel_size > 1"
             started_s = time.monotonic()
             model = weights.load(
@@ -98,10 +108,12 @@ class LoadedModel:
                 quantization=config.quantization,
             )
             loaded_s = time.monotonic()
+            _wait_for(preload)
+            waited_s = time.monotonic()
             return model
 
         engine = Engine.load(config, tokenizer, load_weights, sealed=weights)
-        phases = _phases(weights=(started_s, loaded_s), engine_build=(loaded_s, time.monotonic()))
+        phases = _load_phases(started_s, loaded_s, waited_s, preload is not None)
         return cls(engine, digest_sealed_weights(sealed), sealed.manifest, phases)
 
     @classmethod
@@ -113,6 +125,7 @@ class LoadedModel:
         *,
         workers: int | None,
         ring: StagingRing | None = None,
+        preload: EnginePreload | None = None,
     ) -> LoadedModel:
         """Load the engine from an opened sealed model (`config.model_dir` must be its
         directory, whose plain config and tokenizer `SealedModel.open` verified): decrypt each
@@ -120,8 +133,9 @@ class LoadedModel:
         a GPU through a small ring of pinned chunks), fill the model from it, and let the
         plaintext go. No plaintext weight byte touches the disk. `ring`: a staging ring made
         beforehand (it needs no key: allocate it while attestation runs; pinning costs ~1 s per
-        GB). Raises SealedModelError for a wrong key or a tampered chunk, EngineError for an
-        unusable model."""
+        GB). `preload` (appliance.boot.engine_preload) is waited for once the weights are in,
+        before the engine's first step. Raises SealedModelError for a wrong key or a tampered
+        chunk, EngineError for an unusable model, PreloadError if the preload failed."""
         if Path(config.model_dir).resolve() != sealed.directory.resolve():
             raise ModelFilesError(
                 f"model.dir {config.model_dir} is not the sealed directory {sealed.directory}"
@@ -130,7 +144,7 @@ class LoadedModel:
         tokenizer = Tokenizer.from_model_dir(sealed.directory)
         device = config.torch_device
         if config.tensor_parallel_size > 1:
-            return cls._load_sealed_parallel(config, sealed, data_key, workers, tokenizer)
+            return cls._load_sealed_parallel(config, sealed, data_key, workers, tokenizer, preload)
         started_s = time.monotonic()
         with SealedImages(sealed, data_key, device, workers=workers, ring=ring) as images:
             model = load_model(
@@ -142,12 +156,28 @@ class LoadedModel:
                 quantization=config.quantization,
             )
         loaded_s = time.monotonic()
+        _wait_for(preload)
+        waited_s = time.monotonic()
         engine = Engine.build(config, model, tokenizer)
-        phases = _phases(weights=(started_s, loaded_s), engine_build=(loaded_s, time.monotonic()))
+        phases = _load_phases(started_s, loaded_s, waited_s, preload is not None)
         return cls(engine, digest_sealed_weights(sealed), sealed.manifest, phases)
 
 
-def _phases(**spans: tuple[float, float]) -> dict[str, float]:
+def _wait_for(preload: EnginePreload | None) -> None:
+    """Before the engine's first step: the preload's thread must have left Triton (and any
+    error of it is raised here, failing the load)."""
+    if preload is not None:
+        preload.wait()
+
+
+def _load_phases(
+    started_s: float, loaded_s: float, waited_s: float, preloaded: bool
+) -> dict[str, float]:
+    """The phases of a load that began at `started_s`, had its weights in at `loaded_s`, was done
+    waiting for the preload (if any) at `waited_s` and has built its engine now."""
+    spans = {"weights": (started_s, loaded_s), "engine_build": (waited_s, time.monotonic())}
+    if preloaded:
+        spans["preload_wait"] = (loaded_s, waited_s)
     return {f"{name}_ms": round((end - start) * 1000, 3) for name, (start, end) in spans.items()}
 
 

@@ -15,14 +15,17 @@ import queue
 import threading
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from appliance.engine.engine import Engine
 from appliance.engine.errors import EngineError, InvalidRequestError
 from appliance.engine.outputs import EngineStats, RequestOutput
 from appliance.engine.sampling_params import SamplingParams
 from appliance.engine.sequence import RequestId
 from appliance.engine.sequence import Sequence as EngineSequence
 from appliance.engine.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from appliance.engine.engine import Engine
 
 logger = logging.getLogger(__name__)
 

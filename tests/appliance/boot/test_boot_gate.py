@@ -22,6 +22,7 @@ from appliance.auth.local_issuer import LocalIssuer
 from appliance.auth.roles import Role
 from appliance.boot import startup
 from appliance.boot.audit_log import open_audit_log
+from appliance.boot.engine_preload import EnginePreload
 from appliance.boot.startup import start_audit_log
 from appliance.boot.weights import LoadedModel
 from appliance.config import Settings, settings_from_mapping
@@ -59,14 +60,20 @@ def _settings(directory: Path, model_dir: Path, **tee: Any) -> Settings:
 
 
 class LoadSpy:
-    """Stands in for LoadedModel.load: records each call, serves the shared engine."""
+    """Stands in for LoadedModel.load: records each call and the preload it was given, waits
+    for that preload as the real load does before the engine's first step, serves the shared
+    engine."""
 
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
         self.num_calls = 0
+        self.preloads: list[EnginePreload | None] = []
 
-    def __call__(self, config: EngineConfig) -> LoadedModel:
+    def __call__(self, config: EngineConfig, *, preload: EnginePreload | None) -> LoadedModel:
         self.num_calls += 1
+        self.preloads.append(preload)
+        if preload is not None:
+            preload.wait()
         return LoadedModel(self.engine, "sha256:" + "00" * 32)
 
 
@@ -77,9 +84,11 @@ def load_spy(engine: Engine, monkeypatch: pytest.MonkeyPatch) -> LoadSpy:
     return spy
 
 
-def _serve(settings: Settings, tee: TeeService) -> Iterator[TestClient]:
+def _serve(
+    settings: Settings, tee: TeeService, preload: EnginePreload | None = None
+) -> Iterator[TestClient]:
     log = start_audit_log(settings)
-    app = build(settings, log, tee=tee)
+    app = build(settings, log, tee=tee, preload=preload)
     with TestClient(app) as client:
         deadline = time.monotonic() + 60
         while client.get("/health").json()["status"] == "loading":
@@ -135,6 +144,72 @@ def test_a_passing_verdict_loads_the_model_then_serves_verified(
     assert verdict["details"]["attestation_public_key"] == tee.key.public_bytes.hex()
     [ready] = [e for e in entries if e["action"] == "boot.ready"]
     assert ready["details"]["tee"] == "VERIFIED"
+
+
+class GatedPreload(EnginePreload):
+    """The real preload, noting what the gate had done when it was let onto the GPUs."""
+
+    collector: FakeCollector
+    loads: LoadSpy
+    warmed_when: list[tuple[int, int]]  # (GPUs set ready, loads begun) at each warm_device
+
+    def warm_device(self, config: EngineConfig) -> None:
+        self.warmed_when.append((self.collector.num_gpus_ready, self.loads.num_calls))
+        super().warm_device(config)
+
+
+def _gated_preload(settings: Settings, collector: FakeCollector, loads: LoadSpy) -> GatedPreload:
+    preload = GatedPreload.start(settings.engine)
+    assert isinstance(preload, GatedPreload)
+    preload.collector, preload.loads, preload.warmed_when = collector, loads, []
+    return preload
+
+
+def test_the_preload_reaches_the_gpus_only_after_the_verdict_set_them_ready(
+    tmp_path: Path, smollm2_dir: Path, load_spy: LoadSpy
+) -> None:
+    settings = _settings(tmp_path, smollm2_dir)
+    collector = FakeCollector()
+    preload = _gated_preload(settings, collector, load_spy)
+    for client in _serve(settings, TeeService("required", collector, FakeVerifier()), preload):
+        assert client.get("/health").status_code == 200
+    # Let onto the GPUs once, after they were set ready and before the load began; the load
+    # was handed the preload (and waited for it, as LoadedModel's loads do).
+    assert preload.warmed_when == [(1, 0)]
+    assert load_spy.preloads == [preload]
+    assert preload.imports_s is not None
+    preload.wait()
+
+
+def test_a_closed_gate_never_lets_the_preload_onto_the_gpus(
+    tmp_path: Path, smollm2_dir: Path, load_spy: LoadSpy
+) -> None:
+    settings = _settings(tmp_path, smollm2_dir)
+    collector = FakeCollector()
+    verifier = FakeVerifier(failures={"gpu0.driver_version": "550.54.14 is not allowed"})
+    preload = _gated_preload(settings, collector, load_spy)
+    for client in _serve(settings, TeeService("required", collector, verifier), preload):
+        assert client.get("/health").json()["status"] == "failed"
+    preload.wait()  # cancelled: the thread ended after its imports
+    assert (preload.warmed_when, preload.device_s, load_spy.num_calls) == ([], None, 0)
+
+
+def test_a_failed_preload_fails_the_load_and_is_recorded(
+    tmp_path: Path, smollm2_dir: Path, load_spy: LoadSpy
+) -> None:
+    settings = _settings(tmp_path, smollm2_dir)
+    # Its own settings name a device torch cannot parse: the thread fails in its imports.
+    broken = EnginePreload.start(settings.engine.model_copy(update={"device": "no-such-device"}))
+    tee = TeeService("required", FakeCollector(), FakeVerifier())
+    for client in _serve(settings, tee, broken):
+        health = client.get("/health").json()
+        assert health["status"] == "failed"
+        assert health["reason"].startswith(
+            "the model could not be loaded: the engine's preload failed: RuntimeError"
+        )
+    entries = _entries(settings)
+    assert _actions(entries)[-1] == ("boot.phase", "failure")
+    assert entries[-1]["details"]["phase"] == "model_load"
 
 
 @pytest.mark.parametrize(

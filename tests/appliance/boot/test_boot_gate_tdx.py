@@ -124,7 +124,7 @@ def test_the_gate_passes_the_real_tdx_quote_trusted_through_cpu_trust_dir(
         "appliance.attestation.devices.report_data_v2", lambda *_: DCAP_REPORT_DATA
     )  # the quote's own report_data (module docstring: what is not exercised)
     monkeypatch.setattr(
-        LoadedModel, "load", lambda config: LoadedModel(engine, "sha256:" + "00" * 32)
+        LoadedModel, "load", lambda config, preload: LoadedModel(engine, "sha256:" + "00" * 32)
     )
     settings = _settings(tmp_path, smollm2_dir, gpus)
     for client in _serve(settings, gpus):

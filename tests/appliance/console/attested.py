@@ -18,6 +18,7 @@ from appliance.attestation.service import TeeService
 from appliance.auth.principal import Principal
 from appliance.auth.roles import Role
 from appliance.auth.sessions import SESSION_COOKIE, Session
+from appliance.boot.engine_preload import EnginePreload
 from appliance.boot.startup import start_audit_log
 from appliance.boot.weights import LoadedModel
 from appliance.engine.engine import Engine, EngineConfig
@@ -39,7 +40,7 @@ def attested_console(
     """The app serving `engine` (in place of loading weights), its client carrying the session
     of `subject` with `role`; `verifier` scripts the verdicts (default: every check passes)."""
 
-    def load(config: EngineConfig) -> LoadedModel:
+    def load(config: EngineConfig, *, preload: EnginePreload | None) -> LoadedModel:
         return LoadedModel(engine, "sha256:" + "00" * 32)
 
     monkeypatch.setattr(LoadedModel, "load", load)
