@@ -14,10 +14,11 @@ beside the bf16 path on the same shapes at 1, 16 and 256 rows; `--fp8-only` time
 `--fp8-kv` times the attention kernels over a bf16 and an FP8 (e4m3) KV cache at W2's shapes:
 decode of 256 sequences at 768 tokens of context, prefill of 8 × 2048 new tokens without and
 over a 1024-token cached prefix, and a W2 mixed step (256 decode rows beside 15 prompts of 512
-tokens, all through the prefill kernel), each checked first against `kernels.reference` (the
-FP8 runs against its FP8 arithmetic). Decode reports KV bytes read per second against copy
-bandwidth, prefill FLOP/s against the bf16 and FP8 matmul rates. `--sweep-attention` also times
-a grid of tiles for both kernels and both caches at those shapes and prints the fastest.
+tokens) through the prefill kernel alone and as the engine routes it (decode rows through the
+decode kernel), each checked first against `kernels.reference` (the FP8 runs against its FP8
+arithmetic). Decode reports KV bytes read per second against copy bandwidth, prefill FLOP/s
+against the bf16 and FP8 matmul rates. `--sweep-attention` also times a grid of tiles for both
+kernels and both caches at those shapes and prints the fastest.
 
     python bench/kernel_micro.py [--sweep-linear] [--fp8-only] [--fp8-kv] [--sweep-attention]
 """
@@ -221,12 +222,17 @@ def causal_pairs(query_lens: list[int], seq_lens: list[int]) -> int:
 def prefill_kv(
     rates: tuple[float, float], fp8_kv: bool, seq_lens: list[int], query_lens: list[int],
     label: str, config: PrefillConfig | None = None, inputs: KvCaches | None = None,
+    routed: bool = False,
 ) -> tuple[float, str]:  # fmt: skip
-    """(ms, table row) of the prefill kernel over one cache kind; rates: bf16 and FP8 matmul."""
+    """(ms, table row) of the prefill kernel over one cache kind; rates: bf16 and FP8 matmul.
+    `routed`: as the engine runs it (`triton_ops.paged_attention`: a mixed batch's leading
+    decode rows through the decode kernel)."""
     inputs = inputs or KvCaches(seq_lens, query_lens)
     caches = inputs.caches(fp8_kv)
 
     def run() -> torch.Tensor:
+        if routed:
+            return triton_ops.paged_attention(inputs.q, meta=inputs.meta, scale=D**-0.5, **caches)
         return paged_prefill_attention(
             inputs.q, block_tables=inputs.meta.block_tables, seq_lens=inputs.meta.seq_lens_t,
             query_start_loc=inputs.meta.query_start_loc, max_query_len=max(query_lens),
@@ -239,8 +245,10 @@ def prefill_kv(
     # Two products (QK^T and PV) of 2 FLOP per multiply-add over every attended pair.
     rate = HQ * 4 * D * causal_pairs(query_lens, seq_lens) / (ms * 1e-3)
     ceiling = rates[1] if fp8_kv else rates[0]
+    how = "decode rows routed to the decode kernel" if routed else "prefill kernel alone"
     return ms, (
-        f"| prefill attention, {label}, {'FP8' if fp8_kv else 'bf16'} KV | {ms * 1e3:.0f} µs | "
+        f"| prefill attention, {label}, {'FP8' if fp8_kv else 'bf16'} KV, {how} | "
+        f"{ms * 1e3:.0f} µs | "
         f"{rate / 1e12:.0f} TFLOP/s = {rate / ceiling:.0%} of "
         f"{'FP8' if fp8_kv else 'bf16'} matmul |"
     )
@@ -268,6 +276,9 @@ def attention_fp8_kv(copy_bw: float, rates: tuple[float, float]) -> list[str]:
                  for fp8_kv in (False, True)]  # fmt: skip
         rows += [row for _, row in timed]
         rows.append(f"| FP8 KV speed-up, {label} | {timed[0][0] / timed[1][0]:.2f}× | |")
+        if query_lens[0] == 1:  # a mixed step: also as the engine runs it
+            rows += [prefill_kv(rates, fp8_kv, seq_lens, query_lens, label, inputs=inputs,
+                                routed=True)[1] for fp8_kv in (False, True)]  # fmt: skip
     return rows
 
 
