@@ -16,9 +16,10 @@ decode of 256 sequences at 768 tokens of context, prefill of 8 × 2048 new token
 over a 1024-token cached prefix, and a W2 mixed step (256 decode rows beside 15 prompts of 512
 tokens) through the prefill kernel alone and as the engine routes it (decode rows through the
 decode kernel), each checked first against `kernels.reference` (the FP8 runs against its FP8
-arithmetic). Decode reports KV bytes read per second against copy bandwidth, prefill FLOP/s
-against the bf16 and FP8 matmul rates. `--sweep-attention` also times a grid of tiles for both
-kernels and both caches at those shapes and prints the fastest.
+arithmetic), and the KV write of 256 and 8192 tokens. Decode and the write report bytes per
+second against copy bandwidth, prefill FLOP/s against the bf16 and FP8 matmul rates.
+`--sweep-attention` also times a grid of tiles for both kernels and both caches at those
+shapes and prints the fastest.
 
     python bench/kernel_micro.py [--sweep-linear] [--fp8-only] [--fp8-kv] [--sweep-attention]
 """
@@ -254,6 +255,37 @@ def prefill_kv(
     )
 
 
+def kv_write(copy_bw: float, fp8_kv: bool, tokens: int) -> str:
+    """The KV-cache write of one step's tokens (scattered slots), checked byte for byte
+    against the reference's, reported as bytes moved per second against copy bandwidth."""
+    k = torch.randn(tokens, HKV, D, dtype=DTYPE, device="cuda")
+    v = torch.randn_like(k)
+    cache_dtype = fp8.FP8_DTYPE if fp8_kv else DTYPE
+    shape = (2 * tokens // BLOCK, BLOCK, HKV, D)
+    caches = [torch.zeros(shape, dtype=cache_dtype, device="cuda") for _ in range(4)]
+    slots = torch.randperm(shape[0] * BLOCK, device="cuda")[:tokens]
+    scales = {"k_scale": torch.tensor([0.7], device="cuda"),
+              "v_scale": torch.tensor([0.3], device="cuda")} if fp8_kv else {}  # fmt: skip
+    reference.write_kv_cache(k, v, caches[0], caches[1], slots, **scales)
+    triton_ops.write_kv_cache(k, v, caches[2], caches[3], slots, **scales)
+    same = all(torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+               for a, b in ((caches[0], caches[2]), (caches[1], caches[3])))  # fmt: skip
+    print(f"check KV write, {tokens} tokens: {'ok' if same else 'MISMATCH'}", flush=True)
+    if not same:
+        raise SystemExit("the KV write kernel disagrees with its reference")
+    ms = triton.testing.do_bench(
+        lambda: triton_ops.write_kv_cache(k, v, caches[2], caches[3], slots, **scales),
+        warmup=25,
+        rep=200,
+    )
+    moved = 2 * tokens * HKV * D * (k.element_size() + caches[2].element_size())
+    rate = moved / (ms * 1e-3)
+    return (
+        f"| KV write, {tokens} tokens, {'FP8' if fp8_kv else 'bf16'} KV | {ms * 1e3:.1f} µs | "
+        f"{rate / 1e12:.2f} TB/s = {rate / copy_bw:.0%} of copy |"
+    )
+
+
 # W2's shapes (PERFORMANCE.md): (label, seq_lens, query_lens) through the prefill kernel.
 W2_PREFILLS = [
     ("8 × 2048", [2048] * 8, [2048] * 8),
@@ -263,8 +295,9 @@ W2_PREFILLS = [
 
 
 def attention_fp8_kv(copy_bw: float, rates: tuple[float, float]) -> list[str]:
-    """Each W2 attention shape over a bf16 then an FP8 cache, and the FP8 speed-up."""
-    rows = []
+    """Each W2 attention shape over a bf16 then an FP8 cache, and the FP8 speed-up; the KV
+    write of a decode step's and a prefill step's tokens."""
+    rows = [kv_write(copy_bw, fp8_kv, tokens) for tokens in (256, 8192) for fp8_kv in (False, True)]
     inputs = KvCaches([768] * 256, [1] * 256)
     timed = [decode_kv(copy_bw, fp8_kv, inputs=inputs) for fp8_kv in (False, True)]
     rows += [row for _, row in timed] + [
