@@ -33,7 +33,12 @@ import triton
 import triton.language as tl
 
 from kernels.errors import KernelInputError
-from kernels.fp8_attention import P_UNSCALE_C, quantize_probabilities, quantize_q_rows
+from kernels.fp8_attention import (
+    P_UNSCALE_C,
+    quantize_probabilities,
+    quantize_q_rows,
+    round_up_running_max,
+)
 from kernels.launch_checks import (
     FLOAT_DTYPES,
     check_kv_cache_encoding,
@@ -152,6 +157,8 @@ def _decode_split_kernel(
         scores = tl.where(n_mask[None, :], scores, float("-inf"))
 
         m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+        if FP8_KV:
+            m_new = round_up_running_max(m_new)
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(scores - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)

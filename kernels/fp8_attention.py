@@ -9,8 +9,13 @@ cache (FlashAttention-3's FP8 path), instead of widening every K and V tile to q
 - P V: the online softmax's probabilities lie in [0, 1] (each relative to its row's running
   maximum), so they are quantized with the fixed scale `kernels.fp8.P_SCALE`; 1 / P_SCALE joins
   V's scale, applied once to the output. The row sums use the float32 probabilities.
-`kernels.reference.paged_attention` does the same arithmetic in plain torch (relative to each
-row's final maximum rather than the running one, the only difference).
+- The running maximum (in log2 units) is kept on whole numbers (`round_up_running_max`): a
+  tile's p = exp2(s - m) then differs from p against the row's final maximum by an exact power
+  of two, which e4m3 rounding commutes with, so P rounds the same whatever order the tiles come
+  in (bar values near e4m3's subnormals and exp2's last-bit differences), and rescaling the
+  accumulator by exp2(m_old - m_new) is exact.
+`kernels.reference.fp8_attention` does the same arithmetic in plain torch, against each row's
+final maximum rounded up likewise.
 
 Triton's 3.9 interpreter rounds float32 to e4m3 wrongly (a value that rounds up to a power of
 two comes out halved, subnormals are flushed), while it converts values already on e4m3's grid
@@ -69,3 +74,9 @@ def quantize_probabilities(p, EMULATE_ROUNDING: tl.constexpr):
     """p: [M, N] float32 in [0, 1] -> p * P_SCALE in float8e4nv (P_SCALE is a power of two, so
     only the conversion rounds)."""
     return to_e4m3(p * P_SCALE_C, EMULATE_ROUNDING)
+
+
+@triton.jit
+def round_up_running_max(m):
+    """m: [M] float32 running row maxima in log2 units -> the same rounded up to whole numbers."""
+    return tl.math.ceil(m)

@@ -34,7 +34,12 @@ import triton.language as tl
 
 from kernels.decode_attention import verify_window
 from kernels.errors import KernelInputError
-from kernels.fp8_attention import P_UNSCALE_C, quantize_probabilities, quantize_q_rows
+from kernels.fp8_attention import (
+    P_UNSCALE_C,
+    quantize_probabilities,
+    quantize_q_rows,
+    round_up_running_max,
+)
 from kernels.launch_checks import (
     FLOAT_DTYPES,
     check_devices,
@@ -130,6 +135,8 @@ def _attend_key_tile(
     # m_i starts at a finite floor, not -inf: a row that sees no key of a tile (outside its
     # window, or a padding row) then gets p = 0 there, not a (-inf) - (-inf) NaN.
     m_new = tl.maximum(m_i, tl.max(qk, 1))
+    if FP8_KV:
+        m_new = round_up_running_max(m_new)
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(qk - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)

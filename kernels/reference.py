@@ -16,6 +16,7 @@ from kernels.launch_checks import KV_CACHE_FP8, check_kv_cache_encoding
 from kernels.ops import AttentionMetadata, Fp8Weight
 
 _FP8_MAX = torch.finfo(KV_CACHE_FP8).max
+_LOG2_E = 1.4426950408889634
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -201,10 +202,11 @@ def fp8_attention(
     -> [Tq, Hq, D] float32.
 
     1. Each query row (one token, one head) is quantized with its own scale (`quantize_rows`);
-       scores are the exact FP8 products summed in float32, times both scales and `scale`.
-    2. Softmax in float32; the probabilities, relative to each row's maximum (the kernels use
-       the running maximum of the keys seen so far, so their roundings of p can differ by one
-       e4m3 step), are quantized as `p * P_SCALE`; the row sums use them before rounding.
+       scores are the exact FP8 products summed in float32, times both scales and `scale`,
+       in log2 units as the kernels keep them.
+    2. Softmax in float32 against each row's maximum rounded up to a whole number (log2
+       units), which makes p round to e4m3 as the kernels' p against their running maxima
+       does; the probabilities are quantized as `p * P_SCALE`, the row sums use them before.
     3. P V on the stored values, times v_scale / P_SCALE, over the row sums.
     """
     num_queries, num_q_heads, head_dim = q.shape
@@ -214,9 +216,9 @@ def fp8_attention(
     q_scale = q_scale.view(num_queries, num_q_heads).T[:, :, None]  # [Hq, Tq, 1]
     k = k.float().repeat_interleave(group, dim=1).transpose(0, 1)  # [Hq, S, D]
     v = v.float().repeat_interleave(group, dim=1).transpose(0, 1)
-    scores = (q8 @ k.transpose(1, 2)) * (q_scale * (k_scale.float() * scale))  # [Hq, Tq, S]
-    scores = scores.masked_fill(~mask, float("-inf"))
-    p = torch.exp(scores - scores.amax(dim=-1, keepdim=True))
+    scores = q8 @ k.transpose(1, 2) * (q_scale * (k_scale.float() * (scale * _LOG2_E)))
+    scores = scores.masked_fill(~mask, float("-inf"))  # [Hq, Tq, S], log2 units
+    p = torch.exp2(scores - scores.amax(dim=-1, keepdim=True).ceil())
     p8 = (p * P_SCALE).to(KV_CACHE_FP8)  # p <= 1: nothing to saturate
     o = (p8.float() @ v) * (v_scale.float() / P_SCALE) / p.sum(dim=-1, keepdim=True)
     return o.transpose(0, 1)  # [Tq, Hq, D]
