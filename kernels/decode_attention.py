@@ -35,6 +35,7 @@ import triton.language as tl
 from kernels.errors import KernelInputError
 from kernels.fp8_attention import (
     P_UNSCALE_C,
+    dot_e4m3,
     quantize_probabilities,
     quantize_q_rows,
     round_up_running_max,
@@ -151,8 +152,10 @@ def _decode_split_kernel(
         k_t = tl.load(
             k_cache_ptr + k_offsets[None, :] + offs_d[:, None], mask=n_mask[None, :], other=0.0
         )
-        # FP8_KV: e4m3 operands, float32 sums (input_precision concerns float32 operands).
-        scores = tl.dot(q, k_t) if FP8_KV else tl.dot(q, k_t, input_precision=DOT_PRECISION)
+        if FP8_KV:
+            scores = dot_e4m3(q, k_t, HEAD_DIM)
+        else:
+            scores = tl.dot(q, k_t, input_precision=DOT_PRECISION)
         scores = scores * qk_scale  # [G_PAD, BLOCK_N], in log2 units
         scores = tl.where(n_mask[None, :], scores, float("-inf"))
 
@@ -169,7 +172,7 @@ def _decode_split_kernel(
             v_cache_ptr + v_offsets[:, None] + offs_d[None, :], mask=n_mask[:, None], other=0.0
         )
         if FP8_KV:
-            pv = tl.dot(quantize_probabilities(p, EMULATE_ROUNDING), v)
+            pv = dot_e4m3(quantize_probabilities(p, EMULATE_ROUNDING), v, BLOCK_N)
         else:
             pv = tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         acc = acc * alpha[:, None] + pv

@@ -77,6 +77,16 @@ def quantize_probabilities(p, EMULATE_ROUNDING: tl.constexpr):
 
 
 @triton.jit
+def dot_e4m3(a, b, K: tl.constexpr):
+    """a: [M, K] @ b: [K, N], both float8e4nv -> float32 sums of the exact products.
+
+    Triton's FP8 dot takes K in steps of 32; below that (a head_dim of 16, tiny models) the
+    operands are widened to float16 first, exactly (every e4m3 value is a float16), so the
+    result is the same."""
+    return tl.dot(a.to(tl.float16), b.to(tl.float16)) if K < 32 else tl.dot(a, b)
+
+
+@triton.jit
 def round_up_running_max(m):
     """m: [M] float32 running row maxima in log2 units -> the same rounded up to whole numbers."""
     return tl.math.ceil(m)

@@ -36,6 +36,7 @@ from kernels.decode_attention import verify_window
 from kernels.errors import KernelInputError
 from kernels.fp8_attention import (
     P_UNSCALE_C,
+    dot_e4m3,
     quantize_probabilities,
     quantize_q_rows,
     round_up_running_max,
@@ -122,7 +123,9 @@ def _attend_key_tile(
     )
     k_t = tl.load(k_ptrs, mask=in_seq[None, :], other=0.0) if MASKED else tl.load(k_ptrs)
 
-    if DOT_FP32:
+    if FP8_KV:
+        qk = dot_e4m3(q, k_t, HEAD_DIM)
+    elif DOT_FP32:
         qk = tl.dot(q.to(tl.float32), k_t.to(tl.float32), input_precision="ieee")
     else:
         qk = tl.dot(q, k_t)
@@ -143,7 +146,7 @@ def _attend_key_tile(
 
     v = tl.load(v_ptrs, mask=in_seq[:, None], other=0.0) if MASKED else tl.load(v_ptrs)
     if FP8_KV:
-        pv = tl.dot(quantize_probabilities(p, EMULATE_ROUNDING), v)
+        pv = dot_e4m3(quantize_probabilities(p, EMULATE_ROUNDING), v, BLOCK_N)
     elif DOT_FP32:
         pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
     else:

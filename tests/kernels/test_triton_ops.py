@@ -54,7 +54,9 @@ def test_mixed_batch_over_fp8_cache_with_a_window_stays_within_its_bounds(
 ) -> None:
     case = make_case(QUERY_LENS, NUM_CACHED, num_q_heads=4, num_kv_heads=1, head_dim=16,
                      dtype=torch.float16)  # fmt: skip
-    scales = {"k_scale": torch.tensor([0.02]), "v_scale": torch.tensor([0.5])}
+    device = case.q.device
+    scales = {"k_scale": torch.tensor([0.02], device=device),
+              "v_scale": torch.tensor([0.5], device=device)}  # fmt: skip
     k_fp8 = quantize_kv(case.k_cache, scales["k_scale"])
     v_fp8 = quantize_kv(case.v_cache, scales["v_scale"])
     window = 16
