@@ -13,12 +13,24 @@ timed as the engine runs them beside the bf16 path on the same shapes at 1, 16 a
 `--fp8-only` times just those, and `--sweep-fp8` first times a grid of the one-row GEMV's
 tiles on FP8 weights and prints the fastest per shape.
 
-    python bench/kernel_micro.py [--sweep-linear] [--fp8-only] [--sweep-fp8]
+`--fp8-kv` times the attention kernels over a bf16 and an FP8 (e4m3) KV cache at W2's shapes:
+decode of 256 sequences at 768 tokens of context, prefill of 8 × 2048 new tokens without and
+over a 1024-token cached prefix, and a W2 mixed step (256 decode rows beside 15 prompts of 512
+tokens) through the prefill kernel alone and as the engine routes it (decode rows through the
+decode kernel), each checked first against `kernels.reference` (the FP8 runs against its FP8
+arithmetic), and the KV write of 256 and 8192 tokens. Decode and the write report bytes per
+second against copy bandwidth, prefill FLOP/s against the bf16 and FP8 matmul rates.
+`--sweep-attention` also times a grid of tiles for both kernels and both caches at those
+shapes and prints the fastest.
+
+    python bench/kernel_micro.py [--sweep-linear] [--fp8-only] [--sweep-fp8] [--fp8-kv]
+                                 [--sweep-attention]
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 import os
 import subprocess
@@ -30,10 +42,10 @@ import triton
 
 from kernels import fp8, reference, triton_ops
 from kernels.activation import silu_and_mul
-from kernels.decode_attention import choose_num_splits, paged_decode_attention
+from kernels.decode_attention import DecodeConfig, choose_num_splits, paged_decode_attention
 from kernels.linear import LinearConfig, config_for, gemv, linear, silu_mul_linear
 from kernels.ops import AttentionMetadata, Fp8Weight
-from kernels.prefill_attention import paged_prefill_attention
+from kernels.prefill_attention import PrefillConfig, paged_prefill_attention
 from kernels.rmsnorm import add_rms_norm
 
 HQ, HKV, D, BLOCK = 32, 8, 128, 16
@@ -128,6 +140,223 @@ def prefill(matmul_rate: float, batch: int = 8, length: int = 2048) -> str:
         f"| prefill attention, {batch} × {length}, causal | {ms * 1e3:.0f} µs | "
         f"{rate / 1e12:.0f} TFLOP/s = {rate / matmul_rate:.0%} of matmul | |"
     )
+
+
+def fp8_matmul_rate() -> float:
+    """FLOP/s of cuBLASLt's FP8 matmul (8192³, per-tensor scales): FP8 attention's ceiling."""
+    a = torch.randn(8192, 8192, device="cuda").to(fp8.FP8_DTYPE)
+    b = torch.randn(8192, 8192, device="cuda").to(fp8.FP8_DTYPE).T  # column-major, as required
+    one = torch.ones((), device="cuda")
+    ms = triton.testing.do_bench(
+        lambda: torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=DTYPE),
+        warmup=50,
+        rep=300,
+    )
+    return 2 * 8192**3 / (ms * 1e-3)
+
+
+class KvCaches:
+    """One batch's q and metadata over a bf16 cache and the same cache in e4m3 (scale 1: the
+    random values are far inside e4m3's range)."""
+
+    def __init__(self, seq_lens: list[int], query_lens: list[int]) -> None:
+        self.q, self.k_cache, self.v_cache, self.meta = paged_inputs(seq_lens, query_lens)
+        self.scales = {
+            "k_scale": torch.ones(1, device="cuda"),
+            "v_scale": torch.ones(1, device="cuda"),
+        }
+        self.k_fp8 = reference.quantize_kv(self.k_cache, self.scales["k_scale"])
+        self.v_fp8 = reference.quantize_kv(self.v_cache, self.scales["v_scale"])
+
+    def caches(self, fp8_kv: bool) -> dict[str, torch.Tensor]:
+        if fp8_kv:
+            return {"k_cache": self.k_fp8, "v_cache": self.v_fp8, **self.scales}
+        return {"k_cache": self.k_cache, "v_cache": self.v_cache}
+
+    def check(self, name: str, out: torch.Tensor, fp8_kv: bool) -> None:
+        """bf16: the reference's bf16 tolerance; FP8: the kernels' bound against the reference's
+        FP8 arithmetic (tests/kernels/fp8_attention_bounds.py) plus bf16 rounding."""
+        ref = reference.paged_attention(self.q, meta=self.meta, scale=D**-0.5,
+                                        **self.caches(fp8_kv))  # fmt: skip
+        check(f"{name}, {'FP8' if fp8_kv else 'bf16'} KV", out, ref, 0.06 if fp8_kv else 3e-2)
+
+
+def decode_kv(
+    copy_bw: float, fp8_kv: bool, batch: int = 256, context: int = 768,
+    config: DecodeConfig | None = None, inputs: KvCaches | None = None,
+) -> tuple[float, str]:  # fmt: skip
+    """(ms, table row) of decode attention over one cache kind at W2's decode shape."""
+    inputs = inputs or KvCaches([context] * batch, [1] * batch)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    splits = choose_num_splits(batch, HKV, context, sms)
+    caches = inputs.caches(fp8_kv)
+
+    def run() -> torch.Tensor:
+        return paged_decode_attention(
+            inputs.q,
+            block_tables=inputs.meta.block_tables,
+            seq_lens=inputs.meta.seq_lens_t,
+            scale=D**-0.5,
+            num_splits=splits,
+            config=config,
+            **caches,
+        )
+
+    if config is None:
+        inputs.check("decode attention", run(), fp8_kv)
+    ms = triton.testing.do_bench(run, warmup=25, rep=200)
+    kv_bytes = 2 * batch * context * HKV * D * caches["k_cache"].element_size()
+    rate = kv_bytes / (ms * 1e-3)
+    return ms, (
+        f"| decode attention, {batch} × {context}, {'FP8' if fp8_kv else 'bf16'} KV, "
+        f"{splits} split(s) | {ms * 1e3:.0f} µs | "
+        f"{rate / 1e12:.2f} TB/s KV read = {rate / copy_bw:.0%} of copy |"
+    )
+
+
+def causal_pairs(query_lens: list[int], seq_lens: list[int]) -> int:
+    """(query, key) pairs a causal batch attends: query i of a sequence sees its prefix and
+    new tokens up to its own."""
+    pairs = 0
+    for query_len, seq_len in zip(query_lens, seq_lens, strict=True):
+        cached = seq_len - query_len
+        pairs += query_len * cached + query_len * (query_len + 1) // 2
+    return pairs
+
+
+def prefill_kv(
+    rates: tuple[float, float], fp8_kv: bool, seq_lens: list[int], query_lens: list[int],
+    label: str, config: PrefillConfig | None = None, inputs: KvCaches | None = None,
+    routed: bool = False,
+) -> tuple[float, str]:  # fmt: skip
+    """(ms, table row) of the prefill kernel over one cache kind; rates: bf16 and FP8 matmul.
+    `routed`: as the engine runs it (`triton_ops.paged_attention`: a mixed batch's leading
+    decode rows through the decode kernel)."""
+    inputs = inputs or KvCaches(seq_lens, query_lens)
+    caches = inputs.caches(fp8_kv)
+
+    def run() -> torch.Tensor:
+        if routed:
+            return triton_ops.paged_attention(inputs.q, meta=inputs.meta, scale=D**-0.5, **caches)
+        return paged_prefill_attention(
+            inputs.q, block_tables=inputs.meta.block_tables, seq_lens=inputs.meta.seq_lens_t,
+            query_start_loc=inputs.meta.query_start_loc, max_query_len=max(query_lens),
+            scale=D**-0.5, config=config, **caches,
+        )  # fmt: skip
+
+    if config is None:
+        inputs.check(f"prefill attention, {label}", run(), fp8_kv)
+    ms = triton.testing.do_bench(run, warmup=25, rep=200)
+    # Two products (QK^T and PV) of 2 FLOP per multiply-add over every attended pair.
+    rate = HQ * 4 * D * causal_pairs(query_lens, seq_lens) / (ms * 1e-3)
+    ceiling = rates[1] if fp8_kv else rates[0]
+    how = "decode rows routed to the decode kernel" if routed else "prefill kernel alone"
+    return ms, (
+        f"| prefill attention, {label}, {'FP8' if fp8_kv else 'bf16'} KV, {how} | "
+        f"{ms * 1e3:.0f} µs | "
+        f"{rate / 1e12:.0f} TFLOP/s = {rate / ceiling:.0%} of "
+        f"{'FP8' if fp8_kv else 'bf16'} matmul |"
+    )
+
+
+def kv_write(copy_bw: float, fp8_kv: bool, tokens: int) -> str:
+    """The KV-cache write of one step's tokens (scattered slots), checked byte for byte
+    against the reference's, reported as bytes moved per second against copy bandwidth."""
+    k = torch.randn(tokens, HKV, D, dtype=DTYPE, device="cuda")
+    v = torch.randn_like(k)
+    cache_dtype = fp8.FP8_DTYPE if fp8_kv else DTYPE
+    shape = (2 * tokens // BLOCK, BLOCK, HKV, D)
+    caches = [torch.zeros(shape, dtype=cache_dtype, device="cuda") for _ in range(4)]
+    slots = torch.randperm(shape[0] * BLOCK, device="cuda")[:tokens]
+    scales = {"k_scale": torch.tensor([0.7], device="cuda"),
+              "v_scale": torch.tensor([0.3], device="cuda")} if fp8_kv else {}  # fmt: skip
+    reference.write_kv_cache(k, v, caches[0], caches[1], slots, **scales)
+    triton_ops.write_kv_cache(k, v, caches[2], caches[3], slots, **scales)
+    same = all(torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+               for a, b in ((caches[0], caches[2]), (caches[1], caches[3])))  # fmt: skip
+    print(f"check KV write, {tokens} tokens: {'ok' if same else 'MISMATCH'}", flush=True)
+    if not same:
+        raise SystemExit("the KV write kernel disagrees with its reference")
+    ms = triton.testing.do_bench(
+        lambda: triton_ops.write_kv_cache(k, v, caches[2], caches[3], slots, **scales),
+        warmup=25,
+        rep=200,
+    )
+    moved = 2 * tokens * HKV * D * (k.element_size() + caches[2].element_size())
+    rate = moved / (ms * 1e-3)
+    return (
+        f"| KV write, {tokens} tokens, {'FP8' if fp8_kv else 'bf16'} KV | {ms * 1e3:.1f} µs | "
+        f"{rate / 1e12:.2f} TB/s = {rate / copy_bw:.0%} of copy |"
+    )
+
+
+# W2's shapes (PERFORMANCE.md): (label, seq_lens, query_lens) through the prefill kernel.
+W2_PREFILLS = [
+    ("8 × 2048", [2048] * 8, [2048] * 8),
+    ("8 × 2048 over a 1024 prefix", [3072] * 8, [2048] * 8),
+    ("mixed: 256 decode rows at 768 + 15 × 512", [768] * 256 + [512] * 15, [1] * 256 + [512] * 15),
+]
+
+
+def attention_fp8_kv(copy_bw: float, rates: tuple[float, float]) -> list[str]:
+    """Each W2 attention shape over a bf16 then an FP8 cache, and the FP8 speed-up; the KV
+    write of a decode step's and a prefill step's tokens."""
+    rows = [kv_write(copy_bw, fp8_kv, tokens) for tokens in (256, 8192) for fp8_kv in (False, True)]
+    inputs = KvCaches([768] * 256, [1] * 256)
+    timed = [decode_kv(copy_bw, fp8_kv, inputs=inputs) for fp8_kv in (False, True)]
+    rows += [row for _, row in timed] + [
+        f"| FP8 KV speed-up, decode | {timed[0][0] / timed[1][0]:.2f}× | |"
+    ]
+    for label, seq_lens, query_lens in W2_PREFILLS:
+        inputs = KvCaches(seq_lens, query_lens)
+        timed = [prefill_kv(rates, fp8_kv, seq_lens, query_lens, label, inputs=inputs)
+                 for fp8_kv in (False, True)]  # fmt: skip
+        rows += [row for _, row in timed]
+        rows.append(f"| FP8 KV speed-up, {label} | {timed[0][0] / timed[1][0]:.2f}× | |")
+        if query_lens[0] == 1:  # a mixed step: also as the engine runs it
+            rows += [prefill_kv(rates, fp8_kv, seq_lens, query_lens, label, inputs=inputs,
+                                routed=True)[1] for fp8_kv in (False, True)]  # fmt: skip
+    return rows
+
+
+# Around the chosen tiles (10 and 8 compiled variants per cache kind, a few minutes in all).
+PREFILL_SWEEP = [
+    PrefillConfig(128, block_n, warps, stages)
+    for block_n, warps, stages in itertools.product((64, 128), (4, 8), (2, 3))
+] + [PrefillConfig(64, 64, 4, stages) for stages in (2, 3)]
+DECODE_SWEEP = [
+    DecodeConfig(block_n, warps, stages)
+    for block_n, warps, stages in itertools.product((64, 128), (4, 8), (2, 3))
+]
+
+
+def sweep_attention(copy_bw: float, rates: tuple[float, float]) -> None:
+    """Print the three fastest tiles of each kernel and cache kind at W2's shapes."""
+    decode_inputs = KvCaches([768] * 256, [1] * 256)
+    label, seq_lens, query_lens = W2_PREFILLS[1]
+    prefill_inputs = KvCaches(seq_lens, query_lens)
+    for fp8_kv in (False, True):
+        kind = "FP8" if fp8_kv else "bf16"
+        decode = functools.partial(decode_kv, copy_bw, fp8_kv, inputs=decode_inputs)
+        prefill = functools.partial(prefill_kv, rates, fp8_kv, seq_lens, query_lens, label,
+                                    inputs=prefill_inputs)  # fmt: skip
+        print_fastest(f"decode 256 × 768, {kind} KV", DECODE_SWEEP, decode)
+        print_fastest(f"prefill {label}, {kind} KV", PREFILL_SWEEP, prefill)
+
+
+def print_fastest(
+    name: str,
+    configs: list[DecodeConfig] | list[PrefillConfig],
+    time_one: Callable[..., tuple[float, str]],
+) -> None:
+    timed = []
+    for config in configs:
+        try:
+            timed.append((time_one(config=config)[0], config))
+        except Exception as exc:  # a tile that does not fit shared memory or registers
+            print(f"  {name} {config}: {type(exc).__name__}", flush=True)
+    for ms, config in sorted(timed, key=lambda t: t[0])[:3]:
+        print(f"  sweep {name}: {ms * 1e3:.0f} µs {config}", flush=True)
 
 
 def norm(copy_bw: float, tokens: int = 8192, hidden: int = 4096) -> str:
@@ -311,6 +540,9 @@ def main() -> None:
     parser.add_argument("--sweep-linear", action="store_true")
     parser.add_argument("--fp8-only", action="store_true")
     parser.add_argument("--sweep-fp8", action="store_true")
+    parser.add_argument("--fp8-kv", action="store_true", help="only the attention kernels, "
+                        "bf16 against FP8 KV cache, at W2's shapes")  # fmt: skip
+    parser.add_argument("--sweep-attention", action="store_true")
     args = parser.parse_args()
     torch.manual_seed(int.from_bytes(os.urandom(4), "little"))  # fresh inputs every run
     props = torch.cuda.get_device_properties(0)
@@ -324,6 +556,14 @@ def main() -> None:
     print(f"commit {commit}")
     copy_bw, matmul_rate = ceilings()
     print(f"ceilings: copy {copy_bw / 1e12:.2f} TB/s, bf16 matmul {matmul_rate / 1e12:.0f} TFLOP/s")
+    if args.fp8_kv or args.sweep_attention:
+        rates = (matmul_rate, fp8_matmul_rate())
+        print(f"ceiling: FP8 matmul {rates[1] / 1e12:.0f} TFLOP/s")
+        if args.sweep_attention:
+            sweep_attention(copy_bw, rates)
+        print("\n| kernel and shape | median time | achieved |\n|---|---|---|")
+        print("\n".join(attention_fp8_kv(copy_bw, rates)))
+        return
     if args.sweep_fp8:
         for name, n, k in FP8_PROJECTIONS:
             sweep_fp8_gemv(name, n, k, copy_bw)

@@ -13,9 +13,10 @@ Design (the flash-decoding scheme of vLLM and SGLang):
 2. `_combine_splits_kernel`, grid (B, Hq): merges the per-split partial outputs by their
    log-sum-exp. With one split the first kernel writes the output itself and this one is skipped.
 
-An FP8 cache is read as `stored * scale` without a multiply per element: the stored values
-(exact in q's dtype) enter the products as they are, K's scale is folded into the score scale
-and V's multiplies each split's output once.
+An FP8 cache is read as `stored * scale` without a multiply per element, on the FP8 tensor
+cores (`kernels.fp8_attention`): the [G_PAD, D] q tile is quantized per row once, each P tile
+as it is made, and the stored e4m3 K and V tiles enter the products as loaded. The q row scales
+and K's scale join the score scale; V's (with P's) multiplies each split's output once.
 
 The grid depends only on (B, Hkv, num_splits), never on `seq_lens`' values: each program reads
 its sequence length on the device and derives its token range there, so a launch captured in a
@@ -25,12 +26,20 @@ CUDA graph stays correct when `seq_lens` and `block_tables` are rewritten in pla
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
 from kernels.errors import KernelInputError
+from kernels.fp8_attention import (
+    P_UNSCALE_C,
+    dot_e4m3,
+    quantize_probabilities,
+    quantize_q_rows,
+    round_up_running_max,
+)
 from kernels.launch_checks import (
     FLOAT_DTYPES,
     check_kv_cache_encoding,
@@ -85,6 +94,7 @@ def _decode_split_kernel(
     DIRECT: tl.constexpr,  # NUM_SPLITS == 1: write the normalised output in out_ptr's dtype
     DOT_PRECISION: tl.constexpr,  # "ieee" for float32 inputs, so scores are not rounded to tf32
     FP8_KV: tl.constexpr,  # the cache holds float8_e4m3fn values and their per-tensor scales
+    EMULATE_ROUNDING: tl.constexpr,  # FP8_KV under the interpreter: see kernels.fp8_attention
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -121,8 +131,10 @@ def _decode_split_kernel(
 
     v_scale = 1.0
     if FP8_KV:
-        qk_scale = qk_scale * tl.load(k_scale_ptr).to(tl.float32)
-        v_scale = tl.load(v_scale_ptr).to(tl.float32)
+        q, q_scale = quantize_q_rows(q, EMULATE_ROUNDING)
+        k_scale = tl.load(k_scale_ptr).to(tl.float32)
+        qk_scale = (q_scale * (qk_scale * k_scale))[:, None]  # [G_PAD, 1]: each head's own
+        v_scale = tl.load(v_scale_ptr).to(tl.float32) * P_UNSCALE_C
 
     block_table_row = block_tables_ptr + seq * stride_btb
     for tile_start in range(start, end, BLOCK_N):
@@ -141,11 +153,15 @@ def _decode_split_kernel(
             k_cache_ptr + k_offsets[None, :] + offs_d[:, None], mask=n_mask[None, :], other=0.0
         )
         if FP8_KV:
-            k_t = k_t.to(q.dtype)  # exact: every e4m3 value is a float16/bfloat16/float32
-        scores = tl.dot(q, k_t, input_precision=DOT_PRECISION) * qk_scale  # [G_PAD, BLOCK_N]
+            scores = dot_e4m3(q, k_t, HEAD_DIM)
+        else:
+            scores = tl.dot(q, k_t, input_precision=DOT_PRECISION)
+        scores = scores * qk_scale  # [G_PAD, BLOCK_N], in log2 units
         scores = tl.where(n_mask[None, :], scores, float("-inf"))
 
         m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+        if FP8_KV:
+            m_new = round_up_running_max(m_new)
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(scores - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
@@ -156,8 +172,10 @@ def _decode_split_kernel(
             v_cache_ptr + v_offsets[:, None] + offs_d[None, :], mask=n_mask[:, None], other=0.0
         )
         if FP8_KV:
-            v = v.to(q.dtype)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+            pv = dot_e4m3(quantize_probabilities(p, EMULATE_ROUNDING), v, BLOCK_N)
+        else:
+            pv = tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        acc = acc * alpha[:, None] + pv
         m_i = m_new
 
     # An empty split (or a seq_len 0 padding row) has l_i == 0: its output is 0 and its lse -inf,
@@ -264,6 +282,7 @@ def paged_decode_attention(
     out: torch.Tensor | None = None,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    config: DecodeConfig | None = None,
 ) -> torch.Tensor:
     """Attention of one new query token per sequence over its paged KV cache: all of it, or
     with `sliding_window` W its last W tokens (the earlier blocks are never read).
@@ -275,6 +294,7 @@ def paged_decode_attention(
     The cache may instead be float8_e4m3fn, read as `stored * k_scale` (and v_scale): [1]
     tensors on the device, read there (so a CUDA graph captures them, not their values).
     Returns out: [B, Hq, D] in q's dtype (written into `out` when given), accumulated in float32.
+    `config` overrides the tiles `pick_config` chooses (benchmarks).
 
     Preconditions the kernel cannot check without a device sync: block ids in the first
     cdiv(seq_len, block_size) entries of each row are valid indices into the cache.
@@ -290,7 +310,10 @@ def paged_decode_attention(
     if batch == 0:
         return out
     group_size = num_q_heads // num_kv_heads
-    block_n, num_warps, num_stages = _tile_config(head_dim)
+    if config is None:
+        config = pick_config(head_dim)
+    elif not (config.block_n >= 16 and config.block_n & (config.block_n - 1) == 0):
+        raise KernelInputError(f"config.block_n must be a power of two >= 16, got {config}")
     direct = num_splits == 1
     if direct:
         partial, lse = out, out  # lse is unused when DIRECT
@@ -334,13 +357,14 @@ def paged_decode_attention(
         G_PAD=max(16, triton.next_power_of_2(group_size)),
         HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size,
-        BLOCK_N=block_n,
+        BLOCK_N=config.block_n,
         NUM_SPLITS=num_splits,
         DIRECT=direct,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         FP8_KV=fp8_kv,
-        num_warps=num_warps,
-        num_stages=num_stages,
+        EMULATE_ROUNDING=fp8_kv and triton_interprets(),
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
     )
     if not direct:
         _combine_splits_kernel[(batch, num_q_heads)](
@@ -376,16 +400,25 @@ def verify_window(sliding_window: int | None) -> None:
         )
 
 
-def _tile_config(head_dim: int) -> tuple[int, int, int]:
-    """(BLOCK_N, num_warps, num_stages) for the split kernel on H100.
+@dataclass(frozen=True)
+class DecodeConfig:
+    """Tiles of the split kernel: BLOCK_N keys per step (a power of two, at least 16)."""
+
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+
+def pick_config(head_dim: int) -> DecodeConfig:
+    """The split kernel's tiles on H100.
 
     Decode attention is bandwidth-bound: BLOCK_N = 64 keeps a [64, D] K and V tile in flight per
     stage (16 KiB each at D = 128, bf16) with two stages, enough loads in flight to cover HBM
     latency while the registers hold the [G_PAD, D] float32 accumulator. D = 256 halves BLOCK_N
-    to keep the same bytes per tile.
+    to keep the same bytes per tile. An FP8 cache keeps the same tiles (half the bytes each)
+    until `bench/kernel_micro.py --sweep-attention` shows better ones.
     """
-    block_n = 32 if head_dim > 128 else 64
-    return block_n, 4, 2
+    return DecodeConfig(block_n=32 if head_dim > 128 else 64, num_warps=4, num_stages=2)
 
 
 def _verify_inputs(

@@ -18,6 +18,12 @@ FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0
 # An all-zero row still needs a finite, non-zero scale (its values all quantize to 0).
 MIN_AMAX = 1e-12
+# Attention over an FP8 KV cache stores its softmax probabilities times this in e4m3 for the
+# P V product (`kernels.fp8_attention`): a power of two, so the scaling rounds nothing. A row's
+# largest p lies in (1/2, 1] and lands in (128, 256], inside e4m3's range (448); p down to
+# 2**-17 (the smallest subnormal, 2**-9, over 256) stays non-zero, a weight below which is
+# negligible beside the largest.
+P_SCALE = 256.0
 
 
 def row_scales(x: torch.Tensor) -> torch.Tensor:

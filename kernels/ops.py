@@ -31,6 +31,9 @@ class AttentionMetadata:
     seq_lens, query_lens: the same on the host (the reference path and input preparation)
     decode_only: every query_len is 1, so the decode kernel (and CUDA graphs) can run
     num_splits: split-KV factor of the decode kernel (fixed per captured graph)
+    num_leading_decodes: how many sequences at the start of the batch have query_len 1 (a
+        mixed batch's decode rows, which the scheduler places first): the GPU backend runs
+        them through the decode kernel and only the rest through the prefill kernel
     """
 
     slot_mapping: torch.Tensor
@@ -42,6 +45,7 @@ class AttentionMetadata:
     max_query_len: int
     decode_only: bool
     num_splits: int = 1
+    num_leading_decodes: int = 0
 
     @classmethod
     def build(
@@ -58,6 +62,7 @@ class AttentionMetadata:
         starts = [0]
         for n in query_lens:
             starts.append(starts[-1] + n)
+        num_leading_decodes = next((i for i, n in enumerate(query_lens) if n != 1), len(query_lens))
         return cls(
             slot_mapping=slot_mapping,
             block_tables=block_tables,
@@ -66,8 +71,9 @@ class AttentionMetadata:
             seq_lens=seq_lens,
             query_lens=query_lens,
             max_query_len=max(query_lens, default=0),
-            decode_only=all(n == 1 for n in query_lens),
+            decode_only=num_leading_decodes == len(query_lens),
             num_splits=num_splits,
+            num_leading_decodes=num_leading_decodes,
         )
 
 

@@ -17,8 +17,10 @@ Work decomposition (why it looks the way it does):
   past the last row's limit are never loaded. A sliding window adds the mirror image at the
   other end: tiles before the first row's window are never loaded, and those its rows' window
   edges cross are masked.
-- An FP8 cache's tiles are converted to q's dtype as loaded (exactly: every e4m3 value is one);
-  K's per-tensor scale is folded into the score scale and V's multiplies the output once.
+- With an FP8 cache both products run on the FP8 tensor cores (`kernels.fp8_attention`): the q
+  tile is quantized per row once, each P tile as it is made, and the e4m3 K and V tiles go
+  into `tl.dot` as loaded. The row scales of q and K's per-tensor scale join the score scale;
+  V's scale (with P's) multiplies the output once.
 """
 
 from __future__ import annotations
@@ -32,6 +34,13 @@ import triton.language as tl
 
 from kernels.decode_attention import verify_window
 from kernels.errors import KernelInputError
+from kernels.fp8_attention import (
+    P_UNSCALE_C,
+    dot_e4m3,
+    quantize_probabilities,
+    quantize_q_rows,
+    round_up_running_max,
+)
 from kernels.launch_checks import (
     FLOAT_DTYPES,
     check_devices,
@@ -40,7 +49,7 @@ from kernels.launch_checks import (
     triton_interprets,
 )
 
-__all__ = ["paged_prefill_attention"]
+__all__ = ["PrefillConfig", "paged_prefill_attention", "pick_config"]
 
 _LOG2_E = 1.4426950408889634
 
@@ -72,11 +81,14 @@ def _attend_key_tile(
     BLOCK_N: tl.constexpr,
     MASKED: tl.constexpr,
     DOT_FP32: tl.constexpr,
+    FP8_KV: tl.constexpr,
+    EMULATE_ROUNDING: tl.constexpr,
 ):
     """Fold keys [start_n, start_n + BLOCK_N) into the running softmax state of BLOCK_M rows.
 
     acc: [BLOCK_M, HEAD_DIM] f32, m_i/l_i: [BLOCK_M] f32 (running max in log2 units, running
-    sum), q: [BLOCK_M, HEAD_DIM], q_pos: [BLOCK_M] absolute position of each row's query.
+    sum), q: [BLOCK_M, HEAD_DIM] (e4m3 with FP8_KV), q_pos: [BLOCK_M] absolute position of each
+    row's query, qk_scale: a scalar or [BLOCK_M, 1] (FP8_KV: each row's own).
     MASKED tiles may reach past a row's causal limit, below its window (`window` > 0) or past
     `num_keys`; unmasked ones may not. Keys below `lowest_key` (outside every row's window) are
     never loaded, nor their block-table entries: their blocks may have been freed.
@@ -110,9 +122,10 @@ def _attend_key_tile(
         + offs_d[None, :]
     )
     k_t = tl.load(k_ptrs, mask=in_seq[None, :], other=0.0) if MASKED else tl.load(k_ptrs)
-    k_t = k_t.to(q.dtype)  # no-op unless the cache is FP8
 
-    if DOT_FP32:
+    if FP8_KV:
+        qk = dot_e4m3(q, k_t, HEAD_DIM)
+    elif DOT_FP32:
         qk = tl.dot(q.to(tl.float32), k_t.to(tl.float32), input_precision="ieee")
     else:
         qk = tl.dot(q, k_t)
@@ -125,13 +138,16 @@ def _attend_key_tile(
     # m_i starts at a finite floor, not -inf: a row that sees no key of a tile (outside its
     # window, or a padding row) then gets p = 0 there, not a (-inf) - (-inf) NaN.
     m_new = tl.maximum(m_i, tl.max(qk, 1))
+    if FP8_KV:
+        m_new = round_up_running_max(m_new)
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(qk - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
 
     v = tl.load(v_ptrs, mask=in_seq[:, None], other=0.0) if MASKED else tl.load(v_ptrs)
-    v = v.to(q.dtype)
-    if DOT_FP32:
+    if FP8_KV:
+        pv = dot_e4m3(quantize_probabilities(p, EMULATE_ROUNDING), v, BLOCK_N)
+    elif DOT_FP32:
         pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
     else:
         pv = tl.dot(p.to(v.dtype), v)
@@ -176,6 +192,7 @@ def _paged_prefill_attention_kernel(
     # and bfloat16 under the interpreter, whose bf16 tl.dot returns garbage (Triton 3.9).
     DOT_FP32: tl.constexpr,
     FP8_KV: tl.constexpr,  # the cache holds float8_e4m3fn values and their per-tensor scales
+    EMULATE_ROUNDING: tl.constexpr,  # FP8_KV under the interpreter: see kernels.fp8_attention
 ):
     """Grid: (row tiles, Hq // PACK, B). Row r of a tile is query token r // PACK of the
     sequence, for query head (program's first head) + r % PACK."""
@@ -206,8 +223,10 @@ def _paged_prefill_attention_kernel(
 
     v_scale = 1.0
     if FP8_KV:
-        qk_scale = qk_scale * tl.load(k_scale_ptr).to(tl.float32)
-        v_scale = tl.load(v_scale_ptr).to(tl.float32)
+        q, q_scale = quantize_q_rows(q, EMULATE_ROUNDING)
+        k_scale = tl.load(k_scale_ptr).to(tl.float32)
+        qk_scale = (q_scale * (qk_scale * k_scale))[:, None]  # [BLOCK_M, 1]
+        v_scale = tl.load(v_scale_ptr).to(tl.float32) * P_UNSCALE_C
 
     m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -239,21 +258,21 @@ def _paged_prefill_attention_kernel(
             acc, m_i, l_i, q, q_pos, start_n, num_keys, window, lowest_key,
             k_cache_ptr, v_cache_ptr, block_table_row_ptr, kv_head, qk_scale,
             stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
-            BLOCK_SIZE, HEAD_DIM, BLOCK_N, True, DOT_FP32,
+            BLOCK_SIZE, HEAD_DIM, BLOCK_N, True, DOT_FP32, FP8_KV, EMULATE_ROUNDING,
         )  # fmt: skip
     for start_n in range(window_end, unmasked_end, BLOCK_N):
         acc, m_i, l_i = _attend_key_tile(
             acc, m_i, l_i, q, q_pos, start_n, num_keys, window, lowest_key,
             k_cache_ptr, v_cache_ptr, block_table_row_ptr, kv_head, qk_scale,
             stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
-            BLOCK_SIZE, HEAD_DIM, BLOCK_N, False, DOT_FP32,
+            BLOCK_SIZE, HEAD_DIM, BLOCK_N, False, DOT_FP32, FP8_KV, EMULATE_ROUNDING,
         )  # fmt: skip
     for start_n in range(tl.maximum(unmasked_end, window_end), causal_end, BLOCK_N):
         acc, m_i, l_i = _attend_key_tile(
             acc, m_i, l_i, q, q_pos, start_n, num_keys, window, lowest_key,
             k_cache_ptr, v_cache_ptr, block_table_row_ptr, kv_head, qk_scale,
             stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
-            BLOCK_SIZE, HEAD_DIM, BLOCK_N, True, DOT_FP32,
+            BLOCK_SIZE, HEAD_DIM, BLOCK_N, True, DOT_FP32, FP8_KV, EMULATE_ROUNDING,
         )  # fmt: skip
 
     out = acc * (v_scale / l_i)[:, None]
@@ -262,32 +281,41 @@ def _paged_prefill_attention_kernel(
 
 
 @dataclass(frozen=True)
-class _LaunchConfig:
+class PrefillConfig:
+    """Tiles of one launch: BLOCK_M rows (query token, head) per program, BLOCK_N keys per
+    step (both powers of two, at least 16)."""
+
     block_m: int
     block_n: int
     num_warps: int
     num_stages: int
 
 
-def _pick_config(dtype: torch.dtype, head_dim: int, interpreted: bool) -> _LaunchConfig:
+def pick_config(
+    dtype: torch.dtype, head_dim: int, interpreted: bool, fp8_kv: bool
+) -> PrefillConfig:
     """Tile sizes: H100-tuned on the GPU, small in the interpreter (which runs every program
     serially in numpy, so big tiles only add work on tiny test shapes).
 
     The GPU choices were the fastest of a small sweep on the H100 (Triton 3.6, bf16, causal
     prefill of 8 x 2048 tokens, 32 query / 8 KV heads; 2026-11-21): D=64 283, D=128 309,
-    D=256 306 TFLOP/s. A re-tune belongs in a bench/ script, not here.
+    D=256 306 TFLOP/s. `bench/kernel_micro.py --sweep-attention` re-runs such a sweep.
+
+    An FP8 cache at D=128 takes 8 warps: compiled for sm_90 (Triton 3.9), its kernel spills
+    about 4 KB per thread with 4 warps (the bf16 one too) and 0.4 KB with 8. Chosen from
+    that, not yet timed on the H100.
     """
     if interpreted:
-        return _LaunchConfig(block_m=16, block_n=16, num_warps=4, num_stages=1)
-    if dtype == torch.float32:
+        return PrefillConfig(block_m=16, block_n=16, num_warps=4, num_stages=1)
+    if dtype == torch.float32 and not fp8_kv:
         # Twice the bytes per element and no fast tensor-core path: keep shared memory small.
-        return _LaunchConfig(block_m=64, block_n=32, num_warps=4, num_stages=2)
+        return PrefillConfig(block_m=64, block_n=32, num_warps=4, num_stages=2)
     if head_dim <= 64:
-        return _LaunchConfig(block_m=128, block_n=64, num_warps=8, num_stages=3)
+        return PrefillConfig(block_m=128, block_n=64, num_warps=8, num_stages=3)
     if head_dim <= 128:
-        return _LaunchConfig(block_m=128, block_n=64, num_warps=4, num_stages=3)
+        return PrefillConfig(block_m=128, block_n=64, num_warps=8 if fp8_kv else 4, num_stages=3)
     # D=256: a 128-row Q tile plus staged K/V tiles of 256 columns overflow shared memory.
-    return _LaunchConfig(block_m=64, block_n=32, num_warps=4, num_stages=2)
+    return PrefillConfig(block_m=64, block_n=32, num_warps=4, num_stages=2)
 
 
 def paged_prefill_attention(
@@ -304,6 +332,7 @@ def paged_prefill_attention(
     out: torch.Tensor | None = None,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    config: PrefillConfig | None = None,
 ) -> torch.Tensor:
     """Causal attention of each sequence's new tokens over its paged context: all of it, or
     with `sliding_window` W the last W tokens up to each query's own (tiles wholly before a
@@ -321,6 +350,7 @@ def paged_prefill_attention(
     out: optional [T, Hq, D] destination in q's dtype
     k_scale, v_scale: [1] tensors on the device, for a float8_e4m3fn cache (read as
         `stored * scale`); a cache in q's dtype ignores them
+    config: overrides the tiles `pick_config` chooses (benchmarks)
     -> [T, Hq, D] in q's dtype; query i of sequence b sits at position
        seq_len_b - query_len_b + i and attends to keys 0 ..= that position.
 
@@ -348,7 +378,10 @@ def paged_prefill_attention(
 
     group = num_q_heads // num_kv_heads
     interpreted = triton_interprets()
-    config = _pick_config(q.dtype, head_dim, interpreted)
+    if config is None:
+        config = pick_config(q.dtype, head_dim, interpreted, fp8_kv)
+    else:
+        _check_config(config)
     # Pack as many heads of a GQA group as divide it evenly into one program (the largest
     # power-of-two divisor, so PACK tiles BLOCK_M exactly).
     pack = min(group & -group, config.block_m)
@@ -383,8 +416,10 @@ def paged_prefill_attention(
         HEAD_DIM=head_dim,
         BLOCK_M=config.block_m,
         BLOCK_N=config.block_n,
-        DOT_FP32=q.dtype == torch.float32 or (interpreted and q.dtype == torch.bfloat16),
+        DOT_FP32=not fp8_kv
+        and (q.dtype == torch.float32 or (interpreted and q.dtype == torch.bfloat16)),
         FP8_KV=fp8_kv,
+        EMULATE_ROUNDING=fp8_kv and interpreted,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )
@@ -469,6 +504,13 @@ def _check_inputs(
             raise KernelInputError(
                 f"{name} must be contiguous in its last dim, got strides {tensor.stride()}"
             )
+
+
+def _check_config(config: PrefillConfig) -> None:
+    for name in ("block_m", "block_n"):
+        value = getattr(config, name)
+        if not (isinstance(value, int) and value >= 16 and value & (value - 1) == 0):
+            raise KernelInputError(f"config.{name} must be a power of two >= 16, got {value!r}")
 
 
 def _check_out(out: torch.Tensor, q: torch.Tensor) -> None:

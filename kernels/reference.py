@@ -11,11 +11,12 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels.fp8 import quantize_rows
+from kernels.fp8 import P_SCALE, quantize_rows
 from kernels.launch_checks import KV_CACHE_FP8, check_kv_cache_encoding
 from kernels.ops import AttentionMetadata, Fp8Weight
 
 _FP8_MAX = torch.finfo(KV_CACHE_FP8).max
+_LOG2_E = 1.4426950408889634
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -177,8 +178,8 @@ def paged_attention(
     A decode step is `query_lens[b] == 1`; a first prefill has `query_lens[b] == seq_lens[b]`.
     Heads are grouped (GQA): query head h reads KV head h // (Hq // Hkv).
 
-    An FP8 cache (`write_kv_cache`) is read as `stored.float() * k_scale` (and v_scale), and the
-    attention then runs in float32.
+    An FP8 cache (`write_kv_cache`) is read as `stored.float() * k_scale` (and v_scale), by
+    FP8 arithmetic in float32 (`fp8_attention`), as the GPU kernels run it on the tensor cores.
 
     q: [T, Hq, D] -> out: [T, Hq, D]
     """
@@ -187,15 +188,13 @@ def paged_attention(
     out = torch.empty_like(q)
     start = 0
     for b, (seq_len, query_len) in enumerate(zip(meta.seq_lens, meta.query_lens, strict=True)):
+        if query_len == 0:  # a padding sequence
+            continue
         num_blocks = -(-seq_len // block_size)
         blocks = meta.block_tables[b, :num_blocks]
         k = k_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len]
         v = v_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len]
         q_b = q[start : start + query_len]
-        if fp8:
-            assert k_scale is not None and v_scale is not None  # checked above
-            k, v = k.float() * k_scale.float(), v.float() * v_scale.float()
-            q_b = q_b.float()
         # Query i sits at position p = seq_len - query_len + i and sees keys 0 ..= p, or with a
         # window W keys p - W + 1 ..= p.
         q_pos = torch.arange(seq_len - query_len, seq_len, device=q.device)[:, None]
@@ -203,14 +202,57 @@ def paged_attention(
         mask = k_pos <= q_pos
         if sliding_window is not None:
             mask &= k_pos > q_pos - sliding_window
-        o = F.scaled_dot_product_attention(
-            q_b.transpose(0, 1),  # [Hq, Tq, D]
-            k.transpose(0, 1),  # [Hkv, S, D]
-            v.transpose(0, 1),
-            attn_mask=mask,
-            scale=scale,
-            enable_gqa=True,
-        )
-        out[start : start + query_len] = o.transpose(0, 1).to(q.dtype)
+        if fp8:
+            assert k_scale is not None and v_scale is not None  # checked above
+            o = fp8_attention(q_b, k, v, mask, scale, k_scale, v_scale)
+        else:
+            o = F.scaled_dot_product_attention(
+                q_b.transpose(0, 1),  # [Hq, Tq, D]
+                k.transpose(0, 1),  # [Hkv, S, D]
+                v.transpose(0, 1),
+                attn_mask=mask,
+                scale=scale,
+                enable_gqa=True,
+            ).transpose(0, 1)
+        out[start : start + query_len] = o.to(q.dtype)
         start += query_len
     return out
+
+
+def fp8_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor,
+    scale: float,
+    k_scale: torch.Tensor,
+    v_scale: torch.Tensor,
+) -> torch.Tensor:
+    """Attention of one sequence's queries over its FP8 keys and values, both products on e4m3
+    operands as `kernels.fp8_attention` runs them on the tensor cores.
+
+    q: [Tq, Hq, D]; k, v: [S, Hkv, D] float8_e4m3fn (stored values, read as `stored * scale`);
+    mask: [Tq, S] bool, True where a query sees a key (at least one per query)
+    -> [Tq, Hq, D] float32.
+
+    1. Each query row (one token, one head) is quantized with its own scale (`quantize_rows`);
+       scores are the exact FP8 products summed in float32, times both scales and `scale`,
+       in log2 units as the kernels keep them.
+    2. Softmax in float32 against each row's maximum rounded up to a whole number (log2
+       units), which makes p round to e4m3 as the kernels' p against their running maxima
+       does; the probabilities are quantized as `p * P_SCALE`, the row sums use them before.
+    3. P V on the stored values, times v_scale / P_SCALE, over the row sums.
+    """
+    num_queries, num_q_heads, head_dim = q.shape
+    group = num_q_heads // k.shape[1]
+    q8, q_scale = quantize_rows(q.reshape(-1, head_dim))
+    q8 = q8.float().view(num_queries, num_q_heads, head_dim).transpose(0, 1)  # [Hq, Tq, D]
+    q_scale = q_scale.view(num_queries, num_q_heads).T[:, :, None]  # [Hq, Tq, 1]
+    k = k.float().repeat_interleave(group, dim=1).transpose(0, 1)  # [Hq, S, D]
+    v = v.float().repeat_interleave(group, dim=1).transpose(0, 1)
+    scores = q8 @ k.transpose(1, 2) * (q_scale * (k_scale.float() * (scale * _LOG2_E)))
+    scores = scores.masked_fill(~mask, float("-inf"))  # [Hq, Tq, S], log2 units
+    p = torch.exp2(scores - scores.amax(dim=-1, keepdim=True).ceil())
+    p8 = (p * P_SCALE).to(KV_CACHE_FP8)  # p <= 1: nothing to saturate
+    o = (p8.float() @ v) * (v_scale.float() / P_SCALE) / p.sum(dim=-1, keepdim=True)
+    return o.transpose(0, 1)  # [Tq, Hq, D]

@@ -2,7 +2,10 @@
 
 Attention picks its kernel from the batch: a batch of single-token decodes (the steady state,
 and what CUDA graphs capture) runs the split-KV decode kernel; anything with a longer query
-(prefill, chunked prefill, prefix-cache extends, mixed batches) runs the varlen prefill kernel.
+(prefill, chunked prefill, prefix-cache extends) runs the varlen prefill kernel. A mixed batch
+runs its leading decode rows through the decode kernel and the rest through the prefill kernel:
+in the prefill kernel a decode row fills only Hq / Hkv rows of a 128-row tile, so its context
+would cost the tensor cores 128 / (Hq / Hkv) times the work for the same bytes read.
 Projections of decode-sized batches (at most `kernels.linear.MAX_ROWS` rows) stream their
 weights through Inferno's skinny-matmul kernel; larger ones are cuBLAS matmuls. FP8 weights
 (`kernels.ops.Fp8Weight`) take `kernels.fp8_linear`'s W8A8 path, which routes the same way.
@@ -79,6 +82,7 @@ def paged_attention(
     v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q: [T, Hq, D] -> [T, Hq, D]; see `kernels.reference.paged_attention` for the semantics."""
+    scales = {"k_scale": k_scale, "v_scale": v_scale}
     if meta.decode_only:
         return paged_decode_attention(
             q,
@@ -89,19 +93,34 @@ def paged_attention(
             scale,
             num_splits=meta.num_splits,
             sliding_window=sliding_window,
-            k_scale=k_scale,
-            v_scale=v_scale,
+            **scales,
         )
+    out = torch.empty_like(q)
+    decodes = meta.num_leading_decodes  # their rows are q's first `decodes`, one each
+    if decodes:
+        paged_decode_attention(
+            q[:decodes],
+            k_cache,
+            v_cache,
+            meta.block_tables[:decodes],
+            meta.seq_lens_t[:decodes],
+            scale,
+            num_splits=1,  # a program per (row, KV head), as the prefill kernel gave them
+            sliding_window=sliding_window,
+            out=out[:decodes],
+            **scales,
+        )
+    # The other sequences' rows, located through their query_start_loc entries in the whole q.
     return paged_prefill_attention(
         q,
         k_cache,
         v_cache,
-        meta.block_tables,
-        meta.seq_lens_t,
-        meta.query_start_loc,
+        meta.block_tables[decodes:],
+        meta.seq_lens_t[decodes:],
+        meta.query_start_loc[decodes:],
         max_query_len=meta.max_query_len,
         scale=scale,
         sliding_window=sliding_window,
-        k_scale=k_scale,
-        v_scale=v_scale,
+        out=out,
+        **scales,
     )

@@ -8,10 +8,9 @@ Tolerances, against a float32 reference on the same (rounded) inputs:
 - float32: 1e-5 abs/rel (the kernel's dots run in IEEE fp32, not tf32);
 - float16: 4e-3 abs/rel (probabilities rounded to fp16 before the P @ V product, one output ulp);
 - bfloat16: 3e-2 abs/rel (the same with 8 mantissa bits instead of 11).
-An FP8 cache is compared with the reference on its dequantized values (`stored * scale` in
-float32), at the same tolerances: the kernel converts the stored values exactly and only the
-order of its float32 operations differs. (Triton's interpreter converts e4m3 to wider floats
-exactly; only its float -> e4m3 rounding is wrong, which reading never does.)
+An FP8 cache is read on the FP8 tensor cores, q and the softmax probabilities quantized to e4m3:
+compared with the reference on the same cache (which quantizes them the same way) and with exact
+attention on the dequantized values, within the bounds of `fp8_attention_bounds`.
 """
 
 from __future__ import annotations
@@ -23,10 +22,12 @@ import pytest
 import torch
 
 import kernels.decode_attention as decode_attention
-from kernels.decode_attention import choose_num_splits, paged_decode_attention
+from kernels.decode_attention import DecodeConfig, choose_num_splits, paged_decode_attention
 from kernels.errors import KernelInputError
 from kernels.ops import AttentionMetadata
 from kernels.reference import paged_attention, quantize_kv
+
+from .fp8_attention_bounds import assert_fp8_attention_close
 
 # The small cases run on the GPU too when there is one (the launcher refuses CPU tensors there).
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -113,8 +114,13 @@ def dequantized(case: DecodeCase, scales: dict[str, torch.Tensor]) -> DecodeCase
     )
 
 
-def reference_output(case: DecodeCase, sliding_window: int | None = None) -> torch.Tensor:
-    """The reference in float32 on the non-padding rows; padding rows (seq_len 0) are zeros."""
+def reference_output(
+    case: DecodeCase,
+    sliding_window: int | None = None,
+    fp8_scales: dict[str, torch.Tensor] | None = None,
+) -> torch.Tensor:
+    """The reference in float32 on the non-padding rows; padding rows (seq_len 0) are zeros.
+    With `fp8_scales` the case's caches are FP8 and read as such (q and P quantized)."""
     rows = [b for b, n in enumerate(case.seq_lens_host) if n > 0]
     expected = torch.zeros(case.q.shape, dtype=torch.float32, device=case.q.device)
     if rows:
@@ -124,15 +130,31 @@ def reference_output(case: DecodeCase, sliding_window: int | None = None) -> tor
             [case.seq_lens_host[b] for b in rows],
             [1] * len(rows),
         )
+        caches = (case.k_cache, case.v_cache)
         expected[rows] = paged_attention(
             case.q[rows].float(),
-            case.k_cache.float(),
-            case.v_cache.float(),
+            *(caches if fp8_scales else (cache.float() for cache in caches)),
             meta,
             case.scale,
             sliding_window,
+            **(fp8_scales or {}),
         )
     return expected
+
+
+def assert_fp8_cache_attention_close(case: DecodeCase, num_splits: int) -> None:
+    """The kernel on the case's caches quantized to e4m3 (at scales other than 1, so a kernel
+    that skipped or swapped them fails) against the reference on that cache and exact
+    attention on the dequantized values."""
+    fp8_case, scales = with_fp8_cache(case)
+    out = run_kernel(fp8_case, num_splits, **scales)
+    assert out.dtype == case.q.dtype
+    assert_fp8_attention_close(
+        out,
+        reference_output(fp8_case, fp8_scales=scales),
+        reference_output(dequantized(fp8_case, scales)),
+        output_atol=TOLERANCE[case.q.dtype],
+    )
 
 
 def assert_matches_reference(
@@ -188,13 +210,11 @@ def test_windowed_decode_matches_reference_and_reads_nothing_before_the_window(
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("num_splits", [1, 3])
-def test_decode_attention_reads_fp8_cache_with_its_scales(
+def test_decode_attention_over_fp8_cache_quantizes_q_and_p_as_the_reference_does(
     dtype: torch.dtype, num_splits: int
 ) -> None:
     case = make_case(CPU_SEQ_LENS, num_q_heads=4, num_kv_heads=2, head_dim=32, dtype=dtype)
-    fp8_case, scales = with_fp8_cache(case)
-    out = run_kernel(fp8_case, num_splits, **scales)
-    assert_matches_reference(dequantized(fp8_case, scales), out)
+    assert_fp8_cache_attention_close(case, num_splits)
 
 
 def test_decode_attention_matches_reference_with_head_dim_16_and_large_blocks() -> None:
@@ -362,6 +382,7 @@ BAD_INPUTS: dict[str, tuple[Mutation, str]] = {
         _set_caches(lambda cache: cache.to(torch.float8_e4m3fn)),
         "needs k_scale",
     ),
+    "config_block_n": (_set("config", lambda c: DecodeConfig(24, 4, 2)), "config.block_n"),
 }
 
 
@@ -424,7 +445,7 @@ def test_decode_attention_matches_reference_on_gpu(
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize(("batch", "num_splits"), [(1, 16), (13, 4), (64, 1)])
-def test_decode_attention_reads_fp8_cache_on_gpu(
+def test_decode_attention_over_fp8_cache_stays_within_its_bounds_on_gpu(
     dtype: torch.dtype, batch: int, num_splits: int
 ) -> None:
     case = make_case(
@@ -436,9 +457,7 @@ def test_decode_attention_reads_fp8_cache_on_gpu(
         device="cuda",
         seed=batch,
     )
-    fp8_case, scales = with_fp8_cache(case)
-    out = run_kernel(fp8_case, num_splits, **scales)
-    assert_matches_reference(dequantized(fp8_case, scales), out)
+    assert_fp8_cache_attention_close(case, num_splits)
 
 
 @pytest.mark.gpu

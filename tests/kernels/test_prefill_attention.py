@@ -14,8 +14,9 @@ Tolerances, against a float32 reference on the same (rounded) inputs:
 - float32: 1e-5 abs/rel (both matmuls run in IEEE fp32, not tf32);
 - float16: 4e-3 abs/rel (probabilities rounded to fp16 before P @ V, one output ulp);
 - bfloat16: 3e-2 abs/rel (the same with 8 mantissa bits instead of 11).
-An FP8 cache is compared with the reference on its dequantized values (`stored * scale` in
-float32), at the same tolerances: the kernel converts the stored values to q's dtype exactly.
+An FP8 cache is read on the FP8 tensor cores, q and the softmax probabilities quantized to e4m3:
+compared with the reference on the same cache (which quantizes them the same way) and with exact
+attention on the dequantized values, within the bounds of `fp8_attention_bounds`.
 """
 
 from __future__ import annotations
@@ -30,8 +31,10 @@ import torch
 
 from kernels.errors import KernelInputError
 from kernels.ops import AttentionMetadata
-from kernels.prefill_attention import paged_prefill_attention
+from kernels.prefill_attention import PrefillConfig, paged_prefill_attention
 from kernels.reference import paged_attention, quantize_kv
+
+from .fp8_attention_bounds import assert_fp8_attention_close
 
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 4e-3, torch.bfloat16: 3e-2}
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -151,16 +154,25 @@ def assert_matches_reference(
     )
 
 
-def check_fp8_cache(case: PrefillCase) -> None:
+def check_fp8_cache(case: PrefillCase, sliding_window: int | None = None) -> None:
     """Quantize the case's caches to e4m3 at scales other than 1 (a kernel that skipped or
-    swapped them fails) and compare with the reference on the dequantized values."""
+    swapped them fails) and compare with the reference on that cache and with exact attention
+    on the dequantized values."""
     device = case.q.device
-    k_scale = torch.tensor([0.02], device=device)
-    v_scale = torch.tensor([0.5], device=device)
-    k_fp8, v_fp8 = quantize_kv(case.k_cache, k_scale), quantize_kv(case.v_cache, v_scale)
-    out = replace(case, k_cache=k_fp8, v_cache=v_fp8).run(k_scale=k_scale, v_scale=v_scale)
-    dequantized = replace(case, k_cache=k_fp8.float() * k_scale, v_cache=v_fp8.float() * v_scale)
-    assert_matches_reference(dequantized, out)
+    scales = {"k_scale": torch.tensor([0.02], device=device),
+              "v_scale": torch.tensor([0.5], device=device)}  # fmt: skip
+    k_fp8 = quantize_kv(case.k_cache, scales["k_scale"])
+    v_fp8 = quantize_kv(case.v_cache, scales["v_scale"])
+    out = replace(case, k_cache=k_fp8, v_cache=v_fp8).run(sliding_window=sliding_window, **scales)
+    assert out.dtype == case.q.dtype
+    fp8_reference = paged_attention(
+        case.q.float(), k_fp8, v_fp8, case.meta, case.scale, sliding_window, **scales
+    )
+    dequantized = replace(
+        case, k_cache=k_fp8.float() * scales["k_scale"], v_cache=v_fp8.float() * scales["v_scale"]
+    )
+    exact = dequantized.reference(sliding_window)
+    assert_fp8_attention_close(out, fp8_reference, exact, output_atol=TOLERANCE[case.q.dtype])
 
 
 # (query_lens, num_cached): a one-token first prefill, an extend, a chunk after a full block;
@@ -202,13 +214,23 @@ def test_matches_reference_in_half_precision(
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize(("query_lens", "num_cached"), RAGGED_BATCHES)
-def test_reads_fp8_cache_with_its_scales(
+def test_fp8_cache_attention_quantizes_q_and_p_as_the_reference_does(
     dtype: torch.dtype, query_lens: list[int], num_cached: list[int]
 ) -> None:
     case = make_case(
         query_lens, num_cached, num_q_heads=8, num_kv_heads=2, head_dim=32, dtype=dtype
     )
     check_fp8_cache(case)
+
+
+def test_fp8_cache_attention_over_many_key_tiles_with_a_window() -> None:
+    """Several key tiles per row (the running maximum rises from tile to tile, so P is
+    quantized against different maxima), a padding sequence and a window edge."""
+    case = make_case(
+        [40, 0, 3], [45, 0, 70], num_q_heads=4, num_kv_heads=1, head_dim=16, dtype=torch.float16
+    )
+    check_fp8_cache(case)
+    check_fp8_cache(case, sliding_window=37)
 
 
 @pytest.mark.parametrize(("num_q_heads", "num_kv_heads"), [(4, 4), (8, 2), (8, 1)])
@@ -360,6 +382,8 @@ BAD_INPUTS: list[tuple[str, Callable[[PrefillCase], dict[str, object]], str]] = 
     ("out-dtype", lambda c: {"out": torch.empty_like(c.q, dtype=torch.float16)}, "out must be"),
     ("out-shape", lambda c: {"out": c.q[:-1].clone()}, "out must be"),
     ("mixed-devices", lambda c: {"seq_lens": c.seq_lens.to("meta")}, "one device"),
+    ("config-block-m", lambda c: {"config": PrefillConfig(24, 16, 4, 1)}, "config.block_m"),
+    ("config-block-n", lambda c: {"config": PrefillConfig(16, 8, 4, 1)}, "config.block_n"),
 ]
 
 
@@ -432,7 +456,10 @@ def test_matches_reference_on_gpu(
 @pytest.mark.gpu
 @pytest.mark.parametrize("layout", ["prefill-8x2048", "extend-ragged", "mixed-with-decode"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_reads_fp8_cache_on_gpu(layout: str, dtype: torch.dtype) -> None:
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_fp8_cache_attention_stays_within_its_bounds_on_gpu(
+    layout: str, dtype: torch.dtype, head_dim: int
+) -> None:
     seed = random.randrange(2**31)
     query_lens, num_cached = _gpu_batch(layout, random.Random(seed))
     case = make_case(
@@ -440,12 +467,20 @@ def test_reads_fp8_cache_on_gpu(layout: str, dtype: torch.dtype) -> None:
         num_cached,
         num_q_heads=32,
         num_kv_heads=8,
-        head_dim=128,
+        head_dim=head_dim,
         dtype=dtype,
         device="cuda",
         seed=seed,
     )
     check_fp8_cache(case)
+
+
+@pytest.mark.gpu
+def test_fp8_cache_attention_with_gemma_windows_on_gpu() -> None:
+    """head_dim 256 (its own tile sizes) and a 1024-token window crossing the chunks."""
+    case = make_case([1500, 300, 1, 700], [0, 900, 3000, 200], num_q_heads=8, num_kv_heads=4,
+                     head_dim=256, dtype=torch.bfloat16, device="cuda")  # fmt: skip
+    check_fp8_cache(case, sliding_window=1024)
 
 
 @pytest.mark.gpu
