@@ -35,15 +35,14 @@ import itertools
 import os
 import subprocess
 from collections.abc import Callable
-from dataclasses import replace
 
 import torch
 import triton
 
-from kernels import fp8, reference, triton_ops
+from kernels import fp8, pdl, reference, triton_ops
 from kernels.activation import silu_and_mul
 from kernels.decode_attention import DecodeConfig, choose_num_splits, paged_decode_attention
-from kernels.linear import LinearConfig, config_for, gemv, linear, silu_mul_linear
+from kernels.linear import LinearConfig, gemv, linear, silu_mul_linear
 from kernels.ops import AttentionMetadata, Fp8Weight
 from kernels.prefill_attention import PrefillConfig, paged_prefill_attention
 from kernels.rmsnorm import add_rms_norm
@@ -461,8 +460,9 @@ def projection(name: str, n: int, k: int, rows: int, copy_bw: float, sweep: bool
     chosen, base = weight_bytes / (chosen_ms * 1e-3), weight_bytes / (cublas_ms * 1e-3)
     no_pdl = ""
     if rows == 1:
-        config = replace(config_for(n, k, 1, DTYPE.itemsize), pdl=False)
-        no_pdl = f"; without programmatic launch {graph_time(tiles(config), weights) * 1e3:.1f} µs"
+        with pdl.disabled():
+            plain_ms = graph_time(engine, weights)
+        no_pdl = f"; without programmatic launch {plain_ms * 1e3:.1f} µs"
     return (
         f"| {name} {n} × {k}, M = {rows} | {chosen_ms * 1e3:.1f} µs | "
         f"{chosen / 1e12:.2f} TB/s of weights = {chosen / copy_bw:.0%} of copy | "
@@ -501,7 +501,8 @@ def sweep_fp8_gemv(name: str, n: int, k: int, copy_bw: float) -> None:
         rate = (n * k + 4 * n) / (ms * 1e-3)
         print(f"  sweep fp8 {name} M=1: {ms * 1e3:.1f} µs {rate / copy_bw:.0%} {config}")
     best = min(timed, key=lambda t: t[0])[1]
-    ms = graph_time(tiles(replace(best, pdl=False)), weights)
+    with pdl.disabled():
+        ms = graph_time(tiles(best), weights)
     print(f"  sweep fp8 {name} M=1: {ms * 1e3:.1f} µs without programmatic dependent launch")
 
 

@@ -46,6 +46,7 @@ from kernels.launch_checks import (
     check_paged_cache,
     triton_interprets,
 )
+from kernels.pdl import launch_options, wait_for_previous
 
 # exp2 is the native instruction: scores are pre-scaled by log2(e), and exp2(s * log2 e) = exp(s).
 _LOG2E = 1.4426950408889634
@@ -95,7 +96,9 @@ def _decode_split_kernel(
     DOT_PRECISION: tl.constexpr,  # "ieee" for float32 inputs, so scores are not rounded to tf32
     FP8_KV: tl.constexpr,  # the cache holds float8_e4m3fn values and their per-tensor scales
     EMULATE_ROUNDING: tl.constexpr,  # FP8_KV under the interpreter: see kernels.fp8_attention
+    PDL: tl.constexpr,  # launched as a programmatic dependent (kernels.pdl)
 ):
+    wait_for_previous(PDL)
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -217,7 +220,9 @@ def _combine_splits_kernel(
     NUM_SPLITS: tl.constexpr,
     SPLITS_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_for_previous(PDL)
     seq = tl.program_id(0)
     head = tl.program_id(1)
     offs_s = tl.arange(0, SPLITS_PAD)
@@ -365,6 +370,7 @@ def paged_decode_attention(
         EMULATE_ROUNDING=fp8_kv and triton_interprets(),
         num_warps=config.num_warps,
         num_stages=config.num_stages,
+        **launch_options(q.device),
     )
     if not direct:
         _combine_splits_kernel[(batch, num_q_heads)](
@@ -382,6 +388,7 @@ def paged_decode_attention(
             SPLITS_PAD=triton.next_power_of_2(num_splits),
             HEAD_DIM=head_dim,
             num_warps=4,
+            **launch_options(q.device),
         )
     return out
 

@@ -15,6 +15,7 @@ import triton.language as tl
 
 from kernels.errors import KernelInputError
 from kernels.launch_checks import FLOAT_DTYPES, KV_CACHE_FP8, check_devices, check_kv_cache_encoding
+from kernels.pdl import launch_options, wait_for_previous
 
 # One program holds a whole token (all KV heads) in registers; beyond this it would spill.
 _MAX_TOKEN_ELEMENTS = 16384
@@ -37,7 +38,9 @@ def _write_kv_cache_kernel(
     BLOCK: tl.constexpr,  # next power of two of TOKEN_ELEMENTS
     QUANTIZE: tl.constexpr,  # the cache is FP8: store x / scale, saturated
     FP8_MAX: tl.constexpr,
+    PDL: tl.constexpr,  # launched as a programmatic dependent (kernels.pdl)
 ):
+    wait_for_previous(PDL)
     token = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_mapping_ptr + token)
     offs = tl.arange(0, BLOCK)
@@ -107,6 +110,7 @@ def write_kv_cache(
         QUANTIZE=quantize,
         FP8_MAX=_FP8_MAX,
         num_warps=num_warps,
+        **launch_options(k.device),
     )
 
 

@@ -42,15 +42,13 @@ MAX_ROWS = 16
 class LinearConfig:
     """Tiles of one launch. `fma`: a single row of x, multiplied on the CUDA cores rather than
     padded to a tensor-core tile, so `block_n` may go below 16 and more programs share the
-    weight stream. `pdl`: launch the one-row kernel as a programmatic dependent where the GPU
-    can (`kernels.pdl`)."""
+    weight stream."""
 
     block_n: int
     block_k: int
     num_warps: int
     num_stages: int
     fma: bool = False
-    pdl: bool = True
 
 
 # Measured with `bench/kernel_micro.py --sweep-linear` on an H100 (back-to-back launches, none
@@ -319,7 +317,7 @@ def gemv(
         BLOCK_K=config.block_k,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
-        **launch_options(x.device, config.pdl),
+        **launch_options(x.device),
     )
     return out
 

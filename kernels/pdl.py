@@ -12,7 +12,9 @@ early calls `gdc_launch_dependents` under its own constexpr.
 
 from __future__ import annotations
 
+import contextlib
 import functools
+from collections.abc import Iterator
 
 import torch
 import triton
@@ -21,18 +23,37 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from kernels.launch_checks import triton_interprets
 
+_disabled = False
+
 
 def programmatic_launch(device: torch.device) -> bool:
     """Whether kernels on `device` may be launched as programmatic dependents: a Hopper or later
-    GPU, compiled (Triton's interpreter has no grid dependency control)."""
-    return device.type == "cuda" and not triton_interprets() and _hopper_or_later(device.index)
+    GPU, compiled (Triton's interpreter has no grid dependency control), not `disabled()`."""
+    return (
+        not _disabled
+        and device.type == "cuda"
+        and not triton_interprets()
+        and _hopper_or_later(device.index)
+    )
 
 
-def launch_options(device: torch.device, enabled: bool = True) -> dict[str, bool]:
+def launch_options(device: torch.device) -> dict[str, bool]:
     """The `PDL` constexpr and Triton's `launch_pdl` option for a launch on `device`."""
-    if enabled and programmatic_launch(device):
+    if programmatic_launch(device):
         return {"PDL": True, "launch_pdl": True}
     return {"PDL": False}
+
+
+@contextlib.contextmanager
+def disabled() -> Iterator[None]:
+    """Launch in plain stream order while inside (benchmarks and tests compare the two; kernels
+    captured in a CUDA graph keep the way they were launched)."""
+    global _disabled
+    previous, _disabled = _disabled, True
+    try:
+        yield
+    finally:
+        _disabled = previous
 
 
 @triton.jit

@@ -133,7 +133,7 @@ def decode(q, head_dim, group):
         ("qb", "qh", "kb", "ks", "kh", "vb", "vs", "vh", "btb", "ob", "oh", "os", "lb", "lh"),
         {"GROUP_SIZE": group, "G_PAD": 16, "HEAD_DIM": head_dim, "BLOCK_SIZE": 16,
          "BLOCK_N": config.block_n, "NUM_SPLITS": 4, "DIRECT": False, "DOT_PRECISION": "tf32",
-         "FP8_KV": True, "EMULATE_ROUNDING": False},
+         "FP8_KV": True, "EMULATE_ROUNDING": False, "PDL": True},
         config)
 
 ptx = prefill("bfloat16", 128, 4)

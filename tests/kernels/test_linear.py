@@ -7,6 +7,7 @@ the 128256-row output projection) at every batch the kernel takes.
 
 from __future__ import annotations
 
+import contextlib
 import zlib
 
 import pytest
@@ -224,57 +225,65 @@ def test_linear_replays_in_a_cuda_graph_after_inputs_change() -> None:
 
 @pytest.mark.gpu
 def test_programmatic_launches_in_a_cuda_graph_read_what_the_kernel_before_wrote() -> None:
-    """A decode layer's chain (norm, projection, rotary, norm, gate/up, fused down) replayed
-    from one CUDA graph with programmatic dependent launches gives, bit for bit, what the same
-    kernels give launched in plain stream order: each dependent waited for its input. (Were a
-    wait missing, a projection would start on the previous replay's activations.)"""
-    from dataclasses import replace
-
-    from kernels.linear import config_for
-    from kernels.pdl import programmatic_launch
+    """A decode layer's chain (norm, qkv projection, rotary, KV write, split decode attention
+    and its combine, o projection, norm, gate/up, fused down) replayed from one CUDA graph with
+    programmatic dependent launches gives, bit for bit, what the same kernels give captured in
+    plain stream order: each dependent waited for its input. (Were a wait missing, a kernel
+    would start on the previous replay's activations.)"""
+    from kernels import pdl
+    from kernels.decode_attention import paged_decode_attention
+    from kernels.kv_cache_write import write_kv_cache
     from kernels.rmsnorm import add_rms_norm
     from kernels.rotary import rotary_embedding
 
-    if not programmatic_launch(torch.device(DEVICE)):
+    if not pdl.programmatic_launch(torch.device(DEVICE)):
         pytest.skip("programmatic dependent launch needs Hopper or later")
-    hidden, heads, head_dim, inter = 4096, 32, 128, 14336
+    hidden, heads, kv_heads, head_dim, inter = 4096, 32, 8, 128, 14336
+    q_width, kv_width = heads * head_dim, kv_heads * head_dim
     dtype = torch.bfloat16
     norm_w = torch.rand(hidden, device=DEVICE, dtype=dtype) + 0.5
-    qkv_w = _on_device(6 * 1024 + hidden, hidden).to(dtype) * hidden**-0.5
+    qkv_w = _on_device(q_width + 2 * kv_width, hidden).to(dtype) * hidden**-0.5
+    o_w = _on_device(hidden, q_width).to(dtype) * q_width**-0.5
     gate_up_w = _on_device(2 * inter, hidden).to(dtype) * hidden**-0.5
     down_w = _on_device(hidden, inter).to(dtype) * inter**-0.5
     cos = torch.rand(1, head_dim // 2, device=DEVICE)
     sin = torch.rand(1, head_dim // 2, device=DEVICE)
     x = torch.randn(1, hidden, device=DEVICE, dtype=dtype)
     residual = torch.randn(1, hidden, device=DEVICE, dtype=dtype)
+    caches = [torch.randn(64, 16, kv_heads, head_dim, device=DEVICE, dtype=dtype) for _ in "kv"]
+    block_tables = torch.arange(64, dtype=torch.int32, device=DEVICE)[None, :]
+    seq_lens = torch.tensor([700], dtype=torch.int32, device=DEVICE)
+    slot = torch.tensor([699], dtype=torch.int64, device=DEVICE)
 
-    def layer(pdl: bool) -> tuple[torch.Tensor, ...]:
-        def config(w: torch.Tensor) -> LinearConfig:
-            return replace(config_for(*w.shape, 1, 2), pdl=pdl)
-
+    def layer() -> tuple[torch.Tensor, ...]:
         normed, res = add_rms_norm(x, residual.clone(), norm_w, 1e-5)
-        qkv = linear(normed, qkv_w, config=config(qkv_w))
-        q = qkv[:, : heads * head_dim].view(1, heads, head_dim)
-        k = qkv[:, heads * head_dim : heads * head_dim + 8 * head_dim].view(1, 8, head_dim)
+        qkv = linear(normed, qkv_w)
+        q, k, v = qkv.split([q_width, kv_width, kv_width], dim=1)
+        q, k, v = (t.view(1, -1, head_dim) for t in (q, k, v))
         rotary_embedding(q, k, cos, sin)
-        normed2, res = add_rms_norm(q.reshape(1, hidden), res, norm_w, 1e-5)
-        gate_up = linear(normed2, gate_up_w, config=config(gate_up_w))
-        return qkv, silu_mul_linear(gate_up, down_w, config=config(down_w)), res
+        write_kv_cache(k, v, *caches, slot)
+        attn = paged_decode_attention(
+            q, *caches, block_tables, seq_lens, head_dim**-0.5, num_splits=4
+        )
+        normed2, res = add_rms_norm(linear(attn.view(1, q_width), o_w), res, norm_w, 1e-5)
+        gate_up = linear(normed2, gate_up_w)
+        return qkv, attn, silu_mul_linear(gate_up, down_w), res
 
     outputs = {}
-    for pdl in (False, True):
-        layer(pdl)  # compile outside the capture
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            captured = layer(pdl)
-        outputs[pdl] = []
+    for plain in (True, False):
+        with pdl.disabled() if plain else contextlib.nullcontext():
+            layer()  # compile outside the capture
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                captured = layer()
+        outputs[plain] = []
         for seed in range(3):  # new inputs for each replay
             torch.manual_seed(seed)
             x.copy_(torch.randn_like(x))
             residual.copy_(torch.randn_like(residual))
             graph.replay()
-            outputs[pdl].append([t.clone() for t in captured])
-    for plain, dependent in zip(outputs[False], outputs[True], strict=True):
+            outputs[plain].append([t.clone() for t in captured])
+    for plain, dependent in zip(outputs[True], outputs[False], strict=True):
         for a, b in zip(plain, dependent, strict=True):
             assert torch.equal(a, b)
