@@ -246,8 +246,8 @@ def test_programmatic_launches_in_a_cuda_graph_read_what_the_kernel_before_wrote
     o_w = _on_device(hidden, q_width).to(dtype) * q_width**-0.5
     gate_up_w = _on_device(2 * inter, hidden).to(dtype) * hidden**-0.5
     down_w = _on_device(hidden, inter).to(dtype) * inter**-0.5
-    cos = torch.rand(1, head_dim // 2, device=DEVICE)
-    sin = torch.rand(1, head_dim // 2, device=DEVICE)
+    cos = torch.rand(1, head_dim, device=DEVICE)
+    sin = torch.rand(1, head_dim, device=DEVICE)
     x = torch.randn(1, hidden, device=DEVICE, dtype=dtype)
     residual = torch.randn(1, hidden, device=DEVICE, dtype=dtype)
     caches = [torch.randn(64, 16, kv_heads, head_dim, device=DEVICE, dtype=dtype) for _ in "kv"]
