@@ -326,15 +326,20 @@ class ModelRunner:
         rows = self._to_device(ends, torch.int64)
         logits = self._compute_logits(hidden[rows])
         params = [s.params for s in seqs]
+        wants_logprobs = any(p.logprobs is not None for p in params)
         controls = self._controls(seqs)
         adjusted = logits if controls is None else controls.apply(logits)
         if masks is not None:
             adjusted = masks.apply(adjusted)
+        if adjusted is logits and wants_logprobs and not all(p.greedy for p in params):
+            # The sampler overwrites what it is given; log-probabilities are of the raw logits.
+            adjusted = logits.clone()
         sampled = sample(adjusted, params, [generators[i] for i in sampling_rows])
+        del adjusted
         if controls is not None:
             controls.record(sampled)
         logprobs = None
-        if any(p.logprobs is not None for p in params):
+        if wants_logprobs:
             num_top = max((p.logprobs or 0) for p in params)
             chosen, top_ids, top_lps = token_logprobs(logits, sampled, num_top)
             logprobs = _SampledLogprobs(*map(self._copy_to_host, (chosen, top_ids, top_lps)))
