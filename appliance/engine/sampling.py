@@ -13,11 +13,11 @@ import torch
 
 from appliance.engine.sampling_params import SamplingParams
 
-# Logits sampled at once (rows x vocabulary) when a batch is not all greedy. Filtering and drawing
-# need about 25 bytes per logit of temporaries (sorted values 4, their int64 order 8, a mask 1,
-# probabilities 4, cumulative mass 4, exponential noise 4); in pieces of 2**23 logits (65 rows
-# of Llama 3's 128,256) that stays near 200 MB at any batch size, where 512 rows at once needed
-# over 2 GB. Every operation is per row, so the pieces change no result.
+# Logits sampled at once (rows x vocabulary) when a batch is not all greedy. Filtering needs 22
+# bytes per logit of temporaries (sorted values 4, their int64 order 8, two masks 2, probabilities
+# 4, cumulative mass 4), drawing 9; in pieces of 2**23 logits (65 rows of Llama 3's 128,256)
+# that stays under 200 MB at any batch size, where 512 rows at once needed over 2 GB. Every
+# operation is per row, so the pieces change no result.
 SAMPLING_CHUNK_LOGITS = 2**23
 
 
@@ -25,11 +25,14 @@ def sample(
     logits: torch.Tensor,
     params: Sequence[SamplingParams],
     generators: Sequence[torch.Generator | None],
+    *,
+    in_place: bool = True,
 ) -> torch.Tensor:
     """logits: [N, V] float32 -> chosen token ids [N] int64, left on the device.
 
-    OVERWRITES `logits` unless every row is greedy (temperature and filters are applied in
-    place): a caller that still needs them passes a copy. Every decision that depends on the
+    With `in_place`, OVERWRITES `logits` unless every row is greedy (temperature and filters
+    are applied in place); without, each piece of rows is filtered in a copy of its own, so
+    `logits` stays as it was for one piece's bytes more. Every decision that depends on the
     parameters is taken on the host from `params`, so nothing here waits for the device.
     """
     greedy_ids = logits.argmax(dim=-1)
@@ -42,7 +45,8 @@ def sample(
         if all(p.greedy for p in params[rows]):
             pieces.append(greedy_ids[rows])
         else:
-            pieces.append(_sample_rows(logits[rows], params[rows], generators[rows]))
+            piece = logits[rows] if in_place else logits[rows].clone()
+            pieces.append(_sample_rows(piece, params[rows], generators[rows]))
     sampled_ids = torch.cat(pieces)
     greedy = torch.tensor([p.greedy for p in params]).to(logits.device, non_blocking=True)
     return torch.where(greedy, greedy_ids, sampled_ids)
@@ -96,10 +100,27 @@ def _apply_top_k_top_p(logits: torch.Tensor, params: Sequence[SamplingParams]) -
 def token_logprobs(
     logits: torch.Tensor, token_ids: torch.Tensor, num_top: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Log-probabilities of the model's raw distribution (before temperature or filtering).
+    """Log-probabilities of the model's raw distribution (before temperature or filtering),
+    in pieces of SAMPLING_CHUNK_LOGITS (a [N, V] log-softmax would double the logits' bytes).
 
     logits: [N, V], token_ids: [N] -> (chosen [N], top ids [N, num_top], top logprobs [N, num_top])
     """
+    num_rows = max(1, SAMPLING_CHUNK_LOGITS // logits.shape[-1])
+    pieces = [
+        _token_logprobs(
+            logits[start : start + num_rows], token_ids[start : start + num_rows], num_top
+        )
+        for start in range(0, logits.shape[0], num_rows)
+    ]
+    if len(pieces) == 1:
+        return pieces[0]
+    chosen, top_ids, top_logprobs = zip(*pieces, strict=True)
+    return torch.cat(chosen), torch.cat(top_ids), torch.cat(top_logprobs)
+
+
+def _token_logprobs(
+    logits: torch.Tensor, token_ids: torch.Tensor, num_top: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     logprobs = logits.log_softmax(dim=-1)
     chosen = logprobs.gather(-1, token_ids[:, None]).squeeze(-1)
     top_logprobs, top_ids = (

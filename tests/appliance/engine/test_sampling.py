@@ -88,6 +88,18 @@ def test_token_logprobs_are_the_raw_log_softmax_with_top_alternatives() -> None:
     assert none_ids.shape == (4, 0) and none_lps.shape == (4, 0)
 
 
+def test_token_logprobs_in_pieces_of_rows_are_those_of_the_whole(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import appliance.engine.sampling as sampling
+
+    logits, chosen_ids = _logits(rows=5), torch.tensor([3, 1, 4, 1, 5])
+    whole = token_logprobs(logits, chosen_ids, 5)
+    monkeypatch.setattr(sampling, "SAMPLING_CHUNK_LOGITS", 2 * VOCAB)
+    for got, want in zip(token_logprobs(logits, chosen_ids, 5), whole, strict=True):
+        assert torch.equal(got, want)
+
+
 @pytest.mark.parametrize(
     ("kwargs", "name"),
     [
@@ -190,3 +202,12 @@ def test_the_sampler_filters_in_place_and_leaves_greedy_batches_untouched() -> N
     assert torch.equal(torch.isfinite(logits).sum(-1), torch.full((4,), 3))
     kept = torch.isfinite(logits)
     assert torch.equal(logits[kept], (before / 0.5)[kept])
+    # Told to keep them, it leaves them as they were and draws the same tokens.
+    params = [SamplingParams(temperature=0.8, top_p=0.7, min_p=0.1, seed=9)] * 4
+
+    def seeded() -> list[torch.Generator | None]:
+        return [torch.Generator().manual_seed(9) for _ in range(4)]
+
+    kept_ids = sample(before, params, seeded(), in_place=False)
+    assert torch.equal(before, _logits())
+    assert torch.equal(kept_ids, sample(before.clone(), params, seeded()))
