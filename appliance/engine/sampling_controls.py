@@ -23,6 +23,7 @@ from collections.abc import Callable, Collection, Sequence
 import numpy as np
 import torch
 
+from appliance.engine.sampling import SAMPLING_CHUNK_LOGITS
 from appliance.engine.sequence import Sequence as EngineSequence
 
 ToDevice = Callable[[list[int] | list[float] | np.ndarray, torch.dtype], torch.Tensor]
@@ -229,18 +230,27 @@ class _Penalties:
         )
 
     def apply_(self, logits: torch.Tensor) -> None:
-        sub = logits[self.rows]  # [P, V], a copy of the penalized rows
-        in_output = self.output_counts > 0
+        # A piece of the penalized rows at a time, as the sampler takes them: each needs about
+        # five [rows, V] float32 temporaries.
+        num_rows = max(1, SAMPLING_CHUNK_LOGITS // logits.shape[-1])
+        for start in range(0, self.rows.shape[0], num_rows):
+            self._apply_rows(logits, slice(start, start + num_rows))
+
+    def _apply_rows(self, logits: torch.Tensor, piece: slice) -> None:
+        rows, counts = self.rows[piece], self.output_counts[piece]
+        sub = logits[rows]  # [p, V], a copy of these penalized rows
+        in_output = counts > 0
         if self.prompt_mask is not None:
-            seen = self.prompt_mask | in_output
+            seen = self.prompt_mask[piece] | in_output
+            repetition = self.repetition[piece]
             # Dividing a positive logit and multiplying a negative one both make the token
             # less likely for a penalty above 1 (CTRL, Keskar et al. 2019, as vLLM applies it).
-            scaled = torch.where(sub > 0, sub / self.repetition, sub * self.repetition)
+            scaled = torch.where(sub > 0, sub / repetition, sub * repetition)
             sub = torch.where(seen, scaled, sub)
             del seen, scaled
-        sub.sub_(self.frequency * self.output_counts)
-        sub.sub_(self.presence * in_output)
-        logits.index_put_((self.rows,), sub)
+        sub.sub_(self.frequency[piece] * counts)
+        sub.sub_(self.presence[piece] * in_output)
+        logits.index_put_((rows,), sub)
 
     def record(self, token_ids: torch.Tensor) -> None:
         sampled = token_ids[self.rows]
