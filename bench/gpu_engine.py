@@ -16,10 +16,14 @@ rows last.
                                [--async-scheduling]
                                [--w2-requests 1024] [--hf-requests 128]
                                [--tokenizer-json PATH] [--quantization fp8]
+                               [--expandable-segments]
 
 W2S is W2 with a JSON schema on every request (grammars compiled against --tokenizer-json).
 
-W6 is measured right after W2, at W2's largest batch. P is prefill throughput at 8 × 2,048.
+W6 is measured right after W2, at W2's largest batch, with where it lies: the decode graphs'
+pool, live tensors, blocks torch caches unused (fragmentation; `--expandable-segments` runs
+the allocator that avoids it) and memory outside torch, beside what the engine's profiled step
+measured. P is prefill throughput at 8 × 2,048.
 The transformers peer (HF, HFW4) is Llama's only.
 Every engine of the run stores its KV cache as --kv-cache-dtype says (the engine setting);
 W2 reports its pool (blocks, tokens, bytes).
@@ -151,6 +155,8 @@ SHAPES = {
 }
 MAX_MODEL_LEN = 4096
 rows: list[str] = []
+# Device memory in use outside torch's allocator once CUDA is up (main sets it): the context.
+context_at_start = 0
 # Engine settings every engine of this run shares (main fills it from the command line).
 run_settings: dict[str, object] = {}
 
@@ -468,6 +474,9 @@ def w2_structured(
 
 
 def w6(engine: Engine, model: CausalLM) -> None:
+    """W6 and where it lies: the decode graphs' pool, the rest of torch's allocator (live
+    tensors, and blocks it caches but no tensor uses: fragmentation), and what is outside it
+    (CUDA context, cuBLAS, Triton's modules), beside what the profiled step measured."""
     total_weights, _ = weight_bytes(model)
     kv = sum(t.numel() * t.element_size() for t in engine.runner.kv_caches)
     free, total = torch.cuda.mem_get_info()
@@ -478,6 +487,31 @@ def w6(engine: Engine, model: CausalLM) -> None:
         f"{(torch.cuda.max_memory_reserved() - total_weights - kv) / 2**30:.2f} GiB)",
         "goal ≤ 1.5 GiB",
     )
+    graphs = engine.runner.graphs
+    pool = tuple(graphs.pool) if graphs is not None and graphs.pool is not None else None
+    segments = torch.cuda.memory_snapshot()
+    in_pool = [s for s in segments if tuple(s.get("segment_pool_id", ())) == pool]
+    eager = [s for s in segments if tuple(s.get("segment_pool_id", ())) != pool]
+    reserved = torch.cuda.memory_reserved()
+    live = torch.cuda.memory_allocated() - total_weights - kv
+    mib = 2**20
+    report(
+        "W6 breakdown (MiB)",
+        f"decode graphs' pool {sum(s['total_size'] for s in in_pool) / mib:.0f}; "
+        f"live tensors beyond weights and KV {live / mib:.0f}; "
+        f"cached, unused (fragmentation) "
+        f"{sum(s['total_size'] - s['allocated_size'] for s in eager) / mib:.0f}; "
+        f"outside torch {(total - free - reserved) / mib:.0f} "
+        f"(of which at process start {context_at_start / mib:.0f})",
+    )
+    profile = engine.runner.memory_profile
+    if profile is not None:
+        report(
+            "W6 profiled step (MiB)",
+            f"forward peak {profile.forward_peak / mib:.0f}; logits and sampling peak "
+            f"{profile.sampling_peak / mib:.0f}; step reserved {profile.step_reserved / mib:.0f}; "
+            f"graph pool {profile.graph_pool / mib:.0f}",
+        )
 
 
 def prefill_throughput(model: CausalLM, matmul: float) -> None:
@@ -581,12 +615,24 @@ def main() -> None:
     parser.add_argument(
         "--quantization", choices=["fp8"], help="FP8 projections (W8A8) instead of bf16"
     )
+    parser.add_argument(
+        "--expandable-segments",
+        action="store_true",
+        help="torch's allocator with expandable segments (W6's fragmentation against without)",
+    )
     args = parser.parse_args()
+    if args.expandable_segments:
+        # Read by the allocator when CUDA first allocates, which has not happened yet.
+        os.environ["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
     run_settings["kv_cache_dtype"] = args.kv_cache_dtype
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
     wanted = set(args.workloads.split(","))
     if args.model != "llama-3.1-8b" and wanted & {"HF", "HFW4"}:
         parser.error("the transformers peer (HF, HFW4) runs Llama-3.1-8B only")
+    global context_at_start
+    torch.empty(1, device="cuda")
+    free, total = torch.cuda.mem_get_info()
+    context_at_start = total - free - torch.cuda.memory_reserved()
     props = torch.cuda.get_device_properties(0)
     commit = (
         os.environ.get("INFERNO_COMMIT")
@@ -602,6 +648,7 @@ def main() -> None:
         f" quantization {args.quantization or 'none (bf16)'}"
         f" kv_cache_dtype {args.kv_cache_dtype}"
         f" async_scheduling {args.async_scheduling}"
+        f" expandable_segments {args.expandable_segments}"
     )
     copy_bw = copy_bandwidth()
     report("copy bandwidth (read + write)", f"{copy_bw / 1e12:.2f} TB/s")

@@ -5,6 +5,12 @@ alone would exceed the time the GPU needs to stream the weights. Capturing the w
 once per batch size and replaying it costs one launch. Inputs live in static buffers that every
 graph reads; a batch is padded up to the next captured size with rows the kernels skip
 (slot -1: no KV write; sequence length 0: no attention).
+
+Memory: every graph allocates from one private pool, the largest batch captured first, and each
+copies its hidden states into one static output buffer, so no graph's tensor outlives its
+capture and each smaller graph reuses the memory the largest one's intermediates took. The pool
+is then the largest graph's need, which `ModelRunner.num_kv_blocks_for_free_memory` measures
+before the KV pool is sized (docs/ARCHITECTURE.md, "GPU memory").
 """
 
 from __future__ import annotations
@@ -39,16 +45,22 @@ class DecodeGraphs:
         self.max_blocks_per_seq = max_blocks_per_seq
         self.sizes: list[int] = []
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self._outputs: dict[int, torch.Tensor] = {}
+        self.pool: tuple[int, int] | None = None  # the private pool, once captured
 
     @property
     def max_batch(self) -> int:
         return self.sizes[-1] if self.sizes else 0
 
     @torch.inference_mode()
-    def capture(self, max_batch: int) -> None:
+    def capture(self, max_batch: int, *, only_largest: bool = False) -> None:
+        """Capture the ladder of batch sizes up to `max_batch` (`only_largest`: that size alone,
+        to measure the pool)."""
         device = self.model.embed_tokens.weight.device
         n = max_batch
+        hidden_size = self.model.config.hidden_size
+        self._hidden = torch.empty(
+            n, hidden_size, dtype=self.model.embed_tokens.weight.dtype, device=device
+        )
         self._input_ids = torch.zeros(n, dtype=torch.int64, device=device)
         self._positions = torch.zeros(n, dtype=torch.int64, device=device)
         self._slots = torch.full((n,), -1, dtype=torch.int64, device=device)
@@ -57,15 +69,16 @@ class DecodeGraphs:
         )
         self._seq_lens = torch.zeros(n, dtype=torch.int32, device=device)
         self._query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)
-        pool = torch.cuda.graph_pool_handle()
+        self.pool = torch.cuda.graph_pool_handle()
+        sizes = [max_batch] if only_largest else batch_size_ladder(max_batch)
         # Largest first, so the smaller graphs fit in the memory the largest one reserved.
-        for size in reversed(batch_size_ladder(max_batch)):
+        for size in reversed(sizes):
             meta = self._meta(size)
             self._forward(size, meta)  # warm-up: autotuning and lazy init stay outside the graph
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                self._outputs[size] = self._forward(size, meta)
+            with torch.cuda.graph(graph, pool=self.pool):
+                self._hidden[:size].copy_(self._forward(size, meta))
             self._graphs[size] = graph
         torch.cuda.synchronize()
         self.sizes = sorted(self._graphs)
@@ -94,7 +107,18 @@ class DecodeGraphs:
             self._slots[batch:size].fill_(-1)
             self._seq_lens[batch:size].fill_(0)
         self._graphs[size].replay()
-        return self._outputs[size][:batch]
+        return self._hidden[:batch]
+
+    def pool_bytes(self) -> int:
+        """Device memory the graphs' private pool holds (its segments in the allocator)."""
+        if self.pool is None:
+            return 0
+        pool = tuple(self.pool)
+        return sum(
+            segment["total_size"]
+            for segment in torch.cuda.memory_snapshot()
+            if tuple(segment.get("segment_pool_id", ())) == pool
+        )
 
     def release(self) -> None:
         """Free every captured graph (no replay after). A graph that captured NCCL collectives

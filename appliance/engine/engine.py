@@ -267,6 +267,7 @@ class Engine:
                 config.max_num_batched_tokens,
                 config.max_num_seqs,
                 config.gpu_memory_utilization,
+                graph_batch=config.max_num_seqs if config.enable_cuda_graphs else 0,
             )
         elif num_blocks is None:
             num_blocks = spec.num_blocks_within(config.kv_cache_memory_bytes)

@@ -35,8 +35,8 @@ class EngineSettings(BaseModel):
     )
     block_size: int = Field(default=16, ge=1, le=1024, description="tokens per KV-cache block")
     # KV pool: an explicit block count; otherwise, on the CPU, as many blocks as fit in
-    # kv_cache_memory_bytes, and on a GPU, what gpu_memory_utilization leaves after the weights
-    # and the peak activations of a profiled step.
+    # kv_cache_memory_bytes, and on a GPU, what gpu_memory_utilization leaves after the weights,
+    # a profiled step and the decode graphs (docs/ARCHITECTURE.md, "GPU memory").
     num_kv_blocks: int | None = Field(
         default=None, ge=1, description="KV-cache blocks; default: sized from memory"
     )

@@ -24,6 +24,7 @@ from appliance.engine.outputs import TokenLogprob
 from appliance.engine.parallel.step_broadcast import StepBroadcast
 from appliance.engine.sampling import sample, token_logprobs
 from appliance.engine.sampling_controls import SamplingControls
+from appliance.engine.sampling_params import MAX_TOP_LOGPROBS, SamplingParams
 from appliance.engine.scheduler import ScheduledChunk
 from appliance.engine.sequence import Sequence
 from appliance.engine.structured_output import TokenMasks
@@ -33,6 +34,36 @@ logger = logging.getLogger(__name__)
 
 # Rows of prompt logits turned into log-probabilities at once (bounds [rows, vocab] memory).
 _PROMPT_LOGPROB_ROWS = 256
+
+
+# The sampling a profiled step does on every logits row: the most memory any request can make
+# the sampler use (sort for top-k and top-p, min-p, noise; log-probabilities of the raw logits).
+_PROFILED_SAMPLING = SamplingParams(
+    temperature=1.0, top_k=50, top_p=0.9, min_p=0.05, logprobs=MAX_TOP_LOGPROBS
+)
+
+
+@dataclass(frozen=True, slots=True)
+class MemoryProfile:
+    """What sizing the KV pool measured (`ModelRunner.num_kv_blocks_for_free_memory`), in
+    bytes: the largest step's forward pass and its logits and sampling (allocated beyond what
+    was in use before it; the sampling figure counts the hidden states the step keeps), what
+    that step made the allocator reserve, the decode graphs' pool, what was in use on the
+    device before (weights, CUDA context, other processes) and the KV budget that was left."""
+
+    forward_peak: int
+    sampling_peak: int
+    step_reserved: int
+    graph_pool: int
+    in_use: int
+    kv_budget: int
+
+
+@dataclass(frozen=True, slots=True)
+class _StepMemory:
+    forward_peak: int
+    sampling_peak: int
+    reserved: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,6 +155,7 @@ class ModelRunner:
         self._last_controls: SamplingControls | None = None
         self.kv_caches: list[torch.Tensor] = []
         self.graphs: DecodeGraphs | None = None
+        self.memory_profile: MemoryProfile | None = None
 
     def set_kv_caches(self, kv_caches: list[torch.Tensor]) -> None:
         self.kv_caches = kv_caches
@@ -141,39 +173,43 @@ class ModelRunner:
         num_tokens: int,
         num_logit_rows: int,
         gpu_memory_utilization: float,
+        graph_batch: int = 0,
     ) -> int:
-        """How many KV blocks fit in `gpu_memory_utilization` of the GPU, after the weights and
-        the peak activations of the largest step (`num_tokens` tokens and `num_logit_rows` rows
-        of logits, profiled here with a scratch cache just big enough for it). Under tensor
-        parallelism every rank profiles its own GPU and all take the smallest count."""
+        """How many KV blocks fit in `gpu_memory_utilization` of the GPU, after what is in use
+        (weights, CUDA context, other processes) and what the largest step and the decode graphs
+        need, measured here with a scratch cache just big enough for them (`memory_profile`):
+        a prefill of `num_tokens` tokens, then logits and the sampler's most demanding path for
+        `num_logit_rows` rows, then (`graph_batch` > 0) the CUDA graph of that decode batch.
+        Under tensor parallelism every rank profiles its own GPU and all take the smallest
+        count."""
         if self.peers is not None:
-            self.peers.profile(num_tokens, num_logit_rows, gpu_memory_utilization)
+            self.peers.profile(num_tokens, num_logit_rows, gpu_memory_utilization, graph_batch)
         torch.cuda.synchronize(self.device)
         torch.cuda.empty_cache()
         self.kv_caches = spec.allocate(-(-num_tokens // self.block_size) + 1, self.device)
-        input_ids, positions, meta = self._profile_batch(num_tokens)
-        torch.cuda.synchronize(self.device)
-        torch.cuda.reset_peak_memory_stats(self.device)
-        before = torch.cuda.memory_allocated(self.device)
-        hidden = self.model(input_ids, positions, self.kv_caches, meta)
-        rows = max(num_logit_rows, min(num_tokens, _PROMPT_LOGPROB_ROWS))
-        self.model.compute_logits(hidden[:rows]).argmax(dim=-1)
-        torch.cuda.synchronize(self.device)
-        peak_activations = torch.cuda.max_memory_allocated(self.device) - before
+        step = self._profile_step(num_tokens, num_logit_rows)
+        graph_pool = self._profile_graphs(graph_batch) if graph_batch else 0
         self.kv_caches = []
-        del hidden, meta, positions, input_ids
-        # Give the scratch cache and the activations back, then budget: what is in use now
-        # (weights, CUDA context, other processes) plus the profiled peak, left for steps.
+        # Give the scratch cache back, then budget: what is in use now plus what steps and
+        # graphs were measured to reserve.
         torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(self.device)
-        budget = int(total * gpu_memory_utilization) - (total - free) - peak_activations
+        step_need = max(step.reserved, step.forward_peak, step.sampling_peak)
+        budget = int(total * gpu_memory_utilization) - (total - free) - step_need - graph_pool
+        self.memory_profile = MemoryProfile(
+            step.forward_peak, step.sampling_peak, step.reserved, graph_pool, total - free, budget
+        )
         num_blocks = budget // spec.bytes_per_block
         if self.peers is not None:
             num_blocks = self.peers.agree_num_blocks(num_blocks)
         logger.info(
-            "profiled a %d-token step: activation peak %.2f GiB, in use %.2f GiB, KV %.2f GiB",
+            "profiled a %d-token step: forward peak %.2f GiB, logits and sampling peak %.2f GiB, "
+            "step reserves %.2f GiB, decode graphs %.2f GiB; in use %.2f GiB, KV %.2f GiB",
             num_tokens,
-            peak_activations / 2**30,
+            step.forward_peak / 2**30,
+            step.sampling_peak / 2**30,
+            step.reserved / 2**30,
+            graph_pool / 2**30,
             (total - free) / 2**30,
             budget / 2**30,
         )
@@ -184,6 +220,46 @@ class ModelRunner:
                 "gpu_memory_utilization or lower max_model_len / max_num_batched_tokens"
             )
         return num_blocks
+
+    def _profile_step(self, num_tokens: int, num_logit_rows: int) -> _StepMemory:
+        """Run the largest step on the scratch cache: its forward pass, then logits and sampling
+        as demanding as a step can ask for (every row filtered by top-k, top-p and min-p, the
+        raw logits kept for log-probabilities), with the hidden states alive as in `launch`."""
+        input_ids, positions, meta = self._profile_batch(num_tokens)
+        torch.cuda.synchronize(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        allocated, reserved = self._allocated_and_reserved()
+        hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        torch.cuda.synchronize(self.device)
+        forward_peak = torch.cuda.max_memory_allocated(self.device) - allocated
+        torch.cuda.reset_peak_memory_stats(self.device)
+        # Prompt log-probabilities take _PROMPT_LOGPROB_ROWS rows at a time.
+        rows = max(num_logit_rows, min(num_tokens, _PROMPT_LOGPROB_ROWS))
+        logits = self.model.compute_logits(hidden[:rows])
+        params = [_PROFILED_SAMPLING] * rows
+        sampled = sample(logits, params, [None] * rows, in_place=False)
+        token_logprobs(logits, sampled, MAX_TOP_LOGPROBS)
+        torch.cuda.synchronize(self.device)
+        sampling_peak = torch.cuda.max_memory_allocated(self.device) - allocated
+        step_reserved = torch.cuda.max_memory_reserved(self.device) - reserved
+        return _StepMemory(forward_peak, sampling_peak, step_reserved)
+
+    def _profile_graphs(self, graph_batch: int) -> int:
+        """Bytes the decode graphs keep: those of the largest one, captured on the scratch
+        cache (each smaller graph reuses its pool: appliance.engine.cuda_graphs)."""
+        torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()
+        _, before = self._allocated_and_reserved()
+        graphs = self._decode_graphs()
+        graphs.capture(graph_batch, only_largest=True)
+        # The warm-up's eager activations are cached outside the pool: drop them.
+        torch.cuda.empty_cache()
+        _, after = self._allocated_and_reserved()
+        del graphs
+        return after - before
+
+    def _allocated_and_reserved(self) -> tuple[int, int]:
+        return torch.cuda.memory_allocated(self.device), torch.cuda.memory_reserved(self.device)
 
     def _profile_batch(
         self, num_tokens: int
@@ -221,10 +297,15 @@ class ModelRunner:
             self.graphs = None
 
     def capture_decode_graphs(self, max_batch: int) -> None:
-        from kernels.decode_attention import choose_num_splits
-
         if self.peers is not None:
             self.peers.capture_graphs(max_batch)
+        self.graphs = self._decode_graphs()
+        self.graphs.capture(max_batch)
+
+    def _decode_graphs(self) -> DecodeGraphs:
+        """Decode graphs (not captured yet) over the current KV caches."""
+        from kernels.decode_attention import choose_num_splits
+
         num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count
         # This device's KV heads (a share of them under tensor parallelism).
         num_kv_heads = self.model.layers[0].self_attn.num_kv_heads
@@ -233,10 +314,9 @@ class ModelRunner:
         def num_splits_for(batch: int) -> int:
             return choose_num_splits(batch, num_kv_heads, max_model_len, num_sms)
 
-        self.graphs = DecodeGraphs(
+        return DecodeGraphs(
             self.model, self.kv_caches, -(-max_model_len // self.block_size), num_splits_for
         )
-        self.graphs.capture(max_batch)
 
     def execute(
         self, chunks: Seq[ScheduledChunk], generators: Seq[torch.Generator | None]
@@ -326,15 +406,21 @@ class ModelRunner:
         rows = self._to_device(ends, torch.int64)
         logits = self._compute_logits(hidden[rows])
         params = [s.params for s in seqs]
+        wants_logprobs = any(p.logprobs is not None for p in params)
         controls = self._controls(seqs)
         adjusted = logits if controls is None else controls.apply(logits)
         if masks is not None:
             adjusted = masks.apply(adjusted)
-        sampled = sample(adjusted, params, [generators[i] for i in sampling_rows])
+        # The sampler overwrites what it is given, unless told to keep the raw logits that
+        # log-probabilities are of (the controls and masks above copy them already).
+        keep = adjusted is logits and wants_logprobs
+        chosen_generators = [generators[i] for i in sampling_rows]
+        sampled = sample(adjusted, params, chosen_generators, in_place=not keep)
+        del adjusted
         if controls is not None:
             controls.record(sampled)
         logprobs = None
-        if any(p.logprobs is not None for p in params):
+        if wants_logprobs:
             num_top = max((p.logprobs or 0) for p in params)
             chosen, top_ids, top_lps = token_logprobs(logits, sampled, num_top)
             logprobs = _SampledLogprobs(*map(self._copy_to_host, (chosen, top_ids, top_lps)))

@@ -13,66 +13,114 @@ import torch
 
 from appliance.engine.sampling_params import SamplingParams
 
+# Logits sampled at once (rows x vocabulary) when a batch is not all greedy. Filtering needs 22
+# bytes per logit of temporaries (sorted values 4, their int64 order 8, two masks 2, probabilities
+# 4, cumulative mass 4), drawing 9; in pieces of 2**23 logits (65 rows of Llama 3's 128,256)
+# that stays under 200 MB at any batch size, where 512 rows at once needed over 2 GB. Every
+# operation is per row, so the pieces change no result.
+SAMPLING_CHUNK_LOGITS = 2**23
+
 
 def sample(
     logits: torch.Tensor,
     params: Sequence[SamplingParams],
     generators: Sequence[torch.Generator | None],
+    *,
+    in_place: bool = True,
 ) -> torch.Tensor:
     """logits: [N, V] float32 -> chosen token ids [N] int64, left on the device.
 
-    Every decision that depends on the parameters is taken on the host from `params`, so nothing
-    here waits for the device.
+    With `in_place`, OVERWRITES `logits` unless every row is greedy (temperature and filters
+    are applied in place); without, each piece of rows is filtered in a copy of its own, so
+    `logits` stays as it was for one piece's bytes more. Every decision that depends on the
+    parameters is taken on the host from `params`, so nothing here waits for the device.
     """
     greedy_ids = logits.argmax(dim=-1)
     if all(p.greedy for p in params):
         return greedy_ids
+    num_rows = max(1, SAMPLING_CHUNK_LOGITS // logits.shape[-1])
+    pieces = []
+    for start in range(0, len(params), num_rows):
+        rows = slice(start, start + num_rows)
+        if all(p.greedy for p in params[rows]):
+            pieces.append(greedy_ids[rows])
+        else:
+            piece = logits[rows] if in_place else logits[rows].clone()
+            pieces.append(_sample_rows(piece, params[rows], generators[rows]))
+    sampled_ids = torch.cat(pieces)
+    greedy = torch.tensor([p.greedy for p in params]).to(logits.device, non_blocking=True)
+    return torch.where(greedy, greedy_ids, sampled_ids)
+
+
+def _sample_rows(
+    logits: torch.Tensor,
+    params: Sequence[SamplingParams],
+    generators: Sequence[torch.Generator | None],
+) -> torch.Tensor:
+    """The exponential race over rows [R, V] of the caller's logits (overwritten) -> [R]."""
     device = logits.device
     temperature = torch.tensor(
         [p.temperature if not p.greedy else 1.0 for p in params], dtype=logits.dtype
     ).to(device, non_blocking=True)
-    logits = logits / temperature[:, None]
-    logits = _apply_top_k_top_p(logits, params)
+    logits.div_(temperature[:, None])
+    _apply_top_k_top_p(logits, params)
     probs = logits.softmax(dim=-1)
     min_p = [p.min_p for p in params]
     if any(min_p):
         threshold = torch.tensor(min_p).to(device, non_blocking=True)[:, None]
-        probs = probs.masked_fill(probs < threshold * probs.amax(-1, keepdim=True), 0.0)
+        probs.masked_fill_(probs < threshold * probs.amax(-1, keepdim=True), 0.0)
     q = torch.empty_like(probs).exponential_()
     for row, generator in enumerate(generators):
         if generator is not None:
             q[row].exponential_(generator=generator)
-    sampled_ids = (probs / q).argmax(dim=-1)
-    greedy = torch.tensor([p.greedy for p in params]).to(device, non_blocking=True)
-    return torch.where(greedy, greedy_ids, sampled_ids)
+    return probs.div_(q).argmax(dim=-1)
 
 
-def _apply_top_k_top_p(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
-    """Mask (to -inf) every token outside each row's top-k and top-p nucleus."""
+def _apply_top_k_top_p(logits: torch.Tensor, params: Sequence[SamplingParams]) -> None:
+    """Set to -inf, in place, every token outside each row's top-k and top-p nucleus."""
     vocab = logits.shape[-1]
     top_k = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
     top_p = [p.top_p for p in params]
     if all(k == vocab for k in top_k) and all(p >= 1.0 for p in top_p):
-        return logits
+        return
     sorted_logits, order = logits.sort(dim=-1, descending=True)
     device = logits.device
     rank = torch.arange(vocab, device=device)[None, :]
     drop = rank >= torch.tensor(top_k).to(device, non_blocking=True)[:, None]
-    probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(dim=-1)
+    # In place: the top-p mask below only adds to the top-k one.
+    probs = sorted_logits.masked_fill_(drop, float("-inf")).softmax(dim=-1)
     # Keep a token while the mass strictly before it is below top_p (so the top one always is).
-    mass_before = probs.cumsum(dim=-1) - probs
+    mass_before = probs.cumsum(dim=-1).sub_(probs)
+    del probs
     drop |= mass_before >= torch.tensor(top_p).to(device, non_blocking=True)[:, None]
-    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-    return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
+    del mass_before
+    logits.scatter_(-1, order, sorted_logits.masked_fill_(drop, float("-inf")))
 
 
 def token_logprobs(
     logits: torch.Tensor, token_ids: torch.Tensor, num_top: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Log-probabilities of the model's raw distribution (before temperature or filtering).
+    """Log-probabilities of the model's raw distribution (before temperature or filtering),
+    in pieces of SAMPLING_CHUNK_LOGITS (a [N, V] log-softmax would double the logits' bytes).
 
     logits: [N, V], token_ids: [N] -> (chosen [N], top ids [N, num_top], top logprobs [N, num_top])
     """
+    num_rows = max(1, SAMPLING_CHUNK_LOGITS // logits.shape[-1])
+    pieces = [
+        _token_logprobs(
+            logits[start : start + num_rows], token_ids[start : start + num_rows], num_top
+        )
+        for start in range(0, logits.shape[0], num_rows)
+    ]
+    if len(pieces) == 1:
+        return pieces[0]
+    chosen, top_ids, top_logprobs = zip(*pieces, strict=True)
+    return torch.cat(chosen), torch.cat(top_ids), torch.cat(top_logprobs)
+
+
+def _token_logprobs(
+    logits: torch.Tensor, token_ids: torch.Tensor, num_top: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     logprobs = logits.log_softmax(dim=-1)
     chosen = logprobs.gather(-1, token_ids[:, None]).squeeze(-1)
     top_logprobs, top_ids = (

@@ -23,6 +23,7 @@ from collections.abc import Callable, Collection, Sequence
 import numpy as np
 import torch
 
+from appliance.engine.sampling import SAMPLING_CHUNK_LOGITS
 from appliance.engine.sequence import Sequence as EngineSequence
 
 ToDevice = Callable[[list[int] | list[float] | np.ndarray, torch.dtype], torch.Tensor]
@@ -66,14 +67,16 @@ class SamplingControls:
         return cls(min_tokens, logit_bias, penalties)
 
     def apply(self, logits: torch.Tensor, step: int = 0) -> torch.Tensor:
-        """logits: [N, V] -> adjusted [N, V], for the token sampled `step` steps after `build`."""
+        """logits: [N, V] -> adjusted [N, V], for the token sampled `step` steps after `build`:
+        one copy of the logits ([N, V] float32), every control then changing it in place."""
+        adjusted = logits.clone()
         if self._min_tokens is not None:
-            logits = self._min_tokens.apply(logits, step)
+            self._min_tokens.apply_(adjusted, step)
         if self._logit_bias is not None:
-            logits = self._logit_bias.apply(logits)
+            self._logit_bias.apply_(adjusted)
         if self._penalties is not None:
-            logits = self._penalties.apply(logits)
-        return logits
+            self._penalties.apply_(adjusted)
+        return adjusted
 
     def record(self, token_ids: torch.Tensor) -> None:
         """Count the tokens just sampled (token_ids: [N]) into the penalized rows' counts."""
@@ -112,10 +115,10 @@ class _MinTokens:
             return None
         return cls(*(to_device(v, torch.int64) for v in (rows, token_ids, num_steps)))
 
-    def apply(self, logits: torch.Tensor, step: int) -> torch.Tensor:
+    def apply_(self, logits: torch.Tensor, step: int) -> None:
         current = logits[self.rows, self.token_ids]
         masked = torch.where(self.num_steps > step, float("-inf"), current)
-        return logits.index_put((self.rows, self.token_ids), masked)
+        logits.index_put_((self.rows, self.token_ids), masked)
 
 
 class _LogitBias:
@@ -142,9 +145,9 @@ class _LogitBias:
             to_device(biases, torch.float32),
         )
 
-    def apply(self, logits: torch.Tensor) -> torch.Tensor:
+    def apply_(self, logits: torch.Tensor) -> None:
         # A row's token ids are distinct (SamplingParams checks), so accumulating only adds.
-        return logits.index_put(
+        logits.index_put_(
             (self.rows, self.token_ids), self.biases.to(logits.dtype), accumulate=True
         )
 
@@ -226,18 +229,28 @@ class _Penalties:
             for seq, counted, num in zip(seqs, self.seqs, self.num_counted, strict=True)
         )
 
-    def apply(self, logits: torch.Tensor) -> torch.Tensor:
-        sub = logits[self.rows]  # [P, V]
-        in_output = self.output_counts > 0
+    def apply_(self, logits: torch.Tensor) -> None:
+        # A piece of the penalized rows at a time, as the sampler takes them: each needs about
+        # five [rows, V] float32 temporaries.
+        num_rows = max(1, SAMPLING_CHUNK_LOGITS // logits.shape[-1])
+        for start in range(0, self.rows.shape[0], num_rows):
+            self._apply_rows(logits, slice(start, start + num_rows))
+
+    def _apply_rows(self, logits: torch.Tensor, piece: slice) -> None:
+        rows, counts = self.rows[piece], self.output_counts[piece]
+        sub = logits[rows]  # [p, V], a copy of these penalized rows
+        in_output = counts > 0
         if self.prompt_mask is not None:
-            seen = self.prompt_mask | in_output
+            seen = self.prompt_mask[piece] | in_output
+            repetition = self.repetition[piece]
             # Dividing a positive logit and multiplying a negative one both make the token
             # less likely for a penalty above 1 (CTRL, Keskar et al. 2019, as vLLM applies it).
-            scaled = torch.where(sub > 0, sub / self.repetition, sub * self.repetition)
+            scaled = torch.where(sub > 0, sub / repetition, sub * repetition)
             sub = torch.where(seen, scaled, sub)
-        sub = sub - self.frequency * self.output_counts
-        sub = sub - self.presence * in_output
-        return logits.index_put((self.rows,), sub)
+            del seen, scaled
+        sub.sub_(self.frequency[piece] * counts)
+        sub.sub_(self.presence[piece] * in_output)
+        logits.index_put_((rows,), sub)
 
     def record(self, token_ids: torch.Tensor) -> None:
         sampled = token_ids[self.rows]

@@ -106,17 +106,36 @@ class Attention(nn.Module):
         return torch.cat((q_rot, q[..., r:]), dim=-1), torch.cat((k_rot, k[..., r:]), dim=-1)
 
 
-class MLP(nn.Module):
-    """Gated MLP: down(act(gate) * up), act SiLU or tanh-approximated GELU (Gemma)."""
+# Rows of a long step's MLP computed at once. The [T, 2I] gate/up output and its [T, I]
+# activation are a step's largest transients (Llama-3.1-8B at 8,192 tokens: 470 + 235 MB); in
+# pieces of 2,048 rows they are a quarter of that, and each piece is still a matmul of 2,048 rows,
+# large enough for cuBLAS's full rate (docs/ARCHITECTURE.md, "GPU memory").
+MLP_CHUNK_TOKENS = 2048
 
-    def __init__(self, config: ModelConfig, ops: KernelOps):
+
+class MLP(nn.Module):
+    """Gated MLP: down(act(gate) * up), act SiLU or tanh-approximated GELU (Gemma), over at most
+    `chunk_tokens` rows at a time (each row's result does not depend on the others)."""
+
+    def __init__(self, config: ModelConfig, ops: KernelOps, chunk_tokens: int = MLP_CHUNK_TOKENS):
         super().__init__()
         self.ops = ops
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
         self.gelu_tanh = config.activation == "gelu_tanh"
+        self.chunk_tokens = chunk_tokens
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        num_tokens = x.shape[0]
+        if num_tokens <= self.chunk_tokens:
+            return self._project(x)
+        out = x.new_empty(num_tokens, self.down_proj.out_features)  # [T, hidden]
+        for start in range(0, num_tokens, self.chunk_tokens):
+            rows = slice(start, start + self.chunk_tokens)
+            out[rows] = self._project(x[rows])
+        return out
+
+    def _project(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.ops.linear(x, projection_weight(self.gate_up_proj), None)  # [T, 2I]
         down = projection_weight(self.down_proj)
         if self.gelu_tanh:

@@ -42,7 +42,7 @@ _PPM = 1_000_000
 class Op(enum.IntEnum):
     FORWARD = 1  # [T, B, W]: a forward pass of T tokens in B sequences, tables W blocks wide
     LOGITS = 2  # [N, hidden]: compute_logits of N hidden rows
-    PROFILE = 3  # [num_tokens, num_logit_rows, gpu_memory_utilization in ppm]
+    PROFILE = 3  # [num_tokens, num_logit_rows, gpu_memory_utilization in ppm, graph_batch]
     ALLOCATE_KV = 4  # [num_blocks]
     CAPTURE_GRAPHS = 5  # [max_batch]
     STOP = 6
@@ -137,10 +137,12 @@ class StepBroadcast:
         self._send_header(Op.LOGITS, *hidden.shape)
         dist.broadcast(hidden.contiguous(), 0, group=self.channels.data)
 
-    def profile(self, num_tokens: int, num_logit_rows: int, gpu_memory_utilization: float) -> None:
+    def profile(
+        self, num_tokens: int, num_logit_rows: int, gpu_memory_utilization: float, graph_batch: int
+    ) -> None:
         if self.leader:
             ppm = round(gpu_memory_utilization * _PPM)
-            self._send_header(Op.PROFILE, num_tokens, num_logit_rows, ppm)
+            self._send_header(Op.PROFILE, num_tokens, num_logit_rows, ppm, graph_batch)
 
     def agree_num_blocks(self, num_blocks: int) -> int:
         """The smallest of every rank's KV-block count (every rank runs this)."""

@@ -179,7 +179,7 @@ def _follow(runner: ModelRunner, kv_spec: KVCacheSpec, channels: Channels) -> No
                 runner.model.compute_logits(rows)
             elif message.op is Op.PROFILE:
                 runner.num_kv_blocks_for_free_memory(
-                    kv_spec, args[0], args[1], utilization(args[2])
+                    kv_spec, args[0], args[1], utilization(args[2]), graph_batch=args[3]
                 )
             elif message.op is Op.ALLOCATE_KV:
                 runner.allocate_kv_caches(kv_spec, args[0])

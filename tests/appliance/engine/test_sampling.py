@@ -88,6 +88,18 @@ def test_token_logprobs_are_the_raw_log_softmax_with_top_alternatives() -> None:
     assert none_ids.shape == (4, 0) and none_lps.shape == (4, 0)
 
 
+def test_token_logprobs_in_pieces_of_rows_are_those_of_the_whole(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import appliance.engine.sampling as sampling
+
+    logits, chosen_ids = _logits(rows=5), torch.tensor([3, 1, 4, 1, 5])
+    whole = token_logprobs(logits, chosen_ids, 5)
+    monkeypatch.setattr(sampling, "SAMPLING_CHUNK_LOGITS", 2 * VOCAB)
+    for got, want in zip(token_logprobs(logits, chosen_ids, 5), whole, strict=True):
+        assert torch.equal(got, want)
+
+
 @pytest.mark.parametrize(
     ("kwargs", "name"),
     [
@@ -151,3 +163,51 @@ def test_token_ids_outside_the_vocabulary_are_refused_naming_the_field(
     with pytest.raises(InvalidRequestError, match=f"{name!r}.*outside the vocabulary") as refused:
         params.verify_token_ids(VOCAB)
     assert refused.value.param == name
+
+
+def test_sampling_in_pieces_of_rows_gives_every_seeded_row_the_same_token(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import appliance.engine.sampling as sampling
+
+    params = [
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=1.5, top_k=5, seed=1),
+        SamplingParams(temperature=0.7, top_p=0.6, seed=2),
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=1.0, min_p=0.2, seed=3),
+        SamplingParams(temperature=2.0, top_k=10, top_p=0.9, min_p=0.05, seed=4),
+    ]
+    logits = _logits(rows=len(params), seed=5)
+
+    def draw() -> torch.Tensor:
+        generators = [torch.Generator().manual_seed(p.seed) if p.seed else None for p in params]
+        return torch.stack([sample(logits.clone(), params, generators) for _ in range(30)])
+
+    whole = draw()
+    # Two rows per piece: pieces of sampled and greedy rows, one all greedy (rows 3 and 4).
+    monkeypatch.setattr(sampling, "SAMPLING_CHUNK_LOGITS", 2 * VOCAB)
+    assert torch.equal(draw(), whole)
+    assert torch.equal(whole[:, [0, 3, 4]], logits[[0, 3, 4]].argmax(-1).expand(30, 3))
+
+
+def test_the_sampler_filters_in_place_and_leaves_greedy_batches_untouched() -> None:
+    logits = _logits()
+    before = logits.clone()
+    sample(logits, [SamplingParams(temperature=0.0)] * 4, [None] * 4)
+    assert torch.equal(logits, before)
+    sample(logits, [SamplingParams(temperature=0.5, top_k=3)] * 4, [None] * 4)
+    # Divided by the temperature, all but each row's 3 best at -inf: nothing else was copied.
+    assert torch.equal(torch.isfinite(logits).sum(-1), torch.full((4,), 3))
+    kept = torch.isfinite(logits)
+    assert torch.equal(logits[kept], (before / 0.5)[kept])
+    # Told to keep them, it leaves them as they were and draws the same tokens.
+    params = [SamplingParams(temperature=0.8, top_p=0.7, min_p=0.1, seed=9)] * 4
+
+    def seeded() -> list[torch.Generator | None]:
+        return [torch.Generator().manual_seed(9) for _ in range(4)]
+
+    kept_ids = sample(before, params, seeded(), in_place=False)
+    assert torch.equal(before, _logits())
+    assert torch.equal(kept_ids, sample(before.clone(), params, seeded()))

@@ -82,6 +82,22 @@ def test_batched_controls_match_the_per_request_reference_on_random_batches() ->
         torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-5, msg=f"seed {seed}")
 
 
+def test_penalties_applied_in_pieces_of_rows_match_them_applied_whole(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import appliance.engine.sampling_controls as sampling_controls
+
+    batches = [_random_batch(seed, rows=9) for seed in range(20)]
+    whole = [(logits, _build(seqs)) for logits, seqs in batches]
+    monkeypatch.setattr(sampling_controls, "SAMPLING_CHUNK_LOGITS", 2 * VOCAB)
+    for seed, ((logits, seqs), (_, controls)) in enumerate(zip(batches, whole, strict=True)):
+        if controls is None:
+            continue
+        pieces = _build(seqs)
+        assert pieces is not None
+        assert torch.equal(pieces.apply(logits), controls.apply(logits)), f"seed {seed}"
+
+
 def test_rows_without_controls_are_left_bit_for_bit_and_the_input_is_not_changed() -> None:
     logits, _ = _random_batch(0, rows=3)
     before = logits.clone()
