@@ -128,7 +128,6 @@ class DecodeGraphs:
         for graph in self._graphs.values():
             graph.reset()
         self._graphs.clear()
-        self._outputs.clear()
         self.sizes = []
 
     def replay_only(self, size: int) -> Callable[[], None]:
