@@ -39,7 +39,15 @@ _BROKEN_PIPE_STATUS = 141
 _log = logging.getLogger("inferno")
 
 
+# torch's CUDA allocator in expandable segments unless the operator configured it: with fixed
+# segments, the varying transients of mixed prefill steps left 4.3 GB cached but unusable on
+# the H100 (W2), which also made those steps slower; expandable, W6 is 1.5 GiB
+# (docs/BENCHMARKS.md). Read when CUDA first allocates, after this.
+_CUDA_ALLOC_CONF = "expandable_segments:True"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", _CUDA_ALLOC_CONF)
     with _quiet_when_stdout_closes():
         args = _parser().parse_args(argv)
         try:

@@ -16,14 +16,15 @@ rows last.
                                [--async-scheduling]
                                [--w2-requests 1024] [--hf-requests 128]
                                [--tokenizer-json PATH] [--quantization fp8]
-                               [--expandable-segments]
+                               [--no-expandable-segments]
 
 W2S is W2 with a JSON schema on every request (grammars compiled against --tokenizer-json).
 
 W6 is measured right after W2, at W2's largest batch, with where it lies: the decode graphs'
-pool, live tensors, blocks torch caches unused (fragmentation; `--expandable-segments` runs
-the allocator that avoids it) and memory outside torch, beside what the engine's profiled step
-measured. P is prefill throughput at 8 × 2,048.
+pool, live tensors, blocks torch caches unused (fragmentation: the allocator runs in
+expandable segments, as `inferno` runs it; `--no-expandable-segments` shows what fixed
+segments leave) and memory outside torch, beside what the engine's profiled step measured.
+P is prefill throughput at 8 × 2,048.
 The transformers peer (HF, HFW4) is Llama's only.
 Every engine of the run stores its KV cache as --kv-cache-dtype says (the engine setting);
 W2 reports its pool (blocks, tokens, bytes).
@@ -617,13 +618,14 @@ def main() -> None:
     )
     parser.add_argument(
         "--expandable-segments",
-        action="store_true",
-        help="torch's allocator with expandable segments (W6's fragmentation against without)",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="torch's allocator with expandable segments, as `inferno` runs it (W6's "
+        "fragmentation against without)",
     )
     args = parser.parse_args()
-    if args.expandable_segments:
-        # Read by the allocator when CUDA first allocates, which has not happened yet.
-        os.environ["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
+    # Read by the allocator when CUDA first allocates, which has not happened yet.
+    os.environ["PYTORCH_CUDA_ALLOC_CONF"] = f"expandable_segments:{args.expandable_segments}"
     run_settings["kv_cache_dtype"] = args.kv_cache_dtype
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
     wanted = set(args.workloads.split(","))

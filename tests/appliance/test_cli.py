@@ -21,7 +21,7 @@ import jwt
 import openai
 import pytest
 
-from appliance.__main__ import _parser
+from appliance.__main__ import _parser, main
 from appliance.auth.local_issuer import LocalIssuer
 from appliance.auth.roles import Role
 from appliance.boot.audit_log import open_audit_log
@@ -506,3 +506,16 @@ def test_serve_with_json_logs_writes_one_object_a_line_with_ready_access_and_sto
     assert (access["method"], access["route"], access["status"]) == ("GET", "/v1/models", 200)
     assert access["subject"] == "json-reader"
     assert token not in rest
+
+
+def test_inferno_runs_the_cuda_allocator_in_expandable_segments_unless_configured(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    with pytest.raises(SystemExit):
+        main(["--version"])
+    assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:512")
+    with pytest.raises(SystemExit):
+        main(["--version"])
+    assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "max_split_size_mb:512"
