@@ -5,9 +5,9 @@ sends streamed `/v1/completions` requests (prompt of --prompt-tokens random toke
 --output-tokens new tokens: EOS ignored) arriving as a Poisson process at each rate, and reports
 per rate: TTFT and TPOT p50/p99 as the client sees them, output tokens/s, the server process's
 CPU time ÷ wall time (all its threads), with the share of its event-loop thread (HTTP, TLS, JSON;
-the rest is mostly the engine loop), and how long requests waited for their two audit entries
-(the server's `inferno:audit_append_seconds`: the accepted entry delays the first token, the
-end entry the `[DONE]`).
+the rest is mostly the engine loop), the same CPU per streamed token, and how long requests
+waited for their two audit entries (the server's `inferno:audit_append_seconds`: the accepted
+entry delays the first token, the end entry the `[DONE]`).
 
     python bench/server_load.py [--rates 10,20,40] [--duration-s 60]
         # the random-weight Llama-3.1-8B on the GPU (as bench/gpu_engine.py builds it), served
