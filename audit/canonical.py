@@ -69,6 +69,11 @@ def _serialize(value: JsonValue, out: list[str]) -> None:
     elif isinstance(value, Mapping):
         _serialize_object(value, out)
     elif isinstance(value, Sequence) and not isinstance(value, bytes | bytearray):
+        if _is_safe_integer_array(value):
+            # A prompt's token ids, most of what the log commits to: in one join, not one call
+            # per element (the same bytes: a safe integer is written as its decimal digits).
+            out.append("[" + ",".join(map(str, value)) + "]")
+            return
         out.append("[")
         for i, item in enumerate(value):
             if i:
@@ -77,6 +82,16 @@ def _serialize(value: JsonValue, out: list[str]) -> None:
         out.append("]")
     else:
         raise CanonicalJsonError(f"{type(value).__name__} is not a JSON value")
+
+
+def _is_safe_integer_array(value: Sequence[JsonValue]) -> bool:
+    """Whether `value` is non-empty and holds only ints (not bools, not int subclasses) within
+    +-(2**53 - 1)."""
+    return (
+        bool(value)
+        and all(type(item) is int for item in value)
+        and -MAX_SAFE_INTEGER <= min(value) <= max(value) <= MAX_SAFE_INTEGER  # type: ignore[type-var]
+    )
 
 
 def _serialize_object(value: Mapping[str, JsonValue], out: list[str]) -> None:

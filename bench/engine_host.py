@@ -36,10 +36,18 @@ STUB_CONFIG = {
 }
 
 
-def stub_model() -> CausalLM:
+def stub_model(step_s: float = 0.0) -> CausalLM:
+    """The stub model; with `step_s`, each forward pass also sleeps that long, as the engine
+    thread sleeps on a blocking CUDA event while a GPU step runs (no CPU spent)."""
+
+    def stub_attention(q: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
+        if step_s:
+            time.sleep(step_s)  # one layer: once per forward pass
+        return q
+
     # The reference ops (whatever the kernel contract holds), with attention stubbed out.
-    stub_attention = {"paged_attention": lambda q, *args, **kwargs: q}
-    ops = types.SimpleNamespace(**{**vars(reference), **stub_attention})
+    stub_ops = {"paged_attention": stub_attention}
+    ops = types.SimpleNamespace(**{**vars(reference), **stub_ops})
     config = ModelConfig.from_dict(STUB_CONFIG)
     with torch.device("meta"):
         model = CausalLM(config, ops)

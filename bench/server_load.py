@@ -5,9 +5,9 @@ sends streamed `/v1/completions` requests (prompt of --prompt-tokens random toke
 --output-tokens new tokens: EOS ignored) arriving as a Poisson process at each rate, and reports
 per rate: TTFT and TPOT p50/p99 as the client sees them, output tokens/s, the server process's
 CPU time ÷ wall time (all its threads), with the share of its event-loop thread (HTTP, TLS, JSON;
-the rest is mostly the engine loop), and how long requests waited for their two audit entries
-(the server's `inferno:audit_append_seconds`: the accepted entry delays the first token, the
-end entry the `[DONE]`).
+the rest is mostly the engine loop), the same CPU per streamed token, and how long requests
+waited for their two audit entries (the server's `inferno:audit_append_seconds`: the accepted
+entry delays the first token, the end entry the `[DONE]`).
 
     python bench/server_load.py [--rates 10,20,40] [--duration-s 60]
         # the random-weight Llama-3.1-8B on the GPU (as bench/gpu_engine.py builds it), served
@@ -15,6 +15,9 @@ end entry the `[DONE]`).
     python bench/server_load.py --model DIR --device cpu --rates 1 --duration-s 10 \\
         --prompt-tokens 32 --output-tokens 16     # any model directory, e.g. a CPU smoke run
     python bench/server_load.py --stub-model      # no model math: the server's own CPU cost
+    python bench/server_load.py --stub-model --stub-step-ms 30 --rates 20
+        # the same at the GPU's pace: each step sleeps 30 ms (W3's step at 20 req/s on the
+        # H100), so as many requests run at once and each gets one output per step, as there
     python bench/server_load.py --rates 0,10 --console [--repeat 2]
         # the admin console's cost: each rate runs without, then with, one console open
 
@@ -66,9 +69,9 @@ class RequestTiming:
 # The server process.
 
 
-def serve_built_model(kind: str, config_path: Path) -> None:
-    """Serve the random-weight 8B (GPU) or the stub model exactly as `inferno serve` serves a
-    model directory."""
+def serve_built_model(kind: str, config_path: Path, stub_step_s: float = 0.0) -> None:
+    """Serve the random-weight 8B (GPU) or the stub model (each forward pass sleeping
+    `stub_step_s`) exactly as `inferno serve` serves a model directory."""
     sys.path.insert(0, str(_HERE))
     from appliance.app import build
     from appliance.boot.startup import engine_config, start_audit_log
@@ -85,7 +88,7 @@ def serve_built_model(kind: str, config_path: Path) -> None:
     else:
         from engine_host import stub_model  # model math stubbed out: host cost only
 
-        model = stub_model()
+        model = stub_model(stub_step_s)
     tokenizer = numbered_tokenizer(model.config.vocab_size)
     engine = Engine.build(engine_config(settings), model, tokenizer)
     with start_audit_log(settings) as audit_log:
@@ -190,10 +193,13 @@ def bench_tokens(directory: Path) -> dict[str, dict[str, str]]:
     }
 
 
-def start_server(config: Path, built: str | None) -> tuple[subprocess.Popen[str], str]:
+def start_server(
+    config: Path, built: str | None, stub_step_ms: float = 0.0
+) -> tuple[subprocess.Popen[str], str]:
     """Start `inferno serve`, or this script serving a `built` model ("random-8b", "stub")."""
     if built is not None:
         command = [sys.executable, __file__, "--serve-built", built, str(config)]
+        command += ["--stub-step-ms", str(stub_step_ms)]
     else:
         command = [sys.executable, "-m", "appliance", "serve", "--config", str(config)]
     server = subprocess.Popen(command, stderr=subprocess.PIPE, text=True)
@@ -375,6 +381,7 @@ async def run_rate(
         viewer.stop.set()
         await viewing
     ttft = sorted(t.ttft_s for t in timings)
+    num_tokens = sum(t.num_output_tokens for t in timings)
     accepted = audit_wait_ms(audit_start, audit_end, "inference.request")
     ended = audit_wait_ms(audit_start, audit_end, "inference.complete")
     tpot = sorted(t.tpot_s for t in timings)
@@ -388,9 +395,12 @@ async def run_rate(
         "ttft_p99_ms": ms(percentile(ttft, 99)),
         "tpot_p50_ms": ms(percentile(tpot, 50)),
         "tpot_p99_ms": ms(percentile(tpot, 99)),
-        "output_tok_s": sum(t.num_output_tokens for t in timings) / wall,
+        "output_tok_s": num_tokens / wall,
         "server_cpu": (cpu_end[0] - cpu_start[0]) / wall,
         "event_loop_cpu": (cpu_end[1] - cpu_start[1]) / wall,
+        # CPU per streamed token: comparable across runs whose rates or lengths differ.
+        "server_cpu_us_per_token": (cpu_end[0] - cpu_start[0]) / max(num_tokens, 1) * 1e6,
+        "event_loop_cpu_us_per_token": (cpu_end[1] - cpu_start[1]) / max(num_tokens, 1) * 1e6,
         "audit_accepted_mean_ms": accepted[0],
         "audit_accepted_p99_ms": accepted[1],
         "audit_end_mean_ms": ended[0],
@@ -479,7 +489,7 @@ async def measure(args: argparse.Namespace) -> None:
         config, model, vocab_size = write_server_files(directory, args)
         tokens = bench_tokens(directory)
         built = "stub" if args.stub_model else "random-8b" if args.model is None else None
-        server, url = start_server(config, built)
+        server, url = start_server(config, built, args.stub_step_ms)
         try:
             tls = ssl.create_default_context(cafile=directory / "cert.pem")
             await wait_until_ready(url, tls)
@@ -533,7 +543,8 @@ def print_rows(rows: list[dict[str, float | None]], console: bool) -> None:
 
     header = [
         "req/s (achieved)", "requests", "TTFT p50 / p99", "TPOT p50 / p99", "output tok/s",
-        "server CPU (of it, event loop)", "audit wait, accepted / end: mean (p99 ≤)",
+        "server CPU (of it, event loop)", "CPU per token (event loop)",
+        "audit wait, accepted / end: mean (p99 ≤)",
     ]  # fmt: skip
     if console:
         header[1:1] = ["console"]
@@ -548,6 +559,7 @@ def print_rows(rows: list[dict[str, float | None]], console: bool) -> None:
             f"{r['output_tok_s']:.0f}",
             # With a console, its cost is a small share of a core: one decimal.
             f"{r['server_cpu']:.{digits}%} of a core ({r['event_loop_cpu']:.{digits}%})",
+            f"{r['server_cpu_us_per_token']:.0f} µs ({r['event_loop_cpu_us_per_token']:.0f} µs)",
             f"{fixed(r['audit_accepted_mean_ms'], 1)} ms (≤ {bound(r['audit_accepted_p99_ms'])}) / "
             f"{fixed(r['audit_end_mean_ms'], 1)} ms (≤ {bound(r['audit_end_p99_ms'])})",
         ]
@@ -623,11 +635,17 @@ def main() -> None:
         action="store_true",
         help="bench/engine_host.py's stub model on cpu: the server's own cost, without model math",
     )
+    parser.add_argument(
+        "--stub-step-ms",
+        type=float,
+        default=0.0,
+        help="with --stub-model: each step also sleeps this long, as on a GPU (W3's pace: 30)",
+    )
     parser.add_argument("--serve-built", nargs=2, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.serve_built is not None:
         kind, config = args.serve_built
-        serve_built_model(kind, Path(config))
+        serve_built_model(kind, Path(config), args.stub_step_ms / 1e3)
         return
     args.rates = [float(rate) for rate in args.rates.split(",")]
     if any(rate < 0 for rate in args.rates) or args.repeat < 1:

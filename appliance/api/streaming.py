@@ -1,11 +1,12 @@
 """Server-sent events as OpenAI streams them: `data: <JSON>\\n\\n` per chunk, `data: [DONE]` last.
 
 A chunk is typed: `StreamHead` (what every chunk of a response shares) and, per choice, a
-`CompletionChunkChoice` or a `ChatChunkChoice`. Their `to_json` gives OpenAI's exact field order
+`CompletionChunkChoice` or a `ChatChunkChoice`. Their `json` gives OpenAI's exact field order
 and the fields OpenAI leaves out (a chat delta holds only what it adds). Chunks of one response
 share everything but their `choices` (and the final `usage`), so the head is serialized once and
-each chunk serializes only its choices: the server's CPU per streamed token is one of the
-appliance's headline figures (PERFORMANCE.md, W3).
+each chunk serializes only its choices, its fixed fields written as text and only its values
+encoded: the server's CPU per streamed token is one of the appliance's headline figures
+(PERFORMANCE.md, W3).
 """
 
 from __future__ import annotations
@@ -23,8 +24,15 @@ from appliance.api.schemas import Usage
 DONE = b"data: [DONE]\n\n"
 
 
+# Made once: `json.dumps` with options builds an encoder per call, which cost more than the
+# encoding of a chunk's few fields.
+_ENCODER = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"))
+
+
 def _dumps(value: Any) -> str:
-    return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
+    """Compact JSON, text left unescaped. A string (a chunk's text) or None is written without
+    the general encoder's set-up, which `encode` runs for every container."""
+    return "null" if value is None else _ENCODER.encode(value)
 
 
 def event(value: Any) -> bytes:
@@ -61,13 +69,11 @@ class CompletionChunkChoice:
     logprobs: dict[str, Any] | None = None
     finish_reason: str | None = None
 
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "index": self.index,
-            "text": self.text,
-            "logprobs": self.logprobs,
-            "finish_reason": self.finish_reason,
-        }
+    def json(self) -> str:
+        return (
+            f'{{"index":{self.index},"text":{_dumps(self.text)},'
+            f'"logprobs":{_dumps(self.logprobs)},"finish_reason":{_dumps(self.finish_reason)}}}'
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,15 +88,15 @@ class ChatDelta:
     tool_calls: list[dict[str, Any]] | None = None
     reasoning: str | None = None  # a piece of the model's thought (vLLM's field)
 
-    def to_json(self) -> dict[str, Any]:
+    def json(self) -> str:
         if self.role is not None:
             # OpenAI's opening delta also says that there is no refusal.
-            return {"role": self.role, "content": self.content, "refusal": None}
+            return f'{{"role":{_dumps(self.role)},"content":{_dumps(self.content)},"refusal":null}}'
         if self.tool_calls is not None:
-            return {"tool_calls": self.tool_calls}
+            return f'{{"tool_calls":{_dumps(self.tool_calls)}}}'
         if self.reasoning is not None:
-            return {"reasoning": self.reasoning}
-        return {} if self.content is None else {"content": self.content}
+            return f'{{"reasoning":{_dumps(self.reasoning)}}}'
+        return "{}" if self.content is None else f'{{"content":{_dumps(self.content)}}}'
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,13 +109,11 @@ class ChatChunkChoice:
     logprobs: dict[str, Any] | None = None
     finish_reason: str | None = None
 
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "index": self.index,
-            "delta": self.delta.to_json(),
-            "logprobs": self.logprobs,
-            "finish_reason": self.finish_reason,
-        }
+    def json(self) -> str:
+        return (
+            f'{{"index":{self.index},"delta":{self.delta.json()},'
+            f'"logprobs":{_dumps(self.logprobs)},"finish_reason":{_dumps(self.finish_reason)}}}'
+        )
 
 
 ChunkChoice = CompletionChunkChoice | ChatChunkChoice
@@ -129,11 +133,7 @@ class ChunkWriter:
         self._suffix = b'],"usage":null}\n\n' if include_usage else b"]}\n\n"
 
     def chunk(self, *choices: ChunkChoice) -> bytes:
-        return (
-            self._prefix
-            + ",".join(_dumps(choice.to_json()) for choice in choices).encode()
-            + self._suffix
-        )
+        return self._prefix + ",".join(choice.json() for choice in choices).encode() + self._suffix
 
     def usage(self, usage: Usage) -> bytes:
         return event({**self._head, "choices": [], "usage": usage.model_dump()})

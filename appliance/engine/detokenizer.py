@@ -2,15 +2,20 @@
 
 A byte-level BPE token can end in the middle of a UTF-8 character (an emoji is often 2-4
 tokens), so decoding token by token would emit U+FFFD. This follows the prefix-offset /
-read-offset scheme of vLLM and TGI: decode a short window of recent tokens twice (without and with
-the new ones) and emit the difference once it no longer ends in an incomplete character. Decoding
-the window rather than single tokens also keeps decoders that strip a leading space (SentencePiece)
-correct, since both decodes share the same start.
+read-offset scheme of vLLM and TGI: decode a short window of recent tokens without and with the
+new ones and emit the difference once it no longer ends in an incomplete character. Decoding the
+window rather than single tokens also keeps decoders that strip a leading space (SentencePiece)
+correct, since both decodes share the same start. The decode without the new token is the one
+the previous delta already made, kept, so a token costs one decode until the window restarts.
 """
 
 from __future__ import annotations
 
 from appliance.engine.tokenizer import Tokenizer
+
+# Past this many ids, the window restarts at the last delta's ids (one extra decode): the window
+# stays short, so a decode costs the same whatever the sequence's length.
+_MAX_WINDOW_IDS = 4
 
 
 class IncrementalDetokenizer:
@@ -18,41 +23,46 @@ class IncrementalDetokenizer:
 
     Contract: `"".join(deltas from add) + flush()` equals `tokenizer.decode(all ids,
     skip_special_tokens=...)`, and no delta contains U+FFFD unless that full decode does at the
-    same place. Each `add` decodes only the tokens since the last emitted delta (the window), so
-    the cost per token does not grow with the sequence length.
+    same place. Each `add` decodes only a short window of recent ids, so the cost per token does
+    not grow with the sequence length; the window's emitted text is kept, so most tokens cost
+    one decode, not two (the server's CPU per streamed token, PERFORMANCE.md W3).
     """
 
     def __init__(self, tokenizer: Tokenizer, *, skip_special_tokens: bool = True) -> None:
         self._tokenizer = tokenizer
         self._skip_special_tokens = skip_special_tokens
-        # _window holds the ids from prefix_offset on; _num_read of them were already emitted.
-        # Ids before the window are dropped: their text is final.
+        # _window holds the ids from prefix_offset on; _num_read of them were already emitted,
+        # and _read_text is their decode. Ids before the window are dropped: their text is final.
         self._window: list[int] = []
         self._num_read = 0
+        self._read_text = ""
         self._parts: list[str] = []
 
     def add(self, token_id: int) -> str:
         """Append one generated id; return the text it completes ("" while a character is open)."""
-        self._window.append(token_id)
-        prefix_text = self._decode(self._window[: self._num_read])
-        new_text = self._decode(self._window)
+        window = self._window
+        window.append(token_id)
+        new_text = self._decode(window)
         # A trailing U+FFFD is an incomplete UTF-8 sequence until later tokens prove otherwise.
-        if len(new_text) <= len(prefix_text) or new_text.endswith("\ufffd"):
+        if len(new_text) <= len(self._read_text) or new_text.endswith("\ufffd"):
             return ""
-        delta = new_text[len(prefix_text) :]
-        # The emitted tokens become the new prefix: the next decode starts at them, not earlier.
-        self._window = self._window[self._num_read :]
+        delta = new_text[len(self._read_text) :]
+        if len(window) > _MAX_WINDOW_IDS:
+            # The ids just emitted become the new prefix: later decodes start at them.
+            self._window = window[self._num_read :]
+            self._read_text = self._decode(self._window)
+        else:
+            self._read_text = new_text
         self._num_read = len(self._window)
         self._parts.append(delta)
         return delta
 
     def flush(self) -> str:
         """End of stream: return whatever text is still held back, even an incomplete character."""
-        prefix_text = self._decode(self._window[: self._num_read])
-        new_text = self._decode(self._window)
-        delta = new_text[len(prefix_text) :]
+        delta = self._decode(self._window)[len(self._read_text) :]
         self._window = []
         self._num_read = 0
+        self._read_text = ""
         if delta:
             self._parts.append(delta)
         return delta

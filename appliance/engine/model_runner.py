@@ -8,6 +8,7 @@ of a request that asked for prompt log-probabilities.
 
 from __future__ import annotations
 
+import itertools
 import logging
 from collections.abc import Collection
 from collections.abc import Sequence as Seq
@@ -524,12 +525,9 @@ class ModelRunner:
         # Tokens the host does not have yet: (row of previous.sampled, row of input_ids).
         in_flight: list[tuple[int, int]] = []
         previous_rows: dict[Sequence, int] | None = None
-        block_tables = np.zeros(
-            (len(chunks), max(len(c.seq.block_table) for c in chunks)), np.int32
-        )
-        for i, chunk in enumerate(chunks):
+        block_tables = _block_tables([c.seq.block_table for c in chunks])
+        for chunk in chunks:
             seq, start, end = chunk.seq, chunk.start, chunk.start + chunk.num_new_tokens
-            block_tables[i, : len(seq.block_table)] = seq.block_table
             if end > len(seq.token_ids):
                 if previous_rows is None:
                     assert previous is not None, "a pending token comes from the step in flight"
@@ -608,6 +606,16 @@ class ModelRunner:
                 pieces.append(tuple(map(self._copy_to_host, piece)))
             results[i] = _PromptLogprobs(targets, pieces)
         return results
+
+
+def _block_tables(tables: list[list[int]]) -> np.ndarray:
+    """[N, longest] int32: each sequence's block table in a row, zero-padded. Filled in one
+    numpy operation rather than one per sequence (a decode step has hundreds)."""
+    lengths = np.fromiter(map(len, tables), np.int64, len(tables))
+    flat = np.fromiter(itertools.chain.from_iterable(tables), np.int32, int(lengths.sum()))
+    block_tables = np.zeros((len(tables), int(lengths.max())), np.int32)
+    block_tables[np.arange(block_tables.shape[1]) < lengths[:, None]] = flat
+    return block_tables
 
 
 def _collect_prompt(logprobs: _PromptLogprobs) -> list[TokenLogprob]:

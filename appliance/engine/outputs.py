@@ -8,7 +8,7 @@ character), so a stream never shows text that the final output does not contain.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from appliance.engine.detokenizer import IncrementalDetokenizer
 from appliance.engine.sequence import RequestId, Sequence, SequenceStatus
@@ -70,14 +70,21 @@ class RequestOutput:
         logprobs = None
         if self.logprobs is not None or later.logprobs is not None:
             logprobs = [*(self.logprobs or ()), *(later.logprobs or ())]
-        return replace(
-            later,
+        # Built directly: dataclasses.replace inspects the fields on every call, and a stream
+        # that fell behind merges one output per token it missed.
+        return RequestOutput(
+            request_id=later.request_id,
             text=self.text + later.text,
             token_ids=self.token_ids + later.token_ids,
             logprobs=logprobs,
             prompt_logprobs=self.prompt_logprobs
             if self.prompt_logprobs is not None
             else later.prompt_logprobs,
+            finish_reason=later.finish_reason,
+            stop_reason=later.stop_reason,
+            num_prompt_tokens=later.num_prompt_tokens,
+            num_output_tokens=later.num_output_tokens,
+            num_cached_tokens=later.num_cached_tokens,
         )
 
 
@@ -90,18 +97,28 @@ class RequestState:
     detokenizer: IncrementalDetokenizer | None
     eos_token_ids: frozenset[int]
     max_model_len: int
-    text: str = ""
-    num_emitted_chars: int = 0
+    # The text not yet emitted (emitted text is final, so only this tail is searched for stop
+    # strings and kept: the work per token does not grow with the output).
+    unemitted: str = ""
     pending_token_ids: list[int] = field(default_factory=list)
     pending_logprobs: list[TokenLogprob] = field(default_factory=list)
     prompt_logprobs: list[TokenLogprob | None] | None = None
     prompt_logprobs_sent: bool = False
     stop_reason: str | int | None = None
     _holdback: int = field(init=False)
+    # Whether a token can end the request by itself: a grammar, stop tokens or EOS (most
+    # requests of a benchmark have none, and add_token skips those checks for them).
+    _stops_on_token: bool = field(init=False)
 
     def __post_init__(self) -> None:
+        params = self.seq.params
         # Text that could still begin a stop string is held back: the longest one less a char.
-        self._holdback = max((len(s) for s in self.seq.params.stop), default=1) - 1
+        self._holdback = max((len(s) for s in params.stop), default=1) - 1
+        self._stops_on_token = bool(
+            self.seq.grammar is not None
+            or params.stop_token_ids
+            or (not params.ignore_eos and self.eos_token_ids)
+        )
         if self.seq.wants_prompt_logprobs:
             self.prompt_logprobs = [None]
 
@@ -114,11 +131,32 @@ class RequestState:
 
     def add_token(self, token_id: int, logprob: TokenLogprob | None) -> SequenceStatus | None:
         """Append a sampled token; returns the finished status if the request is now done."""
-        seq, params = self.seq, self.seq.params
+        seq = self.seq
         seq.append_token(token_id)
         self.pending_token_ids.append(token_id)
         if logprob is not None:
             self.pending_logprobs.append(logprob)
+        if self._stops_on_token:
+            finish = self._stop_token(token_id)
+            if finish is not None:
+                return finish
+        start = max(len(self.unemitted) - self._holdback, 0)
+        if self.detokenizer is not None:
+            self.unemitted += self.detokenizer.add(token_id)
+        params = seq.params
+        num_output_tokens = seq.num_output_tokens
+        # As in vLLM, no stop string ends a request before it has more than min_tokens tokens
+        # (the sampler holds stop tokens back until then).
+        if params.stop and num_output_tokens > params.min_tokens and self._find_stop_string(start):
+            return SequenceStatus.FINISHED_STOPPED
+        if num_output_tokens >= params.max_tokens or len(seq) >= self.max_model_len:
+            return self._finish(SequenceStatus.FINISHED_LENGTH)
+        return None
+
+    def _stop_token(self, token_id: int) -> SequenceStatus | None:
+        """The finish that `token_id` makes by itself: a token the grammar refuses, a stop
+        token or EOS."""
+        seq, params = self.seq, self.seq.params
         if seq.grammar is not None and not seq.grammar.accept(token_id):
             # The sampler allowed only what the grammar allows: a refused token means the two
             # disagree, and the output could no longer be trusted to match. Cut it off.
@@ -129,45 +167,34 @@ class RequestState:
             return self._finish(SequenceStatus.FINISHED_STOPPED)
         if not params.ignore_eos and token_id in self.eos_token_ids:
             return self._finish(SequenceStatus.FINISHED_STOPPED)
-        start = max(len(self.text) - self._holdback, 0)
-        if self.detokenizer is not None:
-            self.text += self.detokenizer.add(token_id)
-        # As in vLLM, no stop string ends a request before it has more than min_tokens tokens
-        # (the sampler holds stop tokens back until then).
-        if (
-            params.stop
-            and seq.num_output_tokens > params.min_tokens
-            and self._find_stop_string(start)
-        ):
-            return SequenceStatus.FINISHED_STOPPED
-        if seq.num_output_tokens >= params.max_tokens or len(seq) >= self.max_model_len:
-            return self._finish(SequenceStatus.FINISHED_LENGTH)
         return None
 
     def _find_stop_string(self, start: int) -> bool:
-        """Truncate the text at the earliest stop string found at or after `start`."""
-        found = [(i, s) for s in self.seq.params.stop if (i := self.text.find(s, start)) != -1]
+        """Truncate the text at the earliest stop string found at or after `start` (an index
+        into the unemitted text)."""
+        text = self.unemitted
+        found = [(i, s) for s in self.seq.params.stop if (i := text.find(s, start)) != -1]
         if not found:
             return False
         index, stop = min(found)
         keep = index + len(stop) if self.seq.params.include_stop_str_in_output else index
-        self.text = self.text[:keep]
+        self.unemitted = text[:keep]
         self.stop_reason = stop
         return True
 
     def _finish(self, status: SequenceStatus) -> SequenceStatus:
         if self.detokenizer is not None:
-            self.text += self.detokenizer.flush()
+            self.unemitted += self.detokenizer.flush()
         return status
 
     def make_output(self, finish: SequenceStatus | None) -> RequestOutput:
         """Everything new since the previous output; all remaining text once finished."""
-        if finish is None:
-            emit_upto = max(self.num_emitted_chars, len(self.text) - self._holdback)
+        text = self.unemitted
+        if finish is None and self._holdback:
+            emit = max(len(text) - self._holdback, 0)
+            delta, self.unemitted = text[:emit], text[emit:]
         else:
-            emit_upto = len(self.text)
-        delta = self.text[self.num_emitted_chars : emit_upto]
-        self.num_emitted_chars = emit_upto
+            delta, self.unemitted = text, ""
         prompt_logprobs = None
         if self.prompt_logprobs is not None and not self.prompt_logprobs_sent:
             prompt_logprobs = self.prompt_logprobs
@@ -176,15 +203,16 @@ class RequestState:
         logprobs = None
         if self.seq.params.logprobs is not None:
             logprobs, self.pending_logprobs = self.pending_logprobs, []
+        seq = self.seq
         return RequestOutput(
-            request_id=self.seq.request_id,
+            request_id=seq.request_id,
             text=delta,
             token_ids=token_ids,
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
             finish_reason=finish.value if finish is not None else None,
             stop_reason=self.stop_reason,
-            num_prompt_tokens=self.seq.num_prompt_tokens,
-            num_output_tokens=self.seq.num_output_tokens,
-            num_cached_tokens=self.seq.num_cached_tokens,
+            num_prompt_tokens=seq.num_prompt_tokens,
+            num_output_tokens=seq.num_output_tokens,
+            num_cached_tokens=seq.num_cached_tokens,
         )

@@ -112,6 +112,22 @@ def test_integers_tuples_and_nesting_serialize_without_whitespace() -> None:
     )
 
 
+def test_integer_arrays_serialize_as_every_other_array_does() -> None:
+    # Token-id arrays take a faster path (one join); bools, int subclasses and integers out of
+    # range must still be written, or refused, as elsewhere.
+    assert canonicalize([3, -1, 0, 2**53 - 1, -(2**53 - 1)]) == (
+        b"[3,-1,0,9007199254740991,-9007199254740991]"
+    )
+    assert canonicalize((7, 8)) == b"[7,8]"
+    assert canonicalize([1, True, False]) == b"[1,true,false]"
+    assert canonicalize([1, 2.5]) == b"[1,2.5]"
+    assert canonicalize([[1, 2], []]) == b"[[1,2],[]]"
+    with pytest.raises(CanonicalJsonError, match="outside the I-JSON range"):
+        canonicalize([1, 2**53])
+    with pytest.raises(CanonicalJsonError, match="outside the I-JSON range"):
+        canonicalize([-(2**53), 1])
+
+
 def test_a_large_integral_double_reads_back_as_the_same_canonical_bytes() -> None:
     # 1e20 canonicalizes as an integer literal that Python's json would read as an int
     # outside the I-JSON range, which canonicalize then refuses.

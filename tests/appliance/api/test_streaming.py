@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import json
+
 from appliance.api.schemas import PromptTokensDetails, Usage
 from appliance.api.streaming import (
     ChatChunkChoice,
@@ -67,3 +69,23 @@ def test_completion_chunks_with_usage_carry_usage_null_and_end_with_the_usage() 
         b'],"usage":{"prompt_tokens":3,"completion_tokens":2,"total_tokens":5,'
         b'"prompt_tokens_details":{"cached_tokens":0}}}\n\n'
     )
+
+
+def test_chunk_text_is_escaped_as_json_and_left_unescaped_beyond_ascii() -> None:
+    writer = ChunkWriter(CHAT_HEAD, include_usage=False)
+    text = 'say "hi"\n\tback\\slash \u2028 café 😀 \x00'
+
+    completion = writer.chunk(CompletionChunkChoice(0, text, {"tokens": ["é"]}, "stop"))
+    chat = writer.chunk(ChatChunkChoice(0, ChatDelta(content=text)))
+
+    for chunk in (completion, chat):
+        assert chunk.startswith(b"data: ") and chunk.endswith(b"\n\n")
+        assert "café 😀".encode() in chunk
+    (choice,) = json.loads(completion[6:])["choices"]
+    assert choice == {
+        "index": 0,
+        "text": text,
+        "logprobs": {"tokens": ["é"]},
+        "finish_reason": "stop",
+    }
+    assert json.loads(chat[6:])["choices"][0]["delta"] == {"content": text}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import types
 from pathlib import Path
 
 import pytest
@@ -93,6 +94,26 @@ def test_window_stays_bounded_on_long_streams(tokenizer: Tokenizer) -> None:
         detokenizer.add(token_id)
         # Only the tokens of the last delta and any held-back ones are kept for decoding.
         assert len(detokenizer._window) <= 8
+
+
+def test_most_tokens_cost_one_decode(tokenizer: Tokenizer) -> None:
+    # The server's CPU per streamed token (PERFORMANCE.md, W3): the text of the window already
+    # emitted is kept, not decoded again for every token (two decodes each before).
+    ids = tokenizer.encode("word " * 300 + "日本語 😀 " * 50)
+    num_decodes = 0
+    decode = tokenizer.decode
+
+    def counting_decode(token_ids: list[int], *, skip_special_tokens: bool = True) -> str:
+        nonlocal num_decodes
+        num_decodes += 1
+        return decode(token_ids, skip_special_tokens=skip_special_tokens)
+
+    counting = types.SimpleNamespace(decode=counting_decode)
+    detokenizer = IncrementalDetokenizer(counting)  # type: ignore[arg-type]
+    text = "".join(detokenizer.add(token_id) for token_id in ids) + detokenizer.flush()
+
+    assert text == decode(ids)
+    assert num_decodes <= 1.3 * len(ids)
 
 
 @settings(
