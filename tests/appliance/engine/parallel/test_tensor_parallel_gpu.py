@@ -138,9 +138,8 @@ def test_closing_leaves_nccl_with_the_workers_and_another_engine_starts(
         parallel.close()
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text
     model_dir = save_gpu_test_model(tmp_path)
-    config = EngineConfig(
-        model_dir=model_dir, tensor_parallel_size=2, gpu_memory_utilization=0.5, **SETTINGS
-    )
+    # A fixed pool: the module's engines still hold their memory on GPU 0.
+    config = EngineConfig(model_dir=model_dir, tensor_parallel_size=2, num_kv_blocks=64, **SETTINGS)
     again = Engine.load(config, None, lambda shard: _load(model_dir, shard))
     try:
         [completion] = again.generate(
