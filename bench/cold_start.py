@@ -46,6 +46,7 @@ import time
 _STARTED_S = time.time()  # first: this process's own start, for the --serve child
 
 import argparse  # noqa: E402
+import dataclasses  # noqa: E402
 import json  # noqa: E402
 import multiprocessing  # noqa: E402
 import os  # noqa: E402
@@ -218,6 +219,38 @@ file_key_dir = "{work / "keys"}"
 
 # ---- one run: the serving process --------------------------------------------------------
 
+# The NVML UUID of the GPU the engine uses, which the synthetic GPU's evidence then declares as
+# a real collector's would (the boot gate matches the verdict's GPUs with the engine's): read
+# by the parent with nvidia-smi, so that the serving process touches no GPU before its verdict.
+_GPU_UUID_VARIABLE = "INFERNO_BENCH_GPU_UUID"
+
+
+class _NamedGpus:
+    """A synthetic GPU evidence source whose evidence names `uuid` as the collector does."""
+
+    def __init__(self, source, uuid: str):
+        self.source, self.uuid = source, uuid
+
+    def num_gpus(self) -> int:
+        return self.source.num_gpus()
+
+    def collect(self, nonces):
+        return [dataclasses.replace(e, uuid=self.uuid) for e in self.source.collect(nonces)]
+
+    def set_ready(self) -> None:
+        self.source.set_ready()
+
+
+def gpu_uuid() -> str:
+    """The first GPU's NVML UUID (`GPU-...`), from nvidia-smi."""
+    out = subprocess.run(
+        ["nvidia-smi", "--query-gpu=uuid", "--format=csv,noheader", "-i", "0"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return out.stdout.strip()
+
 
 def serve(config: Path, spawned_s: float, with_preload: bool) -> None:
     """What `inferno serve` does (the engine's preload started first, then the app's imports),
@@ -271,9 +304,12 @@ def serve(config: Path, spawned_s: float, with_preload: bool) -> None:
     with config.open("rb") as f:
         tables = tomllib.load(f)
     settings = settings_from_mapping({**tables, "tee": tee}, base_dir=work)
+    gpu_source = SyntheticGpus(gpus)
+    if uuid := os.environ.get(_GPU_UUID_VARIABLE):
+        gpu_source = _NamedGpus(gpu_source, uuid)
     service = TeeService(
         "required",
-        EvidenceCollection(SyntheticGpus(gpus), SyntheticCpu(snp)),
+        EvidenceCollection(gpu_source, SyntheticCpu(snp)),
         OfflineVerifier(settings.tee),
     )
     audit_started_s = time.time()
@@ -477,7 +513,7 @@ def _drop_page_cache() -> bool:
     return True
 
 
-def child_env(work: Path, bytecode: str, *, write: bool = False) -> dict[str, str]:
+def child_env(work: Path, device: str, bytecode: str, *, write: bool = False) -> dict[str, str]:
     """The serving process's environment. `installed`: Python reads compiled bytecode from
     `work/pycache` (PYTHONPYCACHEPREFIX), as an installed appliance reads what pip compiled;
     `write` lets the process fill it (the untimed priming run). `none`: nothing is written and
@@ -485,6 +521,8 @@ def child_env(work: Path, bytecode: str, *, write: bool = False) -> dict[str, st
     is compiled from source at each start (the GPU machine runs with PYTHONDONTWRITEBYTECODE=1:
     there, all of torch)."""
     env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1"}
+    if device.startswith("cuda"):
+        env[_GPU_UUID_VARIABLE] = gpu_uuid()
     if bytecode == "installed":
         env["PYTHONPYCACHEPREFIX"] = str(work / "pycache")
         if write:
@@ -534,12 +572,12 @@ def main() -> None:
         _in_child(warm_up, work, args.device)
     prompt = " ".join(f"t{i}" for i in range(2, 130))
     if args.bytecode == "installed":
-        run_once(config, prompt, child_env(work, args.bytecode, write=True))
+        run_once(config, prompt, child_env(work, args.device, args.bytecode, write=True))
         num_files = sum(1 for _ in (work / "pycache").rglob("*.pyc"))
         print(f"bytecode: {num_files} modules compiled into {work / 'pycache'} by an untimed run")
     else:
         print("bytecode: the environment's own; every other module compiles at each start")
-    env = child_env(work, args.bytecode)
+    env = child_env(work, args.device, args.bytecode)
     for run in range(args.runs):
         for with_preload in (False, True) if args.baseline else (True,):
             cache = "warm"

@@ -217,10 +217,12 @@ def random_prompts(n: int, length: int, seed: int) -> list[list[int]]:
 
 def weight_bytes(model: CausalLM) -> tuple[int, int]:
     """(all weights' bytes, the bytes one token's forward pass reads: all but the embedding
-    and, of a mixture of experts, the experts its router did not choose)."""
+    (which a tied model's LM head reads whole) and, of a mixture of experts, the experts its
+    router did not choose)."""
     total = sum(p.numel() * p.element_size() for p in model.parameters())
     embed = model.embed_tokens.weight
-    streamed = total - embed.numel() * embed.element_size()
+    tied = model.lm_head is None
+    streamed = total if tied else total - embed.numel() * embed.element_size()
     moe = model.config.moe
     if moe is not None:
         unchosen = (moe.router.num_experts - moe.router.top_k) / moe.router.num_experts
@@ -279,8 +281,8 @@ def w1(model: CausalLM, copy_bw: float, burst: int, async_scheduling: bool) -> N
     graphs = engine.runner.graphs
     assert graphs is not None
     replay_ms = triton.testing.do_bench(graphs.replay_only(1), warmup=10, rep=200)
-    lm_head = model.lm_head
-    assert lm_head is not None
+    # A tied model (Gemma, Phi-4-mini) projects with the embedding matrix.
+    lm_head = model.lm_head if model.lm_head is not None else model.embed_tokens.weight
     in_graph = streamed - lm_head.numel() * lm_head.element_size()
     report(
         "W1 decode graph replay alone (batch 1)",

@@ -32,7 +32,8 @@ print(before, "torch" in sys.modules, "kernels.reference" in sys.modules, preloa
 def _run(code: str, *args: str) -> str:
     """`code` in a fresh Python (this checkout on its path, Triton's cache where the settings
     put it); the last line it printed."""
-    environment = {**os.environ, "PYTHONPATH": str(ROOT)}
+    path = [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]
+    environment = {**os.environ, "PYTHONPATH": os.pathsep.join(path)}
     environment.pop("TRITON_CACHE_DIR", None)
     done = subprocess.run(
         [sys.executable, "-c", code, *args],
