@@ -100,9 +100,11 @@ def _run_workload(engine: Engine, config: EngineConfig) -> None:
 
     greedy = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
     sampled = SamplingParams(max_tokens=4, temperature=0.8, top_p=0.9, ignore_eos=True)
-    for length in _PROMPT_LENGTHS:  # one prefill at a time, then its decodes alone
-        engine.generate(prompts([min(length, engine.max_model_len - 4)]), greedy)
+    # Every prompt leaves room for its 4 new tokens in the context.
+    lengths = [min(length, engine.max_model_len - 4) for length in _PROMPT_LENGTHS]
+    for length in lengths:  # one prefill at a time, then its decodes alone
+        engine.generate(prompts([length]), greedy)
     # All at once: steps mixing prefill chunks and decodes, batched decodes of every size up to
     # the batch, and a prompt longer than one step's token budget (chunked prefill).
     longest = min(config.max_num_batched_tokens + 100, engine.max_model_len - 4)
-    engine.generate(prompts([*_PROMPT_LENGTHS, longest]), sampled)
+    engine.generate(prompts([*lengths, longest]), sampled)

@@ -75,6 +75,22 @@ def test_warm_up_runs_every_workload_step_on_the_cpu(config_only_model: Path) ->
     assert report.compiled == 0 and report.workload_s > 0
 
 
+def test_warm_up_fits_its_prompts_into_a_short_context(config_only_model: Path) -> None:
+    """Its longest fixed prompt is 257 tokens: a 256-token context shortens it, in the batch
+    of all prompts too (which once refused it: ContextLengthExceededError)."""
+    report = warm_up(
+        EngineConfig(
+            model_dir=config_only_model,
+            device="cpu",
+            max_model_len=256,
+            max_num_batched_tokens=64,
+            num_kv_blocks=64,
+            num_cpu_threads=1,
+        )
+    )
+    assert report.workload_s > 0
+
+
 def test_cached_kernels_counts_cache_keys(tmp_path: Path) -> None:
     assert cached_kernels(tmp_path / "absent") == 0
     for key in ("AAAA", "BBBB"):
