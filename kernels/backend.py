@@ -36,3 +36,13 @@ def triton_cache_dir() -> Path:
     import triton
 
     return Path(triton.knobs.cache.dir)
+
+
+def hash_triton() -> None:
+    """Compute Triton's hash of itself now: part of every kernel's cache key, computed once per
+    process at the first launch (reading and hashing its sources and libtriton, hundreds of
+    MB, which release the GIL), so a thread can take it off the start's path. Only for a CUDA
+    process: it imports Triton."""
+    from triton.runtime.cache import triton_key
+
+    triton_key()

@@ -99,18 +99,15 @@ class EnginePreload:
         importlib.import_module("appliance.boot.weights")  # the load, the engine, torch
         import torch
 
-        from kernels.backend import kernel_ops_for
+        from kernels.backend import hash_triton, kernel_ops_for
 
         # The device's kernels (on a GPU, Triton's: Triton with them, its compiler and driver
         # modules included), Triton pointed at the settings' cache as the engine's config will.
         kernel_ops_for(self.engine.device, triton_cache_dir=self.engine.triton_cache_dir)
         if torch.device(self.engine.device).type == "cuda":
-            from triton.runtime.cache import triton_key
-
-            # Every kernel's cache key holds a hash of Triton's own sources and of libtriton
-            # (hundreds of MB), computed once per process at the first launch. Hashing and
-            # reading release the GIL: here it runs beside the server's imports.
-            triton_key()
+            # Triton's hash of itself, in every kernel's cache key: here beside the server's
+            # imports rather than at the engine's first launch.
+            hash_triton()
 
 
 def _warm_device(config: EngineConfig) -> None:
