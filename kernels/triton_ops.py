@@ -17,13 +17,13 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels import fp8_linear
+from kernels import fp8_linear, moe
 from kernels import linear as skinny
 from kernels.activation import gelu_tanh_and_mul, silu_and_mul
 from kernels.decode_attention import paged_decode_attention
+from kernels.errors import KernelInputError
 from kernels.kv_cache_write import write_kv_cache
-from kernels.moe import fused_moe
-from kernels.ops import AttentionMetadata, Fp8Weight
+from kernels.ops import AttentionMetadata, ClampedSwiglu, Fp8Weight
 from kernels.prefill_attention import paged_prefill_attention
 from kernels.rmsnorm import add_rms_norm, rms_norm
 from kernels.rotary import rotary_embedding
@@ -71,6 +71,27 @@ def gelu_tanh_mul_linear(x: torch.Tensor, weight: torch.Tensor | Fp8Weight) -> t
     return F.linear(gelu_tanh_and_mul(x), weight)
 
 
+def fused_moe(
+    x: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    *,
+    gate_up_bias: torch.Tensor | None = None,
+    down_bias: torch.Tensor | None = None,
+    clamped_swiglu: ClampedSwiglu | None = None,
+) -> torch.Tensor:
+    """See `kernels.reference.fused_moe`. Biased experts and the clamped SwiGLU (gpt-oss) are
+    not built in the Triton kernel: refused."""
+    if gate_up_bias is not None or down_bias is not None or clamped_swiglu is not None:
+        raise KernelInputError(
+            "biased experts and the clamped SwiGLU (gpt-oss) are not built in the Triton MoE "
+            "kernel; a model with them runs only on the CPU path (kernels.reference) for now"
+        )
+    return moe.fused_moe(x, gate_up, down, topk_weights, topk_ids)
+
+
 def paged_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -80,8 +101,15 @@ def paged_attention(
     sliding_window: int | None = None,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """q: [T, Hq, D] -> [T, Hq, D]; see `kernels.reference.paged_attention` for the semantics."""
+    """q: [T, Hq, D] -> [T, Hq, D]; see `kernels.reference.paged_attention` for the semantics.
+    Attention sinks (gpt-oss) are not built in the Triton kernels: refused."""
+    if sinks is not None:
+        raise KernelInputError(
+            "attention sinks (gpt-oss) are not built in the Triton attention kernels; "
+            "a model with them runs only on the CPU path (kernels.reference) for now"
+        )
     scales = {"k_scale": k_scale, "v_scale": v_scale}
     if meta.decode_only:
         return paged_decode_attention(
