@@ -17,13 +17,13 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels import fp8_linear, moe
+from kernels import fp8_linear
 from kernels import linear as skinny
 from kernels.activation import gelu_tanh_and_mul, silu_and_mul
 from kernels.decode_attention import paged_decode_attention
-from kernels.errors import KernelInputError
 from kernels.kv_cache_write import write_kv_cache
-from kernels.ops import AttentionMetadata, ClampedSwiglu, Fp8Weight
+from kernels.moe import fused_moe
+from kernels.ops import AttentionMetadata, Fp8Weight
 from kernels.prefill_attention import paged_prefill_attention
 from kernels.rmsnorm import add_rms_norm, rms_norm
 from kernels.rotary import rotary_embedding
@@ -71,27 +71,6 @@ def gelu_tanh_mul_linear(x: torch.Tensor, weight: torch.Tensor | Fp8Weight) -> t
     return F.linear(gelu_tanh_and_mul(x), weight)
 
 
-def fused_moe(
-    x: torch.Tensor,
-    gate_up: torch.Tensor,
-    down: torch.Tensor,
-    topk_weights: torch.Tensor,
-    topk_ids: torch.Tensor,
-    *,
-    gate_up_bias: torch.Tensor | None = None,
-    down_bias: torch.Tensor | None = None,
-    clamped_swiglu: ClampedSwiglu | None = None,
-) -> torch.Tensor:
-    """See `kernels.reference.fused_moe`. Biased experts and the clamped SwiGLU (gpt-oss) are
-    not built in the Triton kernel: refused."""
-    if gate_up_bias is not None or down_bias is not None or clamped_swiglu is not None:
-        raise KernelInputError(
-            "biased experts and the clamped SwiGLU (gpt-oss) are not built in the Triton MoE "
-            "kernel; a model with them runs only on the CPU path (kernels.reference) for now"
-        )
-    return moe.fused_moe(x, gate_up, down, topk_weights, topk_ids)
-
-
 def paged_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -104,7 +83,7 @@ def paged_attention(
     sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q: [T, Hq, D] -> [T, Hq, D]; see `kernels.reference.paged_attention` for the semantics."""
-    per_layer = {"k_scale": k_scale, "v_scale": v_scale, "sinks": sinks}  # the layer's own tensors
+    per_layer = {"k_scale": k_scale, "v_scale": v_scale, "sinks": sinks}  # the layer's tensors
     if meta.decode_only:
         return paged_decode_attention(
             q,

@@ -1,6 +1,6 @@
 """gpt-oss beyond what test_families compares for every family: its MXFP4 experts against
-transformers' own dequantization, an MXFP4 checkpoint end to end, the sinks mattering, its
-config, and the Triton MoE kernel refusing gpt-oss's experts (not built there yet)."""
+transformers' own dequantization, an MXFP4 checkpoint end to end, the sinks and the clamp
+mattering, and its config."""
 
 from __future__ import annotations
 
@@ -17,7 +17,6 @@ from appliance.engine.models.config import ModelConfig
 from appliance.engine.models.fused_experts import MXFP4_BLOCK, dequantize_mxfp4
 from appliance.engine.models.inspection import inspect_model
 from appliance.engine.models.loader import load_model
-from kernels.errors import KernelInputError
 from kernels.ops import ClampedSwiglu
 
 from .conftest import WINDOW, build_hf_model
@@ -147,11 +146,3 @@ def test_comparison_would_fail_if_the_sinks_or_the_clamp_were_ignored(tiny_check
         layer.mlp.clamped_swiglu = ClampedSwiglu(alpha=1.702, limit=1000.0)
     no_clamp = PagedBatch(model, [prompt]).step([(0, 0, 60)])[0]
     assert (no_clamp - reference).abs().max() > 1000 * ATOL
-
-
-def test_the_triton_moe_kernel_refuses_gpt_oss_experts_by_name():
-    import kernels.triton_ops as triton_ops
-
-    x = torch.zeros(2, 64)
-    with pytest.raises(KernelInputError, match="clamped SwiGLU"):
-        triton_ops.fused_moe(x, x, x, x, x, clamped_swiglu=ClampedSwiglu(alpha=1.702, limit=7.0))
