@@ -10,7 +10,8 @@ and W6 (GPU memory that is neither weights nor KV cache), and transformers' cont
 (`generate_batch`) on the same model for W2 (HF) and W4 (HFW4) as the peer. Prints Markdown
 rows last.
 
-    python bench/gpu_engine.py [--model llama-3.1-8b|qwen3-8b|gemma-3-12b|phi-4-mini|qwen3-30b-a3b]
+    python bench/gpu_engine.py [--model llama-3.1-8b|qwen3-8b|gemma-3-12b|phi-4-mini|
+                                        qwen3-30b-a3b|gpt-oss-20b]
                                [--workloads W1,W2,W2S,P,W4,HF,HFW4] [--max-num-seqs 256]
                                [--max-decode-burst 1] [--kv-cache-dtype auto|fp8_e4m3]
                                [--async-scheduling]
@@ -147,12 +148,36 @@ QWEN3_30B_A3B = {
     "rope_theta": 1000000.0,
     "tie_word_embeddings": False,
 }
+# openai/gpt-oss-20b's config.json (its experts bf16 here: MXFP4 is dequantized on load).
+GPT_OSS_20B = {
+    "architectures": ["GptOssForCausalLM"],
+    "hidden_size": 2880,
+    "intermediate_size": 2880,
+    "num_local_experts": 32,
+    "num_experts_per_tok": 4,
+    "num_hidden_layers": 24,
+    "num_attention_heads": 64,
+    "num_key_value_heads": 8,
+    "head_dim": 64,
+    "vocab_size": 201088,
+    "max_position_embeddings": 131072,
+    "rms_norm_eps": 1e-5,
+    "attention_bias": True,
+    "sliding_window": 128,
+    "layer_types": ["sliding_attention", "full_attention"] * 12,
+    "rope_theta": 150000.0,
+    "rope_scaling": {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                     "truncate": False, "original_max_position_embeddings": 4096},
+    "swiglu_limit": 7.0,
+    "tie_word_embeddings": False,
+}  # fmt: skip
 SHAPES = {
     "llama-3.1-8b": LLAMA_31_8B,
     "qwen3-8b": QWEN3_8B,
     "gemma-3-12b": GEMMA_3_12B,
     "phi-4-mini": PHI_4_MINI,
     "qwen3-30b-a3b": QWEN3_30B_A3B,
+    "gpt-oss-20b": GPT_OSS_20B,
 }
 MAX_MODEL_LEN = 4096
 rows: list[str] = []

@@ -50,6 +50,7 @@ from kernels.pdl import launch_options, wait_for_previous
 
 # exp2 is the native instruction: scores are pre-scaled by log2(e), and exp2(s * log2 e) = exp(s).
 _LOG2E = 1.4426950408889634
+_LOG2E_C = tl.constexpr(_LOG2E)
 # The combine kernel holds [num_splits, D] partials in registers; 64 splits of 256 floats fit.
 MAX_NUM_SPLITS = 64
 # A split shorter than this spends more on its launch share and the combine than it saves.
@@ -58,6 +59,47 @@ _MIN_TOKENS_PER_SPLIT = 256
 
 # The block-table width varies from step to step outside CUDA graphs; specialized (== 1,
 # divisible by 16) it would make three compiled variants, the later ones compiled while serving.
+@triton.jit
+def initial_softmax_state(
+    sinks_ptr,
+    heads,
+    active,
+    ROWS: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
+    FP8_KV: tl.constexpr,
+):
+    """(m_i, l_i) of the online softmax before any key, for ROWS rows of query heads `heads`:
+    a finite floor (so exp2(m_i - m_new) is never (-inf) - (-inf) = NaN) and 0; with sinks,
+    where `active` (the rows whose state carries gpt-oss's sink), the head's sink logit in
+    log2 units as the running maximum (FP8: rounded up to a whole number, as every running
+    maximum is) and its exp2 share of the row sum. The sink takes probability mass and adds no
+    value, as `kernels.reference.paged_attention`'s `sinks`."""
+    m_i = tl.full([ROWS], -1.0e30, dtype=tl.float32)
+    l_i = tl.zeros([ROWS], dtype=tl.float32)
+    if HAS_SINKS:
+        sink = tl.load(sinks_ptr + heads, mask=active, other=0.0).to(tl.float32) * _LOG2E_C
+        m_sink = round_up_running_max(sink) if FP8_KV else sink
+        m_i = tl.where(active, m_sink, m_i)
+        l_i = tl.where(active, tl.exp2(sink - m_sink), l_i)
+    return m_i, l_i
+
+
+def verify_sinks(sinks: torch.Tensor | None, q: torch.Tensor) -> None:
+    """Sinks are None or [Hq] contiguous on q's device, float32 or q's dtype."""
+    if sinks is None:
+        return
+    if (
+        sinks.shape != (q.shape[1],)
+        or sinks.device != q.device
+        or sinks.dtype not in (torch.float32, q.dtype)
+        or not sinks.is_contiguous()
+    ):
+        raise KernelInputError(
+            f"sinks must be a contiguous [{q.shape[1]}] float32 or {q.dtype} tensor on "
+            f"{q.device}, got {tuple(sinks.shape)} {sinks.dtype} on {sinks.device}"
+        )
+
+
 @triton.jit(do_not_specialize=["max_blocks", "stride_btb"])
 def _decode_split_kernel(
     q_ptr,  # [B, Hq, D]
@@ -69,6 +111,7 @@ def _decode_split_kernel(
     lse_ptr,  # [B, Hq, num_splits] float32 (unused when DIRECT)
     k_scale_ptr,  # [1]: an FP8 cache's K scale (read only when FP8_KV)
     v_scale_ptr,  # [1]
+    sinks_ptr,  # [Hq]: gpt-oss's attention sinks (read only when HAS_SINKS)
     qk_scale,  # softmax scale * log2(e)
     max_blocks,
     window,  # attend to the last `window` tokens; 0: to all of them
@@ -96,6 +139,7 @@ def _decode_split_kernel(
     DOT_PRECISION: tl.constexpr,  # "ieee" for float32 inputs, so scores are not rounded to tf32
     FP8_KV: tl.constexpr,  # the cache holds float8_e4m3fn values and their per-tensor scales
     EMULATE_ROUNDING: tl.constexpr,  # FP8_KV under the interpreter: see kernels.fp8_attention
+    HAS_SINKS: tl.constexpr,
     PDL: tl.constexpr,  # launched as a programmatic dependent (kernels.pdl)
 ):
     wait_for_previous(PDL)
@@ -127,9 +171,11 @@ def _decode_split_kernel(
         other=0.0,
     )
 
-    # A finite floor instead of -inf keeps exp2(m_i - m_new) free of (-inf) - (-inf) = NaN.
-    m_i = tl.full([G_PAD], -1.0e30, dtype=tl.float32)
-    l_i = tl.zeros([G_PAD], dtype=tl.float32)
+    # The sink joins the state of split 0 only: the combine then counts it once (in its lse).
+    first_split = tl.full([G_PAD], split, dtype=tl.int32) == 0
+    m_i, l_i = initial_softmax_state(
+        sinks_ptr, heads, g_mask & first_split, G_PAD, HAS_SINKS, FP8_KV
+    )
     acc = tl.zeros([G_PAD, HEAD_DIM], dtype=tl.float32)
 
     v_scale = 1.0
@@ -287,6 +333,7 @@ def paged_decode_attention(
     out: torch.Tensor | None = None,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
     config: DecodeConfig | None = None,
 ) -> torch.Tensor:
     """Attention of one new query token per sequence over its paged KV cache: all of it, or
@@ -298,6 +345,7 @@ def paged_decode_attention(
     A row with seq_len 0 is padding: its output is zeros and it reads no cache memory.
     The cache may instead be float8_e4m3fn, read as `stored * k_scale` (and v_scale): [1]
     tensors on the device, read there (so a CUDA graph captures them, not their values).
+    sinks: None, or [Hq] (gpt-oss): each head's logit joins its softmax's denominator.
     Returns out: [B, Hq, D] in q's dtype (written into `out` when given), accumulated in float32.
     `config` overrides the tiles `pick_config` chooses (benchmarks).
 
@@ -307,6 +355,7 @@ def paged_decode_attention(
     """
     _verify_inputs(q, k_cache, v_cache, block_tables, seq_lens, scale, num_splits, out)
     verify_window(sliding_window)
+    verify_sinks(sinks, q)
     fp8_kv = check_kv_cache_encoding(q.dtype, k_cache, v_cache, k_scale, v_scale)
     if out is None:
         out = torch.empty_like(q)
@@ -341,6 +390,7 @@ def paged_decode_attention(
         lse,
         k_scale if fp8_kv else seq_lens,  # any pointer: not read unless FP8_KV
         v_scale if fp8_kv else seq_lens,
+        seq_lens if sinks is None else sinks,  # any pointer: not read without sinks
         scale * _LOG2E,
         block_tables.shape[1],
         sliding_window or 0,
@@ -368,6 +418,7 @@ def paged_decode_attention(
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         FP8_KV=fp8_kv,
         EMULATE_ROUNDING=fp8_kv and triton_interprets(),
+        HAS_SINKS=sinks is not None,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
         **launch_options(q.device),

@@ -9,7 +9,8 @@ The plan (vLLM's and SGLang's fused_moe, in three steps):
    step's launch has a fixed shape a CUDA graph can capture.
 2. One grouped GEMM for gate and up: a program takes a block of pairs and a column block of I,
    gathers its tokens' rows of x, multiplies them by its expert's gate rows and up rows (two
-   accumulators over the same x tile) and stores SiLU(gate) * up for each pair: [T * k, I].
+   accumulators over the same x tile) and stores SiLU(gate) * up for each pair: [T * k, I]
+   (gpt-oss: the experts' biases added first, and its clamped SwiGLU, `ClampedSwiglu`).
 3. One grouped GEMM for down over those rows, each pair's output multiplied by its routing
    weight as it is stored ([T * k, H]); the k outputs of a token are then summed in float32
    (the combine, in torch).
@@ -32,6 +33,7 @@ import triton.language as tl
 
 from kernels.errors import KernelInputError
 from kernels.launch_checks import FLOAT_DTYPES, check_devices, triton_interprets
+from kernels.ops import ClampedSwiglu
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,6 +94,7 @@ def align_block_size(
 def _grouped_gemm_kernel(
     a_ptr,  # [num_a_rows, K]: x (by token) or the SwiGLU rows (by pair)
     b_ptr,  # [E, N, K]: the experts' weights, nn.Linear's layout per expert
+    bias_ptr,  # [E, N]: the experts' biases (read only when HAS_BIAS)
     c_ptr,  # [T * k, N_OUT]: one row per pair
     weights_ptr,  # [T * k] float32 routing weights (MUL_WEIGHT)
     sorted_ids_ptr,
@@ -103,9 +106,14 @@ def _grouped_gemm_kernel(
     a_row_stride,
     b_expert_stride,
     b_row_stride,
+    bias_expert_stride,
     c_row_stride,
+    alpha,  # CLAMPED: gpt-oss's sigmoid slope
+    limit,  # CLAMPED: its clamp on gate (above) and up (both sides)
     PAIRS_PER_A_ROW: tl.constexpr,  # top_k when a is x (pair t * k + j reads token t), else 1
     SILU_MUL: tl.constexpr,  # b holds [gate; up] rows: store SiLU(a @ gate.T) * (a @ up.T)
+    CLAMPED: tl.constexpr,  # SILU_MUL as gpt-oss's clamped SwiGLU (kernels.ops.ClampedSwiglu)
+    HAS_BIAS: tl.constexpr,
     MUL_WEIGHT: tl.constexpr,
     PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -137,7 +145,21 @@ def _grouped_gemm_kernel(
             up = tl.load(up_cols + offs_k[:, None], mask=b_mask, other=0.0)
             acc_up = tl.dot(a, up, acc_up, input_precision=PRECISION)
     dtype = c_ptr.dtype.element_ty
-    if SILU_MUL:
+    if HAS_BIAS:  # added to the float32 sums, before their one rounding (as F.linear's)
+        bias_row = bias_ptr + expert * bias_expert_stride + offs_n
+        acc += tl.load(bias_row, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+        if SILU_MUL:
+            up_bias = tl.load(bias_row + n_out, mask=n_mask, other=0.0).to(tl.float32)
+            acc_up += up_bias[None, :]
+    if SILU_MUL and CLAMPED:
+        # As the reference rounds: each elementwise op's result to the dtype.
+        gate = tl.minimum(acc.to(dtype).to(tl.float32), limit)
+        up = tl.minimum(tl.maximum(acc_up.to(dtype).to(tl.float32), -limit), limit)
+        scaled = (gate * alpha).to(dtype).to(tl.float32)
+        sigmoid = (1.0 / (1.0 + tl.exp(-scaled))).to(dtype).to(tl.float32)
+        glu = (gate * sigmoid).to(dtype).to(tl.float32)
+        out = ((up + 1.0).to(dtype).to(tl.float32) * glu).to(dtype)
+    elif SILU_MUL:
         # As the reference rounds: gate and up to the dtype, SiLU(gate) too, then the product.
         gate = acc.to(dtype).to(tl.float32)
         silu = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
@@ -158,14 +180,21 @@ def fused_moe(
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
     tiles: MoeTiles | None = None,
+    *,
+    gate_up_bias: torch.Tensor | None = None,
+    down_bias: torch.Tensor | None = None,
+    clamped_swiglu: ClampedSwiglu | None = None,
 ) -> torch.Tensor:
     """x: [T, H]; gate_up: [E, 2I, H]; down: [E, H, I]; topk_weights: [T, k] float32;
-    topk_ids: [T, k] integer in 0..E-1 (not checked on the device: that would sync) -> [T, H].
+    topk_ids: [T, k] integer in 0..E-1 (not checked on the device: that would sync) -> [T, H];
+    gpt-oss's gate_up_bias [E, 2I], down_bias [E, H] and `clamped_swiglu` optional.
 
     See `kernels.reference.fused_moe`. `tiles`: None for the table's (`tiles_for`). Raises
     `KernelInputError` for any shape, dtype, device or layout it cannot handle.
     """
     _validate(x, gate_up, down, topk_weights, topk_ids)
+    _validate_bias("gate_up_bias", gate_up_bias, gate_up)
+    _validate_bias("down_bias", down_bias, down)
     num_tokens, hidden = x.shape
     num_experts, width, _ = gate_up.shape
     size, top_k = width // 2, topk_ids.shape[1]
@@ -188,20 +217,51 @@ def fused_moe(
         "num_warps": tiles.num_warps,
         "num_stages": tiles.num_stages,
     }
+    act = clamped_swiglu or ClampedSwiglu(alpha=1.0, limit=1.0)  # unread unless CLAMPED
     _grouped_gemm_kernel[(num_blocks, triton.cdiv(size, tiles.block_n))](
-        x, gate_up, swiglu, weights, sorted_ids, block_experts, num_padded,
-        size, hidden, num_pairs,
-        x.stride(0), gate_up.stride(0), gate_up.stride(1), swiglu.stride(0),
-        PAIRS_PER_A_ROW=top_k, SILU_MUL=True, MUL_WEIGHT=False, **common,
+        x, gate_up, _or(gate_up_bias, gate_up), swiglu, weights, sorted_ids, block_experts,
+        num_padded, size, hidden, num_pairs,
+        x.stride(0), gate_up.stride(0), gate_up.stride(1), _stride0(gate_up_bias),
+        swiglu.stride(0), act.alpha, act.limit,
+        PAIRS_PER_A_ROW=top_k, SILU_MUL=True, CLAMPED=clamped_swiglu is not None,
+        HAS_BIAS=gate_up_bias is not None, MUL_WEIGHT=False, **common,
     )  # fmt: skip
     _grouped_gemm_kernel[(num_blocks, triton.cdiv(hidden, tiles.block_n))](
-        swiglu, down, weighted, weights, sorted_ids, block_experts, num_padded,
-        hidden, size, num_pairs,
-        swiglu.stride(0), down.stride(0), down.stride(1), weighted.stride(0),
-        PAIRS_PER_A_ROW=1, SILU_MUL=False, MUL_WEIGHT=True, **common,
+        swiglu, down, _or(down_bias, down), weighted, weights, sorted_ids, block_experts,
+        num_padded, hidden, size, num_pairs,
+        swiglu.stride(0), down.stride(0), down.stride(1), _stride0(down_bias),
+        weighted.stride(0), act.alpha, act.limit,
+        PAIRS_PER_A_ROW=1, SILU_MUL=False, CLAMPED=False, HAS_BIAS=down_bias is not None,
+        MUL_WEIGHT=True, **common,
     )  # fmt: skip
     # The combine: the k weighted outputs of each token, summed in float32.
     return weighted.view(num_tokens, top_k, hidden).float().sum(dim=1).to(x.dtype)
+
+
+def _or(bias: torch.Tensor | None, placeholder: torch.Tensor) -> torch.Tensor:
+    return placeholder if bias is None else bias  # any pointer: unread without HAS_BIAS
+
+
+def _stride0(bias: torch.Tensor | None) -> int:
+    return 0 if bias is None else bias.stride(0)
+
+
+def _validate_bias(name: str, bias: torch.Tensor | None, weight: torch.Tensor) -> None:
+    """An expert bias is [E, N] of its weight's [E, N, K], in its dtype and device, rows
+    contiguous."""
+    if bias is None:
+        return
+    if (
+        not isinstance(bias, torch.Tensor)
+        or bias.shape != weight.shape[:2]
+        or bias.dtype != weight.dtype
+        or bias.device != weight.device
+        or bias.stride(-1) != 1
+    ):
+        raise KernelInputError(
+            f"{name} must be a [{weight.shape[0]}, {weight.shape[1]}] {weight.dtype} tensor on "
+            f"{weight.device} with contiguous rows"
+        )
 
 
 def _validate(

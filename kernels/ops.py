@@ -78,6 +78,16 @@ class AttentionMetadata:
 
 
 @dataclass(frozen=True, slots=True)
+class ClampedSwiglu:
+    """gpt-oss's expert activation (transformers' GptOssExperts): the gate clamped above at
+    `limit`, the up projection to [-limit, limit], then `(up + 1) * gate * sigmoid(alpha *
+    gate)`. None in its place means SwiGLU: `silu(gate) * up`."""
+
+    alpha: float
+    limit: float
+
+
+@dataclass(frozen=True, slots=True)
 class Fp8Weight:
     """A projection weight in FP8 (e4m3) with a scale per output channel: the weight it stands
     for is `weight * scale[:, None]`. A projection with it is W8A8: its input is quantized to
@@ -123,6 +133,10 @@ class KernelOps(Protocol):
         down: torch.Tensor,
         topk_weights: torch.Tensor,
         topk_ids: torch.Tensor,
+        *,
+        gate_up_bias: torch.Tensor | None = None,
+        down_bias: torch.Tensor | None = None,
+        clamped_swiglu: ClampedSwiglu | None = None,
     ) -> torch.Tensor: ...
 
     def write_kv_cache(
@@ -146,4 +160,5 @@ class KernelOps(Protocol):
         sliding_window: int | None = None,
         k_scale: torch.Tensor | None = None,
         v_scale: torch.Tensor | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor: ...

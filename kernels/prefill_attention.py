@@ -32,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.decode_attention import verify_window
+from kernels.decode_attention import initial_softmax_state, verify_sinks, verify_window
 from kernels.errors import KernelInputError
 from kernels.fp8_attention import (
     P_UNSCALE_C,
@@ -168,6 +168,7 @@ def _paged_prefill_attention_kernel(
     query_start_loc_ptr,
     k_scale_ptr,  # [1]: an FP8 cache's K scale (read only when FP8_KV)
     v_scale_ptr,  # [1]
+    sinks_ptr,  # [Hq]: gpt-oss's attention sinks (read only when HAS_SINKS)
     qk_scale,
     max_blocks,
     window,
@@ -193,6 +194,7 @@ def _paged_prefill_attention_kernel(
     DOT_FP32: tl.constexpr,
     FP8_KV: tl.constexpr,  # the cache holds float8_e4m3fn values and their per-tensor scales
     EMULATE_ROUNDING: tl.constexpr,  # FP8_KV under the interpreter: see kernels.fp8_attention
+    HAS_SINKS: tl.constexpr,
 ):
     """Grid: (row tiles, Hq // PACK, B). Row r of a tile is query token r // PACK of the
     sequence, for query head (program's first head) + r % PACK."""
@@ -228,8 +230,7 @@ def _paged_prefill_attention_kernel(
         qk_scale = (q_scale * (qk_scale * k_scale))[:, None]  # [BLOCK_M, 1]
         v_scale = tl.load(v_scale_ptr).to(tl.float32) * P_UNSCALE_C
 
-    m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    m_i, l_i = initial_softmax_state(sinks_ptr, head, row_valid, BLOCK_M, HAS_SINKS, FP8_KV)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
 
     first_token = (pid_m * BLOCK_M) // PACK
@@ -332,6 +333,7 @@ def paged_prefill_attention(
     out: torch.Tensor | None = None,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
     config: PrefillConfig | None = None,
 ) -> torch.Tensor:
     """Causal attention of each sequence's new tokens over its paged context: all of it, or
@@ -350,6 +352,7 @@ def paged_prefill_attention(
     out: optional [T, Hq, D] destination in q's dtype
     k_scale, v_scale: [1] tensors on the device, for a float8_e4m3fn cache (read as
         `stored * scale`); a cache in q's dtype ignores them
+    sinks: None, or [Hq] (gpt-oss): each head's logit joins its softmax's denominator
     config: overrides the tiles `pick_config` chooses (benchmarks)
     -> [T, Hq, D] in q's dtype; query i of sequence b sits at position
        seq_len_b - query_len_b + i and attends to keys 0 ..= that position.
@@ -362,6 +365,7 @@ def paged_prefill_attention(
     """
     _check_inputs(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, max_query_len)
     verify_window(sliding_window)
+    verify_sinks(sinks, q)
     fp8_kv = check_kv_cache_encoding(q.dtype, k_cache, v_cache, k_scale, v_scale)
     if not (isinstance(scale, int | float) and math.isfinite(scale) and scale > 0):
         raise KernelInputError(f"scale must be a finite positive number, got {scale!r}")
@@ -396,6 +400,7 @@ def paged_prefill_attention(
         query_start_loc,
         k_scale if fp8_kv else seq_lens,  # any pointer: not read unless FP8_KV
         v_scale if fp8_kv else seq_lens,
+        seq_lens if sinks is None else sinks,  # any pointer: not read without sinks
         scale * _LOG2_E,
         block_tables.shape[1],
         sliding_window or 0,
@@ -420,6 +425,7 @@ def paged_prefill_attention(
         and (q.dtype == torch.float32 or (interpreted and q.dtype == torch.bfloat16)),
         FP8_KV=fp8_kv,
         EMULATE_ROUNDING=fp8_kv and interpreted,
+        HAS_SINKS=sinks is not None,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from kernels.fp8 import P_SCALE, quantize_rows
 from kernels.launch_checks import KV_CACHE_FP8, check_kv_cache_encoding
-from kernels.ops import AttentionMetadata, Fp8Weight
+from kernels.ops import AttentionMetadata, ClampedSwiglu, Fp8Weight
 
 _FP8_MAX = torch.finfo(KV_CACHE_FP8).max
 _LOG2_E = 1.4426950408889634
@@ -67,6 +67,14 @@ def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
     return F.gelu(gate, approximate="tanh") * up
 
 
+def clamped_swiglu_and_mul(x: torch.Tensor, activation: ClampedSwiglu) -> torch.Tensor:
+    """gpt-oss's activation (`ClampedSwiglu`) for the fused x = [gate | up]: [T, 2I] -> [T, I]."""
+    gate, up = x.chunk(2, dim=-1)
+    gate = gate.clamp(max=activation.limit)
+    up = up.clamp(-activation.limit, activation.limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * activation.alpha))
+
+
 def linear(
     x: torch.Tensor, weight: torch.Tensor | Fp8Weight, bias: torch.Tensor | None
 ) -> torch.Tensor:
@@ -104,12 +112,17 @@ def fused_moe(
     down: torch.Tensor,
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
+    *,
+    gate_up_bias: torch.Tensor | None = None,
+    down_bias: torch.Tensor | None = None,
+    clamped_swiglu: ClampedSwiglu | None = None,
 ) -> torch.Tensor:
     """Each token through its k experts, their outputs weighted and summed (a mixture of
-    experts' SwiGLU experts), one expert at a time.
+    experts' SwiGLU experts, or gpt-oss's `clamped_swiglu` ones), one expert at a time.
 
     x: [T, H]; gate_up: [E, 2I, H] ([gate; up] rows per expert); down: [E, H, I];
     topk_weights: [T, k] float32; topk_ids: [T, k] integer, each in 0..E-1 -> [T, H].
+    gate_up_bias: [E, 2I] and down_bias: [E, H], added to each expert's projections (gpt-oss).
     Rounding: each expert's output is in x's dtype (as the dense MLP's: the gate/up product,
     SiLU(gate) * up and the down product each rounded), times its weight in float32, rounded
     to x's dtype; the k of a token are summed in float32 and rounded once.
@@ -121,8 +134,12 @@ def fused_moe(
     weighted = torch.empty(num_tokens * top_k, x.shape[1], dtype=x.dtype, device=x.device)
     for expert in flat_ids.unique().tolist():
         rows = (flat_ids == expert).nonzero().squeeze(1)
-        h = silu_and_mul(F.linear(x[tokens[rows]], gate_up[expert]))
-        y = F.linear(h, down[expert])
+        gate_up_b = None if gate_up_bias is None else gate_up_bias[expert]
+        down_b = None if down_bias is None else down_bias[expert]
+        h = F.linear(x[tokens[rows]], gate_up[expert], gate_up_b)
+        act = clamped_swiglu
+        h = silu_and_mul(h) if act is None else clamped_swiglu_and_mul(h, act)
+        y = F.linear(h, down[expert], down_b)
         weighted[rows] = (y.float() * flat_weights[rows]).to(x.dtype)
     return weighted.view(num_tokens, top_k, -1).float().sum(dim=1).to(x.dtype)
 
@@ -168,9 +185,14 @@ def paged_attention(
     sliding_window: int | None = None,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of each sequence's new tokens over its cached context: all of it, or
     with `sliding_window` W the last W tokens up to and including each query's own.
+
+    `sinks` ([Hq], gpt-oss's learned attention sinks): each head's logit joins every softmax's
+    denominator, so it takes probability mass but contributes no value (transformers'
+    GptOssAttention: the scores and the sink are softmaxed together, the sink's column dropped).
 
     Sequence b owns `meta.query_lens[b]` consecutive rows of q (in batch order), the last
     `query_lens[b]` of its `meta.seq_lens[b]` tokens, whose keys and values are already in the
@@ -204,7 +226,9 @@ def paged_attention(
             mask &= k_pos > q_pos - sliding_window
         if fp8:
             assert k_scale is not None and v_scale is not None  # checked above
-            o = fp8_attention(q_b, k, v, mask, scale, k_scale, v_scale)
+            o = fp8_attention(q_b, k, v, mask, scale, k_scale, v_scale, sinks)
+        elif sinks is not None:
+            o = _attention_with_sinks(q_b, k, v, mask, scale, sinks)
         else:
             o = F.scaled_dot_product_attention(
                 q_b.transpose(0, 1),  # [Hq, Tq, D]
@@ -219,6 +243,28 @@ def paged_attention(
     return out
 
 
+def _attention_with_sinks(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor,
+    scale: float,
+    sinks: torch.Tensor,
+) -> torch.Tensor:
+    """Attention of one sequence's queries with a sink logit per head, in float32.
+
+    q: [Tq, Hq, D]; k, v: [S, Hkv, D]; mask: [Tq, S] bool; sinks: [Hq] -> [Tq, Hq, D] float32.
+    """
+    group = q.shape[1] // k.shape[1]
+    k = k.float().repeat_interleave(group, dim=1).transpose(0, 1)  # [Hq, S, D]
+    v = v.float().repeat_interleave(group, dim=1).transpose(0, 1)
+    scores = q.float().transpose(0, 1) @ k.transpose(1, 2) * scale  # [Hq, Tq, S]
+    scores = scores.masked_fill(~mask, float("-inf"))
+    sink = sinks.float()[:, None, None].expand(-1, scores.shape[1], 1)  # [Hq, Tq, 1]
+    p = torch.cat((scores, sink), dim=-1).softmax(dim=-1)[..., :-1]
+    return (p @ v).transpose(0, 1)
+
+
 def fp8_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -227,6 +273,7 @@ def fp8_attention(
     scale: float,
     k_scale: torch.Tensor,
     v_scale: torch.Tensor,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of one sequence's queries over its FP8 keys and values, both products on e4m3
     operands as `kernels.fp8_attention` runs them on the tensor cores.
@@ -242,6 +289,8 @@ def fp8_attention(
        units), which makes p round to e4m3 as the kernels' p against their running maxima
        does; the probabilities are quantized as `p * P_SCALE`, the row sums use them before.
     3. P V on the stored values, times v_scale / P_SCALE, over the row sums.
+
+    With `sinks` ([Hq]), each head's sink logit joins the maximum and the row sums, no value.
     """
     num_queries, num_q_heads, head_dim = q.shape
     group = num_q_heads // k.shape[1]
@@ -252,7 +301,15 @@ def fp8_attention(
     v = v.float().repeat_interleave(group, dim=1).transpose(0, 1)
     scores = q8 @ k.transpose(1, 2) * (q_scale * (k_scale.float() * (scale * _LOG2_E)))
     scores = scores.masked_fill(~mask, float("-inf"))  # [Hq, Tq, S], log2 units
-    p = torch.exp2(scores - scores.amax(dim=-1, keepdim=True).ceil())
+    row_max = scores.amax(dim=-1, keepdim=True)  # [Hq, Tq, 1]
+    row_sum_extra = torch.zeros_like(row_max)
+    if sinks is not None:
+        sink = (sinks.float() * _LOG2_E)[:, None, None]  # [Hq, 1, 1], log2 units
+        row_max = torch.maximum(row_max, sink)
+        row_sum_extra = torch.exp2(sink - row_max.ceil())
+    row_max = row_max.ceil()
+    p = torch.exp2(scores - row_max)
     p8 = (p * P_SCALE).to(KV_CACHE_FP8)  # p <= 1: nothing to saturate
-    o = (p8.float() @ v) * (v_scale.float() / P_SCALE) / p.sum(dim=-1, keepdim=True)
+    row_sum = p.sum(dim=-1, keepdim=True) + row_sum_extra
+    o = (p8.float() @ v) * (v_scale.float() / P_SCALE) / row_sum
     return o.transpose(0, 1)  # [Tq, Hq, D]

@@ -80,9 +80,10 @@ def paged_attention(
     sliding_window: int | None = None,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q: [T, Hq, D] -> [T, Hq, D]; see `kernels.reference.paged_attention` for the semantics."""
-    scales = {"k_scale": k_scale, "v_scale": v_scale}
+    per_layer = {"k_scale": k_scale, "v_scale": v_scale, "sinks": sinks}  # the layer's tensors
     if meta.decode_only:
         return paged_decode_attention(
             q,
@@ -93,7 +94,7 @@ def paged_attention(
             scale,
             num_splits=meta.num_splits,
             sliding_window=sliding_window,
-            **scales,
+            **per_layer,
         )
     out = torch.empty_like(q)
     decodes = meta.num_leading_decodes  # their rows are q's first `decodes`, one each
@@ -108,7 +109,7 @@ def paged_attention(
             num_splits=1,  # a program per (row, KV head), as the prefill kernel gave them
             sliding_window=sliding_window,
             out=out[:decodes],
-            **scales,
+            **per_layer,
         )
     # The other sequences' rows, located through their query_start_loc entries in the whole q.
     return paged_prefill_attention(
@@ -122,5 +123,5 @@ def paged_attention(
         scale=scale,
         sliding_window=sliding_window,
         out=out,
-        **scales,
+        **per_layer,
     )

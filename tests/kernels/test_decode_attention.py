@@ -118,6 +118,7 @@ def reference_output(
     case: DecodeCase,
     sliding_window: int | None = None,
     fp8_scales: dict[str, torch.Tensor] | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The reference in float32 on the non-padding rows; padding rows (seq_len 0) are zeros.
     With `fp8_scales` the case's caches are FP8 and read as such (q and P quantized)."""
@@ -138,6 +139,7 @@ def reference_output(
             case.scale,
             sliding_window,
             **(fp8_scales or {}),
+            sinks=sinks,
         )
     return expected
 
@@ -215,6 +217,27 @@ def test_decode_attention_over_fp8_cache_quantizes_q_and_p_as_the_reference_does
 ) -> None:
     case = make_case(CPU_SEQ_LENS, num_q_heads=4, num_kv_heads=2, head_dim=32, dtype=dtype)
     assert_fp8_cache_attention_close(case, num_splits)
+
+
+@pytest.mark.parametrize("window", [None, 33])
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_decode_attention_with_sinks_matches_reference(window: int | None, num_splits: int) -> None:
+    """gpt-oss's sinks: in split 0's softmax state only, so the combine counts each once; an
+    empty split and a padding row as without them; the FP8 cache's arithmetic too."""
+    case = make_case(CPU_SEQ_LENS, num_q_heads=4, num_kv_heads=1, head_dim=32, dtype=torch.float32)
+    sinks = 3.0 + torch.randn(4, generator=torch.Generator().manual_seed(5)).to(DEVICE)
+    out = run_kernel(case, num_splits, sliding_window=window, sinks=sinks)
+    expected = reference_output(case, window, sinks=sinks)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+    assert (expected - reference_output(case, window)).abs().max() > 0.05, "sinks should matter"
+    fp8_case, scales = with_fp8_cache(case)
+    out = run_kernel(fp8_case, num_splits, sliding_window=window, sinks=sinks, **scales)
+    assert_fp8_attention_close(
+        out,
+        reference_output(fp8_case, window, fp8_scales=scales, sinks=sinks),
+        reference_output(dequantized(fp8_case, scales), window, sinks=sinks),
+        output_atol=TOLERANCE[torch.float32],
+    )
 
 
 def test_decode_attention_matches_reference_with_head_dim_16_and_large_blocks() -> None:
@@ -340,6 +363,11 @@ def _set_caches(make: Callable[[torch.Tensor], torch.Tensor]) -> Mutation:
 
 BAD_INPUTS: dict[str, tuple[Mutation, str]] = {
     "q_rank": (_set("q", lambda c: c["q"][0]), "q must be"),
+    "sinks_length": (_set("sinks", lambda c: torch.zeros(3, device=c["q"].device)), "sinks must"),
+    "sinks_dtype": (
+        _set("sinks", lambda c: torch.zeros(4, dtype=torch.float64, device=c["q"].device)),
+        "sinks must",
+    ),
     "cache_rank": (_set("k_cache", lambda c: c["k_cache"][0]), "k_cache must be"),
     "v_shape": (_set("v_cache", lambda c: c["v_cache"][:1]), "v_cache shape"),
     "head_dim_mismatch": (_set("q", lambda c: c["q"].repeat(1, 1, 2)), "head dim"),

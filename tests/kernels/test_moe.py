@@ -16,6 +16,7 @@ import torch
 from kernels import reference
 from kernels.errors import KernelInputError
 from kernels.moe import DECODE_TILES, PREFILL_TILES, MoeTiles, align_block_size, fused_moe
+from kernels.ops import ClampedSwiglu
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # Both sides accumulate in float32 in different orders, then round where the reference does.
@@ -67,6 +68,39 @@ def test_the_comparison_would_fail_if_a_routing_weight_were_dropped():
     assert (ours - expected).abs().max() > 100 * TOLERANCE[torch.float32]["atol"]
 
 
+def _gpt_oss_options(gate_up: torch.Tensor, down: torch.Tensor, limit: float) -> dict:
+    """gpt-oss's biases (half-unit, so they show) and its clamped SwiGLU at `limit`."""
+    generator = torch.Generator().manual_seed(7)
+    return {
+        "gate_up_bias": (0.5 * torch.randn(gate_up.shape[:2], generator=generator)).to(
+            DEVICE, gate_up.dtype
+        ),
+        "down_bias": (0.5 * torch.randn(down.shape[:2], generator=generator)).to(
+            DEVICE, down.dtype
+        ),
+        "clamped_swiglu": ClampedSwiglu(alpha=1.702, limit=limit),
+    }
+
+
+@pytest.mark.parametrize(
+    ("num_tokens", "num_experts", "top_k", "hidden", "size", "dtype"),
+    [(1, 8, 2, 32, 24, torch.float32), (20, 6, 3, 24, 20, torch.float32),
+     (37, 4, 2, 32, 16, torch.float16)],
+)  # fmt: skip
+def test_gpt_oss_experts_match_the_per_expert_loop(num_tokens, num_experts, top_k, hidden, size,
+                                                   dtype):  # fmt: skip
+    """Biased experts and the clamped SwiGLU, at a limit (0.8) that the gate and up values
+    cross both ways; and the comparison fails without the clamp."""
+    x, gate_up, down, weights, ids = _inputs(num_tokens, num_experts, top_k, hidden, size, dtype)
+    options = _gpt_oss_options(gate_up, down, limit=0.8)
+    ours = fused_moe(x, gate_up, down, weights, ids, SMALL_TILES, **options)
+    expected = reference.fused_moe(x, gate_up, down, weights, ids, **options)
+    torch.testing.assert_close(ours, expected, **TOLERANCE[dtype])
+    unclamped = {**options, "clamped_swiglu": ClampedSwiglu(alpha=1.702, limit=100.0)}
+    loose = reference.fused_moe(x, gate_up, down, weights, ids, **unclamped)
+    assert (loose - expected).abs().max() > 10 * TOLERANCE[dtype]["atol"]
+
+
 def test_align_groups_pairs_by_expert_in_padded_blocks():
     ids = torch.tensor([[2, 0], [2, 3], [0, 2]], device=DEVICE)  # pairs 0..5
     sorted_ids, block_experts, num_padded = align_block_size(ids, num_experts=4, block_m=4)
@@ -91,6 +125,8 @@ def test_no_tokens_give_an_empty_output():
         ({"topk_weights": torch.ones(3, 2, dtype=torch.float64)}, "topk_weights"),
         ({"topk_ids": torch.zeros(3, 2)}, "topk_ids"),
         ({"x": torch.zeros(3, 16, dtype=torch.float16)}, "dtype"),
+        ({"gate_up_bias": torch.zeros(4, 16)}, "gate_up_bias"),
+        ({"down_bias": torch.zeros(4, 16, dtype=torch.float16)}, "down_bias"),
     ],
 )
 def test_fused_moe_refuses_inputs_it_cannot_handle(change, named):
@@ -100,6 +136,19 @@ def test_fused_moe_refuses_inputs_it_cannot_handle(change, named):
     args = {name: t.to(DEVICE) for name, t in {**args, **change}.items()}
     with pytest.raises(KernelInputError, match=named):
         fused_moe(**args)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_tokens", [1, 8, 512])
+def test_gpt_oss_experts_match_the_loop_at_gpt_oss_20b_shapes_on_the_gpu(num_tokens):
+    """gpt-oss-20b's experts: 32 experts, top 4, H = I = 2880 (not a multiple of the tiles),
+    bf16, its biases and its clamped SwiGLU at its limit 7."""
+    x, gate_up, down, weights, ids = _inputs(num_tokens, 32, 4, 2880, 2880, torch.bfloat16)
+    options = _gpt_oss_options(gate_up, down, limit=7.0)
+    expected = reference.fused_moe(x, gate_up, down, weights, ids, **options)
+    for tiles in (None, DECODE_TILES, PREFILL_TILES):
+        ours = fused_moe(x, gate_up, down, weights, ids, tiles, **options)
+        torch.testing.assert_close(ours, expected, **TOLERANCE[torch.bfloat16])
 
 
 @pytest.mark.gpu

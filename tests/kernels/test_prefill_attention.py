@@ -66,7 +66,9 @@ class PrefillCase:
         args.update(overrides)
         return paged_prefill_attention(**args)
 
-    def reference(self, sliding_window: int | None = None) -> torch.Tensor:
+    def reference(
+        self, sliding_window: int | None = None, sinks: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """float32 reference on the same rounded inputs: [T, Hq, D] float32."""
         return paged_attention(
             self.q.float(),
@@ -75,6 +77,7 @@ class PrefillCase:
             self.meta,
             self.scale,
             sliding_window,
+            sinks=sinks,
         )
 
 
@@ -154,7 +157,9 @@ def assert_matches_reference(
     )
 
 
-def check_fp8_cache(case: PrefillCase, sliding_window: int | None = None) -> None:
+def check_fp8_cache(
+    case: PrefillCase, sliding_window: int | None = None, sinks: torch.Tensor | None = None
+) -> None:
     """Quantize the case's caches to e4m3 at scales other than 1 (a kernel that skipped or
     swapped them fails) and compare with the reference on that cache and with exact attention
     on the dequantized values."""
@@ -163,15 +168,16 @@ def check_fp8_cache(case: PrefillCase, sliding_window: int | None = None) -> Non
               "v_scale": torch.tensor([0.5], device=device)}  # fmt: skip
     k_fp8 = quantize_kv(case.k_cache, scales["k_scale"])
     v_fp8 = quantize_kv(case.v_cache, scales["v_scale"])
-    out = replace(case, k_cache=k_fp8, v_cache=v_fp8).run(sliding_window=sliding_window, **scales)
+    fp8_case = replace(case, k_cache=k_fp8, v_cache=v_fp8)
+    out = fp8_case.run(sliding_window=sliding_window, sinks=sinks, **scales)
     assert out.dtype == case.q.dtype
     fp8_reference = paged_attention(
-        case.q.float(), k_fp8, v_fp8, case.meta, case.scale, sliding_window, **scales
+        case.q.float(), k_fp8, v_fp8, case.meta, case.scale, sliding_window, **scales, sinks=sinks
     )
     dequantized = replace(
         case, k_cache=k_fp8.float() * scales["k_scale"], v_cache=v_fp8.float() * scales["v_scale"]
     )
-    exact = dequantized.reference(sliding_window)
+    exact = dequantized.reference(sliding_window, sinks)
     assert_fp8_attention_close(out, fp8_reference, exact, output_atol=TOLERANCE[case.q.dtype])
 
 
@@ -231,6 +237,21 @@ def test_fp8_cache_attention_over_many_key_tiles_with_a_window() -> None:
     )
     check_fp8_cache(case)
     check_fp8_cache(case, sliding_window=37)
+
+
+@pytest.mark.parametrize("sliding_window", [None, 7])
+def test_matches_reference_with_attention_sinks(sliding_window: int | None) -> None:
+    """gpt-oss's sinks start each row's softmax state: a row whose window or causal limit hides
+    most keys still gives the sink its share; the FP8 cache's arithmetic too."""
+    case = make_case(
+        [1, 5, 17], [16, 0, 3], num_q_heads=8, num_kv_heads=2, head_dim=16, dtype=torch.float32
+    )
+    sinks = 3.0 + torch.randn(8, generator=torch.Generator().manual_seed(5)).to(DEVICE)
+    out = case.run(sliding_window=sliding_window, sinks=sinks)
+    expected = case.reference(sliding_window, sinks)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+    assert (expected - case.reference(sliding_window)).abs().max() > 0.05, "sinks should matter"
+    check_fp8_cache(case, sliding_window, sinks)
 
 
 @pytest.mark.parametrize(("num_q_heads", "num_kv_heads"), [(4, 4), (8, 2), (8, 1)])

@@ -79,3 +79,16 @@ def test_batch_opening_with_a_prefill_runs_only_the_prefill_kernel(
     out = triton_ops.paged_attention(case.q, case.k_cache, case.v_cache, case.meta, case.scale)
     assert decode_calls == []
     torch.testing.assert_close(out, case.reference(), atol=1e-5, rtol=1e-5)
+
+
+def test_mixed_batch_with_attention_sinks_gives_them_to_both_kernels(
+    decode_calls: list[int],
+) -> None:
+    case = make_case(QUERY_LENS, NUM_CACHED, num_q_heads=8, num_kv_heads=2, head_dim=16,
+                     dtype=torch.float32)  # fmt: skip
+    sinks = 3.0 + torch.randn(8, generator=torch.Generator().manual_seed(5)).to(case.q.device)
+    out = triton_ops.paged_attention(
+        case.q, case.k_cache, case.v_cache, case.meta, case.scale, 9, sinks=sinks
+    )
+    assert decode_calls == [3]
+    torch.testing.assert_close(out, case.reference(9, sinks), atol=1e-5, rtol=1e-5)

@@ -44,6 +44,9 @@ class CheckpointLayout:
     unserved_part: str = ""
     # (theirs, canonical) substrings of a tensor name, replaced in order.
     renames: tuple[tuple[str, str], ...] = ()
+    # Experts stored as gpt-oss stores them: stacked, transposed, gate and up interleaved,
+    # biased, dense or MXFP4 (converted on load, models.fused_experts).
+    gpt_oss_experts: bool = False
 
     def is_unserved(self, name: str) -> bool:
         return name.startswith(self.unserved_prefixes)
@@ -102,6 +105,8 @@ MIXTRAL_LAYOUT = CheckpointLayout(
         (".w3.", ".up_proj."),
     )
 )
+# gpt-oss's router is `mlp.router` (a projection with a bias); its experts see models.fused_experts.
+GPT_OSS_LAYOUT = CheckpointLayout(renames=((".mlp.router.", ".mlp.gate."),), gpt_oss_experts=True)
 # transformers 5 saves Gemma3ForConditionalGeneration as model.language_model.* next to
 # model.vision_tower.*; Google's releases as language_model.model.* next to vision_tower.*.
 GEMMA3_MULTIMODAL = CheckpointLayout(

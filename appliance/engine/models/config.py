@@ -62,6 +62,10 @@ class ModelConfig:
     fp8: Fp8Checkpoint | None = None
     # A mixture of experts: its router, expert sizes and which layers are sparse (None: dense).
     moe: MoeConfig | None = None
+    # A learned logit per query head that joins each softmax's denominator (gpt-oss's sinks).
+    attention_sinks: bool = False
+    # The checkpoint stores the experts in MXFP4 (gpt-oss as released), dequantized on load.
+    mxfp4_experts: bool = False
 
     @classmethod
     def from_model_dir(cls, model_dir: Path) -> ModelConfig:
@@ -116,7 +120,8 @@ class ModelConfig:
             "o_bias": attention_bias,
             "layer_windows": read.windows(num_layers),
             "rotary_dim": read.rotary_dim(head_dim),
-            "fp8": Fp8Checkpoint.from_config(raw.get("quantization_config"), source),
+            "fp8": _fp8_checkpoint(raw.get("quantization_config"), family, source),
+            "mxfp4_experts": _is_mxfp4(raw.get("quantization_config")),
         }
         fields.update(family.configure(read))
         if fields.get("moe") is not None and fields["fp8"] is not None:
@@ -143,6 +148,24 @@ class ModelConfig:
         if any(w is None for w in self.layer_windows):
             return None
         return max(w for w in self.layer_windows if w is not None)
+
+
+def _fp8_checkpoint(quantization: Any, family: Family, source: str) -> Fp8Checkpoint | None:
+    """The FP8 layout of `quantization_config`, or None: unquantized, or MXFP4 experts, which
+    only a family whose layout stores gpt-oss's fused experts has (dequantized on load,
+    models.fused_experts)."""
+    if _is_mxfp4(quantization):
+        if not family.layout.gpt_oss_experts:
+            raise ModelLoadError(
+                f"{source}: quantization_config.quant_method 'mxfp4' is supported only for "
+                "gpt-oss's experts (GptOssForCausalLM)"
+            )
+        return None
+    return Fp8Checkpoint.from_config(quantization, source)
+
+
+def _is_mxfp4(quantization: Any) -> bool:
+    return isinstance(quantization, dict) and quantization.get("quant_method") == "mxfp4"
 
 
 def family_of(raw: Mapping[str, Any], source: str) -> Family:

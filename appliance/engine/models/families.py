@@ -16,12 +16,14 @@ from appliance.engine.errors import ModelLoadError
 from appliance.engine.models.checkpoint_layout import (
     FUSED_PROJECTIONS,
     GEMMA3_MULTIMODAL,
+    GPT_OSS_LAYOUT,
     LLAMA_LAYOUT,
     MIXTRAL_LAYOUT,
     CheckpointLayout,
 )
 from appliance.engine.models.rotary import RopeConfig
 from appliance.engine.models.routing import MoeConfig, Router
+from kernels.ops import ClampedSwiglu
 
 _LAYER_TYPES = ("full_attention", "sliding_attention")
 
@@ -302,6 +304,23 @@ def _qwen2_moe(read: ConfigReader) -> dict[str, Any]:
     return {**_qwen2(read), "qkv_bias": read.flag("qkv_bias", True), "moe": moe}
 
 
+def _gpt_oss(read: ConfigReader) -> dict[str, Any]:
+    # Every layer sparse; layer_types alternate windowed and full (written by transformers'
+    # GptOssConfig); the router is biased, its softmax over the k best logits only; sinks in
+    # every layer's attention. hidden_act is not read: the experts' activation is their own.
+    num_layers = read.positive("num_hidden_layers")
+    moe = MoeConfig(
+        router=_router(read, score_after_topk=True, logit_bias=True),
+        expert_size=read.positive("intermediate_size"),
+        moe_layers=(True,) * num_layers,
+        expert_bias=True,
+        clamped_swiglu=ClampedSwiglu(
+            alpha=read.number("swiglu_alpha", 1.702), limit=read.number("swiglu_limit", 7.0)
+        ),
+    )
+    return {"moe": moe, "attention_sinks": True}
+
+
 FAMILIES: dict[str, Family] = {
     "LlamaForCausalLM": Family(_llama),
     "MistralForCausalLM": Family(_llama),
@@ -313,6 +332,7 @@ FAMILIES: dict[str, Family] = {
     "MixtralForCausalLM": Family(_mixtral, layout=MIXTRAL_LAYOUT),
     "Qwen2MoeForCausalLM": Family(_qwen2_moe),
     "Qwen3MoeForCausalLM": Family(_qwen3_moe),
+    "GptOssForCausalLM": Family(_gpt_oss, layout=GPT_OSS_LAYOUT),
     "Gemma3ForConditionalGeneration": Family(
         _gemma3, layout=GEMMA3_MULTIMODAL, text_config_key="text_config", tied_by_default=True
     ),

@@ -102,7 +102,9 @@ def _config_lines(config: ModelConfig) -> list[tuple[str, str]]:
         window_text = "; ".join(parts)
     kv_bytes = 2 * num_layers * config.num_kv_heads * config.head_dim * _KV_DTYPE.itemsize
     fp8 = config.fp8
-    if fp8 is None:
+    if config.mxfp4_experts:
+        quantization = "MXFP4 experts, dequantized to bf16 on load"
+    elif fp8 is None:
         quantization = "none"
     else:
         scales = f"{fp8.scales} weight scales" + (
@@ -134,6 +136,8 @@ def _expert_lines(config: ModelConfig) -> list[tuple[str, str]]:
     with torch.device("meta"):
         total = sum(p.numel() for p in CausalLM(config).parameters())
     per_expert = 3 * config.hidden_size * moe.expert_size
+    if moe.expert_bias:
+        per_expert += 2 * moe.expert_size + config.hidden_size
     active = total - moe.num_moe_layers * (router.num_experts - router.top_k) * per_expert
     return [
         ("experts", experts),

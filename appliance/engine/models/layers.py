@@ -29,8 +29,9 @@ class RMSNorm(nn.Module):
 class Attention(nn.Module):
     """Grouped-query attention over the paged KV cache, with the options of the families:
     per-head q/k RMSNorm before rope (Qwen3, Gemma 3), rope on a leading part of each head
-    (Phi-4-mini), a sliding window (Mistral, Gemma 3's local layers) and a softmax scale other
-    than head_dim ** -0.5 (Gemma 3's query_pre_attn_scalar, Granite's attention_multiplier)."""
+    (Phi-4-mini), a sliding window (Mistral, Gemma 3's local layers), a softmax scale other
+    than head_dim ** -0.5 (Gemma 3's query_pre_attn_scalar, Granite's attention_multiplier) and
+    attention sinks (gpt-oss)."""
 
     def __init__(self, config: ModelConfig, ops: KernelOps, layer_index: int):
         super().__init__()
@@ -49,6 +50,8 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.o_bias)
         self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        # gpt-oss: a learned logit per query head in each softmax's denominator.
+        self.sinks = nn.Parameter(torch.empty(config.num_heads)) if config.attention_sinks else None
         # An FP8 KV cache stores k / k_scale and v / v_scale (kernels.reference.quantize_kv):
         # 1 unless the checkpoint ships scales (models.loader). Device tensors, so CUDA graphs
         # read them where they are; the kernels ignore them for a cache in the model's dtype.
@@ -86,6 +89,7 @@ class Attention(nn.Module):
             sliding_window=self.sliding_window,
             k_scale=k_scale,
             v_scale=v_scale,
+            sinks=self.sinks,
         )
         o = o.reshape(num_tokens, self.q_size)
         return self.ops.linear(o, projection_weight(self.o_proj), self.o_proj.bias)

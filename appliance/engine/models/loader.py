@@ -29,6 +29,7 @@ from appliance.engine.errors import ModelLoadError
 from appliance.engine.models.checkpoint_layout import LLAMA_LAYOUT, CheckpointLayout
 from appliance.engine.models.config import ModelConfig
 from appliance.engine.models.decoder import CausalLM
+from appliance.engine.models.fused_experts import convert_fused_experts
 from appliance.engine.models.projections import quantize_projections, use_fp8_projections
 from appliance.engine.models.quantization import Fp8Checkpoint
 from appliance.engine.parallel.sharding import ShardPlan, shard_model
@@ -144,6 +145,8 @@ def load_model(
         if weights is None
         else _read_images(model_dir, weights, part_of)
     )
+    if layout.gpt_oss_experts:
+        tensors = convert_fused_experts(tensors)
     num_unserved = 0
     for path, name, tensor in tensors:
         pieces = layout.pieces(name, checkpoint_rows)

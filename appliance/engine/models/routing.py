@@ -18,6 +18,8 @@ from typing import Literal
 
 import torch
 
+from kernels.ops import ClampedSwiglu
+
 
 @dataclass(frozen=True, slots=True)
 class Router:
@@ -51,6 +53,10 @@ class MoeConfig:
     # whether its output is scaled by sigmoid(x @ gate) first (Qwen2-MoE).
     shared_expert_size: int = 0
     shared_expert_gated: bool = False
+    # Each expert's projections have biases, and its activation is the clamped SwiGLU (None:
+    # SwiGLU) (gpt-oss).
+    expert_bias: bool = False
+    clamped_swiglu: ClampedSwiglu | None = None
 
     @property
     def num_moe_layers(self) -> int:

@@ -5,7 +5,8 @@ and their weights as the family's `Router` declares, and one kernel op (`fused_m
 token through its k experts and sums their outputs, weighted. The experts' weights are stacked
 ([E, 2I, H] gate/up rows, [E, H, I] down), whatever the checkpoint stores (models.loader). An
 optional shared expert (Qwen2-MoE) is a dense MLP every token passes through, its output scaled
-by a sigmoid gate and added.
+by a sigmoid gate and added. gpt-oss's experts have biases and a clamped SwiGLU
+(`kernels.ops.ClampedSwiglu`).
 """
 
 from __future__ import annotations
@@ -27,13 +28,19 @@ def is_sparse_layer(config: ModelConfig, layer_index: int) -> bool:
 
 class Experts(nn.Module):
     """The stacked expert weights: gate_up_proj [E, 2I, H] ([gate; up] rows of each expert, as
-    the dense MLP's), down_proj [E, H, I]."""
+    the dense MLP's), down_proj [E, H, I]; with `expert_bias` (gpt-oss) their biases
+    gate_up_proj_bias [E, 2I] and down_proj_bias [E, H]."""
 
     def __init__(self, moe: MoeConfig, hidden_size: int):
         super().__init__()
         num_experts, size = moe.router.num_experts, moe.expert_size
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * size, hidden_size))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, size))
+        self.gate_up_proj_bias: nn.Parameter | None = None
+        self.down_proj_bias: nn.Parameter | None = None
+        if moe.expert_bias:
+            self.gate_up_proj_bias = nn.Parameter(torch.empty(num_experts, 2 * size))
+            self.down_proj_bias = nn.Parameter(torch.empty(num_experts, hidden_size))
 
 
 class SparseMoeBlock(nn.Module):
@@ -43,6 +50,7 @@ class SparseMoeBlock(nn.Module):
         moe, hidden = config.moe, config.hidden_size
         self.ops = ops
         self.router = moe.router
+        self.clamped_swiglu = moe.clamped_swiglu
         self.gate = nn.Linear(hidden, moe.router.num_experts, bias=moe.router.logit_bias)
         if moe.router.selection_bias:
             # Where DeepSeek-V3 checkpoints keep it: mlp.gate.e_score_correction_bias.
@@ -65,7 +73,16 @@ class SparseMoeBlock(nn.Module):
         selection_bias = getattr(self.gate, "e_score_correction_bias", None)
         weights, expert_ids = route(logits, self.router, selection_bias)  # [T, k] each
         experts = self.experts
-        out = ops.fused_moe(x, experts.gate_up_proj, experts.down_proj, weights, expert_ids)
+        out = ops.fused_moe(
+            x,
+            experts.gate_up_proj,
+            experts.down_proj,
+            weights,
+            expert_ids,
+            gate_up_bias=experts.gate_up_proj_bias,
+            down_bias=experts.down_proj_bias,
+            clamped_swiglu=self.clamped_swiglu,
+        )
         if self.shared_expert is None:
             return out
         shared = self.shared_expert(x)

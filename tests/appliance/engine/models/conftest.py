@@ -145,6 +145,18 @@ FAMILY_VARIANTS: dict[str, Variant] = {
         {"num_experts": 6, "num_experts_per_tok": 2, "moe_intermediate_size": 48,
          "shared_expert_intermediate_size": 96, "decoder_sparse_step": 2},
     ),
+    # gpt-oss: its windowed and full layers alternating (layer_types, GptOssConfig's default),
+    # YaRN past 32 tokens, sinks, a biased router and experts, and a SwiGLU limit low enough
+    # (2, not 7) that the clamps bite. Experts of 32, a block of MXFP4 (test_gpt_oss.py).
+    "gpt-oss": Variant(
+        "gpt-oss",
+        3,
+        {"num_local_experts": 6, "num_experts_per_tok": 2, "intermediate_size": 32,
+         "sliding_window": WINDOW, "swiglu_limit": 2.0,
+         "rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 16.0,
+                             "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                             "original_max_position_embeddings": 32}},
+    ),
 }  # fmt: skip
 # Real head shapes for the GPU tests (tests/.../test_families_gpu.py): Gemma 3's head_dim 256
 # with a 64-token window, Phi-4-mini's 96 rotary dims of 128.
@@ -198,6 +210,7 @@ def _classes(arch: str) -> tuple[type, type]:
         "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM),
         "qwen3-moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),
         "qwen2-moe": (transformers.Qwen2MoeConfig, transformers.Qwen2MoeForCausalLM),
+        "gpt-oss": (transformers.GptOssConfig, transformers.GptOssForCausalLM),
     }[arch]
 
 
