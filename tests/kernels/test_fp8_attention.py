@@ -105,7 +105,8 @@ def compile_for_hopper(fn, pointers, scalars, strides, constexprs, config):
 
 def pointers(q, out, names):
     kinds = {"q_ptr": q, "k_cache_ptr": "*fp8e4nv", "v_cache_ptr": "*fp8e4nv", "out_ptr": out,
-             "k_scale_ptr": "*fp32", "v_scale_ptr": "*fp32", "lse_ptr": "*fp32"}
+             "k_scale_ptr": "*fp32", "v_scale_ptr": "*fp32", "lse_ptr": "*fp32",
+             "sinks_ptr": "*fp32"}
     return {name: kinds.get(name, "*i32") for name in names}
 
 def prefill(q, head_dim, group):
@@ -114,12 +115,13 @@ def prefill(q, head_dim, group):
     return compile_for_hopper(
         prefill_attention._paged_prefill_attention_kernel,
         pointers(q, q, ("q_ptr", "k_cache_ptr", "v_cache_ptr", "out_ptr", "block_tables_ptr",
-                        "seq_lens_ptr", "query_start_loc_ptr", "k_scale_ptr", "v_scale_ptr")),
+                        "seq_lens_ptr", "query_start_loc_ptr", "k_scale_ptr", "v_scale_ptr",
+                        "sinks_ptr")),
         ("max_blocks", "window"),
         ("qt", "qh", "kb", "kt", "kh", "vb", "vt", "vh", "ot", "oh", "bt"),
         {"GROUP": group, "PACK": group, "BLOCK_SIZE": 16, "HEAD_DIM": head_dim,
          "BLOCK_M": config.block_m, "BLOCK_N": config.block_n, "DOT_FP32": False,
-         "FP8_KV": True, "EMULATE_ROUNDING": False},
+         "FP8_KV": True, "EMULATE_ROUNDING": False, "HAS_SINKS": False},
         config)
 
 def decode(q, head_dim, group):
@@ -128,12 +130,12 @@ def decode(q, head_dim, group):
         decode_attention._decode_split_kernel,
         pointers(q, "*fp32", ("q_ptr", "k_cache_ptr", "v_cache_ptr", "block_tables_ptr",
                               "seq_lens_ptr", "out_ptr", "lse_ptr", "k_scale_ptr",
-                              "v_scale_ptr")),
+                              "v_scale_ptr", "sinks_ptr")),
         ("max_blocks", "window"),
         ("qb", "qh", "kb", "ks", "kh", "vb", "vs", "vh", "btb", "ob", "oh", "os", "lb", "lh"),
         {"GROUP_SIZE": group, "G_PAD": 16, "HEAD_DIM": head_dim, "BLOCK_SIZE": 16,
          "BLOCK_N": config.block_n, "NUM_SPLITS": 4, "DIRECT": False, "DOT_PRECISION": "tf32",
-         "FP8_KV": True, "EMULATE_ROUNDING": False, "PDL": True},
+         "FP8_KV": True, "EMULATE_ROUNDING": False, "PDL": True, "HAS_SINKS": False},
         config)
 
 ptx = prefill("bfloat16", 128, 4)
