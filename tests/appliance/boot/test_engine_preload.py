@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.appliance.engine.test_warmup import TINY_LLAMA
+
 ROOT = Path(__file__).resolve().parents[3]
 
 _NO_TORCH_BEFORE_THE_PRELOAD = """
@@ -123,17 +125,6 @@ print(json.dumps({"by_preload": by_preload, "spawned": spawned, "imported": new}
 # compiler would mean the cache lacked the launcher stubs `inferno warmup` builds; ptxas
 # without --version, a kernel missing from it).
 _LOOKUPS = ("ldconfig -p", "--version", "file -b")
-
-TINY_LLAMA = {
-    "architectures": ["LlamaForCausalLM"],
-    "vocab_size": 256,
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "max_position_embeddings": 512,
-}
 
 
 @pytest.mark.gpu
