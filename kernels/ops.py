@@ -78,6 +78,31 @@ class AttentionMetadata:
 
 
 @dataclass(frozen=True, slots=True)
+class RecurrentStateMetadata:
+    """Where one forward pass finds each sequence's recurrent state (linear-attention layers).
+
+    A linear-attention layer (Gated DeltaNet) keeps a fixed-size state per sequence instead of
+    a growing KV cache: the last K-1 inputs of its causal convolution and the delta rule's
+    [Dk, Dv] matrix per value head. Each running sequence owns one slot of the layer's state
+    tensors; the batch is the same flattened variable-length batch as `AttentionMetadata`'s.
+
+    state_slots: [B] int32, each sequence's slot (negative: a padding row, whose outputs are
+        zeros and which writes no state)
+    has_initial_state: [B] bool, False where the sequence starts in this pass (its slot's old
+        contents are ignored and read as zeros)
+    query_start_loc: [B + 1] int32, cumulative query_lens on the device
+    query_lens: the same on the host (the reference path)
+    decode_only: every query_len is 1 (the recurrent step; what CUDA graphs capture)
+    """
+
+    state_slots: torch.Tensor
+    has_initial_state: torch.Tensor
+    query_start_loc: torch.Tensor
+    query_lens: list[int]
+    decode_only: bool
+
+
+@dataclass(frozen=True, slots=True)
 class ClampedSwiglu:
     """gpt-oss's expert activation (transformers' GptOssExperts): the gate clamped above at
     `limit`, the up projection to [-limit, limit], then `(up + 1) * gate * sigmoid(alpha *
@@ -162,3 +187,42 @@ class KernelOps(Protocol):
         v_scale: torch.Tensor | None = None,
         sinks: torch.Tensor | None = None,
     ) -> torch.Tensor: ...
+
+    def causal_conv1d(
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        conv_state: torch.Tensor,
+        meta: RecurrentStateMetadata,
+    ) -> torch.Tensor:
+        """silu(depthwise causal convolution of x), continuing each sequence's convolution.
+
+        x: [T, D] in the model's dtype; weight: [D, K]; bias: [D] or None;
+        conv_state: [num_slots, D, K - 1] in x's dtype, updated in place: afterwards a
+        sequence's slot holds its last K - 1 inputs (zeros before its first token).
+        Returns [T, D] in x's dtype.
+        """
+        ...
+
+    def gated_delta_rule(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        g: torch.Tensor,
+        beta: torch.Tensor,
+        state: torch.Tensor,
+        meta: RecurrentStateMetadata,
+    ) -> torch.Tensor:
+        """The gated delta rule (Gated DeltaNet), continuing each sequence's state.
+
+        q, k: [T, Hk, Dk]; v: [T, Hv, Dv] with Hv a multiple of Hk (value head h reads key
+        head h // (Hv // Hk)); g: [T, Hv] float32 log-decay (<= 0); beta: [T, Hv] float32.
+        q and k are L2-normalised inside (eps 1e-6 under the square root, as fla's
+        `use_qk_l2norm_in_kernel`) and q is scaled by Dk ** -0.5. Per token and value head:
+        S = exp(g) * S; S = S + k^T (beta * (v - k S)); o = q S.
+        state: [num_slots, Hv, Dk, Dv] float32, updated in place.
+        Returns o: [T, Hv, Dv] in v's dtype.
+        """
+        ...
