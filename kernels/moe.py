@@ -9,8 +9,9 @@ The plan (vLLM's and SGLang's fused_moe, in three steps):
    step's launch has a fixed shape a CUDA graph can capture.
 2. One grouped GEMM for gate and up: a program takes a block of pairs and a column block of I,
    gathers its tokens' rows of x, multiplies them by its expert's gate rows and up rows (two
-   accumulators over the same x tile) and stores SiLU(gate) * up for each pair: [T * k, I]
-   (gpt-oss: the experts' biases added first, and its clamped SwiGLU, `ClampedSwiglu`).
+   accumulators over the same x tile) and stores act(gate) * up for each pair: [T * k, I],
+   act SiLU or (Gemma 4) tanh-approximated GELU (gpt-oss: the experts' biases added first, and
+   its clamped SwiGLU, `ClampedSwiglu`).
 3. One grouped GEMM for down over those rows, each pair's output multiplied by its routing
    weight as it is stored ([T * k, H]); the k outputs of a token are then summed in float32
    (the combine, in torch).
@@ -31,6 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.activation import ACTIVATIONS, gated_product
 from kernels.errors import KernelInputError
 from kernels.launch_checks import FLOAT_DTYPES, check_devices, triton_interprets
 from kernels.ops import ClampedSwiglu
@@ -113,6 +115,7 @@ def _grouped_gemm_kernel(
     PAIRS_PER_A_ROW: tl.constexpr,  # top_k when a is x (pair t * k + j reads token t), else 1
     SILU_MUL: tl.constexpr,  # b holds [gate; up] rows: store SiLU(a @ gate.T) * (a @ up.T)
     CLAMPED: tl.constexpr,  # SILU_MUL as gpt-oss's clamped SwiGLU (kernels.ops.ClampedSwiglu)
+    ACTIVATION: tl.constexpr,  # SILU_MUL, not CLAMPED: the gate's "silu" or "gelu_tanh"
     HAS_BIAS: tl.constexpr,
     MUL_WEIGHT: tl.constexpr,
     PRECISION: tl.constexpr,
@@ -160,10 +163,8 @@ def _grouped_gemm_kernel(
         glu = (gate * sigmoid).to(dtype).to(tl.float32)
         out = ((up + 1.0).to(dtype).to(tl.float32) * glu).to(dtype)
     elif SILU_MUL:
-        # As the reference rounds: gate and up to the dtype, SiLU(gate) too, then the product.
-        gate = acc.to(dtype).to(tl.float32)
-        silu = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
-        out = (silu * acc_up.to(dtype).to(tl.float32)).to(dtype)
+        # As the reference rounds: gate and up to the dtype, act(gate) too, then the product.
+        out = gated_product(acc.to(dtype), acc_up.to(dtype), ACTIVATION)
     else:
         out = acc.to(dtype)
     if MUL_WEIGHT:
@@ -184,15 +185,21 @@ def fused_moe(
     gate_up_bias: torch.Tensor | None = None,
     down_bias: torch.Tensor | None = None,
     clamped_swiglu: ClampedSwiglu | None = None,
+    activation: str = "silu",
 ) -> torch.Tensor:
     """x: [T, H]; gate_up: [E, 2I, H]; down: [E, H, I]; topk_weights: [T, k] float32;
     topk_ids: [T, k] integer in 0..E-1 (not checked on the device: that would sync) -> [T, H];
-    gpt-oss's gate_up_bias [E, 2I], down_bias [E, H] and `clamped_swiglu` optional.
+    gpt-oss's gate_up_bias [E, 2I], down_bias [E, H] and `clamped_swiglu` optional;
+    `activation` of the gate, "silu" or "gelu_tanh" (kernels.activation.ACTIVATIONS).
 
     See `kernels.reference.fused_moe`. `tiles`: None for the table's (`tiles_for`). Raises
     `KernelInputError` for any shape, dtype, device or layout it cannot handle.
     """
     _validate(x, gate_up, down, topk_weights, topk_ids)
+    if activation not in ACTIVATIONS:
+        raise KernelInputError(
+            f"fused_moe: activation {activation!r} is not one of {', '.join(ACTIVATIONS)}"
+        )
     _validate_bias("gate_up_bias", gate_up_bias, gate_up)
     _validate_bias("down_bias", down_bias, down)
     num_tokens, hidden = x.shape
@@ -224,15 +231,15 @@ def fused_moe(
         x.stride(0), gate_up.stride(0), gate_up.stride(1), _stride0(gate_up_bias),
         swiglu.stride(0), act.alpha, act.limit,
         PAIRS_PER_A_ROW=top_k, SILU_MUL=True, CLAMPED=clamped_swiglu is not None,
-        HAS_BIAS=gate_up_bias is not None, MUL_WEIGHT=False, **common,
+        ACTIVATION=activation, HAS_BIAS=gate_up_bias is not None, MUL_WEIGHT=False, **common,
     )  # fmt: skip
     _grouped_gemm_kernel[(num_blocks, triton.cdiv(hidden, tiles.block_n))](
         swiglu, down, _or(down_bias, down), weighted, weights, sorted_ids, block_experts,
         num_padded, hidden, size, num_pairs,
         swiglu.stride(0), down.stride(0), down.stride(1), _stride0(down_bias),
         weighted.stride(0), act.alpha, act.limit,
-        PAIRS_PER_A_ROW=1, SILU_MUL=False, CLAMPED=False, HAS_BIAS=down_bias is not None,
-        MUL_WEIGHT=True, **common,
+        PAIRS_PER_A_ROW=1, SILU_MUL=False, CLAMPED=False, ACTIVATION=activation,
+        HAS_BIAS=down_bias is not None, MUL_WEIGHT=True, **common,
     )  # fmt: skip
     # The combine: the k weighted outputs of each token, summed in float32.
     return weighted.view(num_tokens, top_k, hidden).float().sum(dim=1).to(x.dtype)

@@ -162,6 +162,7 @@ class KernelOps(Protocol):
         gate_up_bias: torch.Tensor | None = None,
         down_bias: torch.Tensor | None = None,
         clamped_swiglu: ClampedSwiglu | None = None,
+        activation: str = "silu",
     ) -> torch.Tensor: ...
 
     def write_kv_cache(

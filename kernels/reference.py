@@ -116,9 +116,11 @@ def fused_moe(
     gate_up_bias: torch.Tensor | None = None,
     down_bias: torch.Tensor | None = None,
     clamped_swiglu: ClampedSwiglu | None = None,
+    activation: str = "silu",
 ) -> torch.Tensor:
     """Each token through its k experts, their outputs weighted and summed (a mixture of
-    experts' SwiGLU experts, or gpt-oss's `clamped_swiglu` ones), one expert at a time.
+    experts' SwiGLU experts, GELU-tanh gated ones with `activation="gelu_tanh"` (Gemma 4), or
+    gpt-oss's `clamped_swiglu` ones), one expert at a time.
 
     x: [T, H]; gate_up: [E, 2I, H] ([gate; up] rows per expert); down: [E, H, I];
     topk_weights: [T, k] float32; topk_ids: [T, k] integer, each in 0..E-1 -> [T, H].
@@ -137,8 +139,10 @@ def fused_moe(
         gate_up_b = None if gate_up_bias is None else gate_up_bias[expert]
         down_b = None if down_bias is None else down_bias[expert]
         h = F.linear(x[tokens[rows]], gate_up[expert], gate_up_b)
-        act = clamped_swiglu
-        h = silu_and_mul(h) if act is None else clamped_swiglu_and_mul(h, act)
+        if clamped_swiglu is not None:
+            h = clamped_swiglu_and_mul(h, clamped_swiglu)
+        else:
+            h = gelu_tanh_and_mul(h) if activation == "gelu_tanh" else silu_and_mul(h)
         y = F.linear(h, down[expert], down_b)
         weighted[rows] = (y.float() * flat_weights[rows]).to(x.dtype)
     return weighted.view(num_tokens, top_k, -1).float().sum(dim=1).to(x.dtype)

@@ -5,6 +5,10 @@ The pool stores keys and values in the model's dtype, or (`kv_cache_dtype = "fp8
 float8_e4m3fn, each value divided by its layer's K or V scale (kernels.reference.quantize_kv;
 the scales live in the model's attention layers). Blocks are sized by their real bytes, so an
 FP8 pool holds twice the blocks of a bf16 one in the same memory.
+
+Each layer that owns KV has a cache tensor of its own shape (Gemma 4's global layers have wider
+heads and fewer of them); a layer that attends over another's KV (Gemma 4's KV-shared layers)
+owns none, and a block's bytes are the sum over the owning layers.
 """
 
 from __future__ import annotations
@@ -23,9 +27,8 @@ from kernels.launch_checks import KV_CACHE_FP8
 
 @dataclass(frozen=True, slots=True)
 class KVCacheSpec:
-    num_layers: int
-    num_kv_heads: int
-    head_dim: int
+    # Per layer that owns KV pages (ModelConfig.kv_layers), in order: (num_kv_heads, head_dim).
+    layer_shapes: tuple[tuple[int, int], ...]
     block_size: int
     dtype: torch.dtype
 
@@ -40,9 +43,17 @@ class KVCacheSpec:
         tensor_parallel_size: int = 1,
     ) -> KVCacheSpec:
         """One device's pool: under tensor parallelism each holds its share of the KV heads."""
-        num_kv_heads = config.num_kv_heads // tensor_parallel_size
+        shapes = tuple(
+            (config.num_kv_heads_of(i) // tensor_parallel_size, config.head_dim_of(i))
+            for i in config.kv_layers
+        )
         dtype = model_dtype if kv_cache_dtype == "auto" else KV_CACHE_FP8
-        return cls(config.num_layers, num_kv_heads, config.head_dim, block_size, dtype)
+        return cls(shapes, block_size, dtype)
+
+    @property
+    def num_layers(self) -> int:
+        """Layers that own KV pages (not every layer: Gemma 4's KV-shared ones own none)."""
+        return len(self.layer_shapes)
 
     @property
     def is_fp8(self) -> bool:
@@ -51,7 +62,8 @@ class KVCacheSpec:
     @property
     def bytes_per_block(self) -> int:
         elem = torch.empty((), dtype=self.dtype).element_size()
-        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * elem
+        per_token = sum(num_kv_heads * head_dim for num_kv_heads, head_dim in self.layer_shapes)
+        return 2 * self.block_size * per_token * elem
 
     def num_blocks_within(self, memory_bytes: int) -> int:
         num_blocks = memory_bytes // self.bytes_per_block
@@ -79,9 +91,16 @@ class KVCacheSpec:
                     )
 
     def allocate(self, num_blocks: int, device: torch.device | str) -> list[torch.Tensor]:
-        """One tensor per layer: [2 (k, v), num_blocks, block_size, num_kv_heads, head_dim].
+        """One tensor per KV-owning layer: [2 (k, v), num_blocks, block_size, num_kv_heads,
+        head_dim], of that layer's shape.
 
         Zero-filled, so a never-written slot read through padding is finite.
         """
-        shape = (2, num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
-        return [torch.zeros(shape, dtype=self.dtype, device=device) for _ in range(self.num_layers)]
+        return [
+            torch.zeros(
+                (2, num_blocks, self.block_size, num_kv_heads, head_dim),
+                dtype=self.dtype,
+                device=device,
+            )
+            for num_kv_heads, head_dim in self.layer_shapes
+        ]

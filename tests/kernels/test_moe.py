@@ -101,6 +101,17 @@ def test_gpt_oss_experts_match_the_per_expert_loop(num_tokens, num_experts, top_
     assert (loose - expected).abs().max() > 10 * TOLERANCE[dtype]["atol"]
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_gelu_tanh_experts_match_the_per_expert_loop(dtype):
+    """Gemma 4's experts gate with tanh-approximated GELU; the comparison fails with SiLU."""
+    x, gate_up, down, weights, ids = _inputs(20, 6, 2, 32, 24, dtype)
+    ours = fused_moe(x, gate_up, down, weights, ids, SMALL_TILES, activation="gelu_tanh")
+    expected = reference.fused_moe(x, gate_up, down, weights, ids, activation="gelu_tanh")
+    torch.testing.assert_close(ours, expected, **TOLERANCE[dtype])
+    silu = reference.fused_moe(x, gate_up, down, weights, ids)
+    assert (silu - expected).abs().max() > 10 * TOLERANCE[dtype]["atol"]
+
+
 def test_align_groups_pairs_by_expert_in_padded_blocks():
     ids = torch.tensor([[2, 0], [2, 3], [0, 2]], device=DEVICE)  # pairs 0..5
     sorted_ids, block_experts, num_padded = align_block_size(ids, num_experts=4, block_m=4)

@@ -121,3 +121,27 @@ GEMMA3_MULTIMODAL = CheckpointLayout(
     unserved_part="the vision tower (this appliance serves Gemma 3's text model; image inputs "
     "are refused)",
 )
+# Gemma 4's MoE block sits beside the MLP at the layer's top level: its router's projection,
+# input scale and per-expert scales, and its stacked experts ([E, 2I, H] gate/up, [E, H, I]),
+# renamed into the block's (models.sparse_moe).
+_GEMMA4_MOE_RENAMES = (
+    (".router.proj.", ".moe.gate."),
+    (".router.scale", ".moe.gate.scale"),
+    (".router.per_expert_scale", ".moe.gate.per_expert_scale"),
+    (".experts.", ".moe.experts."),
+)
+GEMMA4_LAYOUT = CheckpointLayout(renames=_GEMMA4_MOE_RENAMES)
+# Gemma4ForConditionalGeneration: the text model under model.language_model, beside its vision
+# and audio towers and their embedders.
+GEMMA4_MULTIMODAL = CheckpointLayout(
+    decoder_prefixes=("model.language_model.",),
+    renames=_GEMMA4_MOE_RENAMES,
+    unserved_prefixes=(
+        "model.vision_tower.",
+        "model.embed_vision.",
+        "model.audio_tower.",
+        "model.embed_audio.",
+    ),
+    unserved_part="the vision and audio towers (this appliance serves Gemma 4's text model; "
+    "image and audio inputs are refused)",
+)

@@ -66,6 +66,25 @@ class ModelConfig:
     attention_sinks: bool = False
     # The checkpoint stores the experts in MXFP4 (gpt-oss as released), dequantized on load.
     mxfp4_experts: bool = False
+    # Gemma 4. Per layer where layers differ (empty: every layer has the shared value): head
+    # dims and KV heads (its wide global layers), MLP sizes (its double-wide KV-shared layers),
+    # whether the values are the keys (attention_k_eq_v: one projection), and the layer whose
+    # KV cache each attends over (itself, or for a KV-shared layer an earlier one, which then
+    # owns its pages; the sharer writes nothing).
+    layer_head_dims: tuple[int, ...] = ()
+    layer_num_kv_heads: tuple[int, ...] = ()
+    layer_intermediate_sizes: tuple[int, ...] = ()
+    layer_values_are_keys: tuple[bool, ...] = ()
+    layer_kv_sources: tuple[int, ...] = ()
+    # Values RMS-normed per head (no weight) before they are cached (Gemma 4's v_norm).
+    value_norm: bool = False
+    # Each layer's output, residual included, times its learned scalar (Gemma 4's layer_scalar).
+    layer_scalars: bool = False
+    # Per-layer input embeddings (Gemma 4's PLE): each layer adds a gated projection of its own
+    # `per_layer_input_size`-wide input, from a table of `per_layer_vocab_size` rows and a
+    # projection of the main embedding (models.decoder). 0: none.
+    per_layer_input_size: int = 0
+    per_layer_vocab_size: int = 0
 
     @classmethod
     def from_model_dir(cls, model_dir: Path) -> ModelConfig:
@@ -140,6 +159,33 @@ class ModelConfig:
         """The longest context the model serves: its position limit. Windowed layers attend to
         their last W tokens at any length."""
         return self.max_position_embeddings
+
+    def head_dim_of(self, layer: int) -> int:
+        return self.layer_head_dims[layer] if self.layer_head_dims else self.head_dim
+
+    def num_kv_heads_of(self, layer: int) -> int:
+        return self.layer_num_kv_heads[layer] if self.layer_num_kv_heads else self.num_kv_heads
+
+    def rotary_dim_of(self, layer: int) -> int:
+        """The same leading fraction of each layer's head that `rotary_dim` is of head_dim."""
+        return self.head_dim_of(layer) * self.rotary_dim // self.head_dim
+
+    def intermediate_size_of(self, layer: int) -> int:
+        if self.layer_intermediate_sizes:
+            return self.layer_intermediate_sizes[layer]
+        return self.intermediate_size
+
+    def values_are_keys(self, layer: int) -> bool:
+        return bool(self.layer_values_are_keys) and self.layer_values_are_keys[layer]
+
+    def kv_source_of(self, layer: int) -> int:
+        """The layer whose KV cache `layer` attends over: itself unless it shares another's."""
+        return self.layer_kv_sources[layer] if self.layer_kv_sources else layer
+
+    @property
+    def kv_layers(self) -> tuple[int, ...]:
+        """The layers that own KV pages, in order: one cache tensor each (engine.kv_cache)."""
+        return tuple(i for i in range(self.num_layers) if self.kv_source_of(i) == i)
 
     @property
     def kv_window(self) -> int | None:

@@ -19,12 +19,17 @@ from kernels.ops import AttentionMetadata, KernelOps
 
 class DecoderLayer(nn.Module):
     """Llama's pre-norm block, or with `sandwich_norms` Gemma 3's: the attention and MLP outputs
-    are normed again before their residual add, and the MLP has its own pre-norm."""
+    are normed again before their residual add, and the MLP has its own pre-norm.
+
+    Gemma 4's on top (transformers' Gemma4TextDecoderLayer): a MoE block beside the MLP, the
+    two outputs each normed and summed before the MLP's post-norm; then a gated projection of
+    the layer's per-layer input added; then the whole stream times the layer's scalar."""
 
     def __init__(self, config: ModelConfig, ops: KernelOps, layer_index: int):
         super().__init__()
         self.ops = ops
         eps = config.rms_norm_eps
+        hidden = config.hidden_size
         self.input_layernorm = RMSNorm(config.hidden_size, eps)
         self.self_attn = Attention(config, ops, layer_index)
         # Llama: the MLP's pre-norm. Gemma 3: the norm of the attention output.
@@ -35,11 +40,25 @@ class DecoderLayer(nn.Module):
             self.pre_feedforward_layernorm = RMSNorm(config.hidden_size, eps)
             self.post_feedforward_layernorm = RMSNorm(config.hidden_size, eps)
         self.mlp: nn.Module
-        if is_sparse_layer(config, layer_index):
-            self.mlp = SparseMoeBlock(config, ops)  # a mixture of experts in the MLP's place
+        self.moe: SparseMoeBlock | None = None
+        dense = MLP(config, ops, intermediate_size=config.intermediate_size_of(layer_index))
+        if not is_sparse_layer(config, layer_index):
+            self.mlp = dense
+        elif config.moe is not None and config.moe.beside_dense_mlp:
+            self.mlp, self.moe = dense, SparseMoeBlock(config, ops)
+            self.post_feedforward_layernorm_1 = RMSNorm(hidden, eps)  # the MLP's output
+            self.pre_feedforward_layernorm_2 = RMSNorm(hidden, eps)  # the experts' input
+            self.post_feedforward_layernorm_2 = RMSNorm(hidden, eps)  # the experts' output
         else:
-            self.mlp = MLP(config, ops)
+            self.mlp = SparseMoeBlock(config, ops)  # a mixture of experts in the MLP's place
         self.residual_multiplier = config.residual_multiplier
+        self.per_layer_input_gate: nn.Linear | None = None
+        if config.per_layer_input_size:
+            size = config.per_layer_input_size
+            self.per_layer_input_gate = nn.Linear(hidden, size, bias=False)
+            self.per_layer_projection = nn.Linear(size, hidden, bias=False)
+            self.post_per_layer_input_norm = RMSNorm(hidden, eps)
+        self.layer_scalar = nn.Parameter(torch.empty(1)) if config.layer_scalars else None
 
     def forward(
         self,
@@ -49,9 +68,31 @@ class DecoderLayer(nn.Module):
         sin: torch.Tensor,
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
+        per_layer_input: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """x: the previous layer's output, not yet added to `residual` (None: x is the whole
+        stream, the embedding or a Gemma 4 layer's output). Returns (this layer's output,
+        residual), for the next layer to add. per_layer_input: [T, per_layer_input_size]."""
+        out, residual = self._blocks(x, residual, cos, sin, kv_cache, meta)
+        if self.per_layer_input_gate is None and self.layer_scalar is None:
+            return out, residual
+        stream = residual + out
+        if per_layer_input is not None:
+            stream = stream + self._per_layer_input_block(stream, per_layer_input)
+        if self.layer_scalar is not None:
+            stream = stream * self.layer_scalar
+        return stream, None
+
+    def _blocks(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """x: the previous layer's output, not yet added to `residual` (None: x is the
-        embedding). Returns (this layer's output, residual), for the next layer to add."""
+        """Attention and MLP (or experts), each with its norms and residual add."""
         ops = self.ops
         norm = self.input_layernorm
         if residual is None:
@@ -68,11 +109,42 @@ class DecoderLayer(nn.Module):
         h, residual = ops.add_rms_norm(h, residual, pre_ff.weight, pre_ff.eps)
         post_ff = self.post_feedforward_layernorm
         assert post_ff is not None, "sandwich norms come in pairs"
-        return ops.rms_norm(self.mlp(h), post_ff.weight, post_ff.eps), residual
+        h = self.mlp(h)
+        if self.moe is not None:
+            h = self._beside_experts(h, residual)
+        return ops.rms_norm(h, post_ff.weight, post_ff.eps), residual
+
+    def _beside_experts(self, mlp_out: torch.Tensor, stream: torch.Tensor) -> torch.Tensor:
+        """Gemma 4: the MLP's output and the experts' (their router scoring the un-normed
+        stream), each normed, summed."""
+        ops, moe = self.ops, self.moe
+        assert moe is not None, "called for a layer with a MoE block beside its MLP"
+        post_1, pre_2 = self.post_feedforward_layernorm_1, self.pre_feedforward_layernorm_2
+        post_2 = self.post_feedforward_layernorm_2
+        experts_out = moe(ops.rms_norm(stream, pre_2.weight, pre_2.eps), router_input=stream)
+        return ops.rms_norm(mlp_out, post_1.weight, post_1.eps) + ops.rms_norm(
+            experts_out, post_2.weight, post_2.eps
+        )
+
+    def _per_layer_input_block(self, stream: torch.Tensor, per_layer_input: torch.Tensor):
+        """Gemma 4: norm(projection(GELU-tanh(gate(stream)) * per_layer_input)), [T, hidden]."""
+        ops, gate = self.ops, self.per_layer_input_gate
+        assert gate is not None, "called for a layer with per-layer inputs"
+        h = torch.nn.functional.gelu(ops.linear(stream, gate.weight, None), approximate="tanh")
+        h = ops.linear(h * per_layer_input, self.per_layer_projection.weight, None)
+        norm = self.post_per_layer_input_norm
+        return ops.rms_norm(h, norm.weight, norm.eps)
 
     def _scaled(self, h: torch.Tensor) -> torch.Tensor:
         # Granite scales each block's output before its residual add.
         return h if self.residual_multiplier == 1.0 else h * self.residual_multiplier
+
+
+def _scaled(embedding: torch.Tensor, multiplier: float) -> torch.Tensor:
+    # In the weights' dtype, as transformers rounds Gemma's sqrt(hidden_size).
+    if multiplier == 1.0:
+        return embedding
+    return embedding * torch.tensor(multiplier, dtype=embedding.dtype)
 
 
 class CausalLM(nn.Module):
@@ -91,6 +163,26 @@ class CausalLM(nn.Module):
             _weight=torch.empty(config.vocab_size, config.hidden_size),
         )
         self.layers = nn.ModuleList(DecoderLayer(config, ops, i) for i in range(config.num_layers))
+        # Gemma 4's per-layer inputs: a table of every layer's, side by side, and a projection of
+        # the embedding to the same width (transformers' Gemma4TextModel).
+        self.embed_tokens_per_layer: nn.Embedding | None = None
+        if config.per_layer_input_size:
+            width = config.num_layers * config.per_layer_input_size
+            self.embed_tokens_per_layer = nn.Embedding(
+                config.per_layer_vocab_size,
+                width,
+                _weight=torch.empty(config.per_layer_vocab_size, width),
+            )
+            self.per_layer_model_projection = nn.Linear(config.hidden_size, width, bias=False)
+            self.per_layer_projection_norm = RMSNorm(
+                config.per_layer_input_size, config.rms_norm_eps
+            )
+        # Each layer's index into the forward's kv_caches: that of the layer whose KV it reads
+        # (engine.kv_cache allocates one cache per KV-owning layer, config.kv_layers).
+        kv_layers = config.kv_layers
+        self.kv_cache_index = [
+            kv_layers.index(config.kv_source_of(i)) for i in range(config.num_layers)
+        ]
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         # Tied models (SmolLM2, Gemma) project with the embedding matrix itself.
         self.lm_head = (
@@ -98,13 +190,17 @@ class CausalLM(nn.Module):
             if config.tie_word_embeddings
             else nn.Parameter(torch.empty(config.vocab_size, config.hidden_size))
         )
-        # Each layer's rope: Gemma 3's windowed layers have their own base frequency.
+        # Each layer's rope and rotary dims: Gemma 3's windowed layers have their own base
+        # frequency, Gemma 4's global layers their own head dim too.
         self.layer_ropes = [
-            config.local_rope if window is not None and config.local_rope else config.rope
-            for window in config.layer_windows
+            (
+                config.local_rope if window is not None and config.local_rope else config.rope,
+                config.rotary_dim_of(i),
+            )
+            for i, window in enumerate(config.layer_windows)
         ]
-        # rope -> (cos, sin), each [max_len, rotary_dim] float32
-        self.rope_tables: dict[RopeConfig, tuple[torch.Tensor, torch.Tensor]] = {}
+        # (rope, rotary_dim) -> (cos, sin), each [max_len, rotary_dim] float32
+        self.rope_tables: dict[tuple[RopeConfig, int], tuple[torch.Tensor, torch.Tensor]] = {}
 
     def reset_kv_scales(self) -> None:
         """Every layer's KV-cache scales to 1, in float32 on the model's device: after
@@ -117,8 +213,8 @@ class CausalLM(nn.Module):
     def init_rope_tables(self, max_len: int) -> None:
         device = self.embed_tokens.weight.device
         self.rope_tables = {
-            rope: cos_sin_table(rope, self.config.rotary_dim, max_len, device)
-            for rope in set(self.layer_ropes)
+            (rope, dim): cos_sin_table(rope, dim, max_len, device)
+            for rope, dim in set(self.layer_ropes)
         }
 
     def forward(
@@ -128,22 +224,40 @@ class CausalLM(nn.Module):
         kv_caches: list[torch.Tensor],
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        """input_ids, positions: [T] -> final hidden states [T, hidden] (normed)."""
+        """input_ids, positions: [T] -> final hidden states [T, hidden] (normed).
+        kv_caches: one per KV-owning layer (config.kv_layers)."""
         assert self.rope_tables, "call init_rope_tables first"
         rows = {
-            rope: (cos[positions], sin[positions]) for rope, (cos, sin) in self.rope_tables.items()
+            key: (cos[positions], sin[positions]) for key, (cos, sin) in self.rope_tables.items()
         }
-        x = self.embed_tokens(input_ids)  # [T, hidden]
-        multiplier = self.config.embedding_multiplier
-        if multiplier != 1.0:
-            # In the weights' dtype, as transformers rounds Gemma's sqrt(hidden_size).
-            x = x * torch.tensor(multiplier, dtype=x.dtype)
+        x = _scaled(self.embed_tokens(input_ids), self.config.embedding_multiplier)  # [T, hidden]
+        per_layer_inputs = self._per_layer_inputs(input_ids, x)  # [T, layers, P] or None
         residual = None
-        for layer, rope, kv_cache in zip(self.layers, self.layer_ropes, kv_caches, strict=True):
+        for i, (layer, rope) in enumerate(zip(self.layers, self.layer_ropes, strict=True)):
             cos, sin = rows[rope]  # [T, rotary_dim]
-            x, residual = layer(x, residual, cos, sin, kv_cache, meta)
+            kv_cache = kv_caches[self.kv_cache_index[i]]
+            per_layer_input = None if per_layer_inputs is None else per_layer_inputs[:, i]
+            x, residual = layer(x, residual, cos, sin, kv_cache, meta, per_layer_input)
+        if residual is None:
+            return self.ops.rms_norm(x, self.norm.weight, self.norm.eps)
         x, _ = self.ops.add_rms_norm(x, residual, self.norm.weight, self.norm.eps)
         return x
+
+    def _per_layer_inputs(self, input_ids: torch.Tensor, x: torch.Tensor) -> torch.Tensor | None:
+        """Gemma 4: each token's input to every layer, [T, layers, P] (transformers'
+        get_per_layer_inputs, then project_per_layer_inputs): the token's row of the table,
+        scaled by sqrt(P), and the embedding's projection, normed, averaged (times 2 ** -0.5)."""
+        table = self.embed_tokens_per_layer
+        if table is None:
+            return None
+        config = self.config
+        shape = (x.shape[0], config.num_layers, config.per_layer_input_size)
+        looked_up = _scaled(table(input_ids), config.per_layer_input_size**0.5).view(shape)
+        projected = self.ops.linear(x, self.per_layer_model_projection.weight, None)
+        projected = (projected * config.hidden_size**-0.5).view(shape)
+        norm = self.per_layer_projection_norm
+        projected = self.ops.rms_norm(projected.reshape(-1, shape[2]), norm.weight, norm.eps)
+        return (projected.view(shape) + looked_up) * 2.0**-0.5
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> [N, vocab] float32."""

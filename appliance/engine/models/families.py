@@ -16,6 +16,8 @@ from appliance.engine.errors import ModelLoadError
 from appliance.engine.models.checkpoint_layout import (
     FUSED_PROJECTIONS,
     GEMMA3_MULTIMODAL,
+    GEMMA4_LAYOUT,
+    GEMMA4_MULTIMODAL,
     GPT_OSS_LAYOUT,
     LLAMA_LAYOUT,
     MIXTRAL_LAYOUT,
@@ -206,20 +208,35 @@ def _granite(read: ConfigReader) -> dict[str, Any]:
     }
 
 
-def _gemma3(read: ConfigReader) -> dict[str, Any]:
+def _gelu_tanh_mlp(read: ConfigReader) -> None:
     act = read.raw.get("hidden_activation") or read.raw.get("hidden_act") or "gelu_pytorch_tanh"
     if act not in ("gelu_pytorch_tanh", "gelu_tanh"):
         raise ModelLoadError(
-            f"{read.source}: 'hidden_activation' {act!r} is not supported; Gemma 3 uses "
+            f"{read.source}: 'hidden_activation' {act!r} is not supported; Gemma uses "
             "'gelu_pytorch_tanh'"
         )
+
+
+def _gemma_layer_types(read: ConfigReader, num_layers: int) -> list[str]:
+    """Without `layer_types`: every `sliding_window_pattern`-th layer global (Gemma 3, 4)."""
+    pattern = read.positive("sliding_window_pattern", 6)
+    return [
+        "sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(num_layers)
+    ]
+
+
+def _final_logit_softcapping(read: ConfigReader) -> float | None:
+    if read.raw.get("final_logit_softcapping") is None:
+        return None
+    return read.number("final_logit_softcapping", 0.0)
+
+
+def _gemma3(read: ConfigReader) -> dict[str, Any]:
+    _gelu_tanh_mlp(read)
     read.refuse_unless("attn_logit_softcapping", (None,))
     read.refuse_unless("use_bidirectional_attention", (None, False))
     num_layers = read.positive("num_hidden_layers")
-    pattern = read.positive("sliding_window_pattern", 6)
-    default_types = [
-        "sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(num_layers)
-    ]
+    default_types = _gemma_layer_types(read, num_layers)
     params = read.rope_parameters()
     if isinstance(params.get("sliding_attention"), dict):  # transformers 5: nested by layer type
         global_params, local_params = (
@@ -230,9 +247,6 @@ def _gemma3(read: ConfigReader) -> dict[str, Any]:
         global_params = {"rope_theta": read.raw.get("rope_theta", 1_000_000.0), **params}
         local_params = {"rope_theta": read.raw.get("rope_local_base_freq", 10_000.0)}
     hidden_size = read.positive("hidden_size")
-    softcap = None
-    if read.raw.get("final_logit_softcapping") is not None:
-        softcap = read.number("final_logit_softcapping", 0.0)
     return {
         "rope": read.rope(global_params),
         "local_rope": read.rope(local_params),
@@ -243,10 +257,169 @@ def _gemma3(read: ConfigReader) -> dict[str, Any]:
         "activation": "gelu_tanh",
         "attention_scale": read.number("query_pre_attn_scalar", 256.0) ** -0.5,
         "embedding_multiplier": hidden_size**0.5,
-        "final_logit_softcapping": None
-        if softcap is None
-        else read.number("final_logit_softcapping", 0.0),
+        "final_logit_softcapping": _final_logit_softcapping(read),
     }
+
+
+# transformers' Gemma4TextConfig defaults: the rope of each layer type, and the head dim of
+# the global layers when the config names none.
+_GEMMA4_ROPE = {
+    "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+    "full_attention": {
+        "rope_type": "proportional",
+        "partial_rotary_factor": 0.25,
+        "rope_theta": 1_000_000.0,
+    },
+}
+_GEMMA4_GLOBAL_HEAD_DIM = 512
+# What a Gemma 4 layer's `per_layer_config` entry may override.
+_GEMMA4_LAYER_KEYS = ("head_dim", "num_key_value_heads")
+
+
+def _gemma4(read: ConfigReader) -> dict[str, Any]:
+    """Gemma 3's block (sandwich norms, scaled embeddings, windows, GELU-tanh MLP, q/k norms)
+    with transformers' Gemma4TextConfig / Gemma4TextModel on top: plain-weight norms, softmax
+    scale 1, wide global layers, values normed, KV sharing, per-layer inputs, layer scalars and
+    a MoE block beside the MLP."""
+    _gelu_tanh_mlp(read)
+    read.refuse_unless("attn_logit_softcapping", (None,))
+    # "vision" makes image tokens attend both ways; text tokens, all this appliance serves,
+    # stay causal. "all" is an encoder.
+    read.refuse_unless("use_bidirectional_attention", (None, "vision"))
+    num_layers = read.positive("num_hidden_layers")
+    types = read.raw.get("layer_types") or _gemma_layer_types(read, num_layers)
+    if isinstance(types, list) and types and types[-1] != "full_attention":
+        raise ModelLoadError(
+            f"{read.source}: 'layer_types' must end with a 'full_attention' layer (Gemma 4's "
+            f"last layer is global), got {types[-1]!r}"
+        )
+    windows = read.windows(num_layers, types)
+    is_global = [t == "full_attention" for t in types]
+    params = read.rope_parameters() or _GEMMA4_ROPE
+    for layer_type in _LAYER_TYPES:
+        if not isinstance(params.get(layer_type), dict):
+            raise ModelLoadError(
+                f"{read.source}: 'rope_parameters' must hold an object for {layer_type!r}"
+            )
+    values_are_keys = read.flag("attention_k_eq_v")
+    head_dims, kv_heads = _gemma4_head_shapes(read, is_global, values_are_keys)
+    kv_sources = _gemma4_kv_sources(read, types)
+    intermediate = read.positive("intermediate_size")
+    double_wide = read.flag("use_double_wide_mlp")
+    shares = [source != i for i, source in enumerate(kv_sources)]
+    per_layer = read.raw.get("hidden_size_per_layer_input") or 0
+    return {
+        "rope": read.rope(params["full_attention"]),
+        "local_rope": read.rope(params["sliding_attention"]),
+        "layer_windows": windows,
+        "qk_norm": True,
+        "sandwich_norms": True,
+        "activation": "gelu_tanh",
+        "attention_scale": 1.0,
+        "embedding_multiplier": read.positive("hidden_size") ** 0.5,
+        "final_logit_softcapping": _final_logit_softcapping(read),
+        "layer_head_dims": head_dims,
+        "layer_num_kv_heads": kv_heads,
+        "layer_intermediate_sizes": tuple(
+            intermediate * (2 if double_wide and shared else 1) for shared in shares
+        ),
+        "layer_values_are_keys": tuple(values_are_keys and g for g in is_global),
+        "layer_kv_sources": kv_sources,
+        "value_norm": True,
+        "layer_scalars": True,
+        "per_layer_input_size": read.positive("hidden_size_per_layer_input") if per_layer else 0,
+        "per_layer_vocab_size": read.positive("vocab_size_per_layer_input") if per_layer else 0,
+        "moe": _gemma4_moe(read, num_layers) if read.flag("enable_moe_block") else None,
+    }
+
+
+def _gemma4_head_shapes(
+    read: ConfigReader, is_global: list[bool], values_are_keys: bool
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Each layer's (head dim, KV heads): transformers 5 saves the global layers' as
+    `per_layer_config` overrides; Google's configs name `global_head_dim` and (for
+    attention_k_eq_v models) `num_global_key_value_heads`, from which transformers builds them."""
+    num_heads = read.positive("num_attention_heads")
+    head_dim = read.positive("head_dim")
+    num_kv_heads = read.positive("num_key_value_heads", num_heads)
+    overrides = read.raw.get("per_layer_config")
+    if overrides is None:
+        wide = {"head_dim": read.positive("global_head_dim", _GEMMA4_GLOBAL_HEAD_DIM)}
+        if values_are_keys and read.raw.get("num_global_key_value_heads") is not None:
+            wide["num_key_value_heads"] = read.positive("num_global_key_value_heads")
+        overrides = {str(i): wide for i, g in enumerate(is_global) if g}
+    if not isinstance(overrides, dict):
+        raise ModelLoadError(f"{read.source}: 'per_layer_config' must be an object")
+    layers: list[dict[str, Any]] = [{} for _ in is_global]
+    for key, values in overrides.items():
+        if not str(key).isdigit() or int(key) >= len(layers) or not isinstance(values, dict):
+            raise ModelLoadError(
+                f"{read.source}: 'per_layer_config' must map layer indices to objects, got {key!r}"
+            )
+        unknown = sorted(set(values) - set(_GEMMA4_LAYER_KEYS))
+        if unknown:
+            raise ModelLoadError(
+                f"{read.source}: per_layer_config[{key!r}] overrides {unknown[0]!r}, which is "
+                f"not supported; supported: {', '.join(_GEMMA4_LAYER_KEYS)}"
+            )
+        layers[int(key)] = values
+    where = f"per_layer_config of {read.source}"
+    head_dims, kv_heads = [], []
+    for layer in layers:
+        layer_read = ConfigReader({"head_dim": head_dim, "num_key_value_heads": num_kv_heads,
+                                   **layer}, where)  # fmt: skip
+        head_dims.append(layer_read.positive("head_dim"))
+        kv_heads.append(layer_read.positive("num_key_value_heads"))
+        if num_heads % kv_heads[-1]:
+            raise ModelLoadError(
+                f"{where}: num_attention_heads {num_heads} is not a multiple of "
+                f"num_key_value_heads {kv_heads[-1]}"
+            )
+    return tuple(head_dims), tuple(kv_heads)
+
+
+def _gemma4_kv_sources(read: ConfigReader, types: list[str]) -> tuple[int, ...]:
+    """transformers' Gemma4TextConfig.kv_sharing_modes: the last `num_kv_shared_layers` layers
+    each attend over the KV of the last earlier layer of their own type (which stores it)."""
+    num_layers = len(types)
+    num_shared = read.raw.get("num_kv_shared_layers") or 0
+    if not isinstance(num_shared, int) or isinstance(num_shared, bool) or num_shared < 0:
+        raise ModelLoadError(
+            f"{read.source}: 'num_kv_shared_layers' must be an integer >= 0, got {num_shared!r}"
+        )
+    first_shared = num_layers - num_shared
+    sources = list(range(num_layers))
+    for i in range(max(first_shared, 0), num_layers):
+        owners = [j for j in range(first_shared) if types[j] == types[i]]
+        if not owners:
+            raise ModelLoadError(
+                f"{read.source}: 'num_kv_shared_layers' {num_shared} leaves no earlier "
+                f"{types[i]!r} layer to own the KV that layer {i} reuses"
+            )
+        sources[i] = owners[-1]
+    return tuple(sources)
+
+
+def _gemma4_moe(read: ConfigReader, num_layers: int) -> MoeConfig:
+    num_experts, top_k = read.positive("num_experts"), read.positive("top_k_experts")
+    if top_k > num_experts:
+        raise ModelLoadError(
+            f"{read.source}: 'top_k_experts' {top_k} exceeds the {num_experts} experts"
+        )
+    router = Router(
+        num_experts=num_experts,
+        top_k=top_k,
+        renormalize=True,
+        normed_input=True,
+        per_expert_scale=True,
+    )
+    return MoeConfig(
+        router=router,
+        expert_size=read.positive("moe_intermediate_size"),
+        moe_layers=(True,) * num_layers,
+        activation="gelu_tanh",
+        beside_dense_mlp=True,
+    )
 
 
 def _num_experts(read: ConfigReader) -> int:
@@ -335,5 +508,9 @@ FAMILIES: dict[str, Family] = {
     "GptOssForCausalLM": Family(_gpt_oss, layout=GPT_OSS_LAYOUT),
     "Gemma3ForConditionalGeneration": Family(
         _gemma3, layout=GEMMA3_MULTIMODAL, text_config_key="text_config", tied_by_default=True
+    ),
+    "Gemma4ForCausalLM": Family(_gemma4, layout=GEMMA4_LAYOUT, tied_by_default=True),
+    "Gemma4ForConditionalGeneration": Family(
+        _gemma4, layout=GEMMA4_MULTIMODAL, text_config_key="text_config", tied_by_default=True
     ),
 }

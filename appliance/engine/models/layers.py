@@ -31,25 +31,34 @@ class Attention(nn.Module):
     per-head q/k RMSNorm before rope (Qwen3, Gemma 3), rope on a leading part of each head
     (Phi-4-mini), a sliding window (Mistral, Gemma 3's local layers), a softmax scale other
     than head_dim ** -0.5 (Gemma 3's query_pre_attn_scalar, Granite's attention_multiplier) and
-    attention sinks (gpt-oss)."""
+    attention sinks (gpt-oss). Gemma 4's: a head dim and KV heads of the layer's own, values
+    that are the keys (one projection, `values_are_keys`), RMS-normed without a weight
+    (`value_norm`), and a layer that attends over an earlier layer's cache (`owns_kv` False):
+    it projects only q and writes nothing."""
 
     def __init__(self, config: ModelConfig, ops: KernelOps, layer_index: int):
         super().__init__()
         self.ops = ops
+        self.eps = config.rms_norm_eps
         self.num_heads = config.num_heads
-        self.num_kv_heads = config.num_kv_heads
-        self.head_dim = config.head_dim
-        self.rotary_dim = config.rotary_dim
-        self.q_size = config.num_heads * config.head_dim
-        self.kv_size = config.num_kv_heads * config.head_dim
-        self.scale = config.attention_scale or config.head_dim**-0.5
+        self.num_kv_heads = config.num_kv_heads_of(layer_index)
+        self.head_dim = head_dim = config.head_dim_of(layer_index)
+        self.rotary_dim = config.rotary_dim_of(layer_index)
+        self.q_size = config.num_heads * head_dim
+        self.kv_size = self.num_kv_heads * head_dim
+        self.scale = config.attention_scale or head_dim**-0.5
         self.sliding_window = config.layer_windows[layer_index]
+        self.owns_kv = config.kv_source_of(layer_index) == layer_index
+        self.values_are_keys = config.values_are_keys(layer_index)
+        self.value_norm = config.value_norm
+        num_kv_rows = (1 if self.values_are_keys else 2) * self.kv_size if self.owns_kv else 0
         self.qkv_proj = nn.Linear(
-            config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.qkv_bias
+            config.hidden_size, self.q_size + num_kv_rows, bias=config.qkv_bias
         )
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.o_bias)
-        self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
-        self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        qk_norm = config.qk_norm
+        self.q_norm = RMSNorm(head_dim, config.rms_norm_eps) if qk_norm else None
+        self.k_norm = RMSNorm(head_dim, config.rms_norm_eps) if qk_norm and self.owns_kv else None
         # gpt-oss: a learned logit per query head in each softmax's denominator.
         self.sinks = nn.Parameter(torch.empty(config.num_heads)) if config.attention_sinks else None
         # An FP8 KV cache stores k / k_scale and v / v_scale (kernels.reference.quantize_kv):
@@ -66,20 +75,21 @@ class Attention(nn.Module):
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
+        """kv_cache: this layer's [2, blocks, block_size, Hkv, D], or the one it shares."""
         num_tokens = x.shape[0]
         qkv_weight = projection_weight(self.qkv_proj)
         qkv = self.ops.linear(x, qkv_weight, self.qkv_proj.bias)  # [T, (Hq+2Hkv) D]
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(num_tokens, self.num_heads, self.head_dim)
-        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
-        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None and self.k_norm is not None:
+        q = qkv[:, : self.q_size].view(num_tokens, self.num_heads, self.head_dim)
+        if self.q_norm is not None:
             q = self._norm_heads(q, self.q_norm)
-            k = self._norm_heads(k, self.k_norm)
-        q, k = self._rotate(q, k, cos, sin)
         k_cache, v_cache = kv_cache[0], kv_cache[1]
         k_scale, v_scale = self.k_scale, self.v_scale
-        self.ops.write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping, k_scale, v_scale)
+        if self.owns_kv:
+            k, v = self._keys_values(qkv[:, self.q_size :])
+            q, k = self._rotate(q, k, cos, sin)
+            self.ops.write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping, k_scale, v_scale)
+        else:  # the cache holds this step's keys already, written by the layer that owns it
+            q, _ = self._rotate(q, q, cos, sin)
         o = self.ops.paged_attention(
             q,
             k_cache,
@@ -93,6 +103,20 @@ class Attention(nn.Module):
         )
         o = o.reshape(num_tokens, self.q_size)
         return self.ops.linear(o, projection_weight(self.o_proj), self.o_proj.bias)
+
+    def _keys_values(self, kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """kv: [T, 2 Hkv D] (or [T, Hkv D] when the values are the keys) -> k, v: [T, Hkv, D],
+        k normed (qk_norm) but not yet rotated, v normed (value_norm)."""
+        shape = (kv.shape[0], self.num_kv_heads, self.head_dim)
+        k = kv[:, : self.kv_size].view(shape)
+        v = k if self.values_are_keys else kv[:, self.kv_size :].view(shape)
+        if self.k_norm is not None:
+            k = self._norm_heads(k, self.k_norm)
+        if self.value_norm:
+            # RMSNorm without a weight (transformers' Gemma4RMSNorm(with_scale=False)).
+            mean_square = v.float().pow(2).mean(-1, keepdim=True)
+            v = (v.float() * torch.rsqrt(mean_square + self.eps)).to(v.dtype)
+        return k, v
 
     def _norm_heads(self, x: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
         """[T, H, D] -> the same, each head's vector RMS-normalised."""
@@ -121,11 +145,19 @@ class MLP(nn.Module):
     """Gated MLP: down(act(gate) * up), act SiLU or tanh-approximated GELU (Gemma), over at most
     `chunk_tokens` rows at a time (each row's result does not depend on the others)."""
 
-    def __init__(self, config: ModelConfig, ops: KernelOps, chunk_tokens: int = MLP_CHUNK_TOKENS):
+    def __init__(
+        self,
+        config: ModelConfig,
+        ops: KernelOps,
+        chunk_tokens: int = MLP_CHUNK_TOKENS,
+        *,
+        intermediate_size: int | None = None,
+    ):
         super().__init__()
         self.ops = ops
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        size = intermediate_size or config.intermediate_size
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * size, bias=False)
+        self.down_proj = nn.Linear(size, config.hidden_size, bias=False)
         self.gelu_tanh = config.activation == "gelu_tanh"
         self.chunk_tokens = chunk_tokens
 

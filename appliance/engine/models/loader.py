@@ -132,7 +132,12 @@ def load_model(
         if name.endswith(".input_scale"):
             param.data.zero_()  # the largest of the fused modules' static scales is kept
     shard_sizes = _shard_sizes(config, 1 if shard is None else shard.size)
-    checkpoint_rows = {k: tuple(v) for k, v in _shard_sizes(config).items()}
+    # A checkpoint storing fused projections (Phi-3) has layers alike: layer 0's rows say all.
+    checkpoint_rows = {
+        k.split(".", 2)[2]: tuple(v)
+        for k, v in _shard_sizes(config).items()
+        if k.startswith("layers.0.")
+    }
     missing = {(name, part) for name in params for part in _pieces_of(name, config, shard_sizes)}
     layout = config.family.layout
     blocks = _BlockScaledWeights(config, shard)
@@ -180,7 +185,7 @@ def load_model(
                     part = part.narrow(split[0], split[1], split[2] - split[1])
             dest = params[target].data
             if fused is not None and kind != "input_scale":
-                sizes = shard_sizes[fused]
+                sizes = shard_sizes[module]
                 start = sum(sizes[:index])
                 dest = dest[start : start + sizes[index]]
             if config.norm_weight_offset and target.endswith("norm.weight"):
@@ -368,7 +373,7 @@ class _BlockScaledWeights:
         scale = params[f"{module}.weight_scale"].data
         if piece is None:
             return weight, scale
-        sizes = self._shard_sizes[module.split(".", 2)[-1]]
+        sizes = self._shard_sizes[module]
         start = sum(sizes[:piece])
         return weight[start : start + sizes[piece]], scale[start : start + sizes[piece]]
 
@@ -391,17 +396,24 @@ class _BlockScaledWeights:
 
 
 def _shard_sizes(config: ModelConfig, num_ranks: int = 1) -> dict[str, list[int]]:
-    """Rows of each fused projection, in checkpoint order ([q; k; v] and [gate; up]), on each
-    of `num_ranks` tensor-parallel ranks."""
-    kv = config.num_kv_heads * config.head_dim // num_ranks
-    mlp = config.intermediate_size // num_ranks
-    sizes = {
-        "self_attn.qkv_proj": [config.num_heads * config.head_dim // num_ranks, kv, kv],
-        "mlp.gate_up_proj": [mlp, mlp],
-    }
-    if config.moe is not None and config.moe.shared_expert_size:
-        shared = config.moe.shared_expert_size // num_ranks
-        sizes["mlp.shared_expert.gate_up_proj"] = [shared, shared]
+    """Rows of each layer's fused projections (`layers.{i}.self_attn.qkv_proj`, ...), in
+    checkpoint order ([q; k; v] and [gate; up]), on each of `num_ranks` tensor-parallel ranks.
+    Gemma 4's layers differ: wide global heads, values that are the keys (no v), layers that
+    reuse another's KV (q only), double-wide MLPs."""
+    sizes = {}
+    for i in range(config.num_layers):
+        head_dim = config.head_dim_of(i)
+        kv = config.num_kv_heads_of(i) * head_dim // num_ranks
+        num_kv = (1 if config.values_are_keys(i) else 2) if config.kv_source_of(i) == i else 0
+        sizes[f"layers.{i}.self_attn.qkv_proj"] = [
+            config.num_heads * head_dim // num_ranks,
+            *[kv] * num_kv,
+        ]
+        mlp = config.intermediate_size_of(i) // num_ranks
+        sizes[f"layers.{i}.mlp.gate_up_proj"] = [mlp, mlp]
+        if config.moe is not None and config.moe.shared_expert_size:
+            shared = config.moe.shared_expert_size // num_ranks
+            sizes[f"layers.{i}.mlp.shared_expert.gate_up_proj"] = [shared, shared]
     return sizes
 
 
@@ -413,11 +425,8 @@ def _pieces_of(
     for stacked, per_expert in _STACKED_EXPERTS.items():
         if param.endswith(stacked) and config.moe is not None:
             return list(range(per_expert * config.moe.router.num_experts))
-    module = param.rsplit(".", 1)[0]
-    for fused, sizes in shard_sizes.items():
-        if module.endswith(fused):
-            return list(range(len(sizes)))
-    return [None]
+    sizes = shard_sizes.get(param.rsplit(".", 1)[0])
+    return [None] if sizes is None else list(range(len(sizes)))
 
 
 def _load_expert(

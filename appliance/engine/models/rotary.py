@@ -1,6 +1,7 @@
 """Rotary position embedding (RoPE): its parameters as config.json gives them, and the cos/sin
-tables of every scaling the supported families use (linear, llama3, yarn, longrope), for a
-rotary part that may be a leading fraction of each head (Phi-4-mini rotates 96 of 128 dims).
+tables of every scaling the supported families use (linear, llama3, yarn, longrope, and
+Gemma 4's proportional), for a rotary part that may be a leading fraction of each head
+(Phi-4-mini rotates 96 of 128 dims).
 
 Inverse frequencies are computed with the same float32 operations as transformers'
 `modeling_rope_utils`, so the tables agree with it bit for bit.
@@ -17,7 +18,9 @@ import torch
 
 from appliance.engine.errors import ModelLoadError
 
-SUPPORTED_ROPE_TYPES = frozenset({"default", "linear", "llama3", "yarn", "longrope"})
+SUPPORTED_ROPE_TYPES = frozenset(
+    {"default", "linear", "llama3", "yarn", "longrope", "proportional"}
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,6 +45,10 @@ class RopeConfig:
     short_factor: tuple[float, ...] = ()
     long_factor: tuple[float, ...] = ()
     attention_factor: float | None = None
+    # proportional (Gemma 4's global layers): only the first `proportion` of each half's
+    # frequencies turn, with exponents over the whole head; the rest are 0 (cos 1, sin 0), so
+    # dims i and i + D/2 are a rotated pair for i < proportion * D/2 and the others pass through.
+    proportion: float = 1.0
 
     @classmethod
     def parse(cls, params: Mapping[str, Any], raw: Mapping[str, Any], *, source: str) -> RopeConfig:
@@ -90,6 +97,13 @@ class RopeConfig:
             factor = raw.get("max_position_embeddings", original) / original
         if factor is not None:
             kwargs["factor"] = _number(factor, "factor", source)
+        if rope_type == "proportional" and params.get("partial_rotary_factor") is not None:
+            proportion = _number(params["partial_rotary_factor"], "partial_rotary_factor", source)
+            if not 0 < proportion <= 1:
+                raise ModelLoadError(
+                    f"{source}: rope 'partial_rotary_factor' must be in (0, 1], got {proportion}"
+                )
+            kwargs["proportion"] = proportion
         if rope_type == "longrope":
             for key in ("short_factor", "long_factor"):
                 values = params.get(key)
@@ -116,6 +130,8 @@ def inverse_frequencies(rope: RopeConfig, rotary_dim: int, *, long: bool = False
                 f"longrope has {len(factors)} factors for {rotary_dim // 2} rotary frequencies"
             )
         return 1.0 / (torch.tensor(factors, dtype=torch.float32) * rope.theta**exponents)
+    if rope.rope_type == "proportional":
+        return _proportional(rope, rotary_dim)
     inv_freq = 1.0 / (rope.theta**exponents)
     if rope.rope_type == "linear":
         return inv_freq / rope.factor
@@ -159,6 +175,15 @@ def _llama3_scaled(inv_freq: torch.Tensor, rope: RopeConfig) -> torch.Tensor:
     smoothed = (1 - smooth) * scaled / rope.factor + smooth * scaled
     is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
     return torch.where(is_medium, smoothed, scaled)
+
+
+def _proportional(rope: RopeConfig, rotary_dim: int) -> torch.Tensor:
+    # transformers' _compute_proportional_rope_parameters, operation for operation.
+    num_turning = int(rope.proportion * rotary_dim // 2)
+    exponents = torch.arange(0, 2 * num_turning, 2, dtype=torch.int64).float() / rotary_dim
+    turning = 1.0 / (rope.theta**exponents)
+    still = torch.zeros(rotary_dim // 2 - num_turning, dtype=torch.float32)
+    return torch.cat((turning, still)) / rope.factor
 
 
 def _yarn_scaled(rope: RopeConfig, dim: int) -> torch.Tensor:

@@ -6,7 +6,9 @@ reads those fields, so a new MoE family is a declaration, not a code path. The v
 - Mixtral, Qwen2/3-MoE: softmax over all experts, top-k, renormalised (`norm_topk_prob`);
 - gpt-oss: top-k of the logits (the router projection has a bias), softmax over the k chosen;
 - DeepSeek-V3 style: sigmoid scores, a selection bias added for choosing only, top-k within
-  the best `topk_groups` of `num_groups` expert groups, renormalised, times a scale.
+  the best `topk_groups` of `num_groups` expert groups, renormalised, times a scale;
+- Gemma 4: the router projects its own RMS-normed, learned-scaled input, softmax over all,
+  top-k, renormalised, each chosen weight times its expert's learned scale.
 
 Pure torch on the logits ([T, E], a few KB): the same ops on the CPU and the GPU, no host sync.
 """
@@ -41,6 +43,12 @@ class Router:
     num_groups: int = 1
     topk_groups: int = 1
     scaling_factor: float = 1.0  # applied to the final weights (routed_scaling_factor)
+    # The router projects RMSNorm(x) * scale * hidden_size ** -0.5, `scale` a learned [H]
+    # vector, not x (Gemma 4's Gemma4TextRouter).
+    normed_input: bool = False
+    # Each chosen weight is multiplied by a learned per-expert scale, after renormalising
+    # (Gemma 4's per_expert_scale).
+    per_expert_scale: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,6 +65,11 @@ class MoeConfig:
     # SwiGLU) (gpt-oss).
     expert_bias: bool = False
     clamped_swiglu: ClampedSwiglu | None = None
+    # The experts' gated activation: "silu" or "gelu_tanh" (Gemma 4).
+    activation: str = "silu"
+    # The block sits beside the dense MLP, not in its place (Gemma 4's enable_moe_block): the
+    # layer keeps its MLP and adds the two outputs, each normed (models.decoder).
+    beside_dense_mlp: bool = False
 
     @property
     def num_moe_layers(self) -> int:
@@ -64,13 +77,17 @@ class MoeConfig:
 
 
 def route(
-    logits: torch.Tensor, router: Router, selection_bias: torch.Tensor | None = None
+    logits: torch.Tensor,
+    router: Router,
+    selection_bias: torch.Tensor | None = None,
+    expert_scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """logits: [T, E] -> (weights [T, k] float32, expert ids [T, k] int64).
 
     The scores are computed in float32 and the choice is `torch.topk`'s, as transformers'
     routers do, so ties go the same way (the lower expert id first on the CPU). With
-    `router.selection_bias`, `selection_bias` is its [E] float32 tensor.
+    `router.selection_bias`, `selection_bias` is its [E] float32 tensor; with
+    `router.per_expert_scale`, `expert_scale` is its [E] tensor.
     """
     logits = logits.float()
     if router.score_after_topk:
@@ -90,6 +107,9 @@ def route(
         weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
     if router.scaling_factor != 1.0:
         weights = weights * router.scaling_factor
+    if router.per_expert_scale:
+        assert expert_scale is not None, "a per-expert-scale router is given its scales"
+        weights = weights * expert_scale.float()[ids]
     return weights, ids
 
 

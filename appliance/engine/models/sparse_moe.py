@@ -6,7 +6,9 @@ token through its k experts and sums their outputs, weighted. The experts' weigh
 ([E, 2I, H] gate/up rows, [E, H, I] down), whatever the checkpoint stores (models.loader). An
 optional shared expert (Qwen2-MoE) is a dense MLP every token passes through, its output scaled
 by a sigmoid gate and added. gpt-oss's experts have biases and a clamped SwiGLU
-(`kernels.ops.ClampedSwiglu`).
+(`kernels.ops.ClampedSwiglu`). Gemma 4's block sits beside the dense MLP (models.decoder): its
+router reads the layer's un-normed input, normed and scaled its own way (`Router.normed_input`),
+its experts a differently normed one, and they gate with GELU-tanh.
 """
 
 from __future__ import annotations
@@ -56,6 +58,13 @@ class SparseMoeBlock(nn.Module):
             # Where DeepSeek-V3 checkpoints keep it: mlp.gate.e_score_correction_bias.
             bias = nn.Parameter(torch.empty(moe.router.num_experts))
             self.gate.register_parameter("e_score_correction_bias", bias)
+        if moe.router.normed_input:  # Gemma 4's router.scale, [H]
+            self.gate.register_parameter("scale", nn.Parameter(torch.empty(hidden)))
+        if moe.router.per_expert_scale:  # Gemma 4's router.per_expert_scale, [E]
+            scales = nn.Parameter(torch.empty(moe.router.num_experts))
+            self.gate.register_parameter("per_expert_scale", scales)
+        self.activation = moe.activation
+        self.eps = config.rms_norm_eps
         self.experts = Experts(moe, hidden)
         self.shared_expert: MLP | None = None
         self.shared_expert_gate: nn.Linear | None = None
@@ -66,12 +75,14 @@ class SparseMoeBlock(nn.Module):
         if moe.shared_expert_gated:
             self.shared_expert_gate = nn.Linear(hidden, 1, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x: [T, H] -> [T, H]"""
+    def forward(self, x: torch.Tensor, router_input: torch.Tensor | None = None) -> torch.Tensor:
+        """x: [T, H] -> [T, H]. `router_input` ([T, H]): what the router scores, where it is
+        not x (Gemma 4)."""
         ops = self.ops
-        logits = ops.linear(x, self.gate.weight, self.gate.bias)  # [T, E]
+        logits = ops.linear(self._router_rows(x, router_input), self.gate.weight, self.gate.bias)
         selection_bias = getattr(self.gate, "e_score_correction_bias", None)
-        weights, expert_ids = route(logits, self.router, selection_bias)  # [T, k] each
+        expert_scale = getattr(self.gate, "per_expert_scale", None)
+        weights, expert_ids = route(logits, self.router, selection_bias, expert_scale)  # [T, k]
         experts = self.experts
         out = ops.fused_moe(
             x,
@@ -82,6 +93,7 @@ class SparseMoeBlock(nn.Module):
             gate_up_bias=experts.gate_up_proj_bias,
             down_bias=experts.down_proj_bias,
             clamped_swiglu=self.clamped_swiglu,
+            activation=self.activation,
         )
         if self.shared_expert is None:
             return out
@@ -89,3 +101,11 @@ class SparseMoeBlock(nn.Module):
         if self.shared_expert_gate is not None:
             shared = torch.sigmoid(ops.linear(x, self.shared_expert_gate.weight, None)) * shared
         return out + shared
+
+    def _router_rows(self, x: torch.Tensor, router_input: torch.Tensor | None) -> torch.Tensor:
+        rows = x if router_input is None else router_input
+        if not self.router.normed_input:
+            return rows
+        # transformers' Gemma4TextRouter: RMSNorm(rows) * scale * hidden_size ** -0.5.
+        scaled = self.ops.rms_norm(rows, self.gate.scale, self.eps)
+        return scaled * rows.shape[-1] ** -0.5

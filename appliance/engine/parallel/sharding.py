@@ -107,6 +107,12 @@ def verify_divisible(config: ModelConfig, size: int) -> None:
             f"tensor_parallel_size {size}: {config.architecture} is a mixture of experts, which "
             "runs on one GPU (expert parallelism is not built); set tensor_parallel_size = 1"
         )
+    if size > 1 and (config.layer_head_dims or config.per_layer_input_size):
+        raise EngineConfigError(
+            f"tensor_parallel_size {size}: {config.architecture}'s layers of different head "
+            "dims and its per-layer inputs are not split across GPUs (not built); set "
+            "tensor_parallel_size = 1"
+        )
     dims = {
         "num_attention_heads": config.num_heads,
         "num_key_value_heads": config.num_kv_heads,

@@ -157,6 +157,37 @@ FAMILY_VARIANTS: dict[str, Variant] = {
                              "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
                              "original_max_position_embeddings": 32}},
     ),
+    # Gemma 4 (transformers' defaults: proportional rope on the global layers, a quarter of
+    # their frequencies turning). Six layers, windowed and global alternating: wide global
+    # heads (32, one KV head, values that are the keys), per-layer inputs of 8, the last two
+    # layers reusing the KV of layers 2 and 3 with double-wide MLPs, softcapped logits.
+    "gemma4": Variant(
+        "gemma4",
+        6,
+        {"layer_types": ["sliding_attention", "full_attention"] * 3, "sliding_window": WINDOW,
+         "global_head_dim": 32, "num_global_key_value_heads": 1, "attention_k_eq_v": True,
+         "hidden_size_per_layer_input": 8, "vocab_size_per_layer_input": 256,
+         "num_kv_shared_layers": 2, "use_double_wide_mlp": True,
+         "final_logit_softcapping": 30.0},
+    ),
+    # Gemma 4's MoE block beside each layer's MLP (26B-A4B's shape): 6 experts of 48, best 2;
+    # no per-layer inputs and no KV sharing (transformers' own forward fails on KV-shared
+    # layers without per-layer inputs; no released Gemma 4 combines them).
+    "gemma4-moe": Variant(
+        "gemma4",
+        4,
+        {"layer_types": ["sliding_attention", "full_attention"] * 2, "sliding_window": WINDOW,
+         "global_head_dim": 32, "num_global_key_value_heads": 1, "attention_k_eq_v": True,
+         "hidden_size_per_layer_input": 0, "enable_moe_block": True, "num_experts": 6,
+         "top_k_experts": 2, "moe_intermediate_size": 48},
+    ),
+    "gemma4-multimodal": Variant(
+        "gemma4-multimodal",
+        4,
+        {"layer_types": ["sliding_attention", "full_attention"] * 2, "sliding_window": WINDOW,
+         "global_head_dim": 32, "hidden_size_per_layer_input": 8,
+         "vocab_size_per_layer_input": 256, "num_kv_shared_layers": 2},
+    ),
 }  # fmt: skip
 # Real head shapes for the GPU tests (tests/.../test_families_gpu.py): Gemma 3's head_dim 256
 # with a 64-token window, Phi-4-mini's 96 rotary dims of 128.
@@ -211,6 +242,11 @@ def _classes(arch: str) -> tuple[type, type]:
         "qwen3-moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),
         "qwen2-moe": (transformers.Qwen2MoeConfig, transformers.Qwen2MoeForCausalLM),
         "gpt-oss": (transformers.GptOssConfig, transformers.GptOssForCausalLM),
+        "gemma4": (transformers.Gemma4TextConfig, transformers.Gemma4ForCausalLM),
+        "gemma4-multimodal": (
+            transformers.Gemma4TextConfig,
+            transformers.Gemma4ForConditionalGeneration,
+        ),
     }[arch]
 
 
@@ -218,6 +254,11 @@ def _classes(arch: str) -> tuple[type, type]:
 # loader to skip by name.
 _TINY_VISION = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
                 "num_attention_heads": 2, "image_size": 28, "patch_size": 14}  # fmt: skip
+_TINY_GEMMA4_VISION = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
+                       "num_attention_heads": 2, "num_key_value_heads": 2, "head_dim": 16,
+                       "position_embedding_size": 64}  # fmt: skip
+_TINY_GEMMA4_AUDIO = {"hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2,
+                      "subsampling_conv_channels": [8, 4], "output_proj_dims": 32}  # fmt: skip
 
 
 def build_hf_model(name: str, seed: int = 0) -> torch.nn.Module:
@@ -233,6 +274,14 @@ def build_hf_model(name: str, seed: int = 0) -> torch.nn.Module:
 
         config = transformers.Gemma3Config(
             text_config=config.to_dict(), vision_config=_TINY_VISION, mm_tokens_per_image=4
+        )
+    if variant.arch == "gemma4-multimodal":
+        import transformers
+
+        config = transformers.Gemma4Config(
+            text_config=config.to_dict(),
+            vision_config=_TINY_GEMMA4_VISION,
+            audio_config=_TINY_GEMMA4_AUDIO,
         )
     torch.manual_seed(seed)
     model = model_class(config).eval()
@@ -250,6 +299,9 @@ def build_hf_model(name: str, seed: int = 0) -> torch.nn.Module:
                 param.copy_(0.25 * noise)
             else:  # a projection, or a stack of experts' ([E, out, in]): by its fan-in
                 param.copy_(noise * (1.5 / math.sqrt(param.shape[-1])))
+        for buffer_name, buffer in model.named_buffers():
+            if buffer_name.endswith("layer_scalar"):  # Gemma 4's, saved with the weights
+                buffer.copy_(0.8 + 0.4 * torch.rand(buffer.shape, generator=generator))
     return model
 
 

@@ -56,8 +56,8 @@ def test_routing_ties_are_decided_as_transformers_decides_them(tied_mixtral):
 def test_the_tie_comparison_would_fail_if_ties_went_to_the_higher_expert(tied_mixtral, monkeypatch):
     model_dir, hf_model = tied_mixtral
 
-    def higher_expert_first(logits, router, selection_bias=None):
-        weights, ids = route(logits.flip(-1), router, selection_bias)
+    def higher_expert_first(logits, router, selection_bias=None, expert_scale=None):
+        weights, ids = route(logits.flip(-1), router, selection_bias, expert_scale)
         return weights, router.num_experts - 1 - ids
 
     monkeypatch.setattr(sparse_moe, "route", higher_expert_first)
