@@ -120,6 +120,7 @@ class _ChatEndpoint:
                     max_tokens=max_tokens,
                     logprobs=logprobs,
                     structured=structured,
+                    skip_special_tokens=not conventions.keeps_special_tokens,
                 ),
             )
             for i in range(body.n)

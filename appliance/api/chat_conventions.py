@@ -7,11 +7,17 @@ turns it off), else chosen automatically (`auto`, the default):
 - tools: from the chat template, which shows the model the format it must write (an operator's
   `chat_template.jinja` may teach another one than the checkpoint's), else from the
   architecture in config.json: Qwen3 writes Hermes calls, Granite its `<|tool_call|>` array,
-  Phi-3/Phi-4-mini `functools[...]` (under vLLM's tool template: Phi-4-mini's own shows none).
+  Phi-3/Phi-4-mini `functools[...]` (under vLLM's tool template: Phi-4-mini's own shows none),
+  Gemma 4 its `<|tool_call>call:...` notation.
 - reasoning: `qwen3` for a template that lets a request switch thinking (`enable_thinking`)
-  and closes a thought (`</think>`): Qwen3's hybrid models. A model that always thinks (QwQ,
+  and closes a thought (`</think>`): Qwen3's hybrid models. `gemma4` for Gemma 4, by its
+  architecture: its parser takes an output for reasoning only when it opens Gemma's thought
+  channel, so it is safe on every output. A model that always thinks (QwQ,
   Qwen3-*-Thinking-2507) names it in the settings: a parser on a model that does not think
   would take its whole answer for reasoning.
+
+Gemma 4's markers are special tokens, which the usual decode drops: a request parsed with its
+formats is decoded with special tokens kept (`keeps_special_tokens`), as vLLM's parsers ask.
 """
 
 from __future__ import annotations
@@ -30,15 +36,31 @@ TOOL_FORMAT_OF_ARCHITECTURE = {
     "Qwen3MoeForCausalLM": "hermes",
     "GraniteForCausalLM": "granite",
     "Phi3ForCausalLM": "phi4_mini_json",
+    "Gemma4ForCausalLM": "gemma4",
+    "Gemma4ForConditionalGeneration": "gemma4",
 }
 """The tool-call format of each architecture's instruct checkpoints, when its template shows
 none this server recognises."""
+
+REASONING_FORMAT_OF_ARCHITECTURE = {
+    "Gemma4ForCausalLM": "gemma4",
+    "Gemma4ForConditionalGeneration": "gemma4",
+}
+"""The reasoning format of architectures whose parser is safe on outputs without a thought."""
+
+# Formats whose markers are special tokens: the output must be decoded with them kept.
+_SPECIAL_TOKEN_FORMATS = frozenset({"gemma4"})
 
 
 @dataclass(frozen=True, slots=True)
 class ChatConventions:
     tool_format: str | None  # a key of tool_parsers.PARSERS; None: no parser
     reasoning_format: str | None  # a key of reasoning_parsers.REASONING_PARSERS; None: none
+
+    @property
+    def keeps_special_tokens(self) -> bool:
+        """Whether the output is decoded with special tokens kept, for a parser to see them."""
+        return bool({self.tool_format, self.reasoning_format} & _SPECIAL_TOKEN_FORMATS)
 
     def reasoning(
         self, template_kwargs: Mapping[str, object], *, constrained: bool
@@ -81,7 +103,8 @@ def choose_conventions(
         tool_format = None if tool_parser == NONE else tool_parser
     if reasoning_parser == AUTO:
         thinks = "enable_thinking" in template and "</think>" in template
-        reasoning_format = "qwen3" if thinks else None
+        by_architecture = (REASONING_FORMAT_OF_ARCHITECTURE.get(a) for a in architectures)
+        reasoning_format = "qwen3" if thinks else next(filter(None, by_architecture), None)
     else:
         reasoning_format = None if reasoning_parser == NONE else reasoning_parser
     return ChatConventions(tool_format, reasoning_format)

@@ -48,6 +48,7 @@ def choice_params(
     logprobs: int | None,
     prompt_logprobs: int | None = None,
     structured: StructuredOutput | None = None,
+    skip_special_tokens: bool = True,
 ) -> SamplingParams:
     """The engine's sampling parameters for choice `index` of a request; a sampling field the
     request leaves out takes the model's `defaults`. With a seed, choice i uses seed + i, so
@@ -77,6 +78,7 @@ def choice_params(
         logprobs=logprobs,
         prompt_logprobs=prompt_logprobs,
         structured=structured,
+        skip_special_tokens=skip_special_tokens,
     )
 
 

@@ -6,6 +6,10 @@ format, as vLLM names its `--reasoning-parser`s.
   `chat_template_kwargs.enable_thinking: false` the template closes an empty thought in the
   prompt and everything generated is the answer. An output cut off before `</think>` is all
   reasoning, as vLLM's parser has it.
+- `gemma4`: Gemma 4 may open its answer with a thought, `<|channel>thought\n...<channel|>`
+  (special tokens, so its output is decoded with them kept, chat_conventions); its template
+  turns thinking on with `enable_thinking`. An output that does not open with the channel is
+  all answer; one cut off inside it is all reasoning.
 
 A parser is incremental, like the tool-call parsers (appliance.api.tool_parsers): `feed` the
 text as it is generated, then `finish`; it gives back `Reasoning` and `Content` events, holding
@@ -100,8 +104,63 @@ class ThinkTagParser:
         return [Content(text)]
 
 
+class Gemma4ChannelParser:
+    """`<|channel>thought\n...<channel|>` before the answer (Gemma 4). The `thought\n` label
+    names the channel and belongs to neither part; a request with thinking off may still get
+    an (empty) channel, which is parsed the same way."""
+
+    OPEN, LABEL, CLOSE = "<|channel>", "thought\n", "<channel|>"
+
+    def __init__(self, *, thinking: bool):
+        del thinking  # the output says whether it thinks: a thought opens with OPEN
+        self._pending = ""  # text not yet sent: a possible opening, label or closing tag
+        self._state = "start"  # then "label", "thought" or "answer"
+
+    def feed(self, text: str) -> list[ReasoningEvent]:
+        self._pending += text
+        events: list[ReasoningEvent] = []
+        if self._state == "start":
+            if self.OPEN.startswith(self._pending):
+                return []  # still possibly the opening tag
+            if not self._pending.startswith(self.OPEN):
+                self._state = "answer"
+            else:
+                self._pending = self._pending[len(self.OPEN) :]
+                self._state = "label"
+        if self._state == "label":
+            if self.LABEL.startswith(self._pending):
+                return []
+            self._pending = self._pending.removeprefix(self.LABEL)
+            self._state = "thought"
+        if self._state == "thought":
+            end = self._pending.find(self.CLOSE)
+            if end < 0:
+                keep = held_prefix_len(self._pending, self.CLOSE)
+                thought = self._pending[: len(self._pending) - keep]
+                self._pending = self._pending[len(thought) :]
+                return [Reasoning(thought)] if thought else []
+            if end:
+                events.append(Reasoning(self._pending[:end]))
+            self._pending = self._pending[end + len(self.CLOSE) :]
+            self._state = "answer"
+        text, self._pending = self._pending, ""
+        return events + ([Content(text)] if text else [])
+
+    def finish(self) -> list[ReasoningEvent]:
+        pending, self._pending = self._pending, ""
+        cut_in_tag = self._state == "label" or (
+            self._state == "start" and self.OPEN.startswith(pending)
+        )
+        if not pending or cut_in_tag:
+            return []  # nothing, or cut off in the opening tag or label, before any thought
+        if self._state == "thought":
+            return [Reasoning(pending)]
+        return [Content(pending)]
+
+
 REASONING_PARSERS: dict[str, Callable[..., ReasoningParser]] = {
     "qwen3": ThinkTagParser,
+    "gemma4": Gemma4ChannelParser,
 }
 """Every reasoning format this server parses, by name; each takes `thinking=` (whether the
 request leaves thinking on)."""

@@ -377,6 +377,7 @@ class _ResponsesEndpoint:
             max_tokens=max_tokens,
             **sampling_in_force(model.defaults, temperature=body.temperature, top_p=body.top_p),
             structured=structured,
+            skip_special_tokens=not conventions.keeps_special_tokens,
         )
         return [Choice(0, 0, prompt, self._params)]
 

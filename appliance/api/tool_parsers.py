@@ -13,6 +13,9 @@ Formats (as vLLM names its parsers):
   drops; 3.1 may write `<tool_call>` instead).
 - `phi4_mini_json`: Phi-4-mini, under the tool template vLLM ships for it (its own template
   shows no tools), answers a call with nothing but `functools[{"name": ..., "arguments": ...}]`.
+- `gemma4`: Gemma 4 writes each call as `<|tool_call>call:NAME{ARGS}<tool_call|>`, after any
+  text, calls back to back; ARGS is its own notation (`Gemma4Arguments`), not JSON. Its markers
+  are special tokens, so its output is decoded with them kept (chat_conventions).
 
 A parser is incremental (`feed` the text as it is generated, then `finish`) and gives back
 `Content` (text to send) and `Call` (a complete, valid call) events. The one parser serves both
@@ -268,6 +271,161 @@ class Phi4MiniJsonParser(_MarkedCallsArrayParser):
     MARKER_REQUIRED = True
 
 
+class Gemma4Arguments:
+    """Gemma 4's argument notation, decoded: an object's keys bare (or in string quotes),
+    strings between `<|"|>` quotes (anything inside, no escapes), objects `{k:v,...}`, arrays
+    `[v,...]`, and bare true, false, null and numbers, as its chat template writes them and
+    vLLM's `gemma4` parser reads them. `parse` gives the arguments object or INVALID_JSON."""
+
+    QUOTE = '<|"|>'
+
+    def __init__(self, text: str):
+        self._text = text
+        self._at = 0
+
+    def parse(self) -> object:
+        try:
+            value = self._object_body("")
+        except (ValueError, RecursionError):
+            return INVALID_JSON
+        return value if self._at == len(self._text) else INVALID_JSON
+
+    def _object_body(self, close: str) -> dict[str, object]:
+        """Pairs up to `close` (consumed; "" for the end of the text)."""
+        value: dict[str, object] = {}
+        while not self._closes(close):
+            colon = self._text.find(":", self._at)
+            if colon < 0:
+                raise ValueError("a key without a value")
+            key = self._text[self._at : colon].strip()
+            key = key.removeprefix(self.QUOTE).removesuffix(self.QUOTE)
+            if not key:
+                raise ValueError("an empty key")
+            self._at = colon + 1
+            value[key] = self._value(close)
+            self._separator(close)
+        return value
+
+    def _array_body(self) -> list[object]:
+        items: list[object] = []
+        while not self._closes("]"):
+            items.append(self._value("]"))
+            self._separator("]")
+        return items
+
+    def _closes(self, close: str) -> bool:
+        self._skip_space()
+        if not close:
+            return self._at == len(self._text)
+        if self._text.startswith(close, self._at):
+            self._at += len(close)
+            return True
+        if self._at == len(self._text):
+            raise ValueError(f"unclosed before {close!r}")
+        return False
+
+    def _separator(self, close: str) -> None:
+        self._skip_space()
+        if self._text.startswith(",", self._at):
+            self._at += 1
+            return
+        at_close = self._text.startswith(close, self._at) if close else self._at == len(self._text)
+        if not at_close:
+            raise ValueError("values must be separated by commas")
+
+    def _value(self, close: str) -> object:
+        self._skip_space()
+        text, at = self._text, self._at
+        if text.startswith(self.QUOTE, at):
+            end = text.find(self.QUOTE, at + len(self.QUOTE))
+            if end < 0:
+                raise ValueError("an unterminated string")
+            self._at = end + len(self.QUOTE)
+            return text[at + len(self.QUOTE) : end]
+        if text.startswith("{", at):
+            self._at += 1
+            return self._object_body("}")
+        if text.startswith("[", at):
+            self._at += 1
+            return self._array_body()
+        end = at
+        while end < len(text) and text[end] not in ",]}":
+            end += 1
+        self._at = end
+        return self._bare(text[at:end].strip())
+
+    @staticmethod
+    def _bare(word: str) -> object:
+        if not word:
+            raise ValueError("a missing value")
+        constants: dict[str, object] = {"true": True, "false": False, "null": None}
+        if word in constants:
+            return constants[word]
+        number = decode_json(word)
+        if isinstance(number, int | float):
+            return number
+        if ":" in word:
+            raise ValueError("a value runs into the next key (a missing comma)")
+        return word  # a string the model left unquoted, as vLLM takes it
+
+    def _skip_space(self) -> None:
+        while self._at < len(self._text) and self._text[self._at] in " \t\r\n":
+            self._at += 1
+
+
+class Gemma4Parser:
+    """`<|tool_call>call:NAME{ARGS}<tool_call|>` calls among text (Gemma 4; vLLM's `gemma4`)."""
+
+    OPEN, CLOSE, PREFIX = "<|tool_call>", "<tool_call|>", "call:"
+
+    def __init__(self, names: Collection[str]):
+        self._names = names
+        self._pending = ""  # text not yet sent: a possible start of OPEN, or an open call
+        self._in_call = False
+
+    def feed(self, text: str) -> list[Event]:
+        self._pending += text
+        events: list[Event] = []
+        while True:
+            if self._in_call:
+                end = self._pending.find(self.CLOSE)
+                if end < 0:
+                    return events
+                raw = self._pending[: end + len(self.CLOSE)]
+                events.append(self._call_or_text(self._pending[len(self.OPEN) : end], raw))
+                self._pending = self._pending[len(raw) :]
+                self._in_call = False
+                continue
+            start = self._pending.find(self.OPEN)
+            if start < 0:
+                keep = held_prefix_len(self._pending, self.OPEN)
+                sendable = self._pending[: len(self._pending) - keep]
+                self._pending = self._pending[len(sendable) :]
+                return events + ([Content(sendable)] if sendable else [])
+            if start:
+                events.append(Content(self._pending[:start]))
+            self._pending = self._pending[start:]
+            self._in_call = True
+
+    def finish(self) -> list[Event]:
+        # A model may end on end-of-sequence without closing its last call.
+        pending, self._pending = self._pending, ""
+        if self._in_call:
+            return [self._call_or_text(pending[len(self.OPEN) :], pending)]
+        return [Content(pending)] if pending else []
+
+    def _call_or_text(self, body: str, raw: str) -> Event:
+        """body: `call:NAME{ARGS}`."""
+        brace = body.find("{")
+        if not body.startswith(self.PREFIX) or brace < 0 or not body.rstrip().endswith("}"):
+            return Content(raw)
+        name = body[len(self.PREFIX) : brace].strip()
+        arguments = Gemma4Arguments(body[brace + 1 : body.rstrip().rfind("}")]).parse()
+        return _call_from({"name": name, "arguments": arguments}, "arguments", self._names) or (
+            Content(raw)
+        )
+
+
 class ForcedCallsParser:
     """The output of a request whose `tool_choice` forces calls, written under a grammar
     (appliance.api.tools.forced_calls), as vLLM writes it: for a named function, the arguments
@@ -307,6 +465,7 @@ PARSERS: dict[str, ParserFactory] = {
     "llama3_json": Llama3JsonParser,
     "granite": GraniteParser,
     "phi4_mini_json": Phi4MiniJsonParser,
+    "gemma4": Gemma4Parser,
 }
 """Every tool-call format this server parses, by name."""
 
@@ -317,6 +476,8 @@ def format_of_template(chat_template: str) -> str | None:
     for. Granite's marker is tested first: its templates may mention `<tool_call>` too."""
     if "<|tool_call|>" in chat_template and "<|start_of_role|>" in chat_template:
         return "granite"
+    if Gemma4Parser.OPEN in chat_template and Gemma4Parser.CLOSE in chat_template:
+        return "gemma4"
     if HermesParser.OPEN in chat_template:
         return "hermes"
     if "functools[" in chat_template:

@@ -13,7 +13,12 @@ import pytest
 
 from appliance.api.chat_conventions import ChatConventions, choose_conventions
 from appliance.api.parsed_output import ParsedOutput
-from appliance.api.reasoning_parsers import Reasoning, ReasoningEvent, ThinkTagParser
+from appliance.api.reasoning_parsers import (
+    Gemma4ChannelParser,
+    Reasoning,
+    ReasoningEvent,
+    ThinkTagParser,
+)
 from appliance.api.tool_parsers import Content
 from appliance.api.tools import ChoiceCalls, ToolUse
 from appliance.engine.tokenizer import Tokenizer
@@ -23,10 +28,12 @@ THOUGHT = "Two and two.\n\nThat makes four."
 ANSWER = "It is 4.\n"
 
 
-def _parse(text: str, size: int, *, thinking: bool = True) -> list[ReasoningEvent]:
+def _parse(
+    text: str, size: int, *, thinking: bool = True, parser_class: type = ThinkTagParser
+) -> list[ReasoningEvent]:
     """`text` fed in pieces of `size` characters, then finished; adjacent events of one kind
     joined (how they are split depends on the pieces, what they say must not)."""
-    parser = ThinkTagParser(thinking=thinking)
+    parser = parser_class(thinking=thinking)
     events = [e for i in range(0, len(text), size) for e in parser.feed(text[i : i + size])]
     joined: list[ReasoningEvent] = []
     for event in [*events, *parser.finish()]:
@@ -105,6 +112,7 @@ def _template(name: str) -> str:
         (["LlamaForCausalLM"], "llama3_1_instruct.jinja", ChatConventions("llama3_json", None)),
         (["GraniteForCausalLM"], "granite_3_1_instruct.jinja", ChatConventions("granite", None)),
         (["Phi3ForCausalLM"], "phi4_mini_tools.jinja", ChatConventions("phi4_mini_json", None)),
+        (["Gemma4ForCausalLM"], "gemma4_tools_minimal.jinja", ChatConventions("gemma4", "gemma4")),
     ],
 )
 def test_each_familys_formats_are_chosen_from_its_template(
@@ -188,3 +196,58 @@ def test_a_thought_then_calls_as_qwen3s_template_renders_them_parse_into_both(
     assert thought == THOUGHT
     assert [(c.name, json.loads(c.arguments)) for c in parsed.calls] == calls
     assert not [e for e in events if isinstance(e, Content)]
+
+
+def _gemma4(text: str, size: int) -> list[ReasoningEvent]:
+    return _parse(text, size, parser_class=Gemma4ChannelParser)
+
+
+@pytest.mark.parametrize("size", SIZES)
+def test_gemma4_thought_channel_and_answer_are_split_without_tags_or_label(size: int) -> None:
+    # What Gemma 4 writes with enable_thinking after its generation prompt, `<|turn>model\n`.
+    text = f"<|channel>thought\n{THOUGHT}<channel|>{ANSWER}"
+    assert _gemma4(text, size) == [Reasoning(THOUGHT), Content(ANSWER)]
+
+
+@pytest.mark.parametrize("size", SIZES)
+def test_gemma4_output_without_a_channel_is_all_answer(size: int) -> None:
+    # Thinking off: the prompt closes an empty channel, and the output is the answer; text
+    # that only looks like the tag later on is the answer's.
+    text = f"{ANSWER}<|channel>thought\n"
+    assert _gemma4(text, size) == [Content(text)]
+
+
+@pytest.mark.parametrize("size", SIZES)
+def test_gemma4_empty_thought_gives_only_the_answer(size: int) -> None:
+    assert _gemma4(f"<|channel>thought\n<channel|>{ANSWER}", size) == [Content(ANSWER)]
+
+
+@pytest.mark.parametrize("size", SIZES)
+def test_gemma4_output_cut_off_in_the_thought_is_all_reasoning(size: int) -> None:
+    assert _gemma4(f"<|channel>thought\n{THOUGHT}<chan", size) == [Reasoning(f"{THOUGHT}<chan")]
+
+
+@pytest.mark.parametrize("text", ["", "<|chan", "<|channel>", "<|channel>tho"])
+def test_gemma4_output_cut_off_before_any_thought_gives_nothing(text: str) -> None:
+    assert _gemma4(text, 1) == []
+
+
+def test_gemma4_thought_streams_as_it_is_written_holding_back_only_a_possible_tag() -> None:
+    parser = Gemma4ChannelParser(thinking=True)
+    assert parser.feed("<|channel>thou") == []
+    assert parser.feed("ght\nStep one. <chan") == [Reasoning("Step one. ")]
+    assert parser.feed("nel|>It is") == [Content("It is")]
+    assert parser.feed(" 4.") == [Content(" 4.")]
+    assert parser.finish() == []
+
+
+def test_gemma4_formats_decode_with_special_tokens_kept_and_others_do_not() -> None:
+    """Gemma 4's markers are special tokens: chosen by architecture, its formats ask for them
+    to stay in the decoded text; no other format does."""
+    gemma4 = choose_conventions(["Gemma4ForConditionalGeneration"], None)
+    assert gemma4 == ChatConventions("gemma4", "gemma4")
+    assert gemma4.keeps_special_tokens
+    assert ChatConventions("gemma4", None).keeps_special_tokens
+    assert not choose_conventions(
+        ["Qwen3ForCausalLM"], _template("qwen3.jinja")
+    ).keeps_special_tokens

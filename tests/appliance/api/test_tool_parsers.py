@@ -18,6 +18,7 @@ from appliance.api.tool_parsers import (
     Call,
     Content,
     Event,
+    Gemma4Parser,
     GraniteParser,
     HermesParser,
     Llama3JsonParser,
@@ -273,3 +274,76 @@ def test_llama3_json_streams_plain_text_as_soon_as_it_is_not_a_call() -> None:
     assert parser.feed("  ") == []
     assert parser.feed("Hi") == [Content("  Hi")]
     assert parser.feed(" there") == [Content(" there")]
+
+
+GEMMA4_ARGUMENTS = {
+    "city": 'São Paulo, "SP": {north}',  # commas, colons, quotes and braces inside a string
+    "days": 3,
+    "threshold": -1.5,
+    "metric": True,
+    "hours": [6, 12, 18],
+    "where": {"lat": 1.25, "names": ["a", "b,c"], "exact": False},
+}
+
+
+def _gemma4_reply(tokenizer: Tokenizer, calls: list[tuple[str, dict[str, Any]]]) -> str:
+    """The model's part of the assistant turn the template renders for `calls`: after the
+    turn's opening, up to the `<|tool_response>` stop token."""
+    assistant = {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [
+            {"id": f"call_{i}", "type": "function", "function": {"name": n, "arguments": a}}
+            for i, (n, a) in enumerate(calls)
+        ],
+    }
+    whole = tokenizer.apply_chat_template(
+        [*QUESTION, assistant], add_generation_prompt=False, tools=TOOLS
+    )
+    return whole.rpartition("<|turn>model\n")[2].removesuffix("<|tool_response>")
+
+
+@pytest.mark.parametrize("size", [1, 2, 3, 7, 10_000])
+def test_gemma4_parser_reads_the_calls_its_template_renders(
+    tokenizers: dict[str, Tokenizer], size: int
+) -> None:
+    tokenizer = tokenizers["gemma4_tools_minimal.jinja"]
+    assert format_of_template(tokenizer.chat_template or "") == "gemma4"
+    calls = [("get_weather", GEMMA4_ARGUMENTS), ("get_time", {"city": "Zürich"})]
+    reply = _gemma4_reply(tokenizer, calls)
+    assert reply.startswith('<|tool_call>call:get_weather{city:<|"|>São Paulo')
+    events = _parse(Gemma4Parser(NAMES), _pieces(reply, size))
+    assert [(c.name, json.loads(c.arguments)) for c in events if isinstance(c, Call)] == calls
+    assert not [e for e in events if isinstance(e, Content)]
+
+
+def test_gemma4_streams_text_before_a_call_and_holds_back_a_possible_tag() -> None:
+    parser = Gemma4Parser(NAMES)
+    assert parser.feed("Let me look.<|tool") == [Content("Let me look.")]
+    assert parser.feed('_call>call:get_time{city:<|"|>Oslo<|"|>}') == []
+    assert parser.feed("<tool_call|>") == [Call("get_time", '{"city": "Oslo"}')]
+    assert parser.feed(" <|toolbox") == [Content(" <|toolbox")]
+    assert parser.finish() == []
+
+
+def test_gemma4_accepts_a_call_left_open_at_the_end_of_generation() -> None:
+    text = '<|tool_call>call:get_weather{city:<|"|>Rome<|"|>}'
+    assert _parse(Gemma4Parser(NAMES), [text]) == [Call("get_weather", '{"city": "Rome"}')]
+
+
+NOT_GEMMA4_CALLS = {
+    "unknown function": '<|tool_call>call:get_stock{city:<|"|>Rome<|"|>}<tool_call|>',
+    "no call prefix": '<|tool_call>get_time{city:<|"|>Rome<|"|>}<tool_call|>',
+    "no braces": "<|tool_call>call:get_time<tool_call|>",
+    "unterminated string": '<|tool_call>call:get_time{city:<|"|>Rome}<tool_call|>',
+    "unclosed object": "<|tool_call>call:get_time{where:{lat:1}<tool_call|>",
+    "key without value": "<|tool_call>call:get_time{city}<tool_call|>",
+    "missing comma": "<|tool_call>call:get_time{a:1 b:2}<tool_call|>",
+    "empty value": "<|tool_call>call:get_time{city:,days:2}<tool_call|>",
+    "deep nesting": "<|tool_call>call:get_time{a:" + "[" * 5000 + "]" * 5000 + "}<tool_call|>",
+}
+
+
+@pytest.mark.parametrize("text", NOT_GEMMA4_CALLS.values(), ids=NOT_GEMMA4_CALLS.keys())
+def test_gemma4_gives_back_what_is_not_a_valid_call_as_content(text: str) -> None:
+    assert _parse(Gemma4Parser(NAMES), [text]) == [Content(text)]

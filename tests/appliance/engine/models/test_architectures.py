@@ -159,7 +159,8 @@ def test_chunked_prefill_across_two_steps_matches_transformers(variant):
 def test_comparison_would_fail_if_rope_scaling_were_ignored(tiny_checkpoints, name, wrong_rope):
     model_dir, hf_model = tiny_checkpoints(name)
     model = load_model(model_dir)
-    model.rope_tables = {model.config.rope: cos_sin_table(wrong_rope, model.config.head_dim, 512)}
+    key = (model.config.rope, model.config.head_dim)
+    model.rope_tables = {key: cos_sin_table(wrong_rope, model.config.head_dim, 512)}
     prompt = _prompts((300,))
     ours = PagedBatch(model, prompt).step([(0, 0, 300)])[0]
     assert (ours - _hf_logits(hf_model, prompt[0])).abs().max() > 1000 * ATOL
