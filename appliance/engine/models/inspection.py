@@ -55,6 +55,7 @@ def inspect_model(model_dir: Path) -> ModelReport:
     except ModelLoadError as exc:
         return ModelReport(architecture, lines, str(exc))
     lines += _config_lines(config)
+    lines += _unserved_lines(Path(model_dir), config)
     try:
         load_model(model_dir, device="meta")
     except ModelLoadError as exc:
@@ -100,7 +101,11 @@ def _config_lines(config: ModelConfig) -> list[tuple[str, str]]:
         if windows[None]:
             parts.append(f"full attention on {windows[None]}")
         window_text = "; ".join(parts)
-    kv_bytes = 2 * num_layers * config.num_kv_heads * config.head_dim * _KV_DTYPE.itemsize
+    # Only layers that own KV pages count (Gemma 4's KV-shared layers read another's).
+    kv_layers = config.kv_layers
+    kv_width = sum(config.num_kv_heads_of(i) * config.head_dim_of(i) for i in kv_layers)
+    kv_bytes = 2 * kv_width * _KV_DTYPE.itemsize
+    kv_owners = "all layers" if len(kv_layers) == num_layers else f"{len(kv_layers)} layers own KV"
     fp8 = config.fp8
     if config.mxfp4_experts:
         quantization = "MXFP4 experts, dequantized to bf16 on load"
@@ -117,8 +122,24 @@ def _config_lines(config: ModelConfig) -> list[tuple[str, str]]:
         *_expert_lines(config),
         ("context", f"{config.max_model_len} tokens"),
         ("windows", window_text),
-        ("KV bytes/token", f"{kv_bytes:,} ({kv_bytes / 1024:.0f} KiB in bf16, all layers)"),
+        ("KV bytes/token", f"{kv_bytes:,} ({kv_bytes / 1024:.0f} KiB in bf16, {kv_owners})"),
     ]
+
+
+def _unserved_lines(model_dir: Path, config: ModelConfig) -> list[tuple[str, str]]:
+    """The checkpoint's parts this appliance does not serve (a multimodal model's towers),
+    named, with how many of its tensors are skipped."""
+    layout = config.family.layout
+    try:
+        num_unserved = 0
+        for path in checkpoint_files(model_dir):
+            with safe_open(path, framework="pt", device="cpu") as f:
+                num_unserved += sum(layout.is_unserved(name) for name in f.keys())  # noqa: SIM118
+    except (ModelLoadError, OSError, RuntimeError, ValueError):
+        return []  # the weights line already says they are unreadable
+    if not num_unserved:
+        return []
+    return [("not served", f"{num_unserved} tensors of {layout.unserved_part}")]
 
 
 def _expert_lines(config: ModelConfig) -> list[tuple[str, str]]:

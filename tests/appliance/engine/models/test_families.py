@@ -78,7 +78,7 @@ def test_greedy_with_chunked_prefill_and_a_prefix_cache_hit_matches_transformers
 ):
     """The real Scheduler and ModelRunner, a 32-token budget (chunks cross the window edge),
     and two prompts sharing 48 tokens (two windows) so the second hits the prefix cache."""
-    for name in ("gemma3", "mistral-window", "mixtral-window", "qwen3-moe", "gpt-oss"):
+    for name in ("gemma3", "mistral-window", "mixtral-window", "qwen3-moe", "gpt-oss", "gemma4"):
         model_dir, hf_model = tiny_checkpoints(name)
         shared = _prompts((48,), seed=3)[0]
         prompts = [shared + _prompts((30,), seed=5)[0], shared + _prompts((9,), seed=6)[0]]
