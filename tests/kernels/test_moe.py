@@ -171,3 +171,15 @@ def test_fused_moe_matches_the_loop_at_qwen3_30b_shapes_on_the_gpu(num_tokens, d
     for tiles in (None, DECODE_TILES, PREFILL_TILES):
         ours = fused_moe(x, gate_up, down, weights, ids, tiles=tiles)
         torch.testing.assert_close(ours, expected, **TOLERANCE[dtype])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_tokens", [1, 8, 512])
+def test_gelu_tanh_experts_match_the_loop_at_gemma4_moe_sized_shapes_on_the_gpu(num_tokens):
+    """Gemma 4's GELU-tanh experts at a 26B-A4B-sized block (128 experts, top 8, H 2816 and
+    I 704: neither a multiple of the prefill tiles' 128), bf16."""
+    x, gate_up, down, weights, ids = _inputs(num_tokens, 128, 8, 2816, 704, torch.bfloat16)
+    expected = reference.fused_moe(x, gate_up, down, weights, ids, activation="gelu_tanh")
+    for tiles in (None, DECODE_TILES, PREFILL_TILES):
+        ours = fused_moe(x, gate_up, down, weights, ids, tiles, activation="gelu_tanh")
+        torch.testing.assert_close(ours, expected, **TOLERANCE[torch.bfloat16])
