@@ -473,9 +473,13 @@ def pick_config(head_dim: int) -> DecodeConfig:
     Decode attention is bandwidth-bound: BLOCK_N = 64 keeps a [64, D] K and V tile in flight per
     stage (16 KiB each at D = 128, bf16) with two stages, enough loads in flight to cover HBM
     latency while the registers hold the [G_PAD, D] float32 accumulator. D = 256 halves BLOCK_N
-    to keep the same bytes per tile. An FP8 cache keeps the same tiles (half the bytes each)
-    until `bench/kernel_micro.py --sweep-attention` shows better ones.
+    to keep the same bytes per tile, and D = 512 (Gemma 4's global layers) halves it again, with
+    8 warps to hold its accumulator without spilling (not yet timed on the H100). An FP8 cache
+    keeps the same tiles (half the bytes each) until `bench/kernel_micro.py --sweep-attention`
+    shows better ones.
     """
+    if head_dim > 256:
+        return DecodeConfig(block_n=16, num_warps=8, num_stages=2)
     return DecodeConfig(block_n=32 if head_dim > 128 else 64, num_warps=4, num_stages=2)
 
 
@@ -500,8 +504,8 @@ def _verify_inputs(
         raise KernelInputError(
             f"q head dim {head_dim} differs from cache head dim {cache_head_dim}"
         )
-    if not _is_pow2_in(head_dim, 16, 256):
-        raise KernelInputError(f"head dim must be a power of two in 16..256, got {head_dim}")
+    if not _is_pow2_in(head_dim, 16, 512):
+        raise KernelInputError(f"head dim must be a power of two in 16..512, got {head_dim}")
     if not _is_pow2_in(block_size, 16, 256):
         raise KernelInputError(f"block_size must be a power of two in 16..256, got {block_size}")
     if num_kv_heads == 0 or num_q_heads % num_kv_heads != 0:

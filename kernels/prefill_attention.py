@@ -308,6 +308,11 @@ def pick_config(
     """
     if interpreted:
         return PrefillConfig(block_m=16, block_n=16, num_warps=4, num_stages=1)
+    if head_dim > 256:
+        # D=512 (Gemma 4's global layers): a 32-row Q tile and one stage of 16-row K/V tiles
+        # (64 KiB of bf16, 128 KiB of float32) fit shared memory; 8 warps hold the [32, 512]
+        # float32 accumulator. Not yet timed on the H100.
+        return PrefillConfig(block_m=32, block_n=16, num_warps=8, num_stages=1)
     if dtype == torch.float32 and not fp8_kv:
         # Twice the bytes per element and no fast tensor-core path: keep shared memory small.
         return PrefillConfig(block_m=64, block_n=32, num_warps=4, num_stages=2)
@@ -451,8 +456,8 @@ def _check_inputs(
     num_kv_heads, cache_head_dim = k_cache.shape[2:]
     if cache_head_dim != head_dim:
         raise KernelInputError(f"head_dim mismatch: q has {head_dim}, cache has {cache_head_dim}")
-    if head_dim not in (16, 32, 64, 128, 256):
-        raise KernelInputError(f"head_dim must be a power of two in 16..256, got {head_dim}")
+    if head_dim not in (16, 32, 64, 128, 256, 512):
+        raise KernelInputError(f"head_dim must be a power of two in 16..512, got {head_dim}")
     if num_kv_heads == 0 or num_q_heads % num_kv_heads != 0:
         raise KernelInputError(
             f"num_q_heads ({num_q_heads}) must be a multiple of num_kv_heads ({num_kv_heads})"

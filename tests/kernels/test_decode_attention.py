@@ -254,6 +254,24 @@ def test_decode_attention_matches_reference_with_head_dim_16_and_large_blocks() 
     assert_matches_reference(case, run_kernel(case, num_splits=4))
 
 
+def test_decode_attention_matches_reference_at_head_dim_512() -> None:
+    """Gemma 4's global layers: heads of 512 (their own tiles), one KV head for several."""
+    case = make_case([1, 40, 17], num_q_heads=4, num_kv_heads=1, head_dim=512,
+                     dtype=torch.float32)  # fmt: skip
+    assert_matches_reference(case, run_kernel(case, num_splits=2))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_splits", [1, 4, 16])
+def test_decode_attention_matches_reference_on_gpu_at_gemma4_global_heads(
+    num_splits: int,
+) -> None:
+    # Gemma-4-31B's global layers: 32 query heads, 4 KV heads of 512, contexts up to 4096.
+    case = make_case(_gpu_seq_lens(13, seed=5), num_q_heads=32, num_kv_heads=4, head_dim=512,
+                     dtype=torch.bfloat16, device="cuda", seed=512)  # fmt: skip
+    assert_matches_reference(case, run_kernel(case, num_splits))
+
+
 @pytest.mark.parametrize("num_splits", [1, 3])
 def test_padding_rows_write_zeros_and_read_no_cache_memory(num_splits: int) -> None:
     case = make_case(

@@ -504,8 +504,15 @@ def test_fp8_cache_attention_with_gemma_windows_on_gpu() -> None:
     check_fp8_cache(case, sliding_window=1024)
 
 
+def test_matches_reference_at_head_dim_512() -> None:
+    """Gemma 4's global layers: heads of 512, chunks after cached context."""
+    case = make_case([5, 17, 1], [16, 0, 3], num_q_heads=4, num_kv_heads=1, head_dim=512,
+                     dtype=torch.float32)  # fmt: skip
+    assert_matches_reference(case, case.run())
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("head_dim", [32, 256])
+@pytest.mark.parametrize("head_dim", [32, 256, 512])
 def test_matches_reference_on_gpu_at_edge_head_dims(head_dim: int) -> None:
     case = make_case(
         [300, 1, 700],

@@ -89,7 +89,8 @@ class Attention(nn.Module):
             q, k = self._rotate(q, k, cos, sin)
             self.ops.write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping, k_scale, v_scale)
         else:  # the cache holds this step's keys already, written by the layer that owns it
-            q, _ = self._rotate(q, q, cos, sin)
+            # The rotary op rotates in place on the GPU (kernels.rotary): q with a scratch key.
+            q, _ = self._rotate(q, q.new_zeros(num_tokens, 1, self.head_dim), cos, sin)
         o = self.ops.paged_attention(
             q,
             k_cache,
@@ -113,7 +114,8 @@ class Attention(nn.Module):
         if self.k_norm is not None:
             k = self._norm_heads(k, self.k_norm)
         if self.value_norm:
-            # RMSNorm without a weight (transformers' Gemma4RMSNorm(with_scale=False)).
+            # RMSNorm without a weight (transformers' Gemma4RMSNorm(with_scale=False)), into a
+            # new tensor: values that are the keys stay unrotated when k is rotated in place.
             mean_square = v.float().pow(2).mean(-1, keepdim=True)
             v = (v.float() * torch.rsqrt(mean_square + self.eps)).to(v.dtype)
         return k, v

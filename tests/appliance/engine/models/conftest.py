@@ -190,8 +190,26 @@ FAMILY_VARIANTS: dict[str, Variant] = {
     ),
 }  # fmt: skip
 # Real head shapes for the GPU tests (tests/.../test_families_gpu.py): Gemma 3's head_dim 256
-# with a 64-token window, Phi-4-mini's 96 rotary dims of 128.
+# with a 64-token window, Phi-4-mini's 96 rotary dims of 128, Gemma 4's 256 and 512 (its global
+# layers', one KV head whose values are its keys), with a KV-shared layer and per-layer inputs.
 GPU_VARIANTS: dict[str, Variant] = {
+    "gemma4-head512": Variant(
+        "gemma4",
+        4,
+        {
+            "hidden_size": 256,
+            "head_dim": 256,
+            "global_head_dim": 512,
+            "num_global_key_value_heads": 1,
+            "attention_k_eq_v": True,
+            "sliding_window": 64,
+            "layer_types": ["sliding_attention", "full_attention"] * 2,
+            "hidden_size_per_layer_input": 16,
+            "vocab_size_per_layer_input": 256,
+            "num_kv_shared_layers": 1,
+            "final_logit_softcapping": 30.0,
+        },
+    ),
     "gemma3-head256": Variant(
         "gemma3",
         4,
