@@ -242,19 +242,24 @@ def random_prompts(n: int, length: int, seed: int) -> list[list[int]]:
 
 def weight_bytes(model: CausalLM) -> tuple[int, int]:
     """(all weights' bytes, the bytes one token's forward pass reads: all but the embedding
-    (which a tied model's LM head reads whole) and, of a mixture of experts, the experts its
-    router did not choose)."""
+    (which a tied model's LM head reads whole) and Gemma 4's per-layer input table (a row per
+    token) and, of a mixture of experts, the experts its router did not choose)."""
     total = sum(p.numel() * p.element_size() for p in model.parameters())
     embed = model.embed_tokens.weight
     tied = model.lm_head is None
     streamed = total if tied else total - embed.numel() * embed.element_size()
+    if model.embed_tokens_per_layer is not None:
+        table = model.embed_tokens_per_layer.weight
+        streamed -= table.numel() * table.element_size()
     moe = model.config.moe
     if moe is not None:
         unchosen = (moe.router.num_experts - moe.router.top_k) / moe.router.num_experts
         for layer in model.layers:
-            if isinstance(layer.mlp, SparseMoeBlock):
-                experts = layer.mlp.experts.parameters()
-                streamed -= int(sum(p.numel() * p.element_size() for p in experts) * unchosen)
+            # In the MLP's place, or (Gemma 4) beside it.
+            for block in (layer.mlp, layer.moe):
+                if isinstance(block, SparseMoeBlock):
+                    experts = block.experts.parameters()
+                    streamed -= int(sum(p.numel() * p.element_size() for p in experts) * unchosen)
     return total, streamed
 
 
