@@ -6,7 +6,9 @@ The plan (vLLM's and SGLang's fused_moe, in three steps):
    run is padded to a multiple of BLOCK_M with an index no pair has, so every block of BLOCK_M
    sorted pairs belongs to one expert. Plain torch ops on the device, no host sync: the grid is
    sized for the worst padding, and blocks past the real total return at once, so a decode
-   step's launch has a fixed shape a CUDA graph can capture.
+   step's launch has a fixed shape a CUDA graph can capture. Pairs whose expert id is -1 (an
+   expert another rank holds, under expert parallelism) are grouped last, as if of an expert
+   E, whose blocks store zeros for them and read no weights.
 2. One grouped GEMM for gate and up: a program takes a block of pairs and a column block of I,
    gathers its tokens' rows of x, multiplies them by its expert's gate rows and up rows (two
    accumulators over the same x tile) and stores SiLU(gate) * up for each pair: [T * k, I]
@@ -64,30 +66,33 @@ def align_block_size(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The (token, expert) pairs grouped by expert, each group padded to a multiple of block_m.
 
-    topk_ids: [T, k] -> (sorted_ids, block_experts, num_padded):
+    topk_ids: [T, k], each in 0..E-1 or -1 (an expert another rank holds) -> (sorted_ids,
+    block_experts, num_padded):
     sorted_ids [P] int32: pair indices (t * k + j), expert by expert, in pair order within an
-      expert, each expert's run padded with T * k; P = T*k + min(T*k, E) * (block_m - 1), the
-      most padding can take;
-    block_experts [P / block_m] int32: the expert of each block (E past the real blocks);
+      expert, the -1 pairs last as if of expert E, each run padded with T * k; P = T*k +
+      min(T*k, E + 1) * (block_m - 1), the most padding can take;
+    block_experts [P / block_m] int32: the expert of each block, E for the -1 pairs' blocks
+      (whose outputs are zeros) and past the real blocks;
     num_padded [1] int32: how many of sorted_ids are real pairs or their padding.
     """
     device = topk_ids.device
     flat = topk_ids.reshape(-1).to(torch.int64)  # [N]
+    flat = torch.where(flat < 0, num_experts, flat)  # expert E: held by another rank
     num_pairs = flat.numel()
-    counts = torch.zeros(num_experts, dtype=torch.int64, device=device)
+    counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=device)
     counts.scatter_add_(0, flat, torch.ones_like(flat))
     padded = (counts + block_m - 1) // block_m * block_m
-    padded_end = padded.cumsum(0)  # [E]
+    padded_end = padded.cumsum(0)  # [E + 1]
     padded_start = padded_end - padded
     order = torch.argsort(flat, stable=True)  # pair indices, grouped by expert
     experts = flat[order]
     rank = torch.arange(num_pairs, device=device) - (counts.cumsum(0) - counts)[experts]
-    size = num_pairs + min(num_pairs, num_experts) * (block_m - 1)
+    size = num_pairs + min(num_pairs, num_experts + 1) * (block_m - 1)
     sorted_ids = torch.full((size,), num_pairs, dtype=torch.int32, device=device)
     sorted_ids.scatter_(0, padded_start[experts] + rank, order.to(torch.int32))
     block_starts = torch.arange(0, size, block_m, device=device)
-    block_experts = torch.searchsorted(padded_end, block_starts, right=True).to(torch.int32)
-    return sorted_ids, block_experts, padded_end[-1:].to(torch.int32)
+    block_experts = torch.searchsorted(padded_end, block_starts, right=True).clamp_(max=num_experts)
+    return sorted_ids, block_experts.to(torch.int32), padded_end[-1:].to(torch.int32)
 
 
 @triton.jit
@@ -101,6 +106,7 @@ def _grouped_gemm_kernel(
     block_experts_ptr,
     num_padded_ptr,
     n_out,  # output columns: I (SILU_MUL, of 2I weight rows) or H
+    num_experts,  # E: a block of expert E holds pairs of experts another rank holds
     k,
     num_pairs,
     a_row_stride,
@@ -129,6 +135,14 @@ def _grouped_gemm_kernel(
     expert = tl.load(block_experts_ptr + pid_m).to(tl.int64)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < n_out
+    if expert == num_experts:
+        # Pairs of experts another rank holds (expert parallelism): they add nothing here, so
+        # their weighted outputs, which the combine sums, are zeros; nothing else is read.
+        if MUL_WEIGHT:
+            zeros = tl.zeros((BLOCK_M, BLOCK_N), dtype=c_ptr.dtype.element_ty)
+            c = c_ptr + pairs[:, None] * c_row_stride + offs_n[None, :]
+            tl.store(c, zeros, mask=pair_mask[:, None] & n_mask[None, :])
+        return
     a_rows = a_ptr + (pairs // PAIRS_PER_A_ROW)[:, None] * a_row_stride
     b_cols = b_ptr + expert * b_expert_stride + offs_n.to(tl.int64)[None, :] * b_row_stride
     up_cols = b_cols + n_out * b_row_stride  # SILU_MUL: the up rows follow the I gate rows
@@ -186,7 +200,8 @@ def fused_moe(
     clamped_swiglu: ClampedSwiglu | None = None,
 ) -> torch.Tensor:
     """x: [T, H]; gate_up: [E, 2I, H]; down: [E, H, I]; topk_weights: [T, k] float32;
-    topk_ids: [T, k] integer in 0..E-1 (not checked on the device: that would sync) -> [T, H];
+    topk_ids: [T, k] integer in 0..E-1, or -1 for an expert another rank holds (expert
+    parallelism: the pair adds nothing), not checked on the device (that would sync) -> [T, H];
     gpt-oss's gate_up_bias [E, 2I], down_bias [E, H] and `clamped_swiglu` optional.
 
     See `kernels.reference.fused_moe`. `tiles`: None for the table's (`tiles_for`). Raises
@@ -220,7 +235,7 @@ def fused_moe(
     act = clamped_swiglu or ClampedSwiglu(alpha=1.0, limit=1.0)  # unread unless CLAMPED
     _grouped_gemm_kernel[(num_blocks, triton.cdiv(size, tiles.block_n))](
         x, gate_up, _or(gate_up_bias, gate_up), swiglu, weights, sorted_ids, block_experts,
-        num_padded, size, hidden, num_pairs,
+        num_padded, size, num_experts, hidden, num_pairs,
         x.stride(0), gate_up.stride(0), gate_up.stride(1), _stride0(gate_up_bias),
         swiglu.stride(0), act.alpha, act.limit,
         PAIRS_PER_A_ROW=top_k, SILU_MUL=True, CLAMPED=clamped_swiglu is not None,
@@ -228,7 +243,7 @@ def fused_moe(
     )  # fmt: skip
     _grouped_gemm_kernel[(num_blocks, triton.cdiv(hidden, tiles.block_n))](
         swiglu, down, _or(down_bias, down), weighted, weights, sorted_ids, block_experts,
-        num_padded, hidden, size, num_pairs,
+        num_padded, hidden, num_experts, size, num_pairs,
         swiglu.stride(0), down.stride(0), down.stride(1), _stride0(down_bias),
         weighted.stride(0), act.alpha, act.limit,
         PAIRS_PER_A_ROW=1, SILU_MUL=False, CLAMPED=False, HAS_BIAS=down_bias is not None,

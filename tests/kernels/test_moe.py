@@ -113,6 +113,50 @@ def test_align_groups_pairs_by_expert_in_padded_blocks():
     assert (block_experts[3:] == 4).all(), "blocks past the real ones name no expert"
 
 
+def test_align_groups_pairs_of_other_ranks_experts_last_as_expert_e():
+    ids = torch.tensor([[2, -1], [-1, 0], [-1, 2]], device=DEVICE)  # pairs 0..5
+    sorted_ids, block_experts, num_padded = align_block_size(ids, num_experts=4, block_m=4)
+    # expert 0: pair 3; expert 2: pairs 0, 5; held elsewhere (-1): pairs 1, 2, 4, as expert 4.
+    pad = 6
+    assert num_padded.tolist() == [12]
+    assert sorted_ids[:12].tolist() == [3, pad, pad, pad, 0, 5, pad, pad, 1, 2, 4, pad]
+    assert block_experts[:3].tolist() == [0, 2, 4]
+    assert (block_experts[3:] == 4).all()
+
+
+@pytest.mark.parametrize(
+    ("num_tokens", "num_local", "top_k", "dtype"),
+    [(1, 4, 2, torch.float32), (20, 3, 3, torch.float32), (37, 2, 2, torch.float16)],
+)
+def test_pairs_of_experts_held_elsewhere_add_nothing(num_tokens, num_local, top_k, dtype):
+    """Expert parallelism: a rank holds experts first .. first + num_local - 1 of 8 and sees
+    the others' ids as -1. Its output is the loop's over its own experts only (the other
+    pairs' weights zeroed), with and without gpt-oss's biases; and the two ranks' outputs sum
+    to the whole layer's."""
+    x, gate_up, down, weights, ids = _inputs(num_tokens, 8, top_k, 32, 24, dtype)
+    options = _gpt_oss_options(gate_up, down, limit=0.8)
+    whole = reference.fused_moe(x, gate_up, down, weights, ids, **options)
+    total = torch.zeros_like(whole, dtype=torch.float32)
+    for first in (0, num_local):
+        experts = slice(first, first + num_local)
+        here = (ids >= first) & (ids < first + num_local)
+        local_ids = torch.where(here, ids - first, -1)
+        local = {**options, "gate_up_bias": options["gate_up_bias"][experts],
+                 "down_bias": options["down_bias"][experts]}  # fmt: skip
+        ours = fused_moe(x, gate_up[experts], down[experts], weights, local_ids, SMALL_TILES,
+                         **local)  # fmt: skip
+        only_here = torch.where(here, weights, 0.0)
+        expected = reference.fused_moe(x, gate_up, down, only_here, ids, **options)
+        torch.testing.assert_close(ours, expected, **TOLERANCE[dtype])
+        torch.testing.assert_close(
+            reference.fused_moe(x, gate_up[experts], down[experts], weights, local_ids, **local),
+            expected, **TOLERANCE[dtype],
+        )  # fmt: skip
+        total += ours.float()
+    if 2 * num_local == 8:
+        torch.testing.assert_close(total.to(dtype), whole, **TOLERANCE[dtype])
+
+
 def test_no_tokens_give_an_empty_output():
     x, gate_up, down, weights, ids = _inputs(0, 4, 2, 16, 16, torch.float32)
     assert fused_moe(x, gate_up, down, weights, ids).shape == (0, 16)
