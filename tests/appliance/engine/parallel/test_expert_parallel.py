@@ -7,7 +7,9 @@ an expert count the ranks do not divide is refused by name."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
+import struct
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -19,7 +21,8 @@ from appliance.engine.engine import Engine, EngineConfig
 from appliance.engine.errors import EngineConfigError
 from appliance.engine.models.config import ModelConfig
 from appliance.engine.models.fused_experts import MXFP4_BLOCK
-from appliance.engine.models.loader import load_model
+from appliance.engine.models.loader import load_model, parts_of
+from appliance.engine.models.sealed_images import _needed_ranges
 from appliance.engine.parallel.sharding import ShardPlan
 from appliance.engine.sampling_params import SamplingParams
 from tests.appliance.engine.models.conftest import build_hf_model, save_checkpoint
@@ -100,6 +103,41 @@ def test_each_rank_loads_only_its_own_experts(checkpoints: dict[str, Path], vari
             assert torch.equal(param, expected), name
             num_checked += ".experts." in name
         assert num_checked >= 2 * config.moe.num_moe_layers
+
+
+@pytest.mark.parametrize("variant", ["mixtral-window", "gpt-oss-mxfp4"])
+def test_a_sealed_rank_decrypts_no_byte_of_another_ranks_experts(
+    checkpoints: dict[str, Path], variant: str
+) -> None:
+    """The byte ranges a sealed rank decrypts (SealedShardImages, from the loader's parts_of)
+    hold none of rank 0's experts on rank 1, per-expert (Mixtral) or stacked (gpt-oss's MXFP4
+    blocks and scales, their rows of experts 3..5 only)."""
+    model_dir = checkpoints[variant]
+    config = ModelConfig.from_model_dir(model_dir)
+    raw = (model_dir / "model.safetensors").read_bytes()
+    (header_size,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8 : 8 + header_size])
+    header.pop("__metadata__", None)
+    part_of = parts_of(ShardPlan.for_model(config, 1, 2), config.family.layout)
+    ranges = _needed_ranges(raw[8 : 8 + header_size], 8 + header_size, part_of)
+    wanted = bytearray(len(raw))
+    for begin, end in ranges:
+        wanted[begin:end] = b"\x01" * (end - begin)
+    num_checked = 0
+    for name, info in header.items():
+        begin, end = (8 + header_size + offset for offset in info["data_offsets"])
+        one_expert = re.search(r"\.experts\.(\d+)\.", name)
+        if one_expert is not None:  # all of it, or none of it
+            expected = b"\x01" if int(one_expert.group(1)) >= 3 else b"\x00"
+            assert wanted[begin:end] == expected * (end - begin), name
+        elif ".experts." in name:  # stacked: the second half of its experts' rows
+            middle = (begin + end) // 2
+            assert wanted[begin:middle] == bytes(middle - begin), name
+            assert wanted[middle:end] == b"\x01" * (end - middle), name
+        else:
+            continue
+        num_checked += 1
+    assert num_checked >= 2 * config.num_layers
 
 
 @pytest.fixture(scope="module", params=VARIANTS)
