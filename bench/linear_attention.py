@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+from collections.abc import Iterator
 
 import torch
 import triton
@@ -37,8 +38,10 @@ from kernels.ops import RecurrentStateMetadata
 HK, HV, DK, DV, CONV_K = 16, 32, 128, 128, 4
 CONV_DIM = 2 * HK * DK + HV * DV
 DTYPE = torch.bfloat16
-# Copies of the state replayed back to back: together above the H100's 50 MB of L2.
+# Copies of the state replayed back to back: together above the H100's 50 MB of L2 (at most
+# MAX_COPIES launches in one graph).
 MIN_STATE_BYTES_TIMED = 256 * 2**20
+MAX_COPIES = 512
 
 
 def metadata(query_lens: list[int], has_initial: bool) -> RecurrentStateMetadata:
@@ -78,7 +81,7 @@ def batched(x: torch.Tensor, batch: int) -> torch.Tensor:
     return x.view(batch, -1, *x.shape[1:])
 
 
-def decode_step(copy_bw: float, batch: int) -> list[str]:
+def decode_step(copy_bw: float, batch: int) -> Iterator[str]:
     inputs = delta_rule_inputs(batch)
     meta = metadata([1] * batch, has_initial=True)
     state = torch.randn(batch, HV, DK, DV, device="cuda") * 0.1
@@ -98,13 +101,13 @@ def decode_step(copy_bw: float, batch: int) -> list[str]:
     )
 
     state_bytes = 2 * state.numel() * 4  # read and rewritten
-    copies = max(4, -(-MIN_STATE_BYTES_TIMED // state_bytes))
+    copies = min(MAX_COPIES, max(4, -(-MIN_STATE_BYTES_TIMED // state_bytes)))
     ms = graph_time(
         lambda s: lambda: gated_delta_rule(**inputs, state=s, meta=meta),
         [state.clone() for _ in range(copies)],
     )
     name = f"delta rule decode step, batch {batch}" + ("" if agrees else " (MISMATCH)")
-    rows = [_bandwidth_row(name, ms, state_bytes, copy_bw)]
+    yield _bandwidth_row(name, ms, state_bytes, copy_bw)
 
     x = torch.randn(batch, CONV_DIM, dtype=DTYPE, device="cuda")
     weight = torch.randn(CONV_DIM, CONV_K, dtype=DTYPE, device="cuda")
@@ -117,13 +120,12 @@ def decode_step(copy_bw: float, batch: int) -> list[str]:
     if not check(conv_name, out_conv, expected_conv, 3e-2, 2e-2):
         conv_name += " (MISMATCH)"
     conv_bytes = 2 * conv_state.numel() * 2 + 2 * x.numel() * 2  # state r+w, x in, out
-    copies = max(4, -(-MIN_STATE_BYTES_TIMED // conv_bytes))
+    copies = min(MAX_COPIES, max(4, -(-MIN_STATE_BYTES_TIMED // conv_bytes)))
     ms = graph_time(
         lambda s: lambda: causal_conv1d(x, weight, None, s, meta),
         [conv_state.clone() for _ in range(copies)],
     )
-    rows.append(_bandwidth_row(conv_name, ms, conv_bytes, copy_bw))
-    return rows
+    yield _bandwidth_row(conv_name, ms, conv_bytes, copy_bw)
 
 
 def _bandwidth_row(name: str, ms: float, num_bytes: int, copy_bw: float) -> str:
@@ -134,7 +136,7 @@ def _bandwidth_row(name: str, ms: float, num_bytes: int, copy_bw: float) -> str:
     )
 
 
-def prefill(batch: int = 8, length: int = 2048) -> list[str]:
+def prefill(batch: int = 8, length: int = 2048) -> Iterator[str]:
     num_tokens = batch * length
     inputs = delta_rule_inputs(num_tokens)
     meta = metadata([length] * batch, has_initial=True)
@@ -152,8 +154,7 @@ def prefill(batch: int = 8, length: int = 2048) -> list[str]:
 
     expected, expected_state = peer()
     # (chunk, Dv tile): the defaults first, then their neighbours.
-    variants = ((64, 64), (64, 32), (64, 128), (32, 64), (32, 32))
-    rows = []
+    variants = ((64, 64), (64, 32), (32, 64))
     for chunk, block_v in variants:
         name = f"chunk {chunk}, Dv tile {block_v}"
 
@@ -169,12 +170,12 @@ def prefill(batch: int = 8, length: int = 2048) -> list[str]:
         )
         name += "" if agrees else " (MISMATCH)"
         ms = triton.testing.do_bench(lambda run=run, state=state: run(state), warmup=5, rep=50)
-        rows.append(
+        yield (
             f"| delta rule prefill {batch} × {length}, {name} | {ms * 1e3:.0f} µs | "
             f"{num_tokens / (ms * 1e-3) / 1e6:.2f} M tokens/s |"
         )
     peer_ms = triton.testing.do_bench(peer, warmup=1, rep=10)
-    rows.append(
+    yield (
         f"| peer: transformers torch_chunk_gated_delta_rule, {batch} × {length} | "
         f"{peer_ms * 1e3:.0f} µs | {num_tokens / (peer_ms * 1e-3) / 1e6:.2f} M tokens/s |"
     )
@@ -192,12 +193,11 @@ def prefill(batch: int = 8, length: int = 2048) -> list[str]:
         else "causal conv prefill (MISMATCH)"
     )
     ms = triton.testing.do_bench(lambda: causal_conv1d(x, weight, None, conv_state, fresh))
-    rows.append(
+    yield (
         f"| {conv_name} {batch} × {length} | {ms * 1e3:.0f} µs | "
         f"{num_tokens / (ms * 1e-3) / 1e6:.2f} M tokens/s, "
         f"{2 * x.numel() * 2 / (ms * 1e-3) / 1e12:.2f} TB/s x in + out |"
     )
-    return rows
 
 
 def main() -> None:
@@ -213,12 +213,14 @@ def main() -> None:
     print(f"commit {commit}")
     copy_bw, matmul_rate = ceilings()
     print(f"ceilings: copy {copy_bw / 1e12:.2f} TB/s, bf16 matmul {matmul_rate / 1e12:.0f} TFLOP/s")
-    decode_rows = [row for batch in (1, 64, 256) for row in decode_step(copy_bw, batch)]
-    prefill_rows = prefill()
+    # Rows print as they come (between the checks' lines): a run cut short keeps what it timed.
     print("\n| decode step | median time | state bytes | achieved |\n|---|---|---|---|")
-    print("\n".join(decode_rows))
+    for batch in (1, 64, 256):
+        for row in decode_step(copy_bw, batch):
+            print(row, flush=True)
     print("\n| prefill | median time | throughput |\n|---|---|---|")
-    print("\n".join(prefill_rows))
+    for row in prefill():
+        print(row, flush=True)
 
 
 if __name__ == "__main__":
