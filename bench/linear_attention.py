@@ -154,7 +154,7 @@ def prefill(batch: int = 8, length: int = 2048) -> Iterator[str]:
 
     expected, expected_state = peer()
     # (chunk, Dv tile): the defaults first, then their neighbours.
-    variants = ((64, 64), (64, 32), (32, 64))
+    variants = ((64, 64), (64, 32), (32, 64), (16, 64))
     for chunk, block_v in variants:
         name = f"chunk {chunk}, Dv tile {block_v}"
 
