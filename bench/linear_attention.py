@@ -66,16 +66,19 @@ def delta_rule_inputs(num_tokens: int) -> dict[str, torch.Tensor]:
     }
 
 
-def check(name: str, ours: torch.Tensor, ref: torch.Tensor, atol: float, rtol: float = 0.0) -> bool:
-    """Print whether every element is within atol + rtol * |reference|. Unlike
-    `kernel_micro.check` a mismatch does not stop the run: the timings still come, marked."""
+def check(name: str, ours: torch.Tensor, ref: torch.Tensor, tol: float) -> bool:
+    """Print whether every element is within tol * |reference| + tol * max |reference| (the
+    outputs are small: a normalised q over Dk ** 0.5). Unlike `kernel_micro.check` a mismatch
+    does not stop the run: the timings still come, marked."""
     if ours.shape != ref.shape:
         print(f"check {name}: shape {tuple(ours.shape)} against {tuple(ref.shape)} MISMATCH")
         return False
-    err = (ours.float() - ref.float()).abs()
-    agrees = (err - rtol * ref.float().abs()).max().item() <= atol
+    ref = ref.float()
+    err = (ours.float() - ref).abs()
+    scale = ref.abs().max().item()
+    agrees = (err - tol * ref.abs()).max().item() <= tol * scale
     status = "ok" if agrees else "MISMATCH"
-    print(f"check {name}: max abs error {err.max().item():.3g} {status}", flush=True)
+    print(f"check {name}: max abs error {err.max().item():.3g} of {scale:.3g} {status}", flush=True)
     return agrees
 
 
@@ -96,10 +99,8 @@ def decode_step(copy_bw: float, batch: int) -> Iterator[str]:
         use_qk_l2norm_in_kernel=True,
     )
     out = gated_delta_rule(**inputs, state=state, meta=meta)
-    agrees = check(f"delta rule decode, batch {batch}", out, expected.flatten(0, 1), 3e-2, 1e-2)
-    agrees &= check(
-        f"delta rule decode state, batch {batch}", state[slots], expected_state, 1e-3, 1e-3
-    )
+    agrees = check(f"delta rule decode, batch {batch}", out, expected.flatten(0, 1), 1e-2)
+    agrees &= check(f"delta rule decode state, batch {batch}", state[slots], expected_state, 1e-4)
 
     state_bytes = 2 * state.numel() * 4  # read and rewritten
     copies = min(MAX_COPIES, max(4, -(-MIN_STATE_BYTES_TIMED // state_bytes)))
@@ -118,7 +119,7 @@ def decode_step(copy_bw: float, batch: int) -> Iterator[str]:
     )[:, :, 0]
     out_conv = causal_conv1d(x, weight, None, conv_state.clone(), meta)
     conv_name = f"causal conv decode step, batch {batch}"
-    if not check(conv_name, out_conv, expected_conv, 3e-2, 2e-2):
+    if not check(conv_name, out_conv, expected_conv, 1e-2):
         conv_name += " (MISMATCH)"
     conv_bytes = 2 * conv_state.numel() * 2 + 2 * x.numel() * 2  # state r+w, x in, out
     copies = min(MAX_COPIES, max(4, -(-MIN_STATE_BYTES_TIMED // conv_bytes)))
@@ -165,10 +166,8 @@ def prefill(batch: int = 8, length: int = 2048) -> Iterator[str]:
         state = initial.clone()
         out = run(state)
         flat = expected.flatten(0, 1)
-        agrees = check(f"delta rule prefill, {name}", out, flat, 3e-2, 1e-2)
-        agrees &= check(
-            f"delta rule prefill state, {name}", state[slots], expected_state, 2e-2, 2e-2
-        )
+        agrees = check(f"delta rule prefill, {name}", out, flat, 1e-2)
+        agrees &= check(f"delta rule prefill state, {name}", state[slots], expected_state, 1e-2)
         name += "" if agrees else " (MISMATCH)"
         ms = triton.testing.do_bench(lambda run=run, state=state: run(state), warmup=5, rep=50)
         yield (
@@ -190,7 +189,7 @@ def prefill(batch: int = 8, length: int = 2048) -> Iterator[str]:
     expected_conv = expected_conv.transpose(1, 2).flatten(0, 1)
     conv_name = (
         "causal conv prefill"
-        if check("causal conv prefill", out, expected_conv, 3e-2, 2e-2)
+        if check("causal conv prefill", out, expected_conv, 1e-2)
         else "causal conv prefill (MISMATCH)"
     )
     ms = triton.testing.do_bench(lambda: causal_conv1d(x, weight, None, conv_state, fresh))

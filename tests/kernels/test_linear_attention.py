@@ -7,10 +7,13 @@ On the CPU the kernels run in Triton's interpreter on tiny shapes, in float32 an
 shapes (16 key heads x 128, 32 value heads x 128, conv kernel 4: Qwen3_5MoeTextConfig's
 defaults) in bfloat16, and a decode step replayed in a CUDA graph.
 
-Tolerances, against the float32 reference on the same (rounded) inputs: float32 1e-4 (the
-chunked form sums in another order than the token loop); float16 outputs 2e-3 (one output ulp);
-bfloat16 3e-2 (one ulp, and the chunked kernel's products in tf32). States are float32 always;
-their tolerance is the inputs' (tf32 products on the GPU).
+Tolerances, against the float32 reference on the same (rounded) inputs, relative to the
+largest reference value (a normalised q over Dk ** 0.5 makes outputs small, about 0.05 at
+Qwen3.6's shapes, where a fixed absolute tolerance would pass zeros): float32 1e-4 (the
+chunked form sums in another order than the token loop); float16 2e-3 (one output ulp);
+bfloat16 1e-2 (one ulp, and the chunked kernel's products in tf32: emulated in torch at
+Qwen3.6's shapes over 2,048 tokens, tf32 operands cost 3e-3 of the largest output and 7e-4 of
+the largest state entry). States are float32 always; their tolerance is the inputs'.
 """
 
 from __future__ import annotations
@@ -31,8 +34,14 @@ from kernels.errors import KernelInputError
 from kernels.ops import RecurrentStateMetadata
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-TOLERANCE = {torch.float32: 1e-4, torch.float16: 2e-3, torch.bfloat16: 3e-2}
+TOLERANCE = {torch.float32: 1e-4, torch.float16: 2e-3, torch.bfloat16: 1e-2}
 NUM_SLOTS = 6
+
+
+def assert_close_to_scale(actual: torch.Tensor, expected: torch.Tensor, tol: float) -> None:
+    """Every element within tol * |expected| + tol * max |expected|."""
+    scale = expected.abs().max().item()
+    torch.testing.assert_close(actual.float(), expected, atol=tol * scale, rtol=tol)
 
 
 def make_meta(
@@ -132,9 +141,9 @@ def assert_delta_rule_matches(case: DeltaRuleCase, **knobs: int) -> None:
     )
     tol = TOLERANCE[case.v.dtype]
     assert out.dtype == case.v.dtype
-    torch.testing.assert_close(out.float(), expected_out, atol=tol, rtol=tol)
+    assert_close_to_scale(out, expected_out, tol)
     # Every slot: the batch's are updated, the others untouched (padding rows write nothing).
-    torch.testing.assert_close(state, expected_state, atol=tol, rtol=tol)
+    assert_close_to_scale(state, expected_state, tol)
 
 
 # Sequences of different lengths in one batch (a single-token one, and lengths that end one
@@ -191,8 +200,8 @@ def test_prefill_then_decode_steps_continue_the_state_of_a_whole_sequence_run() 
             whole.q[rows], whole.k[rows], whole.v[rows], whole.g[rows], whole.beta[rows], state,
             make_meta([1], [4], [True]),
         ))  # fmt: skip
-    torch.testing.assert_close(torch.cat(out), expected_out, atol=1e-4, rtol=1e-4)
-    torch.testing.assert_close(state, expected_state, atol=1e-4, rtol=1e-4)
+    assert_close_to_scale(torch.cat(out), expected_out, 1e-4)
+    assert_close_to_scale(state, expected_state, 1e-4)
 
 
 def test_delta_rule_rejects_g_not_float32_naming_it() -> None:
@@ -285,8 +294,8 @@ def assert_conv_matches(case: ConvCase) -> None:
     conv_state = case.conv_state.clone()
     out = triton_ops.causal_conv1d(case.x, case.weight, case.bias, conv_state, case.meta)
     tol = TOLERANCE[case.x.dtype]
-    torch.testing.assert_close(out.float(), expected_out, atol=tol, rtol=tol)
-    torch.testing.assert_close(conv_state.float(), expected_state, atol=tol, rtol=tol)
+    assert_close_to_scale(out, expected_out, tol)
+    assert_close_to_scale(conv_state, expected_state, tol)
 
 
 @pytest.mark.parametrize(("dtype", "with_bias"), [(torch.float32, False), (torch.float16, True)])
