@@ -35,6 +35,7 @@ from appliance.api.generation import (
     default_max_tokens,
     sampling_in_force,
 )
+from appliance.api.harmony import REASONING_EFFORTS, ReasoningEffortName
 from appliance.api.models import ServedModel
 from appliance.api.parsed_output import OutputParser, ParsedOutput
 from appliance.api.reasoning_parsers import Reasoning
@@ -182,7 +183,6 @@ class TextConfig(_Body):
 # Standard fields this server does not honour, and why; each may be absent or null only.
 _REFUSED = {
     "include": "no extra output data is available",
-    "reasoning": "the served model has no reasoning effort or summary controls",
     "background": "responses are answered in the request; none run in the background",
     "conversation": "the appliance keeps no conversation state",
     "prompt": "the appliance stores no prompt templates",
@@ -243,6 +243,40 @@ async def create_response(
     body: ResponsesRequest, request: Request, server: Serving
 ) -> ResponseObject | EventStreamResponse:
     return await server.serve(request, _ResponsesEndpoint(body))
+
+
+def _reasoning_effort(reasoning: object, *, harmony_served: bool) -> ReasoningEffortName | None:
+    """The reasoning effort `reasoning` (the request's field) asks for: gpt-oss takes
+    `{"effort": "low" | "medium" | "high"}`; other models, and summaries, have no such control.
+    Raises a 400 naming the field."""
+    if reasoning is None:
+        return None
+    if not harmony_served:
+        raise unsupported(
+            "reasoning", "the served model has no reasoning effort or summary controls"
+        )
+    if (
+        not isinstance(reasoning, dict)
+        or not set(reasoning) <= {"effort", "summary"}
+        or reasoning.get("summary") is not None
+    ):
+        raise unsupported(
+            "reasoning", "gpt-oss takes reasoning.effort (low, medium or high) only, no summary"
+        )
+    effort = reasoning.get("effort")
+    if effort is not None and effort not in REASONING_EFFORTS:
+        raise APIError(
+            400,
+            f"reasoning.effort must be one of {', '.join(REASONING_EFFORTS)}",
+            param="reasoning.effort",
+        )
+    return effort
+
+
+def _echoed_effort(reasoning: object) -> object:
+    """The reasoning effort a request gave, as OpenAI echoes it (a model that has none refuses
+    the field before a response is made)."""
+    return reasoning.get("effort") if isinstance(reasoning, dict) else None
 
 
 def _verify_harmony_request(
@@ -386,6 +420,7 @@ class _ResponsesEndpoint:
         if isinstance(choice, ResponsesNamedToolChoice):
             choice = NamedToolChoice(type="function", function=ToolChoiceFunction(name=choice.name))
         requested = body.text.format.structure() if body.text and body.text.format else None
+        effort = _reasoning_effort(body.reasoning, harmony_served=harmony is not None)
         if harmony is not None:
             _verify_harmony_request(choice, requested)
         self.tool_use = plan_tool_use(
@@ -413,7 +448,7 @@ class _ResponsesEndpoint:
             prompt = harmony.render(
                 self._messages,
                 tools=None if self.tool_use is None else _chat_tools(body),
-                reasoning_effort=None,
+                reasoning_effort=effort,
                 today=datetime.now(UTC).date(),
                 param="input",
             )
@@ -435,6 +470,8 @@ class _ResponsesEndpoint:
         }
         if self.tool_use is not None:
             record["tools"] = self.tool_use.definitions  # type: ignore[assignment]
+        if self.body.reasoning is not None:
+            record["reasoning"] = self.body.reasoning  # type: ignore[assignment]
         return record
 
     def output(self, tokenizer: Tokenizer, choices: list[Choice]) -> _ResponsesOutput:
@@ -548,7 +585,7 @@ class _ResponsesOutput:
             "output": output,
             "parallel_tool_calls": body.parallel_tool_calls,
             "previous_response_id": None,
-            "reasoning": {"effort": None, "summary": None},
+            "reasoning": {"effort": _echoed_effort(body.reasoning), "summary": None},
             "store": False,
             "temperature": self._params.temperature,
             "text": {"format": _format_record(body)},

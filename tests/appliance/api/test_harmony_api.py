@@ -243,3 +243,18 @@ def test_a_parser_setting_for_gpt_oss_is_refused_at_start(
     value = {"tool_parser": "hermes", "reasoning_parser": "qwen3"}[field]
     with pytest.raises(ModelLoadError, match=rf"model\.{field} is '{value}'.*harmony"):
         ServedModel.from_settings(MODEL_NAME, settings.model_copy(update={field: value}), 0)
+
+
+def test_responses_take_the_reasoning_effort(
+    client: openai.OpenAI, scripted: ScriptedModel, encoding: HarmonyEncoding
+) -> None:
+    _say(scripted, encoding, ANALYSIS + FINAL)
+    response = client.responses.create(
+        model=MODEL_NAME, input=QUESTION, reasoning={"effort": "low"}
+    )
+    assert response.reasoning is not None and response.reasoning.effort == "low"
+    assert response.usage is not None
+    assert response.usage.input_tokens == _prompt_length(encoding, QUESTION, effort="low")
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.responses.create(model=MODEL_NAME, input=QUESTION, reasoning={"effort": "max"})  # type: ignore[typeddict-item]
+    assert refused.value.body["param"] == "reasoning.effort"  # type: ignore[index]
