@@ -12,6 +12,10 @@ turns it off), else chosen automatically (`auto`, the default):
   and closes a thought (`</think>`): Qwen3's hybrid models. A model that always thinks (QwQ,
   Qwen3-*-Thinking-2507) names it in the settings: a parser on a model that does not think
   would take its whole answer for reasoning.
+
+gpt-oss is the exception: its harmony format (appliance.api.harmony) is rendered and parsed,
+reasoning and calls together, by the harmony library; its conventions are `HARMONY_CONVENTIONS`
+and neither setting applies.
 """
 
 from __future__ import annotations
@@ -25,6 +29,10 @@ from appliance.api.tool_parsers import PARSERS, format_of_template
 
 AUTO, NONE = "auto", "none"
 
+HARMONY = "harmony"
+"""The tool-call format of gpt-oss: harmony, which appliance.api.harmony parses (with the
+model's reasoning) from the output's tokens."""
+
 TOOL_FORMAT_OF_ARCHITECTURE = {
     "Qwen3ForCausalLM": "hermes",
     "Qwen3MoeForCausalLM": "hermes",
@@ -37,7 +45,7 @@ none this server recognises."""
 
 @dataclass(frozen=True, slots=True)
 class ChatConventions:
-    tool_format: str | None  # a key of tool_parsers.PARSERS; None: no parser
+    tool_format: str | None  # a key of tool_parsers.PARSERS, or HARMONY; None: no parser
     reasoning_format: str | None  # a key of reasoning_parsers.REASONING_PARSERS; None: none
 
     def reasoning(
@@ -52,6 +60,9 @@ class ChatConventions:
             return None
         thinking = template_kwargs.get("enable_thinking") is not False
         return functools.partial(REASONING_PARSERS[self.reasoning_format], thinking=thinking)
+
+
+HARMONY_CONVENTIONS = ChatConventions(HARMONY, None)
 
 
 def tool_parser_names() -> tuple[str, ...]:
