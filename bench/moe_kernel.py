@@ -2,10 +2,12 @@
 
 Qwen3-30B-A3B's experts (128, top 8, H 2048, I 768) in bf16, random weights and routing. Each
 batch is first checked against `kernels.reference.fused_moe`, then both are timed with
-`triton.testing.do_bench` (median). Decode-sized batches report the expert bytes a step reads
-(each chosen expert's gate/up and down once) per second against the copy bandwidth measured in
-the same run; prefill batches report FLOP/s against the bf16 matmul rate. `--sweep` times a
-grid of tiles per batch and prints the fastest, for the table in kernels/moe.py.
+`triton.testing.do_bench` (median). Decode-sized batches are timed as the engine runs them,
+replayed in a CUDA graph (the launches' CPU cost hidden), and report the expert bytes a step
+reads (each chosen expert's gate/up and down once) per second against the copy bandwidth
+measured in the same run; prefill batches are timed eagerly and report FLOP/s against the
+bf16 matmul rate. `--sweep` times a grid of tiles per batch (the GEMV path's too, where the
+table could pick it) and prints the fastest, for the table in kernels/moe.py.
 
     python bench/moe_kernel.py [--sweep] [--batches 1,4,16,64,512,2048,8192]
                                [--experts 128 --top-k 8 --hidden 2048 --size 768]
@@ -21,7 +23,7 @@ import triton
 from kernel_micro import ceilings  # bench/, the script's own directory
 
 from kernels import reference
-from kernels.moe import MoeTiles, fused_moe, tiles_for
+from kernels.moe import GEMV_MAX_PAIRS, GemvTiles, MoeTiles, fused_moe, tiles_for
 
 DTYPE = torch.bfloat16
 DECODE_BATCHES = (1, 4, 16, 64)
@@ -37,7 +39,14 @@ def inputs(num_tokens: int, experts: int, top_k: int, hidden: int, size: int):
     return x, gate_up, down, weights.contiguous(), ids
 
 
-def time_ms(fn) -> float:
+def time_ms(fn, graphed: bool = False) -> float:
+    """Median ms of fn; `graphed`: of a CUDA graph of it replayed (as decode steps run)."""
+    if graphed:
+        fn()  # compile outside the capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn()
+        fn = graph.replay
     return triton.testing.do_bench(fn, warmup=25, rep=200)
 
 
@@ -48,7 +57,8 @@ def bench_batch(num_tokens: int, args: argparse.Namespace, copy_bw: float, mm_fl
     expected = reference.fused_moe(x, gate_up, down, weights, ids)
     torch.testing.assert_close(fused_moe(x, gate_up, down, weights, ids), expected,
                                atol=3e-2, rtol=3e-2)  # fmt: skip
-    fused = time_ms(lambda: fused_moe(x, gate_up, down, weights, ids))
+    decode = num_tokens <= max(DECODE_BATCHES)
+    fused = time_ms(lambda: fused_moe(x, gate_up, down, weights, ids), graphed=decode)
     loop = time_ms(lambda: reference.fused_moe(x, gate_up, down, weights, ids))
     num_used = ids.unique().numel()
     expert_bytes = num_used * 3 * args.hidden * args.size * x.element_size()
@@ -56,23 +66,30 @@ def bench_batch(num_tokens: int, args: argparse.Namespace, copy_bw: float, mm_fl
     tiles = tiles_for(num_tokens, args.top_k, args.experts)
     rate = (
         f"{expert_bytes / (fused * 1e-3) / copy_bw:5.1%} of copy ({num_used} experts read)"
-        if num_tokens <= max(DECODE_BATCHES)
+        if decode
         else f"{flops / (fused * 1e-3) / mm_flops:5.1%} of bf16 matmul"
     )
-    print(f"T={num_tokens:5d}  fused {fused * 1e3:8.1f} us  loop {loop * 1e3:9.1f} us  "
-          f"x{loop / fused:5.1f}  {rate}  tiles {tiles}")  # fmt: skip
+    print(f"T={num_tokens:5d}  fused {fused * 1e3:8.1f} us{' (graph)' if decode else ''}  "
+          f"loop {loop * 1e3:9.1f} us  x{loop / fused:5.1f}  {rate}  tiles {tiles}")  # fmt: skip
     if args.sweep:
-        sweep(x, gate_up, down, weights, ids)
+        sweep(x, gate_up, down, weights, ids, decode)
 
 
-def sweep(x, gate_up, down, weights, ids) -> None:
+def sweep(x, gate_up, down, weights, ids, decode: bool) -> None:
+    candidates: list[MoeTiles | GemvTiles] = [
+        MoeTiles(*tiles)
+        for tiles in itertools.product((16, 32, 64), (64, 128), (64, 128), (4, 8), (3,))
+    ]
+    if ids.numel() <= 4 * GEMV_MAX_PAIRS:  # the GEMV path, around where the table takes it
+        candidates += [
+            GemvTiles(*tiles)
+            for tiles in itertools.product((8, 16, 32), (8, 16), (256, 512), (4, 8))
+        ]
     results = []
-    for block_m, block_n, block_k, warps, stages in itertools.product(
-        (16, 32, 64), (64, 128), (64, 128, 256), (4, 8), (3, 4)
-    ):
-        tiles = MoeTiles(block_m, block_n, block_k, warps, stages)
+    for tiles in candidates:
         try:
-            ms = time_ms(lambda t=tiles: fused_moe(x, gate_up, down, weights, ids, tiles=t))
+            ms = time_ms(lambda t=tiles: fused_moe(x, gate_up, down, weights, ids, tiles=t),
+                         graphed=decode)  # fmt: skip
         except triton.runtime.errors.OutOfResources:
             continue
         results.append((ms, tiles))

@@ -1,4 +1,6 @@
-"""Tensor-parallel scaling on random-weight Llama shapes (bf16): W1 and W2 at each size.
+"""Tensor-parallel scaling on random-weight Llama shapes (bf16): W1 and W2 at each size; and
+of the mixtures of experts Qwen3-30B-A3B and gpt-oss-20b (bf16 experts), expert-parallel under
+TP (each GPU holds E/N whole experts, docs/ARCHITECTURE.md "Expert parallelism").
 
 Correctness first: on a small random model (4 layers of the 8B's widths), the logits of TP=N
 against TP=1 on the same weights, every prompt position of a 256-token prompt (max and mean
@@ -15,6 +17,11 @@ Markdown rows last.
     NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 \\
         python bench/tensor_parallel.py --shape 8b --sizes 1,2 [--workloads W1,W2]
     ... --shape 70b --sizes 4 --workloads AR,W1,W2
+    ... --shape qwen3-30b-a3b --sizes 1,2 --workloads AR,W1,W2 --w2-requests 512
+
+For a mixture of experts, W1's bytes per token are those one token reads (attention, the router,
+its k experts of each layer and the LM head; gpu_engine.weight_bytes), and the correctness check
+(C) is tests/appliance/engine/parallel/test_expert_parallel_gpu.py's instead (C skips it here).
 
 The sizes run one after another in this process (one tensor-parallel world at a time).
 """
@@ -33,18 +40,27 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from gpu_engine import LLAMA_31_8B  # bench/, the script's own directory
+from gpu_engine import (  # bench/, the script's own directory
+    GPT_OSS_20B,
+    LLAMA_31_8B,
+    QWEN3_30B_A3B,
+    weight_bytes,
+)
 
 from appliance.engine.engine import Engine, EngineConfig
-from appliance.engine.models.loader import load_model, random_model
+from appliance.engine.models.config import ModelConfig
+from appliance.engine.models.loader import build_model, load_model, random_model
 from appliance.engine.sampling_params import SamplingParams
 from kernels import triton_ops
 
-# The 8B is gpu_engine's Llama-3.1-8B; the 70B changes only its widths and depth.
+# The 8B is gpu_engine's Llama-3.1-8B; the 70B changes only its widths and depth. The
+# mixtures of experts are gpu_engine's.
 SHAPES = {
     "8b": LLAMA_31_8B,
     "70b": {**LLAMA_31_8B, "hidden_size": 8192, "intermediate_size": 28672,
             "num_hidden_layers": 80, "num_attention_heads": 64},
+    "qwen3-30b-a3b": QWEN3_30B_A3B,
+    "gpt-oss-20b": GPT_OSS_20B,
 }  # fmt: skip
 MAX_MODEL_LEN = 4096
 rows: list[str] = []
@@ -293,14 +309,12 @@ def allreduce(shape: str, size: int) -> None:
         report(name, f"{seconds * 1e3:.2f} ms per step, {each:.1f} µs each")
 
 
-def weight_bytes(shape: str) -> int:
-    """What batch-1 decode reads per token: every weight but the embedding table (one row)."""
-    c = SHAPES[shape]
-    hidden, inter, layers = c["hidden_size"], c["intermediate_size"], c["num_hidden_layers"]
-    head_dim = hidden // c["num_attention_heads"]
-    qkv = hidden * (c["num_attention_heads"] + 2 * c["num_key_value_heads"]) * head_dim
-    per_layer = qkv + hidden * hidden + 3 * hidden * inter + 2 * hidden
-    return 2 * (layers * per_layer + hidden + c["vocab_size"] * hidden)
+def bytes_per_token(model_dir: Path) -> int:
+    """What batch-1 decode reads per token (gpu_engine.weight_bytes: every weight but the
+    embedding table and, of a mixture of experts, the experts not chosen), of the whole model."""
+    config = ModelConfig.from_model_dir(model_dir)
+    model = build_model(config, dtype=torch.bfloat16, device="meta", ops=None, shard=None)
+    return weight_bytes(model)[1]
 
 
 def copy_bandwidth() -> float:
@@ -320,7 +334,7 @@ def copy_bandwidth() -> float:
     return rate
 
 
-def w1(model_dir: Path, shape: str, size: int, burst: int) -> None:
+def w1(model_dir: Path, size: int, burst: int) -> None:
     engine = build_random(model_dir, size, max_num_seqs=8, max_decode_burst=burst)
     params = SamplingParams(temperature=0.0, max_tokens=256, ignore_eos=True)
     [prompt] = random_prompts(1, 128, seed=1)
@@ -330,11 +344,7 @@ def w1(model_dir: Path, shape: str, size: int, burst: int) -> None:
         elapsed, [ttft], num_out = run_timed(engine, [prompt], params)
         per_token.append((elapsed - ttft) / (num_out - 1))
     ms = statistics.median(per_token) * 1e3
-    shape = json.loads((model_dir / "config.json").read_text())
-    shape_name = next(
-        name for name, s in SHAPES.items() if s["hidden_size"] == shape["hidden_size"]
-    )
-    rate = weight_bytes(shape_name) / (ms * 1e-3)
+    rate = bytes_per_token(model_dir) / (ms * 1e-3)
     report(
         f"W1 TP={size} decode ms/token (batch 1, 128+256)",
         f"{ms:.2f} ms ({1e3 / ms:.0f} tok/s); weights {rate / 1e12:.2f} TB/s = "
@@ -374,7 +384,8 @@ def main() -> None:
         for size in sizes:
             if size > 1:
                 allreduce(args.shape, size)
-    if "C" in workloads:
+    moe = {"num_experts", "num_local_experts"} & SHAPES[args.shape].keys()
+    if "C" in workloads and not moe:
         for size in sizes:
             if size > 1:
                 correctness(size)
@@ -382,7 +393,7 @@ def main() -> None:
         model_dir = write_config(Path(tmp), args.shape)
         for size in sizes:
             if "W1" in workloads:
-                w1(model_dir, args.shape, size, args.max_decode_burst)
+                w1(model_dir, size, args.max_decode_burst)
             if "W2" in workloads:
                 w2(model_dir, size, args.w2_requests, args.max_num_seqs, args.max_decode_burst)
     print(f"\n| {args.shape} random weights, bf16 | |\n|---|---|")

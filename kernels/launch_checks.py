@@ -7,6 +7,7 @@ import os
 import torch
 
 from kernels.errors import KernelInputError
+from kernels.ops import RecurrentStateMetadata
 
 # The floating-point types every kernel takes.
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -79,3 +80,14 @@ def check_kv_cache_encoding(
         if scale.device != k_cache.device:
             raise KernelInputError(f"{name} is on {scale.device}, the cache on {k_cache.device}")
     return True
+
+
+def check_recurrent_metadata(meta: RecurrentStateMetadata) -> None:
+    """The per-sequence tensors of `meta` agree on the number of sequences."""
+    num_seqs = meta.state_slots.shape[0]
+    if meta.has_initial_state.shape != (num_seqs,) or meta.query_start_loc.shape != (num_seqs + 1,):
+        raise KernelInputError(
+            f"metadata for {num_seqs} sequences needs has_initial_state [{num_seqs}] and "
+            f"query_start_loc [{num_seqs + 1}], got {tuple(meta.has_initial_state.shape)} and "
+            f"{tuple(meta.query_start_loc.shape)}"
+        )

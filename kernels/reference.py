@@ -123,7 +123,8 @@ def fused_moe(
     gpt-oss's `clamped_swiglu` ones), one expert at a time.
 
     x: [T, H]; gate_up: [E, 2I, H] ([gate; up] rows per expert); down: [E, H, I];
-    topk_weights: [T, k] float32; topk_ids: [T, k] integer, each in 0..E-1 -> [T, H].
+    topk_weights: [T, k] float32; topk_ids: [T, k] integer, each in 0..E-1, or -1 for an expert
+    another rank holds (expert parallelism: the pair adds nothing) -> [T, H].
     gate_up_bias: [E, 2I] and down_bias: [E, H], added to each expert's projections (gpt-oss).
     Rounding: each expert's output is in x's dtype (as the dense MLP's: the gate/up product,
     SiLU(gate) * up and the down product each rounded), times its weight in float32, rounded
@@ -133,8 +134,8 @@ def fused_moe(
     flat_ids = topk_ids.reshape(-1)  # [T * k]: row t * k + j is token t's j-th expert
     flat_weights = topk_weights.reshape(-1, 1).float()
     tokens = torch.arange(num_tokens * top_k, device=x.device) // top_k
-    weighted = torch.empty(num_tokens * top_k, x.shape[1], dtype=x.dtype, device=x.device)
-    for expert in flat_ids.unique().tolist():
+    weighted = torch.zeros(num_tokens * top_k, x.shape[1], dtype=x.dtype, device=x.device)
+    for expert in flat_ids[flat_ids >= 0].unique().tolist():
         rows = (flat_ids == expert).nonzero().squeeze(1)
         gate_up_b = None if gate_up_bias is None else gate_up_bias[expert]
         down_b = None if down_bias is None else down_bias[expert]

@@ -10,6 +10,9 @@ Projections of decode-sized batches (at most `kernels.linear.MAX_ROWS` rows) str
 weights through Inferno's skinny-matmul kernel; larger ones are cuBLAS matmuls. FP8 weights
 (`kernels.ops.Fp8Weight`) take `kernels.fp8_linear`'s W8A8 path, which routes the same way.
 A mixture of experts' experts run as `kernels.moe`'s two grouped GEMMs.
+Linear-attention layers (Gated DeltaNet) run `kernels.causal_conv1d` and
+`kernels.gated_delta_rule` on their per-sequence state slots: the recurrent step for a decode
+batch, the chunked form otherwise.
 """
 
 from __future__ import annotations
@@ -20,7 +23,9 @@ import torch.nn.functional as F
 from kernels import fp8_linear
 from kernels import linear as skinny
 from kernels.activation import gelu_tanh_and_mul, silu_and_mul
+from kernels.causal_conv1d import causal_conv1d
 from kernels.decode_attention import paged_decode_attention
+from kernels.gated_delta_rule import gated_delta_rule
 from kernels.kv_cache_write import write_kv_cache
 from kernels.moe import fused_moe
 from kernels.ops import AttentionMetadata, Fp8Weight
@@ -30,7 +35,9 @@ from kernels.rotary import rotary_embedding
 
 __all__ = [
     "add_rms_norm",
+    "causal_conv1d",
     "fused_moe",
+    "gated_delta_rule",
     "gelu_tanh_mul_linear",
     "linear",
     "paged_attention",

@@ -3,7 +3,9 @@ streamed as OpenAI streams it."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterator
+from datetime import UTC, datetime
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -18,9 +20,10 @@ from appliance.api.generation import (
     default_max_tokens,
     verify_stream_options,
 )
+from appliance.api.harmony import REASONING_EFFORTS
 from appliance.api.logprobs import chat_logprobs
 from appliance.api.models import ServedModel
-from appliance.api.parsed_output import ParsedOutput
+from appliance.api.parsed_output import OutputParser, ParsedOutput
 from appliance.api.reasoning_parsers import Reasoning, ReasoningParser
 from appliance.api.schemas import (
     AssistantMessage,
@@ -69,7 +72,7 @@ class _ChatEndpoint:
     def __init__(self, body: ChatCompletionRequest):
         self.body = body
         self.tool_use: ToolUse | None = None
-        self.reasoning: Callable[[], ReasoningParser] | None = None
+        self.parser: Callable[[], OutputParser] | None = None  # None: the text as it comes
 
     @property
     def uses_tools(self) -> bool:
@@ -80,13 +83,22 @@ class _ChatEndpoint:
 
     def choices(self, model: ServedModel, tokenizer: Tokenizer, max_model_len: int) -> list[Choice]:
         body = self.body
-        verify_tool_messages(body.messages, tokenizer, body.model, param="messages")
+        harmony = model.harmony
+        renders_tools = harmony is not None or tokenizer.chat_template_reads_tools
+        verify_tool_messages(
+            body.messages, renders_tools=renders_tools, model_name=body.model, param="messages"
+        )
+        if harmony is None:
+            if body.reasoning_effort is not None:
+                raise unsupported("reasoning_effort", _NO_REASONING_EFFORT)
+        else:
+            _verify_harmony_request(body)
         conventions = model.conventions(tokenizer)
         self.tool_use = plan_tool_use(
             body.tools,
             body.tool_choice,
             parallel=body.parallel_tool_calls,
-            tokenizer=tokenizer,
+            renders_tools=renders_tools,
             model_name=body.model,
             tool_format=conventions.tool_format,
         )
@@ -98,12 +110,25 @@ class _ChatEndpoint:
                 "tokens' log-probabilities would match no content",
             )
         template_kwargs = body.chat_template_kwargs or {}
-        self.reasoning = conventions.reasoning(template_kwargs, constrained=structured is not None)
-        prompt = tokenizer.encode_chat(
-            [template_message(m) for m in body.messages],
-            tools=None if self.tool_use is None else self.tool_use.definitions,
-            template_kwargs=template_kwargs,
-        )
+        stop_token_ids: tuple[int, ...] = ()
+        if harmony is None:
+            reasoning = conventions.reasoning(template_kwargs, constrained=structured is not None)
+            self.parser = _text_parser(self.tool_use, reasoning)
+            prompt = tokenizer.encode_chat(
+                [template_message(m) for m in body.messages],
+                tools=None if self.tool_use is None else self.tool_use.definitions,
+                template_kwargs=template_kwargs,
+            )
+        else:
+            self.parser = functools.partial(harmony.output, self.tool_use)
+            prompt = harmony.render(
+                body.messages,
+                tools=None if self.tool_use is None else body.tools,
+                reasoning_effort=body.reasoning_effort,  # type: ignore[arg-type]
+                today=datetime.now(UTC).date(),
+                param="messages",
+            )
+            stop_token_ids = harmony.stop_token_ids
         # Unset: up to the end of the context, as OpenAI does.
         max_tokens = body.max_completion_tokens or body.max_tokens
         max_tokens = max_tokens or default_max_tokens(max_model_len - len(prompt), model.defaults)
@@ -120,6 +145,7 @@ class _ChatEndpoint:
                     max_tokens=max_tokens,
                     logprobs=logprobs,
                     structured=structured,
+                    format_stop_token_ids=stop_token_ids,
                     skip_special_tokens=not conventions.keeps_special_tokens,
                 ),
             )
@@ -129,24 +155,22 @@ class _ChatEndpoint:
     def prompt_record(self) -> JsonValue:
         messages: JsonValue = [m.model_dump(exclude_none=True) for m in self.body.messages]
         kwargs = self.body.chat_template_kwargs
-        if self.tool_use is None and not kwargs:
+        effort = self.body.reasoning_effort
+        if self.tool_use is None and not kwargs and effort is None:
             return messages
-        # The tools and the template's variables are part of the prompt the model saw.
+        # The tools, the template's variables and the reasoning effort are part of the prompt
+        # the model saw.
         record: dict[str, JsonValue] = {"messages": messages}
         if self.tool_use is not None:
             record["tools"] = self.tool_use.definitions  # type: ignore[assignment]
         if kwargs:
             record["chat_template_kwargs"] = kwargs  # type: ignore[assignment]
+        if effort is not None:
+            record["reasoning_effort"] = effort  # type: ignore[assignment]
         return record
 
     def output(self, tokenizer: Tokenizer, choices: list[Choice]) -> _ChatOutput:
-        return _ChatOutput(
-            tokenizer,
-            choices,
-            with_logprobs=self.body.logprobs,
-            tool_use=self.tool_use,
-            reasoning=self.reasoning,
-        )
+        return _ChatOutput(tokenizer, choices, with_logprobs=self.body.logprobs, parser=self.parser)
 
 
 # Standard fields this server does not honour, and why; each may be absent or null only
@@ -155,8 +179,6 @@ _REFUSED = {
     "audio": "the served model writes text only",
     "modalities": "the served model writes text only",
     "prediction": "predicted outputs (speculative decoding) are not supported",
-    "reasoning_effort": "the served model has no reasoning effort control (a Qwen3 model's "
-    "thinking is switched with chat_template_kwargs.enable_thinking)",
     "service_tier": "the appliance has one service tier",
     "web_search_options": "the appliance has no network access and searches nothing",
     "functions": "deprecated by OpenAI: use tools",
@@ -166,6 +188,65 @@ _REFUSED = {
     "safety_identifier": "not used by this appliance",
 }
 _ACCEPTED = {"modalities": (["text"],), "service_tier": ("auto", "default")}
+
+
+_NO_REASONING_EFFORT = (
+    "the served model has no reasoning effort control (a Qwen3 model's thinking is switched "
+    "with chat_template_kwargs.enable_thinking; gpt-oss takes low, medium or high)"
+)
+
+# What constrains an output to a structure: a grammar holds from the first token, which would
+# forbid the harmony format's headers and reasoning.
+_STRUCTURE_FIELDS = ("response_format", "structured_outputs", "guided_json", "guided_regex",
+                     "guided_choice", "guided_grammar")  # fmt: skip
+
+
+def _verify_harmony_request(body: ChatCompletionRequest) -> None:
+    """Refuse, by name, what a request cannot have of gpt-oss's harmony format."""
+    if body.reasoning_effort is not None and body.reasoning_effort not in REASONING_EFFORTS:
+        raise APIError(
+            400,
+            f"reasoning_effort must be one of {', '.join(REASONING_EFFORTS)}",
+            param="reasoning_effort",
+        )
+    if body.tool_choice not in (None, "auto", "none"):
+        raise unsupported(
+            "tool_choice",
+            "gpt-oss writes its calls in the harmony format, after its reasoning, where a "
+            "grammar cannot force them: give 'auto' or 'none'",
+        )
+    if structured_output(body) is not None:
+        field = next(f for f in _STRUCTURE_FIELDS if getattr(body, f) is not None)
+        raise unsupported(
+            field,
+            "gpt-oss writes the harmony format (headers, reasoning, then the answer), which an "
+            "output structure holding from the first token would forbid",
+        )
+    if body.logprobs:
+        raise unsupported(
+            "logprobs",
+            "not available for gpt-oss: its output's tokens carry the harmony format's headers "
+            "and reasoning, parsed out of the answer, so their log-probabilities would match "
+            "no content",
+        )
+    if body.chat_template_kwargs:
+        raise unsupported(
+            "chat_template_kwargs",
+            "gpt-oss's prompt is rendered by the harmony library, not a chat template "
+            "(reasoning_effort sets its reasoning effort)",
+        )
+
+
+def _text_parser(
+    tool_use: ToolUse | None, reasoning: Callable[[], ReasoningParser] | None
+) -> Callable[[], OutputParser] | None:
+    """What makes a choice's parser of reasoning and calls in text; None when neither."""
+    if tool_use is None and reasoning is None:
+        return None
+    return lambda: ParsedOutput(
+        None if reasoning is None else reasoning(),
+        None if tool_use is None else ChoiceCalls(tool_use),
+    )
 
 
 def _verify_supported(body: ChatCompletionRequest) -> None:
@@ -195,22 +276,15 @@ class _ChatOutput:
         choices: list[Choice],
         *,
         with_logprobs: bool,
-        tool_use: ToolUse | None = None,
-        reasoning: Callable[[], ReasoningParser] | None = None,
+        parser: Callable[[], OutputParser] | None = None,
     ):
         self.tokenizer = tokenizer
         self.choices = choices
         self.with_logprobs = with_logprobs
-        # A choice whose text is parsed (reasoning, tool calls) has its parser; others none.
-        self._parsed: dict[int, ParsedOutput] = {}
-        if tool_use is not None or reasoning is not None:
-            self._parsed = {
-                c.index: ParsedOutput(
-                    None if reasoning is None else reasoning(),
-                    None if tool_use is None else ChoiceCalls(tool_use),
-                )
-                for c in choices
-            }
+        # A choice whose output is parsed (reasoning, tool calls, harmony) has its parser.
+        self._parsed: dict[int, OutputParser] = {}
+        if parser is not None:
+            self._parsed = {c.index: parser() for c in choices}
 
     def opening(self) -> Iterator[ChatChunkChoice]:
         for choice in self.choices:
@@ -241,7 +315,7 @@ class _ChatOutput:
             choices=[
                 ChatChoice(
                     index=choice.index,
-                    message=self._message(choice.index, result.text),
+                    message=self._message(choice.index, result.text, result.token_ids),
                     logprobs=ChatChoiceLogprobs(
                         content=chat_logprobs(self.tokenizer, result.logprobs)
                     )
@@ -256,11 +330,11 @@ class _ChatOutput:
             usage=generation.usage(),
         )
 
-    def _message(self, index: int, text: str) -> AssistantMessage:
+    def _message(self, index: int, text: str, token_ids: list[int]) -> AssistantMessage:
         parsed = self._parsed.get(index)
         if parsed is None:
             return AssistantMessage(content=text)
-        whole = parsed.whole(text)
+        whole = parsed.whole(text, token_ids)
         return AssistantMessage(
             content=whole.content,
             reasoning=whole.reasoning,
@@ -274,7 +348,7 @@ def _tool_call_out(call: IdentifiedCall) -> ToolCallOut:
     )
 
 
-def _finish_reason(reason: str | None, parsed: ParsedOutput | None) -> str | None:
+def _finish_reason(reason: str | None, parsed: OutputParser | None) -> str | None:
     """OpenAI's "tool_calls" for a choice that stopped after calling tools."""
     if reason == "stop" and parsed is not None and parsed.calls:
         return "tool_calls"
@@ -282,14 +356,14 @@ def _finish_reason(reason: str | None, parsed: ParsedOutput | None) -> str | Non
 
 
 def _parsed_chunks(
-    index: int, parsed: ParsedOutput, out: RequestOutput, logprobs: dict[str, Any] | None
+    index: int, parsed: OutputParser, out: RequestOutput, logprobs: dict[str, Any] | None
 ) -> Iterator[ChatChunkChoice]:
     """A choice's reasoning, content and calls as vLLM and OpenAI stream them: reasoning in
     `reasoning` deltas; a call's first delta carries its index, id, type and name (arguments
     empty), the next its arguments. A call is sent once it is complete and valid
     (appliance.api.tool_parsers), so its arguments come whole. The output's log-probabilities
     (never with tools) ride on its first chunk, or an empty one while the text is held back."""
-    for event in parsed.events(out.text, finished=out.finished):
+    for event in parsed.events(out.text, out.token_ids, finished=out.finished):
         if isinstance(event, Reasoning):
             yield ChatChunkChoice(index, ChatDelta(reasoning=event.text), logprobs)
         elif isinstance(event, Content):

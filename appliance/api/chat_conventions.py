@@ -18,6 +18,10 @@ turns it off), else chosen automatically (`auto`, the default):
 
 Gemma 4's markers are special tokens, which the usual decode drops: a request parsed with its
 formats is decoded with special tokens kept (`keeps_special_tokens`), as vLLM's parsers ask.
+
+gpt-oss is the exception: its harmony format (appliance.api.harmony) is rendered and parsed,
+reasoning and calls together, by the harmony library; its conventions are `HARMONY_CONVENTIONS`
+and neither setting applies.
 """
 
 from __future__ import annotations
@@ -30,6 +34,10 @@ from appliance.api.reasoning_parsers import REASONING_PARSERS, ReasoningParser
 from appliance.api.tool_parsers import PARSERS, format_of_template
 
 AUTO, NONE = "auto", "none"
+
+HARMONY = "harmony"
+"""The tool-call format of gpt-oss: harmony, which appliance.api.harmony parses (with the
+model's reasoning) from the output's tokens."""
 
 TOOL_FORMAT_OF_ARCHITECTURE = {
     "Qwen3ForCausalLM": "hermes",
@@ -54,7 +62,7 @@ _SPECIAL_TOKEN_FORMATS = frozenset({"gemma4"})
 
 @dataclass(frozen=True, slots=True)
 class ChatConventions:
-    tool_format: str | None  # a key of tool_parsers.PARSERS; None: no parser
+    tool_format: str | None  # a key of tool_parsers.PARSERS, or HARMONY; None: no parser
     reasoning_format: str | None  # a key of reasoning_parsers.REASONING_PARSERS; None: none
 
     @property
@@ -74,6 +82,9 @@ class ChatConventions:
             return None
         thinking = template_kwargs.get("enable_thinking") is not False
         return functools.partial(REASONING_PARSERS[self.reasoning_format], thinking=thinking)
+
+
+HARMONY_CONVENTIONS = ChatConventions(HARMONY, None)
 
 
 def tool_parser_names() -> tuple[str, ...]:

@@ -48,11 +48,15 @@ def choice_params(
     logprobs: int | None,
     prompt_logprobs: int | None = None,
     structured: StructuredOutput | None = None,
+    format_stop_token_ids: tuple[int, ...] = (),
     skip_special_tokens: bool = True,
 ) -> SamplingParams:
     """The engine's sampling parameters for choice `index` of a request; a sampling field the
     request leaves out takes the model's `defaults`. With a seed, choice i uses seed + i, so
-    the choices differ from each other and each is reproducible."""
+    the choices differ from each other and each is reproducible. `format_stop_token_ids` end
+    the output besides the request's own (the harmony format's end of an action);
+    `skip_special_tokens` False keeps them in the text, for a parser whose markers are special
+    tokens (Gemma 4's)."""
     seed = None if body.seed is None else (body.seed + index) % 2**63
     stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
     return SamplingParams(
@@ -67,7 +71,7 @@ def choice_params(
         ),
         seed=seed,
         stop=stop,
-        stop_token_ids=tuple(body.stop_token_ids or ()),
+        stop_token_ids=(*(body.stop_token_ids or ()), *format_stop_token_ids),
         ignore_eos=body.ignore_eos,
         min_tokens=body.min_tokens,
         logit_bias=tuple(

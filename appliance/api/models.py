@@ -1,6 +1,7 @@
 """`/v1/models`: the one model this appliance serves, and the check that a request names it;
 what the API must know of that model besides its engine: the conventions of its output
-(appliance.api.chat_conventions) and the sampling defaults of its generation_config.json."""
+(appliance.api.chat_conventions), gpt-oss's harmony format (appliance.api.harmony) and the
+sampling defaults of its generation_config.json."""
 
 from __future__ import annotations
 
@@ -12,8 +13,14 @@ from typing import Annotated
 
 from fastapi import APIRouter, Depends, Request
 
-from appliance.api.chat_conventions import AUTO, ChatConventions, choose_conventions
+from appliance.api.chat_conventions import (
+    AUTO,
+    HARMONY_CONVENTIONS,
+    ChatConventions,
+    choose_conventions,
+)
 from appliance.api.errors import APIError
+from appliance.api.harmony import HARMONY_ARCHITECTURES, HarmonyFormat
 from appliance.api.schemas import ErrorResponse, ModelCard, ModelList
 from appliance.config import ModelSettings
 from appliance.engine.errors import ModelLoadError
@@ -35,19 +42,30 @@ class ServedModel:
         defaults: SamplingDefaults = NO_DEFAULTS,
         tool_parser: str = AUTO,
         reasoning_parser: str = AUTO,
+        harmony: HarmonyFormat | None = None,
     ):
         self.card = ModelCard(id=name, created=created)
         self.architectures = tuple(architectures)
         self.defaults = defaults
         self._tool_parser = tool_parser
         self._reasoning_parser = reasoning_parser
+        # gpt-oss's chat format: its conversations are rendered and its output parsed by the
+        # harmony library rather than through a chat template and text parsers.
+        self.harmony = harmony
 
     @classmethod
     def from_settings(cls, name: str, settings: ModelSettings, created: int) -> ServedModel:
         """The model of `settings`, its architectures read from config.json and its sampling
-        defaults from generation_config.json (files a sealed model keeps in the clear). Raises
-        `ModelLoadError` for a generation_config.json this server cannot use."""
+        defaults from generation_config.json (files a sealed model keeps in the clear); for
+        gpt-oss, the harmony library's encoding. Raises `ModelLoadError` for a
+        generation_config.json this server cannot use, and for gpt-oss when the harmony library
+        cannot serve it or a parser setting that cannot apply is given."""
         defaults = GenerationConfig.from_model_dir(settings.dir).defaults
+        architectures = _architectures(settings.dir / "config.json")
+        harmony = None
+        if HARMONY_ARCHITECTURES.intersection(architectures):
+            _verify_harmony_settings(settings)
+            harmony = HarmonyFormat.load()
         if defaults.stated():
             # As vLLM says it: a request that leaves these out gets the model's values.
             logger.info("sampling defaults from the model's generation_config.json: %s",
@@ -55,14 +73,17 @@ class ServedModel:
         return cls(
             name,
             created,
-            architectures=_architectures(settings.dir / "config.json"),
+            architectures=architectures,
             defaults=defaults,
             tool_parser=settings.tool_parser,
             reasoning_parser=settings.reasoning_parser,
+            harmony=harmony,
         )
 
     def conventions(self, tokenizer: Tokenizer) -> ChatConventions:
         """The formats of the model's tool calls and reasoning (appliance.api.chat_conventions)."""
+        if self.harmony is not None:
+            return HARMONY_CONVENTIONS
         return choose_conventions(
             self.architectures,
             tokenizer.chat_template,
@@ -78,6 +99,19 @@ class ServedModel:
                 f"The model `{requested}` does not exist; this server serves `{self.card.id}`",
                 param="model",
                 code="model_not_found",
+            )
+
+
+def _verify_harmony_settings(settings: ModelSettings) -> None:
+    """gpt-oss writes harmony, which the harmony library parses: a parser setting other than
+    `auto` would name a format the model does not write, so it is refused, not ignored."""
+    for field in ("tool_parser", "reasoning_parser"):
+        value = getattr(settings, field)
+        if value != AUTO:
+            raise ModelLoadError(
+                f"model.{field} is {value!r}, but gpt-oss writes the harmony format, whose "
+                "reasoning and tool calls the harmony library parses: leave model.tool_parser "
+                "and model.reasoning_parser at 'auto'"
             )
 
 

@@ -8,7 +8,9 @@ writes its calls. One object serves a whole response and a stream, so they alway
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 from appliance.api.reasoning_parsers import Reasoning, ReasoningParser
 from appliance.api.tool_parsers import Content
@@ -24,6 +26,35 @@ class WholeOutput:
     calls: list[IdentifiedCall]
 
 
+def whole_output(events: Sequence[OutputEvent], calls: list[IdentifiedCall]) -> WholeOutput:
+    """The whole output that `events` (all of them, in order) and `calls` make."""
+    reasoning = [event.text for event in events if isinstance(event, Reasoning)]
+    content = "".join(event.text for event in events if isinstance(event, Content))
+    return WholeOutput(
+        "".join(reasoning) if reasoning else None, (content or None) if calls else content, calls
+    )
+
+
+class OutputParser(Protocol):
+    """One choice's output, parsed as it comes: this module's `ParsedOutput` (text through
+    the reasoning and tool-call parsers) or appliance.api.harmony's `HarmonyOutput` (tokens
+    through the harmony library)."""
+
+    @property
+    def calls(self) -> list[IdentifiedCall]:
+        """The calls parsed so far."""
+        ...
+
+    def events(self, text: str, token_ids: Sequence[int], *, finished: bool) -> list[OutputEvent]:
+        """What the choice's next output (its text and its tokens) adds, in order; `finished`
+        for its last."""
+        ...
+
+    def whole(self, text: str, token_ids: Sequence[int]) -> WholeOutput:
+        """A whole output, parsed."""
+        ...
+
+
 class ParsedOutput:
     def __init__(self, reasoning: ReasoningParser | None, calls: ChoiceCalls | None):
         self._reasoning = reasoning
@@ -34,9 +65,10 @@ class ParsedOutput:
         """The calls parsed so far."""
         return [] if self._calls is None else self._calls.calls
 
-    def events(self, text: str, *, finished: bool) -> list[OutputEvent]:
+    def events(self, text: str, token_ids: Sequence[int], *, finished: bool) -> list[OutputEvent]:
         """What `text`, the choice's next output, adds, in order; `finished` for its last. A
-        thought always comes before the answer, so its events come first."""
+        thought always comes before the answer, so its events come first. (The tokens are not
+        read: these formats are text.)"""
         if self._reasoning is None:
             split: list[Reasoning | Content] = [Content(text)] if text else []
         else:
@@ -51,13 +83,6 @@ class ParsedOutput:
             events.append(Content(answer))
         return events
 
-    def whole(self, text: str) -> WholeOutput:
+    def whole(self, text: str, token_ids: Sequence[int]) -> WholeOutput:
         """A whole output, parsed."""
-        events = self.events(text, finished=True)
-        reasoning = [event.text for event in events if isinstance(event, Reasoning)]
-        content = "".join(event.text for event in events if isinstance(event, Content))
-        return WholeOutput(
-            "".join(reasoning) if reasoning else None,
-            (content or None) if self.calls else content,
-            self.calls,
-        )
+        return whole_output(self.events(text, token_ids, finished=True), self.calls)

@@ -15,10 +15,12 @@ fields this server does not honour are refused by name with the reason (`_REFUSE
 
 from __future__ import annotations
 
+import functools
 import json
 import uuid
 from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Request
@@ -33,9 +35,10 @@ from appliance.api.generation import (
     default_max_tokens,
     sampling_in_force,
 )
+from appliance.api.harmony import REASONING_EFFORTS, ReasoningEffortName
 from appliance.api.models import ServedModel
-from appliance.api.parsed_output import ParsedOutput
-from appliance.api.reasoning_parsers import Reasoning, ReasoningParser
+from appliance.api.parsed_output import OutputParser, ParsedOutput
+from appliance.api.reasoning_parsers import Reasoning
 from appliance.api.schemas import (
     CalledFunction,
     ChatMessage,
@@ -46,6 +49,7 @@ from appliance.api.schemas import (
     Text,
     ToolCall,
     ToolCallId,
+    ToolChoice,
     ToolChoiceFunction,
     ToolName,
 )
@@ -179,7 +183,6 @@ class TextConfig(_Body):
 # Standard fields this server does not honour, and why; each may be absent or null only.
 _REFUSED = {
     "include": "no extra output data is available",
-    "reasoning": "the served model has no reasoning effort or summary controls",
     "background": "responses are answered in the request; none run in the background",
     "conversation": "the appliance keeps no conversation state",
     "prompt": "the appliance stores no prompt templates",
@@ -240,6 +243,59 @@ async def create_response(
     body: ResponsesRequest, request: Request, server: Serving
 ) -> ResponseObject | EventStreamResponse:
     return await server.serve(request, _ResponsesEndpoint(body))
+
+
+def _reasoning_effort(reasoning: object, *, harmony_served: bool) -> ReasoningEffortName | None:
+    """The reasoning effort `reasoning` (the request's field) asks for: gpt-oss takes
+    `{"effort": "low" | "medium" | "high"}`; other models, and summaries, have no such control.
+    Raises a 400 naming the field."""
+    if reasoning is None:
+        return None
+    if not harmony_served:
+        raise unsupported(
+            "reasoning", "the served model has no reasoning effort or summary controls"
+        )
+    if (
+        not isinstance(reasoning, dict)
+        or not set(reasoning) <= {"effort", "summary"}
+        or reasoning.get("summary") is not None
+    ):
+        raise unsupported(
+            "reasoning", "gpt-oss takes reasoning.effort (low, medium or high) only, no summary"
+        )
+    effort = reasoning.get("effort")
+    if effort is not None and effort not in REASONING_EFFORTS:
+        raise APIError(
+            400,
+            f"reasoning.effort must be one of {', '.join(REASONING_EFFORTS)}",
+            param="reasoning.effort",
+        )
+    return effort
+
+
+def _echoed_effort(reasoning: object) -> object:
+    """The reasoning effort a request gave, as OpenAI echoes it (a model that has none refuses
+    the field before a response is made)."""
+    return reasoning.get("effort") if isinstance(reasoning, dict) else None
+
+
+def _verify_harmony_request(
+    tool_choice: ToolChoice | None, structure: StructuredOutput | None
+) -> None:
+    """Refuse, by name, what a request cannot have of gpt-oss's harmony format (as chat
+    refuses it, appliance.api.chat)."""
+    if tool_choice not in (None, "auto", "none"):
+        raise unsupported(
+            "tool_choice",
+            "gpt-oss writes its calls in the harmony format, after its reasoning, where a "
+            "grammar cannot force them: give 'auto' or 'none'",
+        )
+    if structure is not None:
+        raise unsupported(
+            "text.format",
+            "gpt-oss writes the harmony format (headers, reasoning, then the answer), which an "
+            "output structure holding from the first token would forbid",
+        )
 
 
 def _verify_supported(body: ResponsesRequest) -> None:
@@ -337,7 +393,7 @@ class _ResponsesEndpoint:
         self.body = body
         self.tool_use: ToolUse | None = None
         self._messages: list[ChatMessage] = []
-        self._reasoning: Callable[[], ReasoningParser] | None = None
+        self._parser: Callable[[], OutputParser] = lambda: ParsedOutput(None, None)
         self._params: SamplingParams | None = None  # set by `choices`, which runs first
 
     @property
@@ -349,33 +405,61 @@ class _ResponsesEndpoint:
 
     def choices(self, model: ServedModel, tokenizer: Tokenizer, max_model_len: int) -> list[Choice]:
         body = self.body
+        harmony = model.harmony
         self._messages = _conversation(body)
-        verify_tool_messages(self._messages, tokenizer, body.model, param="input", indexed=False)
+        renders_tools = harmony is not None or tokenizer.chat_template_reads_tools
+        verify_tool_messages(
+            self._messages,
+            renders_tools=renders_tools,
+            model_name=body.model,
+            param="input",
+            indexed=False,
+        )
         conventions = model.conventions(tokenizer)
         choice = body.tool_choice
         if isinstance(choice, ResponsesNamedToolChoice):
             choice = NamedToolChoice(type="function", function=ToolChoiceFunction(name=choice.name))
+        requested = body.text.format.structure() if body.text and body.text.format else None
+        effort = _reasoning_effort(body.reasoning, harmony_served=harmony is not None)
+        if harmony is not None:
+            _verify_harmony_request(choice, requested)
         self.tool_use = plan_tool_use(
             _chat_tools(body),
             choice,
             parallel=body.parallel_tool_calls,
-            tokenizer=tokenizer,
+            renders_tools=renders_tools,
             model_name=body.model,
             tool_format=conventions.tool_format,
         )
-        prompt = tokenizer.encode_chat(
-            [template_message(m) for m in self._messages],
-            tools=None if self.tool_use is None else self.tool_use.definitions,
-        )
+        structured = structure_with_tools(requested, self.tool_use)
+        stop_token_ids: tuple[int, ...] = ()
+        if harmony is None:
+            reasoning = conventions.reasoning({}, constrained=structured is not None)
+            self._parser = lambda: ParsedOutput(
+                None if reasoning is None else reasoning(),
+                None if self.tool_use is None else ChoiceCalls(self.tool_use),
+            )
+            prompt = tokenizer.encode_chat(
+                [template_message(m) for m in self._messages],
+                tools=None if self.tool_use is None else self.tool_use.definitions,
+            )
+        else:
+            self._parser = functools.partial(harmony.output, self.tool_use)
+            prompt = harmony.render(
+                self._messages,
+                tools=None if self.tool_use is None else _chat_tools(body),
+                reasoning_effort=effort,
+                today=datetime.now(UTC).date(),
+                param="input",
+            )
+            stop_token_ids = harmony.stop_token_ids
         max_tokens = body.max_output_tokens or default_max_tokens(
             max_model_len - len(prompt), model.defaults
         )
-        requested = body.text.format.structure() if body.text and body.text.format else None
-        structured = structure_with_tools(requested, self.tool_use)
-        self._reasoning = conventions.reasoning({}, constrained=structured is not None)
         self._params = SamplingParams(
             max_tokens=max_tokens,
             **sampling_in_force(model.defaults, temperature=body.temperature, top_p=body.top_p),
+            stop_token_ids=stop_token_ids,
             structured=structured,
             skip_special_tokens=not conventions.keeps_special_tokens,
         )
@@ -387,13 +471,12 @@ class _ResponsesEndpoint:
         }
         if self.tool_use is not None:
             record["tools"] = self.tool_use.definitions  # type: ignore[assignment]
+        if self.body.reasoning is not None:
+            record["reasoning"] = self.body.reasoning  # type: ignore[assignment]
         return record
 
     def output(self, tokenizer: Tokenizer, choices: list[Choice]) -> _ResponsesOutput:
-        parsed = ParsedOutput(
-            None if self._reasoning is None else self._reasoning(),
-            None if self.tool_use is None else ChoiceCalls(self.tool_use),
-        )
+        parsed = self._parser()
         assert self._params is not None, "the shared path plans the choices first"
         return _ResponsesOutput(self.body, self._params, parsed, tokenizer)
 
@@ -437,7 +520,7 @@ class _ResponsesOutput:
         self,
         body: ResponsesRequest,
         params: SamplingParams,
-        parsed: ParsedOutput,
+        parsed: OutputParser,
         tokenizer: Tokenizer,
     ):
         self._body = body
@@ -456,7 +539,7 @@ class _ResponsesOutput:
         self, head: StreamHead, generation: Generation, results: list[CollectedChoice]
     ) -> ResponseObject:
         [result] = results
-        whole = self._parsed.whole(result.text)
+        whole = self._parsed.whole(result.text, result.token_ids)
         output = []
         if whole.reasoning:
             output.append(_reasoning_item(f"rs_{uuid.uuid4().hex}", whole.reasoning, "completed"))
@@ -503,7 +586,7 @@ class _ResponsesOutput:
             "output": output,
             "parallel_tool_calls": body.parallel_tool_calls,
             "previous_response_id": None,
-            "reasoning": {"effort": None, "summary": None},
+            "reasoning": {"effort": _echoed_effort(body.reasoning), "summary": None},
             "store": False,
             "temperature": self._params.temperature,
             "text": {"format": _format_record(body)},
@@ -544,7 +627,7 @@ class _ResponsesOutput:
             async for _, out in generation.outputs():
                 if out.finish_reason == "abort":
                     raise cut_off_error()
-                for piece in self._parsed.events(out.text, finished=out.finished):
+                for piece in self._parsed.events(out.text, out.token_ids, finished=out.finished):
                     kind = _TEXT_ITEMS.get(type(piece))
                     if open_item is not None and open_item.kind is not kind:
                         for event in open_item.close(stream, output):

@@ -68,7 +68,7 @@ def decode_json(text: str) -> object:
         return INVALID_JSON
 
 
-def _call_from(value: object, arguments_key: str, names: Collection[str]) -> Call | None:
+def call_from(value: object, arguments_key: str, names: Collection[str]) -> Call | None:
     """A call from one decoded JSON value, or None when it is not a call to an offered
     function with an object of arguments (a JSON object, or one as a string)."""
     if not isinstance(value, dict) or not isinstance(value.get("name"), str):
@@ -136,7 +136,7 @@ class HermesParser:
         return [Content(pending)] if pending else []
 
     def _call_or_text(self, body: str, raw: str) -> Event:
-        return _call_from(decode_json(body), "arguments", self._names) or Content(raw)
+        return call_from(decode_json(body), "arguments", self._names) or Content(raw)
 
 
 class Llama3JsonParser:
@@ -180,7 +180,7 @@ class Llama3JsonParser:
                 value, position = decoder.raw_decode(text, position)
             except (json.JSONDecodeError, RecursionError):
                 return None
-            call = _call_from(value, "parameters", self._names) or _call_from(
+            call = call_from(value, "parameters", self._names) or call_from(
                 value, "arguments", self._names
             )
             if call is None:
@@ -248,8 +248,7 @@ class _MarkedCallsArrayParser:
         if text[end:].strip() or not isinstance(value, list) or not value:
             return None
         calls = [
-            _call_from(item, "arguments", self._names)
-            or _call_from(item, "parameters", self._names)
+            call_from(item, "arguments", self._names) or call_from(item, "parameters", self._names)
             for item in value
         ]
         return None if None in calls else calls  # type: ignore[return-value]
@@ -421,7 +420,7 @@ class Gemma4Parser:
             return Content(raw)
         name = body[len(self.PREFIX) : brace].strip()
         arguments = Gemma4Arguments(body[brace + 1 : body.rstrip().rfind("}")]).parse()
-        return _call_from({"name": name, "arguments": arguments}, "arguments", self._names) or (
+        return call_from({"name": name, "arguments": arguments}, "arguments", self._names) or (
             Content(raw)
         )
 
@@ -446,12 +445,10 @@ class ForcedCallsParser:
         text = "".join(self._text)
         value = decode_json(text)
         if self._function is not None:
-            call = _call_from(
-                {"name": self._function, "arguments": value}, "arguments", self._names
-            )
+            call = call_from({"name": self._function, "arguments": value}, "arguments", self._names)
             calls = [] if call is None else [call]
         elif isinstance(value, list):
-            calls = [c for item in value if (c := _call_from(item, "parameters", self._names))]
+            calls = [c for item in value if (c := call_from(item, "parameters", self._names))]
             calls = calls if len(calls) == len(value) else []
         else:
             calls = []

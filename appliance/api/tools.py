@@ -35,7 +35,6 @@ from appliance.api.tool_parsers import (
     decode_json,
 )
 from appliance.engine.sampling_params import StructuredOutput
-from appliance.engine.tokenizer import Tokenizer
 
 MAX_SCHEMA_BYTES = 16 * 1024
 """Largest JSON schema of one function's parameters, as compact JSON."""
@@ -51,7 +50,7 @@ class ToolUse:
 
     definitions: list[dict[str, Any]]
     names: frozenset[str]
-    format: str | None  # None when the calls are forced
+    format: str | None  # None when the calls are forced (chat_conventions.ChatConventions)
     parallel: bool
     # tool_choice `required` or a named function: the grammar of the forced calls, and the
     # function named (None for `required`).
@@ -61,7 +60,7 @@ class ToolUse:
     def parser(self) -> ToolCallParser:
         if self.forced is not None:
             return ForcedCallsParser(self.names, self.forced_function)
-        assert self.format is not None
+        assert self.format in PARSERS, "harmony's calls are parsed by appliance.api.harmony"
         return PARSERS[self.format](self.names)
 
 
@@ -70,20 +69,21 @@ def plan_tool_use(
     tool_choice: ToolChoice | None,
     *,
     parallel: bool,
-    tokenizer: Tokenizer,
+    renders_tools: bool,
     model_name: str,
     tool_format: str | None,
     param: str = "tools",
 ) -> ToolUse | None:
-    """The request's tool use, None when it offers no tool or says `none`; the model writes
-    its calls in `tool_format` (appliance.api.chat_conventions), None when no parser reads
-    them. Raises a 400 naming the field for what this server cannot honour."""
+    """The request's tool use, None when it offers no tool or says `none`; the model's prompt
+    shows tools when `renders_tools` (a chat template that reads them, or harmony), and the
+    model writes its calls in `tool_format` (appliance.api.chat_conventions), None when no
+    parser reads them. Raises a 400 naming the field for what this server cannot honour."""
     if tool_choice is not None and not tools:
         raise APIError(400, "tool_choice is only allowed when tools are given", param="tool_choice")
     if not tools or tool_choice == "none":
         return None
     verify_tool_definitions(tools, param=param)
-    if not tokenizer.chat_template_reads_tools:
+    if not renders_tools:
         raise unsupported(param, f"the chat template of model {model_name!r} has no tool support")
     definitions = [
         tool.model_dump(exclude_none=True, exclude={"function": {"strict"}}) for tool in tools
@@ -197,10 +197,7 @@ def template_message(message: ChatMessage) -> dict[str, Any]:
     """A chat message as chat templates read it (transformers' conventions): "developer" as
     "system", text parts joined, an assistant's call arguments as the JSON object they spell
     (templates write them with `tojson`) and its reasoning, as vLLM passes them."""
-    if isinstance(message.content, list):
-        content: str | None = "\n".join(part.text for part in message.content)
-    else:
-        content = message.content
+    content = None if message.content is None else message_text(message)
     role = "system" if message.role == "developer" else message.role
     rendered: dict[str, Any] = {"role": role, "content": content}
     if message.name is not None:
@@ -226,6 +223,13 @@ def template_message(message: ChatMessage) -> dict[str, Any]:
     return rendered
 
 
+def message_text(message: ChatMessage) -> str:
+    """A message's text: its content, text parts joined by newlines ("" for none)."""
+    if isinstance(message.content, list):
+        return "\n".join(part.text for part in message.content)
+    return message.content or ""
+
+
 def _arguments_value(arguments: str) -> object:
     value = decode_json(arguments)
     return arguments if value is INVALID_JSON else value
@@ -233,16 +237,17 @@ def _arguments_value(arguments: str) -> object:
 
 def verify_tool_messages(
     messages: Sequence[ChatMessage],
-    tokenizer: Tokenizer,
-    model_name: str,
     *,
+    renders_tools: bool,
+    model_name: str,
     param: str,
     indexed: bool = True,
 ) -> None:
-    """Refuse tool calls and tool results in a conversation for a model whose template cannot
-    show them (it would render them as if they were ordinary text, or fail). `param[i]` names
-    the message when `indexed` (the messages are the request's own)."""
-    if tokenizer.chat_template_reads_tools:
+    """Refuse tool calls and tool results in a conversation for a model whose prompt cannot
+    show them (`renders_tools` false: a template that would render them as if they were
+    ordinary text, or fail). `param[i]` names the message when `indexed` (the messages are
+    the request's own)."""
+    if renders_tools:
         return
     for index, message in enumerate(messages):
         if message.role == "tool" or message.tool_calls:
@@ -260,6 +265,10 @@ class IdentifiedCall:
     id: str
     name: str
     arguments: str
+
+    @classmethod
+    def of(cls, call: Call) -> IdentifiedCall:
+        return cls(f"call_{uuid.uuid4().hex[:24]}", call.name, call.arguments)
 
 
 class ChoiceCalls:
@@ -286,7 +295,7 @@ class ChoiceCalls:
                 self._held_space, self._text_since_call = "", False
                 if self.calls and not self._parallel:
                     continue
-                call = IdentifiedCall(f"call_{uuid.uuid4().hex[:24]}", event.name, event.arguments)
+                call = IdentifiedCall.of(event)
                 self.calls.append(call)
                 events.append(call)
                 continue

@@ -33,6 +33,17 @@ _FUSED = re.compile(
 )
 
 
+def mxfp4_num_params(name: str, numel: int) -> int:
+    """The parameters that stored tensor `name` of `numel` elements holds once dequantized, in
+    an MXFP4 checkpoint: two per byte of an expert's `*_blocks` (each byte two FP4 codes), none
+    for its `*_scales` (shared exponents, not parameters), `numel` for any other tensor."""
+    match = _FUSED.match(name)
+    kind = match.group(3) if match else None
+    if kind == "_blocks":
+        return 2 * numel
+    return 0 if kind == "_scales" else numel
+
+
 def dequantize_mxfp4(
     blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.bfloat16
 ) -> torch.Tensor:

@@ -19,6 +19,7 @@ from safetensors import safe_open
 from appliance.engine.errors import ModelLoadError
 from appliance.engine.models.config import ModelConfig
 from appliance.engine.models.decoder import CausalLM
+from appliance.engine.models.fused_experts import mxfp4_num_params
 from appliance.engine.models.loader import checkpoint_files, load_model
 
 # The KV cache's dtype on the GPU (the engine's default there).
@@ -49,7 +50,9 @@ def inspect_model(model_dir: Path) -> ModelReport:
     archs = raw.get("architectures") if isinstance(raw, dict) else None
     architecture = str(archs[0]) if isinstance(archs, list) and archs else "(none given)"
     lines = [("architecture", architecture)]
-    lines += _tensor_lines(Path(model_dir))
+    quantization = raw.get("quantization_config") if isinstance(raw, dict) else None
+    mxfp4 = isinstance(quantization, dict) and quantization.get("quant_method") == "mxfp4"
+    lines += _tensor_lines(Path(model_dir), mxfp4=mxfp4)
     try:
         config = ModelConfig.from_dict(raw, source=str(config_path))
     except ModelLoadError as exc:
@@ -63,7 +66,9 @@ def inspect_model(model_dir: Path) -> ModelReport:
     return ModelReport(architecture, lines, None)
 
 
-def _tensor_lines(model_dir: Path) -> list[tuple[str, str]]:
+def _tensor_lines(model_dir: Path, *, mxfp4: bool) -> list[tuple[str, str]]:
+    """The parameters and their dtypes. An MXFP4 checkpoint's experts count as the dequantized
+    model has them (two FP4 parameters per byte of blocks, its scales none)."""
     try:
         files = checkpoint_files(model_dir)
         num_params, dtypes = 0, Counter[str]()
@@ -74,8 +79,11 @@ def _tensor_lines(model_dir: Path) -> list[tuple[str, str]]:
                     numel = 1
                     for n in view.get_shape():
                         numel *= n
-                    num_params += numel
-                    dtypes[view.get_dtype()] += numel
+                    count = mxfp4_num_params(name, numel) if mxfp4 else numel
+                    if count:
+                        num_params += count
+                        # FP4 codes two to a byte: their dtype is MXFP4, not the bytes'.
+                        dtypes["MXFP4" if count > numel else view.get_dtype()] += count
     except (ModelLoadError, OSError, RuntimeError, ValueError) as exc:
         return [("weights", f"unreadable ({exc})")]
     shown = ", ".join(f"{d} {n / num_params:.0%}" for d, n in dtypes.most_common())

@@ -138,7 +138,8 @@ def load_model(
         for k, v in _shard_sizes(config).items()
         if k.startswith("layers.0.")
     }
-    missing = {(name, part) for name in params for part in _pieces_of(name, config, shard_sizes)}
+    held = _held_experts(config, shard)
+    missing = {(name, part) for name in params for part in _pieces_of(name, held, shard_sizes)}
     layout = config.family.layout
     blocks = _BlockScaledWeights(config, shard)
     block_scaled = config.fp8 is not None and config.fp8.scales == "block"
@@ -165,7 +166,7 @@ def load_model(
                 continue
             if _load_kv_scale(model, path, canonical, part):
                 continue
-            expert_piece = _load_expert(params, config, canonical, part, where=path.name)
+            expert_piece = _load_expert(params, config, held, canonical, part, where=path.name)
             if expert_piece is not None:
                 missing.discard(expert_piece)
                 continue
@@ -193,7 +194,7 @@ def load_model(
             _copy_tensor(dest, part, kind, where=f"{path.name}: tensor {name!r}")
             missing.discard((target, index))
             if target.endswith(tuple(_STACKED_EXPERTS)):  # stored stacked: every expert at once
-                missing -= {(target, piece) for piece in _pieces_of(target, config, shard_sizes)}
+                missing -= {(target, piece) for piece in _pieces_of(target, held, shard_sizes)}
             if block_scaled and kind == "weight" and dest.dtype == FP8_DTYPE:
                 blocks.add_weight(module, index)
                 missing -= blocks.finished(params)
@@ -417,14 +418,20 @@ def _shard_sizes(config: ModelConfig, num_ranks: int = 1) -> dict[str, list[int]
     return sizes
 
 
-def _pieces_of(
-    param: str, config: ModelConfig, shard_sizes: dict[str, list[int]]
-) -> list[int | None]:
+def _held_experts(config: ModelConfig, shard: ShardPlan | None) -> range:
+    """The experts of each sparse layer this model holds: all, or one rank's (none: dense)."""
+    if config.moe is None:
+        return range(0)
+    return range(config.moe.router.num_experts) if shard is None else shard.experts
+
+
+def _pieces_of(param: str, held: range, shard_sizes: dict[str, list[int]]) -> list[int | None]:
     """The pieces a checkpoint fills parameter `param` from: a fused projection's parts, each
-    expert's part of a stacked expert parameter (gate 2e, up 2e + 1; down e), else the whole."""
+    held expert's part of a stacked expert parameter (gate 2e, up 2e + 1; down e, with e its
+    index among the `held` experts), else the whole."""
     for stacked, per_expert in _STACKED_EXPERTS.items():
-        if param.endswith(stacked) and config.moe is not None:
-            return list(range(per_expert * config.moe.router.num_experts))
+        if param.endswith(stacked) and held:
+            return list(range(per_expert * len(held)))
     sizes = shard_sizes.get(param.rsplit(".", 1)[0])
     return [None] if sizes is None else list(range(len(sizes)))
 
@@ -432,21 +439,24 @@ def _pieces_of(
 def _load_expert(
     params: dict[str, nn.Parameter],
     config: ModelConfig,
+    held: range,
     name: str,
     tensor: torch.Tensor,
     *,
     where: str,
 ) -> tuple[str, int] | None:
     """Copy one expert's projection (canonical `name`) into its slice of the stacked expert
-    parameter; returns (parameter, piece) it filled, or None when `name` is no expert's."""
+    parameter, which holds the `held` experts; returns (parameter, piece) it filled, or None
+    when `name` is no expert's."""
     match = _EXPERT.match(name)
     if match is None:
         return None
-    layer, expert, projection = match.group(1), int(match.group(2)), match.group(3)
+    layer, projection = match.group(1), match.group(3)
     stacked = "down_proj" if projection == "down" else "gate_up_proj"
     target = f"layers.{layer}.mlp.experts.{stacked}"
-    if target not in params or expert >= params[target].shape[0]:
+    if target not in params or int(match.group(2)) not in held:
         raise ModelLoadError(f"{where}: unexpected tensor {name!r} for {config.architecture}")
+    expert = int(match.group(2)) - held.start
     dest = params[target].data[expert]  # [2I, H] or [H, I]
     piece = expert
     if projection != "down":
@@ -472,7 +482,8 @@ def _map_name(name: str) -> tuple[str, str | None, int | None]:
     return name.removeprefix("model."), None, None
 
 
-# A tensor's name and full shape -> (dim, start, stop) of the part to read; None: all of it.
+# A tensor's name and full shape -> (dim, start, stop) of the part to read; None: all of it;
+# an empty part (start == stop): none of it, not even read (another rank's expert).
 PartOf = Callable[[str, tuple[int, ...]], tuple[int, int, int] | None]
 
 
@@ -499,6 +510,8 @@ def _read_tensors(
                 for name in f.keys():  # noqa: SIM118 - safe_open is not a dict
                     view = f.get_slice(name)
                     part = part_of(name, tuple(view.get_shape()))
+                    if part is not None and part[1] == part[2]:
+                        continue  # another rank's (expert)
                     if shapes_only:
                         yield path, name, _meta_tensor(path, name, view, part)
                     elif part is None:
@@ -549,6 +562,8 @@ def _read_images(
         path = Path(model_dir) / file_name
         for name, tensor in _image_tensors(path, image):
             part = part_of(name, tuple(tensor.shape))
+            if part is not None and part[1] == part[2]:
+                continue  # another rank's (expert)
             if part is not None:
                 tensor = tensor.narrow(part[0], part[1], part[2] - part[1])
             yield path, name, tensor

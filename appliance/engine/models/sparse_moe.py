@@ -8,7 +8,9 @@ optional shared expert (Qwen2-MoE) is a dense MLP every token passes through, it
 by a sigmoid gate and added. gpt-oss's experts have biases and a clamped SwiGLU
 (`kernels.ops.ClampedSwiglu`). Gemma 4's block sits beside the dense MLP (models.decoder): its
 router reads the layer's un-normed input, normed and scaled its own way (`Router.normed_input`),
-its experts a differently normed one, and they gate with GELU-tanh.
+its experts a differently normed one, and they gate with GELU-tanh. Under expert parallelism a
+block holds some of the experts and its output is its part of the sum
+(appliance.engine.parallel.sharding).
 """
 
 from __future__ import annotations
@@ -31,11 +33,14 @@ def is_sparse_layer(config: ModelConfig, layer_index: int) -> bool:
 class Experts(nn.Module):
     """The stacked expert weights: gate_up_proj [E, 2I, H] ([gate; up] rows of each expert, as
     the dense MLP's), down_proj [E, H, I]; with `expert_bias` (gpt-oss) their biases
-    gate_up_proj_bias [E, 2I] and down_proj_bias [E, H]."""
+    gate_up_proj_bias [E, 2I] and down_proj_bias [E, H]. Under expert parallelism
+    (appliance.engine.parallel.sharding) only the experts in `held` ([E] on one device)."""
 
-    def __init__(self, moe: MoeConfig, hidden_size: int):
+    def __init__(self, moe: MoeConfig, hidden_size: int, held: range | None = None):
         super().__init__()
-        num_experts, size = moe.router.num_experts, moe.expert_size
+        self.held = range(moe.router.num_experts) if held is None else held
+        self.all_held = len(self.held) == moe.router.num_experts
+        num_experts, size = len(self.held), moe.expert_size
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * size, hidden_size))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, size))
         self.gate_up_proj_bias: nn.Parameter | None = None
@@ -43,6 +48,14 @@ class Experts(nn.Module):
         if moe.expert_bias:
             self.gate_up_proj_bias = nn.Parameter(torch.empty(num_experts, 2 * size))
             self.down_proj_bias = nn.Parameter(torch.empty(num_experts, hidden_size))
+
+    def local_ids(self, expert_ids: torch.Tensor) -> torch.Tensor:
+        """The expert map: global expert ids [T, k] -> indices into the held experts, -1 for
+        one held elsewhere (kernels' fused_moe skips those)."""
+        if self.all_held:
+            return expert_ids
+        local = expert_ids - self.held.start
+        return torch.where((local >= 0) & (local < len(self.held)), local, -1)
 
 
 class SparseMoeBlock(nn.Module):
@@ -89,7 +102,7 @@ class SparseMoeBlock(nn.Module):
             experts.gate_up_proj,
             experts.down_proj,
             weights,
-            expert_ids,
+            experts.local_ids(expert_ids),
             gate_up_bias=experts.gate_up_proj_bias,
             down_bias=experts.down_proj_bias,
             clamped_swiglu=self.clamped_swiglu,

@@ -5,18 +5,28 @@ Weights are [out, in] (nn.Linear's layout). Per layer, on each of `size` ranks:
 - qkv_proj splits its outputs by heads: rank r holds query heads r*Hq/n .. (r+1)*Hq/n - 1 and
   KV heads r*Hkv/n .. (r+1)*Hkv/n - 1, the KV heads those query heads read under GQA
   (query head h reads KV head h // (Hq/Hkv)), so attention needs no communication and the KV
-  cache holds Hkv/n heads per rank;
+  cache holds Hkv/n heads per rank; gpt-oss's attention sinks (one per query head) follow
+  their heads;
 - o_proj splits its inputs the same way (columns of the weight): each rank's product is a
   partial sum of the output, all-reduced; a bias is added by rank 0 alone;
 - gate_up_proj splits each of gate and up by rows, down_proj its columns; all-reduced likewise;
 - embed_tokens and lm_head split the vocabulary by rows: each rank embeds the tokens it holds
   (zeros for the others; all-reduced) and computes its slice of the logits (all-gathered).
 Norms are replicated. The all-reduced hidden states are the same on every rank.
+
+A mixture of experts' sparse layers are expert-parallel (docs/ARCHITECTURE.md, "Expert
+parallelism"): rank r holds whole experts r*E/n .. (r+1)*E/n - 1 of each layer's E (the stacked
+`mlp.experts.*` tensors split along their expert dimension, their biases with them: each bias
+is added once, by the rank that holds its expert); the router is replicated, so every rank
+routes every token alike, runs its own experts (the others' ids become -1, which add nothing)
+and its partial sum is all-reduced as the dense MLP's is. A shared expert is split as the dense
+MLP (its sigmoid gate replicated: it scales each rank's partial sum alike).
 """
 
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 
 import torch
@@ -27,11 +37,20 @@ from torch.nn import functional as F
 from appliance.engine.errors import EngineConfigError, ModelLoadError
 from appliance.engine.models.config import ModelConfig
 from appliance.engine.models.decoder import CausalLM
+from appliance.engine.models.layers import MLP
+from appliance.engine.models.sparse_moe import Experts, SparseMoeBlock
 
 # Our parameter names (appliance.engine.models.loader) whose outputs (rows) are split.
-_SPLIT_ROWS = ("self_attn.qkv_proj", "mlp.gate_up_proj")
+_SPLIT_ROWS = ("self_attn.qkv_proj", "mlp.gate_up_proj", "mlp.shared_expert.gate_up_proj")
 # ... whose inputs (columns) are split: the row-parallel projections, followed by an all-reduce.
-_SPLIT_COLUMNS = ("self_attn.o_proj", "mlp.down_proj")
+_SPLIT_COLUMNS = ("self_attn.o_proj", "mlp.down_proj", "mlp.shared_expert.down_proj")
+# Parameters with one value per query head, split as the heads are.
+_SPLIT_BY_HEAD = ("self_attn.sinks",)
+# The module of a sparse layer's stacked experts: every tensor in it ([E, ...]: weights, biases,
+# gpt-oss's MXFP4 blocks and scales) is split along its first dimension, by whole experts.
+_EXPERTS = "mlp.experts"
+# One expert's projection, as per-expert checkpoints (Mixtral, Qwen-MoE) name it in ours.
+_ONE_EXPERT = re.compile(r"\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight$")
 # FP8 scales every rank holds whole: a static input scale and block-scale grids (the loader
 # takes each rank's blocks). A scale per output channel ([out, 1]) follows its weight's rows;
 # a row-parallel weight's is whole (every rank's partial sums have every output); a scale of
@@ -45,6 +64,7 @@ class ShardPlan:
 
     rank: int
     size: int
+    num_experts: int = 0  # per sparse layer, all ranks' (0: a dense model)
 
     @classmethod
     def for_model(cls, config: ModelConfig, rank: int, size: int) -> ShardPlan:
@@ -52,16 +72,37 @@ class ShardPlan:
         verify_divisible(config, size)
         if not 0 <= rank < size:
             raise EngineConfigError(f"tensor-parallel rank {rank} is outside 0..{size - 1}")
-        return cls(rank, size)
+        return cls(rank, size, 0 if config.moe is None else config.moe.router.num_experts)
+
+    @property
+    def experts(self) -> range:
+        """The experts of each sparse layer this rank holds (expert parallelism)."""
+        part = self.num_experts // self.size
+        return range(self.rank * part, (self.rank + 1) * part)
 
     def split(self, target: str, shape: tuple[int, ...]) -> tuple[int, int, int] | None:
         """(dim, start, stop) of the full tensor of parameter `target` (our name, as the loader
-        maps checkpoint names) that this rank holds; None when every rank holds all of it.
+        maps checkpoint names) that this rank holds; None when every rank holds all of it; an
+        empty part (start == stop) when it holds none of it (another rank's expert).
         Fused parameters are split shard by shard: `shape` is one shard's (q, k, v, gate, up)."""
         module, _, kind = target.rpartition(".")
+        one_expert = _ONE_EXPERT.search(target)
+        if one_expert is not None:
+            expert = int(one_expert.group(1))
+            # One past the config's experts is read, for the loader to refuse by name.
+            held = expert in self.experts or expert >= self.num_experts
+            return None if held else (0, 0, 0)
         if kind in _WHOLE_SCALES or (kind == "weight_scale" and math.prod(shape) == 1):
             return None
-        if target in ("embed_tokens.weight", "lm_head") or module.endswith(_SPLIT_ROWS):
+        if module.endswith(_EXPERTS):
+            if shape[0] != self.num_experts:
+                raise ModelLoadError(
+                    f"tensor {target!r} stacks {shape[0]} experts along dimension 0; the "
+                    f"config has {self.num_experts}"
+                )
+            return 0, self.experts.start, self.experts.stop
+        rows = module.endswith(_SPLIT_ROWS) or target.endswith(_SPLIT_BY_HEAD)
+        if rows or target in ("embed_tokens.weight", "lm_head"):
             dim = 0
         elif module.endswith(_SPLIT_COLUMNS) and kind == "weight":
             dim = 1
@@ -99,14 +140,10 @@ class ShardPlan:
 
 
 def verify_divisible(config: ModelConfig, size: int) -> None:
-    """Every split dimension must divide by `size` (no padding of heads or vocabulary)."""
+    """Every split dimension must divide by `size` (no padding of heads, experts or
+    vocabulary)."""
     if size < 1:
         raise EngineConfigError(f"tensor_parallel_size must be at least 1, not {size}")
-    if size > 1 and config.moe is not None:
-        raise EngineConfigError(
-            f"tensor_parallel_size {size}: {config.architecture} is a mixture of experts, which "
-            "runs on one GPU (expert parallelism is not built); set tensor_parallel_size = 1"
-        )
     if size > 1 and (config.layer_head_dims or config.per_layer_input_size):
         raise EngineConfigError(
             f"tensor_parallel_size {size}: {config.architecture}'s layers of different head "
@@ -116,15 +153,21 @@ def verify_divisible(config: ModelConfig, size: int) -> None:
     dims = {
         "num_attention_heads": config.num_heads,
         "num_key_value_heads": config.num_kv_heads,
-        "intermediate_size": config.intermediate_size,
         "vocab_size": config.vocab_size,
     }
+    moe = config.moe
+    if moe is None or not all(moe.moe_layers):  # some layer has the dense MLP
+        dims["intermediate_size"] = config.intermediate_size
+    if moe is not None:
+        dims["num_experts"] = moe.router.num_experts
+        if moe.shared_expert_size:
+            dims["shared_expert_intermediate_size"] = moe.shared_expert_size
     for name, value in dims.items():
         if value % size:
             raise EngineConfigError(
                 f"tensor_parallel_size {size} does not divide the model's {name} ({value}): "
-                "each GPU must hold the same number of whole heads, rows and vocabulary "
-                f"entries; choose a divisor of {value}"
+                "each GPU must hold the same number of whole heads, experts, rows and "
+                f"vocabulary entries; choose a divisor of {value}"
             )
 
 
@@ -163,14 +206,31 @@ def shard_model(model: CausalLM, plan: ShardPlan) -> None:
             attn.kv_size //= n
             attn.qkv_proj = nn.Linear(hidden, attn.q_size + 2 * attn.kv_size, bias=config.qkv_bias)
             attn.o_proj = nn.Linear(attn.q_size, hidden, bias=config.o_bias)
-            mlp = layer.mlp
-            part = config.intermediate_size // n
-            mlp.gate_up_proj = nn.Linear(hidden, 2 * part, bias=False)
-            mlp.down_proj = nn.Linear(part, hidden, bias=False)
+            if attn.sinks is not None:
+                attn.sinks = nn.Parameter(torch.empty(attn.num_heads))
+            if isinstance(layer.mlp, SparseMoeBlock):
+                _shard_sparse_block(layer.mlp, config, plan)
+            else:
+                _shard_mlp(layer.mlp, config.intermediate_size // n)
         vocab = config.vocab_size // n
         model.embed_tokens = VocabParallelEmbedding(vocab, hidden, plan.rank * vocab)
         if model.lm_head is not None:
             model.lm_head = nn.Parameter(torch.empty(vocab, hidden))
+
+
+def _shard_mlp(mlp: MLP, part: int) -> None:
+    """On the meta device: `part` of the intermediate rows (gate/up) and columns (down)."""
+    hidden = mlp.down_proj.out_features
+    mlp.gate_up_proj = nn.Linear(hidden, 2 * part, bias=False)
+    mlp.down_proj = nn.Linear(part, hidden, bias=False)
+
+
+def _shard_sparse_block(block: SparseMoeBlock, config: ModelConfig, plan: ShardPlan) -> None:
+    """On the meta device: this rank's experts; the shared expert split as the dense MLP."""
+    assert config.moe is not None, "a sparse block belongs to a mixture of experts"
+    block.experts = Experts(config.moe, config.hidden_size, plan.experts)
+    if block.shared_expert is not None:
+        _shard_mlp(block.shared_expert, config.moe.shared_expert_size // plan.size)
 
 
 def connect_model(model: CausalLM, plan: ShardPlan, group: dist.ProcessGroup) -> None:

@@ -36,6 +36,11 @@ class ScriptedModel(nn.Module):
         """Answer the next requests with `replies`, in order (then end-of-sequence at once)."""
         self._replies.extend(self._tokenizer.encode(reply) for reply in replies)
 
+    def say_tokens(self, *replies: list[int]) -> None:
+        """Answer the next requests with `replies` as token ids (a format whose tokens the
+        tokenizer's encoding of their text would not give, such as harmony's)."""
+        self._replies.extend(replies)
+
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: object, meta: object
     ) -> torch.Tensor:

@@ -251,6 +251,15 @@ def test_reasoning_on_an_assistant_message_only(client: openai.OpenAI) -> None:
 # The Responses API.
 
 
+def test_responses_refuse_a_reasoning_effort_the_model_has_no_control_of(
+    client: openai.OpenAI,
+) -> None:
+    """Qwen3's thinking is switched, not graded (gpt-oss takes an effort: test_harmony_api)."""
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.responses.create(model=MODEL_NAME, input="Hi", reasoning={"effort": "low"})
+    assert refused.value.body["param"] == "reasoning"  # type: ignore[index]
+
+
 def test_responses_returns_the_thought_as_a_reasoning_item_before_the_message(
     client: openai.OpenAI, scripted: ScriptedModel, tokenizer: Tokenizer
 ) -> None:

@@ -191,7 +191,7 @@ def test_a_thought_then_calls_as_qwen3s_template_renders_them_parse_into_both(
         ChoiceCalls(ToolUse(tools, frozenset({"get_weather", "get_time"}), "hermes", True)),
     )
     events = [e for i in range(0, len(reply), size) for e in parsed.events(
-        reply[i : i + size], finished=i + size >= len(reply))]  # fmt: skip
+        reply[i : i + size], (), finished=i + size >= len(reply))]  # fmt: skip
     thought = "".join(e.text for e in events if isinstance(e, Reasoning))
     assert thought == THOUGHT
     assert [(c.name, json.loads(c.arguments)) for c in parsed.calls] == calls

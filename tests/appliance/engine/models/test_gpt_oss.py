@@ -93,11 +93,16 @@ def test_an_mxfp4_checkpoint_loads_and_matches_transformers(mxfp4_checkpoint):
 
 
 def test_inspect_reports_mxfp4_experts_as_served(mxfp4_checkpoint):
-    model_dir, _ = mxfp4_checkpoint
+    model_dir, hf_model = mxfp4_checkpoint
     report = inspect_model(model_dir)
     assert report.unsupported is None, report.unsupported
     lines = dict(report.lines)
     assert lines["quantization"] == "MXFP4 experts, dequantized to bf16 on load"
+    # Parameters as the dequantized model has them (transformers' count): two per byte of
+    # the experts' blocks, their scales none; not the packed bytes.
+    num_params = sum(p.numel() for p in hf_model.parameters())
+    assert f"({num_params:,}) in 1 file(s)" in lines["parameters"]
+    assert lines["dtype"].startswith("MXFP4 ")
     assert lines["experts"] == "6 of 32 on 3 of 3 layers, 2 active per token"
 
 

@@ -16,13 +16,12 @@ import torch
 from safetensors.torch import save_file
 
 from appliance.__main__ import main
-from appliance.engine.errors import EngineConfigError, ModelLoadError
+from appliance.engine.errors import ModelLoadError
 from appliance.engine.models import sparse_moe
 from appliance.engine.models.config import ModelConfig
 from appliance.engine.models.loader import load_model
 from appliance.engine.models.routing import Router, route
 from appliance.engine.models.sparse_moe import SparseMoeBlock
-from appliance.engine.parallel.sharding import ShardPlan
 
 from .conftest import build_hf_model, save_checkpoint
 from .test_architectures import PagedBatch, _hf_logits, _prompts
@@ -177,12 +176,6 @@ def test_an_unsupported_moe_setting_is_refused_by_name(tiny_checkpoints, name, c
     raw = {**json.loads((model_dir / "config.json").read_text()), **changes}
     with pytest.raises(ModelLoadError, match=named):
         ModelConfig.from_dict(raw)
-
-
-def test_tensor_parallelism_refuses_a_mixture_of_experts_by_name(tiny_checkpoints):
-    config = ModelConfig.from_model_dir(tiny_checkpoints("mixtral-window")[0])
-    with pytest.raises(EngineConfigError, match="expert parallelism is not built"):
-        ShardPlan.for_model(config, 0, 2)
 
 
 def test_inspect_reports_the_experts_and_the_parameters_a_token_reads(tiny_checkpoints, capsys):
