@@ -142,3 +142,20 @@ def test_inspect_names_the_towers_of_a_multimodal_gemma4_as_not_served(tiny_chec
     )
     # Layers 2 and 3 reuse the KV of layers 0 and 1.
     assert lines["KV bytes/token"].endswith("in bf16, 2 layers own KV)")
+
+
+@pytest.mark.parametrize("name", ["gemma4", "gemma4-moe"])
+def test_the_triton_kernels_run_gemma4_as_the_reference_does(tiny_checkpoints, name):
+    """The GPU path's kernels (in Triton's interpreter here): KV-shared layers, whose q the
+    in-place rotary must rotate once, 32-wide global heads, the GELU-tanh experts; chunks."""
+    import kernels.triton_ops
+
+    model_dir, hf_model = tiny_checkpoints(name)
+    model = load_model(model_dir, ops=kernels.triton_ops)
+    prompts = _prompts((40, 7))
+    batch = PagedBatch(model, prompts)
+    first, short = batch.step([(0, 0, 30), (1, 0, 7)])
+    [rest] = batch.step([(0, 30, 40)])
+    theirs = _hf_logits(hf_model, prompts[0])
+    assert (torch.cat([first, rest]) - theirs).abs().max() <= ATOL
+    assert (short - _hf_logits(hf_model, prompts[1])).abs().max() <= ATOL
