@@ -204,11 +204,17 @@ class CausalLM(nn.Module):
 
     def reset_kv_scales(self) -> None:
         """Every layer's KV-cache scales to 1, in float32 on the model's device: after
-        `to_empty` (which leaves them unset) and a cast to the weights' dtype."""
+        `to_empty` (which leaves them unset) and a cast to the weights' dtype. A layer that
+        reads another's cache (Gemma 4's KV-shared layers) shares that layer's scale tensors,
+        so the scales a checkpoint sets for the owner (models.loader) decode for both."""
         device = self.embed_tokens.weight.device
-        for layer in self.layers:
-            layer.self_attn.k_scale = torch.ones(1, device=device)
-            layer.self_attn.v_scale = torch.ones(1, device=device)
+        for index, layer in enumerate(self.layers):
+            owner = self.layers[self.config.kv_source_of(index)].self_attn
+            if owner is layer.self_attn:
+                owner.k_scale = torch.ones(1, device=device)
+                owner.v_scale = torch.ones(1, device=device)
+            else:  # an earlier layer, whose scales are set already
+                layer.self_attn.k_scale, layer.self_attn.v_scale = owner.k_scale, owner.v_scale
 
     def init_rope_tables(self, max_len: int) -> None:
         device = self.embed_tokens.weight.device

@@ -69,6 +69,15 @@ def test_kv_shared_layers_project_only_queries_and_write_nothing(tiny_checkpoint
     assert written == [cache[0].data_ptr() for cache in batch.kv_caches]
 
 
+def test_kv_shared_layers_read_their_owners_fp8_kv_scales(tiny_checkpoints):
+    model_dir, _ = tiny_checkpoints("gemma4")
+    model = load_model(model_dir)
+    owner, sharer = model.layers[3].self_attn, model.layers[5].self_attn
+    owner.k_scale.fill_(2.0)  # as models.loader sets a checkpoint's scale: in place
+    assert sharer.k_scale is owner.k_scale and sharer.v_scale is owner.v_scale
+    assert model.layers[4].self_attn.k_scale is model.layers[2].self_attn.k_scale
+
+
 def test_global_head_shapes_read_alike_from_googles_config_and_transformers_per_layer_config(
     tiny_checkpoints,
 ):
