@@ -83,8 +83,12 @@ def check(name: str, ours: torch.Tensor, ref: torch.Tensor, tol: float) -> bool:
 
 
 def batched(x: torch.Tensor, batch: int) -> torch.Tensor:
-    """[B * L, ...] -> [B, L, ...], transformers' layout for equal-length sequences."""
-    return x.view(batch, -1, *x.shape[1:])
+    """[B * L, ...] -> [B, L, ...], transformers' layout for equal-length sequences; q and k
+    with each value head's own key head, as GQA reads it (older transformers take only as many
+    key heads as value heads)."""
+    if x.dim() == 3 and x.shape[1] != HV:
+        x = x.repeat_interleave(HV // x.shape[1], dim=1)
+    return x.reshape(batch, -1, *x.shape[1:])
 
 
 def decode_step(copy_bw: float, batch: int) -> Iterator[str]:
