@@ -1,6 +1,7 @@
 """GPU benchmarks of PERFORMANCE.md on a random-weight model of a real shape (bf16), in one run:
-Llama-3.1-8B by default, or with --model Qwen3-8B, Gemma-3-12B, Phi-4-mini, Qwen3-30B-A3B or
-gpt-oss-20b (mixtures of experts: W1's bytes are those a token reads, its chosen experts only).
+Llama-3.1-8B by default, or with --model Qwen3-8B, Gemma-3-12B, Phi-4-mini, Qwen3-30B-A3B,
+gpt-oss-20b, Qwen3.6-35B-A3B or Gemma-4-31B (for a mixture of experts, W1's bytes are those a
+token reads: its chosen experts only).
 With `--quantization fp8` its projections are FP8 (W8A8, models.projections), as
 `engine.quantization = "fp8"` loads them.
 
@@ -19,7 +20,7 @@ weights, so only the same weights make the two runs comparable. Each peer phase 
 Without a peer workload Inferno's model is drawn directly on the GPU (models.loader.fill_randomly).
 
     python bench/gpu_engine.py [--model llama-3.1-8b|qwen3-8b|gemma-3-12b|phi-4-mini|
-                                        qwen3-30b-a3b|gpt-oss-20b]
+                                        qwen3-30b-a3b|gpt-oss-20b|qwen3.6-35b-a3b|gemma-4-31b]
                                [--workloads W1,W2,W2S,P,W4,HFW1,HF,HFW4] [--max-num-seqs 256]
                                [--max-decode-burst 1] [--kv-cache-dtype auto|fp8_e4m3]
                                [--async-scheduling]
@@ -37,8 +38,8 @@ P is prefill throughput at 8 × 2,048.
 Every engine of the run stores its KV cache as --kv-cache-dtype says (the engine setting);
 W2 reports its pool (blocks, tokens, bytes).
 
-Not yet here: Qwen3.6-35B-A3B and Gemma-4-31B (issue 23), whose published config.json was not
-at hand to copy their shapes from (their model cards are, and are not enough).
+Qwen3.6-35B-A3B and Gemma-4-31B (issue 23) are declared from their published config.json;
+until Inferno builds their architectures, --model refuses them by name before any GPU work.
 """
 
 from __future__ import annotations
@@ -60,6 +61,7 @@ import triton
 from torch import nn
 
 from appliance.engine.engine import Engine, EngineConfig
+from appliance.engine.errors import ModelLoadError
 from appliance.engine.models.config import ModelConfig
 from appliance.engine.models.decoder import CausalLM
 from appliance.engine.models.loader import (
@@ -192,6 +194,89 @@ GPT_OSS_20B = {
     "swiglu_limit": 7.0,
     "tie_word_embeddings": False,
 }  # fmt: skip
+# Qwen/Qwen3.6-35B-A3B's config.json: its text_config, for the text model's own class. The
+# values are those of the published file as a public repository reproduces it in a test
+# fixture (`real_qwen36_35b_a3b_config_json`; the huggingface.co file itself was not in the
+# corpora searched). They agree with Qwen's model card (hidden 2048; 40 layers, 10 × (3 Gated
+# DeltaNet + 1 gated attention); DeltaNet 16 QK and 32 V heads of 128; attention 16 Q and 2 KV
+# heads of 256, 64 rotary dims; 256 experts of 512, 8 routed + 1 shared; vocabulary 248320),
+# and transformers builds 34.66B parameters from them (the card: 35B).
+QWEN36_35B_A3B = {
+    "architectures": ["Qwen3_5MoeForCausalLM"],
+    "attn_output_gate": True,
+    "full_attention_interval": 4,
+    "head_dim": 256,
+    "hidden_act": "silu",
+    "hidden_size": 2048,
+    "layer_types": (["linear_attention"] * 3 + ["full_attention"]) * 10,
+    "linear_conv_kernel_dim": 4,
+    "linear_key_head_dim": 128,
+    "linear_num_key_heads": 16,
+    "linear_num_value_heads": 32,
+    "linear_value_head_dim": 128,
+    "max_position_embeddings": 262144,
+    "moe_intermediate_size": 512,
+    "num_attention_heads": 16,
+    "num_experts": 256,
+    "num_experts_per_tok": 8,
+    "num_hidden_layers": 40,
+    "num_key_value_heads": 2,
+    "partial_rotary_factor": 0.25,
+    "rms_norm_eps": 1e-6,
+    "rope_parameters": {
+        "mrope_interleaved": True,
+        "mrope_section": [11, 11, 10],
+        "partial_rotary_factor": 0.25,
+        "rope_theta": 10000000,
+        "rope_type": "default",
+    },
+    "shared_expert_intermediate_size": 512,
+    "tie_word_embeddings": False,
+    "vocab_size": 248320,
+}
+# google/gemma-4-31B-it's config.json: its text_config, for the text model's own class. The
+# values are those of the published file as two public repositories reproduce it in test
+# fixtures (a Go `TestParseTextConfig31B` and a Rust writer of a gemma4 config.json; the
+# huggingface.co file itself was not in the corpora searched), which agree field for field but
+# for max_position_embeddings (262144 in one, as the model card's 256K context; 131072 in the
+# other); the rope parameters are the second's. A model card (mlboydaisuke/Gemma-4-31B-CoreAI)
+# agrees: 60 layers, hidden 5376, 32 heads, vocabulary 262144, softcap 30, tied, 5 sliding :
+# 1 full, head 256 (global 512, 4 global KV heads, k = v). transformers builds 30.70B
+# parameters from them (the card: 30.7B).
+GEMMA_4_31B = {
+    "architectures": ["Gemma4ForCausalLM"],
+    "attention_bias": False,
+    "attention_k_eq_v": True,
+    "enable_moe_block": False,
+    "final_logit_softcapping": 30.0,
+    "global_head_dim": 512,
+    "head_dim": 256,
+    "hidden_activation": "gelu_pytorch_tanh",
+    "hidden_size": 5376,
+    "hidden_size_per_layer_input": 0,
+    "intermediate_size": 21504,
+    "layer_types": (["sliding_attention"] * 5 + ["full_attention"]) * 10,
+    "max_position_embeddings": 262144,
+    "num_attention_heads": 32,
+    "num_global_key_value_heads": 4,
+    "num_hidden_layers": 60,
+    "num_key_value_heads": 16,
+    "num_kv_shared_layers": 0,
+    "rms_norm_eps": 1e-6,
+    "rope_parameters": {
+        "full_attention": {
+            "partial_rotary_factor": 0.25,
+            "rope_theta": 1000000.0,
+            "rope_type": "proportional",
+        },
+        "sliding_attention": {"rope_theta": 10000.0, "rope_type": "default"},
+    },
+    "sliding_window": 1024,
+    "tie_word_embeddings": True,
+    "use_double_wide_mlp": False,
+    "vocab_size": 262144,
+    "vocab_size_per_layer_input": 262144,
+}
 SHAPES = {
     "llama-3.1-8b": LLAMA_31_8B,
     "qwen3-8b": QWEN3_8B,
@@ -199,6 +284,8 @@ SHAPES = {
     "phi-4-mini": PHI_4_MINI,
     "qwen3-30b-a3b": QWEN3_30B_A3B,
     "gpt-oss-20b": GPT_OSS_20B,
+    "qwen3.6-35b-a3b": QWEN36_35B_A3B,
+    "gemma-4-31b": GEMMA_4_31B,
 }
 MAX_MODEL_LEN = 4096
 rows: list[str] = []
@@ -810,8 +897,10 @@ def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
     wanted = set(args.workloads.split(","))
     shape = SHAPES[args.model]
-    # Before any GPU time is spent: a shape Inferno cannot build is refused here, by name.
-    config = ModelConfig.from_dict(shape)
+    try:  # before any GPU work: a shape Inferno cannot build is refused here, by name
+        config = ModelConfig.from_dict(shape)
+    except ModelLoadError as exc:
+        parser.error(f"--model {args.model}: {exc}")
     on_meta = build_model(config, dtype=torch.bfloat16, device="meta", ops=None, shard=None)
     _, read_bytes = weight_bytes(on_meta)  # bf16: the peer's
     global context_at_start
