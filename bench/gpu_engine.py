@@ -794,6 +794,8 @@ def peer_w1(peer: PreTrainedModel, read_bytes: int, copy_bw: float, compile_: bo
         compile_ = False
         torch.compiler.reset()
         generate(16, compile_)
+    if compile_ and not hasattr(peer, "_compiled_call"):  # transformers compiled nothing
+        setting = "static cache, not compiled (transformers declined to compile)"
     warm_up = time.perf_counter() - start
     full = statistics.median(generate(256, compile_) for _ in range(3))
     first = statistics.median(generate(1, compile_) for _ in range(3))

@@ -9,17 +9,20 @@ sinks and routing kept), in float32 on the CPU.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
+from appliance.engine.engine import Engine, EngineConfig
 from appliance.engine.models.config import SUPPORTED_ARCHITECTURES, ModelConfig
 from appliance.engine.models.loader import build_model
 from bench.gpu_engine import SHAPES, inferno_model_from, peer_model, weight_bytes
 
 from ..appliance.engine.models.conftest import redraw_weights
 from ..appliance.engine.models.test_architectures import PagedBatch, _hf_logits
+from ..appliance.engine.models.test_families_gpu import _hf_prompt_logprobs, _prompt_logprobs
 
 BF16 = 2  # bytes
 
@@ -104,12 +107,16 @@ def _tiny(shape: dict[str, Any]) -> dict[str, Any]:
     return tiny
 
 
-@pytest.mark.parametrize("name", sorted(SHAPES))
-def test_the_peer_s_weights_in_inferno_give_transformers_logits(name):
+def _tiny_shape(name: str) -> dict[str, Any]:
     architecture = SHAPES[name]["architectures"][0]
     if architecture not in SUPPORTED_ARCHITECTURES:
         pytest.skip(f"Inferno does not build {architecture} yet (issue 23)")
-    shape = _tiny(SHAPES[name])
+    return _tiny(SHAPES[name])
+
+
+@pytest.mark.parametrize("name", sorted(SHAPES))
+def test_the_peer_s_weights_in_inferno_give_transformers_logits(name):
+    shape = _tiny_shape(name)
     peer = peer_model(shape, device="cpu", dtype=torch.float32)
     redraw_weights(peer, seed=0)  # O(1) activations: normal(0, 0.02) would hide mistakes
     model = inferno_model_from(peer, shape, device="cpu", dtype=torch.float32, ops=None)
@@ -118,3 +125,27 @@ def test_the_peer_s_weights_in_inferno_give_transformers_logits(name):
     theirs = _hf_logits(peer, prompt)
     diff = (ours.log_softmax(-1) - theirs.log_softmax(-1)).abs().max().item()
     assert diff <= 1e-4, f"{name}: max |log-prob difference| {diff:.2e}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", sorted(SHAPES))
+def test_on_the_gpu_the_peer_hands_its_weights_over_through_host_memory(name):
+    """The bench's GPU path: the peer built on the GPU, moved to the host by the hand-over,
+    and Inferno's engine (Triton kernels, CUDA graphs) on the weights it left; float32 prompt
+    log-probabilities within 2e-3 of the peer's own on the CPU (test_families_gpu's bound)."""
+    shape = _tiny_shape(name)
+    peer = peer_model(shape, device="cuda", dtype=torch.float32)
+    redraw_weights(peer, seed=0)
+    model = inferno_model_from(peer, shape, dtype=torch.float32)
+    assert peer.device.type == "cpu", "the hand-over leaves the peer on the host"
+    settings = EngineConfig(
+        model_dir=Path("peer"), device="cuda", dtype="float32", max_model_len=512,
+        max_num_batched_tokens=64, gpu_memory_utilization=0.2,
+    )  # fmt: skip
+    engine = Engine.build(settings, model, None)
+    generator = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(512, (n,), generator=generator).tolist() for n in (130, 9)]
+    ours = _prompt_logprobs(engine, prompts)
+    theirs = _hf_prompt_logprobs(peer, prompts)
+    for a, b in zip(ours, theirs, strict=True):
+        assert (a - b).abs().max() <= 2e-3, f"{name}: prompt log-probabilities"
