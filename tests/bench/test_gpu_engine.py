@@ -1,10 +1,11 @@
-"""bench/gpu_engine.py's parts that decide what its figures mean, checked on the CPU: the bytes a
-decoded token reads (W1's copy-ceiling fraction), and the peer's hand-over, which gives Inferno
-transformers' own model's weights (the same weights, so a mixture of experts routes the same).
+"""bench/gpu_engine.py's parts that decide what its figures mean: the bytes a decoded token
+reads (W1's copy-ceiling fraction), and the peer's hand-over, which gives Inferno transformers'
+own model's weights (the same weights, so a mixture of experts routes the same).
 
-The hand-over runs here exactly as on the GPU, on every --model shape made tiny (two layers,
-two heads, small vocabulary and experts; each shape's own head size, rope, windows, biases,
-sinks and routing kept), in float32 on the CPU.
+The hand-over runs as in the bench on every --model shape made tiny (two layers, two heads,
+small vocabulary and experts; each shape's own head size, rope, windows, biases, sinks and
+routing kept): in float32 on the CPU against transformers' logits, and (gpu) from a peer built
+on the GPU into Inferno's engine. Shapes whose architecture Inferno does not build yet skip.
 """
 
 from __future__ import annotations
