@@ -34,6 +34,8 @@ W6 is measured right after W2, at W2's largest batch, with where it lies: the de
 pool, live tensors, blocks torch caches unused (fragmentation: the allocator runs in
 expandable segments, as `inferno` runs it; `--no-expandable-segments` shows what fixed
 segments leave) and memory outside torch, beside what the engine's profiled step measured.
+Measure W6 without the peer: what transformers' compiled code and CUDA libraries leave in the
+process would count as Inferno's.
 P is prefill throughput at 8 × 2,048.
 Every engine of the run stores its KV cache as --kv-cache-dtype says (the engine setting);
 W2 reports its pool (blocks, tokens, bytes).
@@ -941,6 +943,7 @@ def main() -> None:
         model = inferno_model_from(peer, shape, quantization=args.quantization)
         del peer
         gc.collect()
+        torch.cuda.reset_peak_memory_stats()  # W6's peak is Inferno's, not the peer's
         report(
             f"Inferno {args.model} loaded with the peer's weights (via host memory)",
             f"{time.perf_counter() - start:.0f} s",
