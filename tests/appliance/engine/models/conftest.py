@@ -236,6 +236,13 @@ def build_hf_model(name: str, seed: int = 0) -> torch.nn.Module:
         )
     torch.manual_seed(seed)
     model = model_class(config).eval()
+    redraw_weights(model, seed)
+    return model
+
+
+def redraw_weights(model: torch.nn.Module, seed: int) -> None:
+    """Every weight of a transformers model re-drawn from a seeded normal so that activations
+    are O(1) (see the module docstring); float32, on the CPU."""
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         # named_parameters() lists a tied embedding once, so ties survive the re-draw.
@@ -250,7 +257,6 @@ def build_hf_model(name: str, seed: int = 0) -> torch.nn.Module:
                 param.copy_(0.25 * noise)
             else:  # a projection, or a stack of experts' ([E, out, in]): by its fan-in
                 param.copy_(noise * (1.5 / math.sqrt(param.shape[-1])))
-    return model
 
 
 def save_checkpoint(model: torch.nn.Module, model_dir: Path, **kwargs: Any) -> Path:
