@@ -57,6 +57,9 @@ CHUNK_SIZE = 64
 # 8 * Hv * 2 = 512 programs.
 DECODE_BLOCK_V = 32
 CHUNKED_BLOCK_V = 64
+# Triton's default 3 stages of the chunk loop's float32 tiles need 263 KB of shared memory at
+# Dk = Dv = 128 (Triton 3.6 on an H100, whose limit is 227 KB); one stage fits.
+CHUNKED_STAGES = 1
 
 
 @triton.jit
@@ -316,11 +319,13 @@ def gated_delta_rule(
     *,
     chunk_size: int = CHUNK_SIZE,
     block_v: int | None = None,
+    num_stages: int = CHUNKED_STAGES,
 ) -> torch.Tensor:
     """See `kernels.ops.KernelOps.gated_delta_rule`. A decode-only batch runs the recurrent
     kernel (what CUDA graphs capture); any other batch the chunked one, whose programs walk
     their sequence CHUNK tokens at a time (a decode row in a mixed batch is a one-row chunk).
-    `chunk_size` and `block_v` are tuning knobs for the benchmark; the defaults are the choice.
+    `chunk_size`, `block_v` and `num_stages` (the chunked kernel's software pipelining) are
+    tuning knobs for the benchmark; the defaults are the choice.
     """
     _check_inputs(q, k, v, g, beta, state, meta)
     num_tokens, num_k_heads, dk = q.shape
@@ -386,6 +391,7 @@ def gated_delta_rule(
         CHUNK=chunk_size,
         DOT_PRECISION=dot_precision,
         num_warps=8,
+        num_stages=num_stages,
     )
     return out
 
