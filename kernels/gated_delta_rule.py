@@ -50,7 +50,7 @@ from kernels.pdl import launch_options, wait_for_previous
 _L2NORM_EPS = tl.constexpr(1e-6)
 # Tokens per chunk: 64 is fla's choice; the [CHUNK, CHUNK] products fill the tensor cores and the
 # forward substitution (CHUNK steps) stays short.
-CHUNK_SIZE = 64
+CHUNK_SIZE = 32
 # Dv columns per program. Decode: 32 gives Qwen3.6 (Hv 32, Dv 128) 128 programs per sequence,
 # enough to fill an H100 at batch 1 with a [128, 32] float32 tile in registers. Prefill: 64
 # keeps the [Dk, 64] state and the chunk's tiles in registers while 8 prompts still make
@@ -59,7 +59,7 @@ DECODE_BLOCK_V = 32
 CHUNKED_BLOCK_V = 64
 # Triton's default 3 stages of the chunk loop's float32 tiles need 263 KB of shared memory at
 # Dk = Dv = 128 (Triton 3.6 on an H100, whose limit is 227 KB); one stage fits.
-CHUNKED_STAGES = 1
+CHUNKED_STAGES = 2
 
 
 @triton.jit
