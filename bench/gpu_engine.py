@@ -1,21 +1,30 @@
 """GPU benchmarks of PERFORMANCE.md on a random-weight model of a real shape (bf16), in one run:
-Llama-3.1-8B by default, or with --model Qwen3-8B, Gemma-3-12B, Phi-4-mini or Qwen3-30B-A3B (a
-mixture of experts: W1's bytes are those a token reads, its 8 chosen experts of 128 per layer).
+Llama-3.1-8B by default, or with --model Qwen3-8B, Gemma-3-12B, Phi-4-mini, Qwen3-30B-A3B,
+gpt-oss-20b, Qwen3.6-35B-A3B or Gemma-4-31B (for a mixture of experts, W1's bytes are those a
+token reads: its chosen experts only).
 With `--quantization fp8` its projections are FP8 (W8A8, models.projections), as
 `engine.quantization = "fp8"` loads them.
 
 Measures the ceilings first (device-to-device copy bandwidth, dense bf16 matmul rate), then
 W1 (batch-1 decode), W2 (offline throughput), W4 (shared-prefix TTFT, prefix cache on vs off)
-and W6 (GPU memory that is neither weights nor KV cache), and transformers' continuous batching
-(`generate_batch`) on the same model for W2 (HF) and W4 (HFW4) as the peer. Prints Markdown
-rows last.
+and W6 (GPU memory that is neither weights nor KV cache). Prints Markdown rows last.
+
+The peer is transformers on the same weights in the same run (HFW1, HF, HFW4): the model's own
+transformers class is built from the shape's config with random bf16 weights on the GPU and
+runs W1 (`generate`, static cache + torch.compile, or eager where that fails: the row says
+which), the W2 shape on continuous batching (`generate_batch`, paged attention; --hf-requests
+bounds it) and W4; its weights then go to host memory (the two models never fit on one GPU
+together), and Inferno's model is filled from them through the loader's checkpoint-name mapping
+(models.loader.load_state_dict) for Inferno's workloads. A mixture of experts routes by its
+weights, so only the same weights make the two runs comparable. Each peer phase prints its time.
+Without a peer workload Inferno's model is drawn directly on the GPU (models.loader.fill_randomly).
 
     python bench/gpu_engine.py [--model llama-3.1-8b|qwen3-8b|gemma-3-12b|phi-4-mini|
-                                        qwen3-30b-a3b|gpt-oss-20b]
-                               [--workloads W1,W2,W2S,P,W4,HF,HFW4] [--max-num-seqs 256]
+                                        qwen3-30b-a3b|gpt-oss-20b|qwen3.6-35b-a3b|gemma-4-31b]
+                               [--workloads W1,W2,W2S,P,W4,HFW1,HF,HFW4] [--max-num-seqs 256]
                                [--max-decode-burst 1] [--kv-cache-dtype auto|fp8_e4m3]
                                [--async-scheduling]
-                               [--w2-requests 1024] [--hf-requests 128]
+                               [--w2-requests 1024] [--hf-requests 128] [--no-hf-compile]
                                [--tokenizer-json PATH] [--quantization fp8]
                                [--no-expandable-segments]
 
@@ -25,10 +34,14 @@ W6 is measured right after W2, at W2's largest batch, with where it lies: the de
 pool, live tensors, blocks torch caches unused (fragmentation: the allocator runs in
 expandable segments, as `inferno` runs it; `--no-expandable-segments` shows what fixed
 segments leave) and memory outside torch, beside what the engine's profiled step measured.
+Measure W6 without the peer: what transformers' compiled code and CUDA libraries leave in the
+process would count as Inferno's.
 P is prefill throughput at 8 × 2,048.
-The transformers peer (HF, HFW4) is Llama's only.
 Every engine of the run stores its KV cache as --kv-cache-dtype says (the engine setting);
 W2 reports its pool (blocks, tokens, bytes).
+
+Qwen3.6-35B-A3B and Gemma-4-31B (issue 23) are declared from their published config.json;
+until Inferno builds their architectures, --model refuses them by name before any GPU work.
 """
 
 from __future__ import annotations
@@ -43,18 +56,30 @@ import subprocess
 import threading
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
 import triton
+from torch import nn
 
 from appliance.engine.engine import Engine, EngineConfig
+from appliance.engine.errors import ModelLoadError
 from appliance.engine.models.config import ModelConfig
 from appliance.engine.models.decoder import CausalLM
-from appliance.engine.models.loader import build_model, fill_randomly
+from appliance.engine.models.loader import (
+    Quantization,
+    build_model,
+    fill_randomly,
+    load_state_dict,
+)
 from appliance.engine.models.projections import quantize_projections
-from appliance.engine.models.sparse_moe import SparseMoeBlock
+from appliance.engine.models.sparse_moe import Experts
 from appliance.engine.sampling_params import SamplingParams
 from kernels import triton_ops
+from kernels.ops import KernelOps
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 LLAMA_31_8B = {
     "architectures": ["LlamaForCausalLM"],
@@ -171,6 +196,89 @@ GPT_OSS_20B = {
     "swiglu_limit": 7.0,
     "tie_word_embeddings": False,
 }  # fmt: skip
+# Qwen/Qwen3.6-35B-A3B's config.json: its text_config, for the text model's own class. The
+# values are those of the published file as a public repository reproduces it in a test
+# fixture (`real_qwen36_35b_a3b_config_json`; the huggingface.co file itself was not in the
+# corpora searched). They agree with Qwen's model card (hidden 2048; 40 layers, 10 × (3 Gated
+# DeltaNet + 1 gated attention); DeltaNet 16 QK and 32 V heads of 128; attention 16 Q and 2 KV
+# heads of 256, 64 rotary dims; 256 experts of 512, 8 routed + 1 shared; vocabulary 248320),
+# and transformers builds 34.66B parameters from them (the card: 35B).
+QWEN36_35B_A3B = {
+    "architectures": ["Qwen3_5MoeForCausalLM"],
+    "attn_output_gate": True,
+    "full_attention_interval": 4,
+    "head_dim": 256,
+    "hidden_act": "silu",
+    "hidden_size": 2048,
+    "layer_types": (["linear_attention"] * 3 + ["full_attention"]) * 10,
+    "linear_conv_kernel_dim": 4,
+    "linear_key_head_dim": 128,
+    "linear_num_key_heads": 16,
+    "linear_num_value_heads": 32,
+    "linear_value_head_dim": 128,
+    "max_position_embeddings": 262144,
+    "moe_intermediate_size": 512,
+    "num_attention_heads": 16,
+    "num_experts": 256,
+    "num_experts_per_tok": 8,
+    "num_hidden_layers": 40,
+    "num_key_value_heads": 2,
+    "partial_rotary_factor": 0.25,
+    "rms_norm_eps": 1e-6,
+    "rope_parameters": {
+        "mrope_interleaved": True,
+        "mrope_section": [11, 11, 10],
+        "partial_rotary_factor": 0.25,
+        "rope_theta": 10000000,
+        "rope_type": "default",
+    },
+    "shared_expert_intermediate_size": 512,
+    "tie_word_embeddings": False,
+    "vocab_size": 248320,
+}
+# google/gemma-4-31B-it's config.json: its text_config, for the text model's own class. The
+# values are those of the published file as two public repositories reproduce it in test
+# fixtures (a Go `TestParseTextConfig31B` and a Rust writer of a gemma4 config.json; the
+# huggingface.co file itself was not in the corpora searched), which agree field for field but
+# for max_position_embeddings (262144 in one, as the model card's 256K context; 131072 in the
+# other); the rope parameters are the second's. A model card (mlboydaisuke/Gemma-4-31B-CoreAI)
+# agrees: 60 layers, hidden 5376, 32 heads, vocabulary 262144, softcap 30, tied, 5 sliding :
+# 1 full, head 256 (global 512, 4 global KV heads, k = v). transformers builds 30.70B
+# parameters from them (the card: 30.7B).
+GEMMA_4_31B = {
+    "architectures": ["Gemma4ForCausalLM"],
+    "attention_bias": False,
+    "attention_k_eq_v": True,
+    "enable_moe_block": False,
+    "final_logit_softcapping": 30.0,
+    "global_head_dim": 512,
+    "head_dim": 256,
+    "hidden_activation": "gelu_pytorch_tanh",
+    "hidden_size": 5376,
+    "hidden_size_per_layer_input": 0,
+    "intermediate_size": 21504,
+    "layer_types": (["sliding_attention"] * 5 + ["full_attention"]) * 10,
+    "max_position_embeddings": 262144,
+    "num_attention_heads": 32,
+    "num_global_key_value_heads": 4,
+    "num_hidden_layers": 60,
+    "num_key_value_heads": 16,
+    "num_kv_shared_layers": 0,
+    "rms_norm_eps": 1e-6,
+    "rope_parameters": {
+        "full_attention": {
+            "partial_rotary_factor": 0.25,
+            "rope_theta": 1000000.0,
+            "rope_type": "proportional",
+        },
+        "sliding_attention": {"rope_theta": 10000.0, "rope_type": "default"},
+    },
+    "sliding_window": 1024,
+    "tie_word_embeddings": True,
+    "use_double_wide_mlp": False,
+    "vocab_size": 262144,
+    "vocab_size_per_layer_input": 262144,
+}
 SHAPES = {
     "llama-3.1-8b": LLAMA_31_8B,
     "qwen3-8b": QWEN3_8B,
@@ -178,6 +286,8 @@ SHAPES = {
     "phi-4-mini": PHI_4_MINI,
     "qwen3-30b-a3b": QWEN3_30B_A3B,
     "gpt-oss-20b": GPT_OSS_20B,
+    "qwen3.6-35b-a3b": QWEN36_35B_A3B,
+    "gemma-4-31b": GEMMA_4_31B,
 }
 MAX_MODEL_LEN = 4096
 rows: list[str] = []
@@ -241,26 +351,28 @@ def random_prompts(n: int, length: int, seed: int) -> list[list[int]]:
 
 
 def weight_bytes(model: CausalLM) -> tuple[int, int]:
-    """(all weights' bytes, the bytes one token's forward pass reads: all but the embedding
-    (which a tied model's LM head reads whole) and Gemma 4's per-layer input table (a row per
-    token) and, of a mixture of experts, the experts its router did not choose)."""
-    total = sum(p.numel() * p.element_size() for p in model.parameters())
-    embed = model.embed_tokens.weight
-    tied = model.lm_head is None
-    streamed = total if tied else total - embed.numel() * embed.element_size()
-    if model.embed_tokens_per_layer is not None:
-        table = model.embed_tokens_per_layer.weight
-        streamed -= table.numel() * table.element_size()
+    """(all weights' bytes, the bytes one token's decode step reads of them). A token reads
+    every weight but: of an embedding table (nn.Embedding: the tokens', a per-layer one) only
+    its own row, and of a mixture-of-experts layer's stacked experts (weights and biases) only
+    its top k of E; the LM head is read whole (a tied model's is the embedding matrix, so that
+    is then read whole too). Attention with its biases and sinks, norms, routers and shared
+    experts are read whole. Works on the meta device (no weights needed)."""
     moe = model.config.moe
-    if moe is not None:
-        unchosen = (moe.router.num_experts - moe.router.top_k) / moe.router.num_experts
-        for layer in model.layers:
-            # In the MLP's place, or (Gemma 4) beside it.
-            for block in (layer.mlp, layer.moe):
-                if isinstance(block, SparseMoeBlock):
-                    experts = block.experts.parameters()
-                    streamed -= int(sum(p.numel() * p.element_size() for p in experts) * unchosen)
-    return total, streamed
+    total = read = 0
+    for module in model.modules():
+        size = sum(p.numel() * p.element_size() for p in module.parameters(recurse=False))
+        total += size
+        if isinstance(module, nn.Embedding):
+            read += size // module.num_embeddings
+        elif isinstance(module, Experts):
+            assert moe is not None, "experts without a mixture-of-experts config"
+            read += size // moe.router.num_experts * moe.router.top_k
+        else:
+            read += size
+    if model.lm_head is None:
+        embed = model.embed_tokens.weight
+        read += embed.numel() * embed.element_size()
+    return total, read
 
 
 def run_timed(engine: Engine, prompts: list[list[int]], params: SamplingParams):
@@ -592,37 +704,158 @@ def w4_prompts() -> list[list[int]]:
     return [prefix + tail for tail in random_prompts(256, 100, seed=5)]
 
 
-def transformers_peer(workloads: set[str], num_requests: int) -> None:
-    """The W2 shape and W4 on transformers' continuous batching, the same random model."""
-    from transformers import GenerationConfig, LlamaConfig
-    from transformers import LlamaForCausalLM as HFLlama
+# The workloads transformers runs as the peer.
+PEER_WORKLOADS = frozenset({"HFW1", "HF", "HFW4"})
 
-    config = LlamaConfig(**{k: v for k, v in LLAMA_31_8B.items() if k != "architectures"})
-    torch.manual_seed(0)
-    with torch.device("cuda"):
-        model = HFLlama(config).to(torch.bfloat16)
-    model.set_attn_implementation("paged|sdpa")
+
+def peer_model(
+    shape: dict[str, Any],
+    *,
+    device: torch.device | str = "cuda",
+    dtype: torch.dtype = torch.bfloat16,
+    seed: int = 0,
+) -> PreTrainedModel:
+    """transformers' own class for `shape` (the one its `architectures` names, built from that
+    class's config on the shape's config.json fields), on `device` in `dtype`, its weights
+    drawn as Inferno's random models' are (fill_randomly: normal(0, 0.02), norm weights 1)."""
+    import transformers
+
+    architecture = shape["architectures"][0]
+    model_class = getattr(transformers, architecture)
+    config = model_class.config_class(**{k: v for k, v in shape.items() if k != "architectures"})
+    with torch.device(device):
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
+    if type(model).__name__ != architecture:
+        raise SystemExit(f"transformers built {type(model).__name__} for {architecture}")
+    fill_randomly(model, seed)
+    return model.eval()
+
+
+def inferno_model_from(
+    peer: PreTrainedModel,
+    shape: dict[str, Any],
+    *,
+    device: torch.device | str = "cuda",
+    dtype: torch.dtype = torch.bfloat16,
+    ops: KernelOps | None = triton_ops,
+    quantization: Quantization | None = None,
+) -> CausalLM:
+    """Inferno's model with the peer's weights: the peer moved to host memory first (its GPU
+    memory freed: the two never fit on one GPU together), then its state dict loaded onto
+    `device` through Inferno's loader (models.loader.load_state_dict: the checkpoint-name
+    mapping and checks a model directory's files get); with quantization "fp8" its projections
+    then quantized, as --quantization does to a random model."""
+    if peer.device.type == "cuda":
+        peer.to("cpu")
+        gc.collect()
+        torch.cuda.empty_cache()
+    config = ModelConfig.from_dict(shape)
+    model = load_state_dict(
+        config,
+        peer.state_dict(),
+        dtype=dtype,
+        device=device,
+        ops=ops,
+        quantization=quantization,
+    )
+    model.init_rope_tables(MAX_MODEL_LEN)
+    return model
+
+
+def peer_w1(peer: PreTrainedModel, read_bytes: int, copy_bw: float, compile_: bool) -> None:
+    """W1 on transformers' `generate`: static cache + torch.compile (transformers compiles the
+    decode step itself when the cache is static), or eager with its dynamic cache when asked
+    or when compiling fails. ms/token: (256 new tokens - 1 new token) / 255, medians of 3."""
+    from transformers import GenerationConfig
+
+    input_ids = torch.tensor(random_prompts(1, 128, seed=1), device=peer.device)
+
+    def generate(num_new: int, compiled: bool) -> float:
+        gen = GenerationConfig(
+            max_new_tokens=num_new,
+            min_new_tokens=num_new,
+            do_sample=False,
+            pad_token_id=0,
+            cache_implementation="static" if compiled else None,
+            disable_compile=not compiled,
+        )
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        peer.generate(input_ids, generation_config=gen)
+        torch.cuda.synchronize()
+        return time.perf_counter() - start
+
+    start = time.perf_counter()
+    setting = "static cache + torch.compile" if compile_ else "eager, dynamic cache"
+    try:
+        generate(256, compile_)  # warm-up, and the compilation
+    except Exception as exc:  # whatever fails to compile runs eager, and the row says so
+        if not compile_:
+            raise
+        setting = f"eager, dynamic cache (torch.compile failed: {type(exc).__name__})"
+        compile_ = False
+        torch.compiler.reset()
+        generate(16, compile_)
+    if compile_ and not hasattr(peer, "_compiled_call"):  # transformers compiled nothing
+        setting = "static cache, not compiled (transformers declined to compile)"
+    warm_up = time.perf_counter() - start
+    full = statistics.median(generate(256, compile_) for _ in range(3))
+    first = statistics.median(generate(1, compile_) for _ in range(3))
+    ms = (full - first) / 255 * 1e3
+    achieved = read_bytes / (ms * 1e-3)
+    report(
+        f"transformers W1 decode ms/token (batch 1, 128+256; {setting})",
+        f"{ms:.2f} ms ({1e3 / ms:.0f} tok/s)",
+    )
+    report(
+        "transformers W1 weight bytes/s ÷ copy bandwidth",
+        f"{achieved / 1e12:.2f} TB/s = {achieved / copy_bw:.0%}",
+    )
+    report(
+        "transformers W1 phase",
+        f"{time.perf_counter() - start:.0f} s (warm-up and compilation {warm_up:.0f} s)",
+    )
+    torch.compiler.reset()  # frees the compiled graphs' memory before continuous batching
+
+
+def transformers_peer(
+    peer: PreTrainedModel,
+    workloads: set[str],
+    num_requests: int,
+    read_bytes: int,
+    copy_bw: float,
+    compile_: bool,
+) -> None:
+    """W1 (HFW1), the W2 shape (HF) and W4 (HFW4) on transformers, each phase timed."""
+    from transformers import GenerationConfig
+
+    if "HFW1" in workloads:
+        peer_w1(peer, read_bytes, copy_bw, compile_)
+    # Continuous batching needs paged attention: over SDPA where the model supports it, else
+    # over its eager attention (gpt-oss: the sinks).
+    attention = "paged|sdpa" if type(peer)._supports_sdpa else "paged|eager"
+    peer.set_attn_implementation(attention)
     if "HF" in workloads:
         gen = GenerationConfig(max_new_tokens=256, do_sample=False, eos_token_id=-1, pad_token_id=0)
         prompts = random_prompts(num_requests, 512, seed=3)
         start = time.perf_counter()
-        outputs = model.generate_batch(inputs=prompts, generation_config=gen, progress_bar=False)
+        outputs = peer.generate_batch(inputs=prompts, generation_config=gen, progress_bar=False)
         elapsed = time.perf_counter() - start
         num_out = sum(len(o.generated_tokens) for o in outputs.values())
         report(
-            f"transformers generate_batch W2-shape ({num_requests} × 512/256)",
+            f"transformers generate_batch W2-shape ({num_requests} × 512/256, {attention})",
             f"{num_out / elapsed:,.0f} tok/s ({elapsed:.1f} s)",
         )
     if "HFW4" in workloads:
         gen = GenerationConfig(max_new_tokens=64, do_sample=False, eos_token_id=-1, pad_token_id=0)
         start = time.perf_counter()
-        outputs = model.generate_batch(
+        outputs = peer.generate_batch(
             inputs=w4_prompts(), generation_config=gen, progress_bar=False, record_timestamps=True
         )
         elapsed = time.perf_counter() - start
         ttft = statistics.median(o.timestamps[0] - start for o in outputs.values())
         report(
-            "transformers generate_batch W4 TTFT p50 (its defaults)",
+            f"transformers generate_batch W4 TTFT p50 (its defaults, {attention})",
             f"{ttft * 1e3:.0f} ms (all 256 done in {elapsed:.1f} s)",
         )
 
@@ -630,9 +863,15 @@ def transformers_peer(workloads: set[str], num_requests: int) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", choices=sorted(SHAPES), default="llama-3.1-8b")
-    parser.add_argument("--workloads", default="W1,W2,P,W4,HF,HFW4")
+    parser.add_argument("--workloads", default="W1,W2,P,W4,HFW1,HF,HFW4")
     parser.add_argument("--w2-requests", type=int, default=1024)
     parser.add_argument("--hf-requests", type=int, default=128)
+    parser.add_argument(
+        "--hf-compile",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="HFW1: transformers with a static cache and torch.compile (else eager)",
+    )
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--max-decode-burst", type=int, default=1)
     parser.add_argument("--kv-cache-dtype", choices=["auto", "fp8_e4m3"], default="auto")
@@ -661,8 +900,13 @@ def main() -> None:
     run_settings["kv_cache_dtype"] = args.kv_cache_dtype
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
     wanted = set(args.workloads.split(","))
-    if args.model != "llama-3.1-8b" and wanted & {"HF", "HFW4"}:
-        parser.error("the transformers peer (HF, HFW4) runs Llama-3.1-8B only")
+    shape = SHAPES[args.model]
+    try:  # before any GPU work: a shape Inferno cannot build is refused here, by name
+        config = ModelConfig.from_dict(shape)
+    except ModelLoadError as exc:
+        parser.error(f"--model {args.model}: {exc}")
+    on_meta = build_model(config, dtype=torch.bfloat16, device="meta", ops=None, shard=None)
+    _, read_bytes = weight_bytes(on_meta)  # bf16: the peer's
     global context_at_start
     torch.empty(1, device="cuda")
     free, total = torch.cuda.mem_get_info()
@@ -689,8 +933,24 @@ def main() -> None:
     matmul = matmul_rate()
     report("dense bf16 matmul 8192³", f"{matmul / 1e12:.0f} TFLOP/s")
     start = time.perf_counter()
-    model = random_model(args.model, quantization=args.quantization)
-    report(f"random {args.model} built", f"{time.perf_counter() - start:.1f} s")
+    if wanted & PEER_WORKLOADS:
+        peer = peer_model(shape)
+        report(
+            f"transformers {args.model} built (random bf16)", f"{time.perf_counter() - start:.0f} s"
+        )
+        transformers_peer(peer, wanted, args.hf_requests, read_bytes, copy_bw, args.hf_compile)
+        start = time.perf_counter()
+        model = inferno_model_from(peer, shape, quantization=args.quantization)
+        del peer
+        gc.collect()
+        torch.cuda.reset_peak_memory_stats()  # W6's peak is Inferno's, not the peer's
+        report(
+            f"Inferno {args.model} loaded with the peer's weights (via host memory)",
+            f"{time.perf_counter() - start:.0f} s",
+        )
+    else:
+        model = random_model(args.model, quantization=args.quantization)
+        report(f"random {args.model} built", f"{time.perf_counter() - start:.1f} s")
     if "W1" in wanted:
         w1(model, copy_bw, args.max_decode_burst, args.async_scheduling)
     if "W2" in wanted:
@@ -701,11 +961,6 @@ def main() -> None:
         prefill_throughput(model, matmul)
     if "W4" in wanted:
         w4(model)
-    del model
-    gc.collect()
-    torch.cuda.empty_cache()
-    if wanted & {"HF", "HFW4"}:
-        transformers_peer(wanted, args.hf_requests)
     print("\n| metric | value | goal |\n|---|---|---|")
     print("\n".join(rows))
 

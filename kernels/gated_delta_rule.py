@@ -50,13 +50,16 @@ from kernels.pdl import launch_options, wait_for_previous
 _L2NORM_EPS = tl.constexpr(1e-6)
 # Tokens per chunk: 64 is fla's choice; the [CHUNK, CHUNK] products fill the tensor cores and the
 # forward substitution (CHUNK steps) stays short.
-CHUNK_SIZE = 64
+CHUNK_SIZE = 32
 # Dv columns per program. Decode: 32 gives Qwen3.6 (Hv 32, Dv 128) 128 programs per sequence,
 # enough to fill an H100 at batch 1 with a [128, 32] float32 tile in registers. Prefill: 64
 # keeps the [Dk, 64] state and the chunk's tiles in registers while 8 prompts still make
 # 8 * Hv * 2 = 512 programs.
 DECODE_BLOCK_V = 32
 CHUNKED_BLOCK_V = 64
+# Triton's default 3 stages of the chunk loop's float32 tiles need 263 KB of shared memory at
+# Dk = Dv = 128 (Triton 3.6 on an H100, whose limit is 227 KB); one stage fits.
+CHUNKED_STAGES = 2
 
 
 @triton.jit
@@ -316,11 +319,13 @@ def gated_delta_rule(
     *,
     chunk_size: int = CHUNK_SIZE,
     block_v: int | None = None,
+    num_stages: int = CHUNKED_STAGES,
 ) -> torch.Tensor:
     """See `kernels.ops.KernelOps.gated_delta_rule`. A decode-only batch runs the recurrent
     kernel (what CUDA graphs capture); any other batch the chunked one, whose programs walk
     their sequence CHUNK tokens at a time (a decode row in a mixed batch is a one-row chunk).
-    `chunk_size` and `block_v` are tuning knobs for the benchmark; the defaults are the choice.
+    `chunk_size`, `block_v` and `num_stages` (the chunked kernel's software pipelining) are
+    tuning knobs for the benchmark; the defaults are the choice.
     """
     _check_inputs(q, k, v, g, beta, state, meta)
     num_tokens, num_k_heads, dk = q.shape
@@ -386,6 +391,7 @@ def gated_delta_rule(
         CHUNK=chunk_size,
         DOT_PRECISION=dot_precision,
         num_warps=8,
+        num_stages=num_stages,
     )
     return out
 

@@ -87,11 +87,14 @@ class DeltaRuleCase:
         """transformers' token loop per sequence: (outputs [T, Hv, Dv], states afterwards)."""
         out = torch.zeros(self.v.shape, dtype=torch.float32, device=self.v.device)
         state = self.state.clone()
+        # Each value head's own key head, as GQA reads it (h // (Hv / Hk)): older transformers
+        # (the GPU machine's) take only as many key heads as value heads.
+        q, k = (x.repeat_interleave(self.v.shape[1] // x.shape[1], dim=1) for x in (self.q, self.k))
         for rows, slot, has_initial in sequences(self.meta):
             if slot < 0:
                 continue
             o, final = torch_recurrent_gated_delta_rule(
-                *(x[rows][None].float() for x in (self.q, self.k, self.v, self.g, self.beta)),
+                *(x[rows][None].float() for x in (q, k, self.v, self.g, self.beta)),
                 initial_state=state[slot][None] if has_initial else None,
                 output_final_state=True,
                 use_qk_l2norm_in_kernel=True,

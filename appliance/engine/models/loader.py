@@ -126,7 +126,53 @@ def load_model(
     index that names a file outside the directory, or missing/unexpected/misshapen tensors.
     """
     config = ModelConfig.from_model_dir(model_dir)
+    part_of = parts_of(shard, config.family.layout)
+    shapes_only = torch.device(device).type == "meta"  # a dry run: names and shapes checked
+    tensors = (
+        _read_tensors(Path(model_dir), part_of, shapes_only=shapes_only)
+        if weights is None
+        else _read_images(model_dir, weights, part_of)
+    )
     model = build_model(config, dtype=dtype, device=device, ops=ops, shard=shard)
+    return _load_into(model, tensors, shard=shard, source=str(model_dir), quantization=quantization)
+
+
+def load_state_dict(
+    config: ModelConfig,
+    state_dict: Mapping[str, torch.Tensor],
+    *,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+    ops: KernelOps | None = None,
+    quantization: Quantization | None = None,
+) -> CausalLM:
+    """Build `config`'s architecture and fill it from `state_dict`, tensors already in memory
+    by checkpoint name (on any device): the tensors of a transformers model of the same
+    architecture (its `state_dict()`), mapped by the same names, layouts and checks as
+    `load_model`'s files. The tensors are copied; the mapping is left as it was.
+
+    Raises ModelLoadError as `load_model` does for missing, unexpected or misshapen tensors.
+    """
+    source = Path("state_dict")
+    tensors = ((source, name, tensor) for name, tensor in state_dict.items())
+    model = build_model(config, dtype=dtype, device=device, ops=ops, shard=None)
+    return _load_into(
+        model, tensors, shard=None, source="the state dict", quantization=quantization
+    )
+
+
+def _load_into(
+    model: CausalLM,
+    tensors: Iterator[tuple[Path, str, torch.Tensor]],
+    *,
+    shard: ShardPlan | None,
+    source: str,
+    quantization: Quantization | None,
+) -> CausalLM:
+    """Copy checkpoint tensors (each with the file it came from) into `model`'s empty
+    parameters through its family's checkpoint layout, then quantize if asked and build the
+    rope tables. Raises ModelLoadError naming `source` when tensors are missing."""
+    config = model.config
     params = dict(model.named_parameters())
     for name, param in params.items():
         if name.endswith(".input_scale"):
@@ -144,13 +190,6 @@ def load_model(
     blocks = _BlockScaledWeights(config, shard)
     block_scaled = config.fp8 is not None and config.fp8.scales == "block"
 
-    part_of = parts_of(shard, layout)
-    shapes_only = torch.device(device).type == "meta"  # a dry run: names and shapes checked
-    tensors = (
-        _read_tensors(Path(model_dir), part_of, shapes_only=shapes_only)
-        if weights is None
-        else _read_images(model_dir, weights, part_of)
-    )
     if layout.gpt_oss_experts:
         tensors = convert_fused_experts(tensors)
     num_unserved = 0
@@ -201,7 +240,7 @@ def load_model(
     if missing:
         names = sorted({name for name, _ in missing})
         shown = ", ".join(names[:5]) + (" ..." if len(names) > 5 else "")
-        raise ModelLoadError(f"{model_dir}: the checkpoint lacks tensors for {shown}")
+        raise ModelLoadError(f"{source}: the checkpoint lacks tensors for {shown}")
     if num_unserved:
         logger.info("skipped %d tensors of %s", num_unserved, layout.unserved_part)
     if shard is not None:

@@ -303,6 +303,13 @@ def build_hf_model(name: str, seed: int = 0) -> torch.nn.Module:
         )
     torch.manual_seed(seed)
     model = model_class(config).eval()
+    redraw_weights(model, seed)
+    return model
+
+
+def redraw_weights(model: torch.nn.Module, seed: int) -> None:
+    """Every weight of a transformers model re-drawn from a seeded normal so that activations
+    are O(1) (see the module docstring); float32, on the CPU."""
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         # named_parameters() lists a tied embedding once, so ties survive the re-draw.
@@ -320,7 +327,6 @@ def build_hf_model(name: str, seed: int = 0) -> torch.nn.Module:
         for buffer_name, buffer in model.named_buffers():
             if buffer_name.endswith("layer_scalar"):  # Gemma 4's, saved with the weights
                 buffer.copy_(0.8 + 0.4 * torch.rand(buffer.shape, generator=generator))
-    return model
 
 
 def save_checkpoint(model: torch.nn.Module, model_dir: Path, **kwargs: Any) -> Path:

@@ -16,7 +16,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from appliance.engine.errors import ModelLoadError
-from appliance.engine.models.loader import load_model
+from appliance.engine.models.config import ModelConfig
+from appliance.engine.models.loader import load_model, load_state_dict
 
 from .conftest import build_hf_model, save_checkpoint
 
@@ -306,3 +307,39 @@ def test_load_rejects_a_kv_cache_scale_it_cannot_use(model_dir, value, reported)
     _rewrite_weights(model_dir, lambda tensors: tensors.update({tensor: value}))
     message = _load_error(model_dir)
     assert repr(tensor) in message and reported in message
+
+
+def _config_of(hf_model) -> ModelConfig:
+    raw = hf_model.config.to_dict()
+    raw["architectures"] = [type(hf_model).__name__]
+    return ModelConfig.from_dict(raw)
+
+
+def test_load_state_dict_of_a_transformers_moe_equals_loading_its_saved_checkpoint(
+    tiny_checkpoints,
+):
+    """transformers 5 holds Qwen3-MoE's experts stacked in memory and saves them per expert:
+    both name the same weights, and the loader maps both onto the same parameters."""
+    model_dir, hf_model = tiny_checkpoints("qwen3-moe")
+    from_files = dict(load_model(model_dir).named_parameters())
+    from_memory = dict(
+        load_state_dict(_config_of(hf_model), hf_model.state_dict()).named_parameters()
+    )
+    assert from_memory.keys() == from_files.keys()
+    for name, value in from_files.items():
+        assert torch.equal(from_memory[name], value), name
+
+
+def test_load_state_dict_refuses_a_missing_tensor_naming_it(tiny_checkpoints):
+    _, hf_model = tiny_checkpoints("llama2")
+    state = dict(hf_model.state_dict())
+    del state["model.layers.1.mlp.down_proj.weight"]
+    with pytest.raises(ModelLoadError, match=r"the state dict: .*layers\.1\.mlp\.down_proj"):
+        load_state_dict(_config_of(hf_model), state)
+
+
+def test_load_state_dict_refuses_an_unexpected_tensor_naming_it(tiny_checkpoints):
+    _, hf_model = tiny_checkpoints("llama2")
+    state = {**hf_model.state_dict(), "model.layers.0.mlp.extra.weight": torch.ones(2)}
+    with pytest.raises(ModelLoadError, match=r"unexpected tensor 'model\.layers\.0\.mlp\.extra"):
+        load_state_dict(_config_of(hf_model), state)
