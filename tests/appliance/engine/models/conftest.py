@@ -303,8 +303,20 @@ def build_hf_model(name: str, seed: int = 0) -> torch.nn.Module:
         )
     torch.manual_seed(seed)
     model = model_class(config).eval()
+    _swiglu_from_config(model, config)
     redraw_weights(model, seed)
     return model
+
+
+def _swiglu_from_config(model: torch.nn.Module, config: Any) -> None:
+    """gpt-oss's experts clamp at the config's `swiglu_limit` with its `swiglu_alpha`, as
+    transformers reads them since 5.2x; 5.17 (the GPU machine's) hard-coded the published 7.0
+    and 1.702, whatever the config said, so its reference would differ from the checkpoint's
+    own config. Set them from the config, as later versions do."""
+    for module in model.modules():
+        if type(module).__name__ == "GptOssExperts":
+            module.limit = getattr(config, "swiglu_limit", module.limit)
+            module.alpha = getattr(config, "swiglu_alpha", module.alpha)
 
 
 def redraw_weights(model: torch.nn.Module, seed: int) -> None:
