@@ -39,10 +39,13 @@ class KVCacheSpec:
         kv_cache_dtype: KVCacheDtype = "auto",
         tensor_parallel_size: int = 1,
     ) -> KVCacheSpec:
-        """One device's pool: under tensor parallelism each holds its share of the KV heads."""
+        """One device's pool: under tensor parallelism each holds its share of the KV heads.
+        Only the layers of `config.kv_cache_layers` have pages (a hybrid's linear layers keep a
+        recurrent state instead: models.recurrent_state)."""
         num_kv_heads = config.num_kv_heads // tensor_parallel_size
         dtype = model_dtype if kv_cache_dtype == "auto" else KV_CACHE_FP8
-        return cls(config.num_layers, num_kv_heads, config.head_dim, block_size, dtype)
+        num_layers = len(config.kv_cache_layers)
+        return cls(num_layers, num_kv_heads, config.head_dim, block_size, dtype)
 
     @property
     def is_fp8(self) -> bool:
@@ -68,9 +71,9 @@ class KVCacheSpec:
         them on the host: once, as the engine is built."""
         if not self.is_fp8:
             return
-        for index, layer in enumerate(model.layers):
+        for index, attention in zip(model.config.kv_cache_layers, model.attentions, strict=True):
             for name in ("k_scale", "v_scale"):
-                value = float(getattr(layer.self_attn, name).float().item())
+                value = float(getattr(attention, name).float().item())
                 if not (math.isfinite(value) and value > 0):
                     raise EngineConfigError(
                         f"layer {index}'s KV-cache {name} is {value}: an FP8 KV cache needs "

@@ -15,6 +15,7 @@ from typing import Any
 from appliance.engine.errors import ModelLoadError
 from appliance.engine.models.families import FAMILIES, ConfigReader, Family
 from appliance.engine.models.quantization import Fp8Checkpoint
+from appliance.engine.models.recurrent_state import LinearAttentionConfig
 from appliance.engine.models.rotary import RopeConfig
 from appliance.engine.models.routing import MoeConfig
 
@@ -66,6 +67,12 @@ class ModelConfig:
     attention_sinks: bool = False
     # The checkpoint stores the experts in MXFP4 (gpt-oss as released), dequantized on load.
     mxfp4_experts: bool = False
+    # Linear-attention (Gated DeltaNet) layers in place of attention in some layers (the hybrid
+    # Qwen3.5): their shapes and which layers they are (None: every layer attends).
+    linear_attention: LinearAttentionConfig | None = None
+    # The query projection also yields a gate per head; sigmoid(gate) scales the attention
+    # output before o_proj (Qwen3.5's full-attention layers).
+    attention_output_gate: bool = False
 
     @classmethod
     def from_model_dir(cls, model_dir: Path) -> ModelConfig:
@@ -107,7 +114,10 @@ class ModelConfig:
             "architecture": raw["architectures"][0],
             "vocab_size": read.positive("vocab_size"),
             "hidden_size": hidden_size,
-            "intermediate_size": read.positive("intermediate_size"),
+            # Absent where every layer is a mixture of experts (Qwen3.5-MoE): checked below.
+            "intermediate_size": read.positive("intermediate_size")
+            if "intermediate_size" in text
+            else 0,
             "num_layers": num_layers,
             "num_heads": num_heads,
             "num_kv_heads": num_kv_heads,
@@ -124,6 +134,7 @@ class ModelConfig:
             "mxfp4_experts": _is_mxfp4(raw.get("quantization_config")),
         }
         fields.update(family.configure(read))
+        _check_layer_kinds(text, fields, source)
         if fields.get("moe") is not None and fields["fp8"] is not None:
             raise ModelLoadError(
                 f"{source}: 'quantization_config' of a mixture of experts is not supported "
@@ -142,12 +153,43 @@ class ModelConfig:
         return self.max_position_embeddings
 
     @property
+    def is_hybrid(self) -> bool:
+        """Some layers are linear attention, with a recurrent state per sequence."""
+        return self.linear_attention is not None
+
+    @property
+    def kv_cache_layers(self) -> tuple[int, ...]:
+        """The layers that keep keys and values in the paged KV pool: all but the linear ones."""
+        linear = (
+            self.linear_attention.layers if self.linear_attention else (False,) * self.num_layers
+        )
+        return tuple(i for i, is_linear in enumerate(linear) if not is_linear)
+
+    @property
     def kv_window(self) -> int | None:
         """How far back any layer looks: the largest window when every layer has one, else
         None. Blocks wholly older than this are seen by no layer and can be freed."""
         if any(w is None for w in self.layer_windows):
             return None
         return max(w for w in self.layer_windows if w is not None)
+
+
+def _check_layer_kinds(text: Mapping[str, Any], fields: dict[str, Any], source: str) -> None:
+    """Linear-attention layers only where the family builds them; a dense MLP only with its
+    size."""
+    if "linear_attention" in (text.get("layer_types") or []) and not fields.get("linear_attention"):
+        raise ModelLoadError(
+            f"{source}: layer type 'linear_attention' is supported only by the hybrid Qwen "
+            "families (Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM)"
+        )
+    moe = fields.get("moe")
+    if fields["intermediate_size"] == 0 and (moe is None or not all(moe.moe_layers)):
+        raise ModelLoadError(f"{source}: 'intermediate_size' is missing (a dense MLP needs it)")
+    if fields.get("fp8") is not None and fields.get("linear_attention") is not None:
+        raise ModelLoadError(
+            f"{source}: 'quantization_config' of a hybrid linear-attention model is not "
+            "supported (its FP8 checkpoints are not mapped); use its bf16 checkpoint"
+        )
 
 
 def _fp8_checkpoint(quantization: Any, family: Family, source: str) -> Fp8Checkpoint | None:

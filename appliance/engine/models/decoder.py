@@ -1,10 +1,13 @@
-"""The decoder every supported family runs: embeddings, layers of attention and MLP (or a sparse
-mixture of experts, models.sparse_moe) with their norms, final norm and logits. A family's
+"""The decoder every supported family runs: embeddings, layers of attention (or linear attention,
+models.linear_attention) and MLP (or a sparse mixture of experts, models.sparse_moe) with their
+norms, final norm and logits. A family's
 differences are ModelConfig fields (declared in `models.families`), read once here when the
 modules are built; there is no per-family branch.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import torch
 from torch import nn
@@ -12,21 +15,30 @@ from torch import nn
 import kernels.reference
 from appliance.engine.models.config import ModelConfig, RopeConfig
 from appliance.engine.models.layers import MLP, Attention, RMSNorm
+from appliance.engine.models.linear_attention import GatedDeltaNet
+from appliance.engine.models.recurrent_state import RecurrentState
 from appliance.engine.models.rotary import cos_sin_table
 from appliance.engine.models.sparse_moe import SparseMoeBlock, is_sparse_layer
-from kernels.ops import AttentionMetadata, KernelOps
+from kernels.ops import AttentionMetadata, KernelOps, RecurrentStateMetadata
 
 
 class DecoderLayer(nn.Module):
     """Llama's pre-norm block, or with `sandwich_norms` Gemma 3's: the attention and MLP outputs
-    are normed again before their residual add, and the MLP has its own pre-norm."""
+    are normed again before their residual add, and the MLP has its own pre-norm. In a hybrid
+    model's linear layers, Gated DeltaNet (`linear_attn`) takes attention's place."""
 
     def __init__(self, config: ModelConfig, ops: KernelOps, layer_index: int):
         super().__init__()
         self.ops = ops
         eps = config.rms_norm_eps
         self.input_layernorm = RMSNorm(config.hidden_size, eps)
-        self.self_attn = Attention(config, ops, layer_index)
+        linear = config.linear_attention
+        self.self_attn: Attention | None = None
+        self.linear_attn: GatedDeltaNet | None = None
+        if linear is not None and linear.layers[layer_index]:
+            self.linear_attn = GatedDeltaNet(linear, config.hidden_size, eps, ops)
+        else:
+            self.self_attn = Attention(config, ops, layer_index)
         # Llama: the MLP's pre-norm. Gemma 3: the norm of the attention output.
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps)
         self.pre_feedforward_layernorm: RMSNorm | None = None
@@ -47,11 +59,13 @@ class DecoderLayer(nn.Module):
         residual: torch.Tensor | None,
         cos: torch.Tensor,
         sin: torch.Tensor,
-        kv_cache: torch.Tensor,
+        cache: torch.Tensor | RecurrentState,
         meta: AttentionMetadata,
+        state_meta: RecurrentStateMetadata | None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """x: the previous layer's output, not yet added to `residual` (None: x is the
-        embedding). Returns (this layer's output, residual), for the next layer to add."""
+        embedding); `cache`: the layer's KV cache, or a linear layer's recurrent state. Returns
+        (this layer's output, residual), for the next layer to add."""
         ops = self.ops
         norm = self.input_layernorm
         if residual is None:
@@ -59,7 +73,13 @@ class DecoderLayer(nn.Module):
             h = ops.rms_norm(x, norm.weight, norm.eps)
         else:
             h, residual = ops.add_rms_norm(x, residual, norm.weight, norm.eps)
-        h = self._scaled(self.self_attn(h, cos, sin, kv_cache, meta))
+        if self.linear_attn is not None:
+            assert isinstance(cache, RecurrentState) and state_meta is not None
+            h = self.linear_attn(h, cache, state_meta)
+        else:
+            assert self.self_attn is not None and isinstance(cache, torch.Tensor)
+            h = self.self_attn(h, cos, sin, cache, meta)
+        h = self._scaled(h)
         post, pre_ff = self.post_attention_layernorm, self.pre_feedforward_layernorm
         if pre_ff is None:
             h, residual = ops.add_rms_norm(h, residual, post.weight, post.eps)
@@ -106,13 +126,19 @@ class CausalLM(nn.Module):
         # rope -> (cos, sin), each [max_len, rotary_dim] float32
         self.rope_tables: dict[RopeConfig, tuple[torch.Tensor, torch.Tensor]] = {}
 
+    @property
+    def attentions(self) -> list[Attention]:
+        """The attention of each layer that has one (all but a hybrid's linear layers), in
+        order: the layers of `config.kv_cache_layers`."""
+        return [layer.self_attn for layer in self.layers if layer.self_attn is not None]
+
     def reset_kv_scales(self) -> None:
         """Every layer's KV-cache scales to 1, in float32 on the model's device: after
         `to_empty` (which leaves them unset) and a cast to the weights' dtype."""
         device = self.embed_tokens.weight.device
-        for layer in self.layers:
-            layer.self_attn.k_scale = torch.ones(1, device=device)
-            layer.self_attn.v_scale = torch.ones(1, device=device)
+        for attention in self.attentions:
+            attention.k_scale = torch.ones(1, device=device)
+            attention.v_scale = torch.ones(1, device=device)
 
     def init_rope_tables(self, max_len: int) -> None:
         device = self.embed_tokens.weight.device
@@ -127,8 +153,13 @@ class CausalLM(nn.Module):
         positions: torch.Tensor,
         kv_caches: list[torch.Tensor],
         meta: AttentionMetadata,
+        states: Sequence[RecurrentState] = (),
+        state_meta: RecurrentStateMetadata | None = None,
     ) -> torch.Tensor:
-        """input_ids, positions: [T] -> final hidden states [T, hidden] (normed)."""
+        """input_ids, positions: [T] -> final hidden states [T, hidden] (normed).
+
+        kv_caches: one per layer of `config.kv_cache_layers`; states: one per linear layer of a
+        hybrid model (models.recurrent_state), each sequence's slot named by `state_meta`."""
         assert self.rope_tables, "call init_rope_tables first"
         rows = {
             rope: (cos[positions], sin[positions]) for rope, (cos, sin) in self.rope_tables.items()
@@ -139,11 +170,23 @@ class CausalLM(nn.Module):
             # In the weights' dtype, as transformers rounds Gemma's sqrt(hidden_size).
             x = x * torch.tensor(multiplier, dtype=x.dtype)
         residual = None
-        for layer, rope, kv_cache in zip(self.layers, self.layer_ropes, kv_caches, strict=True):
+        caches = self._layer_caches(kv_caches, states)
+        for layer, rope, cache in zip(self.layers, self.layer_ropes, caches, strict=True):
             cos, sin = rows[rope]  # [T, rotary_dim]
-            x, residual = layer(x, residual, cos, sin, kv_cache, meta)
+            x, residual = layer(x, residual, cos, sin, cache, meta, state_meta)
         x, _ = self.ops.add_rms_norm(x, residual, self.norm.weight, self.norm.eps)
         return x
+
+    def _layer_caches(
+        self, kv_caches: list[torch.Tensor], states: Sequence[RecurrentState]
+    ) -> list[torch.Tensor | RecurrentState]:
+        """Each layer's cache in layer order: the next KV cache, or a linear layer's state."""
+        kv, state = iter(kv_caches), iter(states)
+        caches: list[torch.Tensor | RecurrentState] = [
+            next(state) if layer.linear_attn is not None else next(kv) for layer in self.layers
+        ]
+        assert next(kv, None) is None and next(state, None) is None, "one cache per layer"
+        return caches
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> [N, vocab] float32."""

@@ -30,8 +30,10 @@ class Attention(nn.Module):
     """Grouped-query attention over the paged KV cache, with the options of the families:
     per-head q/k RMSNorm before rope (Qwen3, Gemma 3), rope on a leading part of each head
     (Phi-4-mini), a sliding window (Mistral, Gemma 3's local layers), a softmax scale other
-    than head_dim ** -0.5 (Gemma 3's query_pre_attn_scalar, Granite's attention_multiplier) and
-    attention sinks (gpt-oss)."""
+    than head_dim ** -0.5 (Gemma 3's query_pre_attn_scalar, Granite's attention_multiplier),
+    attention sinks (gpt-oss) and an output gate (Qwen3.5: the query projection yields each
+    head's query and then its gate, [q_h; gate_h] per head, and sigmoid(gate) scales the
+    attention output before o_proj)."""
 
     def __init__(self, config: ModelConfig, ops: KernelOps, layer_index: int):
         super().__init__()
@@ -44,8 +46,10 @@ class Attention(nn.Module):
         self.kv_size = config.num_kv_heads * config.head_dim
         self.scale = config.attention_scale or config.head_dim**-0.5
         self.sliding_window = config.layer_windows[layer_index]
+        self.output_gate = config.attention_output_gate
+        self.q_rows = self.q_size * (2 if self.output_gate else 1)  # rows of q_proj
         self.qkv_proj = nn.Linear(
-            config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.qkv_bias
+            config.hidden_size, self.q_rows + 2 * self.kv_size, bias=config.qkv_bias
         )
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.o_bias)
         self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
@@ -69,8 +73,12 @@ class Attention(nn.Module):
         num_tokens = x.shape[0]
         qkv_weight = projection_weight(self.qkv_proj)
         qkv = self.ops.linear(x, qkv_weight, self.qkv_proj.bias)  # [T, (Hq+2Hkv) D]
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(num_tokens, self.num_heads, self.head_dim)
+        q, k, v = qkv.split([self.q_rows, self.kv_size, self.kv_size], dim=-1)
+        gate = None
+        if self.output_gate:
+            q, gate = q.view(num_tokens, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
+            gate = gate.reshape(num_tokens, self.q_size)
+        q = q.reshape(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
@@ -92,6 +100,8 @@ class Attention(nn.Module):
             sinks=self.sinks,
         )
         o = o.reshape(num_tokens, self.q_size)
+        if gate is not None:
+            o = o * torch.sigmoid(gate)
         return self.ops.linear(o, projection_weight(self.o_proj), self.o_proj.bias)
 
     def _norm_heads(self, x: torch.Tensor, norm: RMSNorm) -> torch.Tensor:

@@ -30,6 +30,7 @@ from appliance.engine.models.checkpoint_layout import LLAMA_LAYOUT, CheckpointLa
 from appliance.engine.models.config import ModelConfig
 from appliance.engine.models.decoder import CausalLM
 from appliance.engine.models.fused_experts import convert_fused_experts
+from appliance.engine.models.linear_attention import GATED_NORM_WEIGHT
 from appliance.engine.models.projections import quantize_projections, use_fp8_projections
 from appliance.engine.models.quantization import Fp8Checkpoint
 from appliance.engine.parallel.sharding import ShardPlan, shard_model
@@ -51,6 +52,10 @@ _FUSED = {
     "mlp.up_proj": ("mlp.gate_up_proj", 1),
     "mlp.shared_expert.gate_proj": ("mlp.shared_expert.gate_up_proj", 0),
     "mlp.shared_expert.up_proj": ("mlp.shared_expert.gate_up_proj", 1),
+    "linear_attn.in_proj_qkv": ("linear_attn.in_proj", 0),
+    "linear_attn.in_proj_z": ("linear_attn.in_proj", 1),
+    "linear_attn.in_proj_b": ("linear_attn.in_proj", 2),
+    "linear_attn.in_proj_a": ("linear_attn.in_proj", 3),
 }
 # One expert's projection of a mixture of experts, stacked here into [E, ...] parameters.
 _EXPERT = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight$")
@@ -183,7 +188,11 @@ def load_model(
                 sizes = shard_sizes[fused]
                 start = sum(sizes[:index])
                 dest = dest[start : start + sizes[index]]
-            if config.norm_weight_offset and target.endswith("norm.weight"):
+            if (
+                config.norm_weight_offset
+                and target.endswith("norm.weight")
+                and not target.endswith(GATED_NORM_WEIGHT)
+            ):
                 part = part.float() + config.norm_weight_offset  # Gemma's (1 + w), in float32
             _copy_tensor(dest, part, kind, where=f"{path.name}: tensor {name!r}")
             missing.discard((target, index))
@@ -395,10 +404,15 @@ def _shard_sizes(config: ModelConfig, num_ranks: int = 1) -> dict[str, list[int]
     of `num_ranks` tensor-parallel ranks."""
     kv = config.num_kv_heads * config.head_dim // num_ranks
     mlp = config.intermediate_size // num_ranks
+    q = config.num_heads * config.head_dim * (2 if config.attention_output_gate else 1)
     sizes = {
-        "self_attn.qkv_proj": [config.num_heads * config.head_dim // num_ranks, kv, kv],
+        "self_attn.qkv_proj": [q // num_ranks, kv, kv],
         "mlp.gate_up_proj": [mlp, mlp],
     }
+    linear = config.linear_attention
+    if linear is not None:  # not sharded: tensor parallelism refuses hybrid models
+        heads = linear.num_value_heads
+        sizes["linear_attn.in_proj"] = [linear.conv_dim, linear.value_size, heads, heads]
     if config.moe is not None and config.moe.shared_expert_size:
         shared = config.moe.shared_expert_size // num_ranks
         sizes["mlp.shared_expert.gate_up_proj"] = [shared, shared]
