@@ -30,9 +30,10 @@ from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe as qwen3_5_moe
 from appliance.engine.errors import ModelLoadError
 from appliance.engine.models.config import ModelConfig
 from appliance.engine.models.loader import load_model
+from appliance.engine.sampling_params import SamplingParams
 
 from .conftest import HYBRID_VARIANTS
-from .test_architectures import PagedBatch, _hf_logits, _prompts
+from .test_architectures import PagedBatch, _hf_greedy, _hf_logits, _prompts
 
 ATOL = 1e-4
 SEQ_LENS = (40, 17, 3)  # several sequences of different lengths in one batch
@@ -153,3 +154,63 @@ def test_linear_attention_layers_are_refused_outside_the_hybrid_families(tiny_ch
     raw["layer_types"] = ["linear_attention", "full_attention"]
     with pytest.raises(ModelLoadError, match="linear_attention"):
         ModelConfig.from_dict(raw)
+
+
+def _engine(model_dir, **settings):
+    from appliance.engine.engine import Engine, EngineConfig
+
+    config = EngineConfig(model_dir=model_dir, block_size=16, max_num_seqs=3, **settings)
+    return Engine.build(config, load_model(model_dir), None)
+
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+
+
+@pytest.mark.parametrize("name", ["qwen3.5", "qwen3.5-moe"])
+def test_engine_greedy_with_chunked_prefill_and_preemption_matches_transformers(
+    tiny_checkpoints, exact_recurrence, name
+):
+    """Three prompts through the real engine in 16-token chunks, in a pool of 5 blocks that
+    cannot hold all three: sequences are preempted with their state live, and recomputed
+    (their state rebuilt from prompt and generated tokens) when they run again."""
+    model_dir, hf_model = tiny_checkpoints(name)
+    engine = _engine(model_dir, num_kv_blocks=5, max_num_batched_tokens=16)
+    assert not engine.block_manager.enable_prefix_caching
+    prompts = _prompts((30, 21, 12), seed=7)
+    completions = engine.generate(prompts, GREEDY)
+    assert engine.scheduler.num_preemptions > 0, "the pool is meant to force preemption"
+    for prompt, completion in zip(prompts, completions, strict=True):
+        assert completion.token_ids == _hf_greedy(hf_model, prompt, 8), (
+            f"{name}: greedy output for a prompt of {len(prompt)} tokens diverged"
+        )
+    assert engine.scheduler.state_slots.num_free == 3
+    assert engine.stats().recurrent_state_usage == 0.0
+
+
+def test_cancelling_a_running_sequence_frees_its_state_slot(tiny_checkpoints):
+    model_dir, _ = tiny_checkpoints("qwen3.5")
+    engine = _engine(model_dir, num_kv_blocks=16, max_num_batched_tokens=64)
+    slots = engine.scheduler.state_slots
+    for i, prompt in enumerate(_prompts((20, 9), seed=8)):
+        engine.add_request(f"r{i}", prompt, GREEDY)
+    engine.step()
+    assert slots.num_free == 1 and engine.stats().recurrent_state_usage == pytest.approx(2 / 3)
+    engine.abort("r0")
+    assert slots.num_free == 2
+    while engine.has_unfinished():
+        engine.step()
+    assert slots.num_free == 3
+
+
+def test_the_state_and_the_kv_pool_share_one_memory_budget(tiny_checkpoints):
+    """On the CPU the KV pool gets what kv_cache_memory_bytes leaves after the state's slots;
+    only the full-attention layer has pages."""
+    model_dir, _ = tiny_checkpoints("qwen3.5")
+    config = ModelConfig.from_model_dir(model_dir)
+    assert config.linear_attention is not None
+    state_bytes = 3 * config.linear_attention.bytes_per_slot(torch.float32)
+    block_bytes = 2 * 1 * 16 * config.num_kv_heads * config.head_dim * 4  # one attention layer
+    engine = _engine(model_dir, kv_cache_memory_bytes=state_bytes + 10 * block_bytes)
+    assert engine.block_manager.num_blocks == 10
+    assert len(engine.runner.kv_caches) == 1
+    assert [s.delta.dtype for s in engine.runner.recurrent_states] == [torch.float32] * 3
