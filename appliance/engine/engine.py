@@ -26,6 +26,7 @@ from appliance.engine.model_runner import LaunchedStep, ModelRunner
 from appliance.engine.models.config import ModelConfig
 from appliance.engine.models.decoder import CausalLM
 from appliance.engine.models.loader import load_model
+from appliance.engine.models.recurrent_state import HYBRID_PREFIX_CACHING_OFF
 from appliance.engine.outputs import EngineStats, RequestOutput, RequestState
 from appliance.engine.parallel.group import TensorParallelGroup
 from appliance.engine.parallel.sharding import ShardPlan
@@ -118,15 +119,6 @@ class EngineConfig(EngineSettings):
     def kernel_ops(self) -> KernelOps:
         """The kernels for this device, Triton's cache where the settings put it."""
         return kernel_ops_for(self.torch_device, triton_cache_dir=self.triton_cache_dir)
-
-
-# Why a hybrid model serves without the prefix cache (logged at start-up; `inferno model
-# inspect` says it too).
-HYBRID_PREFIX_CACHING_OFF = (
-    "prefix caching is off for this hybrid model: a cached KV prefix is useless to its "
-    "linear-attention layers without their recurrent state at the same token, which is not "
-    "kept per block"
-)
 
 
 def _hybrid_state_slots(

@@ -20,6 +20,7 @@ from appliance.engine.errors import ModelLoadError
 from appliance.engine.models.config import ModelConfig
 from appliance.engine.models.decoder import CausalLM
 from appliance.engine.models.loader import checkpoint_files, load_model
+from appliance.engine.models.recurrent_state import HYBRID_PREFIX_CACHING_OFF
 
 # The KV cache's dtype on the GPU (the engine's default there).
 _KV_DTYPE = torch.bfloat16
@@ -89,10 +90,14 @@ def _count(num_params: int) -> str:
 
 
 def _config_lines(config: ModelConfig) -> list[tuple[str, str]]:
-    windows = Counter(config.layer_windows)
+    # Over the layers that attend (a hybrid's linear layers have no window or KV).
+    windows = Counter(config.layer_windows[i] for i in config.kv_cache_layers)
     num_layers = config.num_layers
+    num_kv_layers = len(config.kv_cache_layers)
     if None in windows and len(windows) == 1:
         window_text = f"none: full attention on all {num_layers} layers"
+        if num_kv_layers < num_layers:
+            window_text = f"none: full attention on {num_kv_layers} of {num_layers} layers"
     else:
         parts = [
             f"{w} tokens on {n} of {num_layers} layers" for w, n in windows.items() if w is not None
@@ -100,7 +105,7 @@ def _config_lines(config: ModelConfig) -> list[tuple[str, str]]:
         if windows[None]:
             parts.append(f"full attention on {windows[None]}")
         window_text = "; ".join(parts)
-    kv_bytes = 2 * num_layers * config.num_kv_heads * config.head_dim * _KV_DTYPE.itemsize
+    kv_bytes = 2 * num_kv_layers * config.num_kv_heads * config.head_dim * _KV_DTYPE.itemsize
     fp8 = config.fp8
     if config.mxfp4_experts:
         quantization = "MXFP4 experts, dequantized to bf16 on load"
@@ -117,8 +122,44 @@ def _config_lines(config: ModelConfig) -> list[tuple[str, str]]:
         *_expert_lines(config),
         ("context", f"{config.max_model_len} tokens"),
         ("windows", window_text),
-        ("KV bytes/token", f"{kv_bytes:,} ({kv_bytes / 1024:.0f} KiB in bf16, all layers)"),
+        (
+            "KV bytes/token",
+            f"{kv_bytes:,} ({kv_bytes / 1024:.0f} KiB in bf16, "
+            + ("all layers)" if num_kv_layers == num_layers else f"{num_kv_layers} layers)"),
+        ),
+        *_hybrid_lines(config),
+        *_unserved_lines(config),
     ]
+
+
+def _hybrid_lines(config: ModelConfig) -> list[tuple[str, str]]:
+    """A hybrid model's linear layers, their state per sequence, and why it has no prefix
+    cache."""
+    linear = config.linear_attention
+    if linear is None:
+        return []
+    layers = (
+        f"Gated DeltaNet on {linear.num_linear_layers} of {config.num_layers} layers "
+        f"({linear.num_key_heads} key heads of {linear.key_head_dim}, {linear.num_value_heads} "
+        f"value heads of {linear.value_head_dim}, conv of {linear.conv_kernel_size})"
+    )
+    state_bytes = linear.bytes_per_slot(_KV_DTYPE)
+    return [
+        ("linear attention", layers),
+        (
+            "state/sequence",
+            f"{state_bytes:,} ({state_bytes / 2**20:.2f} MiB, fixed at any context length)",
+        ),
+        ("prefix caching", HYBRID_PREFIX_CACHING_OFF.removeprefix("prefix caching is ")),
+    ]
+
+
+def _unserved_lines(config: ModelConfig) -> list[tuple[str, str]]:
+    layout = config.family.layout
+    if not layout.unserved_prefixes:
+        return []
+    prefixes = ", ".join(f"{p}*" for p in layout.unserved_prefixes)
+    return [("ignored", f"{prefixes}: {layout.unserved_part}")]
 
 
 def _expert_lines(config: ModelConfig) -> list[tuple[str, str]]:

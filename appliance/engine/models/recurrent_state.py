@@ -14,6 +14,16 @@ from dataclasses import dataclass
 
 import torch
 
+# Why a hybrid model serves without the prefix cache (the engine logs it at start-up, `inferno
+# model inspect` shows it): a cached prefix would skip its tokens, but the linear layers need
+# their state after exactly those tokens, and no state is kept per block (vLLM's hybrid prefix
+# caching keeps such snapshots; not built here).
+HYBRID_PREFIX_CACHING_OFF = (
+    "prefix caching is off for this hybrid model: a cached KV prefix is useless to its "
+    "linear-attention layers without their recurrent state after the same tokens, which is not "
+    "kept per block"
+)
+
 # The delta rule accumulates in float32 whatever the model's dtype (as fla and transformers do).
 DELTA_STATE_DTYPE = torch.float32
 

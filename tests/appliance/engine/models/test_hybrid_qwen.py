@@ -187,9 +187,11 @@ def test_engine_greedy_with_chunked_prefill_and_preemption_matches_transformers(
     assert engine.stats().recurrent_state_usage == 0.0
 
 
-def test_cancelling_a_running_sequence_frees_its_state_slot(tiny_checkpoints):
+def test_cancelling_a_running_sequence_frees_its_state_slot(tiny_checkpoints, caplog):
     model_dir, _ = tiny_checkpoints("qwen3.5")
-    engine = _engine(model_dir, num_kv_blocks=16, max_num_batched_tokens=64)
+    with caplog.at_level(logging.INFO):
+        engine = _engine(model_dir, num_kv_blocks=16, max_num_batched_tokens=64)
+    assert "prefix caching is off for this hybrid model" in caplog.text
     slots = engine.scheduler.state_slots
     for i, prompt in enumerate(_prompts((20, 9), seed=8)):
         engine.add_request(f"r{i}", prompt, GREEDY)
@@ -214,3 +216,17 @@ def test_the_state_and_the_kv_pool_share_one_memory_budget(tiny_checkpoints):
     assert engine.block_manager.num_blocks == 10
     assert len(engine.runner.kv_caches) == 1
     assert [s.delta.dtype for s in engine.runner.recurrent_states] == [torch.float32] * 3
+
+
+def test_inspect_says_prefix_caching_is_off_and_the_vision_tower_is_ignored(tiny_checkpoints):
+    from appliance.engine.models.inspection import inspect_model
+
+    model_dir, _ = tiny_checkpoints("qwen3.5-multimodal")
+    report = inspect_model(model_dir)
+    assert report.unsupported is None
+    lines = dict(report.lines)
+    assert lines["prefix caching"].startswith("off")
+    assert "recurrent state" in lines["prefix caching"]
+    assert "model.visual.*" in lines["ignored"]
+    assert lines["KV bytes/token"].startswith(f"{2 * 1 * 2 * 16 * 2:,} ")  # one attention layer
+    assert lines["linear attention"].startswith("Gated DeltaNet on 3 of 4 layers")
