@@ -1,6 +1,9 @@
 """GPU benchmarks of PERFORMANCE.md on a random-weight model of a real shape (bf16), in one run:
 Llama-3.1-8B by default, or with --model Qwen3-8B, Gemma-3-12B, Phi-4-mini or Qwen3-30B-A3B (a
-mixture of experts: W1's bytes are those a token reads, its 8 chosen experts of 128 per layer).
+mixture of experts: W1's bytes are those a token reads, its 8 chosen experts of 128 per layer),
+gpt-oss-20b or Qwen3.6-35B-A3B (the hybrid: W1's bytes add the recurrent state a token reads and
+writes in each linear layer, and W2 shows its memory per sequence against a pure-attention model
+of the same shape).
 With `--quantization fp8` its projections are FP8 (W8A8, models.projections), as
 `engine.quantization = "fp8"` loads them.
 
@@ -11,7 +14,7 @@ and W6 (GPU memory that is neither weights nor KV cache), and transformers' cont
 rows last.
 
     python bench/gpu_engine.py [--model llama-3.1-8b|qwen3-8b|gemma-3-12b|phi-4-mini|
-                                        qwen3-30b-a3b|gpt-oss-20b]
+                                        qwen3-30b-a3b|gpt-oss-20b|qwen3.6-35b-a3b]
                                [--workloads W1,W2,W2S,P,W4,HF,HFW4] [--max-num-seqs 256]
                                [--max-decode-burst 1] [--kv-cache-dtype auto|fp8_e4m3]
                                [--async-scheduling]
@@ -171,6 +174,33 @@ GPT_OSS_20B = {
     "swiglu_limit": 7.0,
     "tie_word_embeddings": False,
 }  # fmt: skip
+# Qwen/Qwen3.6-35B-A3B's text model (Qwen3_5MoeForConditionalGeneration's text_config; the
+# same shapes as Qwen3.5-35B-A3B, transformers' Qwen3_5MoeTextConfig defaults): 30 Gated
+# DeltaNet layers and 10 gated full-attention ones, 256 experts, 8 routed and a shared one.
+QWEN36_35B_A3B = {
+    "architectures": ["Qwen3_5MoeForCausalLM"],
+    "hidden_size": 2048,
+    "num_hidden_layers": 40,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 2,
+    "head_dim": 256,
+    "linear_num_key_heads": 16,
+    "linear_num_value_heads": 32,
+    "linear_key_head_dim": 128,
+    "linear_value_head_dim": 128,
+    "linear_conv_kernel_dim": 4,
+    "full_attention_interval": 4,
+    "num_experts": 256,
+    "num_experts_per_tok": 8,
+    "moe_intermediate_size": 512,
+    "shared_expert_intermediate_size": 512,
+    "vocab_size": 248320,
+    "max_position_embeddings": 262144,
+    "rms_norm_eps": 1e-6,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 10000000.0,
+                        "partial_rotary_factor": 0.25},
+    "tie_word_embeddings": False,
+}  # fmt: skip
 SHAPES = {
     "llama-3.1-8b": LLAMA_31_8B,
     "qwen3-8b": QWEN3_8B,
@@ -178,6 +208,7 @@ SHAPES = {
     "phi-4-mini": PHI_4_MINI,
     "qwen3-30b-a3b": QWEN3_30B_A3B,
     "gpt-oss-20b": GPT_OSS_20B,
+    "qwen3.6-35b-a3b": QWEN36_35B_A3B,
 }
 MAX_MODEL_LEN = 4096
 rows: list[str] = []
@@ -220,6 +251,34 @@ def random_model(
         quantize_projections(model)
     model.init_rope_tables(MAX_MODEL_LEN)
     return model.eval()
+
+
+def recurrent_state_bytes(model: CausalLM) -> int:
+    """Bytes a hybrid model's decode step reads and writes per sequence: its state in every
+    linear layer, once each way (0 for any other model)."""
+    linear = model.config.linear_attention
+    return 0 if linear is None else 2 * linear.bytes_per_slot(model.embed_tokens.weight.dtype)
+
+
+def memory_per_sequence(engine: Engine) -> None:
+    """One sequence's cache at several context lengths, from the engine's own pool: its KV in
+    the attention layers plus (a hybrid) its fixed recurrent state, against a pure-attention
+    model of the same shape (every layer with KV)."""
+    config = engine.runner.model.config
+    linear = config.linear_attention
+    if linear is None:
+        return
+    kv_caches = engine.runner.kv_caches
+    per_token_layer = kv_caches[0][:, 0, 0].numel() * kv_caches[0].element_size()  # K and V
+    state = linear.bytes_per_slot(engine.runner.model.embed_tokens.weight.dtype)
+    for context in (4096, 32768, 262144):
+        hybrid = len(kv_caches) * per_token_layer * context + state
+        pure = config.num_layers * per_token_layer * context
+        report(
+            f"memory per sequence at {context:,} tokens",
+            f"hybrid {hybrid / 2**20:,.0f} MiB (state {state / 2**20:.1f} MiB) vs "
+            f"pure attention {pure / 2**20:,.0f} MiB = {hybrid / pure:.0%}",
+        )
 
 
 def build_engine(model: CausalLM, **overrides) -> Engine:
@@ -294,6 +353,7 @@ def w1(model: CausalLM, copy_bw: float, burst: int, async_scheduling: bool) -> N
         per_token.append((elapsed - ttft) / (num_out - 1))
     ms = statistics.median(per_token) * 1e3
     _, streamed = weight_bytes(model)
+    streamed += recurrent_state_bytes(model)
     achieved = streamed / (ms * 1e-3)
     report("W1 decode ms/token (batch 1, 128+256)", f"{ms:.2f} ms ({1e3 / ms:.0f} tok/s)")
     report(
@@ -426,6 +486,7 @@ def w2(
     report("W2 time split", profile.summary(elapsed))
     report("W2 mean decode step (TPOT at this batch)", f"{profile.mean_decode_ms:.2f} ms")
     report("W2 GPU busy fraction (NVML utilization, 100 ms samples)", f"{busy.fraction:.0%}")
+    memory_per_sequence(engine)
     w6(engine, model)
     release(engine)
 
@@ -506,7 +567,9 @@ def w6(engine: Engine, model: CausalLM) -> None:
     tensors, and blocks it caches but no tensor uses: fragmentation), and what is outside it
     (CUDA context, cuBLAS, Triton's modules), beside what the profiled step measured."""
     total_weights, _ = weight_bytes(model)
+    # The KV pool, and a hybrid model's recurrent state beside it (the same budget).
     kv = sum(t.numel() * t.element_size() for t in engine.runner.kv_caches)
+    kv += sum(s.conv.nbytes + s.delta.nbytes for s in engine.runner.recurrent_states)
     free, total = torch.cuda.mem_get_info()
     other = (total - free) - total_weights - kv
     report(
@@ -554,7 +617,8 @@ def prefill_throughput(model: CausalLM, matmul: float) -> None:
     # Projections: 2 FLOP per weight per token (the embedding is a lookup); attention: QK^T and
     # PV over the causal half, 2 FLOP each.
     config = model.config
-    attention = 8 * config.num_layers * config.num_heads * 4 * config.head_dim * 2048 * 2048 / 2
+    num_attention_layers = len(config.kv_cache_layers)  # a hybrid's linear layers: no QK^T
+    attention = 8 * num_attention_layers * config.num_heads * 4 * config.head_dim * 2048 * 2048 / 2
     flops = 2 * (streamed // 2) * tokens + attention
     rate = flops / elapsed
     report(
