@@ -187,6 +187,25 @@ def test_engine_greedy_with_chunked_prefill_and_preemption_matches_transformers(
     assert engine.stats().recurrent_state_usage == 0.0
 
 
+def test_decode_bursts_under_asynchronous_scheduling_carry_the_state(
+    tiny_checkpoints, exact_recurrence
+):
+    """Decode bursts of 4 steps on the device, each step continuing the state the one before
+    left, and the next step scheduled while one is in flight."""
+    model_dir, hf_model = tiny_checkpoints("qwen3.5")
+    engine = _engine(
+        model_dir,
+        num_kv_blocks=16,
+        max_num_batched_tokens=64,
+        max_decode_burst=4,
+        async_scheduling=True,
+    )
+    prompts = _prompts((19, 6), seed=9)
+    for prompt, completion in zip(prompts, engine.generate(prompts, GREEDY), strict=True):
+        assert completion.token_ids == _hf_greedy(hf_model, prompt, 8)
+    assert engine.scheduler.state_slots.num_free == 3
+
+
 def test_cancelling_a_running_sequence_frees_its_state_slot(tiny_checkpoints, caplog):
     model_dir, _ = tiny_checkpoints("qwen3.5")
     with caplog.at_level(logging.INFO):
