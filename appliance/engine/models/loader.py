@@ -275,6 +275,8 @@ def _load_kv_scale(model: CausalLM, path: Path, name: str, tensor: torch.Tensor)
             "finite"
         )
     attn = model.layers[index].self_attn
+    if attn is None:
+        raise ModelLoadError(f"{path.name}: tensor {name!r} is for a linear-attention layer")
     for which in _KV_SCALES[match.group(2)]:
         getattr(attn, which).copy_(value)
     return True
