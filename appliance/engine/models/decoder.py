@@ -181,12 +181,12 @@ class CausalLM(nn.Module):
         self, kv_caches: list[torch.Tensor], states: Sequence[RecurrentState]
     ) -> list[torch.Tensor | RecurrentState]:
         """Each layer's cache in layer order: the next KV cache, or a linear layer's state."""
+        is_linear = [layer.linear_attn is not None for layer in self.layers]
+        assert len(states) == sum(is_linear) and len(kv_caches) == is_linear.count(False), (
+            "a KV cache per attention layer and a recurrent state per linear layer"
+        )
         kv, state = iter(kv_caches), iter(states)
-        caches: list[torch.Tensor | RecurrentState] = [
-            next(state) if layer.linear_attn is not None else next(kv) for layer in self.layers
-        ]
-        assert next(kv, None) is None and next(state, None) is None, "one cache per layer"
-        return caches
+        return [next(state) if linear else next(kv) for linear in is_linear]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> [N, vocab] float32."""
