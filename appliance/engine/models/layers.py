@@ -47,7 +47,6 @@ class Attention(nn.Module):
         self.scale = config.attention_scale or config.head_dim**-0.5
         self.sliding_window = config.layer_windows[layer_index]
         self.output_gate = config.attention_output_gate
-        self.q_rows = self.q_size * (2 if self.output_gate else 1)  # rows of q_proj
         self.qkv_proj = nn.Linear(
             config.hidden_size, self.q_rows + 2 * self.kv_size, bias=config.qkv_bias
         )
@@ -61,6 +60,12 @@ class Attention(nn.Module):
         # read them where they are; the kernels ignore them for a cache in the model's dtype.
         self.register_buffer("k_scale", torch.ones(1), persistent=False)
         self.register_buffer("v_scale", torch.ones(1), persistent=False)
+
+    @property
+    def q_rows(self) -> int:
+        """Rows of q_proj in qkv_proj: the queries, and with the output gate the gates too
+        (derived, so tensor parallelism's smaller q_size carries over)."""
+        return self.q_size * (2 if self.output_gate else 1)
 
     def forward(
         self,
