@@ -1,7 +1,9 @@
 """GPU benchmarks of PERFORMANCE.md on a random-weight model of a real shape (bf16), in one run:
 Llama-3.1-8B by default, or with --model Qwen3-8B, Gemma-3-12B, Phi-4-mini, Qwen3-30B-A3B,
 gpt-oss-20b, Qwen3.6-35B-A3B or Gemma-4-31B (for a mixture of experts, W1's bytes are those a
-token reads: its chosen experts only).
+token reads: its chosen experts only; for the hybrid Qwen3.6 they add the recurrent state a
+token reads and writes in each linear layer, and W2 shows its memory per sequence against a
+pure-attention model of the same shape).
 With `--quantization fp8` its projections are FP8 (W8A8, models.projections), as
 `engine.quantization = "fp8"` loads them.
 
@@ -332,6 +334,34 @@ def random_model(
     return model.eval()
 
 
+def recurrent_state_bytes(model: CausalLM) -> int:
+    """Bytes a hybrid model's decode step reads and writes per sequence: its state in every
+    linear layer, once each way (0 for any other model)."""
+    linear = model.config.linear_attention
+    return 0 if linear is None else 2 * linear.bytes_per_slot(model.embed_tokens.weight.dtype)
+
+
+def memory_per_sequence(engine: Engine) -> None:
+    """One sequence's cache at several context lengths, from the engine's own pool: its KV in
+    the attention layers plus (a hybrid) its fixed recurrent state, against a pure-attention
+    model of the same shape (every layer with KV)."""
+    config = engine.runner.model.config
+    linear = config.linear_attention
+    if linear is None:
+        return
+    kv_caches = engine.runner.kv_caches
+    per_token_layer = kv_caches[0][:, 0, 0].numel() * kv_caches[0].element_size()  # K and V
+    state = linear.bytes_per_slot(engine.runner.model.embed_tokens.weight.dtype)
+    for context in (4096, 32768, 262144):
+        hybrid = len(kv_caches) * per_token_layer * context + state
+        pure = config.num_layers * per_token_layer * context
+        report(
+            f"memory per sequence at {context:,} tokens",
+            f"hybrid {hybrid / 2**20:,.0f} MiB (state {state / 2**20:.1f} MiB) vs "
+            f"pure attention {pure / 2**20:,.0f} MiB = {hybrid / pure:.0%}",
+        )
+
+
 def build_engine(model: CausalLM, **overrides) -> Engine:
     settings = {
         "model_dir": Path("random-model"),
@@ -411,6 +441,7 @@ def w1(model: CausalLM, copy_bw: float, burst: int, async_scheduling: bool) -> N
         per_token.append((elapsed - ttft) / (num_out - 1))
     ms = statistics.median(per_token) * 1e3
     _, streamed = weight_bytes(model)
+    streamed += recurrent_state_bytes(model)
     achieved = streamed / (ms * 1e-3)
     report("W1 decode ms/token (batch 1, 128+256)", f"{ms:.2f} ms ({1e3 / ms:.0f} tok/s)")
     report(
@@ -543,6 +574,7 @@ def w2(
     report("W2 time split", profile.summary(elapsed))
     report("W2 mean decode step (TPOT at this batch)", f"{profile.mean_decode_ms:.2f} ms")
     report("W2 GPU busy fraction (NVML utilization, 100 ms samples)", f"{busy.fraction:.0%}")
+    memory_per_sequence(engine)
     w6(engine, model)
     release(engine)
 
@@ -623,7 +655,9 @@ def w6(engine: Engine, model: CausalLM) -> None:
     tensors, and blocks it caches but no tensor uses: fragmentation), and what is outside it
     (CUDA context, cuBLAS, Triton's modules), beside what the profiled step measured."""
     total_weights, _ = weight_bytes(model)
+    # The KV pool, and a hybrid model's recurrent state beside it (the same budget).
     kv = sum(t.numel() * t.element_size() for t in engine.runner.kv_caches)
+    kv += sum(s.conv.nbytes + s.delta.nbytes for s in engine.runner.recurrent_states)
     free, total = torch.cuda.mem_get_info()
     other = (total - free) - total_weights - kv
     report(
@@ -671,7 +705,10 @@ def prefill_throughput(model: CausalLM, matmul: float) -> None:
     # Projections: 2 FLOP per weight per token (the embedding is a lookup); attention: QK^T and
     # PV over the causal half, 2 FLOP each.
     config = model.config
-    attention = 8 * config.num_layers * config.num_heads * 4 * config.head_dim * 2048 * 2048 / 2
+    # Attending layers (a hybrid's linear layers have no QK^T), each at its own head dim.
+    head_dims = [config.head_dim_of(i) for i in range(config.num_layers)
+                 if not config.is_linear_layer(i)]  # fmt: skip
+    attention = 8 * config.num_heads * 4 * sum(head_dims) * 2048 * 2048 / 2
     flops = 2 * (streamed // 2) * tokens + attention
     rate = flops / elapsed
     report(

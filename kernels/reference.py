@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from kernels.fp8 import P_SCALE, quantize_rows
 from kernels.launch_checks import KV_CACHE_FP8, check_kv_cache_encoding
-from kernels.ops import AttentionMetadata, ClampedSwiglu, Fp8Weight
+from kernels.ops import AttentionMetadata, ClampedSwiglu, Fp8Weight, RecurrentStateMetadata
 
 _FP8_MAX = torch.finfo(KV_CACHE_FP8).max
 _LOG2_E = 1.4426950408889634
@@ -318,3 +318,81 @@ def fp8_attention(
     row_sum = p.sum(dim=-1, keepdim=True) + row_sum_extra
     o = (p8.float() @ v) * (v_scale.float() / P_SCALE) / row_sum
     return o.transpose(0, 1)  # [Tq, Hq, D]
+
+
+def _recurrent_rows(meta: RecurrentStateMetadata) -> list[tuple[slice, int, bool]]:
+    """(rows of the flat batch, state slot, has_initial_state) of each sequence that is not a
+    padding row (its slot negative)."""
+    slots = meta.state_slots.tolist()
+    initial = meta.has_initial_state.tolist()
+    found, start = [], 0
+    for slot, has_initial, num_rows in zip(slots, initial, meta.query_lens, strict=True):
+        if slot >= 0 and num_rows > 0:
+            found.append((slice(start, start + num_rows), slot, has_initial))
+        start += num_rows
+    return found
+
+
+def causal_conv1d(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    conv_state: torch.Tensor,
+    meta: RecurrentStateMetadata,
+) -> torch.Tensor:
+    """silu(depthwise causal convolution), each sequence continuing from its slot of
+    `conv_state` (kernels.ops.KernelOps.causal_conv1d). The convolution runs in the weight's
+    dtype, as transformers' `causal_conv1d_fn` does.
+
+    x: [T, D]; weight: [D, K]; conv_state: [num_slots, D, K - 1] -> [T, D]
+    """
+    num_channels, width = weight.shape
+    out = torch.zeros_like(x)
+    for rows, slot, has_initial in _recurrent_rows(meta):
+        history = conv_state[slot] if has_initial else conv_state.new_zeros(num_channels, width - 1)
+        inputs = torch.cat((history, x[rows].t()), dim=1)  # [D, K - 1 + n]
+        y = F.conv1d(inputs[None].to(weight.dtype), weight[:, None, :], bias, groups=num_channels)
+        out[rows] = F.silu(y[0]).t().to(x.dtype)  # [n, D]
+        conv_state[slot] = inputs[:, inputs.shape[1] - (width - 1) :]
+    return out
+
+
+def _l2_normalize(x: torch.Tensor) -> torch.Tensor:
+    # fla's use_qk_l2norm_in_kernel (and transformers' l2norm): eps inside the square root.
+    return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + 1e-6)
+
+
+def gated_delta_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor,
+    meta: RecurrentStateMetadata,
+) -> torch.Tensor:
+    """The gated delta rule one token at a time, in float32, each sequence continuing from
+    its slot of `state` (kernels.ops.KernelOps.gated_delta_rule; transformers'
+    `torch_recurrent_gated_delta_rule` per sequence).
+
+    q, k: [T, Hk, Dk]; v: [T, Hv, Dv]; g, beta: [T, Hv]; state: [num_slots, Hv, Dk, Dv]
+    -> [T, Hv, Dv] in v's dtype
+    """
+    num_k_heads, key_dim = q.shape[1:]
+    num_v_heads, value_dim = v.shape[1:]
+    group = num_v_heads // num_k_heads  # value head h reads key head h // group
+    q = _l2_normalize(q.float()).repeat_interleave(group, dim=1) * key_dim**-0.5  # [T, Hv, Dk]
+    k = _l2_normalize(k.float()).repeat_interleave(group, dim=1)
+    out_dtype = v.dtype
+    v, g, beta = v.float(), g.float(), beta.float()
+    out = torch.zeros(v.shape, dtype=torch.float32, device=v.device)  # [T, Hv, Dv]
+    for rows, slot, has_initial in _recurrent_rows(meta):
+        s = state[slot].clone() if has_initial else state.new_zeros(num_v_heads, key_dim, value_dim)
+        for t in range(rows.start, rows.stop):
+            s = s * g[t].exp()[:, None, None]
+            predicted = (s * k[t][:, :, None]).sum(dim=-2)  # k S: [Hv, Dv]
+            delta = (v[t] - predicted) * beta[t][:, None]
+            s = s + k[t][:, :, None] * delta[:, None, :]
+            out[t] = (s * q[t][:, :, None]).sum(dim=-2)
+        state[slot] = s
+    return out.to(out_dtype)

@@ -8,7 +8,9 @@ is how long requests wait for their audit entries, `inferno:limited_requests` co
 requests a per-caller limit refused, by limit, `inferno:tool_requests` the admitted requests
 that offered the model tools, by endpoint, `inferno:structured_output_requests` those whose
 output follows a grammar, by endpoint and kind, and `inferno:grammar_compile_seconds` how long
-the engine took to compile grammars it had not cached. Each app has its own registry: nothing
+the engine took to compile grammars it had not cached; `inferno:recurrent_state_usage_perc`,
+for a hybrid model only, the fraction of its linear layers' recurrent-state slots in use (beside
+the KV-cache usage of its attention layers). Each app has its own registry: nothing
 global. The console's time series reads the same request counters (`ServerMetrics.counters`):
 nothing else is counted per request.
 """
@@ -191,6 +193,14 @@ class ServerMetrics:
             ("vllm:num_requests_waiting", "Requests waiting to be scheduled.", stats.num_waiting),
             ("vllm:kv_cache_usage_perc", "KV-cache usage: 1 means full.", stats.kv_cache_usage),
         )
+        if stats.recurrent_state_usage is not None:
+            gauges += (
+                (
+                    "inferno:recurrent_state_usage_perc",
+                    "Recurrent-state slots (a hybrid model's linear layers) in use: 1 means full.",
+                    stats.recurrent_state_usage,
+                ),
+            )
         for name, documentation, value in gauges:
             gauge = GaugeMetricFamily(name, documentation, labels=["model_name"])
             gauge.add_metric(labels, value)

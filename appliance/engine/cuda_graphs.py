@@ -4,7 +4,9 @@ A decode step of a big model launches hundreds of small kernels; at batch 1 the 
 alone would exceed the time the GPU needs to stream the weights. Capturing the whole forward
 once per batch size and replaying it costs one launch. Inputs live in static buffers that every
 graph reads; a batch is padded up to the next captured size with rows the kernels skip
-(slot -1: no KV write; sequence length 0: no attention).
+(slot -1: no KV write; sequence length 0: no attention; state slot -1: no recurrent state read
+or written). A hybrid model's decode steps are captured too: each row's recurrent-state slot is
+one more static input, and every captured row continues its slot's state.
 
 Memory: every graph allocates from one private pool, the largest batch captured first, and each
 copies its hidden states into one static output buffer, so no graph's tensor outlives its
@@ -21,7 +23,8 @@ from collections.abc import Callable
 import torch
 
 from appliance.engine.models.decoder import CausalLM
-from kernels.ops import AttentionMetadata
+from appliance.engine.models.recurrent_state import RecurrentState
+from kernels.ops import AttentionMetadata, RecurrentStateMetadata
 
 
 def batch_size_ladder(max_batch: int) -> list[int]:
@@ -38,9 +41,12 @@ class DecodeGraphs:
         kv_caches: list[torch.Tensor],
         max_blocks_per_seq: int,
         num_splits_for: Callable[[int], int],
+        states: list[RecurrentState] | None = None,
     ):
+        """states: a hybrid model's recurrent states (models.recurrent_state), else None."""
         self.model = model
         self.kv_caches = kv_caches
+        self.states = states or []
         self.num_splits_for = num_splits_for
         self.max_blocks_per_seq = max_blocks_per_seq
         self.sizes: list[int] = []
@@ -69,6 +75,8 @@ class DecodeGraphs:
         )
         self._seq_lens = torch.zeros(n, dtype=torch.int32, device=device)
         self._query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)
+        self._state_slots = torch.full((n,), -1, dtype=torch.int32, device=device)
+        self._has_initial_state = torch.ones(n, dtype=torch.bool, device=device)
         self.pool = torch.cuda.graph_pool_handle()
         sizes = [max_batch] if only_largest else batch_size_ladder(max_batch)
         # Largest first, so the smaller graphs fit in the memory the largest one reserved.
@@ -90,11 +98,13 @@ class DecodeGraphs:
         slot_mapping: torch.Tensor,
         block_tables: torch.Tensor,
         seq_lens: torch.Tensor,
+        state_slots: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Replay the smallest graph that fits a decode batch of B rows; [B, hidden] states.
 
         Inputs (on the device): [B] int64 ids, positions, slots; [B, W] int32 block tables with
-        W <= max_blocks_per_seq; [B] int32 sequence lengths.
+        W <= max_blocks_per_seq; [B] int32 sequence lengths; a hybrid model's [B] int32
+        recurrent-state slots.
         """
         batch = input_ids.shape[0]
         size = self.sizes[bisect.bisect_left(self.sizes, batch)]
@@ -103,9 +113,12 @@ class DecodeGraphs:
         self._slots[:batch].copy_(slot_mapping, non_blocking=True)
         self._block_tables[:batch, : block_tables.shape[1]].copy_(block_tables, non_blocking=True)
         self._seq_lens[:batch].copy_(seq_lens, non_blocking=True)
+        if state_slots is not None:
+            self._state_slots[:batch].copy_(state_slots, non_blocking=True)
         if size > batch:
             self._slots[batch:size].fill_(-1)
             self._seq_lens[batch:size].fill_(0)
+            self._state_slots[batch:size].fill_(-1)
         self._graphs[size].replay()
         return self._hidden[:batch]
 
@@ -147,5 +160,23 @@ class DecodeGraphs:
             num_splits=self.num_splits_for(size),
         )
 
+    def _state_meta(self, size: int) -> RecurrentStateMetadata | None:
+        if not self.states:
+            return None
+        return RecurrentStateMetadata(
+            state_slots=self._state_slots[:size],
+            has_initial_state=self._has_initial_state[:size],
+            query_start_loc=self._query_start_loc[: size + 1],
+            query_lens=[1] * size,  # host copies are not read on the graph path
+            decode_only=True,
+        )
+
     def _forward(self, size: int, meta: AttentionMetadata) -> torch.Tensor:
-        return self.model(self._input_ids[:size], self._positions[:size], self.kv_caches, meta)
+        return self.model(
+            self._input_ids[:size],
+            self._positions[:size],
+            self.kv_caches,
+            meta,
+            self.states,
+            self._state_meta(size),
+        )

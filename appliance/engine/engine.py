@@ -26,6 +26,7 @@ from appliance.engine.model_runner import LaunchedStep, ModelRunner
 from appliance.engine.models.config import ModelConfig
 from appliance.engine.models.decoder import CausalLM
 from appliance.engine.models.loader import load_model
+from appliance.engine.models.recurrent_state import HYBRID_PREFIX_CACHING_OFF
 from appliance.engine.outputs import EngineStats, RequestOutput, RequestState
 from appliance.engine.parallel.group import TensorParallelGroup
 from appliance.engine.parallel.sharding import ShardPlan
@@ -33,6 +34,7 @@ from appliance.engine.parallel.worker import SealedWeights
 from appliance.engine.sampling_params import SamplingParams
 from appliance.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from appliance.engine.sequence import RequestId, Sequence, SequenceStatus
+from appliance.engine.state_slots import StateSlots
 from appliance.engine.structured_output import GrammarCompiler
 from appliance.engine.tokenizer import Tokenizer
 from kernels.backend import kernel_ops_for
@@ -117,6 +119,27 @@ class EngineConfig(EngineSettings):
     def kernel_ops(self) -> KernelOps:
         """The kernels for this device, Triton's cache where the settings put it."""
         return kernel_ops_for(self.torch_device, triton_cache_dir=self.triton_cache_dir)
+
+
+def _hybrid_state_slots(
+    config: EngineConfig, model_config: ModelConfig, runner: ModelRunner
+) -> StateSlots | None:
+    """A hybrid model's recurrent state, one slot per running sequence (max_num_seqs),
+    allocated before the KV pool is sized from what remains; None for any other model."""
+    if not model_config.is_hybrid:
+        return None
+    if config.enable_prefix_caching:
+        logger.info(HYBRID_PREFIX_CACHING_OFF)
+    runner.allocate_recurrent_states(config.max_num_seqs)
+    linear = model_config.linear_attention
+    assert linear is not None
+    logger.info(
+        "recurrent state: %d slots of %.2f MiB (%d linear-attention layers)",
+        config.max_num_seqs,
+        linear.bytes_per_slot(config.torch_dtype) / 2**20,
+        linear.num_linear_layers,
+    )
+    return StateSlots(config.max_num_seqs)
 
 
 @dataclass(frozen=True, slots=True)
@@ -260,6 +283,7 @@ class Engine:
         runner = ModelRunner(
             model, config.block_size, config.device, max_model_len, eos_token_ids, peers=peers
         )
+        state_slots = _hybrid_state_slots(config, model_config, runner)
         num_blocks = config.num_kv_blocks
         if num_blocks is None and config.on_gpu:
             num_blocks = runner.num_kv_blocks_for_free_memory(
@@ -270,14 +294,15 @@ class Engine:
                 graph_batch=config.max_num_seqs if config.enable_cuda_graphs else 0,
             )
         elif num_blocks is None:
-            num_blocks = spec.num_blocks_within(config.kv_cache_memory_bytes)
+            state_bytes = sum(s.conv.nbytes + s.delta.nbytes for s in runner.recurrent_states)
+            num_blocks = spec.num_blocks_within(config.kv_cache_memory_bytes - state_bytes)
         runner.allocate_kv_caches(spec, num_blocks)
         if config.on_gpu and config.enable_cuda_graphs:
             runner.capture_decode_graphs(config.max_num_seqs)
         block_manager = BlockManager(
             num_blocks,
             config.block_size,
-            enable_prefix_caching=config.enable_prefix_caching,
+            enable_prefix_caching=config.enable_prefix_caching and state_slots is None,
             kv_window=model_config.kv_window,
         )
         scheduler = Scheduler(
@@ -289,6 +314,7 @@ class Engine:
                 max_decode_burst=config.max_decode_burst,
             ),
             block_manager,
+            state_slots,
         )
         logger.info(
             "engine ready: %s on %s, %d KV blocks of %d tokens (%s, %.2f GiB per device), "
@@ -337,6 +363,9 @@ class Engine:
             num_running=len(scheduler.running),
             num_waiting=len(scheduler.waiting),
             kv_cache_usage=self.block_manager.usage,
+            recurrent_state_usage=None
+            if scheduler.state_slots is None
+            else scheduler.state_slots.usage,
             num_preemptions=scheduler.num_preemptions,
             num_prefix_cache_queries=scheduler.num_prefix_query_tokens,
             num_prefix_cache_hits=scheduler.num_prefix_hit_tokens,

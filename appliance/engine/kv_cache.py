@@ -42,7 +42,10 @@ class KVCacheSpec:
         kv_cache_dtype: KVCacheDtype = "auto",
         tensor_parallel_size: int = 1,
     ) -> KVCacheSpec:
-        """One device's pool: under tensor parallelism each holds its share of the KV heads."""
+        """One device's pool: under tensor parallelism each holds its share of the KV heads.
+        Only the layers of `config.kv_layers` have pages (a hybrid's linear layers keep a
+        recurrent state instead, models.recurrent_state; Gemma 4's KV-shared layers read an
+        earlier layer's)."""
         shapes = tuple(
             (config.num_kv_heads_of(i) // tensor_parallel_size, config.head_dim_of(i))
             for i in config.kv_layers
@@ -52,7 +55,7 @@ class KVCacheSpec:
 
     @property
     def num_layers(self) -> int:
-        """Layers that own KV pages (not every layer: Gemma 4's KV-shared ones own none)."""
+        """Layers that own KV pages (ModelConfig.kv_layers)."""
         return len(self.layer_shapes)
 
     @property
@@ -80,9 +83,9 @@ class KVCacheSpec:
         them on the host: once, as the engine is built."""
         if not self.is_fp8:
             return
-        for index, layer in enumerate(model.layers):
+        for index in model.config.kv_layers:
             for name in ("k_scale", "v_scale"):
-                value = float(getattr(layer.self_attn, name).float().item())
+                value = float(getattr(model.layers[index].self_attn, name).float().item())
                 if not (math.isfinite(value) and value > 0):
                     raise EngineConfigError(
                         f"layer {index}'s KV-cache {name} is {value}: an FP8 KV cache needs "

@@ -1,7 +1,8 @@
 """Turns one scheduled step into model inputs, runs the model, and samples.
 
 Inputs are flattened across sequences (vLLM's varlen layout): [T] token ids and positions, a
-slot for each token in the paged KV cache, and each sequence's block table. Logits are computed
+slot for each token in the paged KV cache, and each sequence's block table; for a hybrid model
+also each sequence's recurrent-state slot (appliance.engine.state_slots). Logits are computed
 only where they are needed: the last position of a chunk that samples, and the prompt positions
 of a request that asked for prompt log-probabilities.
 """
@@ -21,6 +22,7 @@ from appliance.engine.cuda_graphs import DecodeGraphs
 from appliance.engine.errors import EngineConfigError
 from appliance.engine.kv_cache import KVCacheSpec
 from appliance.engine.models.decoder import CausalLM
+from appliance.engine.models.recurrent_state import RecurrentState
 from appliance.engine.outputs import TokenLogprob
 from appliance.engine.parallel.step_broadcast import StepBroadcast
 from appliance.engine.sampling import sample, token_logprobs
@@ -29,7 +31,7 @@ from appliance.engine.sampling_params import MAX_TOP_LOGPROBS, SamplingParams
 from appliance.engine.scheduler import ScheduledChunk
 from appliance.engine.sequence import Sequence
 from appliance.engine.structured_output import TokenMasks
-from kernels.ops import AttentionMetadata
+from kernels.ops import AttentionMetadata, RecurrentStateMetadata
 
 logger = logging.getLogger(__name__)
 
@@ -85,6 +87,7 @@ class _Batch:
     positions: torch.Tensor  # [T]
     meta: AttentionMetadata
     query_ends: list[int]  # row of each chunk's last token
+    state_meta: RecurrentStateMetadata | None  # a hybrid model's state slots
 
 
 @dataclass(frozen=True, slots=True)
@@ -155,6 +158,8 @@ class ModelRunner:
         # The last sampling step's controls, whose token counts the next step may carry on.
         self._last_controls: SamplingControls | None = None
         self.kv_caches: list[torch.Tensor] = []
+        # A hybrid model's linear layers' state, one slot per running sequence.
+        self.recurrent_states: list[RecurrentState] = []
         self.graphs: DecodeGraphs | None = None
         self.memory_profile: MemoryProfile | None = None
 
@@ -166,6 +171,14 @@ class ModelRunner:
             self.peers.allocate_kv(num_blocks)
         spec.verify_scales(self.model)
         self.kv_caches = spec.allocate(num_blocks, self.device)
+
+    def allocate_recurrent_states(self, num_slots: int) -> None:
+        """A hybrid model's state for `num_slots` sequences (before the KV pool is sized, which
+        then counts it as in use)."""
+        linear = self.model.config.linear_attention
+        assert linear is not None and self.peers is None, "a hybrid model runs on one device"
+        dtype = self.model.embed_tokens.weight.dtype
+        self.recurrent_states = linear.allocate(num_slots, dtype, self.device)
 
     @torch.inference_mode()
     def num_kv_blocks_for_free_memory(
@@ -227,10 +240,16 @@ class ModelRunner:
         as demanding as a step can ask for (every row filtered by top-k, top-p and min-p, the
         raw logits kept for log-probabilities), with the hidden states alive as in `launch`."""
         input_ids, positions, meta = self._profile_batch(num_tokens)
+        state_meta = None
+        if self.recurrent_states:
+            # The scratch sequences' states, in the slots there are (their contents are junk).
+            num_slots = self.recurrent_states[0].conv.shape[0]
+            slots = [b % num_slots for b in range(len(meta.query_lens))]
+            state_meta = self._state_meta(slots, [False] * len(slots), meta)
         torch.cuda.synchronize(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
         allocated, reserved = self._allocated_and_reserved()
-        hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        hidden = self.run_model(input_ids, positions, meta, state_meta)
         torch.cuda.synchronize(self.device)
         forward_peak = torch.cuda.max_memory_allocated(self.device) - allocated
         torch.cuda.reset_peak_memory_stats(self.device)
@@ -309,14 +328,18 @@ class ModelRunner:
 
         num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count
         # This device's KV heads (a share of them under tensor parallelism).
-        num_kv_heads = self.model.layers[0].self_attn.num_kv_heads
+        num_kv_heads = self.model.attentions[0].num_kv_heads
         max_model_len = self.max_model_len
 
         def num_splits_for(batch: int) -> int:
             return choose_num_splits(batch, num_kv_heads, max_model_len, num_sms)
 
         return DecodeGraphs(
-            self.model, self.kv_caches, -(-max_model_len // self.block_size), num_splits_for
+            self.model,
+            self.kv_caches,
+            -(-max_model_len // self.block_size),
+            num_splits_for,
+            self.recurrent_states,
         )
 
     def execute(
@@ -350,7 +373,7 @@ class ModelRunner:
         if num_steps > 1:
             sampled = self._decode_burst(chunks, num_steps, generators, batch)
         else:
-            hidden = self._forward(batch.input_ids, batch.positions, batch.meta)
+            hidden = self._forward(batch.input_ids, batch.positions, batch.meta, batch.state_meta)
             sampled, logprobs = self._sample_step(chunks, sampling_rows, generators, batch, hidden)
             prompt_logprobs = self._prompt_logprobs(chunks, hidden)
         done = None
@@ -456,7 +479,8 @@ class ModelRunner:
                     seq_lens=[p + 1 for p in pos],
                     query_lens=meta.query_lens,
                 )
-            hidden = self._forward(input_ids, positions, meta)
+            # The same state slots every step: each step continues the state the last left.
+            hidden = self._forward(input_ids, positions, meta, batch.state_meta)
             logits = self._compute_logits(hidden)
             if controls is not None:
                 logits = controls.apply(logits, step)
@@ -474,11 +498,15 @@ class ModelRunner:
         return values
 
     def _forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        state_meta: RecurrentStateMetadata | None,
     ) -> torch.Tensor:
         if self.peers is not None:
             self.peers.forward(input_ids, positions, meta)
-        return self.run_model(input_ids, positions, meta)
+        return self.run_model(input_ids, positions, meta, state_meta)
 
     def _compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> [N, vocab] float32. Every logits computation goes through here: under
@@ -488,15 +516,27 @@ class ModelRunner:
         return self.model.compute_logits(hidden)
 
     def run_model(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        state_meta: RecurrentStateMetadata | None = None,
     ) -> torch.Tensor:
-        """Hidden states [T, hidden]: from a CUDA graph for decode batches that fit one."""
+        """Hidden states [T, hidden]: from a CUDA graph for decode batches that fit one.
+        `state_meta`: a hybrid model's state slots (None for any other model)."""
         graphs = self.graphs
         if meta.decode_only and graphs is not None and len(meta.query_lens) <= graphs.max_batch:
             return graphs.run(
-                input_ids, positions, meta.slot_mapping, meta.block_tables, meta.seq_lens_t
+                input_ids,
+                positions,
+                meta.slot_mapping,
+                meta.block_tables,
+                meta.seq_lens_t,
+                None if state_meta is None else state_meta.state_slots,
             )
-        return self.model(input_ids, positions, self.kv_caches, meta)
+        return self.model(
+            input_ids, positions, self.kv_caches, meta, self.recurrent_states, state_meta
+        )
 
     def _controls(self, seqs: list[Sequence]) -> SamplingControls | None:
         controls = SamplingControls.build(
@@ -550,6 +590,13 @@ class ModelRunner:
             seq_lens=(starts + num_new).tolist(),
             query_lens=num_new.tolist(),
         )
+        state_meta = None
+        if self.recurrent_states:
+            # A chunk from position 0 starts a state; a later one continues its slot's (the
+            # slot holds the tokens before `start`: prefix caching is off for these models).
+            state_slots = [c.seq.state_slot for c in chunks]
+            assert None not in state_slots, "a running sequence of a hybrid model holds a slot"
+            state_meta = self._state_meta(state_slots, [c.start > 0 for c in chunks], meta)
         input_ids_t = self._to_device(input_ids, torch.int64)
         if in_flight:
             assert previous is not None and previous.sampled is not None
@@ -558,7 +605,19 @@ class ModelRunner:
             input_ids_t[self._to_device(list(targets), torch.int64)] = previous.sampled[
                 self._to_device(list(sources), torch.int64), -1
             ]
-        return _Batch(input_ids_t, self._to_device(positions, torch.int64), meta, query_ends)
+        positions_t = self._to_device(positions, torch.int64)
+        return _Batch(input_ids_t, positions_t, meta, query_ends, state_meta)
+
+    def _state_meta(
+        self, slots: list[int | None], has_initial_state: list[bool], meta: AttentionMetadata
+    ) -> RecurrentStateMetadata:
+        return RecurrentStateMetadata(
+            state_slots=self._to_device(slots, torch.int32),
+            has_initial_state=self._to_device(has_initial_state, torch.bool),
+            query_start_loc=meta.query_start_loc,
+            query_lens=meta.query_lens,
+            decode_only=meta.decode_only,
+        )
 
     @staticmethod
     def _collect_logprobs(step: LaunchedStep) -> dict[int, TokenLogprob]:

@@ -34,6 +34,8 @@ class EngineStats:
     # GRAMMAR_COMPILE_BUCKETS (the last, +inf, counts them all) and their total seconds.
     grammar_compile_counts: tuple[int, ...] = ()
     grammar_compile_seconds: float = 0.0
+    # A hybrid model's recurrent-state slots held by a sequence, 0 to 1 (None: no such model).
+    recurrent_state_usage: float | None = None
 
 
 @dataclass(frozen=True, slots=True)

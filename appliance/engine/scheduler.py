@@ -5,8 +5,9 @@ token, an unfinished prefill continues with a chunk), then waiting sequences are
 chunk of their prompt while budget, blocks and the running-sequence limit allow. When a running
 sequence needs a block and none is free, the lowest-ranked running sequence is preempted: its
 blocks are freed and it goes back to waiting, to be recomputed (often from its own prefix-cache
-blocks) when there is room again. Ranking is first come first served, or by `priority` (lower
-runs first) then arrival.
+blocks) when there is room again. A hybrid model's sequences also hold a recurrent-state slot
+while they run (`state_slots`), given back with their blocks. Ranking is first come first
+served, or by `priority` (lower runs first) then arrival.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from dataclasses import dataclass, field
 from appliance.engine.block_manager import BlockManager
 from appliance.engine.errors import EngineConfigError
 from appliance.engine.sequence import Sequence, SequenceStatus
+from appliance.engine.state_slots import StateSlots
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,9 +73,21 @@ def _rank(seq: Sequence) -> tuple[int, int]:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, block_manager: BlockManager):
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        block_manager: BlockManager,
+        state_slots: StateSlots | None = None,
+    ):
+        """state_slots: a hybrid model's recurrent-state slots, at least max_num_seqs."""
+        if state_slots is not None and state_slots.num_slots < config.max_num_seqs:
+            raise EngineConfigError(
+                f"{state_slots.num_slots} recurrent-state slots cannot serve max_num_seqs "
+                f"{config.max_num_seqs}: one slot per running sequence"
+            )
         self.config = config
         self.block_manager = block_manager
+        self.state_slots = state_slots
         # Both kept sorted by rank, best first; the last running sequence is the next victim.
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
@@ -97,7 +111,7 @@ class Scheduler:
             self.running.remove(seq)
         elif seq.status is SequenceStatus.WAITING:
             self.waiting.remove(seq)
-        self.block_manager.free(seq)
+        self._free(seq)
         seq.status = status
 
     def schedule(self) -> SchedulerOutput:
@@ -191,6 +205,8 @@ class Scheduler:
             if not bm.allocate(seq, num_new, cached):
                 break
             self.waiting.pop(0)
+            if self.state_slots is not None:
+                self.state_slots.take(seq)
             self.num_prefix_query_tokens += len(seq)
             self.num_prefix_hit_tokens += num_cached_tokens
             if seq.num_preemptions == 0:
@@ -203,9 +219,14 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
-        self.block_manager.free(seq)
+        self._free(seq)
         seq.num_computed_tokens = 0
         seq.num_preemptions += 1
         seq.status = SequenceStatus.WAITING
         self.num_preemptions += 1
         bisect.insort(self.waiting, seq, key=_rank)
+
+    def _free(self, seq: Sequence) -> None:
+        self.block_manager.free(seq)
+        if self.state_slots is not None:
+            self.state_slots.free(seq)

@@ -79,6 +79,9 @@ class Sequence:
     block_hashes: list[bytes] = field(default_factory=list)
     # Leading blocks of `block_table` already offered to the prefix cache.
     num_published_blocks: int = 0
+    # A hybrid model's recurrent-state slot while the sequence runs (appliance.engine.
+    # state_slots); its state then holds `token_ids[:num_computed_tokens]`.
+    state_slot: int | None = None
 
     def __post_init__(self) -> None:
         self.num_prompt_tokens = len(self.token_ids)

@@ -145,3 +145,17 @@ GEMMA4_MULTIMODAL = CheckpointLayout(
     unserved_part="the vision and audio towers (this appliance serves Gemma 4's text model; "
     "image and audio inputs are refused)",
 )
+# Qwen3.5 as released carries a multi-token-prediction head (`mtp.*`, speculative decoding's
+# draft layer), which this appliance does not run.
+QWEN3_5_LAYOUT = CheckpointLayout(
+    unserved_prefixes=("mtp.",),
+    unserved_part="the multi-token-prediction head (not used for decoding here)",
+)
+# transformers 5 saves Qwen3_5ForConditionalGeneration (and its MoE) as model.language_model.*
+# next to model.visual.*.
+QWEN3_5_MULTIMODAL = CheckpointLayout(
+    decoder_prefixes=("model.language_model.",),
+    unserved_prefixes=("model.visual.", "mtp."),
+    unserved_part="the vision tower and the multi-token-prediction head (this appliance serves "
+    "Qwen3.5's text model; image inputs are refused)",
+)

@@ -15,6 +15,7 @@ from typing import Any
 from appliance.engine.errors import ModelLoadError
 from appliance.engine.models.families import FAMILIES, ConfigReader, Family
 from appliance.engine.models.quantization import Fp8Checkpoint
+from appliance.engine.models.recurrent_state import LinearAttentionConfig
 from appliance.engine.models.rotary import RopeConfig
 from appliance.engine.models.routing import MoeConfig
 
@@ -85,6 +86,12 @@ class ModelConfig:
     # projection of the main embedding (models.decoder). 0: none.
     per_layer_input_size: int = 0
     per_layer_vocab_size: int = 0
+    # Linear-attention (Gated DeltaNet) layers in place of attention in some layers (the hybrid
+    # Qwen3.5): their shapes and which layers they are (None: every layer attends).
+    linear_attention: LinearAttentionConfig | None = None
+    # The query projection also yields a gate per head; sigmoid(gate) scales the attention
+    # output before o_proj (Qwen3.5's full-attention layers).
+    attention_output_gate: bool = False
 
     @classmethod
     def from_model_dir(cls, model_dir: Path) -> ModelConfig:
@@ -126,7 +133,10 @@ class ModelConfig:
             "architecture": raw["architectures"][0],
             "vocab_size": read.positive("vocab_size"),
             "hidden_size": hidden_size,
-            "intermediate_size": read.positive("intermediate_size"),
+            # Absent where every layer is a mixture of experts (Qwen3.5-MoE): checked below.
+            "intermediate_size": read.positive("intermediate_size")
+            if "intermediate_size" in text
+            else 0,
             "num_layers": num_layers,
             "num_heads": num_heads,
             "num_kv_heads": num_kv_heads,
@@ -143,6 +153,7 @@ class ModelConfig:
             "mxfp4_experts": _is_mxfp4(raw.get("quantization_config")),
         }
         fields.update(family.configure(read))
+        _check_layer_kinds(text, fields, source)
         if fields.get("moe") is not None and fields["fp8"] is not None:
             raise ModelLoadError(
                 f"{source}: 'quantization_config' of a mixture of experts is not supported "
@@ -184,8 +195,23 @@ class ModelConfig:
 
     @property
     def kv_layers(self) -> tuple[int, ...]:
-        """The layers that own KV pages, in order: one cache tensor each (engine.kv_cache)."""
-        return tuple(i for i in range(self.num_layers) if self.kv_source_of(i) == i)
+        """The layers that own KV pages, in order: one cache tensor each (engine.kv_cache).
+        Not a hybrid's linear layers (they keep a recurrent state: models.recurrent_state),
+        nor Gemma 4's KV-shared ones (they read an earlier layer's pages)."""
+        return tuple(
+            i
+            for i in range(self.num_layers)
+            if self.kv_source_of(i) == i and not self.is_linear_layer(i)
+        )
+
+    def is_linear_layer(self, layer: int) -> bool:
+        """A hybrid's linear-attention (Gated DeltaNet) layer, which keeps no KV."""
+        return self.linear_attention is not None and self.linear_attention.layers[layer]
+
+    @property
+    def is_hybrid(self) -> bool:
+        """Some layers are linear attention, with a recurrent state per sequence."""
+        return self.linear_attention is not None
 
     @property
     def kv_window(self) -> int | None:
@@ -194,6 +220,24 @@ class ModelConfig:
         if any(w is None for w in self.layer_windows):
             return None
         return max(w for w in self.layer_windows if w is not None)
+
+
+def _check_layer_kinds(text: Mapping[str, Any], fields: dict[str, Any], source: str) -> None:
+    """Linear-attention layers only where the family builds them; a dense MLP only with its
+    size."""
+    if "linear_attention" in (text.get("layer_types") or []) and not fields.get("linear_attention"):
+        raise ModelLoadError(
+            f"{source}: layer type 'linear_attention' is supported only by the hybrid Qwen "
+            "families (Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM)"
+        )
+    moe = fields.get("moe")
+    if fields["intermediate_size"] == 0 and (moe is None or not all(moe.moe_layers)):
+        raise ModelLoadError(f"{source}: 'intermediate_size' is missing (a dense MLP needs it)")
+    if fields.get("fp8") is not None and fields.get("linear_attention") is not None:
+        raise ModelLoadError(
+            f"{source}: 'quantization_config' of a hybrid linear-attention model is not "
+            "supported (its FP8 checkpoints are not mapped); use its bf16 checkpoint"
+        )
 
 
 def _fp8_checkpoint(quantization: Any, family: Family, source: str) -> Fp8Checkpoint | None:

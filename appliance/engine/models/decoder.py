@@ -1,10 +1,13 @@
-"""The decoder every supported family runs: embeddings, layers of attention and MLP (or a sparse
-mixture of experts, models.sparse_moe) with their norms, final norm and logits. A family's
+"""The decoder every supported family runs: embeddings, layers of attention (or linear attention,
+models.linear_attention) and MLP (or a sparse mixture of experts, models.sparse_moe) with their
+norms, final norm and logits. A family's
 differences are ModelConfig fields (declared in `models.families`), read once here when the
 modules are built; there is no per-family branch.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import torch
 from torch import nn
@@ -12,14 +15,17 @@ from torch import nn
 import kernels.reference
 from appliance.engine.models.config import ModelConfig, RopeConfig
 from appliance.engine.models.layers import MLP, Attention, RMSNorm
+from appliance.engine.models.linear_attention import GatedDeltaNet
+from appliance.engine.models.recurrent_state import RecurrentState
 from appliance.engine.models.rotary import cos_sin_table
 from appliance.engine.models.sparse_moe import SparseMoeBlock, is_sparse_layer
-from kernels.ops import AttentionMetadata, KernelOps
+from kernels.ops import AttentionMetadata, KernelOps, RecurrentStateMetadata
 
 
 class DecoderLayer(nn.Module):
     """Llama's pre-norm block, or with `sandwich_norms` Gemma 3's: the attention and MLP outputs
-    are normed again before their residual add, and the MLP has its own pre-norm.
+    are normed again before their residual add, and the MLP has its own pre-norm. In a hybrid
+    model's linear layers, Gated DeltaNet (`linear_attn`) takes attention's place.
 
     Gemma 4's on top (transformers' Gemma4TextDecoderLayer): a MoE block beside the MLP, the
     two outputs each normed and summed before the MLP's post-norm; then a gated projection of
@@ -31,7 +37,13 @@ class DecoderLayer(nn.Module):
         eps = config.rms_norm_eps
         hidden = config.hidden_size
         self.input_layernorm = RMSNorm(config.hidden_size, eps)
-        self.self_attn = Attention(config, ops, layer_index)
+        linear = config.linear_attention
+        self.self_attn: Attention | None = None
+        self.linear_attn: GatedDeltaNet | None = None
+        if linear is not None and linear.layers[layer_index]:
+            self.linear_attn = GatedDeltaNet(linear, config.hidden_size, eps, ops)
+        else:
+            self.self_attn = Attention(config, ops, layer_index)
         # Llama: the MLP's pre-norm. Gemma 3: the norm of the attention output.
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps)
         self.pre_feedforward_layernorm: RMSNorm | None = None
@@ -66,14 +78,16 @@ class DecoderLayer(nn.Module):
         residual: torch.Tensor | None,
         cos: torch.Tensor,
         sin: torch.Tensor,
-        kv_cache: torch.Tensor,
+        cache: torch.Tensor | RecurrentState,
         meta: AttentionMetadata,
+        state_meta: RecurrentStateMetadata | None,
         per_layer_input: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """x: the previous layer's output, not yet added to `residual` (None: x is the whole
-        stream, the embedding or a Gemma 4 layer's output). Returns (this layer's output,
-        residual), for the next layer to add. per_layer_input: [T, per_layer_input_size]."""
-        out, residual = self._blocks(x, residual, cos, sin, kv_cache, meta)
+        stream, the embedding or a Gemma 4 layer's output); `cache`: the layer's KV cache, or a
+        linear layer's recurrent state. Returns (this layer's output, residual), for the next
+        layer to add. per_layer_input: [T, per_layer_input_size]."""
+        out, residual = self._blocks(x, residual, cos, sin, cache, meta, state_meta)
         if self.per_layer_input_gate is None and self.layer_scalar is None:
             return out, residual
         stream = residual + out
@@ -89,10 +103,12 @@ class DecoderLayer(nn.Module):
         residual: torch.Tensor | None,
         cos: torch.Tensor,
         sin: torch.Tensor,
-        kv_cache: torch.Tensor,
+        cache: torch.Tensor | RecurrentState,
         meta: AttentionMetadata,
+        state_meta: RecurrentStateMetadata | None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Attention and MLP (or experts), each with its norms and residual add."""
+        """Attention (or Gated DeltaNet) and MLP (or experts), each with its norms and residual
+        add."""
         ops = self.ops
         norm = self.input_layernorm
         if residual is None:
@@ -100,7 +116,13 @@ class DecoderLayer(nn.Module):
             h = ops.rms_norm(x, norm.weight, norm.eps)
         else:
             h, residual = ops.add_rms_norm(x, residual, norm.weight, norm.eps)
-        h = self._scaled(self.self_attn(h, cos, sin, kv_cache, meta))
+        if self.linear_attn is not None:
+            assert isinstance(cache, RecurrentState) and state_meta is not None
+            h = self.linear_attn(h, cache, state_meta)
+        else:
+            assert self.self_attn is not None and isinstance(cache, torch.Tensor)
+            h = self.self_attn(h, cos, sin, cache, meta)
+        h = self._scaled(h)
         post, pre_ff = self.post_attention_layernorm, self.pre_feedforward_layernorm
         if pre_ff is None:
             h, residual = ops.add_rms_norm(h, residual, post.weight, post.eps)
@@ -178,10 +200,12 @@ class CausalLM(nn.Module):
                 config.per_layer_input_size, config.rms_norm_eps
             )
         # Each layer's index into the forward's kv_caches: that of the layer whose KV it reads
-        # (engine.kv_cache allocates one cache per KV-owning layer, config.kv_layers).
+        # (engine.kv_cache allocates one cache per KV-owning layer, config.kv_layers); None for
+        # a hybrid's linear layers, which read their recurrent state instead.
         kv_layers = config.kv_layers
-        self.kv_cache_index = [
-            kv_layers.index(config.kv_source_of(i)) for i in range(config.num_layers)
+        self.kv_cache_index: list[int | None] = [
+            None if layer.linear_attn is not None else kv_layers.index(config.kv_source_of(i))
+            for i, layer in enumerate(self.layers)
         ]
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         # Tied models (SmolLM2, Gemma) project with the embedding matrix itself.
@@ -202,6 +226,12 @@ class CausalLM(nn.Module):
         # (rope, rotary_dim) -> (cos, sin), each [max_len, rotary_dim] float32
         self.rope_tables: dict[tuple[RopeConfig, int], tuple[torch.Tensor, torch.Tensor]] = {}
 
+    @property
+    def attentions(self) -> list[Attention]:
+        """The attention of each layer that has one (all but a hybrid's linear layers), in
+        layer order."""
+        return [layer.self_attn for layer in self.layers if layer.self_attn is not None]
+
     def reset_kv_scales(self) -> None:
         """Every layer's KV-cache scales to 1, in float32 on the model's device: after
         `to_empty` (which leaves them unset) and a cast to the weights' dtype. A layer that
@@ -209,6 +239,8 @@ class CausalLM(nn.Module):
         so the scales a checkpoint sets for the owner (models.loader) decode for both."""
         device = self.embed_tokens.weight.device
         for index, layer in enumerate(self.layers):
+            if layer.self_attn is None:
+                continue  # a hybrid's linear layer: no KV cache
             owner = self.layers[self.config.kv_source_of(index)].self_attn
             if owner is layer.self_attn:
                 owner.k_scale = torch.ones(1, device=device)
@@ -229,9 +261,13 @@ class CausalLM(nn.Module):
         positions: torch.Tensor,
         kv_caches: list[torch.Tensor],
         meta: AttentionMetadata,
+        states: Sequence[RecurrentState] = (),
+        state_meta: RecurrentStateMetadata | None = None,
     ) -> torch.Tensor:
         """input_ids, positions: [T] -> final hidden states [T, hidden] (normed).
-        kv_caches: one per KV-owning layer (config.kv_layers)."""
+
+        kv_caches: one per KV-owning layer (config.kv_layers); states: one per linear layer of a
+        hybrid model (models.recurrent_state), each sequence's slot named by `state_meta`."""
         assert self.rope_tables, "call init_rope_tables first"
         rows = {
             key: (cos[positions], sin[positions]) for key, (cos, sin) in self.rope_tables.items()
@@ -239,15 +275,26 @@ class CausalLM(nn.Module):
         x = _scaled(self.embed_tokens(input_ids), self.config.embedding_multiplier)  # [T, hidden]
         per_layer_inputs = self._per_layer_inputs(input_ids, x)  # [T, layers, P] or None
         residual = None
-        for i, (layer, rope) in enumerate(zip(self.layers, self.layer_ropes, strict=True)):
+        caches = self._layer_caches(kv_caches, states)
+        layers = zip(self.layers, self.layer_ropes, caches, strict=True)
+        for i, (layer, rope, cache) in enumerate(layers):
             cos, sin = rows[rope]  # [T, rotary_dim]
-            kv_cache = kv_caches[self.kv_cache_index[i]]
             per_layer_input = None if per_layer_inputs is None else per_layer_inputs[:, i]
-            x, residual = layer(x, residual, cos, sin, kv_cache, meta, per_layer_input)
+            x, residual = layer(x, residual, cos, sin, cache, meta, state_meta, per_layer_input)
         if residual is None:
             return self.ops.rms_norm(x, self.norm.weight, self.norm.eps)
         x, _ = self.ops.add_rms_norm(x, residual, self.norm.weight, self.norm.eps)
         return x
+
+    def _layer_caches(
+        self, kv_caches: list[torch.Tensor], states: Sequence[RecurrentState]
+    ) -> list[torch.Tensor | RecurrentState]:
+        """Each layer's cache in layer order: the KV cache it reads (its own, or a KV-shared
+        layer's owner's), or a linear layer's recurrent state."""
+        assert len(kv_caches) == len(self.config.kv_layers), "a KV cache per KV-owning layer"
+        assert len(states) == self.kv_cache_index.count(None), "a state per linear layer"
+        state = iter(states)
+        return [next(state) if i is None else kv_caches[i] for i in self.kv_cache_index]
 
     def _per_layer_inputs(self, input_ids: torch.Tensor, x: torch.Tensor) -> torch.Tensor | None:
         """Gemma 4: each token's input to every layer, [T, layers, P] (transformers'

@@ -21,13 +21,18 @@ from appliance.engine.models.checkpoint_layout import (
     GPT_OSS_LAYOUT,
     LLAMA_LAYOUT,
     MIXTRAL_LAYOUT,
+    QWEN3_5_LAYOUT,
+    QWEN3_5_MULTIMODAL,
     CheckpointLayout,
 )
+from appliance.engine.models.recurrent_state import LinearAttentionConfig
 from appliance.engine.models.rotary import RopeConfig
 from appliance.engine.models.routing import MoeConfig, Router
 from kernels.ops import ClampedSwiglu
 
-_LAYER_TYPES = ("full_attention", "sliding_attention")
+# "linear_attention" layers attend through a recurrent state, not a window: models.config
+# accepts them only where the family builds them (the hybrid Qwen).
+_LAYER_TYPES = ("full_attention", "sliding_attention", "linear_attention")
 
 
 class ConfigReader:
@@ -296,7 +301,7 @@ def _gemma4(read: ConfigReader) -> dict[str, Any]:
     windows = read.windows(num_layers, types)
     is_global = [t == "full_attention" for t in types]
     params = read.rope_parameters() or _GEMMA4_ROPE
-    for layer_type in _LAYER_TYPES:
+    for layer_type in ("full_attention", "sliding_attention"):
         if not isinstance(params.get(layer_type), dict):
             raise ModelLoadError(
                 f"{read.source}: 'rope_parameters' must hold an object for {layer_type!r}"
@@ -494,6 +499,73 @@ def _gpt_oss(read: ConfigReader) -> dict[str, Any]:
     return {"moe": moe, "attention_sinks": True}
 
 
+def _linear_attention(read: ConfigReader) -> LinearAttentionConfig:
+    """Which layers are Gated DeltaNet (`layer_types`, else every layer but each
+    `full_attention_interval`-th, as transformers' Qwen3_5TextConfig fills it) and their
+    shapes."""
+    num_layers = read.positive("num_hidden_layers")
+    types = read.raw.get("layer_types")
+    if types is None:
+        interval = read.positive("full_attention_interval", 4)
+        types = [
+            "linear_attention" if (i + 1) % interval else "full_attention"
+            for i in range(num_layers)
+        ]
+    if not isinstance(types, list) or len(types) != num_layers:
+        raise ModelLoadError(
+            f"{read.source}: 'layer_types' must list one type per layer ({num_layers})"
+        )
+    unknown = sorted({str(t) for t in types} - {"linear_attention", "full_attention"})
+    if unknown:
+        raise ModelLoadError(
+            f"{read.source}: layer type {unknown[0]!r} is not supported in a hybrid Qwen; "
+            "supported: linear_attention, full_attention"
+        )
+    linear = LinearAttentionConfig(
+        num_key_heads=read.positive("linear_num_key_heads"),
+        num_value_heads=read.positive("linear_num_value_heads"),
+        key_head_dim=read.positive("linear_key_head_dim"),
+        value_head_dim=read.positive("linear_value_head_dim"),
+        conv_kernel_size=read.positive("linear_conv_kernel_dim"),
+        layers=tuple(t == "linear_attention" for t in types),
+    )
+    if linear.num_value_heads % linear.num_key_heads:
+        raise ModelLoadError(
+            f"{read.source}: linear_num_value_heads {linear.num_value_heads} is not a multiple "
+            f"of linear_num_key_heads {linear.num_key_heads}"
+        )
+    if linear.conv_kernel_size < 2:
+        raise ModelLoadError(f"{read.source}: 'linear_conv_kernel_dim' must be at least 2")
+    return linear
+
+
+def _qwen3_5(read: ConfigReader) -> dict[str, Any]:
+    # Gated DeltaNet layers between gated full-attention ones; every norm but the linear
+    # layers' gated one scales by (1 + w); rope on partial_rotary_factor of each head. The
+    # text model's rope is mrope, interleaved over (t, h, w) sections: for text all three
+    # positions are the token's, so it is the plain rope of those dims.
+    _silu_mlp(read)
+    return {
+        "linear_attention": _linear_attention(read),
+        "attention_output_gate": True,
+        "qk_norm": True,
+        "norm_weight_offset": 1.0,
+    }
+
+
+def _qwen3_5_moe(read: ConfigReader) -> dict[str, Any]:
+    # Every layer a mixture of experts: softmax, top-k, renormalised, plus the shared expert
+    # with its sigmoid gate (transformers' Qwen3_5MoeSparseMoeBlock).
+    moe = MoeConfig(
+        router=_router(read, renormalize=True),
+        expert_size=read.positive("moe_intermediate_size"),
+        moe_layers=(True,) * read.positive("num_hidden_layers"),
+        shared_expert_size=read.positive("shared_expert_intermediate_size"),
+        shared_expert_gated=True,
+    )
+    return {**_qwen3_5(read), "moe": moe}
+
+
 FAMILIES: dict[str, Family] = {
     "LlamaForCausalLM": Family(_llama),
     "MistralForCausalLM": Family(_llama),
@@ -506,6 +578,14 @@ FAMILIES: dict[str, Family] = {
     "Qwen2MoeForCausalLM": Family(_qwen2_moe),
     "Qwen3MoeForCausalLM": Family(_qwen3_moe),
     "GptOssForCausalLM": Family(_gpt_oss, layout=GPT_OSS_LAYOUT),
+    "Qwen3_5ForCausalLM": Family(_qwen3_5, layout=QWEN3_5_LAYOUT),
+    "Qwen3_5MoeForCausalLM": Family(_qwen3_5_moe, layout=QWEN3_5_LAYOUT),
+    "Qwen3_5ForConditionalGeneration": Family(
+        _qwen3_5, layout=QWEN3_5_MULTIMODAL, text_config_key="text_config"
+    ),
+    "Qwen3_5MoeForConditionalGeneration": Family(
+        _qwen3_5_moe, layout=QWEN3_5_MULTIMODAL, text_config_key="text_config"
+    ),
     "Gemma3ForConditionalGeneration": Family(
         _gemma3, layout=GEMMA3_MULTIMODAL, text_config_key="text_config", tied_by_default=True
     ),

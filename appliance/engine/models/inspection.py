@@ -21,6 +21,7 @@ from appliance.engine.models.config import ModelConfig
 from appliance.engine.models.decoder import CausalLM
 from appliance.engine.models.fused_experts import mxfp4_num_params
 from appliance.engine.models.loader import checkpoint_files, load_model
+from appliance.engine.models.recurrent_state import HYBRID_PREFIX_CACHING_OFF
 
 # The KV cache's dtype on the GPU (the engine's default there).
 _KV_DTYPE = torch.bfloat16
@@ -98,10 +99,14 @@ def _count(num_params: int) -> str:
 
 
 def _config_lines(config: ModelConfig) -> list[tuple[str, str]]:
-    windows = Counter(config.layer_windows)
+    # Over the layers that attend (a hybrid's linear layers have no window or KV).
+    attending = [i for i in range(config.num_layers) if not config.is_linear_layer(i)]
+    windows = Counter(config.layer_windows[i] for i in attending)
     num_layers = config.num_layers
     if None in windows and len(windows) == 1:
         window_text = f"none: full attention on all {num_layers} layers"
+        if len(attending) < num_layers:
+            window_text = f"none: full attention on {len(attending)} of {num_layers} layers"
     else:
         parts = [
             f"{w} tokens on {n} of {num_layers} layers" for w, n in windows.items() if w is not None
@@ -131,6 +136,7 @@ def _config_lines(config: ModelConfig) -> list[tuple[str, str]]:
         ("context", f"{config.max_model_len} tokens"),
         ("windows", window_text),
         ("KV bytes/token", f"{kv_bytes:,} ({kv_bytes / 1024:.0f} KiB in bf16, {kv_owners})"),
+        *_hybrid_lines(config),
     ]
 
 
@@ -148,6 +154,28 @@ def _unserved_lines(model_dir: Path, config: ModelConfig) -> list[tuple[str, str
     if not num_unserved:
         return []
     return [("not served", f"{num_unserved} tensors of {layout.unserved_part}")]
+
+
+def _hybrid_lines(config: ModelConfig) -> list[tuple[str, str]]:
+    """A hybrid model's linear layers, their state per sequence, and why it has no prefix
+    cache."""
+    linear = config.linear_attention
+    if linear is None:
+        return []
+    layers = (
+        f"Gated DeltaNet on {linear.num_linear_layers} of {config.num_layers} layers "
+        f"({linear.num_key_heads} key heads of {linear.key_head_dim}, {linear.num_value_heads} "
+        f"value heads of {linear.value_head_dim}, conv of {linear.conv_kernel_size})"
+    )
+    state_bytes = linear.bytes_per_slot(_KV_DTYPE)
+    return [
+        ("linear attention", layers),
+        (
+            "state/sequence",
+            f"{state_bytes:,} ({state_bytes / 2**20:.2f} MiB, fixed at any context length)",
+        ),
+        ("prefix caching", HYBRID_PREFIX_CACHING_OFF.removeprefix("prefix caching is ")),
+    ]
 
 
 def _expert_lines(config: ModelConfig) -> list[tuple[str, str]]:

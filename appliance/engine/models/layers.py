@@ -30,9 +30,11 @@ class Attention(nn.Module):
     """Grouped-query attention over the paged KV cache, with the options of the families:
     per-head q/k RMSNorm before rope (Qwen3, Gemma 3), rope on a leading part of each head
     (Phi-4-mini), a sliding window (Mistral, Gemma 3's local layers), a softmax scale other
-    than head_dim ** -0.5 (Gemma 3's query_pre_attn_scalar, Granite's attention_multiplier) and
-    attention sinks (gpt-oss). Gemma 4's: a head dim and KV heads of the layer's own, values
-    that are the keys (one projection, `values_are_keys`), RMS-normed without a weight
+    than head_dim ** -0.5 (Gemma 3's query_pre_attn_scalar, Granite's attention_multiplier),
+    attention sinks (gpt-oss) and an output gate (Qwen3.5: the query projection yields each
+    head's query and then its gate, [q_h; gate_h] per head, and sigmoid(gate) scales the
+    attention output before o_proj). Gemma 4's: a head dim and KV heads of the layer's own,
+    values that are the keys (one projection, `values_are_keys`), RMS-normed without a weight
     (`value_norm`), and a layer that attends over an earlier layer's cache (`owns_kv` False):
     it projects only q and writes nothing."""
 
@@ -51,9 +53,10 @@ class Attention(nn.Module):
         self.owns_kv = config.kv_source_of(layer_index) == layer_index
         self.values_are_keys = config.values_are_keys(layer_index)
         self.value_norm = config.value_norm
+        self.output_gate = config.attention_output_gate
         num_kv_rows = (1 if self.values_are_keys else 2) * self.kv_size if self.owns_kv else 0
         self.qkv_proj = nn.Linear(
-            config.hidden_size, self.q_size + num_kv_rows, bias=config.qkv_bias
+            config.hidden_size, self.q_rows + num_kv_rows, bias=config.qkv_bias
         )
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.o_bias)
         qk_norm = config.qk_norm
@@ -67,6 +70,12 @@ class Attention(nn.Module):
         self.register_buffer("k_scale", torch.ones(1), persistent=False)
         self.register_buffer("v_scale", torch.ones(1), persistent=False)
 
+    @property
+    def q_rows(self) -> int:
+        """Rows of q_proj in qkv_proj: the queries, and with the output gate the gates too
+        (derived, so tensor parallelism's smaller q_size carries over)."""
+        return self.q_size * (2 if self.output_gate else 1)
+
     def forward(
         self,
         x: torch.Tensor,
@@ -79,13 +88,18 @@ class Attention(nn.Module):
         num_tokens = x.shape[0]
         qkv_weight = projection_weight(self.qkv_proj)
         qkv = self.ops.linear(x, qkv_weight, self.qkv_proj.bias)  # [T, (Hq+2Hkv) D]
-        q = qkv[:, : self.q_size].view(num_tokens, self.num_heads, self.head_dim)
+        q = qkv[:, : self.q_rows]
+        gate = None
+        if self.output_gate:
+            q, gate = q.view(num_tokens, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
+            gate = gate.reshape(num_tokens, self.q_size)
+        q = q.reshape(num_tokens, self.num_heads, self.head_dim)
         if self.q_norm is not None:
             q = self._norm_heads(q, self.q_norm)
         k_cache, v_cache = kv_cache[0], kv_cache[1]
         k_scale, v_scale = self.k_scale, self.v_scale
         if self.owns_kv:
-            k, v = self._keys_values(qkv[:, self.q_size :])
+            k, v = self._keys_values(qkv[:, self.q_rows :])
             q, k = self._rotate(q, k, cos, sin)
             self.ops.write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping, k_scale, v_scale)
         else:  # the cache holds this step's keys already, written by the layer that owns it
@@ -103,6 +117,8 @@ class Attention(nn.Module):
             sinks=self.sinks,
         )
         o = o.reshape(num_tokens, self.q_size)
+        if gate is not None:
+            o = o * torch.sigmoid(gate)
         return self.ops.linear(o, projection_weight(self.o_proj), self.o_proj.bias)
 
     def _keys_values(self, kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

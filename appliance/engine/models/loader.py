@@ -30,6 +30,7 @@ from appliance.engine.models.checkpoint_layout import LLAMA_LAYOUT, CheckpointLa
 from appliance.engine.models.config import ModelConfig
 from appliance.engine.models.decoder import CausalLM
 from appliance.engine.models.fused_experts import convert_fused_experts
+from appliance.engine.models.linear_attention import GATED_NORM_WEIGHT
 from appliance.engine.models.projections import quantize_projections, use_fp8_projections
 from appliance.engine.models.quantization import Fp8Checkpoint
 from appliance.engine.parallel.sharding import ShardPlan, shard_model
@@ -51,6 +52,10 @@ _FUSED = {
     "mlp.up_proj": ("mlp.gate_up_proj", 1),
     "mlp.shared_expert.gate_proj": ("mlp.shared_expert.gate_up_proj", 0),
     "mlp.shared_expert.up_proj": ("mlp.shared_expert.gate_up_proj", 1),
+    "linear_attn.in_proj_qkv": ("linear_attn.in_proj", 0),
+    "linear_attn.in_proj_z": ("linear_attn.in_proj", 1),
+    "linear_attn.in_proj_b": ("linear_attn.in_proj", 2),
+    "linear_attn.in_proj_a": ("linear_attn.in_proj", 3),
 }
 # One expert's projection of a mixture of experts, stacked here into [E, ...] parameters.
 _EXPERT = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight$")
@@ -228,7 +233,11 @@ def _load_into(
                 sizes = shard_sizes[module]
                 start = sum(sizes[:index])
                 dest = dest[start : start + sizes[index]]
-            if config.norm_weight_offset and target.endswith("norm.weight"):
+            if (
+                config.norm_weight_offset
+                and target.endswith("norm.weight")
+                and not target.endswith(GATED_NORM_WEIGHT)
+            ):
                 part = part.float() + config.norm_weight_offset  # Gemma's (1 + w), in float32
             _copy_tensor(dest, part, kind, where=f"{path.name}: tensor {name!r}")
             missing.discard((target, index))
@@ -311,6 +320,8 @@ def _load_kv_scale(model: CausalLM, path: Path, name: str, tensor: torch.Tensor)
             "finite"
         )
     attn = model.layers[index].self_attn
+    if attn is None:
+        raise ModelLoadError(f"{path.name}: tensor {name!r} is for a linear-attention layer")
     for which in _KV_SCALES[match.group(2)]:
         getattr(attn, which).copy_(value)
     return True
@@ -439,16 +450,27 @@ def _shard_sizes(config: ModelConfig, num_ranks: int = 1) -> dict[str, list[int]
     """Rows of each layer's fused projections (`layers.{i}.self_attn.qkv_proj`, ...), in
     checkpoint order ([q; k; v] and [gate; up]), on each of `num_ranks` tensor-parallel ranks.
     Gemma 4's layers differ: wide global heads, values that are the keys (no v), layers that
-    reuse another's KV (q only), double-wide MLPs."""
+    reuse another's KV (q only), double-wide MLPs. Qwen3.5's full-attention layers project a
+    gate beside each query (twice the q rows); its linear layers fuse their four input
+    projections (not sharded: tensor parallelism refuses hybrid models)."""
     sizes = {}
+    linear = config.linear_attention
+    gates = 2 if config.attention_output_gate else 1
     for i in range(config.num_layers):
-        head_dim = config.head_dim_of(i)
-        kv = config.num_kv_heads_of(i) * head_dim // num_ranks
-        num_kv = (1 if config.values_are_keys(i) else 2) if config.kv_source_of(i) == i else 0
-        sizes[f"layers.{i}.self_attn.qkv_proj"] = [
-            config.num_heads * head_dim // num_ranks,
-            *[kv] * num_kv,
-        ]
+        if config.is_linear_layer(i):
+            assert linear is not None
+            heads = linear.num_value_heads
+            sizes[f"layers.{i}.linear_attn.in_proj"] = [
+                linear.conv_dim, linear.value_size, heads, heads
+            ]  # fmt: skip
+        else:
+            head_dim = config.head_dim_of(i)
+            kv = config.num_kv_heads_of(i) * head_dim // num_ranks
+            num_kv = (1 if config.values_are_keys(i) else 2) if config.kv_source_of(i) == i else 0
+            sizes[f"layers.{i}.self_attn.qkv_proj"] = [
+                gates * config.num_heads * head_dim // num_ranks,
+                *[kv] * num_kv,
+            ]
         mlp = config.intermediate_size_of(i) // num_ranks
         sizes[f"layers.{i}.mlp.gate_up_proj"] = [mlp, mlp]
         if config.moe is not None and config.moe.shared_expert_size:

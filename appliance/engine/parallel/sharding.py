@@ -150,6 +150,11 @@ def verify_divisible(config: ModelConfig, size: int) -> None:
             "dims and its per-layer inputs are not split across GPUs (not built); set "
             "tensor_parallel_size = 1"
         )
+    if size > 1 and config.is_hybrid:
+        raise EngineConfigError(
+            f"tensor_parallel_size {size}: {config.architecture} has linear-attention layers, "
+            "whose projections and recurrent state are not sharded; set tensor_parallel_size = 1"
+        )
     dims = {
         "num_attention_heads": config.num_heads,
         "num_key_value_heads": config.num_kv_heads,

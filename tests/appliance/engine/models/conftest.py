@@ -189,6 +189,26 @@ FAMILY_VARIANTS: dict[str, Variant] = {
          "vocab_size_per_layer_input": 256, "num_kv_shared_layers": 2},
     ),
 }  # fmt: skip
+# The hybrid Qwen (issue 23): three Gated DeltaNet layers, then a gated full-attention one (rope
+# on a quarter of each head), 2 key heads and 4 value heads (GQA) of 8 dims, a conv of 4; the
+# MoE with 6 experts, the best 2 renormalised, and its gated shared expert in every layer.
+_LINEAR_DIMS = {
+    "linear_num_key_heads": 2,
+    "linear_num_value_heads": 4,
+    "linear_key_head_dim": 8,
+    "linear_value_head_dim": 8,
+    "linear_conv_kernel_dim": 4,
+}
+HYBRID_VARIANTS: dict[str, Variant] = {
+    "qwen3.5": Variant("qwen3.5", 4, _LINEAR_DIMS),
+    "qwen3.5-moe": Variant(
+        "qwen3.5-moe",
+        4,
+        {**_LINEAR_DIMS, "num_experts": 6, "num_experts_per_tok": 2, "moe_intermediate_size": 48,
+         "shared_expert_intermediate_size": 96},
+    ),
+    "qwen3.5-multimodal": Variant("qwen3.5-multimodal", 4, _LINEAR_DIMS),
+}  # fmt: skip
 # Real head shapes for the GPU tests (tests/.../test_families_gpu.py): Gemma 3's head_dim 256
 # with a 64-token window, Phi-4-mini's 96 rotary dims of 128, Gemma 4's 256 and 512 (its global
 # layers', one KV head whose values are its keys), with a KV-shared layer and per-layer inputs.
@@ -238,7 +258,7 @@ GPU_VARIANTS: dict[str, Variant] = {
         },
     ),
 }
-ALL_VARIANTS = {**VARIANTS, **FAMILY_VARIANTS, **GPU_VARIANTS}
+ALL_VARIANTS = {**VARIANTS, **FAMILY_VARIANTS, **HYBRID_VARIANTS, **GPU_VARIANTS}
 
 
 def _classes(arch: str) -> tuple[type, type]:
@@ -265,6 +285,12 @@ def _classes(arch: str) -> tuple[type, type]:
             transformers.Gemma4TextConfig,
             transformers.Gemma4ForConditionalGeneration,
         ),
+        "qwen3.5": (transformers.Qwen3_5TextConfig, transformers.Qwen3_5ForCausalLM),
+        "qwen3.5-moe": (transformers.Qwen3_5MoeTextConfig, transformers.Qwen3_5MoeForCausalLM),
+        "qwen3.5-multimodal": (
+            transformers.Qwen3_5TextConfig,
+            transformers.Qwen3_5ForConditionalGeneration,
+        ),
     }[arch]
 
 
@@ -277,6 +303,8 @@ _TINY_GEMMA4_VISION = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_l
                        "position_embedding_size": 64}  # fmt: skip
 _TINY_GEMMA4_AUDIO = {"hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2,
                       "subsampling_conv_channels": [8, 4], "output_proj_dims": 32}  # fmt: skip
+_TINY_QWEN_VISION = {"depth": 1, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2,
+                     "out_hidden_size": 64, "patch_size": 14}  # fmt: skip
 
 
 def build_hf_model(name: str, seed: int = 0) -> torch.nn.Module:
@@ -300,6 +328,12 @@ def build_hf_model(name: str, seed: int = 0) -> torch.nn.Module:
             text_config=config.to_dict(),
             vision_config=_TINY_GEMMA4_VISION,
             audio_config=_TINY_GEMMA4_AUDIO,
+        )
+    if variant.arch == "qwen3.5-multimodal":
+        import transformers
+
+        config = transformers.Qwen3_5Config(
+            text_config=config.to_dict(), vision_config=_TINY_QWEN_VISION
         )
     torch.manual_seed(seed)
     model = model_class(config).eval()

@@ -10,6 +10,7 @@ with no cache. Sequences reach position ~300 of 512 so rope scaling (whose origi
 
 from __future__ import annotations
 
+import itertools
 import os
 import subprocess
 import sys
@@ -28,7 +29,7 @@ from appliance.engine.models.rotary import cos_sin_table
 from appliance.engine.sampling_params import SamplingParams
 from appliance.engine.scheduler import Scheduler, SchedulerConfig
 from appliance.engine.sequence import RequestId, Sequence, SequenceStatus
-from kernels.ops import AttentionMetadata
+from kernels.ops import AttentionMetadata, RecurrentStateMetadata
 
 from .conftest import VARIANTS
 
@@ -55,7 +56,8 @@ class PagedBatch:
     """Drives our model as the engine does, with hand-made block tables and slot mappings.
 
     Each sequence owns enough blocks for its whole length, taken from a shuffled pool, so
-    logically consecutive blocks are physically scattered.
+    logically consecutive blocks are physically scattered; in a hybrid model, a slot of the
+    linear layers' recurrent state too (sequence i: slot num_seqs - i, so none is 0).
     """
 
     def __init__(self, model: CausalLM, prompts: list[list[int]], seed: int = 2):
@@ -70,6 +72,9 @@ class PagedBatch:
         for n in needed:
             self.block_tables.append(pool[:n])
             pool = pool[n:]
+        linear = model.config.linear_attention
+        num_slots = len(prompts) + 1
+        self.states = [] if linear is None else linear.allocate(num_slots, torch.float32, "cpu")
 
     @torch.inference_mode()
     def step(self, chunks: list[tuple[int, int, int]]) -> list[torch.Tensor]:
@@ -95,7 +100,21 @@ class PagedBatch:
             seq_lens=[end for _, _, end in chunks],
             query_lens=[end - start for _, start, end in chunks],
         )
-        hidden = self.model(torch.tensor(input_ids), torch.tensor(positions), self.kv_caches, meta)
+        state_meta = RecurrentStateMetadata(
+            state_slots=torch.tensor([len(self.prompts) - i for i, _, _ in chunks]),
+            has_initial_state=torch.tensor([start > 0 for _, start, _ in chunks]),
+            query_start_loc=torch.tensor([0, *itertools.accumulate(meta.query_lens)]),
+            query_lens=meta.query_lens,
+            decode_only=meta.decode_only,
+        )
+        hidden = self.model(
+            torch.tensor(input_ids),
+            torch.tensor(positions),
+            self.kv_caches,
+            meta,
+            self.states,
+            state_meta if self.states else None,
+        )
         logits = self.model.compute_logits(hidden)
         return list(logits.split(meta.query_lens))
 

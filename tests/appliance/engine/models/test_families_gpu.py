@@ -1,6 +1,8 @@
 """The GPU path (Triton kernels, CUDA graphs, windowed decode) of every family against
-transformers, on tiny random checkpoints (conftest.FAMILY_VARIANTS) and two with real head
-shapes (conftest.GPU_VARIANTS: Gemma 3's head_dim 256, Phi-4-mini's partial rotary).
+transformers, on tiny random checkpoints (conftest.FAMILY_VARIANTS, and the hybrid Qwen's
+HYBRID_VARIANTS: the Triton linear-attention kernels, their state slots inside the decode
+graphs) and two with real head shapes (conftest.GPU_VARIANTS: Gemma 3's head_dim 256,
+Phi-4-mini's partial rotary).
 
 float32: greedy tokens equal transformers' (float32 on the CPU) and prompt log-probabilities
 agree within 2e-3 (cuBLAS and the kernels sum in another order). bfloat16: as in
@@ -22,12 +24,12 @@ from appliance.engine.engine import Engine, EngineConfig
 from appliance.engine.models.loader import load_model
 from appliance.engine.sampling_params import SamplingParams
 
-from .conftest import FAMILY_VARIANTS, GPU_VARIANTS, checkpoint_cache
+from .conftest import FAMILY_VARIANTS, GPU_VARIANTS, HYBRID_VARIANTS, checkpoint_cache
 from .test_architectures import _hf_greedy, _prompts
 
 pytestmark = pytest.mark.gpu
 
-NAMES = sorted(FAMILY_VARIANTS) + sorted(GPU_VARIANTS)
+NAMES = sorted(FAMILY_VARIANTS) + sorted(HYBRID_VARIANTS) + sorted(GPU_VARIANTS)
 PROMPT_LENS = (300, 130, 9)
 NUM_NEW_TOKENS = 16
 
