@@ -47,7 +47,8 @@ def _engine(model_dir, dtype: str) -> Engine:
         dtype=dtype,
         max_model_len=512,
         max_num_batched_tokens=64,
-        gpu_memory_utilization=0.2,
+        # A fixed pool: sized from free memory it would depend on what earlier cases left.
+        num_kv_blocks=64,
     )
     model = load_model(model_dir, dtype=config.torch_dtype, device="cuda", ops=config.kernel_ops())
     return Engine.build(config, model, None)
