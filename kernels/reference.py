@@ -20,12 +20,19 @@ _LOG2_E = 1.4426950408889634
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm computed in float32, scaled by `weight` in the input dtype (as Llama does).
+    """RMSNorm computed in float32, then scaled by `weight`.
+
+    A weight in x's dtype (or wider than a float32 x) scales the normed x rounded to x's dtype,
+    as Llama does. A float32 weight of a narrower x scales in float32 and the product is
+    rounded once to x's dtype: Gemma's and Qwen3.5's zero-centred norms, whose `1 + w` the
+    loader keeps in float32, as transformers computes them (`x * (1 + w.float())`).
 
     x: [T, H], weight: [H]
     """
     x32 = x.float()
     x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    if weight.dtype == torch.float32 and x.dtype != torch.float32:
+        return (x32 * weight).to(x.dtype)
     return weight * x32.to(x.dtype)
 
 

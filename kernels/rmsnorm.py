@@ -2,8 +2,10 @@
 
 Semantics are those of `kernels.reference.rms_norm` / `add_rms_norm`, rounding included: the
 statistics are float32, the normalized row is rounded to x's dtype before it is scaled by the
-weight (as Hugging Face's Llama does), and the fused residual sum is rounded to x's dtype before
-it is normalized. One program normalizes one row of H elements held entirely in registers.
+weight (as Hugging Face's Llama does) unless the weight is float32 and x narrower (Gemma's and
+Qwen3.5's `1 + w` norms: scaled in float32, rounded once to x's dtype), and the fused residual
+sum is rounded to x's dtype before it is normalized. One program normalizes one row of H
+elements held entirely in registers.
 
 On Hopper both kernels let the next kernel launch as soon as they start
 (`gdc_launch_dependents`): a projection launched as a programmatic dependent
@@ -36,6 +38,7 @@ def _rms_norm_kernel(
     eps,
     HIDDEN: tl.constexpr,
     BLOCK: tl.constexpr,  # next power of two of HIDDEN
+    ROUND_NORMED: tl.constexpr,  # round the normed row to x's dtype before the scale
     LAUNCH_DEPENDENTS: tl.constexpr,
 ):
     if LAUNCH_DEPENDENTS:
@@ -48,8 +51,10 @@ def _rms_norm_kernel(
     # Masked lanes are 0, so the sum covers exactly the H real elements.
     rstd = tl.rsqrt(tl.sum(x32 * x32, axis=0) / HIDDEN + eps)
     w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    # Round the normalized value to x's dtype first, exactly where the reference does.
-    y = (x32 * rstd).to(x.dtype).to(tl.float32) * w
+    normed = x32 * rstd
+    if ROUND_NORMED:  # exactly where the reference rounds
+        normed = normed.to(x.dtype).to(tl.float32)
+    y = normed * w
     tl.store(out_ptr + row * out_row_stride + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -65,6 +70,7 @@ def _add_rms_norm_kernel(
     eps,
     HIDDEN: tl.constexpr,
     BLOCK: tl.constexpr,
+    ROUND_NORMED: tl.constexpr,
     LAUNCH_DEPENDENTS: tl.constexpr,
 ):
     if LAUNCH_DEPENDENTS:
@@ -82,7 +88,10 @@ def _add_rms_norm_kernel(
     total32 = total.to(tl.float32)
     rstd = tl.rsqrt(tl.sum(total32 * total32, axis=0) / HIDDEN + eps)
     w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    y = (total32 * rstd).to(x.dtype).to(tl.float32) * w
+    normed = total32 * rstd
+    if ROUND_NORMED:
+        normed = normed.to(x.dtype).to(tl.float32)
+    y = normed * w
     tl.store(out_ptr + row * out_row_stride + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -92,12 +101,12 @@ def rms_norm(
     """RMSNorm of each row of x, scaled by weight.
 
     x: [T, H] with unit column stride (any row stride); weight: [H] contiguous;
-    out (optional): [T, H] with unit column stride, dtype `promote_types(x.dtype, weight.dtype)`
-    (the reference's `weight * normed` dtype). Returns out, allocated when not given.
+    out (optional): [T, H] with unit column stride, of the reference's dtype (`_out_dtype`).
+    Returns out, allocated when not given.
     Raises `KernelInputError` for any shape, dtype, device or layout it cannot handle.
     """
     _validate_rows({"x": x}, weight, eps)
-    out_dtype = torch.promote_types(x.dtype, weight.dtype)
+    out_dtype = _out_dtype(x, weight)
     if out is None:
         out = torch.empty(x.shape, dtype=out_dtype, device=x.device)
     else:
@@ -115,6 +124,7 @@ def rms_norm(
         float(eps),
         HIDDEN=hidden,
         BLOCK=block,
+        ROUND_NORMED=not _scales_in_float32(x, weight),
         LAUNCH_DEPENDENTS=programmatic_launch(x.device),
         num_warps=num_warps,
     )
@@ -131,11 +141,12 @@ def add_rms_norm(
     fresh tensor instead, with the same values).
 
     x, residual: [T, H], same dtype, unit column stride (any row stride); weight: [H]
-    contiguous. normed is a new [T, H] tensor of dtype `promote_types(x.dtype, weight.dtype)`.
+    contiguous. normed is a new [T, H] tensor of the reference's dtype (`_out_dtype`).
     Raises `KernelInputError` for any shape, dtype, device or layout it cannot handle.
     """
     _validate_rows({"x": x, "residual": residual}, weight, eps)
-    out = torch.empty(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
+    out_dtype = _out_dtype(x, weight)
+    out = torch.empty(x.shape, dtype=out_dtype, device=x.device)
     num_tokens, hidden = x.shape
     if num_tokens == 0:
         return out, residual
@@ -151,10 +162,25 @@ def add_rms_norm(
         float(eps),
         HIDDEN=hidden,
         BLOCK=block,
+        ROUND_NORMED=not _scales_in_float32(x, weight),
         LAUNCH_DEPENDENTS=programmatic_launch(x.device),
         num_warps=num_warps,
     )
     return out, residual
+
+
+def _scales_in_float32(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """A float32 weight of a narrower x (Gemma's and Qwen3.5's `1 + w`): the normed row is
+    scaled in float32 and rounded once, to x's dtype."""
+    return weight.dtype == torch.float32 and x.dtype != torch.float32
+
+
+def _out_dtype(x: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
+    """The reference's: x's dtype when scaled in float32, else `promote_types` of the two (the
+    dtype of `weight * normed`)."""
+    if _scales_in_float32(x, weight):
+        return x.dtype
+    return torch.promote_types(x.dtype, weight.dtype)
 
 
 def _launch_shape(hidden: int) -> tuple[int, int]:

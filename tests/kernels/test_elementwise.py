@@ -230,8 +230,41 @@ def test_rms_norm_matches_reference(num_tokens: int, hidden: int, dtype: torch.d
     _check_rms_norm(num_tokens, hidden, dtype, dtype, DEVICE)
 
 
-def test_rms_norm_with_float32_weight_returns_float32_like_the_reference() -> None:
-    _check_rms_norm(5, 96, torch.bfloat16, torch.float32, DEVICE)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_float32_weight_scales_in_float32_and_rounds_once_like_the_reference(dtype) -> None:
+    """Gemma's and Qwen3.5's `1 + w` norms: the output is in x's dtype, the float32 product
+    rounded once (not the normed row first, as for a weight in x's dtype)."""
+    _check_rms_norm(5, 96, dtype, torch.float32, DEVICE)
+    _seed("rms-f32", dtype)
+    x = torch.randn(7, 96, dtype=dtype, device=DEVICE) * 3
+    residual = torch.randn(7, 96, dtype=dtype, device=DEVICE)
+    weight = 1.0 + 0.1 * torch.randn(96, device=DEVICE)
+    normed = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-6)
+    once = (normed * weight).to(dtype)
+    ours = rms_norm(x, weight, 1e-6)
+    assert ours.dtype == dtype
+    torch.testing.assert_close(ours, once, atol=0, rtol=0)
+    twice = (weight.to(dtype) * normed.to(dtype)).to(dtype)
+    assert (ours != twice).any(), "rounding the normed row first gives other values"
+    fused, _ = add_rms_norm(x, residual.clone(), weight, 1e-6)
+    expected, _ = reference.add_rms_norm(x, residual, weight, 1e-6)
+    assert fused.dtype == dtype
+    torch.testing.assert_close(fused, expected, atol=0, rtol=0)
+
+
+def test_the_reference_norm_of_a_float32_one_plus_w_is_transformers_qwen3_5_norm() -> None:
+    """transformers' zero-centred RMSNorm in bf16 (`x * (1 + w.float())`, rounded once), bit
+    for bit, given the loader's float32 `1 + w`."""
+    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5RMSNorm
+
+    _seed("rms-qwen3.5")
+    norm = Qwen3_5RMSNorm(96, eps=1e-6)
+    with torch.no_grad():
+        norm.weight.copy_(0.3 * torch.randn(96))
+    norm = norm.to(torch.bfloat16)
+    x = torch.randn(9, 96).to(torch.bfloat16) * 3
+    weight = 1.0 + norm.weight.float()
+    torch.testing.assert_close(reference.rms_norm(x, weight, 1e-6), norm(x), atol=0, rtol=0)
 
 
 def test_rms_norm_writes_into_given_out() -> None:

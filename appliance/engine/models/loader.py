@@ -30,6 +30,7 @@ from appliance.engine.models.checkpoint_layout import LLAMA_LAYOUT, CheckpointLa
 from appliance.engine.models.config import ModelConfig
 from appliance.engine.models.decoder import CausalLM
 from appliance.engine.models.fused_experts import convert_fused_experts
+from appliance.engine.models.layers import RMSNorm
 from appliance.engine.models.linear_attention import GATED_NORM_WEIGHT
 from appliance.engine.models.projections import quantize_projections, use_fp8_projections
 from appliance.engine.models.quantization import Fp8Checkpoint
@@ -96,6 +97,7 @@ def build_model(
     if shard is not None:
         shard_model(model, shard)
     model.to(dtype)  # on the meta device: the parameters are then allocated in their dtype
+    _offset_norms_in_float32(model)
     if config.fp8 is not None:
         keep = functools.partial(_left_unquantized, config.fp8)
         use_fp8_projections(model, keep, static_input_scale=config.fp8.static_input)
@@ -444,6 +446,19 @@ class _BlockScaledWeights:
                 f"in {bn}x{bk} blocks"
             )
         return part
+
+
+def _offset_norms_in_float32(model: CausalLM) -> None:
+    """Gemma's and Qwen3.5's zero-centred norms keep their `1 + w` in float32 (a few KB): the
+    kernels then scale in float32 and round once, as transformers computes `x * (1 + w.float())`
+    (kernels.reference.rms_norm). In bfloat16 `1 + w` itself would lose w's low bits, and
+    rounding the normed row first adds a second rounding: together enough to take Qwen3.5's
+    bf16 log-probability error 20% past transformers' own (docs/BENCHMARKS.md)."""
+    if not model.config.norm_weight_offset:
+        return
+    for name, module in model.named_modules():
+        if isinstance(module, RMSNorm) and not f"{name}.weight".endswith(GATED_NORM_WEIGHT):
+            module.float()
 
 
 def _shard_sizes(config: ModelConfig, num_ranks: int = 1) -> dict[str, list[int]]:

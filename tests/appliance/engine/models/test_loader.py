@@ -343,3 +343,22 @@ def test_load_state_dict_refuses_an_unexpected_tensor_naming_it(tiny_checkpoints
     state = {**hf_model.state_dict(), "model.layers.0.mlp.extra.weight": torch.ones(2)}
     with pytest.raises(ModelLoadError, match=r"unexpected tensor 'model\.layers\.0\.mlp\.extra"):
         load_state_dict(_config_of(hf_model), state)
+
+
+@pytest.mark.parametrize("name", ["gemma3", "qwen3.5"])
+def test_zero_centred_norms_keep_one_plus_w_in_float32_in_a_bf16_model(tiny_checkpoints, name):
+    """Gemma's and Qwen3.5's `1 + w`: float32, exactly the checkpoint's w plus one, so the
+    kernels scale as transformers does (kernels.reference.rms_norm); the rest is bf16, and
+    Qwen3.5's gated norm (a plain w) too."""
+    model_dir, _ = tiny_checkpoints(name)
+    stored = {k: v for f in model_dir.glob("*.safetensors") for k, v in load_file(f).items()}
+    model = load_model(model_dir, dtype=torch.bfloat16)
+    norms = {n: p for n, p in model.named_parameters() if n.endswith("norm.weight")}
+    offset = {n: p for n, p in norms.items() if not n.endswith("linear_attn.norm.weight")}
+    assert offset and all(p.dtype == torch.float32 for p in offset.values())
+    final = stored["model.norm.weight"].float()
+    assert torch.equal(offset["norm.weight"], final + 1.0)
+    assert model.layers[0].mlp.gate_up_proj.weight.dtype == torch.bfloat16
+    gated = [p for n, p in norms.items() if n.endswith("linear_attn.norm.weight")]
+    assert all(p.dtype == torch.bfloat16 for p in gated)
+    assert bool(gated) == (name == "qwen3.5")
