@@ -42,7 +42,13 @@ class ScriptedModel(nn.Module):
         self._replies.extend(replies)
 
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: object, meta: object
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: object,
+        meta: object,
+        states: object = (),
+        state_meta: object = None,
     ) -> torch.Tensor:
         if int(positions[0]) == 0:
             self._reply = self._replies.popleft() if self._replies else []
