@@ -10,13 +10,14 @@ decode, 128 prompt + 256 new, ms/token, and its weight bytes per second against 
 bandwidth of all the GPUs together) and W2 (offline throughput, 512-token prompts and 256 new
 tokens, at most --max-num-seqs running). AR times what a decode step spends in all-reduces: the
 2 per layer of the model, of a batch-1 and a 256-row step's hidden rows, replayed from a CUDA
-graph as the engine replays them, in `size` processes of their own; through NCCL (what the
-engine uses) and through PyTorch's symmetric-memory one-shot all-reduce (a candidate). Prints
-Markdown rows last.
+graph as the engine replays them, in `size` processes of their own; through NCCL and through
+PyTorch's symmetric-memory one-shot all-reduce (the engine's default for small messages,
+appliance.engine.parallel.all_reduce). `--all-reduce one-shot,nccl` runs W1/W2 with each.
+Prints Markdown rows last.
 
     NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 \\
         python bench/tensor_parallel.py --shape 8b --sizes 1,2 [--workloads W1,W2]
-    ... --shape 70b --sizes 4 --workloads AR,W1,W2
+    ... --shape 70b --sizes 2 --workloads AR,W1,W2 --all-reduce one-shot,nccl
     ... --shape qwen3-30b-a3b --sizes 1,2 --workloads AR,W1,W2 --w2-requests 512
 
 For a mixture of experts, W1's bytes per token are those one token reads (attention, the router,
@@ -50,6 +51,7 @@ from gpu_engine import (  # bench/, the script's own directory
 from appliance.engine.engine import Engine, EngineConfig
 from appliance.engine.models.config import ModelConfig
 from appliance.engine.models.loader import build_model, load_model, random_model
+from appliance.engine.parallel.all_reduce import AllReduce
 from appliance.engine.sampling_params import SamplingParams
 from kernels import triton_ops
 
@@ -225,13 +227,16 @@ def _allreduce_rank(rank: int, size: int, rendezvous: str, hidden: int, layers: 
         "nccl", init_method=f"file://{rendezvous}", rank=rank, world_size=size, device_id=device
     )
     results = {}
-    for rows in (1, 256):
+    group = dist.group.WORLD
+    one_shot = AllReduce.for_group(group, device, torch.bfloat16, one_shot=True)
+    for rows in (1, 64, 256):
         x = torch.zeros(rows, hidden, dtype=torch.bfloat16, device=device)
         results[("NCCL", rows)] = _graph_seconds(lambda x=x: dist.all_reduce(x), 2 * layers)
-        try:  # PyTorch's symmetric-memory one-shot all-reduce (NVLink peer loads, no multicast)
-            results[("one-shot", rows)] = _graph_seconds(_one_shot(x), 2 * layers)
-        except Exception as exc:
-            results[("one-shot", rows)] = f"{type(exc).__name__}: {exc}"[:200]
+        if one_shot.one_shot:  # the engine's (PyTorch's symmetric-memory kernel, no multicast)
+            results[("one-shot", rows)] = _graph_seconds(lambda x=x: one_shot(x), 2 * layers)
+        else:
+            results[("one-shot", rows)] = "the peers' buffers could not be mapped (see the log)"
+    one_shot.close()
     dist.barrier()
     if rank == 0:
         queue.put(results)
@@ -260,24 +265,6 @@ def _graph_seconds(op, repeats: int) -> float:
         torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
     return statistics.median(times)
-
-
-def _one_shot(x: torch.Tensor):
-    """x += every rank's x through a symmetric-memory buffer: each rank reads its peers'
-    copies over NVLink and sums them (one step, for small messages)."""
-    import torch.distributed._symmetric_memory as symm_mem
-
-    group_name = dist.group.WORLD.group_name
-    if hasattr(symm_mem, "enable_symm_mem_for_group"):
-        symm_mem.enable_symm_mem_for_group(group_name)
-    buffer = symm_mem.empty(x.shape, dtype=x.dtype, device=x.device)
-    symm_mem.rendezvous(buffer, group_name)
-
-    def op() -> None:
-        buffer.copy_(x)
-        torch.ops.symm_mem.one_shot_all_reduce_out(buffer, "sum", group_name, x)
-
-    return op
 
 
 def allreduce(shape: str, size: int) -> None:
@@ -334,8 +321,14 @@ def copy_bandwidth() -> float:
     return rate
 
 
-def w1(model_dir: Path, size: int, burst: int) -> None:
-    engine = build_random(model_dir, size, max_num_seqs=8, max_decode_burst=burst)
+def w1(model_dir: Path, size: int, burst: int, all_reduce: str) -> None:
+    engine = build_random(
+        model_dir,
+        size,
+        max_num_seqs=8,
+        max_decode_burst=burst,
+        one_shot_all_reduce=all_reduce == "one-shot",
+    )
     params = SamplingParams(temperature=0.0, max_tokens=256, ignore_eos=True)
     [prompt] = random_prompts(1, 128, seed=1)
     run_timed(engine, [prompt], SamplingParams(max_tokens=16, ignore_eos=True))  # warm-up
@@ -346,24 +339,37 @@ def w1(model_dir: Path, size: int, burst: int) -> None:
     ms = statistics.median(per_token) * 1e3
     rate = bytes_per_token(model_dir) / (ms * 1e-3)
     report(
-        f"W1 TP={size} decode ms/token (batch 1, 128+256)",
+        f"W1 TP={size}{_label(size, all_reduce)} decode ms/token (batch 1, 128+256)",
         f"{ms:.2f} ms ({1e3 / ms:.0f} tok/s); weights {rate / 1e12:.2f} TB/s = "
         f"{rate / (size * COPY_BW[0]):.0%} of {size} GPUs' copy bandwidth",
     )
     close(engine)
 
 
-def w2(model_dir: Path, size: int, num_requests: int, max_num_seqs: int, burst: int) -> None:
-    engine = build_random(model_dir, size, max_num_seqs=max_num_seqs, max_decode_burst=burst)
+def w2(
+    model_dir: Path, size: int, num_requests: int, max_num_seqs: int, burst: int, all_reduce: str
+) -> None:
+    engine = build_random(
+        model_dir,
+        size,
+        max_num_seqs=max_num_seqs,
+        max_decode_burst=burst,
+        one_shot_all_reduce=all_reduce == "one-shot",
+    )
     params = SamplingParams(temperature=0.0, max_tokens=256, ignore_eos=True)
     run_timed(engine, random_prompts(8, 512, seed=2), SamplingParams(max_tokens=8, ignore_eos=True))
     elapsed, _, num_out = run_timed(engine, random_prompts(num_requests, 512, seed=3), params)
     report(
-        f"W2 TP={size} output tok/s ({num_requests} × 512/256, max {max_num_seqs} running, "
+        f"W2 TP={size}{_label(size, all_reduce)} output tok/s ({num_requests} × 512/256, max "
+        f"{max_num_seqs} running, "
         f"{engine.block_manager.num_blocks} KV blocks)",
         f"{num_out / elapsed:,.0f} ({elapsed:.1f} s)",
     )
     close(engine)
+
+
+def _label(size: int, all_reduce: str) -> str:
+    return f", {all_reduce} all-reduce" if size > 1 else ""
 
 
 def main() -> None:
@@ -374,6 +380,12 @@ def main() -> None:
     parser.add_argument("--w2-requests", type=int, default=1024)
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--max-decode-burst", type=int, default=1)
+    parser.add_argument(
+        "--all-reduce",
+        default="one-shot",
+        help="the engine's all-reduces for W1/W2 under TP, comma-separated: one-shot (the "
+        "default: engine.one_shot_all_reduce), nccl",
+    )
     args = parser.parse_args()
     sizes = [int(s) for s in args.sizes.split(",")]
     workloads = set(args.workloads.split(","))
@@ -392,10 +404,18 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = write_config(Path(tmp), args.shape)
         for size in sizes:
-            if "W1" in workloads:
-                w1(model_dir, size, args.max_decode_burst)
-            if "W2" in workloads:
-                w2(model_dir, size, args.w2_requests, args.max_num_seqs, args.max_decode_burst)
+            for all_reduce in args.all_reduce.split(",") if size > 1 else ["nccl"]:
+                if "W1" in workloads:
+                    w1(model_dir, size, args.max_decode_burst, all_reduce)
+                if "W2" in workloads:
+                    w2(
+                        model_dir,
+                        size,
+                        args.w2_requests,
+                        args.max_num_seqs,
+                        args.max_decode_burst,
+                        all_reduce,
+                    )
     print(f"\n| {args.shape} random weights, bf16 | |\n|---|---|")
     print("\n".join(rows))
 

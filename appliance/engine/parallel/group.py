@@ -31,6 +31,7 @@ from appliance.engine.engine_settings import EngineSettings
 from appliance.engine.errors import EngineConfigError, TensorParallelError
 from appliance.engine.models.config import ModelConfig
 from appliance.engine.models.decoder import CausalLM
+from appliance.engine.parallel.all_reduce import AllReduce
 from appliance.engine.parallel.sharding import ShardPlan, connect_model, verify_divisible
 from appliance.engine.parallel.step_broadcast import Channels, StepBroadcast
 from appliance.engine.parallel.worker import SealedWeights, WorkerSpec, run_worker
@@ -56,8 +57,12 @@ class TensorParallelGroup:
         workers: list[BaseProcess],
         reports: list[Connection],
         rendezvous_dir: Path,
+        *,
+        one_shot_all_reduce: bool,
     ):
         self.plan = plan
+        self._one_shot_all_reduce = one_shot_all_reduce
+        self.all_reduce: AllReduce | None = None  # rank 0's, once connected
         self.channels = channels
         self._workers = workers
         self._reports = reports
@@ -145,11 +150,20 @@ class TensorParallelGroup:
             ) from exc
         plan = ShardPlan.for_model(ModelConfig.from_model_dir(model_dir), 0, size)
         logger.info("tensor parallelism: %d ranks on %s", size, ", ".join(map(str, devices)))
-        return cls(plan, channels, workers, reports, rendezvous_dir)
+        return cls(
+            plan,
+            channels,
+            workers,
+            reports,
+            rendezvous_dir,
+            one_shot_all_reduce=settings.one_shot_all_reduce,
+        )
 
     def connect(self, model: CausalLM) -> None:
         """Wire rank 0's loaded shard to the others (its all-reduces and all-gathers)."""
-        connect_model(model, self.plan, self.channels.data)
+        self.all_reduce = connect_model(
+            model, self.plan, self.channels.data, one_shot=self._one_shot_all_reduce
+        )
 
     @property
     def worker_pids(self) -> list[int]:
@@ -182,6 +196,8 @@ class TensorParallelGroup:
         self._wake_write.send_bytes(b"stop")
         if self._failure is None:
             self._send_stop()
+        if self.all_reduce is not None:
+            self.all_reduce.close()
         _leave_process_groups(polite=self._failure is None)
         for worker in self._workers:
             worker.join(_STOP_TIMEOUT_S)
@@ -239,6 +255,7 @@ _SETTINGS_FIELDS = {
     "max_num_batched_tokens",
     "enable_cuda_graphs",
     "tensor_parallel_size",
+    "one_shot_all_reduce",
     "triton_cache_dir",
 }
 

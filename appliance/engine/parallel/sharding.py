@@ -39,6 +39,7 @@ from appliance.engine.models.config import ModelConfig
 from appliance.engine.models.decoder import CausalLM
 from appliance.engine.models.layers import MLP
 from appliance.engine.models.sparse_moe import Experts, SparseMoeBlock
+from appliance.engine.parallel.all_reduce import AllReduce
 
 # Our parameter names (appliance.engine.models.loader) whose outputs (rows) are split.
 _SPLIT_ROWS = ("self_attn.qkv_proj", "mlp.gate_up_proj", "mlp.shared_expert.gate_up_proj")
@@ -185,14 +186,15 @@ class VocabParallelEmbedding(nn.Module):
         self.weight = nn.Parameter(torch.empty(num_embeddings, hidden_size))
         self.num_embeddings = num_embeddings
         self.vocab_start = vocab_start
-        self.group: dist.ProcessGroup | None = None  # set by connect_model
+        self.all_reduce: AllReduce | None = None  # set by connect_model
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         local = input_ids - self.vocab_start  # [T]
         inside = (local >= 0) & (local < self.num_embeddings)
         x = F.embedding(torch.where(inside, local, 0), self.weight)  # [T, hidden]
         x = x.masked_fill(~inside.unsqueeze(-1), 0)  # other ranks' tokens
-        dist.all_reduce(x, group=self.group)
+        assert self.all_reduce is not None, "connect_model wires the embedding's all-reduce"
+        self.all_reduce(x)
         return x
 
 
@@ -238,21 +240,27 @@ def _shard_sparse_block(block: SparseMoeBlock, config: ModelConfig, plan: ShardP
         _shard_mlp(block.shared_expert, config.moe.shared_expert_size // plan.size)
 
 
-def connect_model(model: CausalLM, plan: ShardPlan, group: dist.ProcessGroup) -> None:
+def connect_model(
+    model: CausalLM, plan: ShardPlan, group: dist.ProcessGroup, *, one_shot: bool = True
+) -> AllReduce | None:
     """After the weights are loaded: the all-reduces after each row-parallel projection and
     the embedding, and the all-gather of the logits. Every rank must then run the same forward
-    passes and `compute_logits` calls, in the same order."""
+    passes and `compute_logits` calls, in the same order. A collective (the all-reduce's
+    one-shot buffer, `one_shot`: parallel.all_reduce): every rank calls it alike. Returns the
+    all-reduce, for `AllReduce.close` before the group is left (None for one rank)."""
     if plan.size == 1:
-        return
+        return None
+    weight = model.embed_tokens.weight
+    all_reduce = AllReduce.for_group(group, weight.device, weight.dtype, one_shot=one_shot)
 
     def all_reduce_output(_module: nn.Module, _inputs: object, output: torch.Tensor) -> None:
-        dist.all_reduce(output, group=group)  # [T, hidden]: the sum of every rank's partial
+        all_reduce(output)  # [T, hidden]: the sum of every rank's partial
 
     for layer in model.layers:
         layer.self_attn.register_forward_hook(all_reduce_output)
         layer.mlp.register_forward_hook(all_reduce_output)
     assert isinstance(model.embed_tokens, VocabParallelEmbedding)
-    model.embed_tokens.group = group
+    model.embed_tokens.all_reduce = all_reduce
     local_logits = model.compute_logits
 
     def compute_logits(hidden: torch.Tensor) -> torch.Tensor:
@@ -263,3 +271,4 @@ def connect_model(model: CausalLM, plan: ShardPlan, group: dist.ProcessGroup) ->
         return torch.cat(parts, dim=-1)
 
     model.compute_logits = compute_logits  # type: ignore[method-assign]
+    return all_reduce

@@ -140,8 +140,8 @@ def _serve(spec: WorkerSpec) -> None:
             shard=plan,
             quantization=quantization,
         )
-    connect_model(model, plan, channels.data)
     settings = spec.settings
+    all_reduce = connect_model(model, plan, channels.data, one_shot=settings.one_shot_all_reduce)
     runner = ModelRunner(
         model,
         settings.block_size,
@@ -160,6 +160,8 @@ def _serve(spec: WorkerSpec) -> None:
     # Leave as rank 0 does after STOP (NCCL's teardown is collective), the graphs that
     # captured its collectives released first.
     runner.release_decode_graphs()
+    if all_reduce is not None:
+        all_reduce.close()
     dist.destroy_process_group()
 
 

@@ -127,6 +127,14 @@ def test_the_kv_pool_is_sized_per_gpu_with_half_the_kv_heads_each(engines) -> No
     assert cache_2.shape[1] == parallel.block_manager.num_blocks > 256
 
 
+def test_small_all_reduces_take_the_one_shot_kernel(engines) -> None:
+    """The engine's default on GPUs that map each other's memory (parallel.all_reduce): the
+    comparisons above ran through it, prefill chunks of 64 rows and graph-replayed decode."""
+    _, parallel = engines
+    assert parallel.group is not None and parallel.group.all_reduce is not None
+    assert parallel.group.all_reduce.one_shot
+
+
 def test_closing_leaves_nccl_with_the_workers_and_another_engine_starts(
     engines, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -142,6 +150,9 @@ def test_closing_leaves_nccl_with_the_workers_and_another_engine_starts(
     config = EngineConfig(model_dir=model_dir, tensor_parallel_size=2, num_kv_blocks=64, **SETTINGS)
     again = Engine.load(config, None, lambda shard: _load(model_dir, shard))
     try:
+        # The first engine's symmetric memory is gone with its group; the new one maps its own.
+        assert again.group is not None and again.group.all_reduce is not None
+        assert again.group.all_reduce.one_shot
         [completion] = again.generate(
             [prompt_ids(16)], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
         )
