@@ -29,6 +29,10 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+# How long shutdown waits for an engine thread that failed by another's report (a dead
+# tensor-parallel worker): it may be stuck in a GPU kernel waiting for that peer, for good.
+_FAILED_JOIN_S = 10.0
+
 
 class EngineDeadError(EngineError):
     """The engine thread stopped on an unexpected error; no request can be served."""
@@ -58,6 +62,7 @@ class AsyncEngine:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
+        self._failing = threading.Lock()
         self._failed: asyncio.Future[BaseException] | None = None
 
     async def __aenter__(self) -> AsyncEngine:
@@ -88,20 +93,27 @@ class AsyncEngine:
 
     @property
     def is_running(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
+        return self._thread is not None and self._thread.is_alive() and self._error is None
 
     def start(self) -> None:
         self._loop = asyncio.get_running_loop()
         self._failed = self._loop.create_future()
         self._thread = threading.Thread(target=self._run, name="inferno-engine", daemon=True)
         self._thread.start()
+        if self._engine.group is not None:
+            # A dead worker fails the engine at once, from the group's watch, even while the
+            # engine thread is held in a GPU kernel that waits for the dead peer (a one-shot
+            # all-reduce's barrier, which no abort ends): clients and /health learn it now.
+            self._engine.group.on_failure(self._fail)
 
     async def shutdown(self) -> None:
         """Stop the engine thread; requests still running end with an abort."""
         if self._thread is None:
             return
         self._commands.put(None)
-        await asyncio.to_thread(self._thread.join)
+        await asyncio.to_thread(self._thread.join, None if self._error is None else _FAILED_JOIN_S)
+        if self._thread.is_alive():
+            logger.warning("the failed engine thread did not end; leaving it to the process exit")
         self._thread = None
 
     async def wait_failed(self) -> BaseException:
@@ -205,12 +217,20 @@ class AsyncEngine:
                 self._deliver(engine.step())
         except BaseException as exc:  # the thread must report, whatever went wrong
             logger.exception("engine thread failed")
+            self._fail(exc)
+
+    def _fail(self, exc: BaseException) -> None:
+        """The engine serves no more: every stream ends with `exc`, `wait_failed` returns it.
+        From the engine thread or the tensor-parallel watch; the first report wins."""
+        with self._failing:
+            if self._error is not None:
+                return
             self._error = exc
-            if self._loop is not None:
-                with contextlib.suppress(RuntimeError):  # the event loop is already closed
-                    self._loop.call_soon_threadsafe(self._set_failed, exc)
-            for rid in list(self._streams):
-                self._push(rid, exc)
+        if self._loop is not None:
+            with contextlib.suppress(RuntimeError):  # the event loop is already closed
+                self._loop.call_soon_threadsafe(self._set_failed, exc)
+        for rid in list(self._streams):
+            self._push(rid, exc)
 
     def _set_failed(self, exc: BaseException) -> None:
         if self._failed is not None and not self._failed.done():

@@ -20,6 +20,7 @@ import os
 import shutil
 import tempfile
 import threading
+from collections.abc import Callable
 from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
 from pathlib import Path
@@ -68,6 +69,8 @@ class TensorParallelGroup:
         self._reports = reports
         self._rendezvous_dir = rendezvous_dir
         self._failure: TensorParallelError | None = None
+        self._failure_lock = threading.Lock()
+        self._on_failure: list[Callable[[TensorParallelError], None]] = []
         self._closing = threading.Event()
         self._wake_read, self._wake_write = multiprocessing.Pipe(duplex=False)
         self.broadcast = StepBroadcast(channels, leader=True, failure=self.failure)
@@ -170,12 +173,28 @@ class TensorParallelGroup:
         return [w.pid for w in self._workers if w.pid is not None]
 
     def fail(self, error: TensorParallelError) -> TensorParallelError:
-        """Record that the group is broken (a step timed out on a worker that hangs alive):
-        every later announcement raises the recorded error; `close` kills the workers."""
-        if self._failure is None:
+        """Record that the group is broken (a worker died, or a step timed out on one that
+        hangs alive): every later announcement raises the recorded error, the `on_failure`
+        callbacks run; `close` kills the workers."""
+        with self._failure_lock:
+            if self._failure is not None:
+                return self._failure
             self._failure = error
-            logger.error("%s", error)
-        return self._failure
+            callbacks = list(self._on_failure)
+        logger.error("%s", error)
+        for callback in callbacks:
+            callback(error)
+        return error
+
+    def on_failure(self, callback: Callable[[TensorParallelError], None]) -> None:
+        """Call `callback(error)` once the group breaks (at once if it has): from the thread
+        that notices, typically the watch."""
+        with self._failure_lock:
+            failure = self._failure
+            if failure is None:
+                self._on_failure.append(callback)
+        if failure is not None:
+            callback(failure)
 
     def failure(self, grace_s: float = 0.0) -> TensorParallelError | None:
         """Why a worker died, if one did; waits up to `grace_s` for the watch to see it."""

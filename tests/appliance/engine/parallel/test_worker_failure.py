@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import threading
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -81,6 +82,49 @@ def test_a_killed_worker_stops_the_async_engine_and_ends_its_streams(tiny_dir: P
     try:
         asyncio.run(main())
     finally:
+        engine.close()
+
+
+def test_a_killed_worker_fails_the_async_engine_even_while_its_thread_is_held(
+    tiny_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On GPUs a step can wait for a dead peer where no abort reaches it (a one-shot
+    all-reduce's barrier spins on the GPU): the group's watch fails the engine by itself, the
+    streams end, /health turns, and shutdown returns."""
+    from appliance.engine import async_engine as async_module
+
+    monkeypatch.setattr(async_module, "_FAILED_JOIN_S", 0.5)
+    engine = build_engine(tiny_dir, 2)
+    release = threading.Event()
+    real_step = engine.step
+    steps = 0
+
+    def step():
+        nonlocal steps
+        steps += 1
+        if steps > 2:  # held as a GPU wait on the dead peer would hold it
+            release.wait()
+        return real_step()
+
+    monkeypatch.setattr(engine, "step", step)
+
+    async def main() -> None:
+        ae = AsyncEngine(engine)
+        ae.start()
+        params = SamplingParams(temperature=0.0, max_tokens=100_000, ignore_eos=True)
+        stream = ae.generate("r", prompt_ids(5), params)
+        with pytest.raises(EngineDeadError) as caught:
+            await _kill_worker_while_streaming(engine, stream)
+        assert isinstance(caught.value.__cause__, TensorParallelError)
+        assert not ae.is_running and ae.has_failed  # /health: 503 "stopped"
+        async with asyncio.timeout(5):
+            assert isinstance(await ae.wait_failed(), TensorParallelError)
+            await ae.shutdown()  # bounded, though the engine thread is still held
+
+    try:
+        asyncio.run(main())
+    finally:
+        release.set()
         engine.close()
 
 
