@@ -321,14 +321,7 @@ def copy_bandwidth() -> float:
     return rate
 
 
-def w1(model_dir: Path, size: int, burst: int, all_reduce: str) -> None:
-    engine = build_random(
-        model_dir,
-        size,
-        max_num_seqs=8,
-        max_decode_burst=burst,
-        one_shot_all_reduce=all_reduce == "one-shot",
-    )
+def w1(engine: Engine, model_dir: Path, size: int) -> None:
     params = SamplingParams(temperature=0.0, max_tokens=256, ignore_eos=True)
     [prompt] = random_prompts(1, 128, seed=1)
     run_timed(engine, [prompt], SamplingParams(max_tokens=16, ignore_eos=True))  # warm-up
@@ -339,37 +332,31 @@ def w1(model_dir: Path, size: int, burst: int, all_reduce: str) -> None:
     ms = statistics.median(per_token) * 1e3
     rate = bytes_per_token(model_dir) / (ms * 1e-3)
     report(
-        f"W1 TP={size}{_label(size, all_reduce)} decode ms/token (batch 1, 128+256)",
+        f"W1 TP={size}{_label(engine)} decode ms/token (batch 1, 128+256)",
         f"{ms:.2f} ms ({1e3 / ms:.0f} tok/s); weights {rate / 1e12:.2f} TB/s = "
         f"{rate / (size * COPY_BW[0]):.0%} of {size} GPUs' copy bandwidth",
     )
-    close(engine)
 
 
-def w2(
-    model_dir: Path, size: int, num_requests: int, max_num_seqs: int, burst: int, all_reduce: str
-) -> None:
-    engine = build_random(
-        model_dir,
-        size,
-        max_num_seqs=max_num_seqs,
-        max_decode_burst=burst,
-        one_shot_all_reduce=all_reduce == "one-shot",
-    )
+def w2(engine: Engine, size: int, num_requests: int) -> None:
     params = SamplingParams(temperature=0.0, max_tokens=256, ignore_eos=True)
     run_timed(engine, random_prompts(8, 512, seed=2), SamplingParams(max_tokens=8, ignore_eos=True))
     elapsed, _, num_out = run_timed(engine, random_prompts(num_requests, 512, seed=3), params)
     report(
-        f"W2 TP={size}{_label(size, all_reduce)} output tok/s ({num_requests} × 512/256, max "
-        f"{max_num_seqs} running, "
-        f"{engine.block_manager.num_blocks} KV blocks)",
+        f"W2 TP={size}{_label(engine)} output tok/s ({num_requests} × 512/256, max "
+        f"{engine.scheduler.config.max_num_seqs} running, {engine.block_manager.num_blocks} KV "
+        "blocks)",
         f"{num_out / elapsed:,.0f} ({elapsed:.1f} s)",
     )
-    close(engine)
 
 
-def _label(size: int, all_reduce: str) -> str:
-    return f", {all_reduce} all-reduce" if size > 1 else ""
+def _label(engine: Engine) -> str:
+    """Which all-reduce the engine took (a process's second one-shot engine takes NCCL:
+    appliance.engine.parallel.all_reduce)."""
+    if engine.group is None:
+        return ""
+    assert engine.group.all_reduce is not None
+    return f", {'one-shot' if engine.group.all_reduce.one_shot else 'NCCL'} all-reduce"
 
 
 def main() -> None:
@@ -384,7 +371,8 @@ def main() -> None:
         "--all-reduce",
         default="one-shot",
         help="the engine's all-reduces for W1/W2 under TP, comma-separated: one-shot (the "
-        "default: engine.one_shot_all_reduce), nccl",
+        "default: engine.one_shot_all_reduce), nccl. A process maps one one-shot engine: list "
+        "one-shot first",
     )
     args = parser.parse_args()
     sizes = [int(s) for s in args.sizes.split(",")]
@@ -404,18 +392,21 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = write_config(Path(tmp), args.shape)
         for size in sizes:
+            if not {"W1", "W2"} & workloads:
+                break
             for all_reduce in args.all_reduce.split(",") if size > 1 else ["nccl"]:
+                engine = build_random(
+                    model_dir,
+                    size,
+                    max_num_seqs=args.max_num_seqs,
+                    max_decode_burst=args.max_decode_burst,
+                    one_shot_all_reduce=all_reduce == "one-shot",
+                )
                 if "W1" in workloads:
-                    w1(model_dir, size, args.max_decode_burst, all_reduce)
+                    w1(engine, model_dir, size)
                 if "W2" in workloads:
-                    w2(
-                        model_dir,
-                        size,
-                        args.w2_requests,
-                        args.max_num_seqs,
-                        args.max_decode_burst,
-                        all_reduce,
-                    )
+                    w2(engine, size, args.w2_requests)
+                close(engine)
     print(f"\n| {args.shape} random weights, bf16 | |\n|---|---|")
     print("\n".join(rows))
 

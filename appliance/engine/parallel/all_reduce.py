@@ -52,14 +52,21 @@ class AllReduce:
         mapped its buffer."""
         if not (one_shot and device.type == "cuda" and dtype in _ONE_SHOT_DTYPES):
             return cls(group)
+        # PyTorch keeps the store of the first group it mapped under a name, and a process
+        # group made after the last one was destroyed gets the old name again: a second
+        # rendezvous under it would wait on a store that is gone. Such a process (a benchmark
+        # running engines one after another; the server builds one) uses NCCL.
+        name = group.group_name
+        if not _all_ranks(name not in _MAPPED_GROUP_NAMES, group, device):
+            logger.info("one-shot all-reduce: group %r was mapped before; NCCL only", name)
+            return cls(group)
+        _MAPPED_GROUP_NAMES.add(name)
         buffer: torch.Tensor | None = None
         try:
             buffer = _symmetric_buffer(group, device, dtype)
         except Exception as exc:  # any failure to map peers' memory: NCCL instead, below
             logger.warning("one-shot all-reduce unavailable (%s); NCCL all-reduces only", exc)
-        mapped = torch.tensor([buffer is not None], dtype=torch.int32, device=device)
-        dist.all_reduce(mapped, op=dist.ReduceOp.MIN, group=group)
-        if not mapped.item():
+        if not _all_ranks(buffer is not None, group, device):
             return cls(group)
         logger.info("one-shot all-reduce for messages up to %d KiB", ONE_SHOT_MAX_BYTES >> 10)
         return cls(group, buffer)
@@ -75,7 +82,6 @@ class AllReduce:
             or nbytes > ONE_SHOT_MAX_BYTES
             or nbytes % _ALIGNMENT
             or x.dtype != self._buffer.dtype
-            or not x.is_contiguous()
         ):
             dist.all_reduce(x, group=self.group)
             return
@@ -91,6 +97,15 @@ class AllReduce:
 
 
 _ONE_SHOT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+# The group names this process has mapped symmetric memory under (see `for_group`).
+_MAPPED_GROUP_NAMES: set[str] = set()
+
+
+def _all_ranks(true_here: bool, group: dist.ProcessGroup, device: torch.device) -> bool:
+    """Whether `true_here` holds on every rank of `group` (a collective)."""
+    flag = torch.tensor([true_here], dtype=torch.int32, device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
+    return bool(flag.item())
 
 
 def _symmetric_buffer(

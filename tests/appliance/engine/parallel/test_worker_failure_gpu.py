@@ -4,7 +4,9 @@ one-shot all-reduce's barrier (the watch fails the engine around the held thread
 
     NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 \\
         python -m pytest -m gpu -o log_cli=true --log-cli-level=INFO \\
-        tests/appliance/engine/parallel/
+        tests/appliance/engine/parallel/test_worker_failure_gpu.py
+
+In a process of its own (test_tensor_parallel_gpu.py says why).
 """
 
 from __future__ import annotations
@@ -68,6 +70,7 @@ def test_a_killed_worker_stops_the_gpu_engine_with_an_error_naming_it(
         device="cuda",
         tensor_parallel_size=2,
         max_num_seqs=8,
+        num_kv_blocks=64,  # the engine of the other parametrization may still hold GPU 0
         one_shot_all_reduce=one_shot,
     )
     engine = Engine.load(
