@@ -113,9 +113,16 @@ def build_random(model_dir: Path, size: int, **overrides) -> Engine:
 
 
 def close(engine: Engine) -> None:
+    """Close and drop what the engine holds on the GPUs; the caller then drops the engine
+    (the weights go with it) and calls `free_gpu_memory`."""
     engine.close()
     engine.runner.kv_caches.clear()
     engine.runner.graphs = None
+
+
+def free_gpu_memory() -> None:
+    """Give the allocator's cached blocks back, so that the next engine's profile counts
+    them as free."""
     gc.collect()
     torch.cuda.empty_cache()
 
@@ -180,7 +187,8 @@ def correctness(size: int) -> None:
             engine.generate(random_prompts(1, 256, seed=5), params)
             logits.append(torch.cat([t for t in recorded if t.shape[0] > 1]))
             close(engine)
-            del model
+            del model, engine
+            free_gpu_memory()
         expected, got = logits
         scale = expected.abs().max().item()
         diff = (got - expected).abs()
@@ -350,6 +358,26 @@ def w2(engine: Engine, size: int, num_requests: int) -> None:
     )
 
 
+def workloads_on_one_engine(
+    model_dir: Path, size: int, all_reduce: str, workloads: set[str], args: argparse.Namespace
+) -> None:
+    """W1 and W2 on one engine (its memory is free again on return, for the next)."""
+    engine = build_random(
+        model_dir,
+        size,
+        max_num_seqs=args.max_num_seqs,
+        max_decode_burst=args.max_decode_burst,
+        one_shot_all_reduce=all_reduce == "one-shot",
+    )
+    if "W1" in workloads:
+        w1(engine, model_dir, size)
+    if "W2" in workloads:
+        w2(engine, size, args.w2_requests)
+    close(engine)
+    del engine
+    free_gpu_memory()
+
+
 def _label(engine: Engine) -> str:
     """Which all-reduce the engine took (a process's second one-shot engine takes NCCL:
     appliance.engine.parallel.all_reduce)."""
@@ -395,18 +423,7 @@ def main() -> None:
             if not {"W1", "W2"} & workloads:
                 break
             for all_reduce in args.all_reduce.split(",") if size > 1 else ["nccl"]:
-                engine = build_random(
-                    model_dir,
-                    size,
-                    max_num_seqs=args.max_num_seqs,
-                    max_decode_burst=args.max_decode_burst,
-                    one_shot_all_reduce=all_reduce == "one-shot",
-                )
-                if "W1" in workloads:
-                    w1(engine, model_dir, size)
-                if "W2" in workloads:
-                    w2(engine, size, args.w2_requests)
-                close(engine)
+                workloads_on_one_engine(model_dir, size, all_reduce, workloads, args)
     print(f"\n| {args.shape} random weights, bf16 | |\n|---|---|")
     print("\n".join(rows))
 

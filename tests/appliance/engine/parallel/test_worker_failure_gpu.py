@@ -70,7 +70,7 @@ def test_a_killed_worker_stops_the_gpu_engine_with_an_error_naming_it(
         device="cuda",
         tensor_parallel_size=2,
         max_num_seqs=8,
-        num_kv_blocks=64,  # the engine of the other parametrization may still hold GPU 0
+        num_kv_blocks=256,  # the other parametrization's engine may still hold GPU 0
         one_shot_all_reduce=one_shot,
     )
     engine = Engine.load(
