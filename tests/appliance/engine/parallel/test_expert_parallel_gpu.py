@@ -1,12 +1,15 @@
-"""Expert parallelism on 2 GPUs (NCCL, the Triton fused MoE kernel over each rank's experts,
-CUDA graphs with the all-reduces captured inside), bf16, against one GPU on the same random
-Qwen3-MoE and gpt-oss checkpoints.
+"""Expert parallelism on 2 GPUs (the Triton fused MoE kernel over each rank's experts, the
+all-reduces, CUDA graphs with them captured inside) against one GPU on the same random
+Qwen3-MoE and gpt-oss checkpoints, in float32.
 
-The bound is tensor parallelism's (test_tensor_parallel_gpu.py): each rank rounds its experts'
-part of the weighted sum to bf16 before the all-reduce adds the parts, where one GPU rounds
-the whole sum once; every compared logit within 5% of the largest logit's magnitude, the
-argmax agreeing at 95% of prompt positions or more. A wrong expert map (another rank's expert
-run, or one run twice) or a bias added on both ranks misses that by the logits' own scale.
+Not bf16, as the dense test is: the router picks its top-k from logits that two GPUs round
+differently in bf16 (each rank rounds its part of a sum that one GPU rounds whole), and a
+random router's logits nearly tie, so a token takes another expert on one side and its hidden
+state, and every logit after, moves by the logits' own scale (the first H200 run: 47% of the
+scale at one prompt position, argmax 89.5%). In float32 the sums differ in their last bits
+only and no choice flips: every compared logit within 0.1% of the largest logit's magnitude,
+the argmax equal everywhere. A wrong expert map (another rank's expert run, or one run twice)
+or a bias added on both ranks misses that by the logits' own scale.
 
     NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 \\
         python -m pytest -m gpu -o log_cli=true --log-cli-level=INFO \\
@@ -25,14 +28,7 @@ from appliance.engine.sampling_params import SamplingParams
 
 from .gpu_models import MOE_ARCHITECTURES, save_gpu_moe_model
 from .test_tensor_parallel import prompt_ids
-from .test_tensor_parallel_gpu import (
-    ARGMAX_AGREEMENT,
-    RELATIVE_BOUND,
-    SETTINGS,
-    _check,
-    _load,
-    _run,
-)
+from .test_tensor_parallel_gpu import SETTINGS, _check, _load, _run
 
 pytestmark = [
     pytest.mark.gpu,
@@ -40,20 +36,21 @@ pytestmark = [
 ]
 
 
+FLOAT32_BOUND = 1e-3
+
+
 @pytest.fixture(scope="module", params=MOE_ARCHITECTURES)
 def engines(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[tuple[Engine, Engine]]:
     model_dir = save_gpu_moe_model(tmp_path_factory.mktemp("ep-gpu"), request.param)
+    # Fixed pools: sized from free memory they would depend on what the other model's left.
+    settings = {**SETTINGS, "dtype": "float32", "num_kv_blocks": 256}
     single = Engine.build(
-        EngineConfig(model_dir=model_dir, num_kv_blocks=256, **SETTINGS),
-        _load(model_dir, None),
-        None,
+        EngineConfig(model_dir=model_dir, **settings), _load(model_dir, None, torch.float32), None
     )
-    config = EngineConfig(
-        model_dir=model_dir, tensor_parallel_size=2, gpu_memory_utilization=0.5, **SETTINGS
-    )
-    parallel = Engine.load(config, None, lambda shard: _load(model_dir, shard))
+    config = EngineConfig(model_dir=model_dir, tensor_parallel_size=2, **settings)
+    parallel = Engine.load(config, None, lambda shard: _load(model_dir, shard, torch.float32))
     yield single, parallel
     parallel.close()
 
@@ -73,29 +70,18 @@ def test_prefill_and_chunked_prefill_logits_match_one_gpu(engines) -> None:
     params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=1)
     (_, single), (_, parallel) = (_run(e, [prompt_ids(200)], params) for e in engines)
     assert [t.shape for t in single] == [t.shape for t in parallel]
-    agree = _check("prefill", torch.cat(single), torch.cat(parallel))
-    assert agree >= ARGMAX_AGREEMENT
+    agree = _check("prefill", torch.cat(single), torch.cat(parallel), FLOAT32_BOUND)
+    assert agree == 1.0
 
 
 def test_decode_steps_from_cuda_graphs_match_one_gpu(engines) -> None:
-    """Greedy decode of three sequences (CUDA graphs on both). Runs on one and two GPUs may
-    part at a bf16 tie (test_tensor_parallel_gpu.py), so each sequence is compared step by step
-    up to where its tokens part, which is allowed only between tokens within the bound."""
+    """Greedy decode of three sequences (CUDA graphs on both): the same tokens, and the same
+    logits within the bound at every step."""
     _, parallel_engine = engines
     assert parallel_engine.runner.graphs is not None and parallel_engine.runner.graphs.max_batch
     prompts = [prompt_ids(n, offset=k) for k, n in ((3, 5), (40, 17), (90, 33))]
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
-    (_, single), (_, parallel) = (_run(e, prompts, params) for e in engines)
+    (tokens_1, single), (tokens_2, parallel) = (_run(e, prompts, params) for e in engines)
+    assert tokens_1 == tokens_2
     assert [s.shape for s in single] == [p.shape for p in parallel]
-    expected, got = [], []
-    for row in range(len(prompts)):
-        for one, two in zip(single, parallel, strict=True):
-            if one[row].argmax() != two[row].argmax():
-                scale = one[row].abs().max().item()
-                gap = (one[row].max() - one[row][two[row].argmax()]).item()
-                assert gap <= RELATIVE_BOUND * scale, f"row {row} parted {gap:.3f} from the max"
-                break
-            expected.append(one[row])
-            got.append(two[row])
-    assert len(expected) >= 12, f"only {len(expected)} row-steps before the runs parted"
-    _check(f"decode ({len(expected)} row-steps)", torch.stack(expected), torch.stack(got))
+    _check("decode", torch.cat(single), torch.cat(parallel), FLOAT32_BOUND)
