@@ -131,6 +131,14 @@ class HarmonyFormat:
         verify_vocabulary(encoding)
         return cls(encoding)
 
+    @classmethod
+    def of_model(cls, architectures: Iterable[str]) -> HarmonyFormat | None:
+        """The format, loaded (`load`), for a model whose config.json `architectures` write
+        harmony (gpt-oss); None for any other model, whose chat template renders its
+        conversations. The one place a served model (appliance.api.models) and `inferno
+        generate --chat` choose harmony."""
+        return cls.load() if HARMONY_ARCHITECTURES.intersection(architectures) else None
+
     def render(
         self,
         messages: Sequence[ChatMessage],
