@@ -48,10 +48,10 @@ from openai_harmony import (
     load_harmony_encoding,
 )
 
-from appliance.api.errors import APIError
+from appliance.api.errors import APIError, unsupported
 from appliance.api.parsed_output import OutputEvent, WholeOutput, whole_output
 from appliance.api.reasoning_parsers import Reasoning
-from appliance.api.schemas import ChatMessage, FunctionTool
+from appliance.api.schemas import ChatMessage, FunctionTool, ToolChoice
 from appliance.api.tool_parsers import Content, call_from
 from appliance.api.tools import IdentifiedCall, ToolUse, message_text
 from appliance.engine.errors import ModelLoadError
@@ -103,6 +103,25 @@ def verify_vocabulary(encoding: HarmonyEncoding) -> None:
             f"the harmony library's o200k_base vocabulary has SHA-256 {digest}, not the "
             f"published {O200K_BASE_SHA256}: reinstall the appliance's pinned oss-harmony wheel "
             "(and unset TIKTOKEN_ENCODINGS_BASE, which points the library at another copy)"
+        )
+
+
+def verify_harmony_request(tool_choice: ToolChoice | None, structure_field: str | None) -> None:
+    """Refuse, by name, what neither chat completions nor the Responses API can have of
+    gpt-oss's harmony format: forced calls (`tool_choice` other than auto or none) and an
+    output structure (`structure_field`: the request's field that asks for one; None: none
+    does). Each endpoint refuses its own other fields."""
+    if tool_choice not in (None, "auto", "none"):
+        raise unsupported(
+            "tool_choice",
+            "gpt-oss writes its calls in the harmony format, after its reasoning, where a "
+            "grammar cannot force them: give 'auto' or 'none'",
+        )
+    if structure_field is not None:
+        raise unsupported(
+            structure_field,
+            "gpt-oss writes the harmony format (headers, reasoning, then the answer), which an "
+            "output structure holding from the first token would forbid",
         )
 
 
