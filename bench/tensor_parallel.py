@@ -30,7 +30,6 @@ The sizes run one after another in this process (one tensor-parallel world at a 
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import os
 import statistics
@@ -45,6 +44,9 @@ from gpu_engine import (  # bench/, the script's own directory
     GPT_OSS_20B,
     LLAMA_31_8B,
     QWEN3_30B_A3B,
+    random_prompts,
+    release,
+    run_timed,
     weight_bytes,
 )
 
@@ -114,29 +116,7 @@ def build_random(model_dir: Path, size: int, **overrides) -> Engine:
 
 def close(engine: Engine) -> None:
     engine.close()
-    engine.runner.kv_caches.clear()
-    engine.runner.graphs = None
-    gc.collect()
-    torch.cuda.empty_cache()
-
-
-def random_prompts(n: int, length: int, seed: int) -> list[list[int]]:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(0, LLAMA_31_8B["vocab_size"], (n, length), generator=g).tolist()
-
-
-def run_timed(engine: Engine, prompts: list[list[int]], params: SamplingParams):
-    start = time.perf_counter()
-    ids = [f"b{i}-{time.monotonic_ns()}" for i in range(len(prompts))]
-    for rid, p in zip(ids, prompts, strict=True):
-        engine.add_request(rid, p, params)
-    first: dict[str, float] = {}
-    num_out = 0
-    while engine.has_unfinished():
-        for out in engine.step():
-            first.setdefault(out.request_id, time.perf_counter() - start)
-            num_out += len(out.token_ids)
-    return time.perf_counter() - start, [first[r] for r in ids], num_out
+    release(engine)
 
 
 def correctness(size: int) -> None:
