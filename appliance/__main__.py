@@ -137,7 +137,12 @@ def _parser() -> argparse.ArgumentParser:
         "--model", required=True, type=_model_dir, metavar="DIR", help="model directory"
     )
     gen.add_argument("--prompt", required=True, help="prompt text (a user message with --chat)")
-    gen.add_argument("--chat", action="store_true", help="apply the model's chat template")
+    gen.add_argument(
+        "--chat",
+        action="store_true",
+        help="render the prompt as a user message, as the API does (gpt-oss: harmony, "
+        "printing only the final answer)",
+    )
     gen.add_argument(
         "--tensor-parallel-size",
         type=_tensor_parallel_size,
@@ -326,17 +331,52 @@ def _load_engine(model_dir: Path, device: str, tensor_parallel_size: int = 1) ->
 def _run_generate(args: argparse.Namespace) -> int:
     params = _sampling_params(args)
     engine = _load_engine(args.model, args.device, args.tensor_parallel_size)
-    prompt: str | list[int] = args.prompt
     try:
         if args.chat:
-            prompt = engine.tokenizer.encode_chat([{"role": "user", "content": args.prompt}])
-        [completion] = engine.generate([prompt], params)
+            text = _chat_answer(engine, args.model, args.prompt, params)
+        else:
+            [completion] = engine.generate([args.prompt], params)
+            text = completion.text
     finally:
         engine.close()
-    sys.stdout.write(completion.text)
+    sys.stdout.write(text)
     if sys.stdout.isatty():
         sys.stdout.write("\n")
     return 0
+
+
+def _chat_answer(engine: Engine, model_dir: Path, prompt: str, params: SamplingParams) -> str:
+    """The model's answer to `prompt` as a user message, rendered as the API renders a chat:
+    gpt-oss's through the harmony library (appliance.api.harmony, chosen as the API chooses it),
+    whose parse of the output gives the final channel's text, never the reasoning; any other
+    model's through its chat template, the output as it comes."""
+    import dataclasses
+    from datetime import UTC, datetime
+
+    from appliance.api.harmony import HarmonyFormat
+    from appliance.api.models import config_architectures
+    from appliance.api.schemas import ChatMessage
+
+    harmony = HarmonyFormat.of_model(config_architectures(model_dir / "config.json"))
+    if harmony is None:
+        chat = engine.tokenizer.encode_chat([{"role": "user", "content": prompt}])
+        [completion] = engine.generate([chat], params)
+        return completion.text
+    rendered = harmony.render(
+        [ChatMessage(role="user", content=prompt)],
+        tools=None,
+        reasoning_effort=None,
+        today=datetime.now(UTC).date(),
+        param="prompt",
+    )
+    params = dataclasses.replace(
+        params, stop_token_ids=(*params.stop_token_ids, *harmony.stop_token_ids)
+    )
+    [completion] = engine.generate([rendered], params)
+    output = harmony.output(None).whole(completion.text, completion.token_ids)
+    if not output.content and output.reasoning and completion.finish_reason == "length":
+        _log.warning("the model was still reasoning when --max-tokens ran out: raise it")
+    return output.content or ""
 
 
 def _run_import_gguf(args: argparse.Namespace) -> int:

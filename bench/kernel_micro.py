@@ -60,6 +60,24 @@ def ceilings() -> tuple[float, float]:
     return 4 * src.numel() / (copy_ms * 1e-3), 2 * 8192**3 / (mm_ms * 1e-3)
 
 
+def print_header() -> tuple[float, float]:
+    """Print what the run's figures were measured on (device, torch and triton versions, the
+    commit: INFERNO_COMMIT or git's) and the ceilings measured now; return those ceilings
+    (copy bytes/s, bf16 matmul FLOP/s)."""
+    props = torch.cuda.get_device_properties(0)
+    commit = (
+        os.environ.get("INFERNO_COMMIT")
+        or subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False
+        ).stdout.strip()
+    )
+    print(f"device {props.name}, torch {torch.__version__}, triton {triton.__version__}")
+    print(f"commit {commit}")
+    copy_bw, matmul_rate = ceilings()
+    print(f"ceilings: copy {copy_bw / 1e12:.2f} TB/s, bf16 matmul {matmul_rate / 1e12:.0f} TFLOP/s")
+    return copy_bw, matmul_rate
+
+
 def paged_inputs(seq_lens: list[int], query_lens: list[int]):
     """Random q and a KV pool with each sequence's blocks scattered over it."""
     blocks_per_seq = [-(-n // BLOCK) for n in seq_lens]
@@ -556,17 +574,7 @@ def main() -> None:
     parser.add_argument("--sweep-attention", action="store_true")
     args = parser.parse_args()
     torch.manual_seed(int.from_bytes(os.urandom(4), "little"))  # fresh inputs every run
-    props = torch.cuda.get_device_properties(0)
-    commit = (
-        os.environ.get("INFERNO_COMMIT")
-        or subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False
-        ).stdout.strip()
-    )
-    print(f"device {props.name}, torch {torch.__version__}, triton {triton.__version__}")
-    print(f"commit {commit}")
-    copy_bw, matmul_rate = ceilings()
-    print(f"ceilings: copy {copy_bw / 1e12:.2f} TB/s, bf16 matmul {matmul_rate / 1e12:.0f} TFLOP/s")
+    copy_bw, matmul_rate = print_header()
     if args.fp8_kv or args.sweep_attention:
         rates = (matmul_rate, fp8_matmul_rate())
         print(f"ceiling: FP8 matmul {rates[1] / 1e12:.0f} TFLOP/s")

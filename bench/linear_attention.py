@@ -18,7 +18,6 @@ modeling file's `torch_recurrent_gated_delta_rule`, `torch_chunk_gated_delta_rul
 from __future__ import annotations
 
 import os
-import subprocess
 from collections.abc import Iterator
 
 import torch
@@ -30,7 +29,7 @@ from transformers.models.qwen3_5.modeling_qwen3_5 import (
     torch_recurrent_gated_delta_rule,
 )
 
-from bench.kernel_micro import ceilings, graph_time
+from bench.kernel_micro import graph_time, print_header
 from kernels.causal_conv1d import causal_conv1d
 from kernels.gated_delta_rule import gated_delta_rule
 from kernels.ops import RecurrentStateMetadata
@@ -211,17 +210,7 @@ def prefill(batch: int = 8, length: int = 2048) -> Iterator[str]:
 
 def main() -> None:
     torch.manual_seed(int.from_bytes(os.urandom(4), "little"))  # fresh inputs every run
-    props = torch.cuda.get_device_properties(0)
-    commit = (
-        os.environ.get("INFERNO_COMMIT")
-        or subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False
-        ).stdout.strip()
-    )
-    print(f"device {props.name}, torch {torch.__version__}, triton {triton.__version__}")
-    print(f"commit {commit}")
-    copy_bw, matmul_rate = ceilings()
-    print(f"ceilings: copy {copy_bw / 1e12:.2f} TB/s, bf16 matmul {matmul_rate / 1e12:.0f} TFLOP/s")
+    copy_bw, _ = print_header()
     # Rows print as they come (between the checks' lines): a run cut short keeps what it timed.
     print("\n| decode step | median time | state bytes | achieved |\n|---|---|---|---|")
     for batch in (1, 64, 256):

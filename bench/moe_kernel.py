@@ -7,7 +7,8 @@ replayed in a CUDA graph (the launches' CPU cost hidden), and report the expert 
 reads (each chosen expert's gate/up and down once) per second against the copy bandwidth
 measured in the same run; prefill batches are timed eagerly and report FLOP/s against the
 bf16 matmul rate. `--sweep` times a grid of tiles per batch (the GEMV path's too, where the
-table could pick it) and prints the fastest, for the table in kernels/moe.py.
+table could pick it) and prints the fastest, for the tiles in kernels/moe.py and
+kernels/moe_gemv.py.
 
     python bench/moe_kernel.py [--sweep] [--batches 1,4,16,64,512,2048,8192]
                                [--experts 128 --top-k 8 --hidden 2048 --size 768]
@@ -23,7 +24,8 @@ import triton
 from kernel_micro import ceilings  # bench/, the script's own directory
 
 from kernels import reference
-from kernels.moe import GEMV_MAX_PAIRS, GemvTiles, MoeTiles, fused_moe, tiles_for
+from kernels.moe import MoeTiles, fused_moe, tiles_for
+from kernels.moe_gemv import GEMV_MAX_PAIRS, GemvTiles
 
 DTYPE = torch.bfloat16
 DECODE_BATCHES = (1, 4, 16, 64)

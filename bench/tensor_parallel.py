@@ -45,6 +45,9 @@ from gpu_engine import (  # bench/, the script's own directory
     GPT_OSS_20B,
     LLAMA_31_8B,
     QWEN3_30B_A3B,
+    random_prompts,
+    release,
+    run_timed,
     weight_bytes,
 )
 
@@ -113,37 +116,17 @@ def build_random(model_dir: Path, size: int, **overrides) -> Engine:
 
 
 def close(engine: Engine) -> None:
-    """Close and drop what the engine holds on the GPUs; the caller then drops the engine
-    (the weights go with it) and calls `free_gpu_memory`."""
+    """Close the engine and free its KV pool and graphs; the caller then drops the engine (the
+    weights go with it) and calls `free_gpu_memory`."""
     engine.close()
-    engine.runner.kv_caches.clear()
-    engine.runner.graphs = None
+    release(engine)
 
 
 def free_gpu_memory() -> None:
-    """Give the allocator's cached blocks back, so that the next engine's profile counts
-    them as free."""
+    """Give the allocator's cached blocks back once the engine itself is gone, so that the
+    next engine's profile counts them as free."""
     gc.collect()
     torch.cuda.empty_cache()
-
-
-def random_prompts(n: int, length: int, seed: int) -> list[list[int]]:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(0, LLAMA_31_8B["vocab_size"], (n, length), generator=g).tolist()
-
-
-def run_timed(engine: Engine, prompts: list[list[int]], params: SamplingParams):
-    start = time.perf_counter()
-    ids = [f"b{i}-{time.monotonic_ns()}" for i in range(len(prompts))]
-    for rid, p in zip(ids, prompts, strict=True):
-        engine.add_request(rid, p, params)
-    first: dict[str, float] = {}
-    num_out = 0
-    while engine.has_unfinished():
-        for out in engine.step():
-            first.setdefault(out.request_id, time.perf_counter() - start)
-            num_out += len(out.token_ids)
-    return time.perf_counter() - start, [first[r] for r in ids], num_out
 
 
 def correctness(size: int) -> None:

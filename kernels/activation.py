@@ -6,9 +6,10 @@ included: the math is float32, the activation of gate is rounded to x's dtype (a
 `F.silu` / `F.gelu` return x's dtype) and the product is rounded once more. GELU's tanh form,
 0.5·g·(1 + tanh(z)) with z = sqrt(2/pi)·(g + 0.044715·g³), is computed as g / (1 + exp(-2z)),
 the same function, finite for every g. `gated_product` is the one definition the fused
-projections (`kernels.linear`, `kernels.fp8_linear`) share. Programs tile [token, column
-block]: I is large (14336 for Llama-3-8B), so one row spans several programs and small batches
-still fill the GPU.
+projections (`kernels.linear`, `kernels.fp8_linear`) share; `expert_gated_product` (of float32
+sums, and gpt-oss's clamped SwiGLU) the one the fused MoE kernel's two paths share. Programs
+tile [token, column block]: I is large (14336 for Llama-3-8B), so one row spans several
+programs and small batches still fill the GPU.
 """
 
 from __future__ import annotations
@@ -42,6 +43,28 @@ def gated_product(gate, up, ACTIVATION: tl.constexpr):
         # g / (1 + exp(-g)) stays finite for very negative g (exp -> inf gives -0).
         act = g / (1.0 + tl.exp(-g))
     return (act.to(gate.dtype).to(tl.float32) * up.to(tl.float32)).to(gate.dtype)
+
+
+@triton.jit
+def expert_gated_product(
+    gate_sum, up_sum, dtype: tl.constexpr, alpha, limit, CLAMPED: tl.constexpr,
+    ACTIVATION: tl.constexpr,
+):  # fmt: skip
+    """act(gate) * up of a mixture of experts' float32 gate and up sums, act SiLU or (Gemma 4)
+    GELU-tanh by ACTIVATION (gpt-oss, CLAMPED: its clamped SwiGLU, `kernels.ops.ClampedSwiglu`'s
+    alpha and limit), in `dtype`, rounded as the reference rounds: the sums to the dtype, then
+    each elementwise op's result. Both paths of the fused MoE kernel (`kernels.moe`,
+    `kernels.moe_gemv`) end their gate/up step with it."""
+    if CLAMPED:
+        gate = tl.minimum(gate_sum.to(dtype).to(tl.float32), limit)
+        up = tl.minimum(tl.maximum(up_sum.to(dtype).to(tl.float32), -limit), limit)
+        scaled = (gate * alpha).to(dtype).to(tl.float32)
+        sigmoid = (1.0 / (1.0 + tl.exp(-scaled))).to(dtype).to(tl.float32)
+        glu = (gate * sigmoid).to(dtype).to(tl.float32)
+        out = ((up + 1.0).to(dtype).to(tl.float32) * glu).to(dtype)
+    else:
+        out = gated_product(gate_sum.to(dtype), up_sum.to(dtype), ACTIVATION)
+    return out
 
 
 @triton.jit

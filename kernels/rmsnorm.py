@@ -29,6 +29,23 @@ _MAX_HIDDEN = 32768
 
 
 @triton.jit
+def _store_normed(
+    x, weight_ptr, out_row, cols, mask, eps, HIDDEN: tl.constexpr, ROUND_NORMED: tl.constexpr
+):
+    """Store RMSNorm(x) * weight of one row `x` (in x's dtype, masked lanes 0) at `out_row`,
+    in out's dtype; both kernels end with it."""
+    x32 = x.to(tl.float32)
+    # Masked lanes are 0, so the sum covers exactly the H real elements.
+    rstd = tl.rsqrt(tl.sum(x32 * x32, axis=0) / HIDDEN + eps)
+    w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    normed = x32 * rstd
+    if ROUND_NORMED:  # exactly where the reference rounds
+        normed = normed.to(x.dtype).to(tl.float32)
+    y = normed * w
+    tl.store(out_row, y.to(out_row.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def _rms_norm_kernel(
     x_ptr,
     weight_ptr,
@@ -47,15 +64,8 @@ def _rms_norm_kernel(
     cols = tl.arange(0, BLOCK)
     mask = cols < HIDDEN
     x = tl.load(x_ptr + row * x_row_stride + cols, mask=mask, other=0.0)
-    x32 = x.to(tl.float32)
-    # Masked lanes are 0, so the sum covers exactly the H real elements.
-    rstd = tl.rsqrt(tl.sum(x32 * x32, axis=0) / HIDDEN + eps)
-    w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    normed = x32 * rstd
-    if ROUND_NORMED:  # exactly where the reference rounds
-        normed = normed.to(x.dtype).to(tl.float32)
-    y = normed * w
-    tl.store(out_ptr + row * out_row_stride + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
+    out_row = out_ptr + row * out_row_stride + cols
+    _store_normed(x, weight_ptr, out_row, cols, mask, eps, HIDDEN, ROUND_NORMED)
 
 
 @triton.jit
@@ -85,14 +95,8 @@ def _add_rms_norm_kernel(
     # and the norm is taken of that rounded sum, so both outputs match the reference.
     total = (r.to(tl.float32) + x.to(tl.float32)).to(x.dtype)
     tl.store(residual_row, total, mask=mask)
-    total32 = total.to(tl.float32)
-    rstd = tl.rsqrt(tl.sum(total32 * total32, axis=0) / HIDDEN + eps)
-    w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    normed = total32 * rstd
-    if ROUND_NORMED:
-        normed = normed.to(x.dtype).to(tl.float32)
-    y = normed * w
-    tl.store(out_ptr + row * out_row_stride + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
+    out_row = out_ptr + row * out_row_stride + cols
+    _store_normed(total, weight_ptr, out_row, cols, mask, eps, HIDDEN, ROUND_NORMED)
 
 
 def rms_norm(

@@ -20,7 +20,7 @@ from appliance.api.generation import (
     default_max_tokens,
     verify_stream_options,
 )
-from appliance.api.harmony import REASONING_EFFORTS
+from appliance.api.harmony import REASONING_EFFORTS, verify_harmony_request
 from appliance.api.logprobs import chat_logprobs
 from appliance.api.models import ServedModel
 from appliance.api.parsed_output import OutputParser, ParsedOutput
@@ -209,19 +209,10 @@ def _verify_harmony_request(body: ChatCompletionRequest) -> None:
             f"reasoning_effort must be one of {', '.join(REASONING_EFFORTS)}",
             param="reasoning_effort",
         )
-    if body.tool_choice not in (None, "auto", "none"):
-        raise unsupported(
-            "tool_choice",
-            "gpt-oss writes its calls in the harmony format, after its reasoning, where a "
-            "grammar cannot force them: give 'auto' or 'none'",
-        )
+    structure_field = None
     if structured_output(body) is not None:
-        field = next(f for f in _STRUCTURE_FIELDS if getattr(body, f) is not None)
-        raise unsupported(
-            field,
-            "gpt-oss writes the harmony format (headers, reasoning, then the answer), which an "
-            "output structure holding from the first token would forbid",
-        )
+        structure_field = next(f for f in _STRUCTURE_FIELDS if getattr(body, f) is not None)
+    verify_harmony_request(body.tool_choice, structure_field)
     if body.logprobs:
         raise unsupported(
             "logprobs",

@@ -48,10 +48,10 @@ from openai_harmony import (
     load_harmony_encoding,
 )
 
-from appliance.api.errors import APIError
+from appliance.api.errors import APIError, unsupported
 from appliance.api.parsed_output import OutputEvent, WholeOutput, whole_output
 from appliance.api.reasoning_parsers import Reasoning
-from appliance.api.schemas import ChatMessage, FunctionTool
+from appliance.api.schemas import ChatMessage, FunctionTool, ToolChoice
 from appliance.api.tool_parsers import Content, call_from
 from appliance.api.tools import IdentifiedCall, ToolUse, message_text
 from appliance.engine.errors import ModelLoadError
@@ -106,6 +106,25 @@ def verify_vocabulary(encoding: HarmonyEncoding) -> None:
         )
 
 
+def verify_harmony_request(tool_choice: ToolChoice | None, structure_field: str | None) -> None:
+    """Refuse, by name, what neither chat completions nor the Responses API can have of
+    gpt-oss's harmony format: forced calls (`tool_choice` other than auto or none) and an
+    output structure (`structure_field`: the request's field that asks for one; None: none
+    does). Each endpoint refuses its own other fields."""
+    if tool_choice not in (None, "auto", "none"):
+        raise unsupported(
+            "tool_choice",
+            "gpt-oss writes its calls in the harmony format, after its reasoning, where a "
+            "grammar cannot force them: give 'auto' or 'none'",
+        )
+    if structure_field is not None:
+        raise unsupported(
+            structure_field,
+            "gpt-oss writes the harmony format (headers, reasoning, then the answer), which an "
+            "output structure holding from the first token would forbid",
+        )
+
+
 class HarmonyFormat:
     """The harmony library's gpt-oss encoding, loaded once for the served model."""
 
@@ -130,6 +149,14 @@ class HarmonyFormat:
             ) from exc
         verify_vocabulary(encoding)
         return cls(encoding)
+
+    @classmethod
+    def of_model(cls, architectures: Iterable[str]) -> HarmonyFormat | None:
+        """The format, loaded (`load`), for a model whose config.json `architectures` write
+        harmony (gpt-oss); None for any other model, whose chat template renders its
+        conversations. The one place a served model (appliance.api.models) and `inferno
+        generate --chat` choose harmony."""
+        return cls.load() if HARMONY_ARCHITECTURES.intersection(architectures) else None
 
     def render(
         self,

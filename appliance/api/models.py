@@ -20,7 +20,7 @@ from appliance.api.chat_conventions import (
     choose_conventions,
 )
 from appliance.api.errors import APIError
-from appliance.api.harmony import HARMONY_ARCHITECTURES, HarmonyFormat
+from appliance.api.harmony import HarmonyFormat
 from appliance.api.schemas import ErrorResponse, ModelCard, ModelList
 from appliance.config import ModelSettings
 from appliance.engine.errors import ModelLoadError
@@ -61,11 +61,10 @@ class ServedModel:
         generation_config.json this server cannot use, and for gpt-oss when the harmony library
         cannot serve it or a parser setting that cannot apply is given."""
         defaults = GenerationConfig.from_model_dir(settings.dir).defaults
-        architectures = _architectures(settings.dir / "config.json")
-        harmony = None
-        if HARMONY_ARCHITECTURES.intersection(architectures):
+        architectures = config_architectures(settings.dir / "config.json")
+        harmony = HarmonyFormat.of_model(architectures)
+        if harmony is not None:
             _verify_harmony_settings(settings)
-            harmony = HarmonyFormat.load()
         if defaults.stated():
             # As vLLM says it: a request that leaves these out gets the model's values.
             logger.info("sampling defaults from the model's generation_config.json: %s",
@@ -115,7 +114,7 @@ def _verify_harmony_settings(settings: ModelSettings) -> None:
             )
 
 
-def _architectures(config_file: Path) -> tuple[str, ...]:
+def config_architectures(config_file: Path) -> tuple[str, ...]:
     """config.json's `architectures` (none when absent); the loader validates the rest."""
     try:
         config = json.loads(config_file.read_text(encoding="utf-8"))

@@ -35,7 +35,7 @@ from appliance.api.generation import (
     default_max_tokens,
     sampling_in_force,
 )
-from appliance.api.harmony import REASONING_EFFORTS, ReasoningEffortName
+from appliance.api.harmony import REASONING_EFFORTS, ReasoningEffortName, verify_harmony_request
 from appliance.api.models import ServedModel
 from appliance.api.parsed_output import OutputParser, ParsedOutput
 from appliance.api.reasoning_parsers import Reasoning
@@ -49,7 +49,6 @@ from appliance.api.schemas import (
     Text,
     ToolCall,
     ToolCallId,
-    ToolChoice,
     ToolChoiceFunction,
     ToolName,
 )
@@ -279,25 +278,6 @@ def _echoed_effort(reasoning: object) -> object:
     return reasoning.get("effort") if isinstance(reasoning, dict) else None
 
 
-def _verify_harmony_request(
-    tool_choice: ToolChoice | None, structure: StructuredOutput | None
-) -> None:
-    """Refuse, by name, what a request cannot have of gpt-oss's harmony format (as chat
-    refuses it, appliance.api.chat)."""
-    if tool_choice not in (None, "auto", "none"):
-        raise unsupported(
-            "tool_choice",
-            "gpt-oss writes its calls in the harmony format, after its reasoning, where a "
-            "grammar cannot force them: give 'auto' or 'none'",
-        )
-    if structure is not None:
-        raise unsupported(
-            "text.format",
-            "gpt-oss writes the harmony format (headers, reasoning, then the answer), which an "
-            "output structure holding from the first token would forbid",
-        )
-
-
 def _verify_supported(body: ResponsesRequest) -> None:
     if body.store:
         raise unsupported(
@@ -422,7 +402,7 @@ class _ResponsesEndpoint:
         requested = body.text.format.structure() if body.text and body.text.format else None
         effort = _reasoning_effort(body.reasoning, harmony_served=harmony is not None)
         if harmony is not None:
-            _verify_harmony_request(choice, requested)
+            verify_harmony_request(choice, None if requested is None else "text.format")
         self.tool_use = plan_tool_use(
             _chat_tools(body),
             choice,

@@ -92,10 +92,13 @@ def held_prefix_len(text: str, marker: str) -> int:
     return 0
 
 
-class HermesParser:
-    """`<tool_call>{...}</tool_call>` blocks among text (Hermes 2 Pro, Qwen2, Qwen2.5, Qwen3)."""
+class _TaggedCallsParser:
+    """Calls between an OPEN and a CLOSE marker, among text: the loop that splits a stream into
+    text and calls, shared by the formats that write calls this way. A subclass reads one
+    call's body (the text between the markers) in `_call_or_text`."""
 
-    OPEN, CLOSE = "<tool_call>", "</tool_call>"
+    OPEN: str
+    CLOSE: str
 
     def __init__(self, names: Collection[str]):
         self._names = names
@@ -110,23 +113,21 @@ class HermesParser:
                 end = self._pending.find(self.CLOSE)
                 if end < 0:
                     return events
-                body = self._pending[len(self.OPEN) : end]
-                events.append(self._call_or_text(body, self._pending[: end + len(self.CLOSE)]))
-                self._pending = self._pending[end + len(self.CLOSE) :]
+                raw = self._pending[: end + len(self.CLOSE)]
+                events.append(self._call_or_text(self._pending[len(self.OPEN) : end], raw))
+                self._pending = self._pending[len(raw) :]
                 self._in_call = False
-            else:
-                start = self._pending.find(self.OPEN)
-                if start < 0:
-                    keep = held_prefix_len(self._pending, self.OPEN)
-                    sendable = self._pending[: len(self._pending) - keep]
-                    self._pending = self._pending[len(sendable) :]
-                    if sendable:
-                        events.append(Content(sendable))
-                    return events
-                if start:
-                    events.append(Content(self._pending[:start]))
-                self._pending = self._pending[start:]
-                self._in_call = True
+                continue
+            start = self._pending.find(self.OPEN)
+            if start < 0:
+                keep = held_prefix_len(self._pending, self.OPEN)
+                sendable = self._pending[: len(self._pending) - keep]
+                self._pending = self._pending[len(sendable) :]
+                return events + ([Content(sendable)] if sendable else [])
+            if start:
+                events.append(Content(self._pending[:start]))
+            self._pending = self._pending[start:]
+            self._in_call = True
 
     def finish(self) -> list[Event]:
         # A model may end on end-of-sequence without closing its last call.
@@ -136,67 +137,23 @@ class HermesParser:
         return [Content(pending)] if pending else []
 
     def _call_or_text(self, body: str, raw: str) -> Event:
+        """The call `body` spells, or `raw` (the call with its markers) as content."""
+        raise NotImplementedError
+
+
+class HermesParser(_TaggedCallsParser):
+    """`<tool_call>{...}</tool_call>` blocks among text (Hermes 2 Pro, Qwen2, Qwen2.5, Qwen3)."""
+
+    OPEN, CLOSE = "<tool_call>", "</tool_call>"
+
+    def _call_or_text(self, body: str, raw: str) -> Event:
         return call_from(decode_json(body), "arguments", self._names) or Content(raw)
 
 
-class Llama3JsonParser:
-    """A reply that is only JSON calls, `{"name": ..., "parameters": {...}}`, optionally after
-    `<|python_tag|>` and separated by `;` (Llama 3.1, 3.2)."""
-
-    PYTHON_TAG = "<|python_tag|>"
-
-    def __init__(self, names: Collection[str]):
-        self._names = names
-        self._pending = ""
-        self._mode: str | None = None  # None until decided, then "text" or "calls"
-
-    def feed(self, text: str) -> list[Event]:
-        if self._mode == "text":
-            return [Content(text)] if text else []
-        self._pending += text
-        start = self._pending.lstrip()
-        if not start or (self.PYTHON_TAG.startswith(start) and start != self.PYTHON_TAG):
-            return []  # undecided: only whitespace, or part of the tag, so far
-        if start.startswith(("{", self.PYTHON_TAG)):
-            self._mode = "calls"
-            return []
-        self._mode = "text"
-        pending, self._pending = self._pending, ""
-        return [Content(pending)]
-
-    def finish(self) -> list[Event]:
-        pending, self._pending = self._pending, ""
-        if self._mode != "calls":
-            return [Content(pending)] if pending else []
-        calls = self._calls(pending.strip().removeprefix(self.PYTHON_TAG))
-        return list(calls) if calls else [Content(pending)]
-
-    def _calls(self, text: str) -> list[Call] | None:
-        decoder = json.JSONDecoder()
-        calls: list[Call] = []
-        position = 0
-        while position < len(text):
-            try:
-                value, position = decoder.raw_decode(text, position)
-            except (json.JSONDecodeError, RecursionError):
-                return None
-            call = call_from(value, "parameters", self._names) or call_from(
-                value, "arguments", self._names
-            )
-            if call is None:
-                return None
-            calls.append(call)
-            while position < len(text) and text[position] in " \t\r\n;":
-                position += 1
-        return calls
-
-
-class _MarkedCallsArrayParser:
-    """A reply that is only a JSON array of calls after the format's markers (each optional in
-    order, unless MARKER_REQUIRED says the first must be there); any other reply is text."""
-
-    MARKERS: tuple[str, ...]
-    MARKER_REQUIRED: bool
+class _CallsOnlyParser:
+    """A reply that is either only calls or only text, decided from how it opens (`_decide`):
+    text streams from the moment it is decided; calls are read whole at the end (`_calls`),
+    and a reply that opened like calls but does not read as them is text."""
 
     def __init__(self, names: Collection[str]):
         self._names = names
@@ -218,11 +175,59 @@ class _MarkedCallsArrayParser:
         pending, self._pending = self._pending, ""
         if self._mode != "calls":
             return [Content(pending)] if pending else []
-        calls = self._calls(self._after_markers(pending.lstrip()))
+        calls = self._calls(pending)
         return list(calls) if calls else [Content(pending)]
 
     def _decide(self, start: str) -> str | None:
-        """ "calls", "text", or None while `start` could still become either."""
+        """ "calls", "text", or None while `start` (the reply so far, less leading white space)
+        could still become either."""
+        raise NotImplementedError
+
+    def _calls(self, reply: str) -> list[Call] | None:
+        """The calls of a whole reply, or None unless all of it is valid calls."""
+        raise NotImplementedError
+
+
+class Llama3JsonParser(_CallsOnlyParser):
+    """A reply that is only JSON calls, `{"name": ..., "parameters": {...}}`, optionally after
+    `<|python_tag|>` and separated by `;` (Llama 3.1, 3.2)."""
+
+    PYTHON_TAG = "<|python_tag|>"
+
+    def _decide(self, start: str) -> str | None:
+        if not start or (self.PYTHON_TAG.startswith(start) and start != self.PYTHON_TAG):
+            return None  # only whitespace, or part of the tag, so far
+        return "calls" if start.startswith(("{", self.PYTHON_TAG)) else "text"
+
+    def _calls(self, reply: str) -> list[Call] | None:
+        text = reply.strip().removeprefix(self.PYTHON_TAG)
+        decoder = json.JSONDecoder()
+        calls: list[Call] = []
+        position = 0
+        while position < len(text):
+            try:
+                value, position = decoder.raw_decode(text, position)
+            except (json.JSONDecodeError, RecursionError):
+                return None
+            call = call_from(value, "parameters", self._names) or call_from(
+                value, "arguments", self._names
+            )
+            if call is None:
+                return None
+            calls.append(call)
+            while position < len(text) and text[position] in " \t\r\n;":
+                position += 1
+        return calls
+
+
+class _MarkedCallsArrayParser(_CallsOnlyParser):
+    """A reply that is only a JSON array of calls after the format's markers (each optional in
+    order, unless MARKER_REQUIRED says the first must be there); any other reply is text."""
+
+    MARKERS: tuple[str, ...]
+    MARKER_REQUIRED: bool
+
+    def _decide(self, start: str) -> str | None:
         rest, marked = start, False
         for marker in self.MARKERS:
             if len(rest) < len(marker) and marker.startswith(rest):
@@ -235,12 +240,10 @@ class _MarkedCallsArrayParser:
             return "calls"
         return "text"
 
-    def _after_markers(self, text: str) -> str:
+    def _calls(self, reply: str) -> list[Call] | None:
+        text = reply.lstrip()
         for marker in self.MARKERS:
             text = text.removeprefix(marker).lstrip()
-        return text
-
-    def _calls(self, text: str) -> list[Call] | None:
         try:
             value, end = json.JSONDecoder().raw_decode(text)
         except (json.JSONDecodeError, RecursionError):
@@ -372,46 +375,10 @@ class Gemma4Arguments:
             self._at += 1
 
 
-class Gemma4Parser:
+class Gemma4Parser(_TaggedCallsParser):
     """`<|tool_call>call:NAME{ARGS}<tool_call|>` calls among text (Gemma 4; vLLM's `gemma4`)."""
 
     OPEN, CLOSE, PREFIX = "<|tool_call>", "<tool_call|>", "call:"
-
-    def __init__(self, names: Collection[str]):
-        self._names = names
-        self._pending = ""  # text not yet sent: a possible start of OPEN, or an open call
-        self._in_call = False
-
-    def feed(self, text: str) -> list[Event]:
-        self._pending += text
-        events: list[Event] = []
-        while True:
-            if self._in_call:
-                end = self._pending.find(self.CLOSE)
-                if end < 0:
-                    return events
-                raw = self._pending[: end + len(self.CLOSE)]
-                events.append(self._call_or_text(self._pending[len(self.OPEN) : end], raw))
-                self._pending = self._pending[len(raw) :]
-                self._in_call = False
-                continue
-            start = self._pending.find(self.OPEN)
-            if start < 0:
-                keep = held_prefix_len(self._pending, self.OPEN)
-                sendable = self._pending[: len(self._pending) - keep]
-                self._pending = self._pending[len(sendable) :]
-                return events + ([Content(sendable)] if sendable else [])
-            if start:
-                events.append(Content(self._pending[:start]))
-            self._pending = self._pending[start:]
-            self._in_call = True
-
-    def finish(self) -> list[Event]:
-        # A model may end on end-of-sequence without closing its last call.
-        pending, self._pending = self._pending, ""
-        if self._in_call:
-            return [self._call_or_text(pending[len(self.OPEN) :], pending)]
-        return [Content(pending)] if pending else []
 
     def _call_or_text(self, body: str, raw: str) -> Event:
         """body: `call:NAME{ARGS}`."""

@@ -55,11 +55,10 @@ class LoadedModel:
         model_dir = Path(config.model_dir)
         ModelConfig.from_model_dir(model_dir)  # the clearest errors first, before any heavy load
         tokenizer = Tokenizer.from_model_dir(model_dir)
-        started_s = loaded_s = waited_s = time.monotonic()
+        clock = _LoadClock(preload)
 
         def load_weights(shard: ShardPlan | None) -> CausalLM:
-            nonlocal started_s, loaded_s, waited_s
-            started_s = time.monotonic()  # after the tensor-parallel workers' start
+            clock.start()  # after the tensor-parallel workers' start
             model = load_model(
                 model_dir,
                 dtype=config.torch_dtype,
@@ -68,14 +67,11 @@ class LoadedModel:
                 shard=shard,
                 quantization=config.quantization,
             )
-            loaded_s = time.monotonic()
-            _wait_for(preload)
-            waited_s = time.monotonic()
+            clock.weights_in()
             return model
 
         engine = Engine.load(config, tokenizer, load_weights)
-        phases = _load_phases(started_s, loaded_s, waited_s, preload is not None)
-        return cls(engine, digest_weights(model_dir), phases_ms=phases)
+        return cls(engine, digest_weights(model_dir), phases_ms=clock.phases_ms())
 
     def with_phase(self, name: str, milliseconds: float) -> LoadedModel:
         return dataclasses.replace(self, phases_ms={**self.phases_ms, name: milliseconds})
@@ -94,12 +90,11 @@ class LoadedModel:
         its own part of each tensor on the host and copies just that part to its GPU
         (SealedShardImages): no GPU holds another's plaintext."""
         weights = SealedWeights(sealed, data_key, workers)
-        started_s = loaded_s = waited_s = time.monotonic()
+        clock = _LoadClock(preload)
 
         def load_weights(shard: ShardPlan | None) -> CausalLM:
-            nonlocal started_s, loaded_s, waited_s
             assert shard is not None, "tensor_parallel_size > 1"
-            started_s = time.monotonic()
+            clock.start()
             model = weights.load(
                 dtype=config.torch_dtype,
                 device=config.torch_device,
@@ -107,14 +102,11 @@ class LoadedModel:
                 shard=shard,
                 quantization=config.quantization,
             )
-            loaded_s = time.monotonic()
-            _wait_for(preload)
-            waited_s = time.monotonic()
+            clock.weights_in()
             return model
 
         engine = Engine.load(config, tokenizer, load_weights, sealed=weights)
-        phases = _load_phases(started_s, loaded_s, waited_s, preload is not None)
-        return cls(engine, digest_sealed_weights(sealed), sealed.manifest, phases)
+        return cls(engine, digest_sealed_weights(sealed), sealed.manifest, clock.phases_ms())
 
     @classmethod
     def load_sealed(
@@ -145,7 +137,7 @@ class LoadedModel:
         device = config.torch_device
         if config.tensor_parallel_size > 1:
             return cls._load_sealed_parallel(config, sealed, data_key, workers, tokenizer, preload)
-        started_s = time.monotonic()
+        clock = _LoadClock(preload)
         with SealedImages(sealed, data_key, device, workers=workers, ring=ring) as images:
             model = load_model(
                 sealed.directory,
@@ -155,30 +147,42 @@ class LoadedModel:
                 weights=images,
                 quantization=config.quantization,
             )
-        loaded_s = time.monotonic()
-        _wait_for(preload)
-        waited_s = time.monotonic()
+        clock.weights_in()
         engine = Engine.build(config, model, tokenizer)
-        phases = _load_phases(started_s, loaded_s, waited_s, preload is not None)
-        return cls(engine, digest_sealed_weights(sealed), sealed.manifest, phases)
+        return cls(engine, digest_sealed_weights(sealed), sealed.manifest, clock.phases_ms())
 
 
-def _wait_for(preload: EnginePreload | None) -> None:
-    """Before the engine's first step: the preload's thread must have left Triton (and any
-    error of it is raised here, failing the load)."""
-    if preload is not None:
-        preload.wait()
+class _LoadClock:
+    """When a load began, had its weights in and was done waiting for the preload (if any):
+    the phases of `LoadedModel.phases_ms`, the engine's build running from then to the call
+    of `phases_ms`."""
 
+    def __init__(self, preload: EnginePreload | None):
+        self._preload = preload
+        self._started_s = self._loaded_s = self._waited_s = time.monotonic()
 
-def _load_phases(
-    started_s: float, loaded_s: float, waited_s: float, preloaded: bool
-) -> dict[str, float]:
-    """The phases of a load that began at `started_s`, had its weights in at `loaded_s`, was done
-    waiting for the preload (if any) at `waited_s` and has built its engine now."""
-    spans = {"weights": (started_s, loaded_s), "engine_build": (waited_s, time.monotonic())}
-    if preloaded:
-        spans["preload_wait"] = (loaded_s, waited_s)
-    return {f"{name}_ms": round((end - start) * 1000, 3) for name, (start, end) in spans.items()}
+    def start(self) -> None:
+        self._started_s = time.monotonic()
+
+    def weights_in(self) -> None:
+        """The weights are in: wait for the preload, whose thread must have left Triton before
+        the engine's first step (any error of it is raised here, failing the load)."""
+        self._loaded_s = time.monotonic()
+        if self._preload is not None:
+            self._preload.wait()
+        self._waited_s = time.monotonic()
+
+    def phases_ms(self) -> dict[str, float]:
+        now = time.monotonic()
+        spans = {
+            "weights": (self._started_s, self._loaded_s),
+            "engine_build": (self._waited_s, now),
+        }
+        if self._preload is not None:
+            spans["preload_wait"] = (self._loaded_s, self._waited_s)
+        return {
+            f"{name}_ms": round((end - start) * 1000, 3) for name, (start, end) in spans.items()
+        }
 
 
 def digest_sealed_weights(sealed: SealedModel) -> str:

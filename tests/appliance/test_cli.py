@@ -14,22 +14,35 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
+from datetime import UTC, datetime
 from pathlib import Path
 
 import httpx
 import jwt
 import openai
 import pytest
+from openai_harmony import (
+    Conversation,
+    HarmonyEncoding,
+    HarmonyEncodingName,
+    Message,
+    SystemContent,
+    load_harmony_encoding,
+)
+from openai_harmony import Role as HarmonyRole
 
 from appliance.__main__ import _parser, main
 from appliance.auth.local_issuer import LocalIssuer
 from appliance.auth.roles import Role
 from appliance.boot.audit_log import open_audit_log
 from appliance.config import load_settings
-from appliance.engine.engine import Engine
+from appliance.engine.engine import Completion, Engine, EngineConfig
 from appliance.engine.sampling_params import SamplingParams
+from appliance.engine.tokenizer import Tokenizer
 from appliance.settings_file import CONFIG_ENV
 from appliance.tls import certificate_fingerprint
+from tests.appliance.api.harmony_model import write_harmony_model
+from tests.appliance.api.scripted_model import ScriptedModel
 
 AUDIT = (
     '[audit]\norigin = "inferno.test/cli"\ndata_dir = "audit"\n'
@@ -80,6 +93,89 @@ def test_generate_on_three_processes_prints_what_one_process_prints(smollm2_dir:
     parallel = _inferno(*args, "--tensor-parallel-size", "3")
     assert single.returncode == 0 and parallel.returncode == 0, parallel.stderr
     assert parallel.stdout == single.stdout and single.stdout
+
+
+@pytest.fixture(scope="module")
+def harmony_encoding() -> HarmonyEncoding:
+    return load_harmony_encoding(HarmonyEncodingName.HARMONY_GPT_OSS)
+
+
+@pytest.fixture(scope="module")
+def gpt_oss_dir(
+    harmony_encoding: HarmonyEncoding, tmp_path_factory: pytest.TempPathFactory
+) -> Path:
+    return write_harmony_model(harmony_encoding, tmp_path_factory.mktemp("gpt-oss"))
+
+
+def _scripted_gpt_oss(
+    gpt_oss_dir: Path, monkeypatch: pytest.MonkeyPatch, encoding: HarmonyEncoding, reply: str
+) -> list[list[int]]:
+    """`inferno generate` in this process loads the tiny gpt-oss directory with a network
+    that answers `reply` (harmony text, as token ids); returns the prompts it is given."""
+    scripted = ScriptedModel(gpt_oss_dir, Tokenizer.from_model_dir(gpt_oss_dir))
+    scripted.say_tokens(encoding.encode(reply, allowed_special="all"))
+    config = EngineConfig(model_dir=gpt_oss_dir, max_model_len=1024, num_kv_blocks=64,
+                          enable_prefix_caching=False)  # fmt: skip
+    engine = Engine.build(config, scripted, scripted._tokenizer)  # type: ignore[arg-type]
+    prompts: list[list[int]] = []
+    generate = engine.generate
+
+    def recording_generate(batch: list[list[int]], params: SamplingParams) -> list[Completion]:
+        prompts.extend(list(p) for p in batch)
+        return generate(batch, params)
+
+    monkeypatch.setattr(engine, "generate", recording_generate)
+    monkeypatch.setattr("appliance.__main__._load_engine", lambda *args: engine)
+    return prompts
+
+
+def test_generate_chat_renders_gpt_oss_through_harmony_and_prints_the_final_channel_only(
+    gpt_oss_dir: Path,
+    harmony_encoding: HarmonyEncoding,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """As the API serves gpt-oss: the prompt is the harmony library's rendering of the user's
+    message (not a chat template's), and what is printed is the final channel's text, never
+    the analysis channel's reasoning."""
+    thought, answer = "The user asks for a colour. Blue is common.", "Blue."
+    reply = (
+        f"<|channel|>analysis<|message|>{thought}<|end|>"
+        f"<|start|>assistant<|channel|>final<|message|>{answer}<|return|>"
+    )
+    prompts = _scripted_gpt_oss(gpt_oss_dir, monkeypatch, harmony_encoding, reply)
+    question = "Name a colour."
+    status = main(["generate", "--model", str(gpt_oss_dir), "--prompt", question, "--chat"])
+    assert status == 0
+    assert capsys.readouterr().out == answer
+    # The library's own rendering of the conversation, built here without Inferno's code.
+    system = SystemContent.new().with_conversation_start_date(datetime.now(UTC).date().isoformat())
+    conversation = Conversation.from_messages(
+        [
+            Message.from_role_and_content(HarmonyRole.SYSTEM, system),
+            Message.from_role_and_content(HarmonyRole.USER, question),
+        ]
+    )
+    expected = harmony_encoding.render_conversation_for_completion(
+        conversation, HarmonyRole.ASSISTANT
+    )
+    assert prompts == [expected]
+
+
+def test_generate_chat_on_gpt_oss_cut_off_while_reasoning_prints_no_reasoning(
+    gpt_oss_dir: Path,
+    harmony_encoding: HarmonyEncoding,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    reply = "<|channel|>analysis<|message|>Let me think about colours for a long while"
+    _scripted_gpt_oss(gpt_oss_dir, monkeypatch, harmony_encoding, reply)
+    args = ["generate", "--model", str(gpt_oss_dir), "--prompt", "Name a colour.", "--chat"]
+    assert main([*args, "--max-tokens", "5"]) == 0
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert "still reasoning when --max-tokens ran out" in captured.err
+    assert "colours" not in captured.err
 
 
 def test_generate_refuses_a_tensor_parallel_size_the_heads_cannot_split(smollm2_dir: Path) -> None:

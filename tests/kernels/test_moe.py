@@ -2,9 +2,9 @@
 
 Without a GPU the kernels run in Triton's interpreter on tiny shapes, with tiles that do not
 divide them (masked edges) and a BLOCK_M that pads every expert's run, through both paths:
-the grouped GEMMs (`MoeTiles`) and the per-pair GEMVs (`GemvTiles`); the `gpu` cases use
-Qwen3-30B-A3B's expert shapes (128 experts, top 8, H 2048, I 768) at decode and prefill sizes,
-with the table's tiles.
+the grouped GEMMs (`MoeTiles`) and the per-pair GEMVs (`kernels.moe_gemv`'s `GemvTiles`); the
+`gpu` cases use Qwen3-30B-A3B's expert shapes (128 experts, top 8, H 2048, I 768) at decode and
+prefill sizes, with the table's tiles.
 """
 
 from __future__ import annotations
@@ -18,14 +18,13 @@ from kernels import reference
 from kernels.errors import KernelInputError
 from kernels.moe import (
     DECODE_TILES,
-    GEMV_TILES,
     PREFILL_TILES,
-    GemvTiles,
     MoeTiles,
     align_block_size,
     fused_moe,
     tiles_for,
 )
+from kernels.moe_gemv import GEMV_TILES, GemvTiles
 from kernels.ops import ClampedSwiglu
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

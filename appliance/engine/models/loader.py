@@ -30,6 +30,7 @@ from appliance.engine.models.checkpoint_layout import LLAMA_LAYOUT, CheckpointLa
 from appliance.engine.models.config import ModelConfig
 from appliance.engine.models.decoder import CausalLM
 from appliance.engine.models.fused_experts import convert_fused_experts
+from appliance.engine.models.fused_rows import FUSED_PARTS, fused_row_sizes
 from appliance.engine.models.layers import RMSNorm
 from appliance.engine.models.linear_attention import GATED_NORM_WEIGHT
 from appliance.engine.models.projections import quantize_projections, use_fp8_projections
@@ -44,20 +45,6 @@ logger = logging.getLogger(__name__)
 Quantization = Literal["fp8"]
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
-# Canonical checkpoint name (inside a layer) -> (our parameter, which shard of the fused rows).
-_FUSED = {
-    "self_attn.q_proj": ("self_attn.qkv_proj", 0),
-    "self_attn.k_proj": ("self_attn.qkv_proj", 1),
-    "self_attn.v_proj": ("self_attn.qkv_proj", 2),
-    "mlp.gate_proj": ("mlp.gate_up_proj", 0),
-    "mlp.up_proj": ("mlp.gate_up_proj", 1),
-    "mlp.shared_expert.gate_proj": ("mlp.shared_expert.gate_up_proj", 0),
-    "mlp.shared_expert.up_proj": ("mlp.shared_expert.gate_up_proj", 1),
-    "linear_attn.in_proj_qkv": ("linear_attn.in_proj", 0),
-    "linear_attn.in_proj_z": ("linear_attn.in_proj", 1),
-    "linear_attn.in_proj_b": ("linear_attn.in_proj", 2),
-    "linear_attn.in_proj_a": ("linear_attn.in_proj", 3),
-}
 # One expert's projection of a mixture of experts, stacked here into [E, ...] parameters.
 _EXPERT = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight$")
 # Our stacked expert parameters (inside a layer) and how many pieces each expert fills.
@@ -184,11 +171,11 @@ def _load_into(
     for name, param in params.items():
         if name.endswith(".input_scale"):
             param.data.zero_()  # the largest of the fused modules' static scales is kept
-    shard_sizes = _shard_sizes(config, 1 if shard is None else shard.size)
+    shard_sizes = fused_row_sizes(config, 1 if shard is None else shard.size)
     # A checkpoint storing fused projections (Phi-3) has layers alike: layer 0's rows say all.
     checkpoint_rows = {
         k.split(".", 2)[2]: tuple(v)
-        for k, v in _shard_sizes(config).items()
+        for k, v in fused_row_sizes(config).items()
         if k.startswith("layers.0.")
     }
     held = _held_experts(config, shard)
@@ -358,7 +345,7 @@ def _left_unquantized(fp8: Fp8Checkpoint, projection: str) -> bool:
     proj) unquantized: all of its checkpoint modules ignored. Refuses a fused projection whose
     parts disagree (it has one dtype)."""
     layer, _, module = projection.partition(".")[2].partition(".")
-    parts = [name for name, (fused, _) in _FUSED.items() if fused == module] or [module]
+    parts = [name for name, (fused, _) in FUSED_PARTS.items() if fused == module] or [module]
     ignored = {fp8.ignores(f"model.layers.{layer}.{part}") for part in parts}
     if len(ignored) > 1:
         raise ModelLoadError(
@@ -375,7 +362,7 @@ class _BlockScaledWeights:
     def __init__(self, config: ModelConfig, shard: ShardPlan | None):
         self._config = config
         self._shard = shard
-        self._shard_sizes = _shard_sizes(config, 1 if shard is None else shard.size)
+        self._shard_sizes = fused_row_sizes(config, 1 if shard is None else shard.size)
         self._weights: set[tuple[str, int | None]] = set()
         self._scales: dict[tuple[str, int | None], torch.Tensor] = {}
 
@@ -461,39 +448,6 @@ def _offset_norms_in_float32(model: CausalLM) -> None:
             module.float()
 
 
-def _shard_sizes(config: ModelConfig, num_ranks: int = 1) -> dict[str, list[int]]:
-    """Rows of each layer's fused projections (`layers.{i}.self_attn.qkv_proj`, ...), in
-    checkpoint order ([q; k; v] and [gate; up]), on each of `num_ranks` tensor-parallel ranks.
-    Gemma 4's layers differ: wide global heads, values that are the keys (no v), layers that
-    reuse another's KV (q only), double-wide MLPs. Qwen3.5's full-attention layers project a
-    gate beside each query (twice the q rows); its linear layers fuse their four input
-    projections (not sharded: tensor parallelism refuses hybrid models)."""
-    sizes = {}
-    linear = config.linear_attention
-    gates = 2 if config.attention_output_gate else 1
-    for i in range(config.num_layers):
-        if config.is_linear_layer(i):
-            assert linear is not None
-            heads = linear.num_value_heads
-            sizes[f"layers.{i}.linear_attn.in_proj"] = [
-                linear.conv_dim, linear.value_size, heads, heads
-            ]  # fmt: skip
-        else:
-            head_dim = config.head_dim_of(i)
-            kv = config.num_kv_heads_of(i) * head_dim // num_ranks
-            num_kv = (1 if config.values_are_keys(i) else 2) if config.kv_source_of(i) == i else 0
-            sizes[f"layers.{i}.self_attn.qkv_proj"] = [
-                gates * config.num_heads * head_dim // num_ranks,
-                *[kv] * num_kv,
-            ]
-        mlp = config.intermediate_size_of(i) // num_ranks
-        sizes[f"layers.{i}.mlp.gate_up_proj"] = [mlp, mlp]
-        if config.moe is not None and config.moe.shared_expert_size:
-            shared = config.moe.shared_expert_size // num_ranks
-            sizes[f"layers.{i}.mlp.shared_expert.gate_up_proj"] = [shared, shared]
-    return sizes
-
-
 def _held_experts(config: ModelConfig, shard: ShardPlan | None) -> range:
     """The experts of each sparse layer this model holds: all, or one rank's (none: dense)."""
     if config.moe is None:
@@ -551,8 +505,8 @@ def _map_name(name: str) -> tuple[str, str | None, int | None]:
     if match:
         index, rest = match.groups()
         module, _, kind = rest.rpartition(".")
-        if module in _FUSED:
-            fused, shard = _FUSED[module]
+        if module in FUSED_PARTS:
+            fused, shard = FUSED_PARTS[module]
             return f"layers.{index}.{fused}.{kind}", fused, shard
         return f"layers.{index}.{rest}", None, None
     return name.removeprefix("model."), None, None

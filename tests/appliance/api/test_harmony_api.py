@@ -212,6 +212,22 @@ def test_responses_give_a_reasoning_item_and_a_message(
     assert message.type == "message" and response.output_text == ANSWER
 
 
+@pytest.mark.parametrize(
+    ("fields", "param"),
+    [
+        ({"tools": [RESPONSES_WEATHER_TOOL], "tool_choice": "required"}, "tool_choice"),
+        ({"text": {"format": {"type": "json_object"}}}, "text.format"),
+    ],
+    ids=["forced-call", "structure"],
+)
+def test_responses_refuse_by_name_what_the_harmony_format_cannot_honour(
+    client: openai.OpenAI, fields: dict[str, Any], param: str
+) -> None:
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.responses.create(model=MODEL_NAME, input="What is the weather?", **fields)
+    assert refused.value.body["param"] == param  # type: ignore[index]
+
+
 def test_responses_stream_a_call_and_take_its_output_back(
     client: openai.OpenAI, scripted: ScriptedModel, encoding: HarmonyEncoding
 ) -> None:
