@@ -29,7 +29,7 @@ import torch
 
 from appliance.engine.engine import Engine, EngineConfig
 from appliance.engine.errors import EngineConfigError
-from appliance.engine.kv_cache import KVCacheSpec
+from appliance.engine.kv_cache import KVCacheSpec, KVPools
 from appliance.engine.models.config import ModelConfig
 from appliance.engine.models.decoder import CausalLM
 from appliance.engine.models.loader import load_model
@@ -131,8 +131,8 @@ def test_fp8_block_holds_a_quarter_of_float32_bytes_and_half_of_bfloat16() -> No
     assert fp8.bytes_per_block == 2 * 3 * 16 * 2 * 16  # k and v, layers, tokens, heads, dim
     assert spec(torch.bfloat16, "auto").bytes_per_block == 2 * fp8.bytes_per_block
     assert spec(torch.float32, "auto").bytes_per_block == 4 * fp8.bytes_per_block
-    assert fp8.num_blocks_within(10 * fp8.bytes_per_block + 1) == 10
-    [cache, *_] = fp8.allocate(4, "cpu")
+    assert fp8.pools_within(10 * fp8.bytes_per_block + 1, 0) == KVPools(10)
+    [cache, *_] = fp8.allocate(KVPools(4), "cpu")
     assert cache.dtype == torch.float8_e4m3fn and cache.shape == (2, 4, 16, 2, 16)
 
 
