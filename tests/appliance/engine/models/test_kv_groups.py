@@ -10,6 +10,8 @@ transformers' full forward; the window group's blocks in use are recorded after 
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -109,3 +111,55 @@ def test_decode_bursts_and_asynchronous_steps_fill_the_window_group_too(tiny_che
     completions = engine.generate(prompts, params)
     for prompt, completion in zip(prompts, completions, strict=True):
         assert completion.token_ids == _hf_greedy(hf_model, prompt, 12)
+
+
+def test_the_triton_kernels_read_no_window_block_outside_the_window(tiny_checkpoints):
+    """The GPU path's attention kernels (Triton's interpreter here) on the window group's
+    tables: every window-pool block no sequence holds (released ones, the placeholders of a
+    prefix hit) is NaN before each step, and the outputs still equal transformers'. A decode
+    beside a prefill chunk runs both kernels in one step."""
+    import kernels.reference
+    import kernels.triton_ops
+
+    model_dir, hf_model = tiny_checkpoints("gemma3")
+    reference = {n: getattr(kernels.reference, n) for n in dir(kernels.reference) if n[0] != "_"}
+    ops = reference | {
+        "write_kv_cache": kernels.triton_ops.write_kv_cache,
+        "paged_attention": kernels.triton_ops.paged_attention,
+    }
+    # The reference ops with the Triton kernels that read the block tables (interpreting
+    # every projection too would take minutes).
+    model = load_model(model_dir, ops=SimpleNamespace(**ops))
+    config = EngineConfig(
+        model_dir=model_dir,
+        num_kv_blocks=16,
+        block_size=16,  # the kernels' smallest
+        max_num_batched_tokens=64,
+        max_num_seqs=2,
+    )
+    engine = Engine.build(config, model, None)
+    window = engine.block_manager.window_group
+    assert window is not None
+    window_caches = [
+        cache
+        for index, cache in zip(model.config.kv_layers, engine.runner.kv_caches, strict=True)
+        if index in model.config.window_group
+    ]
+    # 64 shared tokens: the hit's first query, at 64, sees 41 ..= 64, so window blocks 0 and 1
+    # are placeholders.
+    shared = _prompts((64,), seed=3)[0]
+    prompts = [shared + _prompts((12,), seed=5)[0], shared + _prompts((9,), seed=6)[0]]
+    params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+    tokens: dict[str, list[int]] = {"r0": [], "r1": []}
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"r{i}", prompt, params)
+        # The first runs until it decodes; its decode then runs beside the second's chunk.
+        while engine.has_unfinished() and (i == 1 or not tokens["r0"]):
+            unheld = [b for b in range(window.num_blocks) if window.ref_count(b) == 0]
+            for cache in window_caches:
+                cache[:, unheld] = float("nan")
+            for out in engine.step():
+                tokens[out.request_id] += out.token_ids
+    assert engine.stats().num_prefix_cache_hits == 64
+    for i, prompt in enumerate(prompts):
+        assert tokens[f"r{i}"] == _hf_greedy(hf_model, prompt, 2), f"prompt {i}"
