@@ -12,7 +12,7 @@ one more static input, and every captured row continues its slot's state. With t
 Memory: every graph allocates from one private pool, the largest batch captured first, and each
 copies its hidden states into one static output buffer, so no graph's tensor outlives its
 capture and each smaller graph reuses the memory the largest one's intermediates took. The pool
-is then the largest graph's need, which `ModelRunner.num_kv_blocks_for_free_memory` measures
+is then the largest graph's need, which `ModelRunner.kv_pools_for_free_memory` measures
 before the KV pool is sized (docs/ARCHITECTURE.md, "GPU memory").
 """
 
