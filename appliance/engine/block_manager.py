@@ -209,6 +209,14 @@ class BlockManager:
         first_query = seq.num_computed_tokens + len(cached) * self.block_size
         num_tokens = first_query + num_new_tokens
         window = self.window_group
+        if not cached and num_tokens <= len(seq.block_table) * self.block_size:
+            # Most decode steps: the last block still has room (in both groups' tables, which
+            # cover the same positions).
+            for manager in (self, window):
+                if manager is not None:
+                    manager._release_out_of_window(seq, first_query)
+                    manager._register_full_blocks(seq, num_tokens)
+            return True
         window_cached = window._visible_prefix(seq, len(cached)) if window and cached else []
         self._release_out_of_window(seq, first_query)
         if window is not None:
