@@ -125,6 +125,7 @@ class KVCacheSpec:
         return KVPools(full, num_window_blocks)
 
     def pool_bytes(self, pools: KVPools) -> int:
+        """What the tensors of `allocate(pools)` take."""
         if not pools.num_window_blocks:
             return pools.num_blocks * self.bytes_per_block
         return (
