@@ -556,10 +556,14 @@ def w2(
     )
     cache = engine.runner.kv_caches
     blocks = engine.block_manager
+    # With KV groups the windowed layers' pool is beside it (docs/ARCHITECTURE.md).
+    window = blocks.window_group
+    window_pool = "" if window is None else f" + {window.num_blocks:,} windowed-layer blocks"
     report(
         "W2 KV pool",
-        f"{blocks.num_blocks:,} blocks ({blocks.num_blocks * blocks.block_size:,} tokens), "
-        f"{cache[0].dtype}, {sum(t.numel() * t.element_size() for t in cache) / 2**30:.2f} GiB",
+        f"{blocks.num_blocks:,} blocks ({blocks.num_blocks * blocks.block_size:,} tokens)"
+        f"{window_pool}, {cache[0].dtype}, "
+        f"{sum(t.numel() * t.element_size() for t in cache) / 2**30:.2f} GiB",
     )
     params = SamplingParams(temperature=0.0, max_tokens=256, ignore_eos=True)
     run_timed(engine, random_prompts(8, 512, seed=2), SamplingParams(max_tokens=8, ignore_eos=True))

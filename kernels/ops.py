@@ -11,6 +11,7 @@ them for a cache in the model's dtype.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -34,6 +35,11 @@ class AttentionMetadata:
     num_leading_decodes: how many sequences at the start of the batch have query_len 1 (a
         mixed batch's decode rows, which the scheduler places first): the GPU backend runs
         them through the decode kernel and only the rest through the prefill kernel
+    window_group: with two KV groups (appliance.engine.kv_cache), the same batch in the window
+        group's pool: its own slot_mapping and block_tables (a token's slot differs per pool),
+        the lengths shared; the windowed layers attend with it. Entries of its tables before a
+        sequence's window hold placeholder ids, which no kernel reads: attention with a window
+        W reads only the blocks of the last W keys. None with one group.
     """
 
     slot_mapping: torch.Tensor
@@ -46,6 +52,7 @@ class AttentionMetadata:
     decode_only: bool
     num_splits: int = 1
     num_leading_decodes: int = 0
+    window_group: AttentionMetadata | None = None
 
     @classmethod
     def build(
@@ -56,14 +63,17 @@ class AttentionMetadata:
         query_lens: list[int],
         *,
         num_splits: int = 1,
+        window_slot_mapping: torch.Tensor | None = None,
+        window_block_tables: torch.Tensor | None = None,
     ) -> AttentionMetadata:
-        """Derive the device-side lengths from host lists (one small copy each)."""
+        """Derive the device-side lengths from host lists (one small copy each); with the
+        window group's slots and tables, its metadata too."""
         device = slot_mapping.device
         starts = [0]
         for n in query_lens:
             starts.append(starts[-1] + n)
         num_leading_decodes = next((i for i, n in enumerate(query_lens) if n != 1), len(query_lens))
-        return cls(
+        meta = cls(
             slot_mapping=slot_mapping,
             block_tables=block_tables,
             seq_lens_t=torch.tensor(seq_lens, dtype=torch.int32).to(device, non_blocking=True),
@@ -75,6 +85,16 @@ class AttentionMetadata:
             num_splits=num_splits,
             num_leading_decodes=num_leading_decodes,
         )
+        if window_slot_mapping is None or window_block_tables is None:
+            return meta
+        return meta.with_window_group(window_slot_mapping, window_block_tables)
+
+    def with_window_group(
+        self, slot_mapping: torch.Tensor, block_tables: torch.Tensor
+    ) -> AttentionMetadata:
+        """This batch with the window group's [T] slots and [B, max_blocks] tables."""
+        window = dataclasses.replace(self, slot_mapping=slot_mapping, block_tables=block_tables)
+        return dataclasses.replace(self, window_group=window)
 
 
 @dataclass(frozen=True, slots=True)

@@ -193,6 +193,15 @@ class ServerMetrics:
             ("vllm:num_requests_waiting", "Requests waiting to be scheduled.", stats.num_waiting),
             ("vllm:kv_cache_usage_perc", "KV-cache usage: 1 means full.", stats.kv_cache_usage),
         )
+        if stats.window_kv_cache_usage is not None:
+            gauges += (
+                (
+                    "inferno:window_kv_cache_usage_perc",
+                    "KV-cache usage of the windowed layers' own pool (KV groups; "
+                    "vllm:kv_cache_usage_perc is then the full layers'): 1 means full.",
+                    stats.window_kv_cache_usage,
+                ),
+            )
         if stats.recurrent_state_usage is not None:
             gauges += (
                 (

@@ -6,12 +6,13 @@ once per batch size and replaying it costs one launch. Inputs live in static buf
 graph reads; a batch is padded up to the next captured size with rows the kernels skip
 (slot -1: no KV write; sequence length 0: no attention; state slot -1: no recurrent state read
 or written). A hybrid model's decode steps are captured too: each row's recurrent-state slot is
-one more static input, and every captured row continues its slot's state.
+one more static input, and every captured row continues its slot's state. With two KV groups
+(appliance.engine.kv_cache) the window group's slots and block tables are static inputs too.
 
 Memory: every graph allocates from one private pool, the largest batch captured first, and each
 copies its hidden states into one static output buffer, so no graph's tensor outlives its
 capture and each smaller graph reuses the memory the largest one's intermediates took. The pool
-is then the largest graph's need, which `ModelRunner.num_kv_blocks_for_free_memory` measures
+is then the largest graph's need, which `ModelRunner.kv_pools_for_free_memory` measures
 before the KV pool is sized (docs/ARCHITECTURE.md, "GPU memory").
 """
 
@@ -42,9 +43,13 @@ class DecodeGraphs:
         max_blocks_per_seq: int,
         num_splits_for: Callable[[int], int],
         states: list[RecurrentState] | None = None,
+        *,
+        window_group: bool = False,
     ):
-        """states: a hybrid model's recurrent states (models.recurrent_state), else None."""
+        """states: a hybrid model's recurrent states (models.recurrent_state), else None;
+        window_group: the windowed layers' caches are in a pool of their own."""
         self.model = model
+        self.window_group = window_group
         self.kv_caches = kv_caches
         self.states = states or []
         self.num_splits_for = num_splits_for
@@ -73,6 +78,8 @@ class DecodeGraphs:
         self._block_tables = torch.zeros(
             n, self.max_blocks_per_seq, dtype=torch.int32, device=device
         )
+        self._window_slots = torch.full((n,), -1, dtype=torch.int64, device=device)
+        self._window_block_tables = torch.zeros_like(self._block_tables)
         self._seq_lens = torch.zeros(n, dtype=torch.int32, device=device)
         self._query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)
         self._state_slots = torch.full((n,), -1, dtype=torch.int32, device=device)
@@ -95,28 +102,29 @@ class DecodeGraphs:
         self,
         input_ids: torch.Tensor,
         positions: torch.Tensor,
-        slot_mapping: torch.Tensor,
-        block_tables: torch.Tensor,
-        seq_lens: torch.Tensor,
+        meta: AttentionMetadata,
         state_slots: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Replay the smallest graph that fits a decode batch of B rows; [B, hidden] states.
 
-        Inputs (on the device): [B] int64 ids, positions, slots; [B, W] int32 block tables with
-        W <= max_blocks_per_seq; [B] int32 sequence lengths; a hybrid model's [B] int32
-        recurrent-state slots.
+        Inputs (on the device): [B] int64 ids and positions; the batch's metadata, whose
+        [B, W] block tables (the window group's too, when captured with one) have
+        W <= max_blocks_per_seq; a hybrid model's [B] int32 recurrent-state slots.
         """
         batch = input_ids.shape[0]
         size = self.sizes[bisect.bisect_left(self.sizes, batch)]
         self._input_ids[:batch].copy_(input_ids, non_blocking=True)
         self._positions[:batch].copy_(positions, non_blocking=True)
-        self._slots[:batch].copy_(slot_mapping, non_blocking=True)
-        self._block_tables[:batch, : block_tables.shape[1]].copy_(block_tables, non_blocking=True)
-        self._seq_lens[:batch].copy_(seq_lens, non_blocking=True)
+        _copy_into(self._slots, self._block_tables, meta, batch)
+        if self.window_group:
+            assert meta.window_group is not None, "captured with the window group's tables"
+            _copy_into(self._window_slots, self._window_block_tables, meta.window_group, batch)
+        self._seq_lens[:batch].copy_(meta.seq_lens_t, non_blocking=True)
         if state_slots is not None:
             self._state_slots[:batch].copy_(state_slots, non_blocking=True)
         if size > batch:
             self._slots[batch:size].fill_(-1)
+            self._window_slots[batch:size].fill_(-1)
             self._seq_lens[batch:size].fill_(0)
             self._state_slots[batch:size].fill_(-1)
         self._graphs[size].replay()
@@ -148,7 +156,7 @@ class DecodeGraphs:
         return self._graphs[size].replay
 
     def _meta(self, size: int) -> AttentionMetadata:
-        return AttentionMetadata(
+        meta = AttentionMetadata(
             slot_mapping=self._slots[:size],
             block_tables=self._block_tables[:size],
             seq_lens_t=self._seq_lens[:size],
@@ -159,6 +167,9 @@ class DecodeGraphs:
             decode_only=True,
             num_splits=self.num_splits_for(size),
         )
+        if not self.window_group:
+            return meta
+        return meta.with_window_group(self._window_slots[:size], self._window_block_tables[:size])
 
     def _state_meta(self, size: int) -> RecurrentStateMetadata | None:
         if not self.states:
@@ -180,3 +191,12 @@ class DecodeGraphs:
             self.states,
             self._state_meta(size),
         )
+
+
+def _copy_into(
+    slots: torch.Tensor, block_tables: torch.Tensor, meta: AttentionMetadata, batch: int
+) -> None:
+    """One group's slots and block tables of a decode batch into the static buffers."""
+    slots[:batch].copy_(meta.slot_mapping, non_blocking=True)
+    width = meta.block_tables.shape[1]
+    block_tables[:batch, :width].copy_(meta.block_tables, non_blocking=True)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from appliance.engine.block_manager import BlockManager
+from appliance.engine.block_manager import BlockManager, window_pool_num_blocks
 from appliance.engine.detokenizer import IncrementalDetokenizer
 from appliance.engine.engine_settings import EngineSettings
 from appliance.engine.errors import (
@@ -21,7 +21,7 @@ from appliance.engine.errors import (
     InvalidRequestError,
     TensorParallelError,
 )
-from appliance.engine.kv_cache import KVCacheSpec
+from appliance.engine.kv_cache import KVCacheSpec, KVPools
 from appliance.engine.model_runner import LaunchedStep, ModelRunner
 from appliance.engine.models.config import ModelConfig
 from appliance.engine.models.decoder import CausalLM
@@ -140,6 +140,61 @@ def _hybrid_state_slots(
         linear.num_linear_layers,
     )
     return StateSlots(config.max_num_seqs)
+
+
+def _window_pool_num_blocks(
+    config: EngineConfig, model_config: ModelConfig, max_model_len: int
+) -> int:
+    """The window group's pool for a model with windowed and full layers (0 for any other):
+    never short for max_num_seqs sequences (block_manager.window_pool_num_blocks)."""
+    window = model_config.window_group_window
+    if window is None:
+        return 0
+    max_step_tokens = max(
+        config.max_num_batched_tokens, config.max_num_seqs * config.max_decode_burst
+    )
+    return window_pool_num_blocks(
+        window, config.block_size, config.max_num_seqs, max_step_tokens, max_model_len
+    )
+
+
+def _block_manager(
+    config: EngineConfig, model_config: ModelConfig, pools: KVPools, prefix_caching: bool
+) -> BlockManager:
+    """The full group's block manager, keeping the window group's in step when the pools have
+    two groups (prefix_caching: False for a hybrid model, whose states it cannot restore)."""
+    enable = config.enable_prefix_caching and prefix_caching
+    window = model_config.window_group_window
+    if pools.num_window_blocks and window is not None:
+        return BlockManager.with_window_group(
+            pools.num_blocks,
+            pools.num_window_blocks,
+            config.block_size,
+            window,
+            enable_prefix_caching=enable,
+        )
+    return BlockManager(
+        pools.num_blocks,
+        config.block_size,
+        enable_prefix_caching=enable,
+        kv_window=model_config.kv_window,
+    )
+
+
+def _describe_pools(pools: KVPools, num_window_blocks: int, model_config: ModelConfig) -> str:
+    """The start-up log's words for the KV pools (and why there is one where two could be)."""
+    if pools.num_window_blocks:
+        return (
+            f"{pools.num_blocks} KV blocks for the full layers and {pools.num_window_blocks} "
+            f"for the {len(model_config.window_group)} layers of window "
+            f"{model_config.window_group_window} (KV groups)"
+        )
+    if num_window_blocks:
+        return (
+            f"{pools.num_blocks} KV blocks (one pool: a window pool of {num_window_blocks} "
+            "blocks would take more than its layers' share; lower max_num_seqs for two)"
+        )
+    return f"{pools.num_blocks} KV blocks"
 
 
 @dataclass(frozen=True, slots=True)
@@ -284,27 +339,25 @@ class Engine:
             model, config.block_size, config.device, max_model_len, eos_token_ids, peers=peers
         )
         state_slots = _hybrid_state_slots(config, model_config, runner)
-        num_blocks = config.num_kv_blocks
-        if num_blocks is None and config.on_gpu:
-            num_blocks = runner.num_kv_blocks_for_free_memory(
+        num_window_blocks = _window_pool_num_blocks(config, model_config, max_model_len)
+        if config.num_kv_blocks is not None:
+            pools = KVPools(config.num_kv_blocks, num_window_blocks)
+        elif config.on_gpu:
+            pools = runner.kv_pools_for_free_memory(
                 spec,
                 config.max_num_batched_tokens,
                 config.max_num_seqs,
                 config.gpu_memory_utilization,
                 graph_batch=config.max_num_seqs if config.enable_cuda_graphs else 0,
+                num_window_blocks=num_window_blocks,
             )
-        elif num_blocks is None:
+        else:
             state_bytes = sum(s.conv.nbytes + s.delta.nbytes for s in runner.recurrent_states)
-            num_blocks = spec.num_blocks_within(config.kv_cache_memory_bytes - state_bytes)
-        runner.allocate_kv_caches(spec, num_blocks)
+            pools = spec.pools_within(config.kv_cache_memory_bytes - state_bytes, num_window_blocks)
+        runner.allocate_kv_caches(spec, pools)
         if config.on_gpu and config.enable_cuda_graphs:
             runner.capture_decode_graphs(config.max_num_seqs)
-        block_manager = BlockManager(
-            num_blocks,
-            config.block_size,
-            enable_prefix_caching=config.enable_prefix_caching and state_slots is None,
-            kv_window=model_config.kv_window,
-        )
+        block_manager = _block_manager(config, model_config, pools, state_slots is None)
         scheduler = Scheduler(
             SchedulerConfig(
                 max_model_len=max_model_len,
@@ -317,14 +370,13 @@ class Engine:
             state_slots,
         )
         logger.info(
-            "engine ready: %s on %s, %d KV blocks of %d tokens (%s, %.2f GiB per device), "
-            "max_model_len %d",
+            "engine ready: %s on %s, %s of %d tokens (%s, %.2f GiB per device), max_model_len %d",
             model_config.architecture,
             config.device,
-            num_blocks,
+            _describe_pools(pools, num_window_blocks, model_config),
             config.block_size,
             str(spec.dtype).removeprefix("torch."),
-            num_blocks * spec.bytes_per_block / 2**30,
+            spec.pool_bytes(pools) / 2**30,
             max_model_len,
         )
         return cls(
@@ -349,6 +401,8 @@ class Engine:
 
     @property
     def block_manager(self) -> BlockManager:
+        """The full group's blocks (every layer's with one KV group); the window group's, if
+        any, are its `window_group`."""
         return self.scheduler.block_manager
 
     def has_unfinished(self) -> bool:
@@ -359,10 +413,12 @@ class Engine:
         is read atomically, though the fields may come from different steps."""
         scheduler = self.scheduler
         compiles = self.grammars.compile_times() if self.grammars is not None else None
+        window_group = self.block_manager.window_group
         return EngineStats(
             num_running=len(scheduler.running),
             num_waiting=len(scheduler.waiting),
             kv_cache_usage=self.block_manager.usage,
+            window_kv_cache_usage=None if window_group is None else window_group.usage,
             recurrent_state_usage=None
             if scheduler.state_slots is None
             else scheduler.state_slots.usage,

@@ -9,11 +9,18 @@ FP8 pool holds twice the blocks of a bf16 one in the same memory.
 Each layer that owns KV has a cache tensor of its own shape (Gemma 4's global layers have wider
 heads and fewer of them); a layer that attends over another's KV (Gemma 4's KV-shared layers)
 owns none, and a block's bytes are the sum over the owning layers.
+
+KV groups (docs/ARCHITECTURE.md, "KV groups"): a model with both windowed and full KV-owning
+layers (Gemma 3, Gemma 4, gpt-oss) may keep its windowed layers' pages in a pool of their own,
+whose blocks are given back as they leave the window (appliance.engine.block_manager). A
+block id then means a block of one pool or the other: each layer's tensor has its group's
+number of blocks. `KVPools` says how many each pool has.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -26,11 +33,23 @@ from kernels.launch_checks import KV_CACHE_FP8
 
 
 @dataclass(frozen=True, slots=True)
+class KVPools:
+    """Blocks in each group's pool: the full group's (every layer's, with one group) and the
+    window group's (0: one group)."""
+
+    num_blocks: int
+    num_window_blocks: int = 0
+
+
+@dataclass(frozen=True, slots=True)
 class KVCacheSpec:
     # Per layer that owns KV pages (ModelConfig.kv_layers), in order: (num_kv_heads, head_dim).
     layer_shapes: tuple[tuple[int, int], ...]
     block_size: int
     dtype: torch.dtype
+    # Per layer of layer_shapes: whether its pages may live in the window group's pool
+    # (ModelConfig.window_group); empty for a model with one group.
+    window_layers: tuple[bool, ...] = ()
 
     @classmethod
     def for_model(
@@ -51,7 +70,9 @@ class KVCacheSpec:
             for i in config.kv_layers
         )
         dtype = model_dtype if kv_cache_dtype == "auto" else KV_CACHE_FP8
-        return cls(shapes, block_size, dtype)
+        window_group = set(config.window_group)
+        window_layers = tuple(i in window_group for i in config.kv_layers) if window_group else ()
+        return cls(shapes, block_size, dtype, window_layers)
 
     @property
     def num_layers(self) -> int:
@@ -64,16 +85,61 @@ class KVCacheSpec:
 
     @property
     def bytes_per_block(self) -> int:
+        """A block of every KV-owning layer: one pool's block with one group."""
+        return self._bytes_per_block(lambda _in_window: True)
+
+    @property
+    def full_group_bytes_per_block(self) -> int:
+        """A block of the full group's layers (every layer's, for a model with one group)."""
+        return self._bytes_per_block(lambda in_window: not in_window)
+
+    @property
+    def window_group_bytes_per_block(self) -> int:
+        """A block of the window group's layers (0 for a model with one group)."""
+        return self._bytes_per_block(lambda in_window: in_window)
+
+    def _bytes_per_block(self, counts: Callable[[bool], bool]) -> int:
         elem = torch.empty((), dtype=self.dtype).element_size()
-        per_token = sum(num_kv_heads * head_dim for num_kv_heads, head_dim in self.layer_shapes)
+        in_window = self.window_layers or (False,) * self.num_layers
+        per_token = sum(
+            num_kv_heads * head_dim
+            for (num_kv_heads, head_dim), window in zip(self.layer_shapes, in_window, strict=True)
+            if counts(window)
+        )
         return 2 * self.block_size * per_token * elem
 
-    def num_blocks_within(self, memory_bytes: int) -> int:
-        num_blocks = memory_bytes // self.bytes_per_block
+    def pools_within(self, memory_bytes: int, num_window_blocks: int) -> KVPools:
+        """The pools `memory_bytes` holds, the window group's of `num_window_blocks` blocks
+        (block_manager.window_pool_num_blocks) and the rest the full group's.
+
+        Two groups only where the window pool fits in the share of the memory its layers would
+        take in one pool: then the full group holds at least as many tokens as one pool would,
+        and the window group at least as many window tokens, so no load does worse than with
+        one pool. Otherwise (a tight budget for max_num_seqs windows) one pool, as for a model
+        with one group."""
+        window_bytes = num_window_blocks * self.window_group_bytes_per_block
+        share = memory_bytes * self.window_group_bytes_per_block // self.bytes_per_block
+        if not self.window_layers or not num_window_blocks or window_bytes > share:
+            return KVPools(self._num_blocks_within(memory_bytes, self.bytes_per_block))
+        full = self._num_blocks_within(memory_bytes - window_bytes, self.full_group_bytes_per_block)
+        return KVPools(full, num_window_blocks)
+
+    def pool_bytes(self, pools: KVPools) -> int:
+        """What the tensors of `allocate(pools)` take."""
+        if not pools.num_window_blocks:
+            return pools.num_blocks * self.bytes_per_block
+        return (
+            pools.num_blocks * self.full_group_bytes_per_block
+            + pools.num_window_blocks * self.window_group_bytes_per_block
+        )
+
+    @staticmethod
+    def _num_blocks_within(memory_bytes: int, bytes_per_block: int) -> int:
+        num_blocks = memory_bytes // bytes_per_block
         if num_blocks < 1:
             raise EngineConfigError(
                 f"the KV-cache budget of {memory_bytes} bytes holds no block of "
-                f"{self.bytes_per_block} bytes; raise the KV-cache memory"
+                f"{bytes_per_block} bytes; raise the KV-cache memory"
             )
         return num_blocks
 
@@ -93,17 +159,19 @@ class KVCacheSpec:
                         "reset_kv_scales after materialising it)"
                     )
 
-    def allocate(self, num_blocks: int, device: torch.device | str) -> list[torch.Tensor]:
+    def allocate(self, pools: KVPools, device: torch.device | str) -> list[torch.Tensor]:
         """One tensor per KV-owning layer: [2 (k, v), num_blocks, block_size, num_kv_heads,
-        head_dim], of that layer's shape.
+        head_dim], of that layer's shape, with its group's number of blocks.
 
         Zero-filled, so a never-written slot read through padding is finite.
         """
+        in_window = self.window_layers or (False,) * self.num_layers
+        window_blocks = pools.num_window_blocks or pools.num_blocks
         return [
             torch.zeros(
-                (2, num_blocks, self.block_size, num_kv_heads, head_dim),
+                (2, window_blocks if window else pools.num_blocks, self.block_size, heads, dim),
                 dtype=self.dtype,
                 device=device,
             )
-            for num_kv_heads, head_dim in self.layer_shapes
+            for (heads, dim), window in zip(self.layer_shapes, in_window, strict=True)
         ]

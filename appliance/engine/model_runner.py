@@ -1,8 +1,9 @@
 """Turns one scheduled step into model inputs, runs the model, and samples.
 
 Inputs are flattened across sequences (vLLM's varlen layout): [T] token ids and positions, a
-slot for each token in the paged KV cache, and each sequence's block table; for a hybrid model
-also each sequence's recurrent-state slot (appliance.engine.state_slots). Logits are computed
+slot for each token in the paged KV cache, and each sequence's block table (with two KV groups,
+appliance.engine.kv_cache, the window group's slots and tables too); for a hybrid model also
+each sequence's recurrent-state slot (appliance.engine.state_slots). Logits are computed
 only where they are needed: the last position of a chunk that samples, and the prompt positions
 of a request that asked for prompt log-probabilities.
 """
@@ -20,7 +21,7 @@ import torch
 
 from appliance.engine.cuda_graphs import DecodeGraphs
 from appliance.engine.errors import EngineConfigError
-from appliance.engine.kv_cache import KVCacheSpec
+from appliance.engine.kv_cache import KVCacheSpec, KVPools
 from appliance.engine.models.decoder import CausalLM
 from appliance.engine.models.recurrent_state import RecurrentState
 from appliance.engine.outputs import TokenLogprob
@@ -48,7 +49,7 @@ _PROFILED_SAMPLING = SamplingParams(
 
 @dataclass(frozen=True, slots=True)
 class MemoryProfile:
-    """What sizing the KV pool measured (`ModelRunner.num_kv_blocks_for_free_memory`), in
+    """What sizing the KV pools measured (`ModelRunner.kv_pools_for_free_memory`), in
     bytes: the largest step's forward pass and its logits and sampling (allocated beyond what
     was in use before it; the sampling figure counts the hidden states the step keeps), what
     that step made the allocator reserve, the decode graphs' pool, what was in use on the
@@ -158,6 +159,9 @@ class ModelRunner:
         # The last sampling step's controls, whose token counts the next step may carry on.
         self._last_controls: SamplingControls | None = None
         self.kv_caches: list[torch.Tensor] = []
+        # The windowed layers' caches are in a pool of their own (appliance.engine.kv_cache):
+        # every step then carries the window group's slots and tables too.
+        self.has_window_group = False
         # A hybrid model's linear layers' state, one slot per running sequence.
         self.recurrent_states: list[RecurrentState] = []
         self.graphs: DecodeGraphs | None = None
@@ -166,11 +170,12 @@ class ModelRunner:
     def set_kv_caches(self, kv_caches: list[torch.Tensor]) -> None:
         self.kv_caches = kv_caches
 
-    def allocate_kv_caches(self, spec: KVCacheSpec, num_blocks: int) -> None:
+    def allocate_kv_caches(self, spec: KVCacheSpec, pools: KVPools) -> None:
         if self.peers is not None:
-            self.peers.allocate_kv(num_blocks)
+            self.peers.allocate_kv(pools)
         spec.verify_scales(self.model)
-        self.kv_caches = spec.allocate(num_blocks, self.device)
+        self.kv_caches = spec.allocate(pools, self.device)
+        self.has_window_group = pools.num_window_blocks > 0
 
     def allocate_recurrent_states(self, num_slots: int) -> None:
         """A hybrid model's state for `num_slots` sequences (before the KV pool is sized, which
@@ -181,26 +186,31 @@ class ModelRunner:
         self.recurrent_states = linear.allocate(num_slots, dtype, self.device)
 
     @torch.inference_mode()
-    def num_kv_blocks_for_free_memory(
+    def kv_pools_for_free_memory(
         self,
         spec: KVCacheSpec,
         num_tokens: int,
         num_logit_rows: int,
         gpu_memory_utilization: float,
         graph_batch: int = 0,
-    ) -> int:
-        """How many KV blocks fit in `gpu_memory_utilization` of the GPU, after what is in use
+        num_window_blocks: int = 0,
+    ) -> KVPools:
+        """The KV pools that fit in `gpu_memory_utilization` of the GPU, after what is in use
         (weights, CUDA context, other processes) and what the largest step and the decode graphs
         need, measured here with a scratch cache just big enough for them (`memory_profile`):
         a prefill of `num_tokens` tokens, then logits and the sampler's most demanding path for
         `num_logit_rows` rows, then (`graph_batch` > 0) the CUDA graph of that decode batch.
-        Under tensor parallelism every rank profiles its own GPU and all take the smallest
-        count."""
+        A window group's pool of `num_window_blocks` blocks comes out of that budget where it
+        fits (`KVCacheSpec.pools_within`). Under tensor parallelism every rank profiles its own
+        GPU and all take the smallest budget."""
         if self.peers is not None:
-            self.peers.profile(num_tokens, num_logit_rows, gpu_memory_utilization, graph_batch)
+            self.peers.profile(
+                num_tokens, num_logit_rows, gpu_memory_utilization, graph_batch, num_window_blocks
+            )
         torch.cuda.synchronize(self.device)
         torch.cuda.empty_cache()
-        self.kv_caches = spec.allocate(-(-num_tokens // self.block_size) + 1, self.device)
+        scratch = KVPools(-(-num_tokens // self.block_size) + 1)
+        self.kv_caches = spec.allocate(scratch, self.device)
         step = self._profile_step(num_tokens, num_logit_rows)
         graph_pool = self._profile_graphs(graph_batch) if graph_batch else 0
         self.kv_caches = []
@@ -213,9 +223,8 @@ class ModelRunner:
         self.memory_profile = MemoryProfile(
             step.forward_peak, step.sampling_peak, step.reserved, graph_pool, total - free, budget
         )
-        num_blocks = budget // spec.bytes_per_block
         if self.peers is not None:
-            num_blocks = self.peers.agree_num_blocks(num_blocks)
+            budget = self.peers.agree_kv_budget(budget)
         logger.info(
             "profiled a %d-token step: forward peak %.2f GiB, logits and sampling peak %.2f GiB, "
             "step reserves %.2f GiB, decode graphs %.2f GiB; in use %.2f GiB, KV %.2f GiB",
@@ -227,13 +236,16 @@ class ModelRunner:
             (total - free) / 2**30,
             budget / 2**30,
         )
-        if num_blocks < -(-self.max_model_len // self.block_size):
+        pools = KVPools(0)
+        if budget >= spec.bytes_per_block:
+            pools = spec.pools_within(budget, num_window_blocks)
+        if pools.num_blocks < -(-self.max_model_len // self.block_size):
             raise EngineConfigError(
                 f"after the weights and activations, {budget / 2**30:.2f} GiB remain for the KV "
                 f"cache: not enough for one sequence of {self.max_model_len} tokens; raise "
                 "gpu_memory_utilization or lower max_model_len / max_num_batched_tokens"
             )
-        return num_blocks
+        return pools
 
     def _profile_step(self, num_tokens: int, num_logit_rows: int) -> _StepMemory:
         """Run the largest step on the scratch cache: its forward pass, then logits and sampling
@@ -340,6 +352,7 @@ class ModelRunner:
             -(-max_model_len // self.block_size),
             num_splits_for,
             self.recurrent_states,
+            window_group=self.has_window_group,
         )
 
     def execute(
@@ -472,12 +485,24 @@ class ModelRunner:
                     c.seq.block_table[p // bs] * bs + p % bs
                     for c, p in zip(chunks, pos, strict=True)
                 ]
+                window_slots, window_tables = None, None
+                if meta.window_group is not None:
+                    window_slots = self._to_device(
+                        [
+                            c.seq.window_blocks.block_table[p // bs] * bs + p % bs
+                            for c, p in zip(chunks, pos, strict=True)
+                        ],
+                        torch.int64,
+                    )
+                    window_tables = meta.window_group.block_tables
                 positions = self._to_device(pos, torch.int64)
                 meta = AttentionMetadata.build(
                     self._to_device(slots, torch.int64),
                     meta.block_tables,
                     seq_lens=[p + 1 for p in pos],
                     query_lens=meta.query_lens,
+                    window_slot_mapping=window_slots,
+                    window_block_tables=window_tables,
                 )
             # The same state slots every step: each step continues the state the last left.
             hidden = self._forward(input_ids, positions, meta, batch.state_meta)
@@ -529,9 +554,7 @@ class ModelRunner:
             return graphs.run(
                 input_ids,
                 positions,
-                meta.slot_mapping,
-                meta.block_tables,
-                meta.seq_lens_t,
+                meta,
                 None if state_meta is None else state_meta.state_slots,
             )
         return self.model(
@@ -584,11 +607,20 @@ class ModelRunner:
         positions = np.repeat(starts - (ends - num_new), num_new) + np.arange(ends[-1])
         slots = block_tables[rows, positions // bs].astype(np.int64) * bs + positions % bs
         query_ends = (ends - 1).tolist()
+        window_slots, window_tables = None, None
+        if self.has_window_group:
+            # The same positions in the window group's pool (its tables are as long).
+            tables = _block_tables([c.seq.window_blocks.block_table for c in chunks])
+            slots_np = tables[rows, positions // bs].astype(np.int64) * bs + positions % bs
+            window_slots = self._to_device(slots_np, torch.int64)
+            window_tables = self._to_device(tables, torch.int32)
         meta = AttentionMetadata.build(
             self._to_device(slots, torch.int64),
             self._to_device(block_tables, torch.int32),
             seq_lens=(starts + num_new).tolist(),
             query_lens=num_new.tolist(),
+            window_slot_mapping=window_slots,
+            window_block_tables=window_tables,
         )
         state_meta = None
         if self.recurrent_states:

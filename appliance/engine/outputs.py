@@ -25,7 +25,10 @@ class EngineStats:
 
     num_running: int
     num_waiting: int
-    kv_cache_usage: float  # fraction of KV blocks referenced by a request, 0 to 1
+    # Fraction of KV blocks referenced by a request, 0 to 1: of the full group's pool when the
+    # model's windowed layers have one of their own (appliance.engine.kv_cache), whose usage
+    # is then `window_kv_cache_usage` (None: one pool).
+    kv_cache_usage: float
     num_preemptions: int
     # Prompt tokens looked up in the prefix cache at admission, and those found there.
     num_prefix_cache_queries: int
@@ -36,6 +39,7 @@ class EngineStats:
     grammar_compile_seconds: float = 0.0
     # A hybrid model's recurrent-state slots held by a sequence, 0 to 1 (None: no such model).
     recurrent_state_usage: float | None = None
+    window_kv_cache_usage: float | None = None
 
 
 @dataclass(frozen=True, slots=True)

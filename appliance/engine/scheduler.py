@@ -7,7 +7,8 @@ sequence needs a block and none is free, the lowest-ranked running sequence is p
 blocks are freed and it goes back to waiting, to be recomputed (often from its own prefix-cache
 blocks) when there is room again. A hybrid model's sequences also hold a recurrent-state slot
 while they run (`state_slots`), given back with their blocks. Ranking is first come first
-served, or by `priority` (lower runs first) then arrival.
+served, or by `priority` (lower runs first) then arrival. Blocks are counted in the full group
+only: a model's window group (block_manager, "KV groups") is sized never to be short.
 """
 
 from __future__ import annotations
@@ -115,6 +116,9 @@ class Scheduler:
         seq.status = status
 
     def schedule(self) -> SchedulerOutput:
+        # Before any allocation: what the sequences this step leaves out no longer see goes back
+        # (a window's pool is sized on it: block_manager.window_pool_num_blocks).
+        self.block_manager.release_out_of_window(self.running)
         burst = self._schedule_decode_burst()
         if burst is not None:
             return burst

@@ -40,6 +40,18 @@ class OutputGrammar(Protocol):
         ...
 
 
+@dataclass(slots=True)
+class GroupBlocks:
+    """A sequence's blocks in the window group's pool (block_manager, "KV groups"): the same
+    positions as `Sequence.block_table`, with its own released and published counts. Entries
+    below `num_released_blocks` may be a placeholder id that no attention reads (a prefix-cache
+    hit takes only the blocks its first query's window sees)."""
+
+    block_table: list[int] = field(default_factory=list)
+    num_released_blocks: int = 0
+    num_published_blocks: int = 0
+
+
 @dataclass(eq=False)
 class Sequence:
     """One request: prompt plus generated tokens, and how much of it the KV cache holds.
@@ -79,6 +91,9 @@ class Sequence:
     block_hashes: list[bytes] = field(default_factory=list)
     # Leading blocks of `block_table` already offered to the prefix cache.
     num_published_blocks: int = 0
+    # A model with windowed and full layers keeps its windowed layers' pages in a pool of their
+    # own: `block_table` and its counts above are the full group's, these the window group's.
+    window_blocks: GroupBlocks = field(default_factory=GroupBlocks)
     # A hybrid model's recurrent-state slot while the sequence runs (appliance.engine.
     # state_slots); its state then holds `token_ids[:num_computed_tokens]`.
     state_slot: int | None = None

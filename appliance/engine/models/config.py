@@ -214,6 +214,30 @@ class ModelConfig:
         return self.linear_attention is not None
 
     @property
+    def window_group(self) -> tuple[int, ...]:
+        """The KV-owning layers whose pages live in the window group's pool (docs/ARCHITECTURE.md,
+        "KV groups"): when some KV-owning layers have a window and some have none, those whose
+        every reader (the layer itself, and the KV-shared layers reading it) has one. Empty
+        when the model has one group: every layer windowed (Mistral) or none."""
+        readers: dict[int, list[int | None]] = {i: [] for i in self.kv_layers}
+        for i in range(self.num_layers):
+            if not self.is_linear_layer(i):
+                readers[self.kv_source_of(i)].append(self.layer_windows[i])
+        windowed = tuple(i for i, windows in readers.items() if None not in windows)
+        return windowed if 0 < len(windowed) < len(readers) else ()
+
+    @property
+    def window_group_window(self) -> int | None:
+        """The window group's window: the largest window of a layer reading its pages."""
+        group = set(self.window_group)
+        windows = [
+            self.layer_windows[i]
+            for i in range(self.num_layers)
+            if not self.is_linear_layer(i) and self.kv_source_of(i) in group
+        ]
+        return max((w for w in windows if w is not None), default=None)
+
+    @property
     def kv_window(self) -> int | None:
         """How far back any layer looks: the largest window when every layer has one, else
         None. Blocks wholly older than this are seen by no layer and can be freed."""

@@ -207,6 +207,13 @@ class CausalLM(nn.Module):
             None if layer.linear_attn is not None else kv_layers.index(config.kv_source_of(i))
             for i, layer in enumerate(self.layers)
         ]
+        # Whether each layer reads a cache of the window group (config.window_group): it then
+        # attends through the window group's tables and slots, when the engine keeps that group
+        # in a pool of its own (AttentionMetadata.window_group).
+        window_group = set(config.window_group)
+        self.reads_window_group = [
+            index is not None and kv_layers[index] in window_group for index in self.kv_cache_index
+        ]
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         # Tied models (SmolLM2, Gemma) project with the embedding matrix itself.
         self.lm_head = (
@@ -266,8 +273,9 @@ class CausalLM(nn.Module):
     ) -> torch.Tensor:
         """input_ids, positions: [T] -> final hidden states [T, hidden] (normed).
 
-        kv_caches: one per KV-owning layer (config.kv_layers); states: one per linear layer of a
-        hybrid model (models.recurrent_state), each sequence's slot named by `state_meta`."""
+        kv_caches: one per KV-owning layer (config.kv_layers), a window group's layer's in its
+        group's pool when `meta.window_group` is given; states: one per linear layer of a hybrid
+        model (models.recurrent_state), each sequence's slot named by `state_meta`."""
         assert self.rope_tables, "call init_rope_tables first"
         rows = {
             key: (cos[positions], sin[positions]) for key, (cos, sin) in self.rope_tables.items()
@@ -276,11 +284,15 @@ class CausalLM(nn.Module):
         per_layer_inputs = self._per_layer_inputs(input_ids, x)  # [T, layers, P] or None
         residual = None
         caches = self._layer_caches(kv_caches, states)
-        layers = zip(self.layers, self.layer_ropes, caches, strict=True)
-        for i, (layer, rope, cache) in enumerate(layers):
+        window_meta = meta.window_group
+        layers = zip(self.layers, self.layer_ropes, caches, self.reads_window_group, strict=True)
+        for i, (layer, rope, cache, in_window_group) in enumerate(layers):
             cos, sin = rows[rope]  # [T, rotary_dim]
             per_layer_input = None if per_layer_inputs is None else per_layer_inputs[:, i]
-            x, residual = layer(x, residual, cos, sin, cache, meta, state_meta, per_layer_input)
+            layer_meta = window_meta if in_window_group and window_meta is not None else meta
+            x, residual = layer(
+                x, residual, cos, sin, cache, layer_meta, state_meta, per_layer_input
+            )
         if residual is None:
             return self.ops.rms_norm(x, self.norm.weight, self.norm.eps)
         x, _ = self.ops.add_rms_norm(x, residual, self.norm.weight, self.norm.eps)

@@ -136,7 +136,32 @@ def _config_lines(config: ModelConfig) -> list[tuple[str, str]]:
         ("context", f"{config.max_model_len} tokens"),
         ("windows", window_text),
         ("KV bytes/token", f"{kv_bytes:,} ({kv_bytes / 1024:.0f} KiB in bf16, {kv_owners})"),
+        *_kv_group_lines(config),
         *_hybrid_lines(config),
+    ]
+
+
+def _kv_group_lines(config: ModelConfig) -> list[tuple[str, str]]:
+    """A model with windowed and full layers: the two KV pools' bytes per token (the window
+    group's kept for a window's blocks per sequence: appliance.engine.kv_cache)."""
+    window_group = set(config.window_group)
+    if not window_group:
+        return []
+
+    def bytes_per_token(layers: list[int]) -> int:
+        width = sum(config.num_kv_heads_of(i) * config.head_dim_of(i) for i in layers)
+        return 2 * width * _KV_DTYPE.itemsize
+
+    full = [i for i in config.kv_layers if i not in window_group]
+    full_bytes, window_bytes = bytes_per_token(full), bytes_per_token(sorted(window_group))
+    num_kv = len(config.kv_layers)
+    return [
+        (
+            "KV groups",
+            f"full {full_bytes:,} B/token ({len(full)} of {num_kv} KV layers) for every token; "
+            f"window {window_bytes:,} B/token ({len(window_group)} of {num_kv}) for the last "
+            f"{config.window_group_window} of each sequence",
+        )
     ]
 
 

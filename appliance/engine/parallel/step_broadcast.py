@@ -9,12 +9,13 @@
   (gloo's timeouts are each process's own): a gloo broadcast returns only once every worker
   took it, so a worker that hangs alive fails rank 0's next announcement in bounded time.
 - data (NCCL on GPUs, gloo on the CPU): what lives on rank 0's device (token ids, positions,
-  slots and block tables packed into one int64 tensor; the hidden rows whose logits are
+  slots and block tables, with two KV groups the window group's too, packed into one int64
+  tensor; the hidden rows whose logits are
   wanted), and the model's own all-reduces and all-gathers. Its timeout bounds every step.
 
 `StepBroadcast` is the model runner's view of its peers: on rank 0 (`leader`) each call
 announces what the runner is about to do; on a worker (`follower`) the announcements are no-ops,
-since the worker is doing it because it was told. Collective agreements (`agree_num_blocks`) run
+since the worker is doing it because it was told. Collective agreements (`agree_kv_budget`) run
 on every rank. `receive` is the worker's side of an announcement.
 """
 
@@ -29,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from appliance.engine.errors import TensorParallelError
+from appliance.engine.kv_cache import KVPools
 from kernels.ops import AttentionMetadata
 
 _HEADER_LEN = 8
@@ -40,10 +42,13 @@ _PPM = 1_000_000
 
 
 class Op(enum.IntEnum):
-    FORWARD = 1  # [T, B, W]: a forward pass of T tokens in B sequences, tables W blocks wide
+    # [T, B, W, G]: a forward pass of T tokens in B sequences, tables W blocks wide, G = 1 with
+    # the window group's slots and tables (two KV groups), else 0
+    FORWARD = 1
     LOGITS = 2  # [N, hidden]: compute_logits of N hidden rows
-    PROFILE = 3  # [num_tokens, num_logit_rows, gpu_memory_utilization in ppm, graph_batch]
-    ALLOCATE_KV = 4  # [num_blocks]
+    # [num_tokens, num_logit_rows, gpu_memory_utilization in ppm, graph_batch, num_window_blocks]
+    PROFILE = 3
+    ALLOCATE_KV = 4  # [num_blocks, num_window_blocks]
     CAPTURE_GRAPHS = 5  # [max_batch]
     STOP = 6
 
@@ -113,21 +118,23 @@ class StepBroadcast:
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
     ) -> None:
-        """input_ids, positions, meta.slot_mapping: [T]; meta.block_tables: [B, W]."""
+        """input_ids, positions, meta.slot_mapping: [T]; meta.block_tables: [B, W] (and the
+        same of meta.window_group, if any)."""
         if not self.leader:
             return
         num_tokens, (batch, width) = input_ids.shape[0], meta.block_tables.shape
-        self._send_header(Op.FORWARD, num_tokens, batch, width)
+        groups = [meta] if meta.window_group is None else [meta, meta.window_group]
+        self._send_header(Op.FORWARD, num_tokens, batch, width, len(groups) - 1)
         lengths = torch.tensor([*meta.seq_lens, *meta.query_lens], dtype=torch.int64)
         dist.broadcast(lengths, 0, group=self.channels.control)
         packed = torch.cat(
-            [
-                input_ids.long(),
-                positions.long(),
-                meta.slot_mapping.long(),
-                meta.block_tables.reshape(-1).long(),
+            [input_ids.long(), positions.long()]
+            + [
+                t
+                for g in groups
+                for t in (g.slot_mapping.long(), g.block_tables.reshape(-1).long())
             ]
-        )  # [3T + B*W] on the device: one broadcast, no host synchronization
+        )  # [2T + G*(T + B*W)] on the device: one broadcast, no host synchronization
         dist.broadcast(packed, 0, group=self.channels.data)
 
     def logits(self, hidden: torch.Tensor) -> None:
@@ -138,21 +145,28 @@ class StepBroadcast:
         dist.broadcast(hidden.contiguous(), 0, group=self.channels.data)
 
     def profile(
-        self, num_tokens: int, num_logit_rows: int, gpu_memory_utilization: float, graph_batch: int
+        self,
+        num_tokens: int,
+        num_logit_rows: int,
+        gpu_memory_utilization: float,
+        graph_batch: int,
+        num_window_blocks: int,
     ) -> None:
         if self.leader:
             ppm = round(gpu_memory_utilization * _PPM)
-            self._send_header(Op.PROFILE, num_tokens, num_logit_rows, ppm, graph_batch)
+            args = (num_tokens, num_logit_rows, ppm, graph_batch, num_window_blocks)
+            self._send_header(Op.PROFILE, *args)
 
-    def agree_num_blocks(self, num_blocks: int) -> int:
-        """The smallest of every rank's KV-block count (every rank runs this)."""
-        value = torch.tensor([num_blocks], dtype=torch.int64, device=self.channels.device)
+    def agree_kv_budget(self, budget: int) -> int:
+        """The smallest of every rank's KV budget in bytes (every rank runs this), from which
+        every rank then sizes the same pools."""
+        value = torch.tensor([budget], dtype=torch.int64, device=self.channels.device)
         dist.all_reduce(value, op=dist.ReduceOp.MIN, group=self.channels.data)
         return int(value.item())
 
-    def allocate_kv(self, num_blocks: int) -> None:
+    def allocate_kv(self, pools: KVPools) -> None:
         if self.leader:
-            self._send_header(Op.ALLOCATE_KV, num_blocks)
+            self._send_header(Op.ALLOCATE_KV, pools.num_blocks, pools.num_window_blocks)
 
     def capture_graphs(self, max_batch: int) -> None:
         if self.leader:
@@ -190,19 +204,29 @@ def receive(channels: Channels) -> Message:
 
 
 def receive_forward(
-    channels: Channels, num_tokens: int, batch: int, width: int
+    channels: Channels, num_tokens: int, batch: int, width: int, window_group: int
 ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
     """The inputs of a FORWARD announcement: input_ids, positions [T] and their metadata."""
     lengths = torch.empty(2 * batch, dtype=torch.int64)
     dist.broadcast(lengths, 0, group=channels.control)
     seq_lens, query_lens = lengths[:batch].tolist(), lengths[batch:].tolist()
-    packed = torch.empty(3 * num_tokens + batch * width, dtype=torch.int64, device=channels.device)
-    dist.broadcast(packed, 0, group=channels.data)
-    input_ids, positions, slots, tables = packed.split(
-        [num_tokens, num_tokens, num_tokens, batch * width]
+    num_groups = 1 + window_group
+    group_sizes = [num_tokens, batch * width] * num_groups
+    packed = torch.empty(
+        2 * num_tokens + sum(group_sizes), dtype=torch.int64, device=channels.device
     )
-    block_tables = tables.view(batch, width).to(torch.int32)
-    meta = AttentionMetadata.build(slots, block_tables, seq_lens=seq_lens, query_lens=query_lens)
+    dist.broadcast(packed, 0, group=channels.data)
+    input_ids, positions, *groups = packed.split([num_tokens, num_tokens, *group_sizes])
+    tables = [t.view(batch, width).to(torch.int32) for t in groups[1::2]]
+    window_slots, window_tables = (groups[2], tables[1]) if window_group else (None, None)
+    meta = AttentionMetadata.build(
+        groups[0],
+        tables[0],
+        seq_lens=seq_lens,
+        query_lens=query_lens,
+        window_slot_mapping=window_slots,
+        window_block_tables=window_tables,
+    )
     return input_ids, positions, meta
 
 

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from appliance.engine.engine_settings import EngineSettings
-from appliance.engine.kv_cache import KVCacheSpec
+from appliance.engine.kv_cache import KVCacheSpec, KVPools
 from appliance.engine.model_runner import ModelRunner
 from appliance.engine.models.config import ModelConfig
 from appliance.engine.models.decoder import CausalLM
@@ -174,17 +174,22 @@ def _follow(runner: ModelRunner, kv_spec: KVCacheSpec, channels: Channels) -> No
             message = receive(channels)
             args = message.args
             if message.op is Op.FORWARD:
-                input_ids, positions, meta = receive_forward(channels, *args[:3])
+                input_ids, positions, meta = receive_forward(channels, *args[:4])
                 runner.run_model(input_ids, positions, meta)
             elif message.op is Op.LOGITS:
                 rows = receive_hidden(channels, args[0], hidden_size, dtype)
                 runner.model.compute_logits(rows)
             elif message.op is Op.PROFILE:
-                runner.num_kv_blocks_for_free_memory(
-                    kv_spec, args[0], args[1], utilization(args[2]), graph_batch=args[3]
+                runner.kv_pools_for_free_memory(
+                    kv_spec,
+                    args[0],
+                    args[1],
+                    utilization(args[2]),
+                    graph_batch=args[3],
+                    num_window_blocks=args[4],
                 )
             elif message.op is Op.ALLOCATE_KV:
-                runner.allocate_kv_caches(kv_spec, args[0])
+                runner.allocate_kv_caches(kv_spec, KVPools(args[0], args[1]))
             elif message.op is Op.CAPTURE_GRAPHS:
                 runner.capture_decode_graphs(args[0])
             else:

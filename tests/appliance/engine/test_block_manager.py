@@ -8,6 +8,7 @@ with a naive reference allocator that keys its prefix cache on the whole token p
 from __future__ import annotations
 
 import itertools
+import random
 
 import pytest
 from hypothesis import HealthCheck, settings
@@ -21,10 +22,10 @@ from hypothesis.stateful import (
     rule,
 )
 
-from appliance.engine.block_manager import BlockManager, hash_block
+from appliance.engine.block_manager import BlockManager, hash_block, window_pool_num_blocks
 from appliance.engine.errors import EngineConfigError
 from appliance.engine.sampling_params import SamplingParams
-from appliance.engine.sequence import RequestId, Sequence
+from appliance.engine.sequence import RequestId, Sequence, SequenceStatus
 
 _arrivals = itertools.count()
 
@@ -423,6 +424,167 @@ def test_without_a_window_no_block_is_released() -> None:
     seq.append_token(13)
     assert bm.allocate(seq, 1)
     assert seq.num_released_blocks == 0 and bm.num_free_blocks == 4
+
+
+# --- KV groups: a window group kept in step with the full group ----------------------------
+
+# Window 6, blocks of 4: a query at p sees p - 5 ..= p.
+WINDOW = 6
+
+
+def two_groups(num_blocks: int = 32, num_window_blocks: int = 16) -> BlockManager:
+    return BlockManager.with_window_group(num_blocks, num_window_blocks, 4, WINDOW)
+
+
+def window_of(bm: BlockManager) -> BlockManager:
+    assert bm.window_group is not None
+    return bm.window_group
+
+
+def compute_in_chunks(bm: BlockManager, seq: Sequence, chunk: int) -> None:
+    """Allocate and compute the rest of `seq`, `chunk` tokens a step, as the scheduler would."""
+    while seq.num_computed_tokens < len(seq):
+        num_new = min(chunk, len(seq) - seq.num_computed_tokens)
+        assert bm.allocate(seq, num_new)
+        seq.num_computed_tokens += num_new
+
+
+def test_a_two_group_sequence_past_the_window_frees_window_blocks_and_no_full_block() -> None:
+    bm = two_groups(num_blocks=8, num_window_blocks=6)
+    window = window_of(bm)
+    seq = make_seq(list(range(13)))
+    admit(bm, seq)  # the prefill's first query is at 0: nothing is released
+    assert bm.num_free_blocks == 4 and window.num_free_blocks == 2
+    seq.append_token(13)
+    assert bm.allocate(seq, 1)  # query at 13 sees 8 ..= 13: window blocks 0 and 1 are unseen
+    assert seq.num_released_blocks == 0 and bm.num_free_blocks == 4, "the full group keeps all"
+    assert seq.window_blocks.num_released_blocks == 2 and window.num_free_blocks == 4
+    assert len(seq.window_blocks.block_table) == len(seq.block_table) == 4, "same positions"
+    bm.free(seq)
+    assert bm.num_free_blocks == 8 and window.num_free_blocks == 6
+    assert seq.window_blocks.block_table == [] and seq.window_blocks.num_released_blocks == 0
+
+
+def test_a_two_group_allocation_the_full_group_cannot_serve_takes_no_window_block() -> None:
+    bm = two_groups(num_blocks=3, num_window_blocks=8)
+    window = window_of(bm)
+    seq = make_seq(list(range(20)))
+    assert not bm.allocate(seq, 16)  # four full blocks needed, three free
+    assert seq.block_table == [] and seq.window_blocks.block_table == []
+    assert bm.num_free_blocks == 3 and window.num_free_blocks == 8
+    assert bm.allocate(seq, 12)
+    seq.num_computed_tokens = 12
+    assert not bm.allocate(seq, 8)  # a running sequence's growth fails in both or neither
+    assert len(seq.window_blocks.block_table) == len(seq.block_table) == 3
+    # No block taken; block 0, which the query at 12 no longer sees, is given back either way.
+    assert seq.window_blocks.num_released_blocks == 1 and window.num_free_blocks == 6
+
+
+def test_the_window_group_asserts_its_pool_is_never_short() -> None:
+    bm = two_groups(num_blocks=8, num_window_blocks=2)
+    seq = make_seq(list(range(12)))
+    with pytest.raises(AssertionError, match="window_pool_num_blocks"):
+        bm.allocate(seq, 12)
+    assert seq.block_table == [] and seq.window_blocks.block_table == [], "checked before taking"
+
+
+def forty_tokens_cached_with_window_blocks_0_to_5_evicted(
+    bm: BlockManager,
+) -> tuple[list[int], list[int]]:
+    """Compute and free tokens 0-39 (both groups' tables returned), then let another request
+    take every window block but the last four of them: blocks 0-5 are evicted from the window
+    group's prefix cache, the full group still has all ten."""
+    window = window_of(bm)
+    first = make_seq(list(range(40)))
+    compute_in_chunks(bm, first, 8)  # the window group gives back blocks 0-5 as it goes
+    assert first.window_blocks.num_released_blocks == 6
+    tables = first.block_table, first.window_blocks.block_table
+    bm.free(first)  # blocks 9, 8, 7, 6 join the window's free queue last, in that order
+    other = make_seq([100 + t for t in range(4 * (window.num_blocks - 4))])
+    assert bm.allocate(other, len(other))
+    return tables
+
+
+def test_a_prefix_hit_needs_only_the_window_blocks_its_first_query_sees() -> None:
+    bm = two_groups(num_blocks=64, num_window_blocks=12)
+    window = window_of(bm)
+    full_table, window_table = forty_tokens_cached_with_window_blocks_0_to_5_evicted(bm)
+
+    second = make_seq([*range(40), 99])
+    hits = bm.find_cached_prefix(second)
+    # The first uncomputed token, at 40, sees 35 ..= 40: window blocks 8 and 9, both cached.
+    assert hits == full_table[:10]
+    num_free = window.num_free_blocks
+    assert bm.allocate(second, 1, hits)
+    table = second.window_blocks.block_table
+    assert second.window_blocks.num_released_blocks == 8, "placeholders before the window"
+    assert table[8:10] == window_table[8:10]
+    assert window.num_free_blocks == num_free - 3, "blocks 8 and 9 revived, one new; no more"
+    assert all(window.ref_count(b) == 1 for b in table[8:])
+    # Placeholders are never offered to the prefix cache: blocks 0-5 stay uncached in the
+    # window group, so a prompt of six blocks still misses there.
+    assert second.window_blocks.num_published_blocks == 10
+    assert bm.find_cached_prefix(make_seq([*range(24), 99])) == []
+    bm.free(second)
+    assert window.num_free_blocks == num_free
+
+
+def test_a_prefix_hit_shortens_to_the_longest_whose_window_blocks_are_cached() -> None:
+    bm = two_groups(num_blocks=64, num_window_blocks=12)
+    full_table, _ = forty_tokens_cached_with_window_blocks_0_to_5_evicted(bm)
+    # One more eviction takes block 9 (the first of the four in the free queue): a hit of ten
+    # blocks would need it; one of nine (first uncomputed token at 36 sees 31 ..= 36) needs
+    # blocks 7 and 8 only.
+    assert bm.allocate(make_seq([200 + t for t in range(4)]), 4)
+    assert bm.find_cached_prefix(make_seq([*range(40), 99])) == full_table[:9]
+    window_of(bm).reset_prefix_cache()
+    assert bm.find_cached_prefix(make_seq([*range(40), 99])) == [], "every hit needs a block"
+
+
+@pytest.mark.parametrize(("budget", "burst"), [(16, 1), (10, 3)])
+def test_window_pool_num_blocks_holds_every_scheduling_of_random_requests(
+    budget: int, burst: int
+) -> None:
+    """The real scheduler over random requests (priorities, so that a sequence admitted late
+    can outrank one mid-prefill, which then holds its last chunk's blocks through a step; a
+    full group small enough to preempt; chunked prefill; decode bursts), with the window pool
+    exactly `window_pool_num_blocks`: its allocation never comes up short (it asserts so; with
+    (16, 1) it would without the scheduler's release of what its left-out sequences no longer
+    see), and the bound is reached."""
+    from appliance.engine.scheduler import Scheduler, SchedulerConfig
+
+    max_num_seqs, max_model_len = 4, 64
+    step_tokens = max(budget, max_num_seqs * burst)
+    bound = window_pool_num_blocks(WINDOW, 4, max_num_seqs, step_tokens, max_model_len)
+    most_held = num_preemptions = 0
+    for seed in range(60):
+        rng = random.Random(seed)
+        bm = BlockManager.with_window_group(40, bound, 4, WINDOW)
+        window = window_of(bm)
+        config = SchedulerConfig(
+            max_model_len=max_model_len,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=budget,
+            max_decode_burst=burst,
+        )
+        scheduler = Scheduler(config, bm)
+        for _ in range(150):
+            if rng.random() < 0.3:
+                seq = make_seq([rng.randrange(3) for _ in range(rng.randint(1, 40))])
+                seq.params = SamplingParams(max_tokens=rng.randint(1, 20))
+                seq.priority = rng.randrange(3)
+                scheduler.add(seq)
+            out = scheduler.schedule()
+            most_held = max(most_held, window.num_blocks - window.num_free_blocks)
+            for chunk in out.chunks:
+                if chunk.samples and not chunk.seq.status.finished:
+                    for _ in range(out.num_steps):
+                        chunk.seq.append_token(rng.randrange(3))
+                    if chunk.seq.num_output_tokens >= chunk.seq.params.max_tokens:
+                        scheduler.finish(chunk.seq, SequenceStatus.FINISHED_LENGTH)
+        num_preemptions += scheduler.num_preemptions
+    assert num_preemptions, "the full group should be tight enough to preempt"
+    assert bound - 1 <= most_held <= bound
 
 
 # --- hash_block -----------------------------------------------------------------------------

@@ -29,7 +29,7 @@ import torch
 
 from appliance.engine.engine import Engine, EngineConfig
 from appliance.engine.errors import EngineConfigError
-from appliance.engine.kv_cache import KVCacheSpec
+from appliance.engine.kv_cache import KVCacheSpec, KVPools
 from appliance.engine.models.config import ModelConfig
 from appliance.engine.models.decoder import CausalLM
 from appliance.engine.models.loader import load_model
@@ -131,9 +131,35 @@ def test_fp8_block_holds_a_quarter_of_float32_bytes_and_half_of_bfloat16() -> No
     assert fp8.bytes_per_block == 2 * 3 * 16 * 2 * 16  # k and v, layers, tokens, heads, dim
     assert spec(torch.bfloat16, "auto").bytes_per_block == 2 * fp8.bytes_per_block
     assert spec(torch.float32, "auto").bytes_per_block == 4 * fp8.bytes_per_block
-    assert fp8.num_blocks_within(10 * fp8.bytes_per_block + 1) == 10
-    [cache, *_] = fp8.allocate(4, "cpu")
+    assert fp8.pools_within(10 * fp8.bytes_per_block + 1, 0) == KVPools(10)
+    [cache, *_] = fp8.allocate(KVPools(4), "cpu")
     assert cache.dtype == torch.float8_e4m3fn and cache.shape == (2, 4, 16, 2, 16)
+
+
+# Three KV layers of 2 heads x 16 in float32, blocks of 16 tokens; layers 0 and 2 windowed.
+_GROUPED = KVCacheSpec(((2, 16),) * 3, 16, torch.float32, (True, False, True))
+_LAYER_BLOCK = 2 * 16 * 2 * 16 * 4  # k and v, tokens, heads, dim, bytes
+
+
+def test_kv_groups_split_a_block_into_the_full_and_the_window_layers_bytes() -> None:
+    assert _GROUPED.bytes_per_block == 3 * _LAYER_BLOCK
+    assert _GROUPED.full_group_bytes_per_block == _LAYER_BLOCK
+    assert _GROUPED.window_group_bytes_per_block == 2 * _LAYER_BLOCK
+    caches = _GROUPED.allocate(KVPools(5, 3), "cpu")
+    assert [c.shape[1] for c in caches] == [3, 5, 3], "each layer has its group's blocks"
+    assert [c.shape[1] for c in _GROUPED.allocate(KVPools(5), "cpu")] == [5, 5, 5]
+
+
+def test_the_window_pool_comes_out_of_the_budget_when_it_fits_its_layers_share() -> None:
+    budget = 30 * _GROUPED.bytes_per_block  # the window layers' share: 60 of their blocks
+    pools = _GROUPED.pools_within(budget, 20)
+    # 20 window blocks take 40 layer-blocks of the 90: 50 remain, 50 full-layer blocks.
+    assert pools == KVPools(50, 20)
+    assert _GROUPED.pool_bytes(pools) <= budget
+    assert _GROUPED.pools_within(budget, 30) == KVPools(30, 30), "exactly its share"
+    # More than its share would leave the full layers fewer tokens than one pool: one pool.
+    assert _GROUPED.pools_within(budget, 31) == KVPools(30)
+    assert _GROUPED.pools_within(budget, 0) == KVPools(30)
 
 
 def test_fp8_engine_pool_has_four_times_the_blocks_of_float32_in_the_same_memory(

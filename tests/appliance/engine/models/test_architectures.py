@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from appliance.engine.block_manager import BlockManager
-from appliance.engine.kv_cache import KVCacheSpec
+from appliance.engine.kv_cache import KVCacheSpec, KVPools
 from appliance.engine.model_runner import ModelRunner
 from appliance.engine.models.config import RopeConfig
 from appliance.engine.models.decoder import CausalLM
@@ -66,7 +66,7 @@ class PagedBatch:
         needed = [-(-len(p) // BLOCK_SIZE) for p in prompts]
         num_blocks = sum(needed) + 3  # spare blocks stay zero and unused
         spec = KVCacheSpec.for_model(model.config, BLOCK_SIZE, torch.float32)
-        self.kv_caches = spec.allocate(num_blocks, "cpu")
+        self.kv_caches = spec.allocate(KVPools(num_blocks), "cpu")
         pool = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(seed)).tolist()
         self.block_tables: list[list[int]] = []
         for n in needed:
@@ -218,7 +218,7 @@ def test_greedy_through_model_runner_and_scheduler_matches_transformers(tiny_che
     num_blocks = 64
     spec = KVCacheSpec.for_model(model.config, BLOCK_SIZE, torch.float32)
     runner = ModelRunner(model, BLOCK_SIZE, "cpu", max_model_len=512)
-    runner.set_kv_caches(spec.allocate(num_blocks, "cpu"))
+    runner.set_kv_caches(spec.allocate(KVPools(num_blocks), "cpu"))
     scheduler = Scheduler(
         SchedulerConfig(max_model_len=512, max_num_seqs=8, max_num_batched_tokens=48),
         BlockManager(num_blocks, BLOCK_SIZE),

@@ -17,7 +17,7 @@ import torch
 
 from appliance.engine.block_manager import BlockManager
 from appliance.engine.errors import ModelLoadError
-from appliance.engine.kv_cache import KVCacheSpec
+from appliance.engine.kv_cache import KVCacheSpec, KVPools
 from appliance.engine.model_runner import ModelRunner
 from appliance.engine.models.config import ModelConfig
 from appliance.engine.models.loader import load_model
@@ -93,7 +93,7 @@ def test_greedy_with_chunked_prefill_and_a_prefix_cache_hit_matches_transformers
 def _run_greedy(model, prompts: list[list[int]], num_new_tokens: int):
     spec = KVCacheSpec.for_model(model.config, BLOCK_SIZE, torch.float32)
     runner = ModelRunner(model, BLOCK_SIZE, "cpu", max_model_len=512)
-    runner.set_kv_caches(spec.allocate(32, "cpu"))
+    runner.set_kv_caches(spec.allocate(KVPools(32), "cpu"))
     scheduler = Scheduler(
         SchedulerConfig(max_model_len=512, max_num_seqs=4, max_num_batched_tokens=32),
         BlockManager(32, BLOCK_SIZE),

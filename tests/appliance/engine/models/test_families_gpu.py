@@ -124,3 +124,36 @@ def test_bfloat16_prompt_logprobs_are_as_close_as_transformers_bf16(tiny_checkpo
     assert ours.max() <= 2 * theirs.max() + 0.01, (
         f"{name}: worst bf16 error {ours.max():.4f} vs transformers' {theirs.max():.4f}"
     )
+
+
+@pytest.mark.parametrize("name", ["gemma3", "gpt-oss", "gemma4"])
+def test_kv_groups_in_cuda_graphs_hold_a_window_and_match_transformers(tiny_checkpoints, name):
+    """Issue 21's KV groups on the GPU path: the windowed layers' own pool, its slots and
+    tables static inputs of the decode graphs; a long prompt, then two sharing 64 tokens (the
+    second a prefix-cache hit whose early window blocks are placeholders). Greedy tokens equal
+    transformers', and the window pool holds at most a window and a chunk of blocks while the
+    full pool holds the whole sequence."""
+    from .conftest import WINDOW
+
+    model_dir, hf_model = tiny_checkpoints(name)
+    engine = _engine(model_dir, "float32")
+    assert engine.runner.graphs is not None and engine.runner.graphs.window_group
+    full, window = engine.block_manager, engine.block_manager.window_group
+    assert window is not None
+    shared = _prompts((64,), seed=3)[0]
+    prompts = [_prompts((300,), seed=9)[0], shared + _prompts((30,), seed=5)[0]]
+    prompts.append(shared + _prompts((9,), seed=6)[0])
+    params = SamplingParams(temperature=0.0, max_tokens=NUM_NEW_TOKENS, ignore_eos=True)
+    most_window = most_full = 0
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"r{i}", prompt, params)
+        tokens: list[int] = []
+        while engine.has_unfinished():
+            for out in engine.step():
+                tokens += out.token_ids
+            most_window = max(most_window, window.num_blocks - window.num_free_blocks)
+            most_full = max(most_full, full.num_blocks - full.num_free_blocks)
+        assert tokens == _hf_greedy(hf_model, prompt, NUM_NEW_TOKENS), f"{name}: prompt {i}"
+    assert engine.stats().num_prefix_cache_hits == 64
+    block = engine.block_manager.block_size
+    assert most_window <= -(-(WINDOW - 1 + 64) // block) + 1 < 300 // block <= most_full

@@ -15,7 +15,7 @@ import torch
 
 import kernels.reference
 from appliance.engine.errors import ModelLoadError
-from appliance.engine.kv_cache import KVCacheSpec
+from appliance.engine.kv_cache import KVCacheSpec, KVPools
 from appliance.engine.models.config import ModelConfig, RopeConfig
 from appliance.engine.models.inspection import inspect_model
 from appliance.engine.models.loader import load_model
@@ -40,7 +40,7 @@ def test_kv_shared_layers_own_no_pages_and_the_pool_holds_the_owners_shapes(tiny
     # Windowed layers: 2 KV heads of 16; global layers: 1 KV head of 32.
     assert spec.layer_shapes == ((2, 16), (1, 32), (2, 16), (1, 32))
     assert spec.bytes_per_block == 2 * BLOCK_SIZE * (32 + 32 + 32 + 32) * 4
-    caches = spec.allocate(3, "cpu")
+    caches = spec.allocate(KVPools(3), "cpu")
     assert [tuple(c.shape) for c in caches] == [
         (2, 3, BLOCK_SIZE, 2, 16),
         (2, 3, BLOCK_SIZE, 1, 32),

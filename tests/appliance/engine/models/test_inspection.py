@@ -35,6 +35,10 @@ def test_inspect_reports_a_gemma3_checkpoint_it_serves(tiny_checkpoints, capsys)
     assert out["windows"] == "24 tokens on 2 of 3 layers; full attention on 1"
     # 2 (k, v) x 3 layers x 2 KV heads x 16 dims x 2 bytes
     assert out["KV bytes/token"].startswith("384 ")
+    assert out["KV groups"] == (
+        "full 128 B/token (1 of 3 KV layers) for every token; "
+        "window 256 B/token (2 of 3) for the last 24 of each sequence"
+    )
     assert out["dtype"] == "F32 100%"
     assert out["parameters"].endswith("in 1 file(s)")
 
