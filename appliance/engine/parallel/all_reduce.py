@@ -2,13 +2,15 @@
 row-parallel projection and the vocabulary-parallel embedding): NCCL's ring, or, for the small
 messages of decode steps on GPUs, PyTorch's symmetric-memory one-shot all-reduce.
 
-A decode step of a 70B model at batch 1 runs 160 all-reduces of 16 KiB; NCCL takes ~27 µs for
-each (4 × H200), a third of the step, almost all of it latency. The one-shot kernel copies the
-rank's rows into a buffer that every peer has mapped (NVLink peer-to-peer: no multicast, which
-the machines here require off), meets the peers at a barrier of signal flags, reads all of their
-buffers and sums them in rank order, so every rank ends with the same bits; a second barrier
-keeps a rank from overwriting its buffer while a peer still reads it. 8 µs for the same message
-(docs/BENCHMARKS.md). vLLM and SGLang use the same PyTorch kernels for their small all-reduces.
+A decode step of a 70B model at batch 1 runs 160 all-reduces of 16 KiB, each almost all
+latency: NCCL takes 21 µs for one on 2 × H200, replayed from a CUDA graph. The one-shot kernel
+copies the rank's rows into a buffer that every peer has mapped (NVLink peer-to-peer: no
+multicast, which the machines here require off), meets the peers at a barrier of signal flags,
+reads all of their buffers and sums them in rank order, so every rank ends with the same bits;
+a second barrier keeps a rank from overwriting its buffer while a peer still reads it: 6.8 µs
+for the same message. Inside the engine's decode step the gain is smaller than those figures
+suggest (docs/BENCHMARKS.md, "tensor parallelism with the one-shot all-reduce"). vLLM and
+SGLang use the same PyTorch kernels for their small all-reduces.
 Messages larger than the buffer (prefill chunks) go through NCCL, whose ring moves fewer bytes
 per GPU once the message is bandwidth-bound.
 
@@ -27,9 +29,10 @@ import torch.distributed as dist
 
 logger = logging.getLogger(__name__)
 
-# The largest message the one-shot path takes: a 256-row decode step of 8192-wide bf16 rows.
-# On 4 × H200 it took 50.6 µs there against NCCL's 61.0 (docs/BENCHMARKS.md, "Tensor
-# parallelism"); one-shot reads (n - 1) whole peer buffers, so past that NCCL's ring wins.
+# The largest message the one-shot path takes: a 256-row decode step of 8192-wide bf16 rows,
+# which took 35.6 µs against NCCL's 50.4 on 2 × H200 and 50.6 against 61.0 on 4 (alone, in a
+# CUDA graph: docs/BENCHMARKS.md). One-shot reads (n - 1) whole peer buffers: past some size
+# NCCL's ring, which moves less per GPU, wins; prefill chunks stay with NCCL.
 ONE_SHOT_MAX_BYTES = 4 << 20
 # The kernel moves 4-, 8- or 16-byte vectors: a message must be a multiple of 4 bytes.
 _ALIGNMENT = 4
