@@ -97,8 +97,9 @@ class EngineSettings(BaseModel):
         default=1, ge=1, le=8, description="devices (processes) the model is split across"
     )
     # The small all-reduces of decode steps through PyTorch's symmetric-memory one-shot kernel
-    # (GPU peer-to-peer reads) instead of NCCL: a third of a 70B batch-1 step at TP=4 is NCCL's
-    # latency (docs/BENCHMARKS.md). Falls back to NCCL by itself where peers cannot be mapped.
+    # (GPU peer-to-peer reads) instead of NCCL, whose small messages are all latency: a third
+    # of NCCL's time alone (docs/BENCHMARKS.md, where the in-engine effect is measured). Falls
+    # back to NCCL by itself where peers cannot be mapped.
     one_shot_all_reduce: bool = Field(
         default=True,
         description="tensor parallelism on GPUs: small all-reduces through the one-shot kernel",
