@@ -25,11 +25,14 @@ from safetensors.torch import load_file, save_file
 from appliance.engine.errors import ModelLoadError
 from appliance.engine.models.inspection import inspect_model
 from appliance.engine.models.loader import load_model
+from appliance.engine.models.sealed_images import SealedImages
 from appliance.engine.models.sparse_moe import Experts
+from attestation.sealed import SealedModel
 from kernels.fp8 import FP8_MAX, dequantize_blocks, quantize_rows
+from tests.attestation.sealed.conftest import seal
 
 from .test_architectures import PagedBatch, _hf_logits, _prompts
-from .test_fp8_checkpoints import _per_block
+from .test_fp8_checkpoints import _assert_same_bytes, _ct_config, _per_block
 
 MOE_FAMILIES = ["mixtral-window", "qwen3-moe", "qwen2-moe", "gpt-oss", "gemma4-moe", "qwen3.5-moe"]
 # What our FP8 model quantizes, by transformers' names: attention and MLP projections (a shared
@@ -96,37 +99,75 @@ def test_the_logit_bound_would_fail_if_an_experts_scales_were_lost(tiny_checkpoi
     assert error > 2 * weights_error
 
 
-def write_block_checkpoint(source: Path, out: Path) -> dict[str, torch.Tensor]:
-    """`source` (a tiny Qwen3-MoE) with every expert projection in the "fp8" block layout
-    (F8_E4M3 weight, `weight_scale_inv` per BLOCK), the rest as it was (the layout's
-    `modules_to_not_convert`); returns each expert projection's dequantized weight by name."""
+def write_fp8_experts_checkpoint(source: Path, out: Path, layout: str) -> dict[str, torch.Tensor]:
+    """`source` (a tiny Qwen3-MoE) with every expert projection FP8 as Qwen3-30B-A3B-FP8 ships
+    them ("block": the "fp8" layout, `weight_scale_inv` per BLOCK) or as llm-compressor writes
+    them ("channel": compressed-tensors, `weight_scale` [out, 1] in bf16); everything else
+    left as it was (each layout's list of unquantized modules). Returns each expert
+    projection's dequantized weight (the checkpoint's meaning) by name."""
     shutil.copytree(source, out)
     tensors = load_file(source / "model.safetensors")
     meaning = {}
     for name in sorted(tensors):
         if ".mlp.experts." in name and name.endswith("_proj.weight"):
-            q, scales = _per_block(tensors[name], BLOCK)
+            module = name.removesuffix(".weight")
+            if layout == "block":
+                q, scales = _per_block(tensors[name], BLOCK)
+                tensors[f"{module}.weight_scale_inv"] = scales
+                meaning[name] = dequantize_blocks(q, scales, BLOCK)
+            else:
+                q, scale = quantize_rows(tensors[name])
+                tensors[f"{module}.weight_scale"] = scale[:, None].to(torch.bfloat16)
+                meaning[name] = q.float() * scale.to(torch.bfloat16).float()[:, None]
             tensors[name] = q
-            tensors[name.removesuffix("weight") + "weight_scale_inv"] = scales
-            meaning[name] = dequantize_blocks(q, scales, BLOCK)
     save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
     config = json.loads((out / "config.json").read_text())
-    config["quantization_config"] = {
+    config["quantization_config"] = _LAYOUTS[layout]
+    (out / "config.json").write_text(json.dumps(config))
+    return meaning
+
+
+_LAYOUTS = {
+    "block": {
         "quant_method": "fp8",
         "activation_scheme": "dynamic",
         "fmt": "e4m3",
         "weight_block_size": list(BLOCK),
         "modules_to_not_convert": ["self_attn", "mlp.gate", "lm_head", "layers.1.mlp"],
-    }
-    (out / "config.json").write_text(json.dumps(config))
-    return meaning
+    },
+    "channel": {
+        **_ct_config("channel", static=False),
+        "ignore": ["lm_head", "re:.*self_attn.*", "re:.*mlp.gate$", "re:model.layers.1.mlp.*"],
+    },
+}
 
 
 @pytest.fixture(scope="module")
-def block_checkpoint(tiny_checkpoints, tmp_path_factory):
-    source, hf_model = tiny_checkpoints("qwen3-moe")
-    out = tmp_path_factory.mktemp("qwen3-moe-fp8-block") / "model"
-    return out, write_block_checkpoint(source, out), hf_model
+def fp8_experts_checkpoints(tiny_checkpoints, tmp_path_factory):
+    """layout -> (directory, dequantized experts, transformers' model), written once."""
+    cache = {}
+
+    def get(layout: str):
+        if layout not in cache:
+            source, hf_model = tiny_checkpoints("qwen3-moe")
+            out = tmp_path_factory.mktemp(f"qwen3-moe-fp8-{layout}") / "model"
+            cache[layout] = (out, write_fp8_experts_checkpoint(source, out, layout), hf_model)
+        return cache[layout]
+
+    return get
+
+
+@pytest.fixture
+def block_checkpoint(fp8_experts_checkpoints):
+    return fp8_experts_checkpoints("block")
+
+
+def test_channel_checkpoint_experts_load_exactly_the_weights_it_holds(fp8_experts_checkpoints):
+    model_dir, meaning, _ = fp8_experts_checkpoints("channel")
+    ours = _experts_by_name(load_model(model_dir))
+    assert ours.keys() == meaning.keys()
+    for name, weight in meaning.items():
+        assert torch.equal(ours[name], weight), name
 
 
 def _experts_by_name(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -203,3 +244,12 @@ def test_an_fp8_checkpoint_with_stacked_experts_is_refused_by_name(block_checkpo
     save_file(tensors, out / "model.safetensors")
     with pytest.raises(ModelLoadError, match="stacked"):
         load_model(out)
+
+
+def test_a_sealed_fp8_mixture_loads_as_its_files_do(block_checkpoint, tmp_path):
+    """The FP8 experts and their block scales seal, and decrypt into the same model."""
+    model_dir, _, _ = block_checkpoint
+    fixture = seal(model_dir, tmp_path / "sealed")
+    sealed = SealedModel.open(fixture.sealed, manifest_key=fixture.public_key)
+    with SealedImages(sealed, fixture.data_key, torch.device("cpu"), workers=2) as images:
+        _assert_same_bytes(load_model(fixture.sealed, weights=images), load_model(model_dir))

@@ -176,3 +176,51 @@ def test_an_expert_count_the_ranks_do_not_divide_is_refused_by_name(
     (tmp_path / "config.json").write_text(json.dumps(raw))
     with pytest.raises(EngineConfigError, match=r"does not divide the model's num_experts \(5\)"):
         EngineConfig(model_dir=tmp_path, tensor_parallel_size=2).start_workers()
+
+
+# FP8 experts under expert parallelism: a Qwen3-MoE checkpoint whose experts alone are FP8 in
+# the block layout (attention and the dense layer's MLP left in float32, so tensor parallelism
+# splits nothing quantized and one process is the reference to 1e-5); and gpt-oss's MXFP4
+# experts quantized to FP8 on load.
+@pytest.fixture(scope="module")
+def fp8_block_checkpoint(checkpoints: dict[str, Path], tmp_path_factory) -> Path:
+    from tests.appliance.engine.models.test_fp8_experts import write_fp8_experts_checkpoint
+
+    out = tmp_path_factory.mktemp("fp8-block") / "model"
+    write_fp8_experts_checkpoint(checkpoints["qwen3-moe"], out, "block")
+    return out
+
+
+@pytest.mark.parametrize(("variant", "quantization"), [("block", None), ("gpt-oss-mxfp4", "fp8")])
+def test_each_rank_holds_only_its_own_fp8_experts_and_scales(
+    checkpoints: dict[str, Path], fp8_block_checkpoint: Path, variant: str, quantization
+) -> None:
+    model_dir = fp8_block_checkpoint if variant == "block" else checkpoints[variant]
+    whole = load_model(model_dir, quantization=quantization)
+    whole_params = dict(whole.named_parameters())
+    config = ModelConfig.from_model_dir(model_dir)
+    for rank, held in HELD.items():
+        model = load_model(model_dir, shard=ShardPlan.for_model(config, rank, 2),
+                           quantization=quantization)  # fmt: skip
+        assert 2 * _expert_bytes(model) == _expert_bytes(whole)
+        scales = [(n, p) for n, p in model.named_parameters() if n.endswith("_proj_scale")]
+        assert len(scales) == 2 * config.moe.num_moe_layers
+        for name, param in model.named_parameters():
+            if ".experts." in name:
+                expected = whole_params[name][held]
+                assert torch.equal(param.view(torch.uint8), expected.view(torch.uint8)), name
+
+
+@pytest.fixture(scope="module")
+def fp8_engines(fp8_block_checkpoint: Path) -> Iterator[tuple[Engine, Engine]]:
+    single = build_engine(fp8_block_checkpoint, 1)
+    parallel = build_engine(fp8_block_checkpoint, 2)
+    yield single, parallel
+    parallel.close()
+
+
+def test_fp8_experts_on_two_processes_match_one_process(fp8_engines) -> None:
+    params = SamplingParams(
+        temperature=0.0, max_tokens=6, ignore_eos=True, prompt_logprobs=1, logprobs=1
+    )
+    assert compare(fp8_engines, [prompt_ids(40), prompt_ids(6, offset=90)], params) >= 8
