@@ -263,6 +263,10 @@ def test_gelu_tanh_experts_match_the_loop_at_gemma4_moe_sized_shapes_on_the_gpu(
 # to e4m3: at most 2**-4 of each value (half a unit of 3 mantissa bits), about 2**-4 / sqrt(3)
 # in RMS, so under 6% of the output's RMS through both roundings; 10% bounds it.
 FP8_RELATIVE_RMS = 0.10
+# Against the reference's own W8A8 loop only summation order differs, but a last-bit difference
+# in an act(gate) * up value can move it across an e4m3 rounding boundary (a step of 2^-4), so
+# an element or two may differ by a step: 1% of the output's RMS allows that, not a lost scale.
+W8A8_RELATIVE_RMS = 0.01
 
 
 @pytest.fixture
@@ -280,6 +284,11 @@ def _fp8_experts(weight: torch.Tensor) -> Fp8Weight:
 
 def _dequantized(weight: Fp8Weight, dtype: torch.dtype) -> torch.Tensor:
     return (weight.weight.float() * weight.scale[..., None]).to(dtype)
+
+
+def _assert_w8a8(ours: torch.Tensor, w8a8: torch.Tensor) -> None:
+    error = (ours.float() - w8a8.float()).square().mean().sqrt()
+    assert error <= W8A8_RELATIVE_RMS * w8a8.float().square().mean().sqrt(), error
 
 
 def _assert_within_fp8_bound(ours: torch.Tensor, exact: torch.Tensor, tiles) -> None:
@@ -304,7 +313,7 @@ def test_fp8_experts_match_the_loop_on_their_dequantized_weights(num_tokens, num
                                                                  hidden, size, dtype, skew,
                                                                  tiles):  # fmt: skip
     """Both paths within FP8's bound of the float32 loop on the dequantized weights; the
-    grouped (W8A8) path also to rounding of the reference's W8A8 loop."""
+    grouped (W8A8) path also within W8A8_RELATIVE_RMS of the reference's W8A8 loop."""
     x, gate_up, down, weights, ids = _inputs(num_tokens, num_experts, top_k, hidden, size, dtype,
                                              skew=skew)  # fmt: skip
     gate_up_q, down_q = _fp8_experts(gate_up), _fp8_experts(down)
@@ -313,8 +322,7 @@ def test_fp8_experts_match_the_loop_on_their_dequantized_weights(num_tokens, num
                                 _dequantized(down_q, torch.float32), weights, ids)  # fmt: skip
     _assert_within_fp8_bound(ours, exact, tiles)
     if isinstance(tiles, MoeTiles):
-        w8a8 = reference.fused_moe(x, gate_up_q, down_q, weights, ids)
-        torch.testing.assert_close(ours, w8a8, **TOLERANCE[dtype])
+        _assert_w8a8(ours, reference.fused_moe(x, gate_up_q, down_q, weights, ids))
 
 
 @pytest.mark.usefixtures("reference_activation_quantization")
@@ -348,8 +356,7 @@ def test_fp8_gpt_oss_experts_held_in_part_match_the_loop(num_tokens, tiles):
                                 **local)  # fmt: skip
     _assert_within_fp8_bound(ours, exact, tiles)
     if isinstance(tiles, MoeTiles):
-        w8a8 = reference.fused_moe(x, gate_up_q, down_q, weights, local_ids, **local)
-        torch.testing.assert_close(ours, w8a8, **TOLERANCE[torch.float32])
+        _assert_w8a8(ours, reference.fused_moe(x, gate_up_q, down_q, weights, local_ids, **local))
 
 
 def test_fused_moe_refuses_fp8_experts_it_cannot_handle():
