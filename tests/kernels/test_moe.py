@@ -359,6 +359,19 @@ def test_fp8_gpt_oss_experts_held_in_part_match_the_loop(num_tokens, tiles):
         _assert_w8a8(ours, reference.fused_moe(x, gate_up_q, down_q, weights, local_ids, **local))
 
 
+@pytest.mark.usefixtures("reference_activation_quantization")
+@BOTH_PATHS
+def test_fp8_gelu_tanh_experts_match_the_loop(tiles):
+    """Gemma 4's GELU-tanh gate on FP8 experts."""
+    x, gate_up, down, weights, ids = _inputs(3, 8, 2, 32, 24, torch.float32)
+    gate_up_q, down_q = _fp8_experts(gate_up), _fp8_experts(down)
+    ours = fused_moe(x, gate_up_q, down_q, weights, ids, tiles, activation="gelu_tanh")
+    exact = reference.fused_moe(x, _dequantized(gate_up_q, torch.float32),
+                                _dequantized(down_q, torch.float32), weights, ids,
+                                activation="gelu_tanh")  # fmt: skip
+    _assert_within_fp8_bound(ours, exact, tiles)
+
+
 def test_fused_moe_refuses_fp8_experts_it_cannot_handle():
     x, gate_up, down, weights, ids = _inputs(3, 4, 2, 16, 8, torch.float32)
     gate_up_q, down_q = _fp8_experts(gate_up), _fp8_experts(down)
