@@ -4,7 +4,8 @@ gpt-oss-20b, Qwen3.6-35B-A3B or Gemma-4-31B (for a mixture of experts, W1's byte
 token reads: its chosen experts only; for the hybrid Qwen3.6 they add the recurrent state a
 token reads and writes in each linear layer, and W2 shows its memory per sequence against a
 pure-attention model of the same shape).
-With `--quantization fp8` its projections are FP8 (W8A8, models.projections), as
+With `--quantization fp8` its projections are FP8 (W8A8, models.projections), and a mixture's
+experts FP8 too (models.sparse_moe: W1's expert bytes then one per weight), as
 `engine.quantization = "fp8"` loads them.
 
 Measures the ceilings first (device-to-device copy bandwidth, dense bf16 matmul rate), then
@@ -323,12 +324,15 @@ def random_model(
     shape: str = "llama-3.1-8b", seed: int = 0, quantization: str | None = None
 ) -> CausalLM:
     """The model of `SHAPES[shape]` with normal(0, 0.02) weights drawn on the GPU (norm
-    weights 1), in bf16 on the Triton kernels; with quantization "fp8", its projections then
-    quantized to FP8."""
+    weights 1), in bf16 on the Triton kernels; with quantization "fp8", its projections and a
+    mixture's experts then quantized to FP8."""
     config = ModelConfig.from_dict(SHAPES[shape])
     model = build_model(config, dtype=torch.bfloat16, device="cuda", ops=triton_ops, shard=None)
     fill_randomly(model, seed)
     if quantization == "fp8":
+        for module in model.modules():
+            if isinstance(module, Experts):
+                module.quantize()
         quantize_projections(model)
     model.init_rope_tables(MAX_MODEL_LEN)
     return model.eval()
@@ -785,7 +789,7 @@ def inferno_model_from(
     memory freed: the two never fit on one GPU together), then its state dict loaded onto
     `device` through Inferno's loader (models.loader.load_state_dict: the checkpoint-name
     mapping and checks a model directory's files get); with quantization "fp8" its projections
-    then quantized, as --quantization does to a random model."""
+    and experts then quantized, as --quantization does to a random model."""
     if peer.device.type == "cuda":
         peer.to("cpu")
         gc.collect()
@@ -926,7 +930,7 @@ def main() -> None:
         "--tokenizer-json", type=Path, help="W2S: the tokenizer.json its grammars compile against"
     )
     parser.add_argument(
-        "--quantization", choices=["fp8"], help="FP8 projections (W8A8) instead of bf16"
+        "--quantization", choices=["fp8"], help="FP8 projections and experts instead of bf16"
     )
     parser.add_argument(
         "--expandable-segments",

@@ -10,7 +10,12 @@ bf16 matmul rate. `--sweep` times a grid of tiles per batch (the GEMV path's too
 table could pick it) and prints the fastest, for the tiles in kernels/moe.py and
 kernels/moe_gemv.py.
 
-    python bench/moe_kernel.py [--sweep] [--batches 1,4,16,64,512,2048,8192]
+`--fp8` quantizes the experts to FP8 (e4m3, a scale per output channel) and times the FP8
+kernels (the GEMV path weight-only, the grouped GEMMs W8A8) against the bf16 kernels on the
+original weights and the per-expert loop on the dequantized weights (bf16), each batch first
+checked against that loop within FP8's error; the decode rate counts the FP8 bytes.
+
+    python bench/moe_kernel.py [--sweep] [--fp8] [--batches 1,4,16,64,512,2048,8192]
                                [--experts 128 --top-k 8 --hidden 2048 --size 768]
 """
 
@@ -24,8 +29,10 @@ import triton
 from kernel_micro import ceilings  # bench/, the script's own directory
 
 from kernels import reference
+from kernels.fp8 import quantize_rows
 from kernels.moe import MoeTiles, fused_moe, tiles_for
 from kernels.moe_gemv import GEMV_MAX_PAIRS, GemvTiles
+from kernels.ops import Fp8Weight
 
 DTYPE = torch.bfloat16
 DECODE_BATCHES = (1, 4, 16, 64)
@@ -39,6 +46,14 @@ def inputs(num_tokens: int, experts: int, top_k: int, hidden: int, size: int):
     scores = torch.randn(num_tokens, experts, device="cuda").softmax(-1)
     weights, ids = scores.topk(top_k, dim=-1)
     return x, gate_up, down, weights.contiguous(), ids
+
+
+def fp8_experts(weight: torch.Tensor) -> tuple[Fp8Weight, torch.Tensor]:
+    """[E, N, K] bf16 -> (the experts in e4m3 with per-channel scales, their dequantized bf16)."""
+    num_experts, n, k = weight.shape
+    q, scale = quantize_rows(weight.reshape(-1, k))
+    fp8 = Fp8Weight(q.view(num_experts, n, k), scale.view(num_experts, n))
+    return fp8, (q.float() * scale[:, None]).view(num_experts, n, k).to(weight.dtype)
 
 
 def time_ms(fn, graphed: bool = False) -> float:
@@ -75,6 +90,30 @@ def bench_batch(num_tokens: int, args: argparse.Namespace, copy_bw: float, mm_fl
           f"loop {loop * 1e3:9.1f} us  x{loop / fused:5.1f}  {rate}  tiles {tiles}")  # fmt: skip
     if args.sweep:
         sweep(x, gate_up, down, weights, ids, decode)
+    if args.fp8:
+        bench_fp8(x, gate_up, down, weights, ids, args, copy_bw, fused)
+
+
+def bench_fp8(x, gate_up, down, weights, ids, args, copy_bw: float, bf16_ms: float) -> None:
+    """The FP8 experts' kernels against the bf16 ones (`bf16_ms`) and the loop on the
+    dequantized weights, which they must match within FP8's error (the W8A8 path rounds x and
+    the act(gate) * up rows to e4m3: a few percent of the output's RMS)."""
+    (gate_up_q, gate_up_dq), (down_q, down_dq) = fp8_experts(gate_up), fp8_experts(down)
+    expected = reference.fused_moe(x, gate_up_dq, down_dq, weights, ids)
+    ours = fused_moe(x, gate_up_q, down_q, weights, ids)
+    error = (ours.float() - expected.float()).square().mean().sqrt()
+    relative = (error / expected.float().square().mean().sqrt()).item()
+    assert relative < 0.1, f"FP8 experts off the dequantized loop by {relative:.1%} RMS"
+    num_tokens = x.shape[0]
+    decode = num_tokens <= max(DECODE_BATCHES)
+    fused = time_ms(lambda: fused_moe(x, gate_up_q, down_q, weights, ids), graphed=decode)
+    loop = time_ms(lambda: reference.fused_moe(x, gate_up_dq, down_dq, weights, ids))
+    num_used = ids.unique().numel()
+    fp8_bytes = num_used * 3 * args.hidden * args.size  # one byte a weight (scales: 0.1%)
+    rate = f"{fp8_bytes / (fused * 1e-3) / copy_bw:5.1%} of copy" if decode else ""
+    print(f"      fp8 {fused * 1e3:8.1f} us{' (graph)' if decode else ''}  "
+          f"loop {loop * 1e3:9.1f} us  x{loop / fused:5.1f}  bf16/fp8 x{bf16_ms / fused:4.2f}  "
+          f"{relative:.1%} RMS off the dequantized loop  {rate}")  # fmt: skip
 
 
 def sweep(x, gate_up, down, weights, ids, decode: bool) -> None:
@@ -102,6 +141,7 @@ def sweep(x, gate_up, down, weights, ids, decode: bool) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sweep", action="store_true", help="time a grid of tiles per batch")
+    parser.add_argument("--fp8", action="store_true", help="also time FP8 experts (see above)")
     parser.add_argument("--batches", default=",".join(map(str, DECODE_BATCHES + PREFILL_BATCHES)))
     parser.add_argument("--experts", type=int, default=128)
     parser.add_argument("--top-k", type=int, default=8)

@@ -24,6 +24,14 @@ expert once, and only those. Semantics are `kernels.reference.fused_moe`'s, roun
 A batch of a few tokens (at most `GEMV_MAX_PAIRS` pairs, and fewer than E) skips the grouping
 for per-pair GEMVs (`kernels.moe_gemv`, whose tiles `tiles_for` returns for it).
 
+FP8 experts (`kernels.ops.Fp8Weight`s of [E, N, K] e4m3 with a scale per output channel, [E, N])
+follow the dense FP8 projections' choice per regime (`kernels.fp8_linear`): the GEMV path is
+weight-only (x as it is against the FP8 bytes, the sums scaled by the channel's scale); the
+grouped GEMMs are W8A8: x is quantized per token (`kernels.fp8_linear.quantize_rows`) before
+the gate/up GEMM, and the act(gate) * up rows per pair before the down GEMM, and each FP8 tile
+is widened exactly to float16 for the tensor cores, the float32 sums scaled by the row's scale,
+then the channel's. Semantics are then `kernels.reference.fused_moe` with FP8 weights.
+
 Tiles (`MoeTiles`) come from a small table by the pairs per expert: few (decode) want short
 BLOCK_M and long K tiles to stream weights; many (prefill) want square tensor-core tiles. The
 values are starting points from vLLM's H100 tables; `bench/moe_kernel.py --sweep` measures them.
@@ -39,9 +47,20 @@ import triton.language as tl
 
 from kernels.activation import ACTIVATIONS, expert_gated_product
 from kernels.errors import KernelInputError
+from kernels.fp8 import FP8_DTYPE
+from kernels.fp8_linear import quantize_rows
 from kernels.launch_checks import FLOAT_DTYPES, check_devices, triton_interprets
-from kernels.moe_gemv import GEMV_MAX_PAIRS, GEMV_TILES, GemvTiles, bias_or, bias_stride, gemv_moe
-from kernels.ops import ClampedSwiglu
+from kernels.moe_gemv import (
+    GEMV_MAX_PAIRS,
+    GEMV_TILES,
+    GemvTiles,
+    bias_or,
+    bias_stride,
+    expert_bytes,
+    gemv_moe,
+    scale_or,
+)
+from kernels.ops import ClampedSwiglu, Fp8Weight
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,9 +125,11 @@ def align_block_size(
 
 @triton.jit
 def _grouped_gemm_kernel(
-    a_ptr,  # [num_a_rows, K]: x (by token) or the SwiGLU rows (by pair)
-    b_ptr,  # [E, N, K]: the experts' weights, nn.Linear's layout per expert
+    a_ptr,  # [num_a_rows, K]: x (by token) or the SwiGLU rows (by pair); FP8: quantized
+    b_ptr,  # [E, N, K]: the experts' weights, nn.Linear's layout per expert (FP8: e4m3)
     bias_ptr,  # [E, N]: the experts' biases (read only when HAS_BIAS)
+    a_scale_ptr,  # [num_a_rows] float32: each row's scale (read only when FP8)
+    b_scale_ptr,  # [E, N] float32: each output channel's scale (read only when FP8)
     c_ptr,  # [T * k, N_OUT]: one row per pair
     weights_ptr,  # [T * k] float32 routing weights (MUL_WEIGHT)
     sorted_ids_ptr,
@@ -122,6 +143,7 @@ def _grouped_gemm_kernel(
     b_expert_stride,
     b_row_stride,
     bias_expert_stride,
+    b_scale_expert_stride,
     c_row_stride,
     alpha,  # CLAMPED: gpt-oss's sigmoid slope
     limit,  # CLAMPED: its clamp on gate (above) and up (both sides)
@@ -131,6 +153,7 @@ def _grouped_gemm_kernel(
     ACTIVATION: tl.constexpr,  # SILU_MUL, not CLAMPED: the gate's "silu" or "gelu_tanh"
     HAS_BIAS: tl.constexpr,
     MUL_WEIGHT: tl.constexpr,
+    FP8: tl.constexpr,  # W8A8: a and b in e4m3, the sums scaled by a's rows' and b's channels'
     PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -164,11 +187,23 @@ def _grouped_gemm_kernel(
         a = tl.load(a_rows + offs_k[None, :], mask=pair_mask[:, None] & k_mask[None, :], other=0.0)
         b_mask = k_mask[:, None] & n_mask[None, :]
         b = tl.load(b_cols + offs_k[:, None], mask=b_mask, other=0.0)  # [BLOCK_K, BLOCK_N]
+        if FP8:  # every e4m3 value is exact in float16: the float16 products are the FP8 ones
+            a = a.to(tl.float16)
+            b = b.to(tl.float16)
         acc = tl.dot(a, b, acc, input_precision=PRECISION)
         if SILU_MUL:
             up = tl.load(up_cols + offs_k[:, None], mask=b_mask, other=0.0)
+            if FP8:
+                up = up.to(tl.float16)
             acc_up = tl.dot(a, up, acc_up, input_precision=PRECISION)
     dtype = c_ptr.dtype.element_ty
+    if FP8:  # as kernels.reference.linear: the sums times the row's scale, then the channel's
+        a_scale = tl.load(a_scale_ptr + pairs // PAIRS_PER_A_ROW, mask=pair_mask, other=0.0)
+        channel_scales = b_scale_ptr + expert * b_scale_expert_stride + offs_n
+        acc = acc * a_scale[:, None] * tl.load(channel_scales, mask=n_mask, other=0.0)[None, :]
+        if SILU_MUL:
+            up_scale = tl.load(channel_scales + n_out, mask=n_mask, other=0.0)
+            acc_up = acc_up * a_scale[:, None] * up_scale[None, :]
     if HAS_BIAS:  # added to the float32 sums, before their one rounding (as F.linear's)
         bias_row = bias_ptr + expert * bias_expert_stride + offs_n
         acc += tl.load(bias_row, mask=n_mask, other=0.0).to(tl.float32)[None, :]
@@ -188,8 +223,8 @@ def _grouped_gemm_kernel(
 
 def fused_moe(
     x: torch.Tensor,
-    gate_up: torch.Tensor,
-    down: torch.Tensor,
+    gate_up: torch.Tensor | Fp8Weight,
+    down: torch.Tensor | Fp8Weight,
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
     tiles: MoeTiles | GemvTiles | None = None,
@@ -199,24 +234,26 @@ def fused_moe(
     clamped_swiglu: ClampedSwiglu | None = None,
     activation: str = "silu",
 ) -> torch.Tensor:
-    """x: [T, H]; gate_up: [E, 2I, H]; down: [E, H, I]; topk_weights: [T, k] float32;
+    """x: [T, H]; gate_up: [E, 2I, H]; down: [E, H, I] (each in x's dtype, or both FP8
+    `Fp8Weight`s with scales [E, 2I] and [E, H]); topk_weights: [T, k] float32;
     topk_ids: [T, k] integer in 0..E-1, or -1 for an expert another rank holds (expert
     parallelism: the pair adds nothing), not checked on the device (that would sync) -> [T, H];
-    gpt-oss's gate_up_bias [E, 2I], down_bias [E, H] and `clamped_swiglu` optional;
-    `activation` of the gate, "silu" or "gelu_tanh" (kernels.activation.ACTIVATIONS).
+    gpt-oss's gate_up_bias [E, 2I], down_bias [E, H] (in x's dtype) and `clamped_swiglu`
+    optional; `activation` of the gate, "silu" or "gelu_tanh" (kernels.activation.ACTIVATIONS).
 
-    See `kernels.reference.fused_moe`. `tiles`: None for the table's (`tiles_for`). Raises
-    `KernelInputError` for any shape, dtype, device or layout it cannot handle.
+    See `kernels.reference.fused_moe` (FP8: the module docstring). `tiles`: None for the
+    table's (`tiles_for`). Raises `KernelInputError` for any shape, dtype, device or layout it
+    cannot handle.
     """
     _validate(x, gate_up, down, topk_weights, topk_ids)
     if activation not in ACTIVATIONS:
         raise KernelInputError(
             f"fused_moe: activation {activation!r} is not one of {', '.join(ACTIVATIONS)}"
         )
-    _validate_bias("gate_up_bias", gate_up_bias, gate_up)
-    _validate_bias("down_bias", down_bias, down)
+    _validate_bias("gate_up_bias", gate_up_bias, x, gate_up)
+    _validate_bias("down_bias", down_bias, x, down)
     num_tokens, hidden = x.shape
-    num_experts, width, _ = gate_up.shape
+    num_experts, width, _ = expert_bytes(gate_up).shape
     size, top_k = width // 2, topk_ids.shape[1]
     if tiles is None:
         tiles = tiles_for(num_tokens, top_k, num_experts)
@@ -230,9 +267,11 @@ def fused_moe(
     swiglu = torch.empty(num_pairs, size, dtype=x.dtype, device=x.device)  # [T * k, I]
     weighted = torch.empty(num_pairs, hidden, dtype=x.dtype, device=x.device)  # [T * k, H]
     weights = topk_weights.reshape(-1)
-    precision = "ieee" if x.dtype == torch.float32 else "tf32"
+    fp8 = isinstance(gate_up, Fp8Weight)
+    precision = "ieee" if x.dtype == torch.float32 and not fp8 else "tf32"
     num_blocks = block_experts.numel()
     common = {
+        "FP8": fp8,
         "PRECISION": precision,
         "BLOCK_M": tiles.block_m,
         "BLOCK_N": tiles.block_n,
@@ -241,19 +280,23 @@ def fused_moe(
         "num_stages": tiles.num_stages,
     }
     act = clamped_swiglu or ClampedSwiglu(alpha=1.0, limit=1.0)  # unread unless CLAMPED
+    a, a_scale = quantize_rows(x) if fp8 else (x, weights)  # weights: unread without FP8
+    w = expert_bytes(gate_up)
     _grouped_gemm_kernel[(num_blocks, triton.cdiv(size, tiles.block_n))](
-        x, gate_up, bias_or(gate_up_bias, gate_up), swiglu, weights, sorted_ids, block_experts,
-        num_padded, size, num_experts, hidden, num_pairs,
-        x.stride(0), gate_up.stride(0), gate_up.stride(1), bias_stride(gate_up_bias),
-        swiglu.stride(0), act.alpha, act.limit,
+        a, w, bias_or(gate_up_bias, w), a_scale, scale_or(gate_up), swiglu, weights,
+        sorted_ids, block_experts, num_padded, size, num_experts, hidden, num_pairs,
+        a.stride(0), w.stride(0), w.stride(1), bias_stride(gate_up_bias),
+        scale_or(gate_up).stride(0), swiglu.stride(0), act.alpha, act.limit,
         PAIRS_PER_A_ROW=top_k, SILU_MUL=True, CLAMPED=clamped_swiglu is not None,
         ACTIVATION=activation, HAS_BIAS=gate_up_bias is not None, MUL_WEIGHT=False, **common,
     )  # fmt: skip
+    a, a_scale = quantize_rows(swiglu) if fp8 else (swiglu, weights)
+    w = expert_bytes(down)
     _grouped_gemm_kernel[(num_blocks, triton.cdiv(hidden, tiles.block_n))](
-        swiglu, down, bias_or(down_bias, down), weighted, weights, sorted_ids, block_experts,
-        num_padded, hidden, num_experts, size, num_pairs,
-        swiglu.stride(0), down.stride(0), down.stride(1), bias_stride(down_bias),
-        weighted.stride(0), act.alpha, act.limit,
+        a, w, bias_or(down_bias, w), a_scale, scale_or(down), weighted, weights,
+        sorted_ids, block_experts, num_padded, hidden, num_experts, size, num_pairs,
+        a.stride(0), w.stride(0), w.stride(1), bias_stride(down_bias),
+        scale_or(down).stride(0), weighted.stride(0), act.alpha, act.limit,
         PAIRS_PER_A_ROW=1, SILU_MUL=False, CLAMPED=False, ACTIVATION=activation,
         HAS_BIAS=down_bias is not None, MUL_WEIGHT=True, **common,
     )  # fmt: skip
@@ -261,46 +304,53 @@ def fused_moe(
     return weighted.view(num_tokens, top_k, hidden).float().sum(dim=1).to(x.dtype)
 
 
-def _validate_bias(name: str, bias: torch.Tensor | None, weight: torch.Tensor) -> None:
-    """An expert bias is [E, N] of its weight's [E, N, K], in its dtype and device, rows
+def _validate_bias(
+    name: str, bias: torch.Tensor | None, x: torch.Tensor, weight: torch.Tensor | Fp8Weight
+) -> None:
+    """An expert bias is [E, N] of its weight's [E, N, K], in x's dtype, on its device, rows
     contiguous."""
     if bias is None:
         return
+    shape = expert_bytes(weight).shape[:2]
     if (
         not isinstance(bias, torch.Tensor)
-        or bias.shape != weight.shape[:2]
-        or bias.dtype != weight.dtype
-        or bias.device != weight.device
+        or bias.shape != shape
+        or bias.dtype != x.dtype
+        or bias.device != x.device
         or bias.stride(-1) != 1
     ):
         raise KernelInputError(
-            f"{name} must be a [{weight.shape[0]}, {weight.shape[1]}] {weight.dtype} tensor on "
-            f"{weight.device} with contiguous rows"
+            f"{name} must be a [{shape[0]}, {shape[1]}] {x.dtype} tensor on {x.device} with "
+            "contiguous rows"
         )
 
 
 def _validate(
     x: torch.Tensor,
-    gate_up: torch.Tensor,
-    down: torch.Tensor,
+    gate_up: torch.Tensor | Fp8Weight,
+    down: torch.Tensor | Fp8Weight,
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
 ) -> None:
-    named = {"x": x, "gate_up": gate_up, "down": down, "topk_weights": topk_weights,
-             "topk_ids": topk_ids}  # fmt: skip
+    if isinstance(gate_up, Fp8Weight) != isinstance(down, Fp8Weight):
+        raise KernelInputError("gate_up and down must both be Fp8Weights, or neither")
+    fp8 = isinstance(gate_up, Fp8Weight)
+    named = {"x": x, "gate_up": expert_bytes(gate_up), "down": expert_bytes(down),
+             "topk_weights": topk_weights, "topk_ids": topk_ids}  # fmt: skip
     for name, tensor in named.items():
         if not isinstance(tensor, torch.Tensor):
             raise KernelInputError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
     check_devices(named)
-    if x.dim() != 2 or gate_up.dim() != 3 or down.dim() != 3:
+    gate_up_w, down_w = named["gate_up"], named["down"]
+    if x.dim() != 2 or gate_up_w.dim() != 3 or down_w.dim() != 3:
         raise KernelInputError(
             f"x must be [T, H], gate_up [E, 2I, H], down [E, H, I]; got {tuple(x.shape)}, "
-            f"{tuple(gate_up.shape)}, {tuple(down.shape)}"
+            f"{tuple(gate_up_w.shape)}, {tuple(down_w.shape)}"
         )
-    num_experts, width, hidden = gate_up.shape
-    if width % 2 or hidden != x.shape[1] or down.shape != (num_experts, hidden, width // 2):
+    num_experts, width, hidden = gate_up_w.shape
+    if width % 2 or hidden != x.shape[1] or down_w.shape != (num_experts, hidden, width // 2):
         raise KernelInputError(
-            f"gate_up {tuple(gate_up.shape)} and down {tuple(down.shape)} do not fit x "
+            f"gate_up {tuple(gate_up_w.shape)} and down {tuple(down_w.shape)} do not fit x "
             f"{tuple(x.shape)}: they must be [E, 2I, H] and [E, H, I]"
         )
     if topk_ids.dim() != 2 or topk_ids.shape[0] != x.shape[0] or topk_ids.dtype.is_floating_point:
@@ -315,18 +365,44 @@ def _validate(
         )
     if x.dtype not in FLOAT_DTYPES:
         raise KernelInputError(f"x dtype {x.dtype} is not one of float16, bfloat16, float32")
-    if x.dtype == torch.bfloat16 and triton_interprets():
+    if x.dtype == torch.bfloat16 and triton_interprets() and not fp8:
         # Triton's interpreter multiplies bfloat16 tl.dot operands as raw integers; fail closed.
         raise KernelInputError("bfloat16 is not supported under TRITON_INTERPRET=1; use fp16/fp32")
     for name in ("gate_up", "down"):
         tensor = named[name]
-        if tensor.dtype != x.dtype:
-            raise KernelInputError(f"{name} dtype {tensor.dtype} differs from x dtype {x.dtype}")
+        wanted = FP8_DTYPE if fp8 else x.dtype
+        if tensor.dtype != wanted:
+            raise KernelInputError(f"{name} dtype {tensor.dtype} is not {wanted} (x: {x.dtype})")
         if tensor.stride(-1) != 1:
             raise KernelInputError(
                 f"{name} must be contiguous along its last dimension, got strides {tensor.stride()}"
             )
+    if fp8:
+        _validate_scales(gate_up, "gate_up", x.device)  # type: ignore[arg-type]
+        _validate_scales(down, "down", x.device)  # type: ignore[arg-type]
     if x.shape[1] > 1 and x.stride(1) != 1:
         raise KernelInputError(f"x rows must be contiguous, got strides {x.stride()}")
     if not topk_weights.is_contiguous():
         raise KernelInputError("topk_weights must be contiguous")
+
+
+def _validate_scales(weight: Fp8Weight, name: str, device: torch.device) -> None:
+    """An FP8 expert weight's scales: [E, N] float32, one per output channel, contiguous
+    along N, on x's device; activations are quantized per token (no static input scale)."""
+    shape = weight.weight.shape[:2]
+    scale = weight.scale
+    if (
+        scale.shape != shape
+        or scale.dtype != torch.float32
+        or scale.device != device
+        or (shape[1] > 1 and scale.stride(1) != 1)
+    ):
+        raise KernelInputError(
+            f"{name}'s scale must be [{shape[0]}, {shape[1]}] float32 on {device}, contiguous "
+            f"along its rows; got {tuple(scale.shape)} {scale.dtype} on {scale.device}"
+        )
+    if weight.input_scale is not None:
+        raise KernelInputError(
+            f"{name}: FP8 experts quantize activations per token; a static input_scale is not "
+            "supported"
+        )

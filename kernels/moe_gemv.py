@@ -10,6 +10,10 @@ output and sums them: the combine happens in registers, and no pair is ever sort
 whose expert repeats in another token's pairs reads it again, which a few tokens can afford.
 
 Semantics are `kernels.reference.fused_moe`'s, rounding included, as on the grouped path.
+FP8 experts are read weight-only here, as the dense FP8 projections' one-row GEMV reads its
+weight (`kernels.fp8_linear`): the e4m3 bytes (half bfloat16's) meet x as it is, in float32,
+and each channel's sum is multiplied by its scale before the bias: the product of x with the
+dequantized weight, which W8A8 would only round further on the CUDA cores.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ import triton
 import triton.language as tl
 
 from kernels.activation import expert_gated_product
-from kernels.ops import ClampedSwiglu
+from kernels.ops import ClampedSwiglu, Fp8Weight
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,8 +50,9 @@ GEMV_MAX_PAIRS = 32
 @triton.jit
 def _gemv_gate_up_kernel(
     x_ptr,  # [T, H]
-    w_ptr,  # [E, 2I, H]: each expert's gate rows, then its up rows
+    w_ptr,  # [E, 2I, H]: each expert's gate rows, then its up rows (FP8: e4m3)
     bias_ptr,  # [E, 2I] (read only when HAS_BIAS)
+    scale_ptr,  # [E, 2I] float32 per-channel scales (read only when FP8)
     out_ptr,  # [T * k, I]: act(gate) * up per pair
     ids_ptr,  # [T * k]: each pair's expert (-1: held by another rank)
     size,  # I
@@ -56,6 +61,7 @@ def _gemv_gate_up_kernel(
     w_expert_stride,
     w_row_stride,
     bias_expert_stride,
+    scale_expert_stride,
     out_row_stride,
     alpha,
     limit,
@@ -63,6 +69,7 @@ def _gemv_gate_up_kernel(
     CLAMPED: tl.constexpr,
     ACTIVATION: tl.constexpr,
     HAS_BIAS: tl.constexpr,
+    FP8: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
@@ -87,6 +94,10 @@ def _gemv_gate_up_kernel(
         acc_up += tl.load(up_rows + offs_k[None, :], mask=w_mask, other=0.0).to(tl.float32) * x
     gate = tl.sum(acc, axis=1)
     up = tl.sum(acc_up, axis=1)
+    if FP8:
+        scales = scale_ptr + expert * scale_expert_stride + offs_n
+        gate *= tl.load(scales, mask=n_mask, other=0.0)
+        up *= tl.load(scales + size, mask=n_mask, other=0.0)
     if HAS_BIAS:  # added to the float32 sums, before their one rounding (as F.linear's)
         bias_row = bias_ptr + expert * bias_expert_stride + offs_n
         gate += tl.load(bias_row, mask=n_mask, other=0.0).to(tl.float32)
@@ -100,8 +111,9 @@ def _gemv_gate_up_kernel(
 @triton.jit
 def _gemv_down_combine_kernel(
     h_ptr,  # [T * k, I]: the gate/up step's output
-    w_ptr,  # [E, H, I]
+    w_ptr,  # [E, H, I] (FP8: e4m3)
     bias_ptr,  # [E, H] (read only when HAS_BIAS)
+    scale_ptr,  # [E, H] float32 per-channel scales (read only when FP8)
     out_ptr,  # [T, H]
     ids_ptr,  # [T * k]
     weights_ptr,  # [T * k] float32 routing weights
@@ -111,9 +123,11 @@ def _gemv_down_combine_kernel(
     w_expert_stride,
     w_row_stride,
     bias_expert_stride,
+    scale_expert_stride,
     out_row_stride,
     TOP_K: tl.constexpr,
     HAS_BIAS: tl.constexpr,
+    FP8: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
@@ -138,6 +152,9 @@ def _gemv_down_combine_kernel(
                 w_mask = n_mask[:, None] & k_mask[None, :]
                 acc += tl.load(rows + offs_k[None, :], mask=w_mask, other=0.0).to(tl.float32) * h
             y = tl.sum(acc, axis=1)
+            if FP8:
+                scales = scale_ptr + expert * scale_expert_stride + offs_n
+                y *= tl.load(scales, mask=n_mask, other=0.0)
             if HAS_BIAS:
                 y += tl.load(
                     bias_ptr + expert * bias_expert_stride + offs_n, mask=n_mask, other=0.0
@@ -149,8 +166,8 @@ def _gemv_down_combine_kernel(
 
 def gemv_moe(
     x: torch.Tensor,
-    gate_up: torch.Tensor,
-    down: torch.Tensor,
+    gate_up: torch.Tensor | Fp8Weight,
+    down: torch.Tensor | Fp8Weight,
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
     tiles: GemvTiles,
@@ -162,26 +179,40 @@ def gemv_moe(
     """`kernels.moe.fused_moe` over few pairs, its arguments validated there: two launches, no
     grouping, the combine in the second."""
     num_tokens, hidden = x.shape
-    size, top_k = gate_up.shape[1] // 2, topk_ids.shape[1]
+    w_gate_up, w_down = expert_bytes(gate_up), expert_bytes(down)
+    size, top_k = w_gate_up.shape[1] // 2, topk_ids.shape[1]
+    fp8 = isinstance(gate_up, Fp8Weight)
     ids = topk_ids.reshape(-1)
     swiglu = torch.empty(num_tokens * top_k, size, dtype=x.dtype, device=x.device)
     out = torch.empty_like(x)
     act = clamped_swiglu or ClampedSwiglu(alpha=1.0, limit=1.0)  # unread unless CLAMPED
     _gemv_gate_up_kernel[(ids.numel(), triton.cdiv(size, tiles.block_n))](
-        x, gate_up, bias_or(gate_up_bias, gate_up), swiglu, ids, size, hidden,
-        x.stride(0), gate_up.stride(0), gate_up.stride(1), bias_stride(gate_up_bias),
-        swiglu.stride(0), act.alpha, act.limit,
-        TOP_K=top_k, CLAMPED=clamped_swiglu is not None, ACTIVATION=activation,
-        HAS_BIAS=gate_up_bias is not None, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
-        num_warps=tiles.num_warps,
+        x, w_gate_up, bias_or(gate_up_bias, w_gate_up), scale_or(gate_up), swiglu, ids, size,
+        hidden, x.stride(0), w_gate_up.stride(0), w_gate_up.stride(1),
+        bias_stride(gate_up_bias), scale_or(gate_up).stride(0), swiglu.stride(0), act.alpha,
+        act.limit, TOP_K=top_k, CLAMPED=clamped_swiglu is not None, ACTIVATION=activation,
+        HAS_BIAS=gate_up_bias is not None, FP8=fp8, BLOCK_N=tiles.block_n,
+        BLOCK_K=tiles.block_k, num_warps=tiles.num_warps,
     )  # fmt: skip
     _gemv_down_combine_kernel[(num_tokens, triton.cdiv(hidden, tiles.down_block_n))](
-        swiglu, down, bias_or(down_bias, down), out, ids, topk_weights.reshape(-1), hidden, size,
-        swiglu.stride(0), down.stride(0), down.stride(1), bias_stride(down_bias), out.stride(0),
-        TOP_K=top_k, HAS_BIAS=down_bias is not None, BLOCK_N=tiles.down_block_n,
+        swiglu, w_down, bias_or(down_bias, w_down), scale_or(down), out, ids,
+        topk_weights.reshape(-1), hidden, size, swiglu.stride(0), w_down.stride(0),
+        w_down.stride(1), bias_stride(down_bias), scale_or(down).stride(0), out.stride(0),
+        TOP_K=top_k, HAS_BIAS=down_bias is not None, FP8=fp8, BLOCK_N=tiles.down_block_n,
         BLOCK_K=tiles.block_k, num_warps=tiles.num_warps,
     )  # fmt: skip
     return out
+
+
+def expert_bytes(weight: torch.Tensor | Fp8Weight) -> torch.Tensor:
+    """The stacked expert tensor a kernel streams: the weight itself, or an FP8 one's e4m3."""
+    return weight.weight if isinstance(weight, Fp8Weight) else weight
+
+
+def scale_or(weight: torch.Tensor | Fp8Weight) -> torch.Tensor:
+    """The per-channel scales ([E, N] float32) a kernel takes for an FP8 expert weight; for one
+    in the model's dtype any tensor, unread without FP8."""
+    return weight.scale if isinstance(weight, Fp8Weight) else weight
 
 
 def bias_or(bias: torch.Tensor | None, placeholder: torch.Tensor) -> torch.Tensor:

@@ -140,7 +140,8 @@ class Fp8Weight:
     when `input_scale` is given; the FP8 products are summed in float32 and scaled by both.
 
     weight: [N, K] float8_e4m3fn (nn.Linear's layout); scale: [N] float32;
-    input_scale: [1] float32 or None
+    input_scale: [1] float32 or None. A mixture's stacked experts (`KernelOps.fused_moe`):
+    weight [E, N, K], scale [E, N], input_scale None (activations per token).
     """
 
     weight: torch.Tensor
@@ -174,8 +175,8 @@ class KernelOps(Protocol):
     def fused_moe(
         self,
         x: torch.Tensor,
-        gate_up: torch.Tensor,
-        down: torch.Tensor,
+        gate_up: torch.Tensor | Fp8Weight,
+        down: torch.Tensor | Fp8Weight,
         topk_weights: torch.Tensor,
         topk_ids: torch.Tensor,
         *,

@@ -115,8 +115,8 @@ def gelu_tanh_mul_linear(x: torch.Tensor, weight: torch.Tensor | Fp8Weight) -> t
 
 def fused_moe(
     x: torch.Tensor,
-    gate_up: torch.Tensor,
-    down: torch.Tensor,
+    gate_up: torch.Tensor | Fp8Weight,
+    down: torch.Tensor | Fp8Weight,
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
     *,
@@ -133,6 +133,8 @@ def fused_moe(
     topk_weights: [T, k] float32; topk_ids: [T, k] integer, each in 0..E-1, or -1 for an expert
     another rank holds (expert parallelism: the pair adds nothing) -> [T, H].
     gate_up_bias: [E, 2I] and down_bias: [E, H], added to each expert's projections (gpt-oss).
+    FP8 experts: gate_up and down as `Fp8Weight`s ([E, N, K] e4m3, scales [E, N]), each
+    expert's projections then W8A8 as `linear`'s (its rows quantized per token).
     Rounding: each expert's output is in x's dtype (as the dense MLP's: the gate/up product,
     SiLU(gate) * up and the down product each rounded), times its weight in float32, rounded
     to x's dtype; the k of a token are summed in float32 and rounded once.
@@ -146,14 +148,21 @@ def fused_moe(
         rows = (flat_ids == expert).nonzero().squeeze(1)
         gate_up_b = None if gate_up_bias is None else gate_up_bias[expert]
         down_b = None if down_bias is None else down_bias[expert]
-        h = F.linear(x[tokens[rows]], gate_up[expert], gate_up_b)
+        h = linear(x[tokens[rows]], _expert(gate_up, expert), gate_up_b)
         if clamped_swiglu is not None:
             h = clamped_swiglu_and_mul(h, clamped_swiglu)
         else:
             h = gelu_tanh_and_mul(h) if activation == "gelu_tanh" else silu_and_mul(h)
-        y = F.linear(h, down[expert], down_b)
+        y = linear(h, _expert(down, expert), down_b)
         weighted[rows] = (y.float() * flat_weights[rows]).to(x.dtype)
     return weighted.view(num_tokens, top_k, -1).float().sum(dim=1).to(x.dtype)
+
+
+def _expert(weight: torch.Tensor | Fp8Weight, expert: int) -> torch.Tensor | Fp8Weight:
+    """One expert's [N, K] weight of a stacked [E, N, K] one."""
+    if isinstance(weight, Fp8Weight):
+        return Fp8Weight(weight.weight[expert], weight.scale[expert])
+    return weight[expert]
 
 
 def quantize_kv(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:

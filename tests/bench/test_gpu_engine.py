@@ -49,6 +49,19 @@ def test_qwen3_30b_a3b_token_reads_its_8_of_128_experts_attention_norms_and_lm_h
     assert total - read == BF16 * (layers * 120 * expert + (vocab - 1) * hidden)
 
 
+def test_qwen3_30b_a3b_fp8_experts_read_one_byte_a_weight_and_a_scale_a_row():
+    """`--quantization fp8`: a token's 8 experts per layer in e4m3 (one byte a weight) with a
+    float32 scale per output channel, against 2 bytes a weight in bf16."""
+    config = ModelConfig.from_dict(SHAPES["qwen3-30b-a3b"])
+    fp8 = build_model(config, dtype=torch.bfloat16, device="meta", ops=None, shard=None,
+                      quantization="fp8")  # fmt: skip
+    hidden, size, layers = 2048, 768, 48
+    weights = 3 * size * hidden  # gate, up, down
+    scales = 4 * (2 * size + hidden)  # float32, one per row of gate/up and of down
+    saved = layers * 8 * (BF16 * weights - (weights + scales))
+    assert _decode_bytes("qwen3-30b-a3b")[1] - weight_bytes(fp8)[1] == saved
+
+
 def test_gpt_oss_20b_token_reads_biases_sinks_router_and_4_of_32_bf16_experts():
     # gpt-oss-20b's config.json: hidden 2880, 24 layers, 64 query / 8 KV heads of 64, biased
     # attention with a sink per query head, 32 experts of 2880 (top 4) with biases, MXFP4

@@ -14,7 +14,7 @@ import zlib
 import pytest
 import torch
 
-from kernels import reference
+from kernels import fp8, moe, reference
 from kernels.errors import KernelInputError
 from kernels.moe import (
     DECODE_TILES,
@@ -25,7 +25,7 @@ from kernels.moe import (
     tiles_for,
 )
 from kernels.moe_gemv import GEMV_TILES, GemvTiles
-from kernels.ops import ClampedSwiglu
+from kernels.ops import ClampedSwiglu, Fp8Weight
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # Both sides accumulate in float32 in different orders, then round where the reference does.
@@ -253,3 +253,166 @@ def test_gelu_tanh_experts_match_the_loop_at_gemma4_moe_sized_shapes_on_the_gpu(
     for tiles in (None, GEMV_TILES, DECODE_TILES, PREFILL_TILES):
         ours = fused_moe(x, gate_up, down, weights, ids, tiles, activation="gelu_tanh")
         torch.testing.assert_close(ours, expected, **TOLERANCE[torch.bfloat16])
+
+
+# FP8 experts. On the CPU the grouped path's activations are quantized by the reference
+# (`kernels.fp8.quantize_rows`): Triton's interpreter converts float32 to e4m3 wrongly (see
+# tests/kernels/test_fp8_linear.py), and its quantization kernel is checked on the GPU there.
+# Against the loop on the dequantized weights in float32, the GEMV path (weight-only) differs
+# only in summation order; the grouped path (W8A8) also rounds x and the act(gate) * up rows
+# to e4m3: at most 2**-4 of each value (half a unit of 3 mantissa bits), about 2**-4 / sqrt(3)
+# in RMS, so under 6% of the output's RMS through both roundings; 10% bounds it.
+FP8_RELATIVE_RMS = 0.10
+# Against the reference's own W8A8 loop only summation order differs, but a last-bit difference
+# in an act(gate) * up value can move it across an e4m3 rounding boundary (a step of 2^-4), so
+# an element or two may differ by a step: 1% of the output's RMS allows that, not a lost scale.
+W8A8_RELATIVE_RMS = 0.01
+
+
+@pytest.fixture
+def reference_activation_quantization(monkeypatch):
+    if DEVICE == "cpu":
+        monkeypatch.setattr(moe, "quantize_rows", fp8.quantize_rows)
+
+
+def _fp8_experts(weight: torch.Tensor) -> Fp8Weight:
+    """[E, N, K] -> the same experts in e4m3 with a scale per output channel ([E, N])."""
+    num_experts, n, k = weight.shape
+    q, scale = fp8.quantize_rows(weight.reshape(-1, k))
+    return Fp8Weight(q.view(num_experts, n, k), scale.view(num_experts, n))
+
+
+def _dequantized(weight: Fp8Weight, dtype: torch.dtype) -> torch.Tensor:
+    return (weight.weight.float() * weight.scale[..., None]).to(dtype)
+
+
+def _assert_w8a8(ours: torch.Tensor, w8a8: torch.Tensor) -> None:
+    error = (ours.float() - w8a8.float()).square().mean().sqrt()
+    assert error <= W8A8_RELATIVE_RMS * w8a8.float().square().mean().sqrt(), error
+
+
+def _assert_within_fp8_bound(ours: torch.Tensor, exact: torch.Tensor, tiles) -> None:
+    if isinstance(tiles, GemvTiles):  # weight-only: the dequantized product itself
+        torch.testing.assert_close(ours, exact.to(ours.dtype), **TOLERANCE[ours.dtype])
+        return
+    error = (ours.float() - exact).square().mean().sqrt()
+    assert error <= FP8_RELATIVE_RMS * exact.square().mean().sqrt(), error
+
+
+@pytest.mark.usefixtures("reference_activation_quantization")
+@pytest.mark.parametrize(
+    ("num_tokens", "num_experts", "top_k", "hidden", "size", "dtype", "skew"),
+    [
+        (1, 8, 2, 32, 24, torch.float32, False),
+        (5, 8, 2, 48, 40, torch.float32, False),
+        (37, 4, 2, 32, 16, torch.float16, True),
+    ],
+)
+@BOTH_PATHS
+def test_fp8_experts_match_the_loop_on_their_dequantized_weights(num_tokens, num_experts, top_k,
+                                                                 hidden, size, dtype, skew,
+                                                                 tiles):  # fmt: skip
+    """Both paths within FP8's bound of the float32 loop on the dequantized weights; the
+    grouped (W8A8) path also within W8A8_RELATIVE_RMS of the reference's W8A8 loop."""
+    x, gate_up, down, weights, ids = _inputs(num_tokens, num_experts, top_k, hidden, size, dtype,
+                                             skew=skew)  # fmt: skip
+    gate_up_q, down_q = _fp8_experts(gate_up), _fp8_experts(down)
+    ours = fused_moe(x, gate_up_q, down_q, weights, ids, tiles)
+    exact = reference.fused_moe(x.float(), _dequantized(gate_up_q, torch.float32),
+                                _dequantized(down_q, torch.float32), weights, ids)  # fmt: skip
+    _assert_within_fp8_bound(ours, exact, tiles)
+    if isinstance(tiles, MoeTiles):
+        _assert_w8a8(ours, reference.fused_moe(x, gate_up_q, down_q, weights, ids))
+
+
+@pytest.mark.usefixtures("reference_activation_quantization")
+@BOTH_PATHS
+def test_fp8_comparison_would_fail_without_the_channel_scales(tiles):
+    x, gate_up, down, weights, ids = _inputs(5, 8, 2, 32, 16, torch.float32)
+    gate_up_q, down_q = _fp8_experts(gate_up), _fp8_experts(down)
+    unscaled = Fp8Weight(down_q.weight, torch.ones_like(down_q.scale))
+    ours = fused_moe(x, gate_up_q, unscaled, weights, ids, tiles)
+    exact = reference.fused_moe(x, _dequantized(gate_up_q, torch.float32),
+                                _dequantized(down_q, torch.float32), weights, ids)  # fmt: skip
+    assert (ours - exact).abs().max() > 10 * exact.abs().max()
+
+
+@pytest.mark.usefixtures("reference_activation_quantization")
+@pytest.mark.parametrize("num_tokens", [1, 20])
+@BOTH_PATHS
+def test_fp8_gpt_oss_experts_held_in_part_match_the_loop(num_tokens, tiles):
+    """gpt-oss's biases and clamped SwiGLU on FP8 experts, on a rank holding experts 4..7 of 8
+    (the others' ids -1): the loop on the dequantized weights over its experts only."""
+    x, gate_up, down, weights, ids = _inputs(num_tokens, 8, 3, 32, 24, torch.float32)
+    options = _gpt_oss_options(gate_up, down, limit=0.8)
+    held = slice(4, 8)
+    local_ids = torch.where(ids >= 4, ids - 4, -1)
+    local = {**options, "gate_up_bias": options["gate_up_bias"][held],
+             "down_bias": options["down_bias"][held]}  # fmt: skip
+    gate_up_q, down_q = _fp8_experts(gate_up[held]), _fp8_experts(down[held])
+    ours = fused_moe(x, gate_up_q, down_q, weights, local_ids, tiles, **local)
+    exact = reference.fused_moe(x, _dequantized(gate_up_q, torch.float32),
+                                _dequantized(down_q, torch.float32), weights, local_ids,
+                                **local)  # fmt: skip
+    _assert_within_fp8_bound(ours, exact, tiles)
+    if isinstance(tiles, MoeTiles):
+        _assert_w8a8(ours, reference.fused_moe(x, gate_up_q, down_q, weights, local_ids, **local))
+
+
+@pytest.mark.usefixtures("reference_activation_quantization")
+@BOTH_PATHS
+def test_fp8_gelu_tanh_experts_match_the_loop(tiles):
+    """Gemma 4's GELU-tanh gate on FP8 experts."""
+    x, gate_up, down, weights, ids = _inputs(3, 8, 2, 32, 24, torch.float32)
+    gate_up_q, down_q = _fp8_experts(gate_up), _fp8_experts(down)
+    ours = fused_moe(x, gate_up_q, down_q, weights, ids, tiles, activation="gelu_tanh")
+    exact = reference.fused_moe(x, _dequantized(gate_up_q, torch.float32),
+                                _dequantized(down_q, torch.float32), weights, ids,
+                                activation="gelu_tanh")  # fmt: skip
+    _assert_within_fp8_bound(ours, exact, tiles)
+
+
+def test_fused_moe_refuses_fp8_experts_it_cannot_handle():
+    x, gate_up, down, weights, ids = _inputs(3, 4, 2, 16, 8, torch.float32)
+    gate_up_q, down_q = _fp8_experts(gate_up), _fp8_experts(down)
+    with pytest.raises(KernelInputError, match="both be Fp8Weights"):
+        fused_moe(x, gate_up_q, down, weights, ids)
+    flat = Fp8Weight(down_q.weight, down_q.scale[:, :4])
+    with pytest.raises(KernelInputError, match="down's scale"):
+        fused_moe(x, gate_up_q, flat, weights, ids)
+    static = Fp8Weight(down_q.weight, down_q.scale, torch.ones(1, device=DEVICE))
+    with pytest.raises(KernelInputError, match="static input_scale"):
+        fused_moe(x, gate_up_q, static, weights, ids)
+
+
+def _gpu_fp8_case(num_tokens, num_experts, top_k, hidden, size, options=None):
+    x, gate_up, down, weights, ids = _inputs(num_tokens, num_experts, top_k, hidden, size,
+                                             torch.bfloat16)  # fmt: skip
+    options = options(gate_up, down) if options else {}
+    gate_up_q, down_q = _fp8_experts(gate_up), _fp8_experts(down)
+    exact = reference.fused_moe(x.float(), _dequantized(gate_up_q, torch.float32),
+                                _dequantized(down_q, torch.float32), weights, ids,
+                                **{k: v.float() if isinstance(v, torch.Tensor) else v
+                                   for k, v in options.items()})  # fmt: skip
+    for tiles in (None, GEMV_TILES, DECODE_TILES, PREFILL_TILES):
+        ours = fused_moe(x, gate_up_q, down_q, weights, ids, tiles, **options)
+        if isinstance(tiles, GemvTiles):  # weight-only, rounded to bf16 where the loop rounds
+            bf16 = reference.fused_moe(x, _dequantized(gate_up_q, torch.bfloat16),
+                                       _dequantized(down_q, torch.bfloat16), weights, ids,
+                                       **options)  # fmt: skip
+            torch.testing.assert_close(ours, bf16, **TOLERANCE[torch.bfloat16])
+        else:
+            _assert_within_fp8_bound(ours, exact, MoeTiles(16, 16, 16, 4, 2))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_tokens", [1, 4, 64, 512, 2048])
+def test_fp8_experts_match_the_loop_at_qwen3_30b_shapes_on_the_gpu(num_tokens):
+    _gpu_fp8_case(num_tokens, 128, 8, 2048, 768)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_tokens", [1, 8, 512])
+def test_fp8_gpt_oss_experts_match_the_loop_at_gpt_oss_20b_shapes_on_the_gpu(num_tokens):
+    _gpu_fp8_case(num_tokens, 32, 4, 2880, 2880,
+                  lambda gate_up, down: _gpt_oss_options(gate_up, down, limit=7.0))  # fmt: skip

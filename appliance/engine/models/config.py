@@ -154,10 +154,12 @@ class ModelConfig:
         }
         fields.update(family.configure(read))
         _check_layer_kinds(text, fields, source)
-        if fields.get("moe") is not None and fields["fp8"] is not None:
+        fp8 = fields["fp8"]
+        if fields.get("moe") is not None and fp8 is not None and fp8.static_input:
             raise ModelLoadError(
-                f"{source}: 'quantization_config' of a mixture of experts is not supported "
-                "(FP8 experts are not built); use its bf16 checkpoint"
+                f"{source}: quantization_config with static input scales is not supported for "
+                "a mixture of experts (its FP8 experts quantize activations per token); use a "
+                "dynamic-activation FP8 checkpoint or the bf16 one"
             )
         return cls(**fields)
 

@@ -130,6 +130,8 @@ def _config_lines(config: ModelConfig) -> list[tuple[str, str]]:
         )
         inputs = "static input scales" if fp8.static_input else "per-token input scales"
         quantization = f"FP8 e4m3 projections, {scales}, {inputs}"
+        if config.moe is not None:
+            quantization += "; FP8 e4m3 experts, a scale per output channel of each expert"
     return [
         ("quantization", quantization),
         *_expert_lines(config),

@@ -35,6 +35,7 @@ from appliance.engine.models.layers import RMSNorm
 from appliance.engine.models.linear_attention import GATED_NORM_WEIGHT
 from appliance.engine.models.projections import quantize_projections, use_fp8_projections
 from appliance.engine.models.quantization import Fp8Checkpoint
+from appliance.engine.models.sparse_moe import Experts, quantize_expert_rows
 from appliance.engine.parallel.sharding import ShardPlan, shard_model
 from kernels.fp8 import FP8_DTYPE, dequantize_blocks, quantize_rows
 from kernels.ops import KernelOps
@@ -45,10 +46,23 @@ logger = logging.getLogger(__name__)
 Quantization = Literal["fp8"]
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
-# One expert's projection of a mixture of experts, stacked here into [E, ...] parameters.
-_EXPERT = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight$")
-# Our stacked expert parameters (inside a layer) and how many pieces each expert fills.
-_STACKED_EXPERTS = {"mlp.experts.gate_up_proj": 2, "mlp.experts.down_proj": 1}
+# One expert's projection of a mixture of experts, stacked here into [E, ...] parameters: its
+# weight, and in an FP8 checkpoint its per-channel (or per-tensor) `weight_scale` or its
+# 128x128-block `weight_scale_inv`.
+_EXPERT = re.compile(
+    r"^model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\."
+    r"(weight|weight_scale|weight_scale_inv)$"
+)
+# Our stacked expert parameters (inside a layer), FP8 experts' scales with them, and how many
+# pieces each expert fills.
+_STACKED_EXPERTS = {
+    "mlp.experts.gate_up_proj": 2,
+    "mlp.experts.down_proj": 1,
+    "mlp.experts.gate_up_proj_scale": 2,
+    "mlp.experts.down_proj_scale": 1,
+}
+# Every family's stacked expert weights (Gemma 4's block is `moe`, the others' `mlp`).
+_EXPERT_STACKS = ("experts.gate_up_proj", "experts.down_proj")
 # Buffers some checkpoints carry that are recomputed here.
 _IGNORED = re.compile(r"rotary_emb\.inv_freq$")
 # The FP8 KV-cache scales FP8 checkpoints ship, by the names their tools write (inside a
@@ -76,9 +90,12 @@ def build_model(
     device: torch.device | str,
     ops: KernelOps | None,
     shard: ShardPlan | None,
+    quantization: Quantization | None = None,
 ) -> CausalLM:
     """The architecture (one rank's part with `shard`), its parameters allocated on `device`
-    in `dtype` and left empty; an FP8 checkpoint's projections as empty Fp8Linears."""
+    in `dtype` and left empty; an FP8 checkpoint's projections as empty Fp8Linears. A
+    mixture's experts are FP8 (empty, models.sparse_moe.Experts.use_fp8) for an FP8 checkpoint
+    and under `quantization="fp8"`: the loader quantizes each expert tensor as it is read."""
     with torch.device("meta"):
         model = CausalLM(config) if ops is None else CausalLM(config, ops)
     if shard is not None:
@@ -88,6 +105,10 @@ def build_model(
     if config.fp8 is not None:
         keep = functools.partial(_left_unquantized, config.fp8)
         use_fp8_projections(model, keep, static_input_scale=config.fp8.static_input)
+    if config.fp8 is not None or quantization == "fp8":
+        for module in model.modules():
+            if isinstance(module, Experts):
+                module.use_fp8()
     model.to_empty(device=device)
     model.reset_kv_scales()
     return model
@@ -113,7 +134,8 @@ def load_model(
 
     `dtype` is the model's; an FP8 checkpoint (config.json's quantization_config,
     models.quantization) keeps its projections in FP8 with a scale per output channel, and
-    `quantization="fp8"` quantizes an unquantized checkpoint's projections so (models.projections).
+    `quantization="fp8"` quantizes an unquantized checkpoint's projections so (models.projections);
+    a mixture's experts likewise (models.sparse_moe.Experts), each expert tensor as it is read.
 
     Raises ModelLoadError naming the file for a missing directory or config, an unsupported
     architecture or quantization, a corrupt or truncated safetensors file or image, a shard
@@ -127,7 +149,9 @@ def load_model(
         if weights is None
         else _read_images(model_dir, weights, part_of)
     )
-    model = build_model(config, dtype=dtype, device=device, ops=ops, shard=shard)
+    model = build_model(
+        config, dtype=dtype, device=device, ops=ops, shard=shard, quantization=quantization
+    )
     return _load_into(model, tensors, shard=shard, source=str(model_dir), quantization=quantization)
 
 
@@ -149,7 +173,9 @@ def load_state_dict(
     """
     source = Path("state_dict")
     tensors = ((source, name, tensor) for name, tensor in state_dict.items())
-    model = build_model(config, dtype=dtype, device=device, ops=ops, shard=None)
+    model = build_model(
+        config, dtype=dtype, device=device, ops=ops, shard=None, quantization=quantization
+    )
     return _load_into(
         model, tensors, shard=None, source="the state dict", quantization=quantization
     )
@@ -183,6 +209,7 @@ def _load_into(
     layout = config.family.layout
     blocks = _BlockScaledWeights(config, shard)
     block_scaled = config.fp8 is not None and config.fp8.scales == "block"
+    expert_blocks = _BlockScaledExperts(config)
 
     if layout.gpt_oss_experts:
         tensors = convert_fused_experts(tensors)
@@ -199,9 +226,9 @@ def _load_into(
                 continue
             if _load_kv_scale(model, path, canonical, part):
                 continue
-            expert_piece = _load_expert(params, config, held, canonical, part, where=path.name)
-            if expert_piece is not None:
-                missing.discard(expert_piece)
+            filled = _load_expert(params, config, held, canonical, part, expert_blocks, path.name)
+            if filled is not None:
+                missing -= filled
                 continue
             target, fused, index = _map_name(canonical)
             module, _, kind = target.rpartition(".")
@@ -218,6 +245,14 @@ def _load_into(
                 if split is not None:
                     part = part.narrow(split[0], split[1], split[2] - split[1])
             dest = params[target].data
+            if target.endswith(_EXPERT_STACKS) and dest.dtype == FP8_DTYPE:
+                _quantize_expert_stack(params, target, part, where=f"{path.name}: tensor {name!r}")
+                missing -= {
+                    (stack, piece)
+                    for stack in (target, f"{target}_scale")
+                    for piece in _pieces_of(stack, held, shard_sizes)
+                }
+                continue
             if fused is not None and kind != "input_scale":
                 sizes = shard_sizes[module]
                 start = sum(sizes[:index])
@@ -262,14 +297,18 @@ def random_model(
     """The architecture of `model_dir/config.json` (one rank's part with `shard`) with
     normal(0, 0.02) weights drawn on `device` and norm weights 1: benchmarks of shapes whose
     checkpoint is not at hand. Each rank draws its own (the model computes nothing meaningful).
-    With `quantization="fp8"`, or for an FP8 checkpoint's directory, the projections are then
-    quantized (models.projections), so warm-up compiles the kernels that model runs."""
+    With `quantization="fp8"`, or for an FP8 checkpoint's directory, the projections and
+    experts are then quantized (models.projections, models.sparse_moe), so warm-up compiles the
+    kernels that model runs."""
     config = ModelConfig.from_model_dir(model_dir)
     model = build_model(
         dataclasses.replace(config, fp8=None), dtype=dtype, device=device, ops=ops, shard=shard
     )
     fill_randomly(model, seed + (0 if shard is None else shard.rank))
     if quantization == "fp8" or config.fp8 is not None:
+        for module in model.modules():
+            if isinstance(module, Experts):
+                module.quantize()
         quantize_projections(model)
     model.init_rope_tables(config.max_model_len)
     return model.eval()
@@ -435,6 +474,50 @@ class _BlockScaledWeights:
         return part
 
 
+class _BlockScaledExperts:
+    """Per-expert FP8 weights of the block layout (Qwen3-30B-A3B-FP8's `weight_scale_inv`),
+    each requantized per output channel into its expert's rows once both its FP8 rows and its
+    block scales have been read, in either order, as `_BlockScaledWeights` does for the dense
+    projections. Experts are never split (expert parallelism holds whole ones)."""
+
+    def __init__(self, config: ModelConfig):
+        self._block = config.fp8.block_size if config.fp8 is not None else None
+        # (parameter, piece) -> [(FP8 rows [N, K], their scales [N, 1]) or None, grid or None]
+        self._pending: dict[tuple[str, int], list[Any]] = {}
+
+    def add(
+        self,
+        key: tuple[str, int],
+        *,
+        where: str,
+        rows: tuple[torch.Tensor, torch.Tensor] | None = None,
+        scales: torch.Tensor | None = None,
+    ) -> set[tuple[str, int]]:
+        """Record one half; returns the (parameter, piece) pairs filled once both are in."""
+        assert self._block is not None, "only the block layout has block scales"
+        entry = self._pending.setdefault(key, [None, None])
+        if rows is not None:
+            entry[0] = rows
+        if scales is not None:
+            # A copy: an image's tensors are views of a buffer the next file may reuse.
+            entry[1] = scales.to(torch.float32, copy=True)
+        if entry[0] is None or entry[1] is None:
+            return set()
+        del self._pending[key]
+        (weight, scale), grid = entry
+        (bn, bk), (n, k) = self._block, weight.shape
+        if tuple(grid.shape) != (-(-n // bn), -(-k // bk)):
+            raise ModelLoadError(
+                f"{where}: block scales of shape {tuple(grid.shape)} do not cover its "
+                f"{tuple(weight.shape)} weight in {bn}x{bk} blocks"
+            )
+        q, row_scales = quantize_rows(dequantize_blocks(weight, grid.to(weight.device), (bn, bk)))
+        weight.copy_(q)
+        scale.copy_(row_scales[:, None])
+        target, piece = key
+        return {(target, piece), (f"{target}_scale", piece)}
+
+
 def _offset_norms_in_float32(model: CausalLM) -> None:
     """Gemma's and Qwen3.5's zero-centred norms keep their `1 + w` in float32 (a few KB): the
     kernels then scale in float32 and round once, as transformers computes `x * (1 + w.float())`
@@ -472,29 +555,75 @@ def _load_expert(
     held: range,
     name: str,
     tensor: torch.Tensor,
-    *,
+    blocks: _BlockScaledExperts,
     where: str,
-) -> tuple[str, int] | None:
-    """Copy one expert's projection (canonical `name`) into its slice of the stacked expert
-    parameter, which holds the `held` experts; returns (parameter, piece) it filled, or None
-    when `name` is no expert's."""
+) -> set[tuple[str, int]] | None:
+    """Copy one expert's projection (canonical `name`: its weight or, in an FP8 checkpoint,
+    its scales) into its slice of the stacked expert parameters, which hold the `held`
+    experts; returns the (parameter, piece) pairs now filled, or None when `name` is no
+    expert's. FP8 experts take an FP8 weight as it is (its scales from their own tensors) and
+    quantize any other per output channel as it comes."""
     match = _EXPERT.match(name)
     if match is None:
         return None
-    layer, projection = match.group(1), match.group(3)
+    layer, projection, kind = match.group(1), match.group(3), match.group(4)
     stacked = "down_proj" if projection == "down" else "gate_up_proj"
     target = f"layers.{layer}.mlp.experts.{stacked}"
-    if target not in params or int(match.group(2)) not in held:
+    fp8 = config.fp8
+    expected = (
+        kind == "weight"
+        or (kind == "weight_scale" and fp8 is not None and fp8.scales != "block")
+        or (kind == "weight_scale_inv" and fp8 is not None and fp8.scales == "block")
+    )
+    if target not in params or int(match.group(2)) not in held or not expected:
         raise ModelLoadError(f"{where}: unexpected tensor {name!r} for {config.architecture}")
     expert = int(match.group(2)) - held.start
-    dest = params[target].data[expert]  # [2I, H] or [H, I]
-    piece = expert
+    rows, piece = slice(None), expert
     if projection != "down":
-        size = dest.shape[0] // 2
+        size = params[target].shape[1] // 2
         half = projection == "up"
-        dest, piece = dest[half * size : (half + 1) * size], 2 * expert + half
-    _copy_tensor(dest, tensor, "weight", where=f"{where}: tensor {name!r}")
-    return target, piece
+        rows, piece = slice(half * size, (half + 1) * size), 2 * expert + half
+    weight = params[target].data[expert, rows]  # [N, K]: I of [2I, H] or [H, I]
+    at = f"{where}: tensor {name!r}"
+    if weight.dtype != FP8_DTYPE:
+        _copy_tensor(weight, tensor, "weight", where=at)
+        return {(target, piece)}
+    scale = params[f"{target}_scale"].data[expert, rows]  # [N, 1]
+    filled = {(target, piece), (f"{target}_scale", piece)}
+    if kind == "weight" and tensor.dtype != FP8_DTYPE:  # engine.quantization = "fp8"
+        if tuple(tensor.shape) != tuple(weight.shape):
+            raise ModelLoadError(
+                f"{at} has shape {tuple(tensor.shape)}, the config needs {tuple(weight.shape)}"
+            )
+        quantize_expert_rows(tensor[None], weight[None], scale[None])
+        return filled
+    if kind == "weight_scale":
+        _copy_tensor(scale, tensor, kind, where=at)
+        return {(f"{target}_scale", piece)}
+    if kind == "weight":
+        _copy_tensor(weight, tensor, kind, where=at)
+        if fp8 is None or fp8.scales != "block":
+            return {(target, piece)}
+        return blocks.add((target, piece), rows=(weight, scale), where=at)
+    return blocks.add((target, piece), scales=tensor, where=at)
+
+
+def _quantize_expert_stack(
+    params: dict[str, nn.Parameter], target: str, tensor: torch.Tensor, *, where: str
+) -> None:
+    """A checkpoint's stacked experts ([E, N, K] in its dtype: gpt-oss's once converted,
+    Gemma 4's, Qwen3.5-MoE's) quantized into FP8 experts, one expert at a time."""
+    weight, scale = params[target].data, params[f"{target}_scale"].data
+    if tensor.dtype == FP8_DTYPE:
+        raise ModelLoadError(
+            f"{where}: FP8 checkpoints that store their experts stacked are not supported; "
+            "load the bf16 checkpoint with engine.quantization = 'fp8'"
+        )
+    if tuple(tensor.shape) != tuple(weight.shape):
+        raise ModelLoadError(
+            f"{where} has shape {tuple(tensor.shape)}, the config needs {tuple(weight.shape)}"
+        )
+    quantize_expert_rows(tensor, weight, scale)
 
 
 def _map_name(name: str) -> tuple[str, str | None, int | None]:

@@ -20,7 +20,14 @@ from kernels.fp8 import FP8_DTYPE, quantize_rows
 from kernels.ops import Fp8Weight
 
 # Our projection modules inside a decoder layer (appliance.engine.models.layers).
-PROJECTIONS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
+PROJECTIONS = (
+    "self_attn.qkv_proj",
+    "self_attn.o_proj",
+    "mlp.gate_up_proj",
+    "mlp.down_proj",
+    "mlp.shared_expert.gate_up_proj",
+    "mlp.shared_expert.down_proj",
+)
 
 
 class Fp8Linear(nn.Module):

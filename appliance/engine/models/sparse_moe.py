@@ -10,7 +10,9 @@ by a sigmoid gate and added. gpt-oss's experts have biases and a clamped SwiGLU
 router reads the layer's un-normed input, normed and scaled its own way (`Router.normed_input`),
 its experts a differently normed one, and they gate with GELU-tanh. Under expert parallelism a
 block holds some of the experts and its output is its part of the sum
-(appliance.engine.parallel.sharding).
+(appliance.engine.parallel.sharding). FP8 experts (`Experts.use_fp8`) hold their stacked
+weights in e4m3 with a float32 scale per output channel of each expert, as the dense FP8
+projections do (models.projections), and the kernels read them so (kernels.moe).
 """
 
 from __future__ import annotations
@@ -23,7 +25,11 @@ from torch import nn
 from appliance.engine.models.config import ModelConfig
 from appliance.engine.models.layers import MLP
 from appliance.engine.models.routing import MoeConfig, route
-from kernels.ops import KernelOps
+from kernels.fp8 import FP8_DTYPE, quantize_rows
+from kernels.ops import Fp8Weight, KernelOps
+
+# The stacked expert weights, each FP8 with its `<name>_scale` in FP8 experts.
+_WEIGHTS = ("gate_up_proj", "down_proj")
 
 
 def is_sparse_layer(config: ModelConfig, layer_index: int) -> bool:
@@ -34,7 +40,10 @@ class Experts(nn.Module):
     """The stacked expert weights: gate_up_proj [E, 2I, H] ([gate; up] rows of each expert, as
     the dense MLP's), down_proj [E, H, I]; with `expert_bias` (gpt-oss) their biases
     gate_up_proj_bias [E, 2I] and down_proj_bias [E, H]. Under expert parallelism
-    (appliance.engine.parallel.sharding) only the experts in `held` ([E] on one device)."""
+    (appliance.engine.parallel.sharding) only the experts in `held` ([E] on one device).
+    FP8 (`use_fp8`): both weights float8_e4m3fn, with gate_up_proj_scale [E, 2I, 1] and
+    down_proj_scale [E, H, 1] float32, one scale per output channel of each expert (the
+    biases stay in the model's dtype)."""
 
     def __init__(self, moe: MoeConfig, hidden_size: int, held: range | None = None):
         super().__init__()
@@ -45,9 +54,52 @@ class Experts(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, size))
         self.gate_up_proj_bias: nn.Parameter | None = None
         self.down_proj_bias: nn.Parameter | None = None
+        self.gate_up_proj_scale: nn.Parameter | None = None
+        self.down_proj_scale: nn.Parameter | None = None
         if moe.expert_bias:
             self.gate_up_proj_bias = nn.Parameter(torch.empty(num_experts, 2 * size))
             self.down_proj_bias = nn.Parameter(torch.empty(num_experts, hidden_size))
+
+    @property
+    def fp8(self) -> bool:
+        return self.gate_up_proj_scale is not None
+
+    def use_fp8(self) -> None:
+        """Replace both weights by empty FP8 ones of their shapes (and empty scales), on their
+        device: before a load that fills them (models.loader), on the meta device."""
+        for name in _WEIGHTS:
+            self._replace_by_fp8(name)
+
+    def quantize(self) -> None:
+        """Quantize loaded weights in the model's dtype to FP8 in place, per output channel
+        (`quantize_expert_rows`), one weight at a time: each is freed once replaced."""
+        assert not self.fp8, "the experts are FP8 already"
+        for name in _WEIGHTS:
+            weight = getattr(self, name).data
+            self._replace_by_fp8(name)
+            quantize_expert_rows(weight, getattr(self, name).data, self.scale_of(name))
+
+    def _replace_by_fp8(self, name: str) -> None:
+        weight = getattr(self, name)
+        fp8 = torch.empty(weight.shape, dtype=FP8_DTYPE, device=weight.device)
+        scale = torch.empty(*weight.shape[:2], 1, dtype=torch.float32, device=weight.device)
+        setattr(self, name, nn.Parameter(fp8, requires_grad=False))
+        setattr(self, f"{name}_scale", nn.Parameter(scale, requires_grad=False))
+
+    def scale_of(self, name: str) -> torch.Tensor:
+        """The [E, N, 1] scales of FP8 weight `name` ("gate_up_proj" or "down_proj")."""
+        scale = getattr(self, f"{name}_scale")
+        assert scale is not None, "only FP8 experts have scales"
+        return scale.data
+
+    def kernel_weights(self) -> tuple[torch.Tensor | Fp8Weight, torch.Tensor | Fp8Weight]:
+        """(gate_up, down) as the kernel ops take them (kernels.ops.KernelOps.fused_moe)."""
+        if not self.fp8:
+            return self.gate_up_proj, self.down_proj
+        return (
+            Fp8Weight(self.gate_up_proj, self.scale_of("gate_up_proj")[..., 0]),
+            Fp8Weight(self.down_proj, self.scale_of("down_proj")[..., 0]),
+        )
 
     def local_ids(self, expert_ids: torch.Tensor) -> torch.Tensor:
         """The expert map: global expert ids [T, k] -> indices into the held experts, -1 for
@@ -56,6 +108,16 @@ class Experts(nn.Module):
             return expert_ids
         local = expert_ids - self.held.start
         return torch.where((local >= 0) & (local < len(self.held)), local, -1)
+
+
+def quantize_expert_rows(weight: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> None:
+    """Experts' weights [E, N, K] (any float dtype, any device) quantized per output channel
+    (kernels.fp8.quantize_rows) into q [E, N, K] float8_e4m3fn and scale [E, N, 1] float32, one
+    expert at a time on q's device: the float32 working copy is one expert's, never a layer's."""
+    for expert in range(weight.shape[0]):
+        rows, row_scales = quantize_rows(weight[expert].to(q.device))
+        q[expert].copy_(rows)
+        scale[expert].copy_(row_scales[:, None])
 
 
 class SparseMoeBlock(nn.Module):
@@ -97,10 +159,11 @@ class SparseMoeBlock(nn.Module):
         expert_scale = getattr(self.gate, "per_expert_scale", None)
         weights, expert_ids = route(logits, self.router, selection_bias, expert_scale)  # [T, k]
         experts = self.experts
+        gate_up, down = experts.kernel_weights()
         out = ops.fused_moe(
             x,
-            experts.gate_up_proj,
-            experts.down_proj,
+            gate_up,
+            down,
             weights,
             experts.local_ids(expert_ids),
             gate_up_bias=experts.gate_up_proj_bias,

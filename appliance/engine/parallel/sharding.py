@@ -50,8 +50,11 @@ _SPLIT_BY_HEAD = ("self_attn.sinks",)
 # The module of a sparse layer's stacked experts: every tensor in it ([E, ...]: weights, biases,
 # gpt-oss's MXFP4 blocks and scales) is split along its first dimension, by whole experts.
 _EXPERTS = "mlp.experts"
-# One expert's projection, as per-expert checkpoints (Mixtral, Qwen-MoE) name it in ours.
-_ONE_EXPERT = re.compile(r"\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight$")
+# One expert's projection, as per-expert checkpoints (Mixtral, Qwen-MoE) name it in ours, and
+# an FP8 checkpoint's scales of it: read only by the rank that holds the expert.
+_ONE_EXPERT = re.compile(
+    r"\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.(weight|weight_scale|weight_scale_inv)$"
+)
 # FP8 scales every rank holds whole: a static input scale and block-scale grids (the loader
 # takes each rank's blocks). A scale per output channel ([out, 1]) follows its weight's rows;
 # a row-parallel weight's is whole (every rank's partial sums have every output); a scale of

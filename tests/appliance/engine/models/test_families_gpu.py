@@ -26,6 +26,7 @@ from appliance.engine.sampling_params import SamplingParams
 
 from .conftest import FAMILY_VARIANTS, GPU_VARIANTS, HYBRID_VARIANTS, checkpoint_cache
 from .test_architectures import _hf_greedy, _prompts
+from .test_fp8_experts import MOE_FAMILIES, fp8_reference
 
 pytestmark = pytest.mark.gpu
 
@@ -40,17 +41,24 @@ def tiny_checkpoints(tmp_path_factory: pytest.TempPathFactory):
     return checkpoint_cache(tmp_path_factory)
 
 
-def _engine(model_dir, dtype: str) -> Engine:
+def _engine(model_dir, dtype: str, device: str = "cuda", quantization: str | None = None) -> Engine:
     config = EngineConfig(
         model_dir=model_dir,
-        device="cuda",
+        device=device,
         dtype=dtype,
         max_model_len=512,
         max_num_batched_tokens=64,
         # A fixed pool: sized from free memory it would depend on what earlier cases left.
         num_kv_blocks=64,
+        quantization=quantization,
     )
-    model = load_model(model_dir, dtype=config.torch_dtype, device="cuda", ops=config.kernel_ops())
+    model = load_model(
+        model_dir,
+        dtype=config.torch_dtype,
+        device=device,
+        ops=config.kernel_ops(),
+        quantization=quantization,
+    )
     return Engine.build(config, model, None)
 
 
@@ -157,3 +165,28 @@ def test_kv_groups_in_cuda_graphs_hold_a_window_and_match_transformers(tiny_chec
     assert engine.stats().num_prefix_cache_hits == 64
     block = engine.block_manager.block_size
     assert most_window <= -(-(WINDOW - 1 + 64) // block) + 1 < 300 // block <= most_full
+
+
+def fp8_experts_errors(tiny_checkpoints, name: str, device: str) -> tuple[float, float]:
+    """(our mean |prompt log-prob error|, transformers' from quantizing the weights alone), both
+    against transformers (float32, CPU) on the weights our FP8 model stands for."""
+    model_dir, hf_model = tiny_checkpoints(name)
+    prompts = _prompts(_prompt_lens(model_dir), seed=13)
+    reference = fp8_reference(hf_model, transposed_experts=name == "gpt-oss")
+    expected = torch.cat(_hf_prompt_logprobs(reference, prompts))
+    weights_error = (torch.cat(_hf_prompt_logprobs(hf_model, prompts)) - expected).abs().mean()
+    engine = _engine(model_dir, "float32", device, quantization="fp8")
+    ours = torch.cat(_prompt_logprobs(engine, prompts))
+    return (ours - expected).abs().mean().item(), weights_error.item()
+
+
+@pytest.mark.parametrize("name", MOE_FAMILIES)
+def test_fp8_experts_on_the_triton_path_follow_transformers_on_their_weights(
+    tiny_checkpoints, name
+):
+    """`engine.quantization = "fp8"` on the GPU: FP8 projections and experts (prefill chunks of
+    64 tokens through the grouped W8A8 GEMMs) against transformers with the weights they stand
+    for: our mean prompt log-probability error within twice the one quantizing the weights
+    makes (as tests/.../test_fp8_experts.py bounds the CPU path's logits)."""
+    error, weights_error = fp8_experts_errors(tiny_checkpoints, name, "cuda")
+    assert error <= 2 * weights_error, f"{name}: {error:.4f} vs the weights' {weights_error:.4f}"

@@ -166,8 +166,8 @@ def test_an_expert_the_config_lacks_is_refused_by_name(tiny_checkpoints, tmp_pat
         ("qwen2-moe", {"shared_expert_intermediate_size": None}, "shared_expert_intermediate"),
         (
             "qwen3-moe",
-            {"quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]}},
-            "FP8 experts",
+            {"quantization_config": {"quant_method": "fp8", "activation_scheme": "static"}},
+            "static input scales",
         ),
     ],
 )
@@ -194,7 +194,7 @@ def test_inspect_reports_the_experts_and_the_parameters_a_token_reads(tiny_check
     )
 
 
-def test_fp8_quantization_of_a_moe_leaves_its_experts_and_router_in_the_model_dtype(
+def test_fp8_quantization_of_a_moe_makes_its_experts_fp8_and_leaves_its_router(
     tiny_checkpoints,
 ):
     model_dir, _ = tiny_checkpoints("qwen2-moe")
@@ -203,9 +203,10 @@ def test_fp8_quantization_of_a_moe_leaves_its_experts_and_router_in_the_model_dt
     assert isinstance(sparse, SparseMoeBlock) and not isinstance(dense, SparseMoeBlock)
     assert dense.gate_up_proj.weight.dtype == torch.float8_e4m3fn
     assert model.layers[1].self_attn.qkv_proj.weight.dtype == torch.float8_e4m3fn
-    assert sparse.experts.gate_up_proj.dtype == torch.float32
+    assert sparse.experts.gate_up_proj.dtype == torch.float8_e4m3fn
+    assert sparse.experts.down_proj_scale.shape == (6, 64, 1)  # [E, H, 1]
     assert sparse.gate.weight.dtype == torch.float32
     assert sparse.shared_expert is not None
-    assert sparse.shared_expert.gate_up_proj.weight.dtype == torch.float32
+    assert sparse.shared_expert.gate_up_proj.weight.dtype == torch.float8_e4m3fn
     [prompt] = _prompts((20,))
     assert PagedBatch(model, [prompt]).step([(0, 0, 20)])[0].isfinite().all()

@@ -1,7 +1,8 @@
 """Expert parallelism on the CPU (gloo): a mixture of experts on two processes, each holding half
 of every sparse layer's experts (and half the shared expert's rows), gives the logits one
-process gives (float32, within 1e-5) and the same greedy tokens; each rank loads only its own
-experts, from per-expert (Mixtral, Qwen-MoE) and stacked (gpt-oss, dense and MXFP4) checkpoints;
+process gives (float32, within 1e-5) and the same greedy tokens, FP8 experts included; each
+rank loads only its own experts (FP8 ones with their scales), from per-expert (Mixtral,
+Qwen-MoE, an FP8 block checkpoint) and stacked (gpt-oss, dense and MXFP4) checkpoints;
 an expert count the ranks do not divide is refused by name."""
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from appliance.engine.models.sealed_images import _needed_ranges
 from appliance.engine.parallel.sharding import ShardPlan
 from appliance.engine.sampling_params import SamplingParams
 from tests.appliance.engine.models.conftest import build_hf_model, save_checkpoint
+from tests.appliance.engine.models.test_fp8_experts import write_fp8_experts_checkpoint
 from tests.appliance.engine.parallel.test_tensor_parallel import build_engine, compare, prompt_ids
 
 # The engine tests' tiny mixtures of experts (6 experts, top 2; tests/.../models/conftest.py):
@@ -33,6 +35,10 @@ from tests.appliance.engine.parallel.test_tensor_parallel import build_engine, c
 # between sparse ones; Qwen2-MoE with its sigmoid-gated shared expert and q/k/v biases; gpt-oss's
 # stacked experts with biases, its clamped SwiGLU, sinks and biased router.
 VARIANTS = ["mixtral-window", "qwen3-moe", "qwen2-moe", "gpt-oss"]
+# Qwen3-MoE with its experts alone FP8, in the block layout Qwen3-30B-A3B-FP8 ships
+# (attention and the dense layer's MLP left in float32, so tensor parallelism splits nothing
+# quantized and one process is the reference to 1e-5).
+FP8_BLOCK = "qwen3-moe-fp8-block"
 # Each rank's three experts of six.
 HELD = {0: slice(0, 3), 1: slice(3, 6)}
 
@@ -41,6 +47,8 @@ HELD = {0: slice(0, 3), 1: slice(3, 6)}
 def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     dirs = {v: save_checkpoint(build_hf_model(v), tmp_path_factory.mktemp(v)) for v in VARIANTS}
     dirs["gpt-oss-mxfp4"] = _with_mxfp4_experts(dirs["gpt-oss"], tmp_path_factory.mktemp("mxfp4"))
+    dirs[FP8_BLOCK] = tmp_path_factory.mktemp("fp8-block") / "model"
+    write_fp8_experts_checkpoint(dirs["qwen3-moe"], dirs[FP8_BLOCK], "block")
     return dirs
 
 
@@ -140,7 +148,7 @@ def test_a_sealed_rank_decrypts_no_byte_of_another_ranks_experts(
     assert num_checked >= 2 * config.num_layers
 
 
-@pytest.fixture(scope="module", params=VARIANTS)
+@pytest.fixture(scope="module", params=[*VARIANTS, FP8_BLOCK])
 def engines(
     request: pytest.FixtureRequest, checkpoints: dict[str, Path]
 ) -> Iterator[tuple[Engine, Engine]]:
@@ -176,3 +184,25 @@ def test_an_expert_count_the_ranks_do_not_divide_is_refused_by_name(
     (tmp_path / "config.json").write_text(json.dumps(raw))
     with pytest.raises(EngineConfigError, match=r"does not divide the model's num_experts \(5\)"):
         EngineConfig(model_dir=tmp_path, tensor_parallel_size=2).start_workers()
+
+
+@pytest.mark.parametrize(("variant", "quantization"), [(FP8_BLOCK, None), ("gpt-oss-mxfp4", "fp8")])
+def test_each_rank_holds_only_its_own_fp8_experts_and_scales(
+    checkpoints: dict[str, Path], variant: str, quantization
+) -> None:
+    """FP8 experts from a block checkpoint, or quantized on load from gpt-oss's MXFP4: rank r's
+    FP8 bytes and scales are exactly its experts' of the whole model's, half the bytes."""
+    model_dir = checkpoints[variant]
+    whole = load_model(model_dir, quantization=quantization)
+    whole_params = dict(whole.named_parameters())
+    config = ModelConfig.from_model_dir(model_dir)
+    for rank, held in HELD.items():
+        model = load_model(model_dir, shard=ShardPlan.for_model(config, rank, 2),
+                           quantization=quantization)  # fmt: skip
+        assert 2 * _expert_bytes(model) == _expert_bytes(whole)
+        scales = [(n, p) for n, p in model.named_parameters() if n.endswith("_proj_scale")]
+        assert len(scales) == 2 * config.moe.num_moe_layers
+        for name, param in model.named_parameters():
+            if ".experts." in name:
+                expected = whole_params[name][held]
+                assert torch.equal(param.view(torch.uint8), expected.view(torch.uint8)), name
