@@ -124,6 +124,23 @@ def test_each_gemma4_rank_holds_its_share_of_every_layers_own_heads(checkpoints)
     assert {config.head_dim_of(i) for i in range(config.num_layers)} == {16, 32}
 
 
+def test_each_gemma4_rank_holds_half_the_experts_beside_the_mlp(checkpoints) -> None:
+    """Experts 3r .. 3r + 2 of six, the router and its scales whole."""
+    model_dir = checkpoints["gemma4-moe-tp"]
+    config = ModelConfig.from_model_dir(model_dir)
+    whole = dict(load_model(model_dir).named_parameters())
+    for rank in range(2):
+        model = load_model(model_dir, shard=ShardPlan.for_model(config, rank, 2))
+        num_checked = 0
+        for name, param in model.named_parameters():
+            if ".moe.experts." in name:
+                assert torch.equal(param, whole[name][3 * rank : 3 * rank + 3]), name
+                num_checked += 1
+            elif ".moe.gate." in name:
+                assert torch.equal(param, whole[name]), name
+        assert num_checked == 2 * config.num_layers
+
+
 def test_each_hybrid_rank_holds_its_heads_of_q_k_v_and_of_the_state(checkpoints) -> None:
     """in_proj: this rank's key head of q and of k, its two value heads of v, then of z, b
     and a; the convolution's channels with them; A_log, dt_bias by value head; out_proj by
