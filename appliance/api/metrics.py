@@ -206,7 +206,9 @@ class ServerMetrics:
             gauges += (
                 (
                     "inferno:recurrent_state_usage_perc",
-                    "Recurrent-state slots (a hybrid model's linear layers) in use: 1 means full.",
+                    "Recurrent-state slots (a hybrid model's linear layers) in use: 1 means "
+                    "full. Per GPU: under tensor parallelism each GPU holds the same slots, of "
+                    "its share of the heads.",
                     stats.recurrent_state_usage,
                 ),
             )

@@ -131,10 +131,10 @@ def _hybrid_state_slots(
     if config.enable_prefix_caching:
         logger.info(HYBRID_PREFIX_CACHING_OFF)
     runner.allocate_recurrent_states(config.max_num_seqs)
-    linear = model_config.linear_attention
+    linear = runner.model.linear_attention  # this GPU's share of the heads
     assert linear is not None
     logger.info(
-        "recurrent state: %d slots of %.2f MiB (%d linear-attention layers)",
+        "recurrent state: %d slots of %.2f MiB per GPU (%d linear-attention layers)",
         config.max_num_seqs,
         linear.bytes_per_slot(config.torch_dtype) / 2**20,
         linear.num_linear_layers,

@@ -180,8 +180,10 @@ class ModelRunner:
     def allocate_recurrent_states(self, num_slots: int) -> None:
         """A hybrid model's state for `num_slots` sequences (before the KV pool is sized, which
         then counts it as in use)."""
-        linear = self.model.config.linear_attention
-        assert linear is not None and self.peers is None, "a hybrid model runs on one device"
+        if self.peers is not None:
+            self.peers.allocate_states(num_slots)
+        linear = self.model.linear_attention  # this device's heads
+        assert linear is not None, "only a hybrid model has a recurrent state"
         dtype = self.model.embed_tokens.weight.dtype
         self.recurrent_states = linear.allocate(num_slots, dtype, self.device)
 
@@ -530,7 +532,7 @@ class ModelRunner:
         state_meta: RecurrentStateMetadata | None,
     ) -> torch.Tensor:
         if self.peers is not None:
-            self.peers.forward(input_ids, positions, meta)
+            self.peers.forward(input_ids, positions, meta, state_meta)
         return self.run_model(input_ids, positions, meta, state_meta)
 
     def _compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -16,7 +16,7 @@ import kernels.reference
 from appliance.engine.models.config import ModelConfig, RopeConfig
 from appliance.engine.models.layers import MLP, Attention, RMSNorm
 from appliance.engine.models.linear_attention import GatedDeltaNet
-from appliance.engine.models.recurrent_state import RecurrentState
+from appliance.engine.models.recurrent_state import LinearAttentionConfig, RecurrentState
 from appliance.engine.models.rotary import cos_sin_table
 from appliance.engine.models.sparse_moe import SparseMoeBlock, is_sparse_layer
 from kernels.ops import AttentionMetadata, KernelOps, RecurrentStateMetadata
@@ -238,6 +238,14 @@ class CausalLM(nn.Module):
         """The attention of each layer that has one (all but a hybrid's linear layers), in
         layer order."""
         return [layer.self_attn for layer in self.layers if layer.self_attn is not None]
+
+    @property
+    def linear_attention(self) -> LinearAttentionConfig | None:
+        """The shapes of this device's linear-attention layers (a hybrid model's; under tensor
+        parallelism a share of the heads, LinearAttentionConfig.per_rank), for its recurrent
+        state; None for any other model."""
+        linear = (layer.linear_attn for layer in self.layers if layer.linear_attn is not None)
+        return next((la.config for la in linear), None)
 
     def reset_kv_scales(self) -> None:
         """Every layer's KV-cache scales to 1, in float32 on the model's device: after

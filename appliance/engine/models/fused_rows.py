@@ -37,16 +37,18 @@ def fused_row_sizes(config: ModelConfig, num_ranks: int = 1) -> dict[str, list[i
     Gemma 4's layers differ: wide global heads, values that are the keys (no v), layers that
     reuse another's KV (q only), double-wide MLPs. Qwen3.5's full-attention layers project a
     gate beside each query (twice the q rows); its linear layers fuse their four input
-    projections (not sharded: tensor parallelism refuses hybrid models)."""
+    projections, a rank's share of each by head (its q, k and v heads of in_proj_qkv's rows:
+    appliance.engine.parallel.sharding's grouped_part)."""
     sizes = {}
     linear = config.linear_attention
     gates = 2 if config.attention_output_gate else 1
     for i in range(config.num_layers):
         if config.is_linear_layer(i):
             assert linear is not None
-            heads = linear.num_value_heads
+            share = linear.per_rank(num_ranks)
+            heads = share.num_value_heads
             sizes[f"layers.{i}.linear_attn.in_proj"] = [
-                linear.conv_dim, linear.value_size, heads, heads
+                share.conv_dim, share.value_size, heads, heads
             ]  # fmt: skip
         else:
             head_dim = config.head_dim_of(i)

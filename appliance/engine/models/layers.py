@@ -54,9 +54,8 @@ class Attention(nn.Module):
         self.values_are_keys = config.values_are_keys(layer_index)
         self.value_norm = config.value_norm
         self.output_gate = config.attention_output_gate
-        num_kv_rows = (1 if self.values_are_keys else 2) * self.kv_size if self.owns_kv else 0
         self.qkv_proj = nn.Linear(
-            config.hidden_size, self.q_rows + num_kv_rows, bias=config.qkv_bias
+            config.hidden_size, self.q_rows + self.kv_rows, bias=config.qkv_bias
         )
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.o_bias)
         qk_norm = config.qk_norm
@@ -75,6 +74,14 @@ class Attention(nn.Module):
         """Rows of q_proj in qkv_proj: the queries, and with the output gate the gates too
         (derived, so tensor parallelism's smaller q_size carries over)."""
         return self.q_size * (2 if self.output_gate else 1)
+
+    @property
+    def kv_rows(self) -> int:
+        """Rows of k_proj and v_proj in qkv_proj: none in a layer that reads another's KV, the
+        keys alone where the values are the keys (derived, as q_rows)."""
+        if not self.owns_kv:
+            return 0
+        return (1 if self.values_are_keys else 2) * self.kv_size
 
     def forward(
         self,

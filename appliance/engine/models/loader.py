@@ -220,6 +220,9 @@ def _load_into(
         for piece in pieces:
             part = tensor if piece.stop is None else tensor[piece.start : piece.stop]
             canonical = piece.name
+            grouped = None if shard is None else shard.grouped_part(canonical, part)
+            if grouped is not None:  # a linear attention's q, k and v rows: three ranges
+                part = grouped
             if _IGNORED.search(canonical) or (
                 canonical == "lm_head.weight" and config.tie_word_embeddings
             ):
@@ -648,12 +651,16 @@ PartOf = Callable[[str, tuple[int, ...]], tuple[int, int, int] | None]
 
 def parts_of(shard: ShardPlan | None, layout: CheckpointLayout = LLAMA_LAYOUT) -> PartOf:
     """Which part of each checkpoint tensor (by its checkpoint name) `shard` holds. A
-    projection the checkpoint stores fused is wanted whole: the loader splits it."""
+    projection the checkpoint stores fused, and a linear attention's stacked q, k and v
+    (ShardPlan.is_grouped), are wanted whole: the loader splits them."""
 
     def part_of(name: str, shape: tuple[int, ...]) -> tuple[int, int, int] | None:
         if shard is None or layout.is_unserved(name) or layout.fused_parts(name) is not None:
             return None
-        return shard.split(_map_name(layout.canonical_name(name))[0], shape)
+        canonical = layout.canonical_name(name)
+        if shard.is_grouped(canonical):
+            return None  # several ranges of rows: read whole, split by the loader
+        return shard.split(_map_name(canonical)[0], shape)
 
     return part_of
 

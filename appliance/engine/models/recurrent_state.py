@@ -10,6 +10,7 @@ full-attention layers use.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -57,8 +58,20 @@ class LinearAttentionConfig:
     def num_linear_layers(self) -> int:
         return sum(self.layers)
 
+    def per_rank(self, num_ranks: int) -> LinearAttentionConfig:
+        """One tensor-parallel rank's share: 1/num_ranks of the key heads and of the value heads
+        (value head h reads key head h // (Hv / Hk), so each rank's value heads read its own key
+        heads), and so of the projections, the convolution's channels and the state."""
+        if num_ranks == 1:
+            return self
+        return dataclasses.replace(
+            self,
+            num_key_heads=self.num_key_heads // num_ranks,
+            num_value_heads=self.num_value_heads // num_ranks,
+        )
+
     def bytes_per_slot(self, model_dtype: torch.dtype) -> int:
-        """One sequence's state in every linear layer."""
+        """One sequence's state in every linear layer (on one GPU: of its heads, per_rank)."""
         conv = self.conv_dim * (self.conv_kernel_size - 1) * model_dtype.itemsize
         delta = self.num_value_heads * self.key_head_dim * self.value_head_dim
         return self.num_linear_layers * (conv + delta * DELTA_STATE_DTYPE.itemsize)

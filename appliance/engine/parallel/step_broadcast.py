@@ -9,8 +9,8 @@
   (gloo's timeouts are each process's own): a gloo broadcast returns only once every worker
   took it, so a worker that hangs alive fails rank 0's next announcement in bounded time.
 - data (NCCL on GPUs, gloo on the CPU): what lives on rank 0's device (token ids, positions,
-  slots and block tables, with two KV groups the window group's too, packed into one int64
-  tensor; the hidden rows whose logits are
+  slots and block tables, with two KV groups the window group's too, a hybrid model's
+  recurrent-state slots, packed into one int64 tensor; the hidden rows whose logits are
   wanted), and the model's own all-reduces and all-gathers. Its timeout bounds every step.
 
 `StepBroadcast` is the model runner's view of its peers: on rank 0 (`leader`) each call
@@ -31,7 +31,7 @@ import torch.distributed as dist
 
 from appliance.engine.errors import TensorParallelError
 from appliance.engine.kv_cache import KVPools
-from kernels.ops import AttentionMetadata
+from kernels.ops import AttentionMetadata, RecurrentStateMetadata
 
 _HEADER_LEN = 8
 # How long a failed announcement waits to learn that a worker died (its socket may close before
@@ -42,8 +42,9 @@ _PPM = 1_000_000
 
 
 class Op(enum.IntEnum):
-    # [T, B, W, G]: a forward pass of T tokens in B sequences, tables W blocks wide, G = 1 with
-    # the window group's slots and tables (two KV groups), else 0
+    # [T, B, W, G, S]: a forward pass of T tokens in B sequences, tables W blocks wide, G = 1
+    # with the window group's slots and tables (two KV groups), else 0; S = 1 with each
+    # sequence's recurrent-state slot and whether it continues a state (a hybrid model), else 0
     FORWARD = 1
     LOGITS = 2  # [N, hidden]: compute_logits of N hidden rows
     # [num_tokens, num_logit_rows, gpu_memory_utilization in ppm, graph_batch, num_window_blocks]
@@ -51,6 +52,7 @@ class Op(enum.IntEnum):
     ALLOCATE_KV = 4  # [num_blocks, num_window_blocks]
     CAPTURE_GRAPHS = 5  # [max_batch]
     STOP = 6
+    ALLOCATE_STATES = 7  # [num_slots]: a hybrid model's recurrent state
 
 
 # How long a worker may wait for rank 0's next announcement: as long as the engine may stay
@@ -116,26 +118,30 @@ class StepBroadcast:
         return cls(channels, leader=False)
 
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        state_meta: RecurrentStateMetadata | None = None,
     ) -> None:
         """input_ids, positions, meta.slot_mapping: [T]; meta.block_tables: [B, W] (and the
-        same of meta.window_group, if any)."""
+        same of meta.window_group, if any); a hybrid model's state slots and
+        has_initial_state: [B] (every rank holds the same slots of its share of the state)."""
         if not self.leader:
             return
         num_tokens, (batch, width) = input_ids.shape[0], meta.block_tables.shape
         groups = [meta] if meta.window_group is None else [meta, meta.window_group]
-        self._send_header(Op.FORWARD, num_tokens, batch, width, len(groups) - 1)
+        states = state_meta is not None
+        self._send_header(Op.FORWARD, num_tokens, batch, width, len(groups) - 1, int(states))
         lengths = torch.tensor([*meta.seq_lens, *meta.query_lens], dtype=torch.int64)
         dist.broadcast(lengths, 0, group=self.channels.control)
-        packed = torch.cat(
-            [input_ids.long(), positions.long()]
-            + [
-                t
-                for g in groups
-                for t in (g.slot_mapping.long(), g.block_tables.reshape(-1).long())
-            ]
-        )  # [2T + G*(T + B*W)] on the device: one broadcast, no host synchronization
-        dist.broadcast(packed, 0, group=self.channels.data)
+        parts = [input_ids.long(), positions.long()]
+        for g in groups:
+            parts += [g.slot_mapping.long(), g.block_tables.reshape(-1).long()]
+        if state_meta is not None:
+            parts += [state_meta.state_slots.long(), state_meta.has_initial_state.long()]
+        # [2T + G*(T + B*W) + S*2B] on the device: one broadcast, no host synchronization
+        dist.broadcast(torch.cat(parts), 0, group=self.channels.data)
 
     def logits(self, hidden: torch.Tensor) -> None:
         """hidden: [N, hidden], the rows rank 0 is about to compute logits for."""
@@ -167,6 +173,10 @@ class StepBroadcast:
     def allocate_kv(self, pools: KVPools) -> None:
         if self.leader:
             self._send_header(Op.ALLOCATE_KV, pools.num_blocks, pools.num_window_blocks)
+
+    def allocate_states(self, num_slots: int) -> None:
+        if self.leader:
+            self._send_header(Op.ALLOCATE_STATES, num_slots)
 
     def capture_graphs(self, max_batch: int) -> None:
         if self.leader:
@@ -204,19 +214,24 @@ def receive(channels: Channels) -> Message:
 
 
 def receive_forward(
-    channels: Channels, num_tokens: int, batch: int, width: int, window_group: int
-) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-    """The inputs of a FORWARD announcement: input_ids, positions [T] and their metadata."""
+    channels: Channels, num_tokens: int, batch: int, width: int, window_group: int, states: int
+) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, RecurrentStateMetadata | None]:
+    """The inputs of a FORWARD announcement: input_ids, positions [T], their attention
+    metadata and (a hybrid model) their recurrent-state metadata."""
     lengths = torch.empty(2 * batch, dtype=torch.int64)
     dist.broadcast(lengths, 0, group=channels.control)
     seq_lens, query_lens = lengths[:batch].tolist(), lengths[batch:].tolist()
     num_groups = 1 + window_group
     group_sizes = [num_tokens, batch * width] * num_groups
+    state_sizes = [batch, batch] * states
     packed = torch.empty(
-        2 * num_tokens + sum(group_sizes), dtype=torch.int64, device=channels.device
+        2 * num_tokens + sum(group_sizes) + sum(state_sizes),
+        dtype=torch.int64,
+        device=channels.device,
     )
     dist.broadcast(packed, 0, group=channels.data)
-    input_ids, positions, *groups = packed.split([num_tokens, num_tokens, *group_sizes])
+    input_ids, positions, *rest = packed.split([num_tokens, num_tokens, *group_sizes, *state_sizes])
+    groups, state_parts = rest[: len(group_sizes)], rest[len(group_sizes) :]
     tables = [t.view(batch, width).to(torch.int32) for t in groups[1::2]]
     window_slots, window_tables = (groups[2], tables[1]) if window_group else (None, None)
     meta = AttentionMetadata.build(
@@ -227,7 +242,17 @@ def receive_forward(
         window_slot_mapping=window_slots,
         window_block_tables=window_tables,
     )
-    return input_ids, positions, meta
+    state_meta = None
+    if states:
+        slots, has_initial_state = state_parts
+        state_meta = RecurrentStateMetadata(
+            state_slots=slots.to(torch.int32),
+            has_initial_state=has_initial_state.bool(),
+            query_start_loc=meta.query_start_loc,
+            query_lens=meta.query_lens,
+            decode_only=meta.decode_only,
+        )
+    return input_ids, positions, meta, state_meta
 
 
 def receive_hidden(channels: Channels, rows: int, width: int, dtype: torch.dtype) -> torch.Tensor:

@@ -174,8 +174,8 @@ def _follow(runner: ModelRunner, kv_spec: KVCacheSpec, channels: Channels) -> No
             message = receive(channels)
             args = message.args
             if message.op is Op.FORWARD:
-                input_ids, positions, meta = receive_forward(channels, *args[:4])
-                runner.run_model(input_ids, positions, meta)
+                input_ids, positions, meta, state_meta = receive_forward(channels, *args[:5])
+                runner.run_model(input_ids, positions, meta, state_meta)
             elif message.op is Op.LOGITS:
                 rows = receive_hidden(channels, args[0], hidden_size, dtype)
                 runner.model.compute_logits(rows)
@@ -190,6 +190,8 @@ def _follow(runner: ModelRunner, kv_spec: KVCacheSpec, channels: Channels) -> No
                 )
             elif message.op is Op.ALLOCATE_KV:
                 runner.allocate_kv_caches(kv_spec, KVPools(args[0], args[1]))
+            elif message.op is Op.ALLOCATE_STATES:
+                runner.allocate_recurrent_states(args[0])
             elif message.op is Op.CAPTURE_GRAPHS:
                 runner.capture_decode_graphs(args[0])
             else:

@@ -258,7 +258,19 @@ GPU_VARIANTS: dict[str, Variant] = {
         },
     ),
 }
-ALL_VARIANTS = {**VARIANTS, **FAMILY_VARIANTS, **HYBRID_VARIANTS, **GPU_VARIANTS}
+# Gemma 4 split over two ranks (tests/appliance/engine/parallel/test_new_families_tp.py): the
+# tiny Gemma 4s with two global KV heads, so that every layer's heads divide by 2.
+TP_VARIANTS: dict[str, Variant] = {
+    f"{name}-tp": Variant(
+        FAMILY_VARIANTS[name].arch,
+        FAMILY_VARIANTS[name].num_layers,
+        {**FAMILY_VARIANTS[name].overrides, "num_global_key_value_heads": 2},
+    )
+    for name in ("gemma4", "gemma4-moe")
+}
+ALL_VARIANTS = {
+    **VARIANTS, **FAMILY_VARIANTS, **HYBRID_VARIANTS, **GPU_VARIANTS, **TP_VARIANTS
+}  # fmt: skip
 
 
 def _classes(arch: str) -> tuple[type, type]:
