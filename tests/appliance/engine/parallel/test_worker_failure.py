@@ -55,13 +55,17 @@ def _step_for(engine: Engine, seconds: float) -> None:
         engine.step()
 
 
-async def _kill_worker_while_streaming(engine: Engine, stream: AsyncIterator[object]) -> None:
-    """Kill rank 1 at the first output, then read on (for at most 30 s)."""
+async def kill_worker_while_streaming(
+    engine: Engine, stream: AsyncIterator[object], killed_at: list[float], within_s: float = 30
+) -> None:
+    """Kill rank 1 at the first output (noting when in `killed_at`), then read on for at most
+    `within_s`."""
     assert engine.group is not None
-    async with asyncio.timeout(30):
+    async with asyncio.timeout(within_s):
         async for _ in stream:
-            if engine.group.worker_pids:
+            if not killed_at:
                 os.kill(engine.group.worker_pids[0], signal.SIGKILL)
+                killed_at.append(time.monotonic())
 
 
 def test_a_killed_worker_stops_the_async_engine_and_ends_its_streams(tiny_dir: Path) -> None:
@@ -72,7 +76,7 @@ def test_a_killed_worker_stops_the_async_engine_and_ends_its_streams(tiny_dir: P
             params = SamplingParams(temperature=0.0, max_tokens=100_000, ignore_eos=True)
             stream = ae.generate("r", prompt_ids(5), params)
             with pytest.raises(EngineDeadError) as caught:
-                await _kill_worker_while_streaming(engine, stream)
+                await kill_worker_while_streaming(engine, stream, [])
             assert isinstance(caught.value.__cause__, TensorParallelError)
             async with asyncio.timeout(5):  # the thread ends right after failing the streams
                 while ae.is_running:
@@ -114,7 +118,7 @@ def test_a_killed_worker_fails_the_async_engine_even_while_its_thread_is_held(
         params = SamplingParams(temperature=0.0, max_tokens=100_000, ignore_eos=True)
         stream = ae.generate("r", prompt_ids(5), params)
         with pytest.raises(EngineDeadError) as caught:
-            await _kill_worker_while_streaming(engine, stream)
+            await kill_worker_while_streaming(engine, stream, [])
         assert isinstance(caught.value.__cause__, TensorParallelError)
         assert not ae.is_running and ae.has_failed  # /health: 503 "stopped"
         async with asyncio.timeout(5):

@@ -13,9 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import re
-import signal
 import time
 from pathlib import Path
 
@@ -29,6 +27,7 @@ from appliance.engine.sampling_params import SamplingParams
 
 from .gpu_models import save_gpu_test_model
 from .test_tensor_parallel import prompt_ids
+from .test_worker_failure import kill_worker_while_streaming
 
 logger = logging.getLogger(__name__)
 
@@ -42,16 +41,6 @@ def _step_for(engine: Engine, seconds: float) -> None:
     started = time.monotonic()
     while time.monotonic() - started < seconds:
         engine.step()
-
-
-async def _kill_worker_while_streaming(engine: Engine, stream, killed_at: list[float]) -> None:
-    """Kill rank 1 at the first output (noting when), then read on for at most 60 s."""
-    assert engine.group is not None
-    async with asyncio.timeout(60):
-        async for _ in stream:
-            if not killed_at:
-                os.kill(engine.group.worker_pids[0], signal.SIGKILL)
-                killed_at.append(time.monotonic())
 
 
 @pytest.mark.parametrize("one_shot", [True, False], ids=["one-shot", "nccl"])
@@ -90,7 +79,7 @@ def test_a_killed_worker_stops_the_gpu_engine_with_an_error_naming_it(
         stream = ae.generate("r", prompt_ids(5), params)
         killed_at: list[float] = []
         with pytest.raises(EngineDeadError) as caught:
-            await _kill_worker_while_streaming(engine, stream, killed_at)
+            await kill_worker_while_streaming(engine, stream, killed_at, within_s=60)
         took = time.monotonic() - killed_at[0]
         assert isinstance(caught.value.__cause__, TensorParallelError)
         assert re.search(r"rank 1 .* killed by signal 9", str(caught.value.__cause__))
