@@ -16,7 +16,9 @@ The peer is transformers on the same weights in the same run (HFW1, HF, HFW4): t
 transformers class is built from the shape's config with random bf16 weights on the GPU and
 runs W1 (`generate`, static cache + torch.compile, or eager where that fails: the row says
 which), the W2 shape on continuous batching (`generate_batch`, paged attention; --hf-requests
-bounds it) and W4; its weights then go to host memory (the two models never fit on one GPU
+bounds it; where that fails or returns nothing, as for gpt-oss and the hybrids on some
+transformers releases, plain `generate` in batches of 64, and the rows say which) and W4; its
+weights then go to host memory (the two models never fit on one GPU
 together), and Inferno's model is filled from them through the loader's checkpoint-name mapping
 (models.loader.load_state_dict) for Inferno's workloads. A mixture of experts routes by its
 weights, so only the same weights make the two runs comparable. Each peer phase prints its time.
@@ -863,6 +865,29 @@ def peer_w1(peer: PreTrainedModel, read_bytes: int, copy_bw: float, compile_: bo
     torch.compiler.reset()  # frees the compiled graphs' memory before continuous batching
 
 
+def peer_w2_static(peer: PreTrainedModel, prompts: list[list[int]], batch: int = 64) -> None:
+    """The W2 shape on transformers' plain `generate`, `batch` prompts at a time: the peer for
+    models whose continuous batching fails (the prompts are all 512 tokens, so no padding)."""
+    from transformers import GenerationConfig
+
+    gen = GenerationConfig(
+        max_new_tokens=256, min_new_tokens=256, do_sample=False, eos_token_id=-1, pad_token_id=0
+    )
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    num_out = 0
+    for i in range(0, len(prompts), batch):
+        ids = torch.tensor(prompts[i : i + batch], device=peer.device)
+        num_out += peer.generate(ids, generation_config=gen).shape[1] * len(ids) - ids.numel()
+    torch.cuda.synchronize()
+    elapsed = time.perf_counter() - start
+    report(
+        f"transformers generate W2-shape ({len(prompts)} × 512/256, batches of {batch}, "
+        f"{peer.config._attn_implementation})",
+        f"{num_out / elapsed:,.0f} tok/s ({elapsed:.1f} s)",
+    )
+
+
 def transformers_peer(
     peer: PreTrainedModel,
     workloads: set[str],
@@ -884,13 +909,22 @@ def transformers_peer(
         gen = GenerationConfig(max_new_tokens=256, do_sample=False, eos_token_id=-1, pad_token_id=0)
         prompts = random_prompts(num_requests, 512, seed=3)
         start = time.perf_counter()
-        outputs = peer.generate_batch(inputs=prompts, generation_config=gen, progress_bar=False)
+        try:
+            outputs = peer.generate_batch(inputs=prompts, generation_config=gen, progress_bar=False)
+            num_out = sum(len(o.generated_tokens) for o in outputs.values())
+            failure = "" if num_out else "no tokens"
+        except Exception as exc:  # a model its continuous batching does not serve
+            failure = f"{type(exc).__name__}: {str(exc)[:120]}"
         elapsed = time.perf_counter() - start
-        num_out = sum(len(o.generated_tokens) for o in outputs.values())
-        report(
-            f"transformers generate_batch W2-shape ({num_requests} × 512/256, {attention})",
-            f"{num_out / elapsed:,.0f} tok/s ({elapsed:.1f} s)",
-        )
+        if failure:
+            report(f"transformers generate_batch W2-shape ({attention})", f"failed ({failure})")
+            peer.set_attn_implementation("sdpa" if type(peer)._supports_sdpa else "eager")
+            peer_w2_static(peer, prompts)
+        else:
+            report(
+                f"transformers generate_batch W2-shape ({num_requests} × 512/256, {attention})",
+                f"{num_out / elapsed:,.0f} tok/s ({elapsed:.1f} s)",
+            )
     if "HFW4" in workloads:
         gen = GenerationConfig(max_new_tokens=64, do_sample=False, eos_token_id=-1, pad_token_id=0)
         start = time.perf_counter()

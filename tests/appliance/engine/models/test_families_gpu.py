@@ -10,6 +10,15 @@ tests/appliance/engine/test_engine_gpu.py, our log-probability error against tra
 float32 is bounded by transformers' own bf16 error: mean at most 10% (+ 0.005 nats) above it,
 worst position at most twice its worst (+ 0.01). Prompts are several windows long and the
 prefill is chunked (64 tokens a step), so chunks cross window edges; decode runs in CUDA graphs.
+
+Mixtures of experts are compared over eight prompt sets (about 3,500 positions) instead of one.
+A router's near-tied logits round differently in any two bf16 implementations, and each flip
+sends a token to another expert and moves that position's error by up to a nat or more. The
+flips are rare, so one prompt set's mean and worst are decided by a handful of them, landing at
+different positions in the two implementations: on the H100 (2026-11-26) one set put Qwen2-MoE's
+worst at 1.09 against transformers' 0.43 and Qwen3.5-MoE's mean 16% above it, while over the
+eight sets ours was at or below transformers' in both (docs/BENCHMARKS.md, "bf16 error of the
+mixtures of experts"). Pooled, both implementations get the same number of chances to flip.
 """
 
 from __future__ import annotations
@@ -32,6 +41,7 @@ pytestmark = pytest.mark.gpu
 
 NAMES = sorted(FAMILY_VARIANTS) + sorted(HYBRID_VARIANTS) + sorted(GPU_VARIANTS)
 PROMPT_LENS = (300, 130, 9)
+MOE_PROMPT_SEEDS = range(12, 20)
 NUM_NEW_TOKENS = 16
 
 
@@ -121,11 +131,15 @@ def test_float32_triton_path_matches_transformers(tiny_checkpoints, name):
 @pytest.mark.parametrize("name", NAMES)
 def test_bfloat16_prompt_logprobs_are_as_close_as_transformers_bf16(tiny_checkpoints, name):
     model_dir, hf_model = tiny_checkpoints(name)
-    prompts = _prompts(_prompt_lens(model_dir), seed=12)
-    exact = torch.cat(_hf_prompt_logprobs(hf_model, prompts))
     hf_bf16 = copy.deepcopy(hf_model).to("cuda", torch.bfloat16)
-    theirs = (torch.cat(_hf_prompt_logprobs(hf_bf16, prompts)) - exact).abs()
-    ours = (torch.cat(_prompt_logprobs(_engine(model_dir, "bfloat16"), prompts)) - exact).abs()
+    engine = _engine(model_dir, "bfloat16")
+    ours, theirs = [], []
+    for seed in MOE_PROMPT_SEEDS if name in MOE_FAMILIES else (12,):
+        prompts = _prompts(_prompt_lens(model_dir), seed=seed)
+        exact = torch.cat(_hf_prompt_logprobs(hf_model, prompts))
+        theirs.append((torch.cat(_hf_prompt_logprobs(hf_bf16, prompts)) - exact).abs())
+        ours.append((torch.cat(_prompt_logprobs(engine, prompts)) - exact).abs())
+    ours, theirs = torch.cat(ours), torch.cat(theirs)
     assert ours.mean() <= 1.1 * theirs.mean() + 0.005, (
         f"{name}: mean bf16 error {ours.mean():.4f} vs transformers' {theirs.mean():.4f}"
     )
