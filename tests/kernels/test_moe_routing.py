@@ -52,6 +52,8 @@ VARIANTS: dict[str, Callable[[int, int], Router]] = {
 SHAPES = [(6, 1), (10, 2), (12, 3), (16, 8)]
 
 Routing = tuple[torch.Tensor, torch.Tensor]
+# A router and what it is given: logits, a selection bias, per-expert scales.
+Case = tuple[Router, torch.Tensor, torch.Tensor, torch.Tensor]
 
 
 @pytest.fixture
@@ -59,7 +61,7 @@ def lowest_id_first(monkeypatch: pytest.MonkeyPatch) -> None:
     """The reference with equal values ordered as the kernel orders them, the lower id first:
     its every top-k a stable descending sort (which also puts NaN first, as torch.topk does)."""
 
-    def stable_top_k(values: torch.Tensor, k: int) -> Routing:
+    def stable_top_k(values: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         ordered = torch.sort(values, dim=-1, descending=True, stable=True)
         return ordered.values[..., :k], ordered.indices[..., :k]
 
@@ -74,7 +76,7 @@ def _vectors(num_experts: int, generator: torch.Generator) -> tuple[torch.Tensor
     return bias.to(DEVICE), scale.to(DEVICE)
 
 
-def _case(variant: str, num_experts: int, top_k: int, logits: torch.Tensor, seed: object):
+def _case(variant: str, num_experts: int, top_k: int, logits: torch.Tensor, seed: object) -> Case:
     generator = torch.Generator().manual_seed(zlib.crc32(repr(seed).encode()))
     return (
         VARIANTS[variant](num_experts, top_k),
@@ -204,7 +206,7 @@ def test_routing_it_cannot_run_is_refused_by_name(router, logits_shape, vectors,
         route_experts(logits, router, **vectors)
 
 
-def _grid_case(variant: str, num_experts: int, num_tokens: int, dtype: torch.dtype):
+def _grid_case(variant: str, num_experts: int, num_tokens: int, dtype: torch.dtype) -> Case:
     """Each row a random permutation of a grid of E values 8 / E apart (exact in bfloat16, so
     both dtypes route alike), every third row with two pairs of equal logits. Apart from those,
     no two choices are within rounding of each other: a near-tie would be decided by the last

@@ -1,8 +1,8 @@
 """A family's mixture of experts as data: its `MoeConfig`, which holds its router.
 
 A family declares both (models.families); the sparse block (models.sparse_moe) builds itself
-from them. The router (`kernels.ops.Router`) is the kernels' type, since the routing is a kernel
-op (`KernelOps.route_experts`) that reads it; everything else about the experts is here.
+from them. The router (`kernels.ops.Router`) is the kernels' type: the routing is a kernel op
+(`KernelOps.route_experts`) that reads it.
 """
 
 from __future__ import annotations
