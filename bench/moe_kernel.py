@@ -15,8 +15,13 @@ kernels (the GEMV path weight-only, the grouped GEMMs W8A8) against the bf16 ker
 original weights and the per-expert loop on the dequantized weights (bf16), each batch first
 checked against that loop within FP8's error; the decode rate counts the FP8 bytes.
 
+`--routing` times the routing instead (`kernels.moe_routing`, one launch, against
+`kernels.reference.route_experts`'s torch ops on the GPU) for three routers of E experts, top
+k, at 1, 16, 512 and 8192 tokens (the first two replayed in CUDA graphs, as decode steps run).
+
     python bench/moe_kernel.py [--sweep] [--fp8] [--batches 1,4,16,64,512,2048,8192]
                                [--experts 128 --top-k 8 --hidden 2048 --size 768]
+    python bench/moe_kernel.py --routing [--experts 256 --top-k 8]
 """
 
 from __future__ import annotations
@@ -32,11 +37,26 @@ from kernels import reference
 from kernels.fp8 import quantize_rows
 from kernels.moe import MoeTiles, fused_moe, tiles_for
 from kernels.moe_gemv import GEMV_MAX_PAIRS, GemvTiles
-from kernels.ops import Fp8Weight
+from kernels.moe_routing import route_experts
+from kernels.ops import Fp8Weight, Router
 
 DTYPE = torch.bfloat16
 DECODE_BATCHES = (1, 4, 16, 64)
 PREFILL_BATCHES = (512, 2048, 8192)
+ROUTING_BATCHES = (1, 16, 512, 8192)
+# The routers timed by --routing (kernels.ops.Router's fields beside E and k).
+ROUTERS = {
+    "softmax, renormalised (Mixtral, Qwen3-MoE)": {"renormalize": True},
+    "top-k, then softmax (gpt-oss)": {"score_after_topk": True, "logit_bias": True},
+    "sigmoid, 8 groups (DeepSeek-V3)": {
+        "scoring": "sigmoid",
+        "renormalize": True,
+        "selection_bias": True,
+        "num_groups": 8,
+        "topk_groups": 4,
+        "scaling_factor": 2.5,
+    },
+}
 
 
 def inputs(num_tokens: int, experts: int, top_k: int, hidden: int, size: int):
@@ -138,16 +158,54 @@ def sweep(x, gate_up, down, weights, ids, decode: bool) -> None:
         print(f"    {ms * 1e3:8.1f} us  {tiles}")
 
 
+def bench_routing(router: Router, num_tokens: int) -> None:
+    """The routing kernel against the reference's torch ops, both on the GPU, first checked:
+    each token's weight per expert alike, on all but the rare rows where two groups' scores
+    fall within rounding of each other (the kernel's exp is not torch's). Each row's logits
+    are a shuffled grid 8 / E apart, exact in bfloat16: no ties (whose order torch.topk
+    leaves open) and no near-ties between experts; the timings do not depend on the values."""
+    num_experts = router.num_experts
+    order = torch.argsort(torch.rand(num_tokens, num_experts, device="cuda"), dim=-1)
+    logits = ((order - num_experts // 2) * (8 / num_experts)).to(DTYPE)
+    # Whole numbers: the biased choices of two experts never nearly tie either.
+    bias = torch.randint(0, 2, (num_experts,), device="cuda").float()
+    ours = route_experts(logits, router, bias)
+    theirs = reference.route_experts(logits, router, bias)
+    difference = (per_expert(*ours, num_experts) - per_expert(*theirs, num_experts)).abs()
+    agreeing = (difference.amax(dim=-1) <= 1e-5).float().mean().item()
+    assert agreeing >= 0.999, f"the kernel's routing agrees with torch's on {agreeing:.2%} of rows"
+    graphed = num_tokens <= 16
+    kernel = time_ms(lambda: route_experts(logits, router, bias), graphed=graphed)
+    torch_ms = time_ms(lambda: reference.route_experts(logits, router, bias), graphed=graphed)
+    print(f"  T={num_tokens:5d}  kernel {kernel * 1e3:7.1f} us  torch {torch_ms * 1e3:7.1f} us"
+          f"{' (graphs)' if graphed else ''}  x{torch_ms / kernel:5.1f}")  # fmt: skip
+
+
+def per_expert(weights: torch.Tensor, ids: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """[T, E]: each token's weight on every expert (0 where not chosen), in any order of ids."""
+    dense = torch.zeros(ids.shape[0], num_experts, device=ids.device)
+    return dense.scatter_(1, ids.long(), weights)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sweep", action="store_true", help="time a grid of tiles per batch")
     parser.add_argument("--fp8", action="store_true", help="also time FP8 experts (see above)")
+    parser.add_argument("--routing", action="store_true", help="time the routing (see above)")
     parser.add_argument("--batches", default=",".join(map(str, DECODE_BATCHES + PREFILL_BATCHES)))
     parser.add_argument("--experts", type=int, default=128)
     parser.add_argument("--top-k", type=int, default=8)
     parser.add_argument("--hidden", type=int, default=2048)
     parser.add_argument("--size", type=int, default=768, help="each expert's intermediate size")
     args = parser.parse_args()
+    if args.routing:
+        print(f"{torch.cuda.get_device_name()}: routing, E={args.experts} k={args.top_k}, "
+              f"{DTYPE} logits")  # fmt: skip
+        for name, variant in ROUTERS.items():
+            print(f"{name}:")
+            for num_tokens in ROUTING_BATCHES:
+                bench_routing(Router(args.experts, args.top_k, **variant), num_tokens)
+        return
     copy_bw, mm_flops = ceilings()
     print(f"{torch.cuda.get_device_name()}: copy {copy_bw / 1e9:.0f} GB/s, "
           f"bf16 matmul {mm_flops / 1e12:.0f} TFLOP/s; E={args.experts} k={args.top_k} "

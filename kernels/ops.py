@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Literal, Protocol
 
 import torch
 
@@ -133,6 +133,49 @@ class ClampedSwiglu:
 
 
 @dataclass(frozen=True, slots=True)
+class Router:
+    """How a mixture of experts picks each token's experts, declared as data by its family
+    (appliance.engine.models.families): `KernelOps.route_experts` reads it, so a new MoE
+    family is a declaration, not a code path. The variants:
+
+    - Mixtral, Qwen2/3-MoE: softmax over all experts, top-k, renormalised (`norm_topk_prob`);
+    - gpt-oss: top-k of the logits (the router projection has a bias), softmax over the k chosen;
+    - DeepSeek-V3 style: sigmoid scores, a selection bias added for choosing only, top-k within
+      the best `topk_groups` of `num_groups` expert groups, renormalised, times a scale;
+    - Gemma 4: the router projects its own RMS-normed, learned-scaled input, softmax over all,
+      top-k, renormalised, each chosen weight times its expert's learned scale.
+
+    `logit_bias` and `normed_input` shape the router's projection (the model's); the routing
+    itself reads the rest.
+    """
+
+    num_experts: int
+    top_k: int
+    scoring: Literal["softmax", "sigmoid"] = "softmax"
+    # Top-k of the raw logits, then the scoring over the k chosen (gpt-oss); else scoring over
+    # all experts, then top-k of the scores.
+    score_after_topk: bool = False
+    # The chosen weights divided by their sum (Mixtral always; Qwen's norm_topk_prob).
+    renormalize: bool = False
+    # The router projection has a bias (gpt-oss).
+    logit_bias: bool = False
+    # A per-expert bias added to the scores for choosing only, not to the weights (DeepSeek-V3's
+    # e_score_correction_bias).
+    selection_bias: bool = False
+    # Group-limited choice: the experts in `num_groups` equal groups, each group scored by the
+    # sum of its best two, and only the best `topk_groups` groups' experts chosen from.
+    num_groups: int = 1
+    topk_groups: int = 1
+    scaling_factor: float = 1.0  # applied to the final weights (routed_scaling_factor)
+    # The router projects RMSNorm(x) * scale * hidden_size ** -0.5, `scale` a learned [H]
+    # vector, not x (Gemma 4's Gemma4TextRouter).
+    normed_input: bool = False
+    # Each chosen weight is multiplied by a learned per-expert scale, after renormalising
+    # (Gemma 4's per_expert_scale).
+    per_expert_scale: bool = False
+
+
+@dataclass(frozen=True, slots=True)
 class Fp8Weight:
     """A projection weight in FP8 (e4m3) with a scale per output channel: the weight it stands
     for is `weight * scale[:, None]`. A projection with it is W8A8: its input is quantized to
@@ -185,6 +228,24 @@ class KernelOps(Protocol):
         clamped_swiglu: ClampedSwiglu | None = None,
         activation: str = "silu",
     ) -> torch.Tensor: ...
+
+    def route_experts(
+        self,
+        logits: torch.Tensor,
+        router: Router,
+        selection_bias: torch.Tensor | None = None,
+        expert_scale: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """A mixture of experts' routing, as `router` declares it.
+
+        logits: [T, E] (the router projection's, any float dtype; scored in float32);
+        selection_bias: [E], with `router.selection_bias`; expert_scale: [E], with
+        `router.per_expert_scale`. Returns (weights [T, k] float32, expert ids [T, k]
+        integer), each row's experts by descending choice. Equal values are ordered as
+        torch.topk orders them in the reference, the lower expert id first in the Triton
+        kernel (`kernels.reference.route_experts` says why they differ).
+        """
+        ...
 
     def write_kv_cache(
         self,

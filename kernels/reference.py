@@ -13,7 +13,13 @@ import torch.nn.functional as F
 
 from kernels.fp8 import P_SCALE, quantize_rows
 from kernels.launch_checks import KV_CACHE_FP8, check_kv_cache_encoding
-from kernels.ops import AttentionMetadata, ClampedSwiglu, Fp8Weight, RecurrentStateMetadata
+from kernels.ops import (
+    AttentionMetadata,
+    ClampedSwiglu,
+    Fp8Weight,
+    RecurrentStateMetadata,
+    Router,
+)
 
 _FP8_MAX = torch.finfo(KV_CACHE_FP8).max
 _LOG2_E = 1.4426950408889634
@@ -163,6 +169,66 @@ def _expert(weight: torch.Tensor | Fp8Weight, expert: int) -> torch.Tensor | Fp8
     if isinstance(weight, Fp8Weight):
         return Fp8Weight(weight.weight[expert], weight.scale[expert])
     return weight[expert]
+
+
+def route_experts(
+    logits: torch.Tensor,
+    router: Router,
+    selection_bias: torch.Tensor | None = None,
+    expert_scale: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A mixture of experts' routing as `router` declares it (`kernels.ops.Router`): logits
+    [T, E] -> (weights [T, k] float32, expert ids [T, k] int64), by descending choice.
+
+    The scores are computed in float32 and the choice is `torch.topk`'s, as transformers'
+    routers do, so on one device ties go the same way as theirs. That order among equal values
+    is torch.topk's own: on the CPU std::partial_sort's or std::nth_element's (neither is
+    stable), which may put the higher expert id first (tests/kernels/test_moe_routing.py shows
+    a case); the Triton kernel's (`kernels.moe_routing`) is the lower id first. With
+    `router.selection_bias`, `selection_bias` is its [E] float32 tensor; with
+    `router.per_expert_scale`, `expert_scale` is its [E] tensor.
+    """
+    logits = logits.float()
+    if router.score_after_topk:
+        top_logits, ids = _top_k(logits, router.top_k)
+        weights = _score(top_logits, router.scoring)
+    else:
+        scores = _score(logits, router.scoring)  # [T, E]
+        choice = scores
+        if router.selection_bias:
+            assert selection_bias is not None, "a selection-bias router is given its bias"
+            choice = scores + selection_bias
+        if router.num_groups > 1:
+            choice = _best_groups_only(choice, router.num_groups, router.topk_groups)
+        ids = _top_k(choice, router.top_k)[1]
+        weights = scores.gather(1, ids)
+    if router.renormalize:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    if router.scaling_factor != 1.0:
+        weights = weights * router.scaling_factor
+    if router.per_expert_scale:
+        assert expert_scale is not None, "a per-expert-scale router is given its scales"
+        weights = weights * expert_scale.float()[ids]
+    return weights, ids
+
+
+def _top_k(values: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """[T, N] -> the k largest of each row and their indices, [T, k] each: every choice the
+    routing makes, so that equal values are ordered in one place (torch.topk's order)."""
+    return torch.topk(values, k, dim=-1)
+
+
+def _score(logits: torch.Tensor, scoring: str) -> torch.Tensor:
+    return logits.softmax(dim=-1) if scoring == "softmax" else logits.sigmoid()
+
+
+def _best_groups_only(choice: torch.Tensor, num_groups: int, topk_groups: int) -> torch.Tensor:
+    """[T, E] -> the same, -inf outside each token's best `topk_groups` groups."""
+    grouped = choice.view(choice.shape[0], num_groups, -1)  # [T, G, E / G]
+    group_scores = grouped.topk(2, dim=-1)[0].sum(dim=-1)  # [T, G]
+    best = _top_k(group_scores, topk_groups)[1]
+    keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, best, True)
+    return grouped.masked_fill(~keep[..., None], float("-inf")).view_as(choice)
 
 
 def quantize_kv(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:

@@ -9,7 +9,9 @@ would cost the tensor cores 128 / (Hq / Hkv) times the work for the same bytes r
 Projections of decode-sized batches (at most `kernels.linear.MAX_ROWS` rows) stream their
 weights through Inferno's skinny-matmul kernel; larger ones are cuBLAS matmuls. FP8 weights
 (`kernels.ops.Fp8Weight`) take `kernels.fp8_linear`'s W8A8 path, which routes the same way.
-A mixture of experts' experts run as `kernels.moe`'s two grouped GEMMs.
+A mixture of experts is routed by one kernel (`kernels.moe_routing`: each token's top k
+experts and their weights from the router's logits), and its experts run as `kernels.moe`'s two
+grouped GEMMs.
 Linear-attention layers (Gated DeltaNet) run `kernels.causal_conv1d` and
 `kernels.gated_delta_rule` on their per-sequence state slots: the recurrent step for a decode
 batch, the chunked form otherwise.
@@ -28,6 +30,7 @@ from kernels.decode_attention import paged_decode_attention
 from kernels.gated_delta_rule import gated_delta_rule
 from kernels.kv_cache_write import write_kv_cache
 from kernels.moe import fused_moe
+from kernels.moe_routing import route_experts
 from kernels.ops import AttentionMetadata, Fp8Weight
 from kernels.prefill_attention import paged_prefill_attention
 from kernels.rmsnorm import add_rms_norm, rms_norm
@@ -43,6 +46,7 @@ __all__ = [
     "paged_attention",
     "rms_norm",
     "rotary_embedding",
+    "route_experts",
     "silu_mul_linear",
     "write_kv_cache",
 ]

@@ -1,7 +1,7 @@
 """The sparse mixture-of-experts block: a decoder layer's alternative to the dense MLP.
 
-A router projection scores the experts for each token, `models.routing.route` picks the top k
-and their weights as the family's `Router` declares, and one kernel op (`fused_moe`) runs every
+A router projection scores the experts for each token, one kernel op (`route_experts`) picks the
+top k and their weights as the family's `Router` declares, and another (`fused_moe`) runs every
 token through its k experts and sums their outputs, weighted. The experts' weights are stacked
 ([E, 2I, H] gate/up rows, [E, H, I] down), whatever the checkpoint stores (models.loader). An
 optional shared expert (Qwen2-MoE) is a dense MLP every token passes through, its output scaled
@@ -10,9 +10,9 @@ by a sigmoid gate and added. gpt-oss's experts have biases and a clamped SwiGLU
 router reads the layer's un-normed input, normed and scaled its own way (`Router.normed_input`),
 its experts a differently normed one, and they gate with GELU-tanh. Under expert parallelism a
 block holds some of the experts and its output is its part of the sum
-(appliance.engine.parallel.sharding). FP8 experts (`Experts.use_fp8`) hold their stacked
-weights in e4m3 with a float32 scale per output channel of each expert, as the dense FP8
-projections do (models.projections), and the kernels read them so (kernels.moe).
+(appliance.engine.parallel.sharding). FP8 experts (`Experts.use_fp8`) hold their stacked weights
+in e4m3 with a float32 scale per output channel of each expert, as the dense FP8 projections do
+(models.projections), and the kernels read them so (kernels.moe).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from torch import nn
 
 from appliance.engine.models.config import ModelConfig
 from appliance.engine.models.layers import MLP
-from appliance.engine.models.routing import MoeConfig, route
+from appliance.engine.models.moe_config import MoeConfig
 from kernels.fp8 import FP8_DTYPE, quantize_rows
 from kernels.ops import Fp8Weight, KernelOps
 
@@ -157,7 +157,7 @@ class SparseMoeBlock(nn.Module):
         logits = ops.linear(self._router_rows(x, router_input), self.gate.weight, self.gate.bias)
         selection_bias = getattr(self.gate, "e_score_correction_bias", None)
         expert_scale = getattr(self.gate, "per_expert_scale", None)
-        weights, expert_ids = route(logits, self.router, selection_bias, expert_scale)  # [T, k]
+        weights, expert_ids = ops.route_experts(logits, self.router, selection_bias, expert_scale)
         experts = self.experts
         gate_up, down = experts.kernel_weights()
         out = ops.fused_moe(

@@ -1,8 +1,9 @@
-"""`route` against transformers' own routers, one per variant the Router declares: softmax then
-top-k, renormalised or not (Mixtral, Qwen2/3-MoE); top-k of biased logits then softmax
-(gpt-oss); sigmoid scores with a selection bias, group-limited top-k, renormalised and scaled
-(DeepSeek-V3). Each router is transformers' module with random weights; ours is given the same
-logits (their projection is a plain linear, the model tests cover ours)."""
+"""`kernels.reference.route_experts` against transformers' own routers, one per variant the
+`Router` declares: softmax then top-k, renormalised or not (Mixtral, Qwen2/3-MoE); top-k of
+biased logits then softmax (gpt-oss); sigmoid scores with a selection bias, group-limited
+top-k, renormalised and scaled (DeepSeek-V3). Each router is transformers' module with random
+weights; ours is given the same logits (their projection is a plain linear, the model tests
+cover ours)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ import pytest
 import torch
 from torch.nn import functional as F
 
-from appliance.engine.models.routing import Router, route
+from kernels.ops import Router
+from kernels.reference import route_experts
 
 NUM_TOKENS, HIDDEN, NUM_EXPERTS = 40, 32, 16
 
@@ -25,7 +27,7 @@ def _random_router(module: torch.nn.Module) -> torch.nn.Module:
 
 def _ours(module, x: torch.Tensor, router: Router) -> tuple[torch.Tensor, torch.Tensor]:
     logits = F.linear(x, module.weight, getattr(module, "bias", None))
-    return route(logits, router, getattr(module, "e_score_correction_bias", None))
+    return route_experts(logits, router, getattr(module, "e_score_correction_bias", None))
 
 
 def _by_expert(weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
