@@ -125,8 +125,11 @@ def _pre_norm_rstd(
     BLOCK_K: tl.constexpr,
 ):
     """With a NORM, 1 / RMS of the row it norms (0 without): a pass over the whole row (K
-    elements, a few KiB from L2) in every program. Program 0 also writes residual + x to
-    residual_out on the way, the only program that does."""
+    elements, a few KiB from L2) in every program, while its first weight tile, requested
+    before, streams. Program 0 also writes residual + x to residual_out on the way, the only
+    program that does. In tiles of BLOCK_K, as the main loop: a tile of the whole row would
+    hold it in registers (76 registers a thread against 40 at the 8B model's bf16 qkv tiles,
+    compiled for sm_90), and fewer programs per SM would stream weights."""
     if not NORM:
         return 0.0
     num_written = tl.where(tl.program_id(0) == 0, k, 0)  # of the new residual's elements
