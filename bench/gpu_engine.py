@@ -11,9 +11,6 @@ experts FP8 too (models.sparse_moe: W1's expert bytes then one per weight), as
 Measures the ceilings first (device-to-device copy bandwidth, dense bf16 matmul rate), then
 W1 (batch-1 decode), W2 (offline throughput), W4 (shared-prefix TTFT, prefix cache on vs off)
 and W6 (GPU memory that is neither weights nor KV cache). Prints Markdown rows last.
-W1U is W1 with each decode layer's two pre-norms run as kernels of their own instead of inside
-the projections after them (`CausalLM.set_pre_norm_fusion`): `--workloads W1,W1U` shows what
-the fusion saves, both measured in one run on the same model.
 
 The peer is transformers on the same weights in the same run (HFW1, HF, HFW4): the model's own
 transformers class is built from the shape's config with random bf16 weights on the GPU and
@@ -29,8 +26,7 @@ Without a peer workload Inferno's model is drawn directly on the GPU (models.loa
 
     python bench/gpu_engine.py [--model llama-3.1-8b|qwen3-8b|gemma-3-12b|phi-4-mini|
                                         qwen3-30b-a3b|gpt-oss-20b|qwen3.6-35b-a3b|gemma-4-31b]
-                               [--workloads W1,W1U,W2,W2S,P,W4,HFW1,HF,HFW4]
-                               [--max-num-seqs 256]
+                               [--workloads W1,W2,W2S,P,W4,HFW1,HF,HFW4] [--max-num-seqs 256]
                                [--max-decode-burst 1] [--kv-cache-dtype auto|fp8_e4m3]
                                [--async-scheduling]
                                [--w2-requests 1024] [--hf-requests 128] [--no-hf-compile]
@@ -438,9 +434,7 @@ def release(engine: Engine) -> None:
     torch.cuda.empty_cache()
 
 
-def w1(
-    model: CausalLM, copy_bw: float, burst: int, async_scheduling: bool, *, name: str = "W1"
-) -> None:
+def w1(model: CausalLM, copy_bw: float, burst: int, async_scheduling: bool) -> None:
     engine = build_engine(
         model, max_num_seqs=8, max_decode_burst=burst, async_scheduling=async_scheduling
     )
@@ -455,9 +449,9 @@ def w1(
     _, streamed = weight_bytes(model)
     streamed += recurrent_state_bytes(model)
     achieved = streamed / (ms * 1e-3)
-    report(f"{name} decode ms/token (batch 1, 128+256)", f"{ms:.2f} ms ({1e3 / ms:.0f} tok/s)")
+    report("W1 decode ms/token (batch 1, 128+256)", f"{ms:.2f} ms ({1e3 / ms:.0f} tok/s)")
     report(
-        f"{name} weight bytes/s ÷ copy bandwidth",
+        "W1 weight bytes/s ÷ copy bandwidth",
         f"{achieved / 1e12:.2f} TB/s = {achieved / copy_bw:.0%}",
         "goal ≥ 85%",
     )
@@ -470,7 +464,7 @@ def w1(
     lm_head = model.lm_head if model.lm_head is not None else model.embed_tokens.weight
     in_graph = streamed - lm_head.numel() * lm_head.element_size()
     report(
-        f"{name} decode graph replay alone (batch 1)",
+        "W1 decode graph replay alone (batch 1)",
         f"{replay_ms:.2f} ms: {in_graph / 1e9:.2f} GB at {in_graph / replay_ms / 1e9:.2f} TB/s "
         f"= {in_graph / (replay_ms * 1e-3) / copy_bw:.0%}; outside it {ms - replay_ms:.2f} ms",
     )
@@ -1038,10 +1032,6 @@ def main() -> None:
         report(f"random {args.model} built", f"{time.perf_counter() - start:.1f} s")
     if "W1" in wanted:
         w1(model, copy_bw, args.max_decode_burst, args.async_scheduling)
-    if "W1U" in wanted:  # W1 with each pre-norm a kernel of its own, for the difference
-        model.set_pre_norm_fusion(False)
-        w1(model, copy_bw, args.max_decode_burst, args.async_scheduling, name="W1U")
-        model.set_pre_norm_fusion(True)
     if "W2" in wanted:
         w2(model, args.w2_requests, args.max_num_seqs, args.max_decode_burst, args.async_scheduling)
     if "W2S" in wanted:

@@ -11,10 +11,7 @@ projections (`kernels.fp8_linear`: at one row the weight-only FP8 GEMV, at more 
 activation quantization, then the FP8-in-registers skinny kernel or cuBLASLt's FP8 matmul) are
 timed as the engine runs them beside the bf16 path on the same shapes at 1, 16 and 256 rows;
 `--fp8-only` times just those, and `--sweep-fp8` first times a grid of the one-row GEMV's
-tiles on FP8 weights and prints the fastest per shape. The qkv and gate/up projections of one
-row that norm their own input (residual add and RMSNorm inside the GEMV,
-`kernels.linear.rms_norm_linear`) are timed against the norm's kernel then the GEMV, bf16 and
-FP8; `--norm-fusion-only` times just those, `--sweep-norm-fusion` first their tiles.
+tiles on FP8 weights and prints the fastest per shape.
 
 `--fp8-kv` times the attention kernels over a bf16 and an FP8 (e4m3) KV cache at W2's shapes:
 decode of 256 sequences at 768 tokens of context, prefill of 8 × 2048 new tokens without and
@@ -27,7 +24,7 @@ second against copy bandwidth, prefill FLOP/s against the bf16 and FP8 matmul ra
 shapes and prints the fastest.
 
     python bench/kernel_micro.py [--sweep-linear] [--fp8-only] [--sweep-fp8] [--fp8-kv]
-                                 [--sweep-attention] [--norm-fusion-only] [--sweep-norm-fusion]
+                                 [--sweep-attention]
 """
 
 from __future__ import annotations
@@ -46,7 +43,7 @@ from kernels import fp8, pdl, reference, triton_ops
 from kernels.activation import silu_and_mul
 from kernels.decode_attention import DecodeConfig, choose_num_splits, paged_decode_attention
 from kernels.linear import LinearConfig, gemv, linear, silu_mul_linear
-from kernels.ops import AttentionMetadata, Fp8Weight, PreNorm
+from kernels.ops import AttentionMetadata, Fp8Weight
 from kernels.prefill_attention import PrefillConfig, paged_prefill_attention
 from kernels.rmsnorm import add_rms_norm
 
@@ -518,11 +515,9 @@ def sweep_fp8_gemv(name: str, n: int, k: int, copy_bw: float) -> None:
     out = torch.empty(1, n, dtype=DTYPE, device="cuda")
 
     def tiles(config: LinearConfig) -> Callable[[Fp8Weight], Callable[[], object]]:
-        activation = "silu" if fused else ""
         return lambda w: (
-            lambda: gemv(x, w.weight, None, out, activation=activation, config=config,
-                         scale=w.scale)
-        )  # fmt: skip
+            lambda: gemv(x, w.weight, None, out, silu_mul=fused, config=config, scale=w.scale)
+        )
 
     timed = []
     for config in FP8_FMA_SWEEP:
@@ -569,62 +564,6 @@ def fp8_projection(name: str, n: int, k: int, rows: int, copy_bw: float) -> str:
     )
 
 
-# The projections after a pre-norm, at one row (batch-1 decode: kernels.linear.rms_norm_linear).
-NORMED_PROJECTIONS = [("qkv", 6144, 4096), ("gate_up", 28672, 4096)]
-
-
-def normed_projection(name: str, n: int, k: int, fp8_weights: bool, sweep: bool) -> str:
-    """One row's residual add, RMSNorm and projection as the decode step runs them: in the
-    GEMV (`triton_ops.rms_norm_linear`) against the norm's kernel, then the GEMV; with
-    `sweep`, the normed GEMV's three fastest tiles first."""
-    x = torch.randn(1, k, dtype=DTYPE, device="cuda")
-    residual = torch.randn_like(x)
-    norm_w = torch.rand(k, dtype=DTYPE, device="cuda") + 0.5
-    dense = [torch.randn(n, k, dtype=DTYPE, device="cuda") * k**-0.5 for _ in range(COPIES)]
-    weights = [Fp8Weight(*fp8.quantize_rows(w)) for w in dense] if fp8_weights else dense
-    norm = PreNorm(norm_w, 1e-5, residual, torch.empty_like(residual))
-    label = f"{'FP8 ' if fp8_weights else ''}{name} {n} × {k}"
-
-    def fused(w: torch.Tensor | Fp8Weight) -> Callable[[], object]:
-        return lambda: triton_ops.rms_norm_linear(x, norm, w, None)
-
-    def unfused(w: torch.Tensor | Fp8Weight) -> Callable[[], object]:
-        own = residual.clone()  # updated in place at every replay: a growing sum, timed alike
-
-        def run() -> torch.Tensor:
-            normed, _ = add_rms_norm(x, own, norm_w, 1e-5)
-            return triton_ops.linear(normed, w, None)
-
-        return run
-
-    check(f"{label} normed in the GEMV", fused(weights[0])(), unfused(weights[0])(), 5e-2, 5e-2)
-    if sweep:
-        out = torch.empty(1, n, dtype=DTYPE, device="cuda")
-
-        def tiles(config: LinearConfig) -> Callable[[torch.Tensor | Fp8Weight], Callable]:
-            def make(w: torch.Tensor | Fp8Weight) -> Callable[[], object]:
-                weight, scale = (w.weight, w.scale) if isinstance(w, Fp8Weight) else (w, None)
-                return lambda: gemv(x, weight, None, out, activation="", config=config,
-                                    scale=scale, norm=norm)  # fmt: skip
-
-            return make
-
-        timed = []
-        for config in FP8_FMA_SWEEP if fp8_weights else FMA_SWEEP:
-            try:
-                timed.append((graph_time(tiles(config), weights), config))
-            except Exception as exc:  # a tile that does not fit shared memory or registers
-                print(f"  {label} normed: {config}: {type(exc).__name__}", flush=True)
-        for ms, config in sorted(timed, key=lambda t: t[0])[:3]:
-            print(f"  sweep {label} normed in the GEMV, M=1: {ms * 1e3:.1f} µs {config}")
-    fused_ms, unfused_ms = graph_time(fused, weights), graph_time(unfused, weights)
-    return (
-        f"| {label}, M = 1, residual add + RMSNorm in the GEMV | {fused_ms * 1e3:.1f} µs | "
-        f"norm kernel + GEMV {unfused_ms * 1e3:.1f} µs: saves {(unfused_ms - fused_ms) * 1e3:.1f}"
-        f" µs | |"
-    )
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--sweep-linear", action="store_true")
@@ -633,13 +572,6 @@ def main() -> None:
     parser.add_argument("--fp8-kv", action="store_true", help="only the attention kernels, "
                         "bf16 against FP8 KV cache, at W2's shapes")  # fmt: skip
     parser.add_argument("--sweep-attention", action="store_true")
-    parser.add_argument(
-        "--norm-fusion-only",
-        action="store_true",
-        help="only the projections norming their own input at one row, against the norm "
-        "kernel + GEMV",
-    )
-    parser.add_argument("--sweep-norm-fusion", action="store_true")
     args = parser.parse_args()
     torch.manual_seed(int.from_bytes(os.urandom(4), "little"))  # fresh inputs every run
     copy_bw, matmul_rate = print_header()
@@ -651,18 +583,10 @@ def main() -> None:
         print("\n| kernel and shape | median time | achieved |\n|---|---|---|")
         print("\n".join(attention_fp8_kv(copy_bw, rates)))
         return
-    rows = [
-        normed_projection(name, n, k, fp8_weights, args.sweep_norm_fusion)
-        for fp8_weights in ((True,) if args.fp8_only else (False, True))
-        for name, n, k in NORMED_PROJECTIONS
-    ]
-    if args.norm_fusion_only:
-        print("\n| kernel and shape | median time | against | |\n|---|---|---|---|")
-        print("\n".join(rows))
-        return
     if args.sweep_fp8:
         for name, n, k in FP8_PROJECTIONS:
             sweep_fp8_gemv(name, n, k, copy_bw)
+    rows = []
     if not args.fp8_only:
         rows += [
             decode(copy_bw),

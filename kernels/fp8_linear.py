@@ -4,8 +4,7 @@ channel).
 By batch size:
 - one row (batch-1 decode): weight-only, `kernels.linear`'s weight-streaming GEMV reading the
   FP8 bytes (half the bfloat16 weight's) and multiplying them on the CUDA cores with x as it
-  is, in its own dtype (or as the GEMV derives it: act(gate)·up, or the row's RMSNorm,
-  `rms_norm_linear`). On the CUDA cores a quantized x would save nothing and cost a launch
+  is, in its own dtype. On the CUDA cores a quantized x would save nothing and cost a launch
   (and a rounding) per projection, so the row is not quantized: the result is the dequantized
   weight's exact product, closer to the unquantized model than W8A8's.
 - more rows, W8A8, two launches:
@@ -35,8 +34,8 @@ from kernels.activation import gated_product, gelu_tanh_and_mul
 from kernels.errors import KernelInputError
 from kernels.fp8 import FP8_DTYPE, FP8_MAX, MIN_AMAX
 from kernels.launch_checks import FLOAT_DTYPES, check_devices
-from kernels.linear import MAX_ROWS, config_for, gemv, validate_norm_of_one_row
-from kernels.ops import Fp8Weight, PreNorm
+from kernels.linear import MAX_ROWS, config_for, gemv
+from kernels.ops import Fp8Weight
 
 # Triton reads module globals only as constexprs.
 _FP8_MAX_C = tl.constexpr(FP8_MAX)
@@ -215,16 +214,6 @@ def gelu_tanh_mul_linear(x: torch.Tensor, weight: Fp8Weight) -> torch.Tensor:
     return linear(gelu_tanh_and_mul(x), weight)
 
 
-def rms_norm_linear(
-    x: torch.Tensor, norm: PreNorm, weight: Fp8Weight, bias: torch.Tensor | None = None
-) -> torch.Tensor:
-    """`kernels.linear.rms_norm_linear` with an FP8 weight: one row x: [1, K], un-normed, weight
-    only (the normed row in its dtype times the FP8 weight, as `linear`'s one row) -> [1, N]."""
-    _validate(x, weight, bias, in_features=weight.weight.shape[-1])
-    validate_norm_of_one_row(x, norm, weight.weight.shape[0])
-    return _one_row(x, weight, bias, activation="", norm=norm)
-
-
 def project(
     xq: torch.Tensor,
     x_scale: torch.Tensor,
@@ -255,15 +244,9 @@ def project(
 
 
 def _one_row(
-    x: torch.Tensor,
-    weight: Fp8Weight,
-    bias: torch.Tensor | None,
-    *,
-    activation: str,
-    norm: PreNorm | None = None,
+    x: torch.Tensor, weight: Fp8Weight, bias: torch.Tensor | None, *, activation: str
 ) -> torch.Tensor:
-    """Weight-only: x (act(gate)·up of x = [gate | up], or `norm`'s RMSNorm of x) in its dtype
-    times the FP8 weight."""
+    """Weight-only: x (or act(gate)·up of x = [gate | up]) in its dtype times the FP8 weight."""
     n, k = weight.weight.shape
     out = torch.empty((1, n), dtype=x.dtype, device=x.device)
     if n == 0:
@@ -272,14 +255,7 @@ def _one_row(
         return out.copy_(bias[None, :]) if bias is not None else out.zero_()
     config = config_for(n, k, 1, weight.weight.element_size())
     return gemv(
-        x,
-        weight.weight,
-        bias,
-        out,
-        activation=activation,
-        config=config,
-        scale=weight.scale,
-        norm=norm,
+        x, weight.weight, bias, out, activation=activation, config=config, scale=weight.scale
     )
 
 

@@ -14,16 +14,11 @@ for that. Each program owns a few output features and streams their weight rows 
 
 The down projection of one row can take the fused gate/up output and apply SiLU(gate)·up or
 GELU-tanh(gate)·up while loading it (`silu_mul_linear`, `gelu_tanh_mul_linear`), which saves
-the activation kernel and its output's round trip through memory. A projection of one row
-that follows a norm (qkv, gate/up) can likewise take the un-normed row and norm it itself
-(`rms_norm_linear`): every program sums the squares of residual + x over the whole row first
-(the row is a few KiB, read from L2), then multiplies the normed row as it loads it, and
-program 0 writes the new residual to a buffer of its own; the norm's kernel is saved. Semantics
-are those of `kernels.reference.linear` / `silu_mul_linear` / `gelu_tanh_mul_linear` /
-`rms_norm_linear`: float32 accumulation, the gated product and the normed row rounded where
-the reference rounds them, bias added in float32, one final rounding to x's dtype. Batches of
-more than `MAX_ROWS` rows are the matmul library's job, and `kernels.triton_ops` routes them
-there.
+the activation kernel and its output's round trip through memory. Semantics are those of
+`kernels.reference.linear` / `silu_mul_linear` / `gelu_tanh_mul_linear`: float32 accumulation,
+the gated product rounded where the reference rounds it, bias added in float32, one final
+rounding to x's dtype. Batches of more than `MAX_ROWS` rows are the matmul library's
+job, and `kernels.triton_ops` routes them there.
 """
 
 from __future__ import annotations
@@ -37,9 +32,7 @@ import triton.language as tl
 from kernels.activation import ACTIVATIONS, gated_product
 from kernels.errors import KernelInputError
 from kernels.launch_checks import FLOAT_DTYPES, check_devices, triton_interprets
-from kernels.ops import PreNorm
 from kernels.pdl import launch_options, wait_for_previous
-from kernels.rmsnorm import residual_sum, scaled_normed, scales_in_float32, validate_pre_norm
 
 # x rows are padded to one tensor-core tile; more rows than this go to cuBLAS.
 MAX_ROWS = 16
@@ -105,68 +98,9 @@ def config_for(n: int, k: int, rows: int, itemsize: int) -> LinearConfig:
 
 
 @triton.jit
-def _pre_norm_row(x_ptr, offs_k, x_mask, residual_ptr, ADD_RESIDUAL: tl.constexpr):
-    """A tile of the row a pre-norm norms: x, or residual + x (`kernels.rmsnorm.residual_sum`)."""
-    x = tl.load(x_ptr + offs_k, mask=x_mask, other=0.0)
-    if ADD_RESIDUAL:
-        x = residual_sum(x, tl.load(residual_ptr + offs_k, mask=x_mask, other=0.0))
-    return x
-
-
-@triton.jit
-def _pre_norm_rstd(
-    x_ptr,
-    residual_ptr,
-    residual_out_ptr,
-    k,
-    eps,
-    NORM: tl.constexpr,
-    ADD_RESIDUAL: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-):
-    """With a NORM, 1 / RMS of the row it norms (0 without): a pass over the whole row (K
-    elements, a few KiB from L2) in every program, while its first weight tile, requested
-    before, streams. Program 0 also writes residual + x to residual_out on the way, the only
-    program that does. In tiles of BLOCK_K, as the main loop: a tile of the whole row would
-    hold it in registers (76 registers a thread against 40 at the 8B model's bf16 qkv tiles,
-    compiled for sm_90), and fewer programs per SM would stream weights."""
-    if not NORM:
-        return 0.0
-    num_written = tl.where(tl.program_id(0) == 0, k, 0)  # of the new residual's elements
-    squares = tl.zeros((BLOCK_K,), dtype=tl.float32)
-    for k0 in range(0, k, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        mask = offs_k < k
-        h = _pre_norm_row(x_ptr, offs_k, mask, residual_ptr, ADD_RESIDUAL)
-        if ADD_RESIDUAL:
-            tl.store(residual_out_ptr + offs_k, h, mask=offs_k < num_written)
-        h32 = h.to(tl.float32)
-        squares += h32 * h32  # masked lanes are 0
-    # As `kernels.rmsnorm` computes it (the sum in another order).
-    return tl.rsqrt(tl.sum(squares, axis=0) / k + eps)
-
-
-@triton.jit
-def _x_tile(
-    x_ptr,
-    offs_k,
-    x_mask,
-    k,
-    residual_ptr,
-    norm_w_ptr,
-    rstd,
-    ACTIVATION: tl.constexpr,
-    NORM: tl.constexpr,
-    ADD_RESIDUAL: tl.constexpr,
-    ROUND_NORMED: tl.constexpr,
-):
+def _x_tile(x_ptr, offs_k, x_mask, k, ACTIVATION: tl.constexpr):
     """A tile of the one row of x, in x's dtype; with an ACTIVATION, of act(gate) * up for
-    x = [gate | up] (`kernels.activation.gated_product`); with a NORM, of the normed row
-    (`kernels.rmsnorm.scaled_normed`, given the row's `rstd`)."""
-    if NORM:
-        h = _pre_norm_row(x_ptr, offs_k, x_mask, residual_ptr, ADD_RESIDUAL)
-        w = tl.load(norm_w_ptr + offs_k, mask=x_mask, other=0.0)
-        return scaled_normed(h, w, rstd, ROUND_NORMED).to(h.dtype)
+    x = [gate | up] (`kernels.activation.gated_product`)."""
     if ACTIVATION == "":
         return tl.load(x_ptr + offs_k, mask=x_mask, other=0.0)
     gate = tl.load(x_ptr + offs_k, mask=x_mask, other=0.0)
@@ -181,19 +115,12 @@ def _gemv_kernel(
     w_scale_ptr,
     b_ptr,
     out_ptr,
-    residual_ptr,
-    norm_w_ptr,
-    residual_out_ptr,
     n,
     k,
     w_row_stride,
-    eps,
     HAS_BIAS: tl.constexpr,
     ACTIVATION: tl.constexpr,  # "", or x is [1, 2k] = [gate | up]: multiply act(gate) * up
     SCALED: tl.constexpr,  # an FP8 weight: multiply each output by its channel's scale
-    NORM: tl.constexpr,  # x is un-normed: multiply RMSNorm(x) * norm weight
-    ADD_RESIDUAL: tl.constexpr,  # with NORM: of residual + x, written to residual_out
-    ROUND_NORMED: tl.constexpr,  # with NORM: as `kernels.rmsnorm`'s
     EVEN_K: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -203,8 +130,7 @@ def _gemv_kernel(
 
     The first weight tile is requested before x, the previous kernel's output, is waited for:
     launched as a programmatic dependent (Hopper), the weights start streaming while the
-    previous kernel's last programs finish (and, with a NORM, while this program sums the
-    row's squares).
+    previous kernel's last programs finish.
     """
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < n
@@ -214,19 +140,14 @@ def _gemv_kernel(
     w_mask = n_mask[:, None] if EVEN_K else n_mask[:, None] & x_mask[None, :]
     w = tl.load(w_rows + offs_k[None, :], mask=w_mask, other=0.0)
     wait_for_previous(PDL)
-    rstd = _pre_norm_rstd(
-        x_ptr, residual_ptr, residual_out_ptr, k, eps, NORM, ADD_RESIDUAL, BLOCK_K
-    )
-    x = _x_tile(x_ptr, offs_k, x_mask, k, residual_ptr, norm_w_ptr, rstd, ACTIVATION, NORM,
-                ADD_RESIDUAL, ROUND_NORMED)  # fmt: skip
+    x = _x_tile(x_ptr, offs_k, x_mask, k, ACTIVATION)
     acc = w.to(tl.float32) * x.to(tl.float32)[None, :]
     for k0 in range(BLOCK_K, k, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         x_mask = offs_k < k
         w_mask = n_mask[:, None] if EVEN_K else n_mask[:, None] & x_mask[None, :]
         w = tl.load(w_rows + offs_k[None, :], mask=w_mask, other=0.0)
-        x = _x_tile(x_ptr, offs_k, x_mask, k, residual_ptr, norm_w_ptr, rstd, ACTIVATION,
-                    NORM, ADD_RESIDUAL, ROUND_NORMED)  # fmt: skip
+        x = _x_tile(x_ptr, offs_k, x_mask, k, ACTIVATION)
         acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
     y = tl.sum(acc, axis=1)
     if SCALED:
@@ -366,40 +287,6 @@ def gated_linear(
     return gemv(x, weight, None, out, activation=activation, config=config)
 
 
-def rms_norm_linear(
-    x: torch.Tensor,
-    norm: PreNorm,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None = None,
-    *,
-    config: LinearConfig | None = None,
-) -> torch.Tensor:
-    """`linear` of `norm`'s RMSNorm of one row x, in one launch: x: [1, K] un-normed (the
-    residual's [1, K] added first, and the sum written to `norm.residual_out`), weight: [N, K],
-    bias: [N] or None -> [1, N] in x's dtype. Each program computes the row's statistics
-    itself, so the norm needs no kernel of its own (the batch-1 decode's qkv and gate/up
-    projections). (Several rows: the norm's kernel, then `linear`.)"""
-    in_features = weight.shape[1] if weight.dim() == 2 else -1
-    _validate(x, weight, bias, in_features=in_features, tensor_cores=False)
-    validate_norm_of_one_row(x, norm, weight.shape[0])
-    n, k = weight.shape
-    config = config or config_for(n, k, 1, weight.element_size())
-    if not config.fma:
-        raise KernelInputError("a normed projection runs on the CUDA cores: give an fma config")
-    out = torch.empty((1, n), dtype=x.dtype, device=x.device)
-    return gemv(x, weight, bias, out, activation="", config=config, norm=norm)
-
-
-def validate_norm_of_one_row(x: torch.Tensor, norm: PreNorm, n: int) -> None:
-    """A one-row projection's pre-norm (`kernels.rmsnorm.validate_pre_norm`), with at least one
-    output feature (its programs write the new residual)."""
-    if x.shape[0] != 1:
-        raise KernelInputError(f"a normed projection takes one row of x, got {x.shape[0]}")
-    if n == 0:
-        raise KernelInputError("a normed projection needs at least one output feature")
-    validate_pre_norm(x, norm)
-
-
 def gemv(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -409,33 +296,22 @@ def gemv(
     activation: str,
     config: LinearConfig,
     scale: torch.Tensor | None = None,
-    norm: PreNorm | None = None,
 ) -> torch.Tensor:
     """The one-row launch, inputs already checked: out[0] = x[0] @ weight.T (* scale) (+ bias).
-    `scale`: [N] float32 per output channel, for an FP8 weight (`kernels.fp8_linear`); `norm`:
-    x is un-normed, and this RMSNorm of it is what is multiplied (`rms_norm_linear`)."""
+    `scale`: [N] float32 per output channel, for an FP8 weight (`kernels.fp8_linear`)."""
     n, k = weight.shape
-    residual = norm.residual if norm is not None else None
-    residual_out = norm.residual_out if norm is not None else None
     _gemv_kernel[(triton.cdiv(n, config.block_n),)](
         x,
         weight,
         scale if scale is not None else weight,  # never read without SCALED
         bias if bias is not None else weight,  # never read without HAS_BIAS
         out,
-        residual if residual is not None else x,  # never read without ADD_RESIDUAL
-        norm.weight if norm is not None else x,  # never read without NORM
-        residual_out if residual_out is not None else x,  # never written without ADD_RESIDUAL
         n,
         k,
         weight.stride(0),
-        float(norm.eps) if norm is not None else 0.0,
         HAS_BIAS=bias is not None,
         ACTIVATION=activation,
         SCALED=scale is not None,
-        NORM=norm is not None,
-        ADD_RESIDUAL=residual is not None,
-        ROUND_NORMED=norm is not None and not scales_in_float32(x, norm.weight),
         EVEN_K=k % config.block_k == 0,
         BLOCK_N=config.block_n,
         BLOCK_K=config.block_k,
@@ -447,15 +323,8 @@ def gemv(
 
 
 def _validate(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    *,
-    in_features: int,
-    tensor_cores: bool = True,
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, *, in_features: int
 ) -> None:
-    """`tensor_cores`: x may reach `_skinny_linear_kernel`'s tl.dot (the interpreter refuses
-    bfloat16 there)."""
     named = {"x": x, "weight": weight} if bias is None else {"x": x, "weight": weight, "bias": bias}
     for name, tensor in named.items():
         if not isinstance(tensor, torch.Tensor):
@@ -474,7 +343,7 @@ def _validate(
         )
     if x.dtype not in FLOAT_DTYPES:
         raise KernelInputError(f"x dtype {x.dtype} is not one of float16, bfloat16, float32")
-    if tensor_cores and x.dtype == torch.bfloat16 and triton_interprets():
+    if x.dtype == torch.bfloat16 and triton_interprets():
         # Triton's interpreter multiplies bfloat16 tl.dot operands as raw integers; fail closed.
         raise KernelInputError("bfloat16 is not supported under TRITON_INTERPRET=1; use fp16/fp32")
     for name, tensor in named.items():

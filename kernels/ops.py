@@ -192,40 +192,12 @@ class Fp8Weight:
     input_scale: torch.Tensor | None = None
 
 
-@dataclass(frozen=True, slots=True)
-class PreNorm:
-    """The RMSNorm a projection applies to its input x before projecting it
-    (`KernelOps.rms_norm_linear`): of `residual + x` when a residual is given, else of x, scaled
-    by `weight` as `KernelOps.rms_norm` scales.
-
-    weight: [H]; residual, residual_out: [T, H] in x's dtype, both given or neither. The sum
-    `residual + x` (the next residual) is written to `residual_out`, never in place: in one
-    launch every program of the projection reads the old residual.
-    """
-
-    weight: torch.Tensor
-    eps: float
-    residual: torch.Tensor | None = None
-    residual_out: torch.Tensor | None = None
-
-
 class KernelOps(Protocol):
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor: ...
 
     def add_rms_norm(
         self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
     ) -> tuple[torch.Tensor, torch.Tensor]: ...
-
-    def rms_norm_linear(
-        self,
-        x: torch.Tensor,
-        norm: PreNorm,
-        weight: torch.Tensor | Fp8Weight,
-        bias: torch.Tensor | None,
-    ) -> torch.Tensor:
-        """`linear` of `norm`'s RMSNorm of x: [T, K] -> [T, N], writing the new residual to
-        `norm.residual_out`."""
-        ...
 
     def rotary_embedding(
         self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor

@@ -17,7 +17,6 @@ from kernels.ops import (
     AttentionMetadata,
     ClampedSwiglu,
     Fp8Weight,
-    PreNorm,
     RecurrentStateMetadata,
     Router,
 )
@@ -49,18 +48,6 @@ def add_rms_norm(
     """`residual + x`, then RMSNorm of the sum. Returns (normed, new residual)."""
     residual = residual + x
     return rms_norm(residual, weight, eps), residual
-
-
-def rms_norm_linear(
-    x: torch.Tensor, norm: PreNorm, weight: torch.Tensor | Fp8Weight, bias: torch.Tensor | None
-) -> torch.Tensor:
-    """`linear` of `norm`'s RMSNorm of x (of `norm.residual + x`, which is written to
-    `norm.residual_out`). x: [T, K] -> [T, N]."""
-    if norm.residual is None or norm.residual_out is None:
-        return linear(rms_norm(x, norm.weight, norm.eps), weight, bias)
-    normed, residual = add_rms_norm(x, norm.residual, norm.weight, norm.eps)
-    norm.residual_out.copy_(residual)
-    return linear(normed, weight, bias)
 
 
 def rotary_embedding(

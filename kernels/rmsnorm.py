@@ -22,7 +22,6 @@ from triton.language.extra.cuda import gdc_launch_dependents
 
 from kernels.errors import KernelInputError
 from kernels.launch_checks import FLOAT_DTYPES, check_devices
-from kernels.ops import PreNorm
 from kernels.pdl import programmatic_launch
 
 # A whole row lives in one program's registers; 16 warps hold 32768 floats without spilling much.
@@ -38,27 +37,12 @@ def _store_normed(
     x32 = x.to(tl.float32)
     # Masked lanes are 0, so the sum covers exactly the H real elements.
     rstd = tl.rsqrt(tl.sum(x32 * x32, axis=0) / HIDDEN + eps)
-    w = tl.load(weight_ptr + cols, mask=mask, other=0.0)
-    y = scaled_normed(x, w, rstd, ROUND_NORMED)
-    tl.store(out_row, y.to(out_row.dtype.element_ty), mask=mask)
-
-
-@triton.jit
-def scaled_normed(x, w, rstd, ROUND_NORMED: tl.constexpr):
-    """x * rstd * w in float32, for x in its dtype, the row's `rstd` and the weight's values w:
-    rounded where the reference rounds. Also the input tile of a projection that norms its own
-    input (`kernels.linear.rms_norm_linear`)."""
-    normed = x.to(tl.float32) * rstd
+    w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    normed = x32 * rstd
     if ROUND_NORMED:  # exactly where the reference rounds
         normed = normed.to(x.dtype).to(tl.float32)
-    return normed * w.to(tl.float32)
-
-
-@triton.jit
-def residual_sum(x, residual):
-    """residual + x in x's dtype, one rounding of the exact float32 sum (the reference's
-    `residual + x`): the new residual, and the row that is normed."""
-    return (residual.to(tl.float32) + x.to(tl.float32)).to(x.dtype)
+    y = normed * w
+    tl.store(out_row, y.to(out_row.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -109,7 +93,7 @@ def _add_rms_norm_kernel(
     r = tl.load(residual_row, mask=mask, other=0.0)
     # The new residual is rounded to the activation dtype (as the reference's `residual + x` is)
     # and the norm is taken of that rounded sum, so both outputs match the reference.
-    total = residual_sum(x, r)
+    total = (r.to(tl.float32) + x.to(tl.float32)).to(x.dtype)
     tl.store(residual_row, total, mask=mask)
     out_row = out_ptr + row * out_row_stride + cols
     _store_normed(total, weight_ptr, out_row, cols, mask, eps, HIDDEN, ROUND_NORMED)
@@ -121,12 +105,12 @@ def rms_norm(
     """RMSNorm of each row of x, scaled by weight.
 
     x: [T, H] with unit column stride (any row stride); weight: [H] contiguous;
-    out (optional): [T, H] with unit column stride, of the reference's dtype (`normed_dtype`).
+    out (optional): [T, H] with unit column stride, of the reference's dtype (`_out_dtype`).
     Returns out, allocated when not given.
     Raises `KernelInputError` for any shape, dtype, device or layout it cannot handle.
     """
     _validate_rows({"x": x}, weight, eps)
-    out_dtype = normed_dtype(x, weight)
+    out_dtype = _out_dtype(x, weight)
     if out is None:
         out = torch.empty(x.shape, dtype=out_dtype, device=x.device)
     else:
@@ -144,7 +128,7 @@ def rms_norm(
         float(eps),
         HIDDEN=hidden,
         BLOCK=block,
-        ROUND_NORMED=not scales_in_float32(x, weight),
+        ROUND_NORMED=not _scales_in_float32(x, weight),
         LAUNCH_DEPENDENTS=programmatic_launch(x.device),
         num_warps=num_warps,
     )
@@ -161,11 +145,11 @@ def add_rms_norm(
     fresh tensor instead, with the same values).
 
     x, residual: [T, H], same dtype, unit column stride (any row stride); weight: [H]
-    contiguous. normed is a new [T, H] tensor of the reference's dtype (`normed_dtype`).
+    contiguous. normed is a new [T, H] tensor of the reference's dtype (`_out_dtype`).
     Raises `KernelInputError` for any shape, dtype, device or layout it cannot handle.
     """
     _validate_rows({"x": x, "residual": residual}, weight, eps)
-    out_dtype = normed_dtype(x, weight)
+    out_dtype = _out_dtype(x, weight)
     out = torch.empty(x.shape, dtype=out_dtype, device=x.device)
     num_tokens, hidden = x.shape
     if num_tokens == 0:
@@ -182,41 +166,23 @@ def add_rms_norm(
         float(eps),
         HIDDEN=hidden,
         BLOCK=block,
-        ROUND_NORMED=not scales_in_float32(x, weight),
+        ROUND_NORMED=not _scales_in_float32(x, weight),
         LAUNCH_DEPENDENTS=programmatic_launch(x.device),
         num_warps=num_warps,
     )
     return out, residual
 
 
-def validate_pre_norm(x: torch.Tensor, norm: PreNorm) -> None:
-    """Check a `PreNorm` of the rows x: its weight and eps as `rms_norm` takes them, a residual
-    and a separate residual_out of x's shape and dtype, and a normed row in x's own dtype (what
-    the projection after it multiplies). Raises `KernelInputError`."""
-    if (norm.residual is None) != (norm.residual_out is None):
-        raise KernelInputError("a pre-norm's residual and residual_out come together")
-    rows = {"x": x}
-    if norm.residual is not None and norm.residual_out is not None:
-        rows |= {"residual": norm.residual, "residual_out": norm.residual_out}
-        if norm.residual_out.data_ptr() == norm.residual.data_ptr():
-            raise KernelInputError("residual_out must not be the residual: it is read throughout")
-    _validate_rows(rows, norm.weight, norm.eps)
-    if normed_dtype(x, norm.weight) != x.dtype:
-        raise KernelInputError(
-            f"x of {x.dtype} normed by a {norm.weight.dtype} weight is not of x's dtype"
-        )
-
-
-def scales_in_float32(x: torch.Tensor, weight: torch.Tensor) -> bool:
+def _scales_in_float32(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """A float32 weight of a narrower x (Gemma's and Qwen3.5's `1 + w`): the normed row is
     scaled in float32 and rounded once, to x's dtype."""
     return weight.dtype == torch.float32 and x.dtype != torch.float32
 
 
-def normed_dtype(x: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
+def _out_dtype(x: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
     """The reference's: x's dtype when scaled in float32, else `promote_types` of the two (the
     dtype of `weight * normed`)."""
-    if scales_in_float32(x, weight):
+    if _scales_in_float32(x, weight):
         return x.dtype
     return torch.promote_types(x.dtype, weight.dtype)
 

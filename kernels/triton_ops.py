@@ -7,8 +7,7 @@ runs its leading decode rows through the decode kernel and the rest through the 
 in the prefill kernel a decode row fills only Hq / Hkv rows of a 128-row tile, so its context
 would cost the tensor cores 128 / (Hq / Hkv) times the work for the same bytes read.
 Projections of decode-sized batches (at most `kernels.linear.MAX_ROWS` rows) stream their
-weights through Inferno's skinny-matmul kernel; larger ones are cuBLAS matmuls. A projection of
-one row can norm its own input (`rms_norm_linear`), which saves the norm's kernel. FP8 weights
+weights through Inferno's skinny-matmul kernel; larger ones are cuBLAS matmuls. FP8 weights
 (`kernels.ops.Fp8Weight`) take `kernels.fp8_linear`'s W8A8 path, which routes the same way.
 A mixture of experts is routed by one kernel (`kernels.moe_routing`: each token's top k
 experts and their weights from the router's logits), and its experts run as `kernels.moe`'s two
@@ -32,7 +31,7 @@ from kernels.gated_delta_rule import gated_delta_rule
 from kernels.kv_cache_write import write_kv_cache
 from kernels.moe import fused_moe
 from kernels.moe_routing import route_experts
-from kernels.ops import AttentionMetadata, Fp8Weight, PreNorm
+from kernels.ops import AttentionMetadata, Fp8Weight
 from kernels.prefill_attention import paged_prefill_attention
 from kernels.rmsnorm import add_rms_norm, rms_norm
 from kernels.rotary import rotary_embedding
@@ -46,7 +45,6 @@ __all__ = [
     "linear",
     "paged_attention",
     "rms_norm",
-    "rms_norm_linear",
     "rotary_embedding",
     "route_experts",
     "silu_mul_linear",
@@ -63,22 +61,6 @@ def linear(
     if x.shape[0] <= skinny.MAX_ROWS:
         return skinny.linear(x, weight, bias)
     return F.linear(x, weight, bias)
-
-
-def rms_norm_linear(
-    x: torch.Tensor, norm: PreNorm, weight: torch.Tensor | Fp8Weight, bias: torch.Tensor | None
-) -> torch.Tensor:
-    """The projection of `norm`'s RMSNorm of x; see `kernels.reference.rms_norm_linear`. One row
-    in one launch, the GEMV norming its own input; more rows: the norm's kernel, then `linear`."""
-    if x.shape[0] == 1:
-        if isinstance(weight, Fp8Weight):
-            return fp8_linear.rms_norm_linear(x, norm, weight, bias)
-        return skinny.rms_norm_linear(x, norm, weight, bias)
-    if norm.residual is None or norm.residual_out is None:
-        return linear(rms_norm(x, norm.weight, norm.eps), weight, bias)
-    # add_rms_norm adds in place: into residual_out, a copy, so the caller's residual stays.
-    normed, _ = add_rms_norm(x, norm.residual_out.copy_(norm.residual), norm.weight, norm.eps)
-    return linear(normed, weight, bias)
 
 
 def silu_mul_linear(x: torch.Tensor, weight: torch.Tensor | Fp8Weight) -> torch.Tensor:

@@ -120,8 +120,7 @@ def _warm_device(config: EngineConfig) -> None:
     device, dtype = config.torch_device, config.torch_dtype
     ops = config.kernel_ops()
     with torch.cuda.device(device):
-        # x: [1, hidden]: the variant of the first decoder layer's input norm in every prefill
-        # (the rows are the grid; a one-token step norms inside its qkv projection instead).
+        # x: [1, hidden]: the first decoder layer's input norm of a one-token step.
         x = torch.zeros(1, model.hidden_size, dtype=dtype, device=device)
         weight = torch.ones(model.hidden_size, dtype=dtype, device=device)
         ops.rms_norm(x, weight, model.rms_norm_eps)

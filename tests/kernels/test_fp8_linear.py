@@ -24,8 +24,7 @@ import torch
 from kernels import fp8, fp8_linear, reference, triton_ops
 from kernels.activation import gelu_tanh_and_mul
 from kernels.errors import KernelInputError
-from kernels.ops import Fp8Weight, PreNorm
-from kernels.rmsnorm import add_rms_norm
+from kernels.ops import Fp8Weight
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # Both sides sum the same exact FP8 products in float32 in different orders, then round once.
@@ -102,44 +101,6 @@ def test_one_row_down_projection_applies_the_activation_to_x_unquantized(ours, a
     out = ours(gate_up, weight)
     expected = _weight_only_product(activation(gate_up), weight, None)
     torch.testing.assert_close(out, expected, **TOLERANCE[torch.float32])
-
-
-def _norm_case(k: int, dtype: torch.dtype, seed: int) -> tuple[torch.Tensor, PreNorm]:
-    """An un-normed row x and a pre-norm of residual + x (its residual_out all NaN)."""
-    generator = torch.Generator(DEVICE).manual_seed(seed)
-    x = torch.randn(1, k, device=DEVICE, generator=generator).to(dtype)
-    residual = (torch.randn(1, k, device=DEVICE, generator=generator) * 3).to(dtype)
-    norm_weight = (torch.rand(k, device=DEVICE, generator=generator) + 0.5).to(dtype)
-    return x, PreNorm(norm_weight, 1e-5, residual, torch.full_like(residual, float("nan")))
-
-
-@pytest.mark.parametrize(("k", "dtype"), [(64, torch.float32), (50, torch.float16)])
-def test_one_row_norming_its_own_input_multiplies_the_fp8_weight_by_the_normed_row(k, dtype):
-    x, norm = _norm_case(k, dtype, seed=k)
-    weight, b = _weight(24, k, DEVICE, seed=k), torch.randn(24, device=DEVICE).to(dtype)
-    residual_before = norm.residual.clone()
-
-    out = fp8_linear.rms_norm_linear(x, norm, weight, b)
-
-    normed, new_residual = add_rms_norm(x, residual_before.clone(), norm.weight, norm.eps)
-    torch.testing.assert_close(out, _weight_only_product(normed, weight, b), **TOLERANCE[dtype])
-    assert torch.equal(norm.residual_out, new_residual)
-    assert torch.equal(norm.residual, residual_before)
-    assert torch.equal(triton_ops.rms_norm_linear(x, norm, weight, b), out)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize(("n", "k"), LLAMA_8B[:2])  # qkv, gate/up
-def test_fp8_projections_norming_their_own_input_match_the_unfused_kernels_on_the_gpu(n, k):
-    x, norm = _norm_case(k, torch.bfloat16, seed=n)
-    weight = _weight(n, k, DEVICE, seed=n)
-    out = triton_ops.rms_norm_linear(x, norm, weight, None)
-    assert norm.residual is not None
-    normed, new_residual = add_rms_norm(x, norm.residual.clone(), norm.weight, norm.eps)
-    assert torch.equal(norm.residual_out, new_residual)
-    torch.testing.assert_close(
-        out, triton_ops.linear(normed, weight, None), **TOLERANCE[torch.bfloat16]
-    )
 
 
 @pytest.mark.gpu  # the quantization kernel's float8 conversion (module docstring)
@@ -303,28 +264,20 @@ from kernels import fp8_linear as k, linear
 common = {"x_scale_ptr": "*fp32", "w_ptr": "*fp8e4nv", "w_scale_ptr": "*fp32", "b_ptr": "*bf16",
           "out_ptr": "*bf16", "HAS_BIAS": "constexpr", "EVEN_K": "constexpr",
           "BLOCK_N": "constexpr", "BLOCK_K": "constexpr"}
-gemv_signature = {
-    "x_ptr": "*bf16", "w_ptr": "*fp8e4nv", "w_scale_ptr": "*fp32", "b_ptr": "*bf16",
-    "out_ptr": "*bf16", "residual_ptr": "*bf16", "norm_w_ptr": "*bf16",
-    "residual_out_ptr": "*bf16", "n": "i32", "k": "i32", "w_row_stride": "i32", "eps": "fp32",
-    "HAS_BIAS": "constexpr", "ACTIVATION": "constexpr", "SCALED": "constexpr",
-    "NORM": "constexpr", "ADD_RESIDUAL": "constexpr", "ROUND_NORMED": "constexpr",
-    "EVEN_K": "constexpr", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr", "PDL": "constexpr"}
 kernels = [
     (k._quantize_rows_kernel,
      {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "scale_ptr": "*fp32", "static_scale_ptr": "*fp32",
       "k": "i32", "x_row_stride": "i32", "q_row_stride": "i32", "SILU_MUL": "constexpr",
       "STATIC": "constexpr", "BLOCK_K": "constexpr"},
      {"SILU_MUL": True, "STATIC": False, "BLOCK_K": 4096}),
-    (linear._gemv_kernel, gemv_signature,
-     {"HAS_BIAS": True, "ACTIVATION": "gelu_tanh", "SCALED": True, "NORM": False,
-      "ADD_RESIDUAL": False, "ROUND_NORMED": False, "EVEN_K": False, "BLOCK_N": 4,
-      "BLOCK_K": 2048, "PDL": True}),
-    # The qkv projection norming its own input, of residual + x, with Gemma's float32 `1 + w`.
-    (linear._gemv_kernel, {**gemv_signature, "norm_w_ptr": "*fp32"},
-     {"HAS_BIAS": False, "ACTIVATION": "", "SCALED": True, "NORM": True,
-      "ADD_RESIDUAL": True, "ROUND_NORMED": False, "EVEN_K": True, "BLOCK_N": 2,
-      "BLOCK_K": 2048, "PDL": True}),
+    (linear._gemv_kernel,
+     {"x_ptr": "*bf16", "w_ptr": "*fp8e4nv", "w_scale_ptr": "*fp32", "b_ptr": "*bf16",
+      "out_ptr": "*bf16", "n": "i32", "k": "i32", "w_row_stride": "i32",
+      "HAS_BIAS": "constexpr", "ACTIVATION": "constexpr", "SCALED": "constexpr",
+      "EVEN_K": "constexpr", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr",
+      "PDL": "constexpr"},
+     {"HAS_BIAS": True, "ACTIVATION": "gelu_tanh", "SCALED": True, "EVEN_K": False,
+      "BLOCK_N": 4, "BLOCK_K": 2048, "PDL": True}),
     (k._fp8_skinny_kernel,
      {"xq_ptr": "*fp8e4nv", **common, "rows": "i32", "n": "i32", "k": "i32",
       "x_row_stride": "i32", "w_row_stride": "i32", "out_row_stride": "i32",

@@ -19,7 +19,7 @@ from appliance.engine.models.linear_attention import GatedDeltaNet
 from appliance.engine.models.recurrent_state import LinearAttentionConfig, RecurrentState
 from appliance.engine.models.rotary import cos_sin_table
 from appliance.engine.models.sparse_moe import SparseMoeBlock, is_sparse_layer
-from kernels.ops import AttentionMetadata, KernelOps, PreNorm, RecurrentStateMetadata
+from kernels.ops import AttentionMetadata, KernelOps, RecurrentStateMetadata
 
 
 class DecoderLayer(nn.Module):
@@ -71,9 +71,6 @@ class DecoderLayer(nn.Module):
             self.per_layer_projection = nn.Linear(size, hidden, bias=False)
             self.post_per_layer_input_norm = RMSNorm(hidden, eps)
         self.layer_scalar = nn.Parameter(torch.empty(1)) if config.layer_scalars else None
-        # Whether a step of one row runs its pre-norms inside the projections after them
-        # (`_pre_norm`); off only to measure the difference (CausalLM.set_pre_norm_fusion).
-        self.fuse_pre_norms = True
 
     def forward(
         self,
@@ -113,57 +110,31 @@ class DecoderLayer(nn.Module):
         """Attention (or Gated DeltaNet) and MLP (or experts), each with its norms and residual
         add."""
         ops = self.ops
-        dense_mlp = isinstance(self.mlp, MLP)
-        h, pre_norm, residual = self._pre_norm(
-            x, residual, self.input_layernorm, fusable=self.self_attn is not None
-        )
+        norm = self.input_layernorm
+        if residual is None:
+            residual = x
+            h = ops.rms_norm(x, norm.weight, norm.eps)
+        else:
+            h, residual = ops.add_rms_norm(x, residual, norm.weight, norm.eps)
         if self.linear_attn is not None:
             assert isinstance(cache, RecurrentState) and state_meta is not None
             h = self.linear_attn(h, cache, state_meta)
         else:
             assert self.self_attn is not None and isinstance(cache, torch.Tensor)
-            h = self.self_attn(h, cos, sin, cache, meta, pre_norm)
+            h = self.self_attn(h, cos, sin, cache, meta)
         h = self._scaled(h)
         post, pre_ff = self.post_attention_layernorm, self.pre_feedforward_layernorm
         if pre_ff is None:
-            h, pre_norm, residual = self._pre_norm(h, residual, post, fusable=dense_mlp)
-            return self._scaled(self._mlp(h, pre_norm)), residual
+            h, residual = ops.add_rms_norm(h, residual, post.weight, post.eps)
+            return self._scaled(self.mlp(h)), residual
         h = ops.rms_norm(h, post.weight, post.eps)
-        h, pre_norm, residual = self._pre_norm(h, residual, pre_ff, fusable=dense_mlp)
+        h, residual = ops.add_rms_norm(h, residual, pre_ff.weight, pre_ff.eps)
         post_ff = self.post_feedforward_layernorm
         assert post_ff is not None, "sandwich norms come in pairs"
-        h = self._mlp(h, pre_norm)
+        h = self.mlp(h)
         if self.moe is not None:
             h = self._beside_experts(h, residual)
         return ops.rms_norm(h, post_ff.weight, post_ff.eps), residual
-
-    def _pre_norm(
-        self, x: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm, *, fusable: bool
-    ) -> tuple[torch.Tensor, PreNorm | None, torch.Tensor]:
-        """A block's pre-norm of `residual + x` (None: of x): (the block's input, the norm its
-        first projection must still apply or None, the new residual).
-
-        The one place the norm's fusion is chosen: a step of one row (batch-1 decode) entering
-        a block whose first projection can norm its own input (`fusable`: attention's qkv, a
-        dense MLP's gate/up) leaves the norm to that projection (`KernelOps.rms_norm_linear`),
-        which saves the norm's kernel; the new residual then goes to a buffer of its own.
-        Anything else (more rows, linear attention, experts in the MLP's place) runs the norm's
-        kernel here."""
-        if fusable and self.fuse_pre_norms and x.shape[0] == 1:
-            if residual is None:
-                return x, PreNorm(norm.weight, norm.eps), x
-            residual_out = torch.empty_like(residual)
-            return x, PreNorm(norm.weight, norm.eps, residual, residual_out), residual_out
-        if residual is None:
-            return self.ops.rms_norm(x, norm.weight, norm.eps), None, x
-        h, residual = self.ops.add_rms_norm(x, residual, norm.weight, norm.eps)
-        return h, None, residual
-
-    def _mlp(self, x: torch.Tensor, pre_norm: PreNorm | None) -> torch.Tensor:
-        """The MLP (or experts) of x, with the pre-norm `_pre_norm` left to it."""
-        if pre_norm is None:
-            return self.mlp(x)
-        return self.mlp(x, pre_norm)  # a dense MLP: `_pre_norm` fuses for no other
 
     def _beside_experts(self, mlp_out: torch.Tensor, stream: torch.Tensor) -> torch.Tensor:
         """Gemma 4: the MLP's output and the experts' (their router scoring the un-normed
@@ -291,13 +262,6 @@ class CausalLM(nn.Module):
                 owner.v_scale = torch.ones(1, device=device)
             else:  # an earlier layer, whose scales are set already
                 layer.self_attn.k_scale, layer.self_attn.v_scale = owner.k_scale, owner.v_scale
-
-    def set_pre_norm_fusion(self, enabled: bool) -> None:
-        """Whether a step of one row runs its pre-norms inside the projections after them (on
-        unless turned off here, in this process's layers: a benchmark compares the two).
-        Decode graphs captured before keep the way they were captured."""
-        for layer in self.layers:
-            layer.fuse_pre_norms = enabled
 
     def init_rope_tables(self, max_len: int) -> None:
         device = self.embed_tokens.weight.device

@@ -5,8 +5,6 @@ projection, norm and attention call (and so every read and write of the paged KV
 through the kernel ops the layer was given. Projections are fused: one `qkv_proj` ([q; k; v]
 rows) and one `gate_up_proj` ([gate; up] rows), so a layer issues two large matmuls, not five.
 A projection may be FP8 (`models.projections`): the kernel ops take its weight either way.
-Attention and the MLP can take their input un-normed, with the `PreNorm` their first projection
-applies to it (`KernelOps.rms_norm_linear`); the decoder layer chooses (`models.decoder`).
 """
 
 from __future__ import annotations
@@ -16,7 +14,7 @@ from torch import nn
 
 from appliance.engine.models.config import ModelConfig
 from appliance.engine.models.projections import projection_weight
-from kernels.ops import AttentionMetadata, Fp8Weight, KernelOps, PreNorm
+from kernels.ops import AttentionMetadata, KernelOps
 
 
 class RMSNorm(nn.Module):
@@ -26,19 +24,6 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(hidden_size))
         self.eps = eps
-
-
-def project_input(
-    ops: KernelOps,
-    x: torch.Tensor,
-    pre_norm: PreNorm | None,
-    weight: torch.Tensor | Fp8Weight,
-    bias: torch.Tensor | None,
-) -> torch.Tensor:
-    """A block's first projection: of x, or with a `pre_norm`, of that norm of x."""
-    if pre_norm is None:
-        return ops.linear(x, weight, bias)
-    return ops.rms_norm_linear(x, pre_norm, weight, bias)
 
 
 class Attention(nn.Module):
@@ -105,14 +90,11 @@ class Attention(nn.Module):
         sin: torch.Tensor,
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
-        pre_norm: PreNorm | None = None,
     ) -> torch.Tensor:
-        """kv_cache: this layer's [2, blocks, block_size, Hkv, D], or the one it shares;
-        pre_norm: the norm x still needs, which the qkv projection applies."""
+        """kv_cache: this layer's [2, blocks, block_size, Hkv, D], or the one it shares."""
         num_tokens = x.shape[0]
         qkv_weight = projection_weight(self.qkv_proj)
-        # [T, (Hq+2Hkv) D]
-        qkv = project_input(self.ops, x, pre_norm, qkv_weight, self.qkv_proj.bias)
+        qkv = self.ops.linear(x, qkv_weight, self.qkv_proj.bias)  # [T, (Hq+2Hkv) D]
         q = qkv[:, : self.q_rows]
         gate = None
         if self.output_gate:
@@ -204,22 +186,18 @@ class MLP(nn.Module):
         self.gelu_tanh = config.activation == "gelu_tanh"
         self.chunk_tokens = chunk_tokens
 
-    def forward(self, x: torch.Tensor, pre_norm: PreNorm | None = None) -> torch.Tensor:
-        """pre_norm: the norm x still needs, which the gate/up projection applies (a decode
-        row's: never chunked)."""
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         num_tokens = x.shape[0]
         if num_tokens <= self.chunk_tokens:
-            return self._project(x, pre_norm)
-        assert pre_norm is None, "a pre-norm is left to the projection of a decode row only"
+            return self._project(x)
         out = x.new_empty(num_tokens, self.down_proj.out_features)  # [T, hidden]
         for start in range(0, num_tokens, self.chunk_tokens):
             rows = slice(start, start + self.chunk_tokens)
             out[rows] = self._project(x[rows])
         return out
 
-    def _project(self, x: torch.Tensor, pre_norm: PreNorm | None = None) -> torch.Tensor:
-        gate_up_weight = projection_weight(self.gate_up_proj)
-        gate_up = project_input(self.ops, x, pre_norm, gate_up_weight, None)  # [T, 2I]
+    def _project(self, x: torch.Tensor) -> torch.Tensor:
+        gate_up = self.ops.linear(x, projection_weight(self.gate_up_proj), None)  # [T, 2I]
         down = projection_weight(self.down_proj)
         if self.gelu_tanh:
             return self.ops.gelu_tanh_mul_linear(gate_up, down)

@@ -143,13 +143,6 @@ def test_decode_steps_match_one_process(engines) -> None:
     assert compare(engines, [prompt_ids(5), prompt_ids(9, offset=40)], params) == 8
 
 
-def test_batch_1_decode_steps_match_one_process(engines) -> None:
-    """One sequence: each decode step is one row, whose pre-norms each rank's share of the qkv
-    and gate/up projections applies to the replicated residual stream (models.decoder)."""
-    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=1)
-    assert compare(engines, [prompt_ids(5)], params) == 6
-
-
 def test_chunked_prefill_matches_one_process(engines) -> None:
     # 40 prompt tokens in steps of 16 tokens: three chunks, the last one beside a decode.
     params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, prompt_logprobs=1)
