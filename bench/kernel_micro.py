@@ -515,9 +515,11 @@ def sweep_fp8_gemv(name: str, n: int, k: int, copy_bw: float) -> None:
     out = torch.empty(1, n, dtype=DTYPE, device="cuda")
 
     def tiles(config: LinearConfig) -> Callable[[Fp8Weight], Callable[[], object]]:
+        activation = "silu" if fused else ""
         return lambda w: (
-            lambda: gemv(x, w.weight, None, out, silu_mul=fused, config=config, scale=w.scale)
-        )
+            lambda: gemv(x, w.weight, None, out, activation=activation, config=config,
+                         scale=w.scale)
+        )  # fmt: skip
 
     timed = []
     for config in FP8_FMA_SWEEP:
