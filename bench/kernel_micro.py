@@ -517,9 +517,10 @@ def sweep_fp8_gemv(name: str, n: int, k: int, copy_bw: float) -> None:
     def tiles(config: LinearConfig) -> Callable[[Fp8Weight], Callable[[], object]]:
         activation = "silu" if fused else ""
         return lambda w: (
-            lambda: gemv(x, w.weight, None, out, activation=activation, config=config,
-                         scale=w.scale)
-        )  # fmt: skip
+            lambda: gemv(
+                x, w.weight, None, out, activation=activation, config=config, scale=w.scale
+            )
+        )
 
     timed = []
     for config in FP8_FMA_SWEEP:

@@ -139,7 +139,7 @@ def bench_fp8(x, gate_up, down, weights, ids, args, copy_bw: float, bf16_ms: flo
 def sweep(x, gate_up, down, weights, ids, decode: bool) -> None:
     candidates: list[MoeTiles | GemvTiles] = [
         MoeTiles(*tiles)
-        for tiles in itertools.product((16, 32, 64), (64, 128), (64, 128), (4, 8), (3,))
+        for tiles in itertools.product((16, 32, 64, 128), (64, 128), (64, 128), (4, 8), (3,))
     ]
     if ids.numel() <= 4 * GEMV_MAX_PAIRS:  # the GEMV path, around where the table takes it
         candidates += [
