@@ -75,9 +75,14 @@ class MoeTiles:
 # tl.dot needs every tile dimension >= 16.
 DECODE_TILES = MoeTiles(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=4)
 PREFILL_TILES = MoeTiles(block_m=64, block_n=128, block_k=64, num_warps=8, num_stages=3)
+LONG_PREFILL_TILES = MoeTiles(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=3)
 # Above this many pairs per expert on average, an expert's blocks are full enough for the
-# prefill tiles.
+# prefill tiles; from the second, for 128-row ones. Measured on the H100 with Qwen3-30B-A3B's
+# experts (bench/moe_kernel.py --sweep, docs/BENCHMARKS.md): at 32 pairs per expert (512
+# tokens) the best 64-row tiles tie; at 128 and 512 (2,048 and 8,192 tokens) 128-row tiles are
+# 7% and 11% faster.
 _DECODE_PAIRS_PER_EXPERT = 16
+_LONG_PREFILL_PAIRS_PER_EXPERT = 128
 
 
 def tiles_for(num_tokens: int, top_k: int, num_experts: int) -> MoeTiles | GemvTiles:
@@ -86,7 +91,11 @@ def tiles_for(num_tokens: int, top_k: int, num_experts: int) -> MoeTiles | GemvT
     if num_pairs <= GEMV_MAX_PAIRS and num_pairs < num_experts:
         return GEMV_TILES
     pairs_per_expert = num_pairs / num_experts
-    return DECODE_TILES if pairs_per_expert <= _DECODE_PAIRS_PER_EXPERT else PREFILL_TILES
+    if pairs_per_expert <= _DECODE_PAIRS_PER_EXPERT:
+        return DECODE_TILES
+    return (
+        LONG_PREFILL_TILES if pairs_per_expert >= _LONG_PREFILL_PAIRS_PER_EXPERT else PREFILL_TILES
+    )
 
 
 def align_block_size(

@@ -18,6 +18,7 @@ from kernels import fp8, moe, reference
 from kernels.errors import KernelInputError
 from kernels.moe import (
     DECODE_TILES,
+    LONG_PREFILL_TILES,
     PREFILL_TILES,
     MoeTiles,
     align_block_size,
@@ -191,7 +192,8 @@ def test_the_table_takes_the_gemv_path_for_a_few_pairs_only():
     assert tiles_for(4, 8, 128) == GEMV_TILES
     assert isinstance(tiles_for(5, 8, 128), MoeTiles)  # 40 pairs: grouping pays
     assert isinstance(tiles_for(4, 2, 6), MoeTiles)  # more pairs than experts
-    assert tiles_for(4096, 8, 128) == PREFILL_TILES
+    assert tiles_for(512, 8, 128) == PREFILL_TILES  # 32 pairs per expert
+    assert tiles_for(2048, 8, 128) == LONG_PREFILL_TILES  # 128
 
 
 def test_no_tokens_give_an_empty_output():
@@ -227,7 +229,7 @@ def test_gpt_oss_experts_match_the_loop_at_gpt_oss_20b_shapes_on_the_gpu(num_tok
     x, gate_up, down, weights, ids = _inputs(num_tokens, 32, 4, 2880, 2880, torch.bfloat16)
     options = _gpt_oss_options(gate_up, down, limit=7.0)
     expected = reference.fused_moe(x, gate_up, down, weights, ids, **options)
-    for tiles in (None, GEMV_TILES, DECODE_TILES, PREFILL_TILES):
+    for tiles in (None, GEMV_TILES, DECODE_TILES, PREFILL_TILES, LONG_PREFILL_TILES):
         ours = fused_moe(x, gate_up, down, weights, ids, tiles, **options)
         torch.testing.assert_close(ours, expected, **TOLERANCE[torch.bfloat16])
 
@@ -238,7 +240,7 @@ def test_gpt_oss_experts_match_the_loop_at_gpt_oss_20b_shapes_on_the_gpu(num_tok
 def test_fused_moe_matches_the_loop_at_qwen3_30b_shapes_on_the_gpu(num_tokens, dtype):
     x, gate_up, down, weights, ids = _inputs(num_tokens, 128, 8, 2048, 768, dtype)
     expected = reference.fused_moe(x, gate_up, down, weights, ids)
-    for tiles in (None, GEMV_TILES, DECODE_TILES, PREFILL_TILES):
+    for tiles in (None, GEMV_TILES, DECODE_TILES, PREFILL_TILES, LONG_PREFILL_TILES):
         ours = fused_moe(x, gate_up, down, weights, ids, tiles=tiles)
         torch.testing.assert_close(ours, expected, **TOLERANCE[dtype])
 
@@ -250,7 +252,7 @@ def test_gelu_tanh_experts_match_the_loop_at_gemma4_moe_sized_shapes_on_the_gpu(
     I 704: neither a multiple of the prefill tiles' 128), bf16."""
     x, gate_up, down, weights, ids = _inputs(num_tokens, 128, 8, 2816, 704, torch.bfloat16)
     expected = reference.fused_moe(x, gate_up, down, weights, ids, activation="gelu_tanh")
-    for tiles in (None, GEMV_TILES, DECODE_TILES, PREFILL_TILES):
+    for tiles in (None, GEMV_TILES, DECODE_TILES, PREFILL_TILES, LONG_PREFILL_TILES):
         ours = fused_moe(x, gate_up, down, weights, ids, tiles, activation="gelu_tanh")
         torch.testing.assert_close(ours, expected, **TOLERANCE[torch.bfloat16])
 
@@ -394,7 +396,7 @@ def _gpu_fp8_case(num_tokens, num_experts, top_k, hidden, size, options=None):
                                 _dequantized(down_q, torch.float32), weights, ids,
                                 **{k: v.float() if isinstance(v, torch.Tensor) else v
                                    for k, v in options.items()})  # fmt: skip
-    for tiles in (None, GEMV_TILES, DECODE_TILES, PREFILL_TILES):
+    for tiles in (None, GEMV_TILES, DECODE_TILES, PREFILL_TILES, LONG_PREFILL_TILES):
         ours = fused_moe(x, gate_up_q, down_q, weights, ids, tiles, **options)
         if isinstance(tiles, GemvTiles):  # weight-only, rounded to bf16 where the loop rounds
             bf16 = reference.fused_moe(x, _dequantized(gate_up_q, torch.bfloat16),
