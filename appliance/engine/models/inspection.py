@@ -212,10 +212,14 @@ def _expert_lines(config: ModelConfig) -> list[tuple[str, str]]:
     if moe is None:
         return []
     router = moe.router
-    shared = f", a shared expert of {moe.shared_expert_size}" if moe.shared_expert_size else ""
+    shared = (
+        f", a shared expert of intermediate size {moe.shared_expert_size}"
+        if moe.shared_expert_size
+        else ""
+    )
     experts = (
-        f"{router.num_experts} of {moe.expert_size} on {moe.num_moe_layers} of "
-        f"{config.num_layers} layers, {router.top_k} active per token{shared}"
+        f"{router.num_experts} of intermediate size {moe.expert_size} on {moe.num_moe_layers} "
+        f"of {config.num_layers} layers, {router.top_k} active per token{shared}"
     )
     with torch.device("meta"):
         total = sum(p.numel() for p in CausalLM(config).parameters())

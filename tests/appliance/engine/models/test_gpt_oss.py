@@ -103,7 +103,7 @@ def test_inspect_reports_mxfp4_experts_as_served(mxfp4_checkpoint):
     num_params = sum(p.numel() for p in hf_model.parameters())
     assert f"({num_params:,}) in 1 file(s)" in lines["parameters"]
     assert lines["dtype"].startswith("MXFP4 ")
-    assert lines["experts"] == "6 of 32 on 3 of 3 layers, 2 active per token"
+    assert lines["experts"] == "6 of intermediate size 32 on 3 of 3 layers, 2 active per token"
 
 
 def test_an_mxfp4_checkpoint_missing_scales_is_refused_by_name(mxfp4_checkpoint, tmp_path):

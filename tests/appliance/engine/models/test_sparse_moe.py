@@ -186,7 +186,10 @@ def test_inspect_reports_the_experts_and_the_parameters_a_token_reads(tiny_check
     out = dict(re.split(r"\s{2,}", line, maxsplit=1) for line in capsys.readouterr().out.split("\n")
                if line)  # fmt: skip
     assert out["served"] == "yes"
-    assert out["experts"] == "6 of 48 on 1 of 3 layers, 2 active per token, a shared expert of 96"
+    assert out["experts"] == (
+        "6 of intermediate size 48 on 1 of 3 layers, 2 active per token, a shared expert of "
+        "intermediate size 96"
+    )
     total = sum(p.numel() for p in hf_model.parameters())
     # One sparse layer: 4 of its 6 experts (gate, up, down: 3 x 64 x 48 each) are not read.
     active = total - 4 * 3 * 64 * 48
