@@ -354,18 +354,22 @@ def _parsed_chunks(
     empty), the next its arguments. A call is sent once it is complete and valid
     (appliance.api.tool_parsers), so its arguments come whole. The output's log-probabilities
     (never with tools) ride on its first chunk, or an empty one while the text is held back."""
-    for event in parsed.events(out.text, out.token_ids, finished=out.finished):
+    events = parsed.events(out.text, out.token_ids, finished=out.finished)
+    # The calls among `events` are the last of `parsed.calls`, in order: numbered by counting,
+    # not by looking each up in all the calls so far (quadratic in a reply of many calls).
+    position = len(parsed.calls) - sum(isinstance(e, IdentifiedCall) for e in events)
+    for event in events:
         if isinstance(event, Reasoning):
             yield ChatChunkChoice(index, ChatDelta(reasoning=event.text), logprobs)
         elif isinstance(event, Content):
             yield ChatChunkChoice(index, ChatDelta(content=event.text), logprobs)
         else:
-            position = parsed.calls.index(event)
             head = {"index": position, "id": event.id, "type": "function"}
             function = {"name": event.name, "arguments": ""}
             yield ChatChunkChoice(index, ChatDelta(tool_calls=[{**head, "function": function}]))
             arguments = {"index": position, "function": {"arguments": event.arguments}}
             yield ChatChunkChoice(index, ChatDelta(tool_calls=[arguments]))
+            position += 1
         logprobs = None
     if logprobs is not None:
         yield ChatChunkChoice(index, ChatDelta(), logprobs)

@@ -300,6 +300,7 @@ class HarmonyOutput:
         self._streaming: int | None = None  # the message whose text is being streamed
         self._kinds_sent: set[type] = set()  # Reasoning, Content: a kind already sent
         self._message_tokens: list[int] = []  # the tokens of the message in progress
+        self._call_text: list[str] = []  # the text of the call in progress, held until it ends
         self._broken: list[int] | None = None  # after a refused token: the tokens not sent
         self.calls: list[IdentifiedCall] = []
 
@@ -312,6 +313,11 @@ class HarmonyOutput:
                 self._broken.append(token)
                 continue
             self._message_tokens.append(token)
+            ends = token in self._message_ends
+            # The message's recipient, read before the end token closes it (the library lists
+            # complete messages only all at once, each decoded again: read at every message's
+            # end, that cost time quadratic in their number).
+            recipient = self._parser.current_recipient if ends else None
             try:
                 self._parser.process(token)
             except HarmonyError:
@@ -321,8 +327,8 @@ class HarmonyOutput:
                 continue
             if not self._encoding.is_special_token(token):  # one out of place writes no text
                 events += self._delta()
-            if token in self._message_ends:
-                events += self._completed()
+            if ends:
+                events += self._completed(recipient)
         if finished:
             events += self._finish()
         return events
@@ -332,9 +338,12 @@ class HarmonyOutput:
         return whole_output(self.events(text, token_ids, finished=True), self.calls)
 
     def _delta(self) -> list[OutputEvent]:
-        """The text the last token added to a message that is streamed (not a call)."""
+        """The text the last token added to a message that is streamed (a call's is held)."""
         delta = self._parser.last_content_delta
-        if not delta or self._parser.current_recipient is not None:
+        if not delta:
+            return []
+        if self._parser.current_recipient is not None:
+            self._call_text.append(delta)
             return []
         kind = Reasoning if self._parser.current_channel == "analysis" else Content
         if self._streaming != self._num_messages:
@@ -344,21 +353,16 @@ class HarmonyOutput:
             self._kinds_sent.add(kind)
         return [kind(delta)]
 
-    def _completed(self) -> list[OutputEvent]:
-        """The calls among the messages completed since the last look (the text of the
-        others went out as it came)."""
-        messages = self._parser.messages[self._num_messages :]
-        self._num_messages += len(messages)
+    def _completed(self, recipient: str | None) -> list[OutputEvent]:
+        """The call a message just completed makes, if it has a `recipient` (the text of other
+        messages went out as it came). A call's text is what its tokens wrote, less special
+        tokens out of place, as a streamed message's is."""
+        self._num_messages += 1
         self._message_tokens = []
-        events: list[OutputEvent] = []
-        for message in messages:
-            if message.recipient is not None:
-                events += self._call(message)
-        return events
+        text, self._call_text = "".join(self._call_text), []
+        return [] if recipient is None else self._call(recipient, text)
 
-    def _call(self, message: Message) -> list[OutputEvent]:
-        arguments = "".join(getattr(part, "text", "") for part in message.content)
-        recipient = message.recipient or ""
+    def _call(self, recipient: str, arguments: str) -> list[OutputEvent]:
         call = None
         if recipient.startswith(_FUNCTIONS):
             name = recipient.removeprefix(_FUNCTIONS)
@@ -381,6 +385,7 @@ class HarmonyOutput:
 
     def _finish(self) -> list[OutputEvent]:
         if self._broken is None:
+            recipient = self._parser.current_recipient
             try:
                 self._parser.process_eos()  # completes a message cut off in its text
             except HarmonyError:
@@ -390,7 +395,7 @@ class HarmonyOutput:
                 header = any(self._encoding.is_special_token(t) for t in pending)
                 self._broken = [] if header else pending
             else:
-                return self._completed()
+                return self._completed(recipient)  # the message cut off, if there was one
         broken, self._broken = self._broken, []
         return self._text(self._encoding.decode(_plain(self._encoding, broken)))
 

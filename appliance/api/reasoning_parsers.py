@@ -50,8 +50,12 @@ class ThinkTagParser:
 
     def __init__(self, *, thinking: bool):
         self._thinking = thinking  # False: the prompt closed the thought already
-        self._pending = ""  # text not yet sent: a possible tag, or newlines that may end a thought
+        self._pending = ""  # text not yet sent: a possible tag
+        # Newlines after the thought so far, held back since they may end it: counted, not
+        # kept, so a thought of newlines costs no more per piece than one of text.
+        self._num_newlines = 0
         self._opened = False  # an opening tag, or any reasoning text, has been seen
+        self._thought_started = False  # some reasoning has been sent
         self._answer_started = False  # some answer text has been sent
 
     def feed(self, text: str) -> list[ReasoningEvent]:
@@ -62,37 +66,43 @@ class ThinkTagParser:
         pending, self._pending = self._pending, ""
         if not self._thinking:
             return [Content(pending)] if pending else []
-        # Cut off mid-thought: what it wrote so far is reasoning (less a lone opening tag).
         if not self._opened:
-            pending = pending.lstrip("\n")
-            pending = "" if self.OPEN.startswith(pending) else pending
-        text = pending.rstrip("\n")
-        return [Reasoning(text)] if text else []
+            return []  # nothing but newlines and part of an opening tag
+        # Cut off mid-thought: what it wrote so far is reasoning.
+        return self._reasoning(pending)
 
     def _thought(self) -> list[ReasoningEvent]:
-        events: list[ReasoningEvent] = []
         if not self._opened:
-            stripped = self._pending.lstrip("\n")
-            if self.OPEN.startswith(stripped):
+            self._pending = self._pending.lstrip("\n")
+            if self.OPEN.startswith(self._pending):
                 return []  # still possibly the opening tag
-            self._pending = stripped.removeprefix(self.OPEN).lstrip("\n")
+            self._pending = self._pending.removeprefix(self.OPEN)
             self._opened = True
         end = self._pending.find(self.CLOSE)
         if end >= 0:
             thought = self._pending[:end].rstrip("\n")
             self._pending = self._pending[end + len(self.CLOSE) :]
             self._thinking = False
-            if thought:
-                events.append(Reasoning(thought))
-            return events + self._answer()
+            return self._reasoning(thought) + self._answer()
         # Hold back what may start the closing tag, and newlines that may precede it.
         keep = held_prefix_len(self._pending, self.CLOSE)
         sendable = self._pending[: len(self._pending) - keep]
-        trimmed = sendable.rstrip("\n")
-        self._pending = sendable[len(trimmed) :] + self._pending[len(sendable) :]
-        if trimmed:
-            events.append(Reasoning(trimmed))
+        self._pending = self._pending[len(sendable) :]
+        thought = sendable.rstrip("\n")
+        events = self._reasoning(thought)
+        self._num_newlines += len(sendable) - len(thought)
         return events
+
+    def _reasoning(self, text: str) -> list[ReasoningEvent]:
+        """`text`, more of the thought, after the newlines held back before it; the newlines
+        that open the thought are the template's, however the pieces split them."""
+        if not self._thought_started:
+            text, self._num_newlines = text.lstrip("\n"), 0
+        if not text:
+            return []
+        text, self._num_newlines = "\n" * self._num_newlines + text, 0
+        self._thought_started = True
+        return [Reasoning(text)]
 
     def _answer(self) -> list[ReasoningEvent]:
         if not self._answer_started:

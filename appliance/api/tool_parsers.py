@@ -29,9 +29,13 @@ function, a missing name) is sent as plain content, as vLLM does.
 from __future__ import annotations
 
 import json
+import math
+import re
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import Protocol
+
+from appliance.json_limits import MAX_NESTING_DEPTH, check_nesting
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,12 +63,40 @@ class ToolCallParser(Protocol):
 INVALID_JSON = object()
 
 
+def _refuse_constant(name: str) -> object:
+    raise ValueError(f"{name} is not JSON")
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"{text} overflows a float")
+    return value
+
+
+JSON = json.JSONDecoder(parse_constant=_refuse_constant, parse_float=_finite_float)
+"""Strict JSON, as a client's parser reads the arguments back: Python's `NaN`, `Infinity` and
+numbers that overflow to infinity are refused (`json.dumps` would write them back as `NaN` and
+`Infinity`, which are not JSON)."""
+
+
+def check_json_depth(text: str) -> None:
+    """Raise JsonNestingError (a ValueError) if `text` nests JSON arrays and objects deeper than
+    appliance.json_limits.MAX_NESTING_DEPTH: JSON the model writes is held to the limit of any
+    JSON from outside, so a value is never read by recursion deep enough to fail, and whether a
+    call is kept never depends on how deep the caller's stack is (a stream and a whole response
+    parse from different depths)."""
+    check_nesting(text.encode("utf-8", "surrogatepass"), "the model's JSON")
+
+
 def decode_json(text: str) -> object:
-    """The JSON value `text` spells, or `INVALID_JSON`; model output nested deeper than Python's
-    recursion limit is invalid too, not a crash."""
+    """The JSON value `text` spells, or `INVALID_JSON`: malformed JSON, nesting past the limit
+    (`check_json_depth`), a non-finite number and an integer past Python's digit limit (a
+    `ValueError` of its own) are all invalid, never a crash."""
     try:
-        return json.loads(text)
-    except (json.JSONDecodeError, RecursionError):
+        check_json_depth(text)
+        return JSON.decode(text)
+    except ValueError:  # JSONDecodeError and JsonNestingError are ones
         return INVALID_JSON
 
 
@@ -80,7 +112,20 @@ def call_from(value: object, arguments_key: str, names: Collection[str]) -> Call
         arguments = decode_json(arguments)
     if not isinstance(arguments, dict):
         return None
-    return Call(name, json.dumps(arguments, ensure_ascii=False))
+    return Call(name, _arguments_text(arguments))
+
+
+def _arguments_text(arguments: dict[str, object]) -> str:
+    """The arguments as JSON text a response can carry: characters as they are, unless a
+    string holds a lone surrogate (the model wrote a `\\ud800` escape), which UTF-8 cannot
+    encode; then every non-ASCII character is escaped, so the text still spells the same
+    value."""
+    text = json.dumps(arguments, ensure_ascii=False)
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        return json.dumps(arguments)
+    return text
 
 
 def held_prefix_len(text: str, marker: str) -> int:
@@ -95,46 +140,66 @@ def held_prefix_len(text: str, marker: str) -> int:
 class _TaggedCallsParser:
     """Calls between an OPEN and a CLOSE marker, among text: the loop that splits a stream into
     text and calls, shared by the formats that write calls this way. A subclass reads one
-    call's body (the text between the markers) in `_call_or_text`."""
+    call's body (the text between the markers) in `_call_or_text`.
+
+    Linear in the output however it is split: each piece is scanned once, and a call's text is
+    kept as its pieces until CLOSE, which only a new piece (with the end of the call before it)
+    can complete."""
 
     OPEN: str
     CLOSE: str
 
     def __init__(self, names: Collection[str]):
         self._names = names
-        self._pending = ""  # text not yet sent: a possible start of OPEN, or an open call
-        self._in_call = False
+        self._pending = ""  # outside a call: text not yet sent, a possible start of OPEN
+        self._call: list[str] | None = None  # inside a call: its text so far, OPEN first
+        self._call_tail = ""  # the call's last characters, where CLOSE may have begun
 
     def feed(self, text: str) -> list[Event]:
-        self._pending += text
         events: list[Event] = []
+        if self._call is None:
+            text, self._pending = self._pending + text, ""
+        at = 0  # where the part of `text` not yet read starts
         while True:
-            if self._in_call:
-                end = self._pending.find(self.CLOSE)
+            if self._call is not None:
+                end = self._close_end(text, at)
                 if end < 0:
+                    rest = text[at:]
+                    self._call.append(rest)
+                    self._call_tail = (self._call_tail + rest)[1 - len(self.CLOSE) :]
                     return events
-                raw = self._pending[: end + len(self.CLOSE)]
-                events.append(self._call_or_text(self._pending[len(self.OPEN) : end], raw))
-                self._pending = self._pending[len(raw) :]
-                self._in_call = False
+                self._call.append(text[at:end])
+                raw = "".join(self._call)
+                events.append(self._call_or_text(raw[len(self.OPEN) : -len(self.CLOSE)], raw))
+                self._call, at = None, end
                 continue
-            start = self._pending.find(self.OPEN)
+            start = text.find(self.OPEN, at)
             if start < 0:
-                keep = held_prefix_len(self._pending, self.OPEN)
-                sendable = self._pending[: len(self._pending) - keep]
-                self._pending = self._pending[len(sendable) :]
+                rest = text[at:]
+                keep = held_prefix_len(rest, self.OPEN)
+                sendable, self._pending = rest[: len(rest) - keep], rest[len(rest) - keep :]
                 return events + ([Content(sendable)] if sendable else [])
-            if start:
-                events.append(Content(self._pending[:start]))
-            self._pending = self._pending[start:]
-            self._in_call = True
+            if start > at:
+                events.append(Content(text[at:start]))
+            self._call, self._call_tail, at = [], "", start
 
     def finish(self) -> list[Event]:
         # A model may end on end-of-sequence without closing its last call.
+        if self._call is not None:
+            raw, self._call = "".join(self._call), None
+            return [self._call_or_text(raw[len(self.OPEN) :], raw)]
         pending, self._pending = self._pending, ""
-        if self._in_call:
-            return [self._call_or_text(pending[len(self.OPEN) :], pending)]
         return [Content(pending)] if pending else []
+
+    def _close_end(self, text: str, at: int) -> int:
+        """Where the first CLOSE of the call ends in `text` (read from `at`; CLOSE may have
+        begun in the call's tail), or -1."""
+        head = self._call_tail + text[at : at + len(self.CLOSE) - 1]
+        found = head.find(self.CLOSE)
+        if found >= 0:
+            return at + found + len(self.CLOSE) - len(self._call_tail)
+        found = text.find(self.CLOSE, at)
+        return -1 if found < 0 else found + len(self.CLOSE)
 
     def _call_or_text(self, body: str, raw: str) -> Event:
         """The call `body` spells, or `raw` (the call with its markers) as content."""
@@ -150,37 +215,46 @@ class HermesParser(_TaggedCallsParser):
         return call_from(decode_json(body), "arguments", self._names) or Content(raw)
 
 
+_WHITESPACE_RUN = re.compile(r"\s+")
+
+
 class _CallsOnlyParser:
     """A reply that is either only calls or only text, decided from how it opens (`_decide`):
     text streams from the moment it is decided; calls are read whole at the end (`_calls`),
-    and a reply that opened like calls but does not read as them is text."""
+    and a reply that opened like calls but does not read as them is text.
+
+    Linear in the reply however it is split: the reply is kept as its pieces, and how it opens
+    is kept with each run of whitespace cut to one space (markers hold none, so the decision is
+    the same), so a reply of whitespace or of a marker and whitespace stays short to decide."""
 
     def __init__(self, names: Collection[str]):
         self._names = names
-        self._pending = ""
+        self._pending: list[str] = []  # the reply so far, while it may be calls
+        self._start = ""  # how it opens: less leading whitespace, each run cut to one space
         self._mode: str | None = None  # None until decided, then "text" or "calls"
 
     def feed(self, text: str) -> list[Event]:
         if self._mode == "text":
             return [Content(text)] if text else []
-        self._pending += text
+        self._pending.append(text)
         if self._mode is None:
-            self._mode = self._decide(self._pending.lstrip())
+            self._start = _WHITESPACE_RUN.sub(" ", self._start + text).lstrip()
+            self._mode = self._decide(self._start)
             if self._mode == "text":
-                pending, self._pending = self._pending, ""
+                pending, self._pending = "".join(self._pending), []
                 return [Content(pending)]
         return []
 
     def finish(self) -> list[Event]:
-        pending, self._pending = self._pending, ""
+        pending, self._pending = "".join(self._pending), []
         if self._mode != "calls":
             return [Content(pending)] if pending else []
         calls = self._calls(pending)
         return list(calls) if calls else [Content(pending)]
 
     def _decide(self, start: str) -> str | None:
-        """ "calls", "text", or None while `start` (the reply so far, less leading white space)
-        could still become either."""
+        """ "calls", "text", or None while `start` (the reply so far, less leading whitespace,
+        each run of whitespace cut to one space) could still become either."""
         raise NotImplementedError
 
     def _calls(self, reply: str) -> list[Call] | None:
@@ -201,22 +275,22 @@ class Llama3JsonParser(_CallsOnlyParser):
 
     def _calls(self, reply: str) -> list[Call] | None:
         text = reply.strip().removeprefix(self.PYTHON_TAG)
-        decoder = json.JSONDecoder()
         calls: list[Call] = []
         position = 0
-        while position < len(text):
-            try:
-                value, position = decoder.raw_decode(text, position)
-            except (json.JSONDecodeError, RecursionError):
-                return None
-            call = call_from(value, "parameters", self._names) or call_from(
-                value, "arguments", self._names
-            )
-            if call is None:
-                return None
-            calls.append(call)
-            while position < len(text) and text[position] in " \t\r\n;":
-                position += 1
+        try:
+            check_json_depth(text)
+            while position < len(text):
+                value, position = JSON.raw_decode(text, position)
+                call = call_from(value, "parameters", self._names) or call_from(
+                    value, "arguments", self._names
+                )
+                if call is None:
+                    return None
+                calls.append(call)
+                while position < len(text) and text[position] in " \t\r\n;":
+                    position += 1
+        except ValueError:  # as in decode_json
+            return None
         return calls
 
 
@@ -245,8 +319,9 @@ class _MarkedCallsArrayParser(_CallsOnlyParser):
         for marker in self.MARKERS:
             text = text.removeprefix(marker).lstrip()
         try:
-            value, end = json.JSONDecoder().raw_decode(text)
-        except (json.JSONDecodeError, RecursionError):
+            check_json_depth(text)
+            value, end = JSON.raw_decode(text)
+        except ValueError:  # as in decode_json
             return None
         if text[end:].strip() or not isinstance(value, list) or not value:
             return None
@@ -277,18 +352,21 @@ class Gemma4Arguments:
     """Gemma 4's argument notation, decoded: an object's keys bare (or in string quotes),
     strings between `<|"|>` quotes (anything inside, no escapes), objects `{k:v,...}`, arrays
     `[v,...]`, and bare true, false, null and numbers, as its chat template writes them and
-    vLLM's `gemma4` parser reads them. `parse` gives the arguments object or INVALID_JSON."""
+    vLLM's `gemma4` parser reads them. `parse` gives the arguments object or INVALID_JSON;
+    objects and arrays nested deeper than MAX_NESTING_DEPTH (the arguments object is the first
+    level) are invalid, as JSON's are (`check_json_depth`)."""
 
     QUOTE = '<|"|>'
 
     def __init__(self, text: str):
         self._text = text
         self._at = 0
+        self._depth = 1  # of the object or array being read
 
     def parse(self) -> object:
         try:
             value = self._object_body("")
-        except (ValueError, RecursionError):
+        except ValueError:
             return INVALID_JSON
         return value if self._at == len(self._text) else INVALID_JSON
 
@@ -344,17 +422,23 @@ class Gemma4Arguments:
                 raise ValueError("an unterminated string")
             self._at = end + len(self.QUOTE)
             return text[at + len(self.QUOTE) : end]
-        if text.startswith("{", at):
-            self._at += 1
-            return self._object_body("}")
-        if text.startswith("[", at):
-            self._at += 1
-            return self._array_body()
+        if text.startswith(("{", "["), at):
+            return self._nested(text[at])
         end = at
         while end < len(text) and text[end] not in ",]}":
             end += 1
         self._at = end
         return self._bare(text[at:end].strip())
+
+    def _nested(self, opening: str) -> object:
+        """The object or array that `opening`, the character being read, starts."""
+        self._at += 1
+        self._depth += 1
+        if self._depth > MAX_NESTING_DEPTH:
+            raise ValueError(f"nested deeper than {MAX_NESTING_DEPTH} levels")
+        value = self._object_body("}") if opening == "{" else self._array_body()
+        self._depth -= 1
+        return value
 
     @staticmethod
     def _bare(word: str) -> object:

@@ -280,7 +280,7 @@ class ChoiceCalls:
     def __init__(self, tool_use: ToolUse):
         self._parser = tool_use.parser()
         self._parallel = tool_use.parallel
-        self._held_space = ""
+        self._held_space: list[str] = []  # whitespace not sent yet, in pieces
         self._text_since_call = False
         self.calls: list[IdentifiedCall] = []
 
@@ -292,19 +292,20 @@ class ChoiceCalls:
         events: list[Content | IdentifiedCall] = []
         for event in parsed:
             if isinstance(event, Call):
-                self._held_space, self._text_since_call = "", False
+                self._held_space, self._text_since_call = [], False
                 if self.calls and not self._parallel:
                     continue
                 call = IdentifiedCall.of(event)
                 self.calls.append(call)
                 events.append(call)
                 continue
-            content, self._held_space = self._held_space + event.text, ""
-            if self._text_since_call or content.strip():
+            # Only the new piece can end a run of whitespace: what is held is all whitespace.
+            if self._text_since_call or event.text.strip():
                 self._text_since_call = True
-                events.append(Content(content))
+                events.append(Content("".join([*self._held_space, event.text])))
+                self._held_space = []
             else:
-                self._held_space = content
-        if finished and self._held_space and not self.calls:
-            events.append(Content(self._held_space))
+                self._held_space.append(event.text)
+        if finished and any(self._held_space) and not self.calls:
+            events.append(Content("".join(self._held_space)))
         return events
