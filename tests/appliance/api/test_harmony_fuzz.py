@@ -140,11 +140,11 @@ def test_an_output_of_many_short_messages_streams_in_linear_time(harmony: Harmon
     )
     tokens = encoding.encode((message + call) * 1500, allowed_special="all")
     output = harmony.output(_tool_use(True))
-    started = time.perf_counter()
+    started = time.thread_time()
     for token in tokens:
         output.events("", [token], finished=False)
     output.events("", [], finished=True)
-    assert time.perf_counter() - started < 10.0
+    assert time.thread_time() - started < 10.0
     assert len(output.calls) == 1500
     assert json.loads(output.calls[-1].arguments) == {"city": "Oslo"}
 
