@@ -4,6 +4,10 @@ Connect RP-Initiated Logout 1.0).
 
 A login in progress is held on the server, named by a random id in a short-lived cookie
 (`__Host-inferno_login`), so the callback is accepted only in the browser that started it.
+
+authlib, and httpx with it, are imported by the first login, not with the server (as in
+appliance.auth.idp_http): a login is rare, and a start does not wait for them (W5 in
+docs/BENCHMARKS.md).
 """
 
 from __future__ import annotations
@@ -15,12 +19,10 @@ from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlencode, urlsplit
 
 import jwt
-from authlib.common.errors import AuthlibBaseError
-from authlib.integrations.httpx_client import AsyncOAuth2Client
-from httpx import HTTPError
 
 from appliance.auth.authenticator import Authenticator
 from appliance.auth.discovery import DiscoveryError, ProviderMetadata
@@ -29,6 +31,9 @@ from appliance.auth.idp_http import IdpHttp, IdpUnreachableError
 from appliance.auth.key_cache import Clock, KeySource
 from appliance.auth.principal import Principal
 from appliance.auth.settings import AuthSettings, IssuerSettings
+
+if TYPE_CHECKING:
+    from authlib.integrations.httpx_client import AsyncOAuth2Client
 
 LOGIN_COOKIE = "__Host-inferno_login"
 PENDING_TTL_S = 600
@@ -135,15 +140,9 @@ class ConsoleLogin:
         # Step 3.
         if metadata.token_endpoint is None or "code" not in params:
             raise LoginError("the callback has no code, or the IdP no token_endpoint")
-        try:
-            async with self._oauth_client() as client:
-                token = await client.fetch_token(
-                    metadata.token_endpoint,
-                    code=params["code"],
-                    code_verifier=pending.code_verifier,
-                )
-        except (AuthlibBaseError, HTTPError) as exc:
-            raise LoginError(f"the code exchange failed ({type(exc).__name__})") from None
+        token = await self._exchange_code(
+            metadata.token_endpoint, params["code"], pending.code_verifier
+        )
         id_token, access_token = token.get("id_token"), token.get("access_token")
         if not isinstance(id_token, str) or not isinstance(access_token, str):
             raise LoginError("the identity provider returned no ID token or access token")
@@ -212,7 +211,26 @@ class ConsoleLogin:
                 raise LoginError(f"the identity provider cannot be reached: {exc}") from None
         return self._metadata
 
+    async def _exchange_code(
+        self, token_endpoint: str, code: str, code_verifier: str
+    ) -> dict[str, Any]:
+        """The IdP's token response to the authorization code (RFC 6749 section 4.1.3, with
+        RFC 7636's code_verifier). Raises `LoginError`."""
+        from authlib.common.errors import AuthlibBaseError
+        from httpx import HTTPError
+
+        try:
+            async with self._oauth_client() as client:
+                token: dict[str, Any] = await client.fetch_token(
+                    token_endpoint, code=code, code_verifier=code_verifier
+                )
+        except (AuthlibBaseError, HTTPError) as exc:
+            raise LoginError(f"the code exchange failed ({type(exc).__name__})") from None
+        return token
+
     def _oauth_client(self) -> AsyncOAuth2Client:
+        from authlib.integrations.httpx_client import AsyncOAuth2Client
+
         return AsyncOAuth2Client(
             client_id=self.client_id,
             client_secret=self._client_secret,

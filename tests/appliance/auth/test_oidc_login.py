@@ -148,6 +148,22 @@ def test_code_without_the_pkce_verifier_is_refused_by_the_idp(
     assert with_login(settings, scenario) == 400
 
 
+def test_a_code_the_idp_refuses_at_the_exchange_is_a_login_error(
+    idp: OidcProvider, idp_ca: IdpCa, tmp_path: Path
+) -> None:
+    """authlib's error for the IdP's answer (invalid_grant) becomes the login's own error."""
+    settings = console_settings(idp, idp_ca, tmp_path)
+
+    async def scenario(login: ConsoleLogin) -> str:
+        url, pending_id = await login.begin()
+        params = await asyncio.to_thread(_browser_log_in, idp, url, "alice")
+        with pytest.raises(LoginError) as refused:
+            await login.complete(pending_id, {**params, "code": "a-forged-code"})
+        return str(refused.value)
+
+    assert with_login(settings, scenario) == "the code exchange failed (OAuthError)"
+
+
 def test_logout_url_ends_the_idp_session_with_the_id_token_hint(
     idp: OidcProvider, idp_ca: IdpCa, tmp_path: Path
 ) -> None:
