@@ -10,18 +10,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.appliance.engine.test_warmup import TINY_LLAMA
 
-_TINY_LLAMA = {
-    "architectures": ["LlamaForCausalLM"],
-    "vocab_size": 256,
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "max_position_embeddings": 512,
-}
+ROOT = Path(__file__).resolve().parents[2]
 
 # What `inferno serve` imports and builds before it listens, for settings whose tokens come
 # from the local issuer alone; then which of the identity providers' clients were imported.
@@ -58,7 +49,7 @@ def test_building_the_app_imports_no_identity_provider_client(tmp_path: Path) ->
     imports; the app imports them only when it first talks to an identity provider or a
     console login begins (appliance.auth.idp_http, appliance.auth.oidc_login)."""
     (tmp_path / "model").mkdir()
-    (tmp_path / "model" / "config.json").write_text(json.dumps(_TINY_LLAMA))
+    (tmp_path / "model" / "config.json").write_text(json.dumps(TINY_LLAMA))
     path = [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]
     done = subprocess.run(
         [sys.executable, "-c", _BUILD_THE_APP, str(tmp_path)],
