@@ -80,7 +80,7 @@ from appliance.engine.models.loader import (
 from appliance.engine.models.projections import quantize_projections
 from appliance.engine.models.sparse_moe import Experts
 from appliance.engine.sampling_params import SamplingParams
-from kernels import l2_prefetch, triton_ops
+from kernels import triton_ops
 from kernels.ops import KernelOps
 
 if TYPE_CHECKING:
@@ -434,15 +434,7 @@ def release(engine: Engine) -> None:
     torch.cuda.empty_cache()
 
 
-def w1(
-    model: CausalLM,
-    copy_bw: float,
-    burst: int,
-    async_scheduling: bool,
-    prefetch_sweep: list[int],
-) -> None:
-    """W1 as the engine runs it; then, for each L2-prefetch budget in `prefetch_sweep` (MiB,
-    0: off), the batch-1 graph captured again under it and its replay alone timed."""
+def w1(model: CausalLM, copy_bw: float, burst: int, async_scheduling: bool) -> None:
     engine = build_engine(
         model, max_num_seqs=8, max_decode_burst=burst, async_scheduling=async_scheduling
     )
@@ -476,17 +468,6 @@ def w1(
         f"{replay_ms:.2f} ms: {in_graph / 1e9:.2f} GB at {in_graph / replay_ms / 1e9:.2f} TB/s "
         f"= {in_graph / (replay_ms * 1e-3) / copy_bw:.0%}; outside it {ms - replay_ms:.2f} ms",
     )
-    for mib in prefetch_sweep:
-        engine.runner.release_decode_graphs()
-        with l2_prefetch.budget(mib * 2**20):
-            engine.runner.capture_decode_graphs(1)
-        graphs = engine.runner.graphs
-        assert graphs is not None
-        replay_ms = triton.testing.do_bench(graphs.replay_only(1), warmup=10, rep=200)
-        report(
-            f"W1 graph replay alone, L2 prefetch of {mib} MiB",
-            f"{replay_ms:.3f} ms = {in_graph / (replay_ms * 1e-3) / copy_bw:.1%} of copy",
-        )
     release(engine)
 
 
@@ -986,12 +967,6 @@ def main() -> None:
         "--quantization", choices=["fp8"], help="FP8 projections and experts instead of bf16"
     )
     parser.add_argument(
-        "--l2-prefetch-mib",
-        default="",
-        help="W1: also the batch-1 graph's replay under each of these L2-prefetch budgets "
-        "(MiB, comma-separated; 0 is off; kernels.l2_prefetch)",
-    )
-    parser.add_argument(
         "--expandable-segments",
         action=argparse.BooleanOptionalAction,
         default=True,
@@ -1056,8 +1031,7 @@ def main() -> None:
         model = random_model(args.model, quantization=args.quantization)
         report(f"random {args.model} built", f"{time.perf_counter() - start:.1f} s")
     if "W1" in wanted:
-        sweep = [int(mib) for mib in args.l2_prefetch_mib.split(",") if mib]
-        w1(model, copy_bw, args.max_decode_burst, args.async_scheduling, sweep)
+        w1(model, copy_bw, args.max_decode_burst, args.async_scheduling)
     if "W2" in wanted:
         w2(model, args.w2_requests, args.max_num_seqs, args.max_decode_burst, args.async_scheduling)
     if "W2S" in wanted:

@@ -12,7 +12,6 @@ them for a cache in the model's dtype.
 from __future__ import annotations
 
 import dataclasses
-from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Literal, Protocol
 
@@ -246,15 +245,6 @@ class KernelOps(Protocol):
         torch.topk orders them in the reference, the lower expert id first in the Triton
         kernel (`kernels.reference.route_experts` says why they differ).
         """
-        ...
-
-    def weight_prefetch(
-        self, weight: torch.Tensor | Fp8Weight, num_tokens: int
-    ) -> AbstractContextManager[None]:
-        """While inside, the leading bytes of `weight`, the projection that follows the kernels
-        launched inside, are read into the device's cache beside them, where `num_tokens` rows
-        make that projection a stream of its weights (`kernels.l2_prefetch`). Nothing on the
-        reference, whose CPU has no such cache to fill ahead."""
         ...
 
     def write_kv_cache(

@@ -8,9 +8,6 @@ its flat slot is `block_id * block_size + offset`.
 
 from __future__ import annotations
 
-import contextlib
-from contextlib import AbstractContextManager
-
 import torch
 import torch.nn.functional as F
 
@@ -232,13 +229,6 @@ def _best_groups_only(choice: torch.Tensor, num_groups: int, topk_groups: int) -
     best = _top_k(group_scores, topk_groups)[1]
     keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, best, True)
     return grouped.masked_fill(~keep[..., None], float("-inf")).view_as(choice)
-
-
-def weight_prefetch(
-    weight: torch.Tensor | Fp8Weight, num_tokens: int
-) -> AbstractContextManager[None]:
-    """Nothing to do: the CPU has no cache worth filling ahead of a projection."""
-    return contextlib.nullcontext()
 
 
 def quantize_kv(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:

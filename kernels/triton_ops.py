@@ -12,8 +12,6 @@ weights through Inferno's skinny-matmul kernel; larger ones are cuBLAS matmuls. 
 A mixture of experts is routed by one kernel (`kernels.moe_routing`: each token's top k
 experts and their weights from the router's logits), and its experts run as `kernels.moe`'s two
 grouped GEMMs.
-At one row, the o projection's leading bytes are read into L2 while rotary, the KV write and
-decode attention run before it (`kernels.l2_prefetch`).
 Linear-attention layers (Gated DeltaNet) run `kernels.causal_conv1d` and
 `kernels.gated_delta_rule` on their per-sequence state slots: the recurrent step for a decode
 batch, the chunked form otherwise.
@@ -21,13 +19,10 @@ batch, the chunked form otherwise.
 
 from __future__ import annotations
 
-import contextlib
-from contextlib import AbstractContextManager
-
 import torch
 import torch.nn.functional as F
 
-from kernels import fp8_linear, l2_prefetch
+from kernels import fp8_linear
 from kernels import linear as skinny
 from kernels.activation import gelu_tanh_and_mul, silu_and_mul
 from kernels.causal_conv1d import causal_conv1d
@@ -53,7 +48,6 @@ __all__ = [
     "rotary_embedding",
     "route_experts",
     "silu_mul_linear",
-    "weight_prefetch",
     "write_kv_cache",
 ]
 
@@ -86,18 +80,6 @@ def gelu_tanh_mul_linear(x: torch.Tensor, weight: torch.Tensor | Fp8Weight) -> t
     if x.shape[0] == 1:
         return skinny.gelu_tanh_mul_linear(x, weight)
     return F.linear(gelu_tanh_and_mul(x), weight)
-
-
-def weight_prefetch(
-    weight: torch.Tensor | Fp8Weight, num_tokens: int
-) -> AbstractContextManager[None]:
-    """The projection's leading bytes read into L2 beside the kernels launched inside, at one
-    row (`kernels.l2_prefetch`): there the kernels before it (rotary, the KV write, decode
-    attention) leave memory idle. With more rows attention reads more of the KV cache, which
-    would compete with the prefetch and evict it."""
-    if num_tokens != 1:
-        return contextlib.nullcontext()
-    return l2_prefetch.concurrently(weight.weight if isinstance(weight, Fp8Weight) else weight)
 
 
 def paged_attention(

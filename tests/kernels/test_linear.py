@@ -227,12 +227,10 @@ def test_linear_replays_in_a_cuda_graph_after_inputs_change() -> None:
 def test_programmatic_launches_in_a_cuda_graph_read_what_the_kernel_before_wrote() -> None:
     """A decode layer's chain (norm, qkv projection, rotary, KV write, split decode attention
     and its combine, o projection, norm, gate/up, fused down) replayed from one CUDA graph with
-    programmatic dependent launches, and the o projection's L2 prefetch on a side stream beside
-    rotary, the KV write and attention, gives, bit for bit, what the same kernels give captured
-    in plain stream order: each dependent waited for its input. (Were a wait missing, a kernel
-    would start on the previous replay's activations; were the side stream not joined, the
-    capture would fail.)"""
-    from kernels import l2_prefetch, pdl
+    programmatic dependent launches gives, bit for bit, what the same kernels give captured in
+    plain stream order: each dependent waited for its input. (Were a wait missing, a kernel
+    would start on the previous replay's activations.)"""
+    from kernels import pdl
     from kernels.decode_attention import paged_decode_attention
     from kernels.kv_cache_write import write_kv_cache
     from kernels.rmsnorm import add_rms_norm
@@ -262,23 +260,18 @@ def test_programmatic_launches_in_a_cuda_graph_read_what_the_kernel_before_wrote
         qkv = linear(normed, qkv_w)
         q, k, v = qkv.split([q_width, kv_width, kv_width], dim=1)
         q, k, v = (t.view(1, -1, head_dim) for t in (q, k, v))
-        with l2_prefetch.concurrently(o_w):
-            rotary_embedding(q, k, cos, sin)
-            write_kv_cache(k, v, *caches, slot)
-            attn = paged_decode_attention(
-                q, *caches, block_tables, seq_lens, head_dim**-0.5, num_splits=4
-            )
+        rotary_embedding(q, k, cos, sin)
+        write_kv_cache(k, v, *caches, slot)
+        attn = paged_decode_attention(
+            q, *caches, block_tables, seq_lens, head_dim**-0.5, num_splits=4
+        )
         normed2, res = add_rms_norm(linear(attn.view(1, q_width), o_w), res, norm_w, 1e-5)
         gate_up = linear(normed2, gate_up_w)
         return qkv, attn, silu_mul_linear(gate_up, down_w), res
 
     outputs = {}
     for plain in (True, False):
-        in_order = contextlib.ExitStack()
-        if plain:
-            in_order.enter_context(pdl.disabled())
-            in_order.enter_context(l2_prefetch.budget(0))
-        with in_order:
+        with pdl.disabled() if plain else contextlib.nullcontext():
             layer()  # compile outside the capture
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()

@@ -103,26 +103,6 @@ class Attention(nn.Module):
         q = q.reshape(num_tokens, self.num_heads, self.head_dim)
         if self.q_norm is not None:
             q = self._norm_heads(q, self.q_norm)
-        o_weight = projection_weight(self.o_proj)
-        with self.ops.weight_prefetch(o_weight, num_tokens):
-            o = self._attend(q, qkv, cos, sin, kv_cache, meta)
-        o = o.reshape(num_tokens, self.q_size)
-        if gate is not None:
-            o = o * torch.sigmoid(gate)
-        return self.ops.linear(o, o_weight, self.o_proj.bias)
-
-    def _attend(
-        self,
-        q: torch.Tensor,
-        qkv: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        kv_cache: torch.Tensor,
-        meta: AttentionMetadata,
-    ) -> torch.Tensor:
-        """q: [T, Hq, D] (normed, not yet rotated) -> attention's output [T, Hq, D]; the keys
-        and values in `qkv` rotated, normed and written to the cache first."""
-        num_tokens = q.shape[0]
         k_cache, v_cache = kv_cache[0], kv_cache[1]
         k_scale, v_scale = self.k_scale, self.v_scale
         if self.owns_kv:
@@ -132,7 +112,7 @@ class Attention(nn.Module):
         else:  # the cache holds this step's keys already, written by the layer that owns it
             # The rotary op rotates in place on the GPU (kernels.rotary): q with a scratch key.
             q, _ = self._rotate(q, q.new_zeros(num_tokens, 1, self.head_dim), cos, sin)
-        return self.ops.paged_attention(
+        o = self.ops.paged_attention(
             q,
             k_cache,
             v_cache,
@@ -143,6 +123,10 @@ class Attention(nn.Module):
             v_scale=v_scale,
             sinks=self.sinks,
         )
+        o = o.reshape(num_tokens, self.q_size)
+        if gate is not None:
+            o = o * torch.sigmoid(gate)
+        return self.ops.linear(o, projection_weight(self.o_proj), self.o_proj.bias)
 
     def _keys_values(self, kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """kv: [T, 2 Hkv D] (or [T, Hkv D] when the values are the keys) -> k, v: [T, Hkv, D],
