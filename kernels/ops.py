@@ -65,19 +65,26 @@ class AttentionMetadata:
         num_splits: int = 1,
         window_slot_mapping: torch.Tensor | None = None,
         window_block_tables: torch.Tensor | None = None,
+        device_lengths: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> AttentionMetadata:
-        """Derive the device-side lengths from host lists (one small copy each); with the
-        window group's slots and tables, its metadata too."""
+        """Derive the device-side lengths from host lists (one small copy each), unless
+        `device_lengths` brings them (seq_lens_t, query_start_loc: copied with the rest of a
+        step's inputs); with the window group's slots and tables, its metadata too."""
         device = slot_mapping.device
-        starts = [0]
-        for n in query_lens:
-            starts.append(starts[-1] + n)
         num_leading_decodes = next((i for i, n in enumerate(query_lens) if n != 1), len(query_lens))
+        if device_lengths is None:
+            starts = [0]
+            for n in query_lens:
+                starts.append(starts[-1] + n)
+            device_lengths = (
+                torch.tensor(seq_lens, dtype=torch.int32).to(device, non_blocking=True),
+                torch.tensor(starts, dtype=torch.int32).to(device, non_blocking=True),
+            )
         meta = cls(
             slot_mapping=slot_mapping,
             block_tables=block_tables,
-            seq_lens_t=torch.tensor(seq_lens, dtype=torch.int32).to(device, non_blocking=True),
-            query_start_loc=torch.tensor(starts, dtype=torch.int32).to(device, non_blocking=True),
+            seq_lens_t=device_lengths[0],
+            query_start_loc=device_lengths[1],
             seq_lens=seq_lens,
             query_lens=query_lens,
             max_query_len=max(query_lens, default=0),

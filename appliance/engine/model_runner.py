@@ -259,7 +259,8 @@ class ModelRunner:
             # The scratch sequences' states, in the slots there are (their contents are junk).
             num_slots = self.recurrent_states[0].conv.shape[0]
             slots = [b % num_slots for b in range(len(meta.query_lens))]
-            state_meta = self._state_meta(slots, [False] * len(slots), meta)
+            state_slots = self._to_device(slots, torch.int32)
+            state_meta = self._state_meta(state_slots, [False] * len(slots), meta)
         torch.cuda.synchronize(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
         allocated, reserved = self._allocated_and_reserved()
@@ -442,8 +443,10 @@ class ModelRunner:
         if masks is not None:
             masks.fill()
         ends = [batch.query_ends[i] for i in sampling_rows]
-        rows = self._to_device(ends, torch.int64)
-        logits = self._compute_logits(hidden[rows])
+        if len(ends) < hidden.shape[0]:
+            hidden = hidden[self._to_device(ends, torch.int64)]
+        # else every row ends its chunk (a decode step): the rows are hidden's, in order
+        logits = self._compute_logits(hidden)
         params = [s.params for s in seqs]
         wants_logprobs = any(p.logprobs is not None for p in params)
         controls = self._controls(seqs)
@@ -609,44 +612,84 @@ class ModelRunner:
         positions = np.repeat(starts - (ends - num_new), num_new) + np.arange(ends[-1])
         slots = block_tables[rows, positions // bs].astype(np.int64) * bs + positions % bs
         query_ends = (ends - 1).tolist()
-        window_slots, window_tables = None, None
+        # Every integer input of the step in one host-to-device copy (each copy is a few
+        # microseconds of the device's time and more of the host's).
+        int64s = {
+            "input_ids": np.asarray(input_ids, np.int64),
+            "positions": positions,
+            "slots": slots,
+        }
+        int32s = {
+            "block_tables": block_tables,
+            "seq_lens": (starts + num_new).astype(np.int32),
+            "query_start_loc": np.concatenate(([0], ends)).astype(np.int32),
+        }
         if self.has_window_group:
             # The same positions in the window group's pool (its tables are as long).
             tables = _block_tables([c.seq.window_blocks.block_table for c in chunks])
-            slots_np = tables[rows, positions // bs].astype(np.int64) * bs + positions % bs
-            window_slots = self._to_device(slots_np, torch.int64)
-            window_tables = self._to_device(tables, torch.int32)
-        meta = AttentionMetadata.build(
-            self._to_device(slots, torch.int64),
-            self._to_device(block_tables, torch.int32),
-            seq_lens=(starts + num_new).tolist(),
-            query_lens=num_new.tolist(),
-            window_slot_mapping=window_slots,
-            window_block_tables=window_tables,
-        )
-        state_meta = None
+            int64s["window_slots"] = (
+                tables[rows, positions // bs].astype(np.int64) * bs + positions % bs
+            )
+            int32s["window_tables"] = tables
+        if in_flight:
+            sources, targets = zip(*in_flight, strict=True)
+            int64s["sources"] = np.asarray(sources, np.int64)
+            int64s["targets"] = np.asarray(targets, np.int64)
         if self.recurrent_states:
             # A chunk from position 0 starts a state; a later one continues its slot's (the
             # slot holds the tokens before `start`: prefix caching is off for these models).
             state_slots = [c.seq.state_slot for c in chunks]
             assert None not in state_slots, "a running sequence of a hybrid model holds a slot"
-            state_meta = self._state_meta(state_slots, [c.start > 0 for c in chunks], meta)
-        input_ids_t = self._to_device(input_ids, torch.int64)
+            int32s["state_slots"] = np.asarray(state_slots, np.int32)
+        on_device = self._upload(int64s, int32s)
+        meta = AttentionMetadata.build(
+            on_device["slots"],
+            on_device["block_tables"],
+            seq_lens=int32s["seq_lens"].tolist(),
+            query_lens=num_new.tolist(),
+            window_slot_mapping=on_device.get("window_slots"),
+            window_block_tables=on_device.get("window_tables"),
+            device_lengths=(on_device["seq_lens"], on_device["query_start_loc"]),
+        )
+        state_meta = None
+        if self.recurrent_states:
+            continues = [c.start > 0 for c in chunks]
+            state_meta = self._state_meta(on_device["state_slots"], continues, meta)
+        input_ids_t = on_device["input_ids"]
         if in_flight:
             assert previous is not None and previous.sampled is not None
-            sources, targets = zip(*in_flight, strict=True)
             # The previous step's last sampled token of each: read on the device, no waiting.
-            input_ids_t[self._to_device(list(targets), torch.int64)] = previous.sampled[
-                self._to_device(list(sources), torch.int64), -1
-            ]
-        positions_t = self._to_device(positions, torch.int64)
+            input_ids_t[on_device["targets"]] = previous.sampled[on_device["sources"], -1]
+        positions_t = on_device["positions"]
         return _Batch(input_ids_t, positions_t, meta, query_ends, state_meta)
 
+    def _upload(
+        self, int64s: dict[str, np.ndarray], int32s: dict[str, np.ndarray]
+    ) -> dict[str, torch.Tensor]:
+        """Host arrays on the device through one copy: packed into one int32 buffer (the
+        int64 arrays first, each an even number of words, so every int64 view is aligned),
+        then each a view of the device's copy in its own dtype and shape."""
+        parts = [a.view(np.int32).ravel() for a in int64s.values()]
+        parts += [a.ravel() for a in int32s.values()]
+        packed = torch.from_numpy(np.concatenate(parts))
+        if self.device.type == "cuda":
+            packed = packed.pin_memory().to(self.device, non_blocking=True)
+        views: dict[str, torch.Tensor] = {}
+        offset = 0
+        for name, array in int64s.items():
+            views[name] = packed[offset : offset + 2 * array.size].view(torch.int64)
+            offset += 2 * array.size
+        for name, array in int32s.items():
+            views[name] = packed[offset : offset + array.size].view(array.shape)
+            offset += array.size
+        return views
+
     def _state_meta(
-        self, slots: list[int | None], has_initial_state: list[bool], meta: AttentionMetadata
+        self, state_slots: torch.Tensor, has_initial_state: list[bool], meta: AttentionMetadata
     ) -> RecurrentStateMetadata:
+        """state_slots: [B] int32 on the device."""
         return RecurrentStateMetadata(
-            state_slots=self._to_device(slots, torch.int32),
+            state_slots=state_slots,
             has_initial_state=self._to_device(has_initial_state, torch.bool),
             query_start_loc=meta.query_start_loc,
             query_lens=meta.query_lens,
