@@ -1,18 +1,21 @@
 """The cyclic garbage collector, paused while `inferno serve` starts (docs/ARCHITECTURE.md,
 "Start-up"; W5 in docs/BENCHMARKS.md).
 
-A start allocates most of what the process will ever hold: the modules of torch, Triton and the
-app, the model's and the engine's objects. CPython's collector runs a full (generation 2)
-collection each time the objects that survived the younger ones grow by a quarter, and a full
-collection visits every object alive: a start runs 6-7 of them before its first token, each
-longer than the last (0.36-0.48 s in all on the 2-CPU development machine, in a W5 of 2.6-2.8 s),
-and finds almost nothing, since what a start makes, it keeps.
+A start allocates most of what the process will ever hold: the modules of torch, Triton and the app,
+the model's and the engine's objects. CPython's collector runs a full (generation 2) collection each
+time the objects that survived the younger ones grow by a quarter, and a full collection visits
+every object alive: a start runs 6-7 of them before its first token, each longer than the last
+(0.36-0.48 s in all on the 2-CPU development machine, in a W5 of 2.6-2.8 s), and finds almost
+nothing, since what a start makes, it keeps. Without them, W5 there is 0.7-0.8 s shorter
+(docs/BENCHMARKS.md, "W5's garbage collections").
 
 So the collector is paused from the start of `inferno serve` until the server is ready
 (`boot.ready` recorded, the engine serving); then everything alive is frozen (`gc.freeze()`,
 CPython's gc documentation: moved to a permanent generation that no collection visits again)
 and the collector runs again, for what requests allocate, over a heap without the start's
-objects. This is the pattern Instagram's servers follow (disable at start, freeze once the
+objects: a later full collection took 163-237 ms over them on the CPU machine, under 0.01 ms
+once they were frozen, a stall (the GIL held) that requests and the engine's steps no longer
+meet. This is the pattern Instagram's servers follow (disable at start, freeze once the
 long-lived state is built).
 
 Memory. Reference counting never pauses: an object is freed when its last reference goes,
