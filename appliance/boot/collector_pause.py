@@ -38,7 +38,8 @@ A start that stops (a refused verdict or key release, a bad sealed file, an unex
 leaves the process up and not ready, saying why on /health: the collector runs again at once,
 nothing is frozen, and one full collection frees now whatever the failed start left in cycles
 (an exception's frames holding partly loaded weights, say). Nothing is served then, so its cost
-(0.2 s on the CPU machine) is on no path.
+(0.2 s on the CPU machine) is on no path. What can stop later (a failed re-attestation, an
+engine that fails) comes after ready, with the collector running already.
 """
 
 from __future__ import annotations
