@@ -414,26 +414,31 @@ def _run_warmup(args: argparse.Namespace) -> int:
 
 
 def _run_serve(args: argparse.Namespace) -> int:
-    from appliance.config import load_settings
+    from appliance.boot.collector_pause import CollectorPause
 
-    # Settings first: their errors answer at once, before torch and the app are imported.
-    settings = load_settings(settings_file(args.config, demo_default=False))
-    _configure_logging_from(settings, args)
-    from appliance.boot.engine_preload import EnginePreload
+    # No cyclic garbage collection until the server is ready (or its start stopped): a start
+    # keeps what it makes, and every full collection on the way visits all of it.
+    with CollectorPause.begin() as collector:
+        from appliance.config import load_settings
 
-    # torch, Triton and the kernels import in the background while the app is built, the audit
-    # log opens and the TEE is attested; the engine's GPU set-up follows the verdict.
-    preload = EnginePreload.start(settings.engine)
-    from appliance.app import build
-    from appliance.boot.startup import start_audit_log
-    from appliance.server import listen, serve
+        # Settings first: their errors answer at once, before torch and the app are imported.
+        settings = load_settings(settings_file(args.config, demo_default=False))
+        _configure_logging_from(settings, args)
+        from appliance.boot.engine_preload import EnginePreload
 
-    # The app closes the log at its shutdown (after a SIGTERM the process ends right after);
-    # closing it here as well covers a start that fails before serving.
-    with start_audit_log(settings) as audit_log:
-        app = build(settings, audit_log, preload=preload)
-        listener = listen(settings)
-        serve(settings, app, listener)
+        # torch, Triton and the kernels import in the background while the app is built, the
+        # audit log opens and the TEE is attested; the engine's GPU set-up follows the verdict.
+        preload = EnginePreload.start(settings.engine)
+        from appliance.app import build
+        from appliance.boot.startup import start_audit_log
+        from appliance.server import listen, serve
+
+        # The app closes the log at its shutdown (after a SIGTERM the process ends right
+        # after); closing it here as well covers a start that fails before serving.
+        with start_audit_log(settings) as audit_log:
+            app = build(settings, audit_log, preload=preload, collector=collector)
+            listener = listen(settings)
+            serve(settings, app, listener)
     return 0
 
 

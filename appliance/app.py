@@ -47,6 +47,7 @@ from appliance.auth.idp_http import IdpHttp, idp_tls_context
 from appliance.auth.local_issuer import LocalIssuer
 from appliance.auth.oidc_login import ConsoleLogin
 from appliance.auth.sessions import SessionStore
+from appliance.boot.collector_pause import CollectorPause
 from appliance.boot.engine_preload import EnginePreload
 from appliance.boot.startup import StartUp
 from appliance.config import Settings
@@ -75,6 +76,7 @@ def build(
     tee: TeeService | None = None,
     keys: KeyProvider | None = None,
     preload: EnginePreload | None = None,
+    collector: CollectorPause | None = None,
     series_interval_s: float = SAMPLE_INTERVAL_S,
 ) -> FastAPI:
     """The appliance's HTTP app.
@@ -91,9 +93,12 @@ def build(
     one. A sealed model's data key comes from `keys`, by default the provider `settings.sealed`
     names. `preload`: the engine's once-only work, started in the background before the app was
     built (`inferno serve`: appliance.boot.engine_preload); the start-up sequence lets it use
-    the GPUs once they are attested, and waits for it before the engine's first step. The
-    console's time series is sampled every `series_interval_s` while the app runs (tests
-    shorten it). Raises BootError for what could never start (StartUp.prepare).
+    the GPUs once they are attested, and waits for it before the engine's first step.
+    `collector`: the cyclic garbage collector, paused since the process started (`inferno
+    serve`: appliance.boot.collector_pause), which the start-up sequence resumes once the
+    server is ready or the start has stopped. The console's time series is sampled every
+    `series_interval_s` while the app runs (tests shorten it). Raises BootError for what could
+    never start (StartUp.prepare).
     """
     readiness = Readiness(lambda: audit_log.failure)
     admission = Admission(settings.server.max_concurrent_requests, settings.server.retry_after_s)
@@ -109,6 +114,7 @@ def build(
         model=model,
         keys=keys,
         preload=preload,
+        collector=collector,
     )
     sampler = SeriesSampler(server_metrics, GpuMonitor(), series_interval_s)
     auth = settings.auth

@@ -5,7 +5,8 @@ Setup (not timed): the Llama-3.1-8B architecture with random bf16 weights writte
 with the `file` key provider, the plaintext deleted; Triton's cache filled by `inferno warmup`
 (the offline bundle ships it, docs/INSTALL.md); synthetic TEE devices and their policy.
 
-Each run starts a new process (`--serve`) that does what `inferno serve` does: the engine's
+Each run starts a new process (`--serve`) that does what `inferno serve` does: the cyclic
+garbage collector paused until the server is ready (appliance.boot.collector_pause), the engine's
 preload started in the background (appliance.boot.engine_preload: torch, Triton and the kernels
 imported; after the verdict the CUDA context, cuBLAS and Triton's first launch), the server's
 own imports, settings, the audit log (`boot.start`), then the start-up sequence of
@@ -33,10 +34,11 @@ runs read it (and write nothing): what an installed appliance pays. `none` measu
 environment as it is.
 
     python bench/cold_start.py [--shape 8b|tiny] [--device cuda|cpu] [--runs 3] [--dir DIR]
-        [--drop-caches] [--bytecode installed|none] [--baseline]
+        [--drop-caches] [--bytecode installed|none] [--baseline] [--collector-baseline]
 
 `--baseline`: each run is preceded by one without the preload (the start as it was before it),
-on the same machine, model and bytecode, for comparison.
+on the same machine, model and bytecode, for comparison. `--collector-baseline`: likewise, by
+one whose garbage collector runs through the start (as before the pause).
 """
 
 from __future__ import annotations
@@ -252,13 +254,17 @@ def gpu_uuid() -> str:
     return out.stdout.strip()
 
 
-def serve(config: Path, spawned_s: float, with_preload: bool) -> None:
-    """What `inferno serve` does (the engine's preload started first, then the app's imports),
-    with synthetic TEE devices made first (timed apart); `with_preload=False`: without the
-    preload, every import and the engine's once-only work on the start's own path (as before
-    it existed). Every subprocess this process starts is noted in `subprocesses.jsonl` beside
-    the settings (when, which thread, the command), and the preload's own times in
-    `preload.json` once it has ended."""
+def serve(config: Path, spawned_s: float, with_preload: bool, pause_collector: bool) -> None:
+    """What `inferno serve` does (the collector paused, the engine's preload started first,
+    then the app's imports), with synthetic TEE devices made first (timed apart);
+    `with_preload=False`: without the preload, every import and the engine's once-only work on
+    the start's own path (as before it existed); `pause_collector=False`: the garbage collector
+    running through the start (as before it was paused). Every subprocess this process starts
+    is noted in `subprocesses.jsonl` beside the settings (when, which thread, the command), and
+    the preload's own times in `preload.json` once it has ended."""
+    from appliance.boot.collector_pause import CollectorPause
+
+    collector = CollectorPause.begin() if pause_collector else None
     import threading
 
     from appliance.boot.engine_preload import EnginePreload
@@ -315,7 +321,7 @@ def serve(config: Path, spawned_s: float, with_preload: bool) -> None:
     audit_started_s = time.time()
     log = start_audit_log(settings)
     audit_s = time.time() - audit_started_s
-    app = build(settings, log, tee=service, preload=preload)
+    app = build(settings, log, tee=service, preload=preload, collector=collector)
     listener = listen(settings)
     print(
         json.dumps(
@@ -362,7 +368,12 @@ def _note_preload(preload: Any, path: Path) -> None:
 
 
 def run_once(
-    config: Path, prompt: str, env: dict[str, str], *, with_preload: bool = True
+    config: Path,
+    prompt: str,
+    env: dict[str, str],
+    *,
+    with_preload: bool = True,
+    pause_collector: bool = True,
 ) -> dict[str, float]:
     """One serving process, from its start to the first token; the phases (module docstring)."""
     work = config.parent
@@ -370,6 +381,7 @@ def run_once(
         (work / note).unlink(missing_ok=True)
     spawned_s = time.time()
     without = [] if with_preload else ["--without-preload"]
+    without += [] if pause_collector else ["--collector-running"]
     child = subprocess.Popen(
         [sys.executable, __file__, "--serve", str(config), "--spawned", repr(spawned_s), *without],
         stdout=subprocess.PIPE,
@@ -552,12 +564,23 @@ def main() -> None:
         action="store_true",
         help="before each run, one more without the engine's preload (the start as it was)",
     )
+    parser.add_argument(
+        "--collector-baseline",
+        action="store_true",
+        help="before each run, one more with the garbage collector running through the start",
+    )
     parser.add_argument("--serve", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--spawned", type=float, help=argparse.SUPPRESS)
     parser.add_argument("--without-preload", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--collector-running", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.serve is not None:
-        serve(args.serve, args.spawned, with_preload=not args.without_preload)
+        serve(
+            args.serve,
+            args.spawned,
+            with_preload=not args.without_preload,
+            pause_collector=not args.collector_running,
+        )
         return
     work = Path(tempfile.mkdtemp(prefix="cold-start-", dir=args.dir))
     shape = LLAMA_31_8B if args.shape == "8b" else TINY
@@ -578,13 +601,20 @@ def main() -> None:
     else:
         print("bytecode: the environment's own; every other module compiles at each start")
     env = child_env(work, args.device, args.bytecode)
+    # (with the preload, the collector paused, what the run is), the baselines first.
+    variants = [(True, True, "with the preload, the collector paused")]
+    if args.baseline:
+        variants.insert(0, (False, True, "baseline: no preload"))
+    if args.collector_baseline:
+        variants.insert(0, (True, False, "baseline: the collector running through the start"))
     for run in range(args.runs):
-        for with_preload in (False, True) if args.baseline else (True,):
+        for with_preload, pause_collector, what in variants:
             cache = "warm"
             if args.drop_caches and run == 0:
                 cache = "cold" if _drop_page_cache() else "warm"
-            result = run_once(config, prompt, env, with_preload=with_preload)
-            what = "with the preload" if with_preload else "baseline: no preload"
+            result = run_once(
+                config, prompt, env, with_preload=with_preload, pause_collector=pause_collector
+            )
             print(f"run {run + 1} (page cache {cache}, bytecode {args.bytecode}, {what}):")
             for phase, seconds in result.items():
                 print(f"  {phase:72s} {seconds:7.3f} s", flush=True)

@@ -22,13 +22,16 @@ Then, as the server starts (`StartUp.run`; `/live` answers and `/health` says wh
     appliance.boot.engine_preload), importing the engine since the process started, is let onto
     the GPUs after step 4 and waited for before the engine's first step.
  7. Warm-up happens as the engine is built (the KV pool is profiled, the CUDA graphs captured);
-    `boot.ready` records the time of each phase, and only then is inference served.
+    `boot.ready` records the time of each phase, and only then is inference served. The cyclic
+    garbage collector, paused since `inferno serve` began (appliance.boot.collector_pause),
+    freezes the start's objects and runs again.
  8. Re-attest every `tee.reattest_interval_s`, or at once when a client's attestation failed.
     A failure is recorded, the requests in flight drain, and inference stops until restart.
 
 A step that fails leaves the server up and failed, its reason on `/health`; the log records the
 failing verdict, or a failed `boot.phase` for the GPU coverage, the key release and the load;
-an engine that stops on an error while serving is recorded as `engine.stopped`.
+an engine that stops on an error while serving is recorded as `engine.stopped`. The collector
+runs again after a start that stopped, however it stopped.
 """
 
 from __future__ import annotations
@@ -57,6 +60,7 @@ from appliance.boot.audit_events import (
     engine_stopped,
 )
 from appliance.boot.audit_log import open_audit_log
+from appliance.boot.collector_pause import CollectorPause
 from appliance.boot.engine_preload import EnginePreload, PreloadError
 from appliance.boot.gpu_coverage import GpuCoverageError, engine_gpu_uuids, verify_gpus_covered
 from appliance.boot.key_release import key_provider, release_and_load
@@ -141,6 +145,8 @@ class StartUp:
     keys: KeyProvider | None
     # The engine's once-only work, running in the background since the process started.
     preload: EnginePreload | None = None
+    # The cyclic garbage collector, paused since the process started, until ready.
+    collector: CollectorPause | None = None
     engine: AsyncEngine | None = None
     # The signed manifest of the sealed model served, once served (None: plain weights).
     sealed_manifest: SealedManifest | None = None
@@ -160,12 +166,14 @@ class StartUp:
         model: LoadedModel | None = None,
         keys: KeyProvider | None = None,
         preload: EnginePreload | None = None,
+        collector: CollectorPause | None = None,
     ) -> StartUp:
         """The sequence for `settings`, refusing at once what could never pass step 1: a TEE
         service of another mode, weights loaded before the gate outside insecure-dev, an
         unusable engine config, a key provider that cannot be used. `tee` defaults to this
         machine's devices, `keys` to the provider `settings.sealed` names; `preload`, if any,
-        is given the GPUs after step 4 and waited for before the engine's first step.
+        is given the GPUs after step 4 and waited for before the engine's first step;
+        `collector`, if any, is resumed once the server is ready or the start has stopped.
         Raises BootError."""
         if tee is None:
             tee = tee_service(settings)
@@ -189,8 +197,9 @@ class StartUp:
             preload.cancel()  # nothing to load: the model is here already
             preload = None
         return cls(
-            settings, tee, trail, readiness, admission, metrics, model, config, keys, preload
-        )
+            settings, tee, trail, readiness, admission, metrics, model, config, keys, preload,
+            collector,
+        )  # fmt: skip
 
     async def run(self) -> AsyncEngine | None:
         """Steps 3 to 8; the running engine, or None when a step failed (then `/health` says
@@ -213,14 +222,22 @@ class StartUp:
             started_s = time.monotonic()
             model = await self._load_model(attestation)
             load_ms = _ms_since(started_s) if self.model is None else None
-            # 7. boot.ready is recorded; only then is inference served.
+            # 7. boot.ready is recorded; only then is inference served. What the start made is
+            # frozen, and the collector runs again (appliance.boot.collector_pause).
             self.engine = await self._serve(model, load_ms, attestation_ms)
+            if self.collector is not None:
+                self.collector.ready()
         except StartUpError as exc:
             if self.preload is not None:
                 self.preload.cancel()
             logger.error("start-up stopped: %s", exc)
             self.readiness.set_failed(str(exc))
             return None
+        finally:
+            # A start that stopped, expectedly or not, leaves the process up (not ready): the
+            # collector runs again, and frees what the start left in cycles.
+            if self.engine is None and self.collector is not None:
+                self.collector.stopped()
         # 8. Re-attestation on a timer, for as long as the engine serves.
         if self.tee.mode == "required":
             self._reattesting = asyncio.create_task(self._reattest(self.engine))

@@ -1,15 +1,18 @@
 """The served model from a sealed directory: the embedded SmolLM2 sealed, its key released by the
 `file` provider against a trusted verdict, decrypted in memory and loaded: it answers exactly as
-the plaintext model does and carries the same weights digest. A wrong key loads nothing."""
+the plaintext model does and carries the same weights digest. A wrong key loads nothing. A load
+leaves nothing a start would freeze for good: no tensor and no holder of the key in a cycle."""
 
 from __future__ import annotations
 
+import gc
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from datetime import UTC, datetime
 from pathlib import Path
 
 import pytest
+import torch
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from appliance.boot.weights import LoadedModel, digest_sealed_weights, digest_weights
@@ -84,6 +87,51 @@ def test_the_engine_config_must_name_the_sealed_directory(
     sealed, data_key = sealed_smollm2
     with pytest.raises(ModelFilesError, match="is not the sealed directory"):
         LoadedModel.load_sealed(EngineConfig(model_dir=smollm2_dir), sealed, data_key, workers=2)
+
+
+def _cyclic_garbage() -> list[object]:
+    """Every object that only a collection can free now (reference cycles nothing reaches)."""
+    gc.set_debug(gc.DEBUG_SAVEALL)
+    try:
+        gc.collect()
+        return list(gc.garbage)
+    finally:
+        gc.set_debug(0)
+        gc.garbage.clear()
+
+
+@pytest.fixture
+def collector_paused() -> Iterator[None]:
+    """The cyclic garbage collector off, as through `inferno serve`'s start
+    (appliance.boot.collector_pause)."""
+    gc.collect()
+    gc.disable()
+    yield
+    gc.enable()
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_a_sealed_load_leaves_no_tensor_and_no_holder_of_the_key_in_a_cycle(
+    sealed_smollm2: tuple[SealedModel, bytes], device: str, collector_paused: None
+) -> None:
+    """What a start leaves in reference cycles is frozen at ready without a collection
+    (appliance.boot.collector_pause), so is never freed: after the load and the engine's build
+    (on a GPU: the pinned ring, the KV pool's profile, the CUDA graphs), that must hold no
+    tensor (host or device memory, plaintext weights included) and nothing that refers to the
+    data key."""
+    sealed, data_key = sealed_smollm2
+    config = EngineConfig(model_dir=sealed.directory, device=device, max_model_len=512)
+    loaded = LoadedModel.load_sealed(config, sealed, data_key, workers=2)
+    try:
+        garbage = _cyclic_garbage()
+        tensors = [repr(o.shape) for o in garbage if isinstance(o, torch.Tensor)]
+        holders = [
+            type(o).__name__ for o in garbage if any(r is data_key for r in gc.get_referents(o))
+        ]
+        del garbage
+        assert (tensors, holders) == ([], [])
+    finally:
+        loaded.engine.close()
 
 
 @pytest.mark.slow

@@ -1,9 +1,13 @@
 """A sealed model's weight files decrypted onto the engine's device: straight into the image on
 the CPU, through the ring of staging chunks elsewhere (exercised on the CPU with staging=True,
-and on a GPU through pinned memory). Same bytes as the source; a bad chunk leaves nothing."""
+and on a GPU through pinned memory). Same bytes as the source; a bad chunk leaves nothing; and
+nothing of it needs a garbage collection to be freed."""
 
 from __future__ import annotations
 
+import gc
+import weakref
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -13,6 +17,7 @@ from appliance.engine.models.loader import load_model
 from appliance.engine.models.sealed_images import SealedImages, StagingRing
 from attestation.sealed import SealedModel
 from attestation.sealed.errors import ChunkAuthenticationError
+from attestation.sealed.model import ChunkReader
 from tests.attestation.sealed.conftest import SealedFixture, flip_bit, seal, write_model
 
 from .conftest import build_hf_model, save_checkpoint
@@ -113,6 +118,58 @@ def test_a_bad_chunk_on_the_gpu_leaves_a_zeroed_device_image(sealed: SealedFixtu
         ring.copy(reader, name, image)
     assert not image.any().item()
     assert not any(slot.any() for slot in ring.slots)
+
+
+@pytest.fixture
+def collector_paused() -> Iterator[None]:
+    """The cyclic garbage collector off, as through a start (appliance.boot.collector_pause):
+    only reference counting frees anything."""
+    gc.collect()
+    gc.disable()
+    yield
+    gc.enable()
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_the_ring_the_images_and_the_key_s_holders_need_no_collection_to_be_freed(
+    tmp_path: Path, device: str, collector_paused: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Anything here in a reference cycle would outlive a start whose collector is paused, and
+    never be freed once the start's objects are frozen at ready: the staging ring and its slots
+    (pinned on a GPU), every decrypted image, and the objects holding the data key
+    (`SealedImages`, `ChunkReader`) are freed by reference counting alone once the load is
+    done."""
+    source = save_checkpoint(build_hf_model("llama2"), tmp_path / "m", max_shard_size="100KB")
+    fixture = seal(source, tmp_path / "sealed")
+    freed: list[weakref.ref[object]] = []
+    make_reader = ChunkReader.__init__
+
+    def recorded_reader(reader: ChunkReader, *args: object) -> None:
+        make_reader(reader, *args)  # type: ignore[arg-type]
+        freed.append(weakref.ref(reader))
+
+    monkeypatch.setattr(ChunkReader, "__init__", recorded_reader)
+
+    class RecordedImages(SealedImages):
+        def __getitem__(self, name: str) -> torch.Tensor:
+            image = super().__getitem__(name)
+            freed.append(weakref.ref(image))
+            return image
+
+    images = RecordedImages(
+        _open(fixture), fixture.data_key, torch.device(device), workers=2, staging=True
+    )
+    with images:
+        images.prepare()
+        assert images._ring is not None
+        freed += [weakref.ref(images._ring), *map(weakref.ref, images._ring.slots)]
+        model = load_model(fixture.sealed, device=device, weights=images)
+    freed.append(weakref.ref(images))
+    del images
+    num_files = len(fixture.manifest.sealed_files)
+    assert len(freed) == 2 * num_files + 1 + 4 + 1  # readers and images, the ring, 4 slots
+    assert [ref for ref in freed if ref() is not None] == []
+    assert next(model.parameters()).device.type == device  # what the load keeps: the model
 
 
 def test_a_ring_made_beforehand_is_used_and_wiped_not_dropped(sealed: SealedFixture) -> None:
