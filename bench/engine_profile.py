@@ -22,6 +22,7 @@ from __future__ import annotations
 import cProfile
 import marshal
 import profile
+import re
 import sys
 import threading
 import time
@@ -102,7 +103,7 @@ class EngineProfiler:
     engine thread's CPU seconds from the start of the first of them to the end of the last (all
     of its work in between, the profiler's own included; None for no step); and the seconds the
     profile puts inside the steps (the cumulative time of `step`), which leave out the engine
-    loop's work between steps and, the pure-Python profiler's, most of its own cost."""
+    loop's work between steps and, with the pure-Python profiler, most of the profiler's cost."""
 
     def __init__(self, engine: Any, new_profile: Callable[[], StepProfile] = step_profile):
         self._step: Callable[[], Any] = engine.step
@@ -189,13 +190,13 @@ def profile_tables(stats: Stats, total_s: float, top: int = 25) -> str:
 
 
 def function_label(key: tuple[str, int, str]) -> str:
-    """`path:line(name)`, the path from its package (or the repository) on; a built-in function,
-    which has no file (cProfile's `~`, profile's empty name), by its name alone."""
+    """`path:line(name)`, the path from its package (or the repository) on, else its file name; a
+    built-in function, which has no file (cProfile's `~`, profile's empty name), by its name."""
     path, line, name = key
     if path in ("~", ""):
         return name
-    if "site-packages/" in path:
-        path = path.rsplit("site-packages/", 1)[1]
+    if packages := re.search(r"(site|dist)-packages/", path):
+        path = path[packages.end() :]
     else:
         repository = Path(__file__).resolve().parent.parent
         path = (

@@ -313,9 +313,8 @@ def print_engine_profile(
     assert row["server_cpu"] is not None and row["event_loop_cpu"] is not None
     assert row["wall_s"] is not None
     others_s = (row["server_cpu"] - row["event_loop_cpu"]) * row["wall_s"]
-    cpu_s, num_steps, steps_s = (
-        window["engine_thread_cpu_s"], window["num_steps"], window["steps_cpu_s"]
-    )  # fmt: skip
+    cpu_s = window["engine_thread_cpu_s"]
+    num_steps, steps_s = window["num_steps"], window["steps_cpu_s"]
     print(f"\nengine thread at {row['rate']:g} req/s, profiled by {window['profiler']}:")
     if cpu_s is None:
         print("no steps")

@@ -166,5 +166,8 @@ def test_function_labels_start_at_the_package_or_repository():
     assert function_label(("/v/lib/site-packages/torch/nn/module.py", 1, "f")) == (
         "torch/nn/module.py:1(f)"
     )
+    assert function_label(("/usr/lib/python3/dist-packages/numpy/a.py", 2, "g")) == (
+        "numpy/a.py:2(g)"
+    )
     assert function_label(("/usr/lib/python3.12/threading.py", 9, "run")) == "threading.py:9(run)"
     assert function_label(("", 0, "sorted")) == "sorted"
