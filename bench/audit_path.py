@@ -137,6 +137,7 @@ async def run_route(
 async def measure(args: argparse.Namespace) -> None:
     args.stub_model, args.model, args.device = True, None, "cpu"
     args.max_num_seqs, args.max_num_batched_tokens, args.max_decode_burst = 256, 8192, 1
+    args.async_scheduling, args.kv_cache_dtype, args.quantization = None, "auto", None
     with tempfile.TemporaryDirectory(prefix="inferno-audit-") as tmp:
         config, model, _ = write_server_files(Path(tmp), args)
         tokens = bench_tokens(Path(tmp))

@@ -12,6 +12,11 @@ entry delays the first token, the end entry the `[DONE]`).
     python bench/server_load.py [--rates 10,20,40] [--duration-s 60]
         # the random-weight Llama-3.1-8B on the GPU (as bench/gpu_engine.py builds it), served
         # with a numbered word-level tokenizer (token i is the word "w<i>")
+    python bench/server_load.py --rates 20,24,28,32 --quantization fp8 --kv-cache-dtype fp8_e4m3
+        # the same 8B with FP8 projections (gpu_engine's --quantization fp8) and an FP8 KV
+        # cache (engine.quantization and engine.kv_cache_dtype; either flag alone too)
+    python bench/server_load.py --rates 20 --profile-engine
+        # and where the engine thread's CPU goes at each rate (below)
     python bench/server_load.py --model DIR --device cpu --rates 1 --duration-s 10 \\
         --prompt-tokens 32 --output-tokens 16     # any model directory, e.g. a CPU smoke run
     python bench/server_load.py --stub-model      # no model math: the server's own CPU cost
@@ -21,6 +26,25 @@ entry delays the first token, the end entry the `[DONE]`).
     python bench/server_load.py --rates 0,10 --console [--repeat 2]
         # the admin console's cost: each rate runs without, then with, one console open
 
+After the rows comes the highest rate the server sustained: the highest of --rates whose every
+run had TTFT p99 ≤ 1 s and kept up, meaning that the middle 80% of its requests finished at
+least 0.9× as fast as they arrived (`keep_up_ratio`: the span of the 10th to 90th percentile of
+arrival times ÷ that of completion times; 1 when the server keeps up, the fraction of the
+arrival rate it served when its queue grows). Every request of a run finishes: the run waits
+for all of them, and a failed one stops the benchmark. Short runs see only the start of a queue
+that grows: the longer --duration-s, the sharper the rule.
+
+With `--profile-engine` (the random 8B or the stub model, which this script serves itself), the
+engine thread's `Engine.step` calls are profiled in that thread's CPU time during each rate's
+run, and the top functions by own and by cumulative time are printed after its row, with the
+engine thread's CPU over the run: whether kernel launches (Triton's `JITFunction.run` and
+launcher, torch operations) or the engine's own Python take it. Profiling costs CPU of its
+own, more for many small calls: take CPU and latency figures from a run without it. The
+profiler is cProfile up to Python 3.11; from 3.12 cProfile hooks every thread at once
+(sys.monitoring), which would mix the event loop's calls into the engine's, so there it is the
+pure-Python `profile` module, which still hooks one thread, at several times cProfile's cost
+per call.
+
 With `--console`, each rate runs twice (or 2 × --repeat times, alternating which goes first):
 without a console, and with one console "open": an admin session, made in the server's session
 store (the audit database) as a login would, fetches the Overview page and its files once,
@@ -28,7 +52,8 @@ then polls `/console/overview/series` at the charts' cadence (the series' interv
 for each answer as the page's script does). Rate 0 is no API load at all: the console's cost
 alone. The time series itself is sampled in both runs (the server always samples it).
 
-Prints the device, the commit (INFERNO_COMMIT or git) and Markdown rows for docs/BENCHMARKS.md.
+Prints the device, the commit (INFERNO_COMMIT or git), the model's quantization and KV-cache
+dtype, and Markdown rows for docs/BENCHMARKS.md.
 """
 
 from __future__ import annotations
@@ -50,6 +75,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -57,6 +83,11 @@ _HERE = Path(__file__).resolve().parent
 RANDOM_MODEL_NAME = "random-llama-3.1-8b"
 LOCAL_ISSUER_KEY = "auth/local-issuer.pem"  # beside the server's settings file
 STUB_MODEL_NAME = "stub"
+# Issue 17's W3: the highest rate the server sustains is the highest with TTFT p99 <= 1 s ...
+MAX_SUSTAINED_TTFT_P99_MS = 1000.0
+# ... that it also kept up with: the middle 80% of its requests finished at >= 0.9x the rate at
+# which they arrived (keep_up_ratio).
+MIN_KEEP_UP_RATIO = 0.9
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,14 +95,20 @@ class RequestTiming:
     ttft_s: float
     tpot_s: float
     num_output_tokens: int
+    sent_at_s: float  # time.perf_counter() when it was sent, and when its stream ended
+    done_at_s: float
 
 
 # The server process.
 
 
-def serve_built_model(kind: str, config_path: Path, stub_step_s: float = 0.0) -> None:
-    """Serve the random-weight 8B (GPU) or the stub model (each forward pass sleeping
-    `stub_step_s`) exactly as `inferno serve` serves a model directory."""
+def serve_built_model(
+    kind: str, config_path: Path, stub_step_s: float = 0.0, profile_engine: bool = False
+) -> None:
+    """Serve the random-weight 8B (GPU; FP8 projections under `engine.quantization = "fp8"`) or
+    the stub model (each forward pass sleeping `stub_step_s`) exactly as `inferno serve` serves
+    a model directory. With `profile_engine`, the engine's steps are profiled as the commands on
+    stdin say (bench/engine_profile.py)."""
     sys.path.insert(0, str(_HERE))
     from appliance.app import build
     from appliance.boot.startup import engine_config, start_audit_log
@@ -84,13 +121,18 @@ def serve_built_model(kind: str, config_path: Path, stub_step_s: float = 0.0) ->
     if kind == "random-8b":
         from gpu_engine import random_model  # the same model as W1/W2
 
-        model = random_model()
+        model = random_model(quantization=settings.engine.quantization)
     else:
         from engine_host import stub_model  # model math stubbed out: host cost only
 
         model = stub_model(stub_step_s)
     tokenizer = numbered_tokenizer(model.config.vocab_size)
     engine = Engine.build(engine_config(settings), model, tokenizer)
+    if profile_engine:
+        from engine_profile import EngineProfiler
+
+        profiler = EngineProfiler(engine)
+        threading.Thread(target=profiler.follow, args=(sys.stdin,), daemon=True).start()
     with start_audit_log(settings) as audit_log:
         # Weights made in memory have no files to digest: the log says so instead.
         loaded = LoadedModel(engine, weights_digest=f"none:{kind}-weights-made-in-memory")
@@ -145,7 +187,10 @@ def write_server_files(directory: Path, args: argparse.Namespace) -> tuple[Path,
         "max_num_seqs": args.max_num_seqs,
         "max_num_batched_tokens": args.max_num_batched_tokens,
         "max_decode_burst": args.max_decode_burst,
+        "kv_cache_dtype": args.kv_cache_dtype,
     }
+    if args.quantization is not None:
+        engine["quantization"] = args.quantization
     if args.async_scheduling is not None:
         engine["async_scheduling"] = args.async_scheduling
     if max_model_len is not None:
@@ -194,15 +239,19 @@ def bench_tokens(directory: Path) -> dict[str, dict[str, str]]:
 
 
 def start_server(
-    config: Path, built: str | None, stub_step_ms: float = 0.0
+    config: Path, built: str | None, stub_step_ms: float = 0.0, profile_engine: bool = False
 ) -> tuple[subprocess.Popen[str], str]:
-    """Start `inferno serve`, or this script serving a `built` model ("random-8b", "stub")."""
+    """Start `inferno serve`, or this script serving a `built` model ("random-8b", "stub");
+    with `profile_engine` (a built model only), its stdin takes the engine profile's commands
+    (`start_engine_profile`, `stop_engine_profile`)."""
     if built is not None:
         command = [sys.executable, __file__, "--serve-built", built, str(config)]
         command += ["--stub-step-ms", str(stub_step_ms)]
+        command += ["--profile-engine"] if profile_engine else []
     else:
         command = [sys.executable, "-m", "appliance", "serve", "--config", str(config)]
-    server = subprocess.Popen(command, stderr=subprocess.PIPE, text=True)
+    stdin = subprocess.PIPE if profile_engine else None
+    server = subprocess.Popen(command, stdin=stdin, stderr=subprocess.PIPE, text=True)
     assert server.stderr is not None
     while line := server.stderr.readline():
         sys.stderr.write(line)  # start-up messages, and why it failed if it does
@@ -225,6 +274,58 @@ def cpu_s(pid: int) -> tuple[float, float]:
         return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
     return read(f"/proc/{pid}/stat"), read(f"/proc/{pid}/task/{pid}/stat")
+
+
+def start_engine_profile(server: subprocess.Popen[str]) -> None:
+    """Profile the server's engine steps from its next step on."""
+    assert server.stdin is not None, "start_server(profile_engine=True)"
+    server.stdin.write("start\n")
+    server.stdin.flush()
+
+
+async def stop_engine_profile(
+    server: subprocess.Popen[str], path: Path, timeout_s: float = 120.0
+) -> dict[str, Any]:
+    """End the profile (between two engine steps, or at once when idle) and read it back from
+    `path`, where the server writes it."""
+    sys.path.insert(0, str(_HERE))
+    from engine_profile import read_window
+
+    assert server.stdin is not None, "start_server(profile_engine=True)"
+    server.stdin.write(f"stop {path}\n")
+    server.stdin.flush()
+    deadline = time.monotonic() + timeout_s
+    while not path.exists():
+        if time.monotonic() > deadline or server.poll() is not None:
+            raise SystemExit("the server wrote no engine profile (its messages say why)")
+        await asyncio.sleep(0.05)
+    return read_window(path)
+
+
+def print_engine_profile(
+    window: dict[str, Any], row: dict[str, float | None], top: int = 25
+) -> None:
+    """The engine thread's CPU over a rate's run, beside that of the server's threads other
+    than the event loop (the engine's, mostly), then its profile's top functions."""
+    sys.path.insert(0, str(_HERE))
+    from engine_profile import profile_tables
+
+    assert row["server_cpu"] is not None and row["event_loop_cpu"] is not None
+    assert row["wall_s"] is not None
+    others_s = (row["server_cpu"] - row["event_loop_cpu"]) * row["wall_s"]
+    cpu_s = window["engine_thread_cpu_s"]
+    num_steps, steps_s = window["num_steps"], window["steps_cpu_s"]
+    print(f"\nengine thread at {row['rate']:g} req/s, profiled by {window['profiler']}:")
+    if cpu_s is None:
+        print("no steps")
+        return
+    print(
+        f"{cpu_s:.2f} s of its CPU over the {num_steps} steps of the run, the profiler's cost"
+        f" included (the server's threads but the event loop: {others_s:.2f} s); inside the"
+        f" steps as the profile times them, the tables' 100%: {steps_s:.2f} s"
+        f" ({steps_s / num_steps * 1e3:.2f} ms a step)"
+    )
+    print(profile_tables(window["stats"], steps_s, top), flush=True)
 
 
 # The console.
@@ -322,7 +423,8 @@ async def one_request(
     end = time.perf_counter()
     if first is None or num_tokens != output_tokens:
         raise RuntimeError(f"a request produced {num_tokens} tokens, not {output_tokens}")
-    return RequestTiming(first - start, (end - first) / max(num_tokens - 1, 1), num_tokens)
+    tpot = (end - first) / max(num_tokens - 1, 1)
+    return RequestTiming(first - start, tpot, num_tokens, start, end)
 
 
 async def run_rate(
@@ -391,6 +493,7 @@ async def run_rate(
         "console": console is not None,
         "requests": len(timings),
         "achieved_rate": len(timings) / args.duration_s,
+        "keep_up": keep_up_ratio([t.sent_at_s for t in timings], [t.done_at_s for t in timings]),
         "ttft_p50_ms": ms(percentile(ttft, 50)),
         "ttft_p99_ms": ms(percentile(ttft, 99)),
         "tpot_p50_ms": ms(percentile(tpot, 50)),
@@ -414,6 +517,70 @@ async def run_rate(
 
 def ms(seconds: float | None) -> float | None:
     return None if seconds is None else 1e3 * seconds
+
+
+def keep_up_ratio(sent_at_s: list[float], done_at_s: list[float]) -> float | None:
+    """How fast a run's requests finished against how fast they arrived: the span from the 10th
+    to the 90th percentile of the send times ÷ the same span of the end times (each sorted on
+    its own). About 1 when the server keeps up (each request ends about one latency after it
+    arrived); the fraction of the arrival rate the server served while its queue grew. The
+    requests' own times, not the offered rate, so the Poisson draw's noise cancels; the first and
+    last 10% are left out, which meet a filling and a draining server. None for fewer than 10
+    requests: too few to tell."""
+    if len(sent_at_s) != len(done_at_s):
+        raise ValueError("one end time per request")
+    if len(sent_at_s) < 10:
+        return None
+    first, last = len(sent_at_s) // 10, len(sent_at_s) - 1 - len(sent_at_s) // 10
+    sent, done = sorted(sent_at_s), sorted(done_at_s)
+    return (sent[last] - sent[first]) / (done[last] - done[first])
+
+
+def why_not_sustained(row: dict[str, float | None]) -> str | None:
+    """Why a run's rate does not count as sustained (None: it does): its TTFT p99 is over
+    MAX_SUSTAINED_TTFT_P99_MS, or it did not keep up (keep_up_ratio below MIN_KEEP_UP_RATIO, or
+    too few requests to tell)."""
+    ttft_p99, keep_up = row["ttft_p99_ms"], row["keep_up"]
+    if ttft_p99 is None:
+        return "no requests"
+    reasons = []
+    if ttft_p99 > MAX_SUSTAINED_TTFT_P99_MS:
+        reasons.append(f"TTFT p99 {ttft_p99:,.0f} ms")
+    if keep_up is None:
+        reasons.append("too few requests to tell whether it kept up")
+    elif keep_up < MIN_KEEP_UP_RATIO:
+        reasons.append(f"finished at {keep_up:.2f}× the rate they arrived")
+    return ", ".join(reasons) or None
+
+
+def highest_sustained_rate(rows: list[dict[str, float | None]]) -> float | None:
+    """The highest rate all of whose runs were sustained (`why_not_sustained`); None if none."""
+    rates = {row["rate"] for row in rows}
+    sustained = [
+        rate
+        for rate in rates
+        if all(why_not_sustained(row) is None for row in rows if row["rate"] == rate)
+    ]
+    return max(sustained, default=None)  # type: ignore[type-var]
+
+
+def sustained_summary(rows: list[dict[str, float | None]]) -> str:
+    """Each run's verdict, then the highest sustained rate, with the rule."""
+    verdicts = []
+    for row in rows:
+        why = why_not_sustained(row)
+        keep_up = "—" if row["keep_up"] is None else f"{row['keep_up']:.2f}"
+        verdict = "sustained" if why is None else f"not sustained: {why}"
+        verdicts.append(f"{row['rate']:g} req/s ({keep_up}): {verdict}")
+    best = highest_sustained_rate(rows)
+    return (
+        f"\nSustained: TTFT p99 ≤ {MAX_SUSTAINED_TTFT_P99_MS:g} ms and kept up (the middle 80% of"
+        f" the requests finished at ≥ {MIN_KEEP_UP_RATIO:g}× the rate they arrived: the ratio in"
+        " parentheses; every request finished).\n"
+        + "\n".join(verdicts)
+        + "\nhighest sustained rate: "
+        + ("none of these" if best is None else f"{best:g} req/s")
+    )
 
 
 Histogram = dict[str, dict[float, float]]
@@ -489,7 +656,7 @@ async def measure(args: argparse.Namespace) -> None:
         config, model, vocab_size = write_server_files(directory, args)
         tokens = bench_tokens(directory)
         built = "stub" if args.stub_model else "random-8b" if args.model is None else None
-        server, url = start_server(config, built, args.stub_step_ms)
+        server, url = start_server(config, built, args.stub_step_ms, args.profile_engine)
         try:
             tls = ssl.create_default_context(cafile=directory / "cert.pem")
             await wait_until_ready(url, tls)
@@ -505,6 +672,8 @@ async def measure(args: argparse.Namespace) -> None:
                     await one_request(client, model, prompt, args.output_tokens)
             print(
                 f"date {datetime.date.today()} device {device_line(args.device)} commit {commit()}"
+                f" engine.quantization {args.quantization or 'none'}"
+                f" engine.kv_cache_dtype {args.kv_cache_dtype}"
                 f"\ncommand: {' '.join(sys.argv)}",
                 flush=True,
             )
@@ -512,16 +681,23 @@ async def measure(args: argparse.Namespace) -> None:
             rows = []
             for rate in args.rates:
                 for with_console in console_runs(args):
+                    if args.profile_engine:
+                        start_engine_profile(server)
                     result = await run_rate(
                         url, tls, model, prompts, rate, args, server.pid, tokens,
                         console if with_console else None,
                     )  # fmt: skip
                     print(json.dumps(result), flush=True)
+                    if args.profile_engine:
+                        # Every request of the run has ended: the engine is idle till the next.
+                        path = directory / f"engine-profile-{len(rows)}"
+                        print_engine_profile(await stop_engine_profile(server, path), result)
                     rows.append(result)
         finally:
             server.terminate()
             server.wait(timeout=120)
     print_rows(rows, args.console)
+    print(sustained_summary(rows))
 
 
 def console_runs(args: argparse.Namespace) -> list[bool]:
@@ -605,7 +781,7 @@ async def wait_until_ready(url: str, tls: ssl.SSLContext, timeout_s: float = 900
             await asyncio.sleep(0.5)
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", type=Path, help="model directory (default: random 8B, GPU)")
     parser.add_argument("--device", default=None, help="default: cuda (random 8B) or cpu")
@@ -620,6 +796,17 @@ def main() -> None:
         "--async-scheduling",
         action=argparse.BooleanOptionalAction,
         help="engine.async_scheduling; default: the engine's (on for cuda)",
+    )
+    parser.add_argument(
+        "--quantization",
+        choices=["fp8"],
+        help="engine.quantization: FP8 projections (the random 8B as gpu_engine.py makes it)",
+    )
+    parser.add_argument(
+        "--kv-cache-dtype",
+        choices=["auto", "fp8_e4m3"],
+        default="auto",
+        help="engine.kv_cache_dtype",
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
@@ -641,17 +828,36 @@ def main() -> None:
         default=0.0,
         help="with --stub-model: each step also sleeps this long, as on a GPU (W3's pace: 30)",
     )
+    parser.add_argument(
+        "--profile-engine",
+        action="store_true",
+        help="profile the engine thread's steps in each run (the random 8B or --stub-model)",
+    )
     parser.add_argument("--serve-built", nargs=2, help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.serve_built is not None:
-        kind, config = args.serve_built
-        serve_built_model(kind, Path(config), args.stub_step_ms / 1e3)
-        return
+        return args
     args.rates = [float(rate) for rate in args.rates.split(",")]
     if any(rate < 0 for rate in args.rates) or args.repeat < 1:
         parser.error("rates must be 0 or more, --repeat 1 or more")
+    if args.stub_model and args.quantization is not None:
+        parser.error("--quantization: the stub model has no projections worth quantizing")
+    if args.profile_engine and args.model is not None:
+        parser.error(
+            "--profile-engine profiles a model this script serves itself: the random 8B or "
+            "--stub-model, not --model"
+        )
     if args.device is None:
         args.device = "cuda" if args.model is None and not args.stub_model else "cpu"
+    return args
+
+
+def main() -> None:
+    args = parse_args()
+    if args.serve_built is not None:
+        kind, config = args.serve_built
+        serve_built_model(kind, Path(config), args.stub_step_ms / 1e3, args.profile_engine)
+        return
     asyncio.run(measure(args))
 
 

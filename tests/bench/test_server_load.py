@@ -1,0 +1,126 @@
+"""bench/server_load.py's rule for the highest rate the server sustains (issue 17's W3: TTFT p99
+≤ 1 s and keeping up with the arrivals), and its command line: FP8 projections and KV cache
+reach the server's settings, and flags that cannot apply are refused."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+
+from appliance.config import load_settings
+from bench.server_load import (
+    highest_sustained_rate,
+    keep_up_ratio,
+    parse_args,
+    sustained_summary,
+    why_not_sustained,
+    write_server_files,
+)
+
+
+def poisson_arrivals(rate: float, duration_s: float, seed: int = 0) -> list[float]:
+    arrivals, now, draw = [], 0.0, random.Random(seed)
+    while (now := now + draw.expovariate(rate)) < duration_s:
+        arrivals.append(now)
+    return arrivals
+
+
+def test_a_server_that_keeps_up_finishes_as_fast_as_requests_arrive():
+    arrivals = poisson_arrivals(20, 20)
+    assert keep_up_ratio(arrivals, [t + 5.0 for t in arrivals]) == pytest.approx(1.0)
+    # Latencies that vary (decode at 19 ± 2 ms a token, 256 tokens) stay well above the bound.
+    draw = random.Random(1)
+    ends = [t + 256 * draw.gauss(0.019, 0.002) for t in arrivals]
+    assert keep_up_ratio(arrivals, ends) == pytest.approx(1.0, abs=0.05)
+
+
+def test_a_server_serving_fewer_than_arrive_keeps_up_at_its_share_of_the_rate():
+    # One queue served at 15 req/s while 20 req/s arrive: the queue grows the whole run.
+    arrivals = poisson_arrivals(20, 20)
+    ends: list[float] = []
+    for sent in arrivals:
+        ends.append(max(sent, ends[-1] if ends else 0.0) + 1 / 15)
+    assert keep_up_ratio(arrivals, ends) == pytest.approx(0.75, abs=0.05)
+
+
+def test_keep_up_needs_ten_requests_and_one_end_per_request():
+    assert keep_up_ratio([0.1 * i for i in range(9)], [1 + 0.1 * i for i in range(9)]) is None
+    assert keep_up_ratio([0.1 * i for i in range(10)], [1 + 0.1 * i for i in range(10)]) == (
+        pytest.approx(1.0)
+    )
+    with pytest.raises(ValueError, match="one end time per request"):
+        keep_up_ratio([0.0, 1.0], [1.0])
+
+
+def run(rate: float, ttft_p99_ms: float | None, keep_up: float | None) -> dict:
+    return {"rate": rate, "ttft_p99_ms": ttft_p99_ms, "keep_up": keep_up}
+
+
+def test_sustained_means_ttft_p99_at_most_1_s_and_keeping_up_at_0_9():
+    assert why_not_sustained(run(20, 1000.0, 0.9)) is None  # both bounds included
+    assert why_not_sustained(run(20, 1001.0, 0.99)) == "TTFT p99 1,001 ms"
+    assert why_not_sustained(run(20, 300.0, 0.89)) == "finished at 0.89× the rate they arrived"
+    assert why_not_sustained(run(20, 300.0, None)) == "too few requests to tell whether it kept up"
+    assert why_not_sustained(run(0, None, None)) == "no requests"
+    assert why_not_sustained(run(32, 4000.0, 0.8)) == (
+        "TTFT p99 4,000 ms, finished at 0.80× the rate they arrived"
+    )
+
+
+def test_highest_sustained_rate_is_the_highest_whose_every_run_passed():
+    rows = [
+        run(20, 250.0, 0.99),
+        run(24, 900.0, 0.95),
+        run(28, 1500.0, 0.97),  # TTFT
+        run(32, 400.0, 0.80),  # fell behind with a low TTFT: a run too short for its queue
+    ]
+    assert highest_sustained_rate(rows) == 24
+    # A rate counts only if each of its runs (--repeat, --console) passed.
+    assert highest_sustained_rate([*rows, run(24, 1200.0, 0.95)]) == 20
+    assert highest_sustained_rate([run(0, None, None), run(40, 9000.0, 0.6)]) is None
+
+
+def test_summary_gives_each_run_and_the_highest_rate_or_none():
+    summary = sustained_summary([run(20, 250.0, 0.99), run(28, 1500.0, 0.97)])
+    assert "20 req/s (0.99): sustained" in summary
+    assert "28 req/s (0.97): not sustained: TTFT p99 1,500 ms" in summary
+    assert summary.endswith("highest sustained rate: 20 req/s")
+    assert sustained_summary([run(40, 9000.0, 0.6)]).endswith(
+        "highest sustained rate: none of these"
+    )
+
+
+def test_fp8_projections_and_kv_cache_reach_the_servers_settings(tmp_path: Path):
+    args = parse_args(["--quantization", "fp8", "--kv-cache-dtype", "fp8_e4m3"])
+    config, model, _ = write_server_files(tmp_path, args)
+    engine = load_settings(config).engine
+    assert (model, engine.quantization, engine.kv_cache_dtype) == (
+        "random-llama-3.1-8b",
+        "fp8",
+        "fp8_e4m3",
+    )
+    (tmp_path / "default").mkdir()
+    config, _, _ = write_server_files(tmp_path / "default", parse_args([]))
+    engine = load_settings(config).engine
+    assert (engine.quantization, engine.kv_cache_dtype) == (None, "auto")
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--stub-model", "--quantization", "fp8"], "the stub model has no projections"),
+        (["--model", "DIR", "--profile-engine"], "a model this script serves itself"),
+    ],
+)
+def test_flags_that_cannot_apply_are_refused(argv, message, capsys):
+    with pytest.raises(SystemExit):
+        parse_args(argv)
+    assert message in capsys.readouterr().err
+
+
+def test_profiling_applies_to_the_models_this_script_serves():
+    assert parse_args(["--profile-engine"]).profile_engine
+    args = parse_args(["--stub-model", "--profile-engine", "--kv-cache-dtype", "fp8_e4m3"])
+    assert (args.device, args.kv_cache_dtype) == ("cpu", "fp8_e4m3")
