@@ -36,6 +36,8 @@ from kernels.ops import AttentionMetadata, RecurrentStateMetadata
 
 logger = logging.getLogger(__name__)
 
+# Every array of a step's packed inputs starts at a multiple of this many int32 words (16 bytes).
+_ALIGN_WORDS = 4
 # Rows of prompt logits turned into log-probabilities at once (bounds [rows, vocab] memory).
 _PROMPT_LOGPROB_ROWS = 256
 
@@ -666,22 +668,30 @@ class ModelRunner:
     def _upload(
         self, int64s: dict[str, np.ndarray], int32s: dict[str, np.ndarray]
     ) -> dict[str, torch.Tensor]:
-        """Host arrays on the device through one copy: packed into one int32 buffer (the
-        int64 arrays first, each an even number of words, so every int64 view is aligned),
-        then each a view of the device's copy in its own dtype and shape."""
-        parts = [a.view(np.int32).ravel() for a in int64s.values()]
-        parts += [a.ravel() for a in int32s.values()]
-        packed = torch.from_numpy(np.concatenate(parts))
+        """Host arrays on the device through one copy: packed into one int32 buffer, each
+        array from a 16-byte boundary, then each a view of the device's copy in its own dtype
+        and shape. (Triton specializes a kernel on whether each pointer is 16-byte aligned: a
+        view at any other offset would compile another variant of every kernel it reaches, in
+        the middle of serving.)"""
+        words = {name: a.view(np.int32).ravel() for name, a in int64s.items()}
+        words |= {name: a.ravel() for name, a in int32s.items()}
+        starts, total = {}, 0
+        for name, part in words.items():
+            starts[name] = total
+            total += -(-part.size // _ALIGN_WORDS) * _ALIGN_WORDS
+        packed = np.zeros(total, np.int32)
+        for name, part in words.items():
+            packed[starts[name] : starts[name] + part.size] = part
+        device = torch.from_numpy(packed)
         if self.device.type == "cuda":
-            packed = packed.pin_memory().to(self.device, non_blocking=True)
-        views: dict[str, torch.Tensor] = {}
-        offset = 0
-        for name, array in int64s.items():
-            views[name] = packed[offset : offset + 2 * array.size].view(torch.int64)
-            offset += 2 * array.size
-        for name, array in int32s.items():
-            views[name] = packed[offset : offset + array.size].view(array.shape)
-            offset += array.size
+            device = device.pin_memory().to(self.device, non_blocking=True)
+        views = {}
+        for name, part in words.items():
+            view = device[starts[name] : starts[name] + part.size]
+            if name in int64s:
+                views[name] = view.view(torch.int64)
+            else:
+                views[name] = view.view(int32s[name].shape)
         return views
 
     def _state_meta(
