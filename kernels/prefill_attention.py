@@ -156,8 +156,22 @@ def _attend_key_tile(
 
 
 # The block-table width varies from step to step; specialized (== 1, divisible by 16) it would
-# make three compiled variants, the later ones compiled while serving, seconds each.
-@triton.jit(do_not_specialize=["max_blocks", "stride_bt"])
+# make three compiled variants, the later ones compiled while serving, seconds each. So does
+# the alignment of the per-sequence pointers: a mixed step passes views past its decode rows
+# (kernels.triton_ops), 16-byte aligned or not with the number of decodes, and the unused
+# scale and sink pointers are such a view too. They are read a scalar at a time, so the hint
+# buys nothing either.
+@triton.jit(
+    do_not_specialize=["max_blocks", "stride_bt"],
+    do_not_specialize_on_alignment=[
+        "block_tables_ptr",
+        "seq_lens_ptr",
+        "query_start_loc_ptr",
+        "k_scale_ptr",
+        "v_scale_ptr",
+        "sinks_ptr",
+    ],
+)
 def _paged_prefill_attention_kernel(
     q_ptr,
     k_cache_ptr,

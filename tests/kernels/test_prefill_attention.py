@@ -637,3 +637,40 @@ def test_one_compiled_variant_serves_every_block_table_width() -> None:
         assert_matches_reference(case, case.run())
         before = num_compiled() if before is None else before
     assert num_compiled() == before
+
+
+@pytest.mark.gpu
+def test_one_compiled_variant_serves_lengths_and_tables_at_any_offset() -> None:
+    """A mixed step passes the prefill kernel its sequences' lengths, start rows and block
+    tables as views past its decode rows (`kernels.triton_ops.paged_attention`), so those
+    pointers are 16-byte aligned only when the decodes are a multiple of 4 (of 4 and the
+    tables' width): a variant specialized on alignment would be compiled while serving, the
+    first time a step has another number of decodes (issue 17, W3 on the H100)."""
+    from kernels.prefill_attention import _paged_prefill_attention_kernel as kernel
+
+    def num_compiled() -> int:
+        return len(kernel.device_caches[torch.cuda.current_device()][0])
+
+    case = make_case(
+        [1, 40],
+        [37, 3],
+        num_q_heads=8,
+        num_kv_heads=2,
+        head_dim=128,
+        dtype=torch.bfloat16,
+        device="cuda",
+    )
+    expected = case.run()
+    before = num_compiled()
+    for offset in (1, 2, 3):
+
+        def past(t: torch.Tensor, offset: int = offset) -> torch.Tensor:
+            return torch.cat([t[:1].expand(offset, *t.shape[1:]), t])[offset:]
+
+        out = case.run(
+            block_tables=past(case.block_tables),
+            seq_lens=past(case.seq_lens),
+            query_start_loc=past(case.query_start_loc),
+        )
+        assert torch.equal(out, expected)
+    assert num_compiled() == before
