@@ -22,7 +22,10 @@ _MAX_TOKEN_ELEMENTS = 16384
 _FP8_MAX = torch.finfo(KV_CACHE_FP8).max
 
 
-@triton.jit
+# The slots are read a scalar at a time: an alignment hint on them buys nothing, and a
+# variant per alignment would be compiled while serving when a step's slots are a view at an
+# odd offset (a tensor-parallel worker's window-group slots, split out of one broadcast).
+@triton.jit(do_not_specialize_on_alignment=["slot_mapping_ptr", "k_scale_ptr", "v_scale_ptr"])
 def _write_kv_cache_kernel(
     k_ptr,
     v_ptr,

@@ -111,6 +111,25 @@ def test_write_kv_cache_drops_out_of_range_slot_instead_of_writing_past_the_cach
     assert torch.count_nonzero(k_cache.view(8, 16)[torch.arange(8, device=DEVICE) != 3]) == 0
 
 
+@pytest.mark.gpu
+def test_write_kv_cache_compiles_one_variant_for_slots_at_any_offset() -> None:
+    """A step's slots may be a view at any offset (one split out of a tensor-parallel
+    broadcast): a variant per alignment would be compiled while serving."""
+    from kernels.kv_cache_write import _write_kv_cache_kernel as kernel
+
+    k = torch.randn(3, 2, 16, device=DEVICE)
+    slots = torch.tensor([0, 5, 7, 0, 5], device=DEVICE)  # views of 3 at 0, 8 and 16 bytes
+    compiled = None
+    for offset in (0, 1, 2):
+        view = slots[offset : offset + 3]
+        k_cache = torch.zeros(2, 4, 2, 16, device=DEVICE)
+        write_kv_cache(k, k, k_cache, k_cache.clone(), view)
+        for token, slot in enumerate(view.tolist()):
+            assert torch.equal(k_cache.view(8, 2, 16)[slot], k[token])
+        compiled = compiled or len(kernel.device_caches[torch.cuda.current_device()][0])
+    assert len(kernel.device_caches[torch.cuda.current_device()][0]) == compiled
+
+
 def test_write_kv_cache_accepts_no_tokens() -> None:
     empty = torch.empty(0, 2, 16, device=DEVICE)
     cache = torch.zeros(1, 4, 2, 16, device=DEVICE)
