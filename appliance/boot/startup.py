@@ -227,11 +227,13 @@ class StartUp:
             self.engine = await self._serve(model, load_ms, attestation_ms)
             if self.collector is not None:
                 self.collector.ready()
-        except StartUpError as exc:
+        except Exception as exc:  # a stopped start, or an error no step expected (never
+            # "loading" forever: the server stays up, not ready, saying why)
+            stopped = exc if isinstance(exc, StartUpError) else _unexpected("the start-up", exc)
             if self.preload is not None:
                 self.preload.cancel()
-            logger.error("start-up stopped: %s", exc)
-            self.readiness.set_failed(str(exc))
+            logger.error("start-up stopped: %s", stopped)
+            self.readiness.set_failed(str(stopped))
             return None
         finally:
             # A start that stopped, expectedly or not, leaves the process up (not ready): the

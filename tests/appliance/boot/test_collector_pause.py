@@ -228,20 +228,21 @@ def test_a_refused_key_release_lets_the_collector_run_with_nothing_frozen(
         assert gc.get_freeze_count() == 0
 
 
-def test_an_unexpected_error_after_boot_ready_still_lets_the_collector_run(
+def test_an_unexpected_error_after_boot_ready_fails_the_start_and_lets_the_collector_run(
     tmp_path: Path, smollm2_dir: Path, loads: list[bool], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """An exception no step turns into a stopped start (here the engine's thread cannot start)
-    ends the start-up task, and the process goes on: the collector runs again all the same."""
+    """An exception no step expects (here the engine's thread cannot start) stops the start as
+    a refusal does: /health says it failed, naming the error's class (never "loading"
+    forever), and the collector runs again with nothing frozen."""
 
     def cannot_start(engine: object) -> None:
         raise RuntimeError("can't start new thread")
 
     monkeypatch.setattr(startup.AsyncEngine, "start", cannot_start)
     settings = _settings(tmp_path, smollm2_dir)
-    started = _start(settings, FakeVerifier(), CollectorPause.begin())
-    next(started)  # the collector runs again (or this fails)
-    assert gc.get_freeze_count() == 0
-    with pytest.raises(RuntimeError, match="can't start new thread"):  # the app's shutdown
-        next(started, None)
+    for client in _start(settings, FakeVerifier(), CollectorPause.begin()):
+        health = client.get("/health").json()
+        assert health["status"] == "failed"
+        assert "RuntimeError" in health["reason"]
+        assert gc.get_freeze_count() == 0
     assert loads == [False]
