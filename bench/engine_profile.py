@@ -28,7 +28,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Protocol, TextIO, TypeVar
+from typing import Any, ClassVar, Protocol, TextIO, TypeVar
 
 T = TypeVar("T")
 # pstats' form: (file, line, function) -> (primitive calls, calls, own s, cumulative s, callers).
@@ -70,7 +70,7 @@ class PureProfileSteps:
         self._stats: Stats = {}
 
     def run(self, step: Callable[[], T]) -> T:
-        one = profile.Profile(time.thread_time)
+        one = ResyncingProfile(time.thread_time)
         try:
             return one.runcall(step)
         finally:
@@ -90,6 +90,33 @@ class PureProfileSteps:
 
     def stats(self) -> Stats:
         return self._stats
+
+
+class ResyncingProfile(profile.Profile):
+    """`profile.Profile` that survives a return it did not expect. On the H100's Python 3.12
+    the engine's step once delivered a return past more than one frame on the profiler's stack
+    (under torch's `inference_mode` decorator), and `profile` asserts ("Bad return") from
+    inside the profiled code: the engine thread died with it. Here the frames skipped are closed
+    as returned at that moment, and a return of a frame the profiler never saw called is left
+    out, so a step's figures can only lose such frames, never stop the step."""
+
+    def trace_dispatch_return(self, frame: Any, t: float) -> int:
+        cur = self.cur
+        while cur is not None and cur[-2] is not frame:
+            cur = cur[-1]
+        if cur is None:
+            return 0  # never seen called: nothing of it to close
+        while self.cur[-2] is not frame:
+            super().trace_dispatch_return(self.cur[-2], 0)
+        return super().trace_dispatch_return(frame, t)
+
+    # `profile` dispatches events through a table of its own functions, not by method lookup.
+    dispatch: ClassVar[dict[str, Callable[..., int]]] = {
+        **profile.Profile.dispatch,  # type: ignore[attr-defined]
+        "return": trace_dispatch_return,
+        "c_exception": trace_dispatch_return,
+        "c_return": trace_dispatch_return,
+    }
 
 
 def step_profile() -> StepProfile:

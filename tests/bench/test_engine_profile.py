@@ -6,6 +6,7 @@ the server), with either profiler (cProfile up to Python 3.11, the pure-Python `
 from __future__ import annotations
 
 import io
+import profile
 import sys
 import threading
 import time
@@ -17,6 +18,7 @@ from bench.engine_profile import (
     CProfileSteps,
     EngineProfiler,
     PureProfileSteps,
+    ResyncingProfile,
     function_label,
     profile_tables,
     read_window,
@@ -171,3 +173,40 @@ def test_function_labels_start_at_the_package_or_repository():
     )
     assert function_label(("/usr/lib/python3.12/threading.py", 9, "run")) == "threading.py:9(run)"
     assert function_label(("", 0, "sorted")) == "sorted"
+
+
+def test_a_return_past_several_frames_closes_them_instead_of_stopping_the_step():
+    """The profiler told that `outer` returned while `middle` and `inner` are on its stack (a
+    return event past more than one frame: the H100's Python 3.12 delivered one inside the
+    engine's step): `profile` asserts from inside the profiled code; the resyncing profile
+    closes the skipped frames and goes on, and the later returns of frames it closed are left
+    out."""
+
+    def run(new_profile):
+        prof = new_profile(time.thread_time)
+
+        def outer():
+            outer_frame = sys._getframe()
+
+            def middle():
+                def inner():
+                    sys.setprofile(None)  # the injected event, itself unprofiled
+                    try:
+                        prof.dispatcher(outer_frame, "return", None)
+                    finally:
+                        sys.setprofile(prof.dispatcher)
+                    return 1
+
+                return inner()
+
+            return middle()
+
+        result = prof.runcall(outer)
+        prof.simulate_cmd_complete()
+        return result, {name for (_, _, name) in prof.timings}
+
+    with pytest.raises(AssertionError, match="Bad return"):
+        run(profile.Profile)
+    result, names = run(ResyncingProfile)
+    assert result == 1
+    assert {"outer", "middle", "inner"} <= names
