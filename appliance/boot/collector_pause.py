@@ -7,7 +7,8 @@ time the objects that survived the younger ones grow by a quarter, and a full co
 every object alive: a start runs 6-7 of them before its first token, each longer than the last
 (0.36-0.48 s in all on the 2-CPU development machine, in a W5 of 2.6-2.8 s), and finds almost
 nothing, since what a start makes, it keeps. Without them, W5 there is 0.7-0.8 s shorter
-(docs/BENCHMARKS.md, "W5's garbage collections").
+(docs/BENCHMARKS.md, "W5's garbage collections"); on the H100's host it did not move
+(7.3-7.8 s either way, "Issue 17, round 4").
 
 So the collector is paused from the start of `inferno serve` until the server is ready
 (`boot.ready` recorded, the engine serving); then everything alive is frozen (`gc.freeze()`,
