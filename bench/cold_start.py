@@ -49,6 +49,7 @@ _STARTED_S = time.time()  # first: this process's own start, for the --serve chi
 
 import argparse  # noqa: E402
 import dataclasses  # noqa: E402
+import datetime  # noqa: E402
 import json  # noqa: E402
 import multiprocessing  # noqa: E402
 import os  # noqa: E402
@@ -321,7 +322,9 @@ def serve(config: Path, spawned_s: float, with_preload: bool, pause_collector: b
     audit_started_s = time.time()
     log = start_audit_log(settings)
     audit_s = time.time() - audit_started_s
+    build_started_s = time.time()
     app = build(settings, log, tee=service, preload=preload, collector=collector)
+    listen_started_s = time.time()
     listener = listen(settings)
     print(
         json.dumps(
@@ -331,6 +334,8 @@ def serve(config: Path, spawned_s: float, with_preload: bool, pause_collector: b
                 "imports_s": imports_s,
                 "synthetic_devices_s": devices_s,
                 "audit_open_s": audit_s,
+                "app_build_s": listen_started_s - build_started_s,
+                "listen_s": time.time() - listen_started_s,
             }
         ),
         flush=True,
@@ -425,7 +430,8 @@ def run_once(
     finally:
         child.terminate()
         child.wait(timeout=60)
-    ready = _boot_ready(config)
+    boot = _boot_entries(config)
+    ready = boot["boot.ready"]["details"]
     phases = ready["load_phases_ms"]
     preload = {"imports_s": None, "device_s": None, "error": None}
     if with_preload:
@@ -457,6 +463,16 @@ def run_once(
         **path,
         **background,
         "rest (app build: without the preload, torch's import; listen; /health)": wall_s - path_s,
+        **rest_split(
+            boot,
+            spawned_s + info["synthetic_devices_s"],
+            ready_s,
+            before_s=info["python_start_s"] + info["imports_s"] + info["audit_open_s"],
+            attestation_s=ready["attestation_ms"] / 1000,
+            loading_s=sum(phases.values()) / 1000,
+            app_build_s=info["app_build_s"],
+            listen_s=info["listen_s"],
+        ),
         "sum of the phases (the start's path and the background)": (
             wall_s + sum(background.values())
         ),
@@ -482,13 +498,56 @@ def _token(config: Path) -> str:
     return issuer.mint(Role.USER, "cold-start", time.time())
 
 
-def _boot_ready(config: Path) -> dict[str, Any]:
+def _boot_entries(config: Path) -> dict[str, dict[str, Any]]:
+    """The last run's boot.start, attestation.verdict and boot.ready entries, by action."""
     from appliance.boot.audit_log import open_audit_log
     from appliance.config import AuditSettings, load_section
 
     with open_audit_log(load_section(config, AuditSettings)) as log:
         entries = [json.loads(leaf) for _, leaf in log.store.entries(0, log.store.size() - 1)]
-    return [e for e in entries if e["action"] == "boot.ready"][-1]["details"]
+    wanted = ("boot.start", "attestation.verdict", "boot.ready")
+    return {action: [e for e in entries if e["action"] == action][-1] for action in wanted}
+
+
+def _entry_s(entry: dict[str, Any]) -> float:
+    """An audit entry's time (RFC 3339, UTC, microseconds), in seconds since the epoch."""
+    moment = datetime.datetime.strptime(entry["time"], "%Y-%m-%dT%H:%M:%S.%fZ")
+    return moment.replace(tzinfo=datetime.UTC).timestamp()
+
+
+def rest_split(
+    boot: dict[str, dict[str, Any]],
+    start_s: float,
+    ready_s: float,
+    *,
+    before_s: float,
+    attestation_s: float,
+    loading_s: float,
+    app_build_s: float,
+    listen_s: float,
+) -> dict[str, float]:
+    """Where "rest" goes, from the times the audit log recorded its boot entries: each interval
+    between two of them, less the phases measured inside it. `start_s`: the process's start
+    (the synthetic devices' time added, as the wall leaves it out); `ready_s`: /health's first
+    200; `before_s`: python start, imports and audit open (boot.start's time is its event's
+    making, inside the audit open: a few ms below zero there mean nothing else ran);
+    `attestation_s`: boot.ready's `attestation_ms`, which ends after the GPUs' coverage check,
+    a little past the verdict's record; `loading_s`: key release, decrypt + load, the preload
+    wait and the engine's build; `app_build_s`, `listen_s`: the app's build and the listening
+    socket, within the interval to the verdict."""
+    boot_start_s, verdict_s, boot_ready_s = (
+        _entry_s(boot[action]) for action in ("boot.start", "attestation.verdict", "boot.ready")
+    )
+    return {
+        "  before boot.start (settings, TEE service)": boot_start_s - start_s - before_s,
+        "  boot.start to the verdict, of which:": verdict_s - boot_start_s - attestation_s,
+        "    the app's build": app_build_s,
+        "    listening (TLS context, socket)": listen_s,
+        "  verdict to boot.ready (sealed open, ring, records)": boot_ready_s
+        - verdict_s
+        - loading_s,
+        "  boot.ready to /health 200 (engine thread, poll)": ready_s - boot_ready_s,
+    }
 
 
 def warm_up(work: Path, device: str) -> None:
