@@ -93,26 +93,47 @@ class PureProfileSteps:
 
 
 class ResyncingProfile(profile.Profile):
-    """`profile.Profile` that survives a return it did not expect. On the H100's Python 3.12
-    the engine's step once delivered a return past more than one frame on the profiler's stack
-    (under torch's `inference_mode` decorator), and `profile` asserts ("Bad return") from
-    inside the profiled code: the engine thread died with it. Here the frames skipped are closed
-    as returned at that moment, and a return of a frame the profiler never saw called is left
-    out, so a step's figures can only lose such frames, never stop the step."""
+    """`profile.Profile` that survives events it did not expect. On the H100's Python 3.12 the
+    engine's step once delivered a return past more than one frame on the profiler's stack
+    (under torch's `inference_mode` decorator), and `profile` asserts ("Bad return"; "Bad call"
+    for a call whose caller is not on top) from inside the profiled code: the engine thread
+    died with it. Here the frames a return or a call skipped are closed as returned at that
+    moment, a return of a frame the profiler never saw called is left out, and a call from
+    such a frame is counted under whatever is on top: a step's figures can only misplace such
+    frames, never stop the step."""
 
     def trace_dispatch_return(self, frame: Any, t: float) -> int:
+        if not self._close_above(frame):
+            return 0  # never seen called: nothing of it to close
+        return super().trace_dispatch_return(frame, t)
+
+    def trace_dispatch_call(self, frame: Any, t: float) -> int:
+        if self.cur is not None and not self._close_above(frame.f_back):
+            # A caller never seen: the base class would assert. Push as it pushes.
+            code = frame.f_code
+            key = (code.co_filename, code.co_firstlineno, code.co_name)
+            self.cur = (t, 0, 0, key, frame, self.cur)
+            calls, depth, own, cumulative, callers = self.timings.get(key, (0, -1, 0, 0, {}))
+            self.timings[key] = calls, depth + 1, own, cumulative, callers
+            return 1
+        return super().trace_dispatch_call(frame, t)
+
+    def _close_above(self, frame: Any) -> bool:
+        """Close the frames above `frame` on the profiler's stack (they returned without an
+        event); False, closing nothing, when `frame` is not on it."""
         cur = self.cur
         while cur is not None and cur[-2] is not frame:
             cur = cur[-1]
         if cur is None:
-            return 0  # never seen called: nothing of it to close
+            return False
         while self.cur[-2] is not frame:
             super().trace_dispatch_return(self.cur[-2], 0)
-        return super().trace_dispatch_return(frame, t)
+        return True
 
     # `profile` dispatches events through a table of its own functions, not by method lookup.
     dispatch: ClassVar[dict[str, Callable[..., int]]] = {
         **profile.Profile.dispatch,  # type: ignore[attr-defined]
+        "call": trace_dispatch_call,
         "return": trace_dispatch_return,
         "c_exception": trace_dispatch_return,
         "c_return": trace_dispatch_return,

@@ -210,3 +210,45 @@ def test_a_return_past_several_frames_closes_them_instead_of_stopping_the_step()
     result, names = run(ResyncingProfile)
     assert result == 1
     assert {"outer", "middle", "inner"} <= names
+
+
+def _with_injected_event(new_profile, event: str, which: str):
+    """Profile outer -> middle -> inner where inner tells the profiler `event` happened for
+    the frame named `which` (a frame on the stack, or the caller of outer, which it never saw
+    called): returns what the profiled call returned."""
+    prof = new_profile(time.thread_time)
+
+    def outer():
+        frames = {"outer": sys._getframe()}
+
+        def middle():
+            frames["middle"] = sys._getframe()
+
+            def inner():
+                sys.setprofile(None)  # the injected event, itself unprofiled
+                try:
+                    target = frames[which] if which in frames else frames["outer"].f_back
+                    prof.dispatcher(target, event, None)
+                finally:
+                    sys.setprofile(prof.dispatcher)
+                return 1
+
+            return inner()
+
+        return middle()
+
+    result = prof.runcall(outer)
+    prof.simulate_cmd_complete()
+    return result
+
+
+@pytest.mark.parametrize(
+    "which", ["middle", "unseen"], ids=["caller-two-frames-down", "caller-never-seen"]
+)
+def test_a_call_whose_caller_is_not_on_top_is_placed_instead_of_stopping_the_step(which):
+    """A call event whose caller is two frames below the top (the frames between returned
+    without events), or was never seen called: `profile` asserts ("Bad call"); the resyncing
+    profile closes the skipped frames, or counts the call under the top, and goes on."""
+    with pytest.raises(AssertionError, match="Bad call"):
+        _with_injected_event(profile.Profile, "call", which)
+    assert _with_injected_event(ResyncingProfile, "call", which) == 1
