@@ -182,32 +182,9 @@ def test_a_return_past_several_frames_closes_them_instead_of_stopping_the_step()
     closes the skipped frames and goes on, and the later returns of frames it closed are left
     out."""
 
-    def run(new_profile):
-        prof = new_profile(time.thread_time)
-
-        def outer():
-            outer_frame = sys._getframe()
-
-            def middle():
-                def inner():
-                    sys.setprofile(None)  # the injected event, itself unprofiled
-                    try:
-                        prof.dispatcher(outer_frame, "return", None)
-                    finally:
-                        sys.setprofile(prof.dispatcher)
-                    return 1
-
-                return inner()
-
-            return middle()
-
-        result = prof.runcall(outer)
-        prof.simulate_cmd_complete()
-        return result, {name for (_, _, name) in prof.timings}
-
     with pytest.raises(AssertionError, match="Bad return"):
-        run(profile.Profile)
-    result, names = run(ResyncingProfile)
+        _with_injected_event(profile.Profile, "return", "outer")
+    result, names = _with_injected_event(ResyncingProfile, "return", "outer")
     assert result == 1
     assert {"outer", "middle", "inner"} <= names
 
@@ -215,7 +192,7 @@ def test_a_return_past_several_frames_closes_them_instead_of_stopping_the_step()
 def _with_injected_event(new_profile, event: str, which: str):
     """Profile outer -> middle -> inner where inner tells the profiler `event` happened for
     the frame named `which` (a frame on the stack, or the caller of outer, which it never saw
-    called): returns what the profiled call returned."""
+    called): returns what the profiled call returned, and the functions the profile timed."""
     prof = new_profile(time.thread_time)
 
     def outer():
@@ -239,7 +216,7 @@ def _with_injected_event(new_profile, event: str, which: str):
 
     result = prof.runcall(outer)
     prof.simulate_cmd_complete()
-    return result
+    return result, {name for (_, _, name) in prof.timings}
 
 
 @pytest.mark.parametrize(
@@ -251,4 +228,5 @@ def test_a_call_whose_caller_is_not_on_top_is_placed_instead_of_stopping_the_ste
     profile closes the skipped frames, or counts the call under the top, and goes on."""
     with pytest.raises(AssertionError, match="Bad call"):
         _with_injected_event(profile.Profile, "call", which)
-    assert _with_injected_event(ResyncingProfile, "call", which) == 1
+    result, _ = _with_injected_event(ResyncingProfile, "call", which)
+    assert result == 1
