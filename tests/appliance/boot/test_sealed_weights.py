@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import gc
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -23,6 +23,7 @@ from attestation.errors import SealedModelError
 from attestation.keys.file import FileKeyProvider
 from attestation.sealed import SealedModel, seal_model
 from attestation.verdict import Check, Verdict
+from tests.appliance.engine.models.test_sealed_images import collector_paused  # noqa: F401
 
 TRUSTED = Verdict(checks=(Check("test", True),), at=datetime(2026, 1, 1, tzinfo=UTC))
 
@@ -100,19 +101,10 @@ def _cyclic_garbage() -> list[object]:
         gc.garbage.clear()
 
 
-@pytest.fixture
-def collector_paused() -> Iterator[None]:
-    """The cyclic garbage collector off, as through `inferno serve`'s start
-    (appliance.boot.collector_pause)."""
-    gc.collect()
-    gc.disable()
-    yield
-    gc.enable()
-
-
+@pytest.mark.usefixtures("collector_paused")
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 def test_a_sealed_load_leaves_no_tensor_and_no_holder_of_the_key_in_a_cycle(
-    sealed_smollm2: tuple[SealedModel, bytes], device: str, collector_paused: None
+    sealed_smollm2: tuple[SealedModel, bytes], device: str
 ) -> None:
     """What a start leaves in reference cycles is frozen at ready without a collection
     (appliance.boot.collector_pause), so is never freed: after the load and the engine's build
