@@ -28,10 +28,11 @@ from appliance.boot import startup
 from appliance.boot.collector_pause import CollectorPause
 from appliance.boot.startup import start_audit_log
 from appliance.boot.weights import LoadedModel
-from appliance.config import Settings, settings_from_mapping
+from appliance.config import Settings
 from appliance.engine.engine import Engine, EngineConfig
 from attestation.errors import KeyReleaseError
 from tests.appliance.attestation.fake_tee import FakeCollector, FakeVerifier
+from tests.appliance.boot.test_boot_gate import _settings
 from tests.appliance.engine.test_warmup import TINY_LLAMA
 
 
@@ -148,20 +149,6 @@ def test_serve_pauses_the_collector_from_its_start_and_hands_the_pause_to_the_ap
 @pytest.fixture(scope="module")
 def engine(smollm2_engine: Callable[..., Engine]) -> Engine:
     return smollm2_engine(max_model_len=256, num_kv_blocks=64)
-
-
-def _settings(directory: Path, model_dir: Path) -> Settings:
-    return settings_from_mapping(
-        {
-            "model": {"dir": str(model_dir), "name": "smollm2"},
-            "server": {"insecure_http": True},
-            "audit": {"origin": "inferno.test/gc", "data_dir": str(directory / "audit")},
-            "auth": {"local_issuer": "demo", "local_issuer_key_file": "issuer.pem"},
-            "appliance": {"profile": "development"},
-            "tee": {"mode": "required", "policy_file": "policy.toml", "gpu_rims_dir": "rims"},
-        },
-        base_dir=directory,
-    )
 
 
 @pytest.fixture
