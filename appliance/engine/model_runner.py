@@ -25,6 +25,7 @@ from appliance.engine.kv_cache import KVCacheSpec, KVPools
 from appliance.engine.models.decoder import CausalLM
 from appliance.engine.models.recurrent_state import RecurrentState
 from appliance.engine.outputs import TokenLogprob
+from appliance.engine.packed_inputs import upload
 from appliance.engine.parallel.step_broadcast import StepBroadcast
 from appliance.engine.sampling import sample, token_logprobs
 from appliance.engine.sampling_controls import SamplingControls
@@ -36,8 +37,6 @@ from kernels.ops import AttentionMetadata, RecurrentStateMetadata
 
 logger = logging.getLogger(__name__)
 
-# Every array of a step's packed inputs starts at a multiple of this many int32 words (16 bytes).
-_ALIGN_WORDS = 4
 # Rows of prompt logits turned into log-probabilities at once (bounds [rows, vocab] memory).
 _PROMPT_LOGPROB_ROWS = 256
 
@@ -614,8 +613,7 @@ class ModelRunner:
         positions = np.repeat(starts - (ends - num_new), num_new) + np.arange(ends[-1])
         slots = block_tables[rows, positions // bs].astype(np.int64) * bs + positions % bs
         query_ends = (ends - 1).tolist()
-        # Every integer input of the step in one host-to-device copy (each copy is a few
-        # microseconds of the device's time and more of the host's).
+        # Every integer input of the step in one copy (appliance.engine.packed_inputs).
         int64s = {
             "input_ids": np.asarray(input_ids, np.int64),
             "positions": positions,
@@ -643,7 +641,7 @@ class ModelRunner:
             state_slots = [c.seq.state_slot for c in chunks]
             assert None not in state_slots, "a running sequence of a hybrid model holds a slot"
             int32s["state_slots"] = np.asarray(state_slots, np.int32)
-        on_device = self._upload(int64s, int32s)
+        on_device = upload(int64s, int32s, self.device)
         meta = AttentionMetadata.build(
             on_device["slots"],
             on_device["block_tables"],
@@ -664,35 +662,6 @@ class ModelRunner:
             input_ids_t[on_device["targets"]] = previous.sampled[on_device["sources"], -1]
         positions_t = on_device["positions"]
         return _Batch(input_ids_t, positions_t, meta, query_ends, state_meta)
-
-    def _upload(
-        self, int64s: dict[str, np.ndarray], int32s: dict[str, np.ndarray]
-    ) -> dict[str, torch.Tensor]:
-        """Host arrays on the device through one copy: packed into one int32 buffer, each
-        array from a 16-byte boundary, then each a view of the device's copy in its own dtype
-        and shape. (Triton specializes a kernel on whether each pointer is 16-byte aligned: a
-        view at any other offset would compile another variant of every kernel it reaches, in
-        the middle of serving.)"""
-        words = {name: a.view(np.int32).ravel() for name, a in int64s.items()}
-        words |= {name: a.ravel() for name, a in int32s.items()}
-        starts, total = {}, 0
-        for name, part in words.items():
-            starts[name] = total
-            total += -(-part.size // _ALIGN_WORDS) * _ALIGN_WORDS
-        packed = np.zeros(total, np.int32)
-        for name, part in words.items():
-            packed[starts[name] : starts[name] + part.size] = part
-        device = torch.from_numpy(packed)
-        if self.device.type == "cuda":
-            device = device.pin_memory().to(self.device, non_blocking=True)
-        views = {}
-        for name, part in words.items():
-            view = device[starts[name] : starts[name] + part.size]
-            if name in int64s:
-                views[name] = view.view(torch.int64)
-            else:
-                views[name] = view.view(int32s[name].shape)
-        return views
 
     def _state_meta(
         self, state_slots: torch.Tensor, has_initial_state: list[bool], meta: AttentionMetadata
