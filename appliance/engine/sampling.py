@@ -12,6 +12,7 @@ from collections.abc import Sequence
 import torch
 
 from appliance.engine.sampling_params import SamplingParams
+from kernels.argmax import argmax_rows
 
 # Logits sampled at once (rows x vocabulary) when a batch is not all greedy. Filtering needs 22
 # bytes per logit of temporaries (sorted values 4, their int64 order 8, two masks 2, probabilities
@@ -35,7 +36,7 @@ def sample(
     `logits` stays as it was for one piece's bytes more. Every decision that depends on the
     parameters is taken on the host from `params`, so nothing here waits for the device.
     """
-    greedy_ids = logits.argmax(dim=-1)
+    greedy_ids = _argmax(logits)
     if all(p.greedy for p in params):
         return greedy_ids
     num_rows = max(1, SAMPLING_CHUNK_LOGITS // logits.shape[-1])
@@ -73,7 +74,7 @@ def _sample_rows(
     for row, generator in enumerate(generators):
         if generator is not None:
             q[row].exponential_(generator=generator)
-    return probs.div_(q).argmax(dim=-1)
+    return _argmax(probs.div_(q))
 
 
 def _apply_top_k_top_p(logits: torch.Tensor, params: Sequence[SamplingParams]) -> None:
@@ -132,3 +133,10 @@ def _token_logprobs(
         )
     )
     return chosen, top_ids, top_logprobs
+
+
+def _argmax(rows: torch.Tensor) -> torch.Tensor:
+    """[N, V] -> [N] int64, the first maximum of each row. On a GPU, `kernels.argmax` spreads a
+    row over many programs: torch reduces a row in one thread block, 28 µs of every batch-1
+    decode step over a 128k vocabulary on an H100."""
+    return argmax_rows(rows) if rows.is_cuda else rows.argmax(dim=-1)
