@@ -6,8 +6,7 @@ kernel's tail is time the step saves; CUDA graphs keep the dependencies as progr
 
 A kernel takes part through a `PDL` constexpr: launched with `launch_options(device)`, it calls
 `wait_for_previous(PDL)` before its first read of another kernel's output (the projections
-first request weights, which nothing writes). A kernel that only lets its successor launch
-early calls `gdc_launch_dependents` under its own constexpr.
+and norms first request weights, which nothing writes).
 """
 
 from __future__ import annotations
