@@ -89,7 +89,7 @@ def write_kv_cache(
     out of bounds. Raises `KernelInputError` for any shape, dtype, device or layout it cannot
     handle.
     """
-    quantize = _validate(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+    quantize = check_kv_write_inputs(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
     num_tokens, num_kv_heads, head_dim = k.shape
     if num_tokens == 0:
         return
@@ -117,7 +117,7 @@ def write_kv_cache(
     )
 
 
-def _validate(
+def check_kv_write_inputs(
     k: torch.Tensor,
     v: torch.Tensor,
     k_cache: torch.Tensor,

@@ -265,6 +265,23 @@ class KernelOps(Protocol):
         v_scale: torch.Tensor | None = None,
     ) -> None: ...
 
+    def rotary_write_kv(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        k_scale: torch.Tensor | None = None,
+        v_scale: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """`rotary_embedding` then `write_kv_cache` in one: returns q rotated; k is not
+        (the cache holds its rotation)."""
+        ...
+
     def paged_attention(
         self,
         q: torch.Tensor,

@@ -263,6 +263,25 @@ def write_kv_cache(
     v_cache.view(-1, num_kv_heads, head_dim)[slots] = v[keep]
 
 
+def rotary_write_kv(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """`rotary_embedding` of q and k, then `write_kv_cache` of the rotated k and v; returns the
+    rotated q."""
+    q, k = rotary_embedding(q, k, cos, sin)
+    write_kv_cache(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+    return q
+
+
 def paged_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,

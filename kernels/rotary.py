@@ -20,7 +20,7 @@ _MAX_TILE = 2048
 
 
 @triton.jit
-def _rotate_heads(
+def rotate_heads(
     x_ptr,
     token,
     token_stride,
@@ -40,12 +40,35 @@ def _rotate_heads(
         heads = head_start + tl.arange(0, BLOCK_HEADS)[:, None]
         mask = (heads < NUM_HEADS) & (cols < HALF)
         first = x_ptr + token * token_stride + heads * head_stride + cols
-        x1 = tl.load(first, mask=mask, other=0.0)
-        x2 = tl.load(first + HALF, mask=mask, other=0.0)
-        x1_32 = x1.to(tl.float32)
-        x2_32 = x2.to(tl.float32)
-        tl.store(first, (x1_32 * cos1 - x2_32 * sin1).to(x1.dtype), mask=mask)
-        tl.store(first + HALF, (x2_32 * cos2 + x1_32 * sin2).to(x1.dtype), mask=mask)
+        y1, y2 = rotated_halves(first, mask, cos1, sin1, cos2, sin2, HALF)
+        tl.store(first, y1, mask=mask)
+        tl.store(first + HALF, y2, mask=mask)
+
+
+@triton.jit
+def rotated_halves(first, mask, cos1, sin1, cos2, sin2, HALF: tl.constexpr):
+    """The two rotated halves of the head vectors whose first halves `first` points at, in
+    their dtype (computed in float32, rounded once)."""
+    x1 = tl.load(first, mask=mask, other=0.0)
+    x2 = tl.load(first + HALF, mask=mask, other=0.0)
+    x1_32 = x1.to(tl.float32)
+    x2_32 = x2.to(tl.float32)
+    return (x1_32 * cos1 - x2_32 * sin1).to(x1.dtype), (x2_32 * cos2 + x1_32 * sin2).to(x1.dtype)
+
+
+@triton.jit
+def cos_sin_halves(cos_ptr, sin_ptr, token, cos_token_stride, sin_token_stride, cols, HALF):
+    """One token's cos and sin rows as (cos1, sin1, cos2, sin2) halves, [1, BLOCK_HALF]. Both
+    halves are loaded rather than assuming they repeat, so any table the reference accepts
+    gives the reference's result."""
+    col_mask = cols < HALF
+    cos_row = cos_ptr + token * cos_token_stride + cols
+    sin_row = sin_ptr + token * sin_token_stride + cols
+    cos1 = tl.load(cos_row, mask=col_mask, other=0.0)
+    cos2 = tl.load(cos_row + HALF, mask=col_mask, other=0.0)
+    sin1 = tl.load(sin_row, mask=col_mask, other=0.0)
+    sin2 = tl.load(sin_row + HALF, mask=col_mask, other=0.0)
+    return cos1, sin1, cos2, sin2
 
 
 @triton.jit
@@ -72,16 +95,10 @@ def _rotary_kernel(
     wait_for_previous(PDL)
     token = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_HALF)[None, :]
-    col_mask = cols < HALF
-    # Both halves of cos/sin are loaded rather than assuming they repeat, so any table the
-    # reference accepts gives the reference's result.
-    cos_row = cos_ptr + token * cos_token_stride + cols
-    sin_row = sin_ptr + token * sin_token_stride + cols
-    cos1 = tl.load(cos_row, mask=col_mask, other=0.0)
-    cos2 = tl.load(cos_row + HALF, mask=col_mask, other=0.0)
-    sin1 = tl.load(sin_row, mask=col_mask, other=0.0)
-    sin2 = tl.load(sin_row + HALF, mask=col_mask, other=0.0)
-    _rotate_heads(
+    cos1, sin1, cos2, sin2 = cos_sin_halves(
+        cos_ptr, sin_ptr, token, cos_token_stride, sin_token_stride, cols, HALF
+    )
+    rotate_heads(
         q_ptr,
         token,
         q_token_stride,
@@ -95,7 +112,7 @@ def _rotary_kernel(
         BLOCK_Q_HEADS,
         BLOCK_HALF,
     )
-    _rotate_heads(
+    rotate_heads(
         k_ptr,
         token,
         k_token_stride,
@@ -124,14 +141,14 @@ def rotary_embedding(
     D. D must be even. Raises `KernelInputError` for any shape, dtype, device or layout it
     cannot handle.
     """
-    _validate(q, k, cos, sin)
+    check_rotary_inputs(q, k, cos, sin)
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
     if num_tokens == 0:
         return q, k
-    half = head_dim // 2
-    block_half = triton.next_power_of_2(half)
-    heads_per_tile = max(1, _MAX_TILE // block_half)
+    half, block_half, block_q_heads, block_kv_heads = rotary_tiles(
+        head_dim, num_q_heads, num_kv_heads
+    )
     _rotary_kernel[(num_tokens,)](
         q,
         k,
@@ -147,8 +164,8 @@ def rotary_embedding(
         NUM_KV_HEADS=num_kv_heads,
         HALF=half,
         BLOCK_HALF=block_half,
-        BLOCK_Q_HEADS=min(triton.next_power_of_2(num_q_heads), heads_per_tile),
-        BLOCK_KV_HEADS=min(triton.next_power_of_2(num_kv_heads), heads_per_tile),
+        BLOCK_Q_HEADS=block_q_heads,
+        BLOCK_KV_HEADS=block_kv_heads,
         # Hq=32, D=128: a 32x64 half-tile is 2048 elements, 16 per thread with 4 warps.
         num_warps=4,
         **launch_options(q.device),
@@ -156,7 +173,23 @@ def rotary_embedding(
     return q, k
 
 
-def _validate(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+def rotary_tiles(head_dim: int, num_q_heads: int, num_kv_heads: int) -> tuple[int, int, int, int]:
+    """(HALF, BLOCK_HALF, BLOCK_Q_HEADS, BLOCK_KV_HEADS): the half-tiles of a launch, at most
+    `_MAX_TILE` elements each; more heads loop."""
+    half = head_dim // 2
+    block_half = triton.next_power_of_2(half)
+    heads_per_tile = max(1, _MAX_TILE // block_half)
+    return (
+        half,
+        block_half,
+        min(triton.next_power_of_2(num_q_heads), heads_per_tile),
+        min(triton.next_power_of_2(num_kv_heads), heads_per_tile),
+    )
+
+
+def check_rotary_inputs(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> None:
     named = {"q": q, "k": k, "cos": cos, "sin": sin}
     for name, tensor in named.items():
         if not isinstance(tensor, torch.Tensor):

@@ -35,6 +35,7 @@ from kernels.ops import AttentionMetadata, Fp8Weight
 from kernels.prefill_attention import paged_prefill_attention
 from kernels.rmsnorm import add_rms_norm, rms_norm
 from kernels.rotary import rotary_embedding
+from kernels.rotary_kv_write import rotary_write_kv
 
 __all__ = [
     "add_rms_norm",
@@ -46,6 +47,7 @@ __all__ = [
     "paged_attention",
     "rms_norm",
     "rotary_embedding",
+    "rotary_write_kv",
     "route_experts",
     "silu_mul_linear",
     "write_kv_cache",

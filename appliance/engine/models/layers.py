@@ -105,7 +105,13 @@ class Attention(nn.Module):
             q = self._norm_heads(q, self.q_norm)
         k_cache, v_cache = kv_cache[0], kv_cache[1]
         k_scale, v_scale = self.k_scale, self.v_scale
-        if self.owns_kv:
+        if self.owns_kv and self.rotary_dim == self.head_dim:
+            k, v = self._keys_values(qkv[:, self.q_rows :])
+            # Rotated and stored in one launch (kernels.rotary_kv_write).
+            q = self.ops.rotary_write_kv(
+                q, k, v, cos, sin, k_cache, v_cache, meta.slot_mapping, k_scale, v_scale
+            )
+        elif self.owns_kv:
             k, v = self._keys_values(qkv[:, self.q_rows :])
             q, k = self._rotate(q, k, cos, sin)
             self.ops.write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping, k_scale, v_scale)

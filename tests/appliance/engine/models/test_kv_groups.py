@@ -125,6 +125,7 @@ def test_the_triton_kernels_read_no_window_block_outside_the_window(tiny_checkpo
     reference = {n: getattr(kernels.reference, n) for n in dir(kernels.reference) if n[0] != "_"}
     ops = reference | {
         "write_kv_cache": kernels.triton_ops.write_kv_cache,
+        "rotary_write_kv": kernels.triton_ops.rotary_write_kv,
         "paged_attention": kernels.triton_ops.paged_attention,
     }
     # The reference ops with the Triton kernels that read the block tables (interpreting
