@@ -415,4 +415,3 @@ def test_an_engine_on_the_cpu_picks_its_threads_for_this_machine_by_default(
     torch.set_num_threads(3)
     smollm2_engine(num_kv_blocks=4, num_cpu_threads=0)  # 0: the setting's default, automatic
     assert torch.get_num_threads() == automatic_cpu_threads(len(os.sched_getaffinity(0)))
-
