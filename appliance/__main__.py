@@ -321,7 +321,8 @@ def _sampling_params(args: argparse.Namespace) -> SamplingParams:
 
 
 def _load_engine(model_dir: Path, device: str, tensor_parallel_size: int = 1) -> Engine:
-    from appliance.engine.engine import Engine, EngineConfig
+    from appliance.engine.engine import Engine
+    from appliance.engine.engine_config import EngineConfig
 
     return Engine.from_config(
         EngineConfig(model_dir=model_dir, device=device, tensor_parallel_size=tensor_parallel_size)

@@ -551,7 +551,7 @@ def rest_split(
 
 
 def warm_up(work: Path, device: str) -> None:
-    from appliance.engine.engine import EngineConfig
+    from appliance.engine.engine_config import EngineConfig
     from appliance.engine.warmup import warm_up as engine_warm_up
 
     report = engine_warm_up(

@@ -19,7 +19,8 @@ from pathlib import Path
 
 import torch
 
-from appliance.engine.engine import Engine, EngineConfig
+from appliance.engine.engine import Engine
+from appliance.engine.engine_config import EngineConfig
 from appliance.engine.models.gguf_import import import_gguf
 from appliance.engine.sampling_params import SamplingParams
 from installer.embedded_model import default_model_dir, find_embedded_gguf

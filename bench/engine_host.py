@@ -19,7 +19,8 @@ from pathlib import Path
 import torch
 
 import kernels.reference as reference
-from appliance.engine.engine import Engine, EngineConfig
+from appliance.engine.engine import Engine
+from appliance.engine.engine_config import EngineConfig
 from appliance.engine.models.config import ModelConfig
 from appliance.engine.models.decoder import CausalLM
 from appliance.engine.sampling_params import SamplingParams

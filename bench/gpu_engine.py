@@ -67,7 +67,8 @@ import torch
 import triton
 from torch import nn
 
-from appliance.engine.engine import Engine, EngineConfig
+from appliance.engine.engine import Engine
+from appliance.engine.engine_config import EngineConfig
 from appliance.engine.errors import ModelLoadError
 from appliance.engine.models.config import ModelConfig
 from appliance.engine.models.decoder import CausalLM
@@ -78,6 +79,7 @@ from appliance.engine.models.loader import (
     load_state_dict,
 )
 from appliance.engine.models.projections import quantize_projections
+from appliance.engine.models.recurrent_state import state_bytes_per_slot
 from appliance.engine.models.sparse_moe import Experts
 from appliance.engine.sampling_params import SamplingParams
 from kernels import triton_ops
@@ -344,7 +346,9 @@ def recurrent_state_bytes(model: CausalLM) -> int:
     """Bytes a hybrid model's decode step reads and writes per sequence: its state in every
     linear layer, once each way (0 for any other model)."""
     linear = model.config.linear_attention
-    return 0 if linear is None else 2 * linear.bytes_per_slot(model.embed_tokens.weight.dtype)
+    return (
+        0 if linear is None else 2 * state_bytes_per_slot(linear, model.embed_tokens.weight.dtype)
+    )
 
 
 def memory_per_sequence(engine: Engine) -> None:
@@ -357,7 +361,7 @@ def memory_per_sequence(engine: Engine) -> None:
         return
     kv_caches = engine.runner.kv_caches
     per_token_layer = kv_caches[0][:, 0, 0].numel() * kv_caches[0].element_size()  # K and V
-    state = linear.bytes_per_slot(engine.runner.model.embed_tokens.weight.dtype)
+    state = state_bytes_per_slot(linear, engine.runner.model.embed_tokens.weight.dtype)
     for context in (4096, 32768, 262144):
         hybrid = len(kv_caches) * per_token_layer * context + state
         pure = config.num_layers * per_token_layer * context

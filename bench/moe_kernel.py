@@ -38,13 +38,14 @@ from kernels.fp8 import quantize_rows
 from kernels.moe import MoeTiles, fused_moe, tiles_for
 from kernels.moe_gemv import GEMV_MAX_PAIRS, GemvTiles
 from kernels.moe_routing import route_experts
-from kernels.ops import Fp8Weight, Router
+from kernels.moe_spec import Router
+from kernels.ops import Fp8Weight
 
 DTYPE = torch.bfloat16
 DECODE_BATCHES = (1, 4, 16, 64)
 PREFILL_BATCHES = (512, 2048, 8192)
 ROUTING_BATCHES = (1, 16, 512, 8192)
-# The routers timed by --routing (kernels.ops.Router's fields beside E and k).
+# The routers timed by --routing (kernels.moe_spec.Router's fields beside E and k).
 ROUTERS = {
     "softmax, renormalised (Mixtral, Qwen3-MoE)": {"renormalize": True},
     "top-k, then softmax (gpt-oss)": {"score_after_topk": True, "logit_bias": True},

@@ -62,7 +62,8 @@ from gpu_engine import (  # bench/, the script's own directory
     weight_bytes,
 )
 
-from appliance.engine.engine import Engine, EngineConfig
+from appliance.engine.engine import Engine
+from appliance.engine.engine_config import EngineConfig
 from appliance.engine.models.config import ModelConfig
 from appliance.engine.models.loader import build_model, load_model, random_model
 from appliance.engine.parallel.all_reduce import AllReduce

@@ -51,10 +51,10 @@ def expert_gated_product(
     ACTIVATION: tl.constexpr,
 ):  # fmt: skip
     """act(gate) * up of a mixture of experts' float32 gate and up sums, act SiLU or (Gemma 4)
-    GELU-tanh by ACTIVATION (gpt-oss, CLAMPED: its clamped SwiGLU, `kernels.ops.ClampedSwiglu`'s
-    alpha and limit), in `dtype`, rounded as the reference rounds: the sums to the dtype, then
-    each elementwise op's result. Both paths of the fused MoE kernel (`kernels.moe`,
-    `kernels.moe_gemv`) end their gate/up step with it."""
+    GELU-tanh by ACTIVATION (gpt-oss, CLAMPED: its clamped SwiGLU,
+    `kernels.moe_spec.ClampedSwiglu`'s alpha and limit), in `dtype`, rounded as the reference
+    rounds: the sums to the dtype, then each elementwise op's result. Both paths of the fused MoE
+    kernel (`kernels.moe`, `kernels.moe_gemv`) end their gate/up step with it."""
     if CLAMPED:
         gate = tl.minimum(gate_sum.to(dtype).to(tl.float32), limit)
         up = tl.minimum(tl.maximum(up_sum.to(dtype).to(tl.float32), -limit), limit)

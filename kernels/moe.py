@@ -60,7 +60,8 @@ from kernels.moe_gemv import (
     gemv_moe,
     scale_or,
 )
-from kernels.ops import ClampedSwiglu, Fp8Weight
+from kernels.moe_spec import ClampedSwiglu
+from kernels.ops import Fp8Weight
 
 
 @dataclass(frozen=True, slots=True)
@@ -158,7 +159,7 @@ def _grouped_gemm_kernel(
     limit,  # CLAMPED: its clamp on gate (above) and up (both sides)
     PAIRS_PER_A_ROW: tl.constexpr,  # top_k when a is x (pair t * k + j reads token t), else 1
     SILU_MUL: tl.constexpr,  # b holds [gate; up] rows: store SiLU(a @ gate.T) * (a @ up.T)
-    CLAMPED: tl.constexpr,  # SILU_MUL as gpt-oss's clamped SwiGLU (kernels.ops.ClampedSwiglu)
+    CLAMPED: tl.constexpr,  # SILU_MUL as gpt-oss's clamped SwiGLU (kernels.moe_spec.ClampedSwiglu)
     ACTIVATION: tl.constexpr,  # SILU_MUL, not CLAMPED: the gate's "silu" or "gelu_tanh"
     HAS_BIAS: tl.constexpr,
     MUL_WEIGHT: tl.constexpr,

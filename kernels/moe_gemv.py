@@ -25,7 +25,8 @@ import triton
 import triton.language as tl
 
 from kernels.activation import expert_gated_product
-from kernels.ops import ClampedSwiglu, Fp8Weight
+from kernels.moe_spec import ClampedSwiglu
+from kernels.ops import Fp8Weight
 
 
 @dataclass(frozen=True, slots=True)

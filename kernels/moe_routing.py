@@ -1,6 +1,6 @@
 """Triton mixture-of-experts routing: each token's top k experts and their weights, one launch.
 
-Semantics are `kernels.reference.route_experts`'s for every variant a `kernels.ops.Router`
+Semantics are `kernels.reference.route_experts`'s for every variant a `kernels.moe_spec.Router`
 declares (softmax or sigmoid scores, top-k before or after the scoring, a selection-only bias,
 group-limited choice, renormalisation, a final scale, per-expert scales), steps and float32
 rounding points included. The reference is a chain of a dozen small torch ops (softmax, topk,
@@ -31,7 +31,7 @@ import triton.language as tl
 
 from kernels.errors import KernelInputError
 from kernels.launch_checks import FLOAT_DTYPES, check_devices
-from kernels.ops import Router
+from kernels.moe_spec import Router
 
 # A token's logits live in one program's registers (Qwen3-Next has 512 experts); 4 warps hold
 # 1024 floats at 8 a thread.
@@ -242,7 +242,9 @@ def route_experts(
 def _validate(logits: torch.Tensor, router: Router) -> None:
     """logits [T, E] fit the router, and the router fits the kernel."""
     if not isinstance(router, Router):
-        raise KernelInputError(f"router must be a kernels.ops.Router, got {type(router).__name__}")
+        raise KernelInputError(
+            f"router must be a kernels.moe_spec.Router, got {type(router).__name__}"
+        )
     if not isinstance(logits, torch.Tensor):
         raise KernelInputError(f"logits must be a torch.Tensor, got {type(logits).__name__}")
     check_devices({"logits": logits})

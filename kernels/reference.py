@@ -13,13 +13,8 @@ import torch.nn.functional as F
 
 from kernels.fp8 import P_SCALE, quantize_rows
 from kernels.launch_checks import KV_CACHE_FP8, check_kv_cache_encoding
-from kernels.ops import (
-    AttentionMetadata,
-    ClampedSwiglu,
-    Fp8Weight,
-    RecurrentStateMetadata,
-    Router,
-)
+from kernels.moe_spec import ClampedSwiglu, Router
+from kernels.ops import AttentionMetadata, Fp8Weight, RecurrentStateMetadata
 
 _FP8_MAX = torch.finfo(KV_CACHE_FP8).max
 _LOG2_E = 1.4426950408889634
@@ -177,7 +172,7 @@ def route_experts(
     selection_bias: torch.Tensor | None = None,
     expert_scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """A mixture of experts' routing as `router` declares it (`kernels.ops.Router`): logits
+    """A mixture of experts' routing as `router` declares it (`kernels.moe_spec.Router`): logits
     [T, E] -> (weights [T, k] float32, expert ids [T, k] int64), by descending choice.
 
     The scores are computed in float32 and the choice is `torch.topk`'s, as transformers'

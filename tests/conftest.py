@@ -58,7 +58,8 @@ def smollm2_engine(smollm2_dir: Path) -> Callable[..., Engine]:
     """Builds an engine on the CPU around SmolLM2's weights and tokenizer, loaded once per
     session: `smollm2_engine(max_model_len=512)` takes EngineConfig's fields. Engines share
     the (read-only) weights; each has its own KV cache, scheduler and requests."""
-    from appliance.engine.engine import Engine, EngineConfig
+    from appliance.engine.engine import Engine
+    from appliance.engine.engine_config import EngineConfig
     from appliance.engine.models.loader import load_model
     from appliance.engine.tokenizer import Tokenizer
     from kernels.backend import kernel_ops_for

@@ -30,13 +30,11 @@ import importlib
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
+from appliance.engine.engine_config import EngineConfig
 from appliance.engine.engine_settings import EngineSettings
+from appliance.engine.models.config import ModelConfig
 from appliance.errors import BootError
-
-if TYPE_CHECKING:
-    from appliance.engine.engine import EngineConfig
 
 
 class PreloadError(BootError):
@@ -113,8 +111,6 @@ class EnginePreload:
 def _warm_device(config: EngineConfig) -> None:
     """Stage 2 of the module docstring, on `config`'s device."""
     import torch
-
-    from appliance.engine.models.config import ModelConfig
 
     model = ModelConfig.from_model_dir(config.model_dir)
     device, dtype = config.torch_device, config.torch_dtype

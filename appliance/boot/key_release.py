@@ -16,6 +16,7 @@ import time
 from typing import TYPE_CHECKING
 
 from appliance.config import SealedSettings
+from appliance.engine.engine_config import EngineConfig
 from attestation.keys import (
     FileKeySettings,
     KeyProvider,
@@ -30,7 +31,6 @@ from attestation.verdict import Verdict
 if TYPE_CHECKING:  # torch: imported by the preload thread (appliance.boot.engine_preload)
     from appliance.boot.engine_preload import EnginePreload
     from appliance.boot.weights import LoadedModel
-    from appliance.engine.engine import EngineConfig
 
 
 def key_provider(settings: SealedSettings, *, production: bool) -> KeyProvider:

@@ -66,7 +66,9 @@ from appliance.boot.gpu_coverage import GpuCoverageError, engine_gpu_uuids, veri
 from appliance.boot.key_release import key_provider, release_and_load
 from appliance.config import Settings
 from appliance.engine.async_engine import AsyncEngine
+from appliance.engine.engine_config import EngineConfig
 from appliance.engine.errors import EngineError
+from appliance.engine.models.config import ModelConfig
 from appliance.errors import BootError, ModelFilesError, TlsError
 from appliance.tls import certificate_spki_sha256
 from attestation.binding import Channel
@@ -79,7 +81,6 @@ from audit.log import AuditLog
 
 if TYPE_CHECKING:  # torch: imported by the engine's preload thread meanwhile (engine_preload)
     from appliance.boot.weights import LoadedModel
-    from appliance.engine.engine import EngineConfig
 
 logger = logging.getLogger(__name__)
 
@@ -104,16 +105,12 @@ def start_audit_log(settings: Settings) -> AuditLog:
 
 
 def engine_config(settings: Settings) -> EngineConfig:
-    """The engine's config, checked as far as it can be without loading the model (device,
-    dtype, the model's config.json), so that such errors stop the start at once."""
-    from appliance.engine.engine import EngineConfig
-    from appliance.engine.models.config import ModelConfig
-
-    config = EngineConfig(
-        model_dir=settings.model.dir,
-        **settings.engine.model_dump(),
-    )
-    _ = (config.torch_device, config.torch_dtype)  # each raises EngineConfigError if unusable
+    """The engine's config, checked as far as it can be without torch or the weights (the
+    device's name and the dtype, the model's config.json), so that such errors stop the start
+    at once, while the preload imports torch. Whether this machine has the device is checked
+    where the engine first looks for it (step 4b for GPUs a verdict must cover, else the load
+    of step 6), failing the start there like any step. Raises EngineError."""
+    config = EngineConfig(model_dir=settings.model.dir, **settings.engine.model_dump())
     ModelConfig.from_model_dir(config.model_dir)
     return config
 

@@ -19,7 +19,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from appliance.engine.engine import Engine, EngineConfig
+from appliance.engine.engine import Engine
+from appliance.engine.engine_config import EngineConfig
 from appliance.engine.models.config import ModelConfig
 from appliance.engine.models.decoder import CausalLM
 from appliance.engine.models.loader import load_model
@@ -53,7 +54,10 @@ class LoadedModel:
         EngineError for an unusable model, ModelFilesError for unreadable files, PreloadError
         if `preload`, waited for before the engine's first step, failed)."""
         model_dir = Path(config.model_dir)
-        ModelConfig.from_model_dir(model_dir)  # the clearest errors first, before any heavy load
+        # The clearest errors first, before any heavy load: whether this machine has the
+        # device, and the model's config.json.
+        device = config.torch_device
+        ModelConfig.from_model_dir(model_dir)
         tokenizer = Tokenizer.from_model_dir(model_dir)
         clock = _LoadClock(preload)
 
@@ -62,7 +66,7 @@ class LoadedModel:
             model = load_model(
                 model_dir,
                 dtype=config.torch_dtype,
-                device=config.torch_device,
+                device=device,
                 ops=config.kernel_ops(),
                 shard=shard,
                 quantization=config.quantization,

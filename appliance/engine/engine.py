@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import os
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
@@ -14,7 +13,7 @@ import torch
 
 from appliance.engine.block_manager import BlockManager, window_pool_num_blocks
 from appliance.engine.detokenizer import IncrementalDetokenizer
-from appliance.engine.engine_settings import EngineSettings
+from appliance.engine.engine_config import EngineConfig
 from appliance.engine.errors import (
     ContextLengthExceededError,
     EngineConfigError,
@@ -26,7 +25,10 @@ from appliance.engine.model_runner import LaunchedStep, ModelRunner
 from appliance.engine.models.config import ModelConfig
 from appliance.engine.models.decoder import CausalLM
 from appliance.engine.models.loader import load_model
-from appliance.engine.models.recurrent_state import HYBRID_PREFIX_CACHING_OFF
+from appliance.engine.models.recurrent_state import (
+    HYBRID_PREFIX_CACHING_OFF,
+    state_bytes_per_slot,
+)
 from appliance.engine.outputs import EngineStats, RequestOutput, RequestState
 from appliance.engine.parallel.group import TensorParallelGroup
 from appliance.engine.parallel.sharding import ShardPlan
@@ -37,88 +39,12 @@ from appliance.engine.sequence import RequestId, Sequence, SequenceStatus
 from appliance.engine.state_slots import StateSlots
 from appliance.engine.structured_output import GrammarCompiler
 from appliance.engine.tokenizer import Tokenizer
-from kernels.backend import kernel_ops_for
-from kernels.ops import KernelOps
 
 logger = logging.getLogger(__name__)
 
 # How long a failed step waits to learn that it failed because a worker died (the collective may
 # see the closed socket before the watch thread sees the process end).
 _WORKER_DEATH_GRACE_S = 2.0
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def automatic_cpu_threads(num_cpus: int) -> int:
-    """Torch threads for an engine on `num_cpus` CPUs when the setting leaves it to us: all but
-    one. Each torch op waits for its slowest thread, so a thread that shares its CPU (with the
-    engine loop, the event loop or another process) stalls them all: on a busy 2-CPU machine, the
-    CPU benchmark took more than 4x as long with two threads as with one (docs/BENCHMARKS.md,
-    "Torch threads on CPU")."""
-    return max(num_cpus - 1, 1)
-
-
-class EngineConfig(EngineSettings):
-    """Everything the engine is built from: the model directory and the engine settings."""
-
-    model_dir: Path
-
-    @property
-    def on_gpu(self) -> bool:
-        return self.torch_device.type == "cuda"
-
-    @property
-    def torch_device(self) -> torch.device:
-        try:
-            device = torch.device(self.device)
-        except RuntimeError:
-            raise EngineConfigError(f"device {self.device!r} is not a device name") from None
-        if device.type not in ("cpu", "cuda"):
-            raise EngineConfigError(f"device {self.device!r}: Inferno runs on cpu or cuda")
-        if device.type == "cuda" and not torch.cuda.is_available():
-            raise EngineConfigError(f"device {self.device!r}: no CUDA GPU is available here")
-        return device
-
-    @property
-    def torch_num_threads(self) -> int:
-        """Torch's threads on the CPU: the setting, or automatic_cpu_threads for this machine."""
-        return self.num_cpu_threads or automatic_cpu_threads(len(os.sched_getaffinity(0)))
-
-    @property
-    def rank_num_threads(self) -> int:
-        """Torch's threads in each tensor-parallel process on the CPU: they share the CPUs."""
-        return max(1, self.torch_num_threads // self.tensor_parallel_size)
-
-    def context_length(self, model_config: ModelConfig) -> int:
-        """max_model_len: the setting, at most the model's own."""
-        return min(self.max_model_len or model_config.max_model_len, model_config.max_model_len)
-
-    def start_workers(
-        self, *, random_weights: bool = False, sealed: SealedWeights | None = None
-    ) -> TensorParallelGroup | None:
-        """Spawn this config's tensor-parallel workers (None for one device). Load rank 0's
-        shard of the weights with `shard=group.plan`, then `Engine.build(..., group=group)`;
-        close the group if that fails. `random_weights`: benchmarks (loader.random_model);
-        `sealed`: the workers decrypt their parts of this sealed model."""
-        if self.tensor_parallel_size == 1:
-            return None
-        return TensorParallelGroup.start(
-            self,
-            self.model_dir,
-            max_model_len=self.context_length(ModelConfig.from_model_dir(self.model_dir)),
-            dtype=self.torch_dtype,
-            num_cpu_threads=self.rank_num_threads,
-            random_weights=random_weights,
-            sealed=sealed,
-        )
-
-    @property
-    def torch_dtype(self) -> torch.dtype:
-        return _DTYPES[self.dtype or ("bfloat16" if self.on_gpu else "float32")]
-
-    def kernel_ops(self) -> KernelOps:
-        """The kernels for this device, Triton's cache where the settings put it."""
-        return kernel_ops_for(self.torch_device, triton_cache_dir=self.triton_cache_dir)
 
 
 def _hybrid_state_slots(
@@ -136,7 +62,7 @@ def _hybrid_state_slots(
     logger.info(
         "recurrent state: %d slots of %.2f MiB per GPU (%d linear-attention layers)",
         config.max_num_seqs,
-        linear.bytes_per_slot(config.torch_dtype) / 2**20,
+        state_bytes_per_slot(linear, config.torch_dtype) / 2**20,
         linear.num_linear_layers,
     )
     return StateSlots(config.max_num_seqs)

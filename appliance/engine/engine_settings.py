@@ -1,6 +1,7 @@
 """The engine's sizes and switches, defined once: the settings file's `[engine]` section
 (`appliance.config`) is this model, and the engine is built from it plus the model directory
-(`appliance.engine.engine.EngineConfig`). Sizes are in tokens unless the name says otherwise.
+(`appliance.engine.engine_config.EngineConfig`). Sizes are in tokens unless the name says
+otherwise.
 
 No torch here, so that reading the settings does not load it.
 """

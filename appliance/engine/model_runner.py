@@ -23,7 +23,7 @@ from appliance.engine.cuda_graphs import DecodeGraphs
 from appliance.engine.errors import EngineConfigError
 from appliance.engine.kv_cache import KVCacheSpec, KVPools
 from appliance.engine.models.decoder import CausalLM
-from appliance.engine.models.recurrent_state import RecurrentState
+from appliance.engine.models.recurrent_state import RecurrentState, allocate_states
 from appliance.engine.outputs import TokenLogprob
 from appliance.engine.packed_inputs import upload
 from appliance.engine.parallel.step_broadcast import StepBroadcast
@@ -186,7 +186,7 @@ class ModelRunner:
         linear = self.model.linear_attention  # this device's heads
         assert linear is not None, "only a hybrid model has a recurrent state"
         dtype = self.model.embed_tokens.weight.dtype
-        self.recurrent_states = linear.allocate(num_slots, dtype, self.device)
+        self.recurrent_states = allocate_states(linear, num_slots, dtype, self.device)
 
     @torch.inference_mode()
     def kv_pools_for_free_memory(

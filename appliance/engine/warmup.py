@@ -23,7 +23,8 @@ from pathlib import Path
 
 import torch
 
-from appliance.engine.engine import Engine, EngineConfig
+from appliance.engine.engine import Engine
+from appliance.engine.engine_config import EngineConfig
 from appliance.engine.models import loader
 from appliance.engine.models.decoder import CausalLM
 from appliance.engine.parallel.sharding import ShardPlan

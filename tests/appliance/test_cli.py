@@ -36,7 +36,8 @@ from appliance.auth.local_issuer import LocalIssuer
 from appliance.auth.roles import Role
 from appliance.boot.audit_log import open_audit_log
 from appliance.config import load_settings
-from appliance.engine.engine import Completion, Engine, EngineConfig
+from appliance.engine.engine import Completion, Engine
+from appliance.engine.engine_config import EngineConfig
 from appliance.engine.sampling_params import SamplingParams
 from appliance.engine.tokenizer import Tokenizer
 from appliance.settings_file import CONFIG_ENV

@@ -21,7 +21,7 @@ from appliance.config import (
     load_settings,
     setting_names,
 )
-from appliance.engine.engine import EngineConfig
+from appliance.engine.engine_config import EngineConfig
 from appliance.errors import ConfigError
 from audit.cosignature import Cosigner
 from audit.note import NoteSigner

@@ -16,7 +16,8 @@ from typing import Any
 import pytest
 import torch
 
-from appliance.engine.engine import Engine, EngineConfig
+from appliance.engine.engine import Engine
+from appliance.engine.engine_config import EngineConfig
 from appliance.engine.models.config import SUPPORTED_ARCHITECTURES, ModelConfig
 from appliance.engine.models.loader import build_model
 from bench.gpu_engine import SHAPES, inferno_model_from, peer_model, weight_bytes

@@ -26,7 +26,8 @@ from kernels.moe import (
     tiles_for,
 )
 from kernels.moe_gemv import GEMV_TILES, GemvTiles
-from kernels.ops import ClampedSwiglu, Fp8Weight
+from kernels.moe_spec import ClampedSwiglu
+from kernels.ops import Fp8Weight
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # Both sides accumulate in float32 in different orders, then round where the reference does.

@@ -20,7 +20,7 @@ import torch
 from kernels import reference
 from kernels.errors import KernelInputError
 from kernels.moe_routing import route_experts
-from kernels.ops import Router
+from kernels.moe_spec import Router
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # The families' variants (appliance.engine.models.families) and the rest the Router declares,

@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch.nn import functional as F
 
-from kernels.ops import Router
+from kernels.moe_spec import Router
 from kernels.reference import route_experts
 
 NUM_TOKENS, HIDDEN, NUM_EXPERTS = 40, 32, 16

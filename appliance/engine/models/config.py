@@ -14,10 +14,10 @@ from typing import Any
 
 from appliance.engine.errors import ModelLoadError
 from appliance.engine.models.families import FAMILIES, ConfigReader, Family
+from appliance.engine.models.linear_attention_config import LinearAttentionConfig
 from appliance.engine.models.moe_config import MoeConfig
 from appliance.engine.models.quantization import Fp8Checkpoint
-from appliance.engine.models.recurrent_state import LinearAttentionConfig
-from appliance.engine.models.rotary import RopeConfig
+from appliance.engine.models.rope_config import RopeConfig
 
 __all__ = ["SUPPORTED_ARCHITECTURES", "ModelConfig", "RopeConfig"]
 

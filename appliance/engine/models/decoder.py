@@ -16,7 +16,8 @@ import kernels.reference
 from appliance.engine.models.config import ModelConfig, RopeConfig
 from appliance.engine.models.layers import MLP, Attention, RMSNorm
 from appliance.engine.models.linear_attention import GatedDeltaNet
-from appliance.engine.models.recurrent_state import LinearAttentionConfig, RecurrentState
+from appliance.engine.models.linear_attention_config import LinearAttentionConfig
+from appliance.engine.models.recurrent_state import RecurrentState
 from appliance.engine.models.rotary import cos_sin_table
 from appliance.engine.models.sparse_moe import SparseMoeBlock, is_sparse_layer
 from kernels.ops import AttentionMetadata, KernelOps, RecurrentStateMetadata

@@ -25,10 +25,10 @@ from appliance.engine.models.checkpoint_layout import (
     QWEN3_5_MULTIMODAL,
     CheckpointLayout,
 )
+from appliance.engine.models.linear_attention_config import LinearAttentionConfig
 from appliance.engine.models.moe_config import MoeConfig
-from appliance.engine.models.recurrent_state import LinearAttentionConfig
-from appliance.engine.models.rotary import RopeConfig
-from kernels.ops import ClampedSwiglu, Router
+from appliance.engine.models.rope_config import RopeConfig
+from kernels.moe_spec import ClampedSwiglu, Router
 
 # "linear_attention" layers attend through a recurrent state, not a window: models.config
 # accepts them only where the family builds them (the hybrid Qwen).

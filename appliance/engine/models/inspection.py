@@ -21,7 +21,10 @@ from appliance.engine.models.config import ModelConfig
 from appliance.engine.models.decoder import CausalLM
 from appliance.engine.models.fused_experts import mxfp4_num_params
 from appliance.engine.models.loader import checkpoint_files, load_model
-from appliance.engine.models.recurrent_state import HYBRID_PREFIX_CACHING_OFF
+from appliance.engine.models.recurrent_state import (
+    HYBRID_PREFIX_CACHING_OFF,
+    state_bytes_per_slot,
+)
 
 # The KV cache's dtype on the GPU (the engine's default there).
 _KV_DTYPE = torch.bfloat16
@@ -194,7 +197,7 @@ def _hybrid_lines(config: ModelConfig) -> list[tuple[str, str]]:
         f"({linear.num_key_heads} key heads of {linear.key_head_dim}, {linear.num_value_heads} "
         f"value heads of {linear.value_head_dim}, conv of {linear.conv_kernel_size})"
     )
-    state_bytes = linear.bytes_per_slot(_KV_DTYPE)
+    state_bytes = state_bytes_per_slot(linear, _KV_DTYPE)
     return [
         ("linear attention", layers),
         (

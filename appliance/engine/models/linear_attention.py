@@ -21,8 +21,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from appliance.engine.models.layers import RMSNorm
+from appliance.engine.models.linear_attention_config import LinearAttentionConfig
 from appliance.engine.models.projections import projection_weight
-from appliance.engine.models.recurrent_state import LinearAttentionConfig, RecurrentState
+from appliance.engine.models.recurrent_state import RecurrentState
 from kernels.ops import KernelOps, RecurrentStateMetadata
 
 # The gated output norm scales by its weight as stored: unlike the model's other norms it is

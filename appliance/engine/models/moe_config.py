@@ -1,15 +1,15 @@
 """A family's mixture of experts as data: its `MoeConfig`, which holds its router.
 
 A family declares both (models.families); the sparse block (models.sparse_moe) builds itself
-from them. The router (`kernels.ops.Router`) is the kernels' type: the routing is a kernel op
-(`KernelOps.route_experts`) that reads it.
+from them. The router (`kernels.moe_spec.Router`) is the kernels' type: the routing is a kernel
+op (`KernelOps.route_experts`) that reads it.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kernels.ops import ClampedSwiglu, Router
+from kernels.moe_spec import ClampedSwiglu, Router
 
 
 @dataclass(frozen=True, slots=True)

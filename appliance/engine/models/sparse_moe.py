@@ -6,7 +6,7 @@ token through its k experts and sums their outputs, weighted. The experts' weigh
 ([E, 2I, H] gate/up rows, [E, H, I] down), whatever the checkpoint stores (models.loader). An
 optional shared expert (Qwen2-MoE) is a dense MLP every token passes through, its output scaled
 by a sigmoid gate and added. gpt-oss's experts have biases and a clamped SwiGLU
-(`kernels.ops.ClampedSwiglu`). Gemma 4's block sits beside the dense MLP (models.decoder): its
+(`kernels.moe_spec.ClampedSwiglu`). Gemma 4's block sits beside the dense MLP (models.decoder): its
 router reads the layer's un-normed input, normed and scaled its own way (`Router.normed_input`),
 its experts a differently normed one, and they gate with GELU-tanh. Under expert parallelism a
 block holds some of the experts and its output is its part of the sum

@@ -20,7 +20,8 @@ from openai_harmony import HarmonyEncoding, HarmonyEncodingName, load_harmony_en
 from appliance.api.harmony import HarmonyFormat
 from appliance.api.models import ServedModel
 from appliance.api.schemas import ChatMessage, FunctionTool
-from appliance.engine.engine import Engine, EngineConfig
+from appliance.engine.engine import Engine
+from appliance.engine.engine_config import EngineConfig
 from appliance.engine.errors import ModelLoadError
 from appliance.engine.tokenizer import Tokenizer
 from tests.appliance.api.conftest import MODEL_NAME, RunningServer, make_settings, running_server

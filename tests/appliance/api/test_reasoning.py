@@ -16,7 +16,8 @@ from typing import Any
 import openai
 import pytest
 
-from appliance.engine.engine import Engine, EngineConfig
+from appliance.engine.engine import Engine
+from appliance.engine.engine_config import EngineConfig
 from appliance.engine.tokenizer import Tokenizer
 from tests.appliance.api.chat_templates import with_chat_template
 from tests.appliance.api.conftest import MODEL_NAME, RunningServer, make_settings, running_server

@@ -17,7 +17,8 @@ import httpx
 import openai
 import pytest
 
-from appliance.engine.engine import Engine, EngineConfig
+from appliance.engine.engine import Engine
+from appliance.engine.engine_config import EngineConfig
 from appliance.engine.tokenizer import Tokenizer
 from tests.appliance.api.conftest import MODEL_NAME, RunningServer, make_settings, running_server
 from tests.appliance.api.scripted_model import ScriptedModel

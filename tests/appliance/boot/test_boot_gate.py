@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from fastapi.testclient import TestClient
 
 from appliance.app import build
@@ -26,8 +27,9 @@ from appliance.boot.engine_preload import EnginePreload
 from appliance.boot.startup import start_audit_log
 from appliance.boot.weights import LoadedModel
 from appliance.config import Settings, settings_from_mapping
-from appliance.engine.engine import Engine, EngineConfig
-from appliance.engine.errors import TensorParallelError
+from appliance.engine.engine import Engine
+from appliance.engine.engine_config import EngineConfig
+from appliance.engine.errors import EngineConfigError, TensorParallelError
 from appliance.errors import BootError, ConfigError
 from attestation.errors import CollectionError
 from tests.appliance.attestation.fake_tee import FakeCollector, FakeVerifier
@@ -425,6 +427,69 @@ def test_a_verdict_missing_one_of_the_engines_gpus_keeps_the_gate_shut(
         ("attestation.verdict", "success"),
         ("boot.phase", "failure"),
     ]
+
+
+def _on_device(settings: Settings, device: str) -> Settings:
+    return settings.model_copy(
+        update={"engine": settings.engine.model_copy(update={"device": device})}
+    )
+
+
+def test_a_device_inferno_does_not_run_on_is_refused_before_the_server_starts(
+    tmp_path: Path, smollm2_dir: Path
+) -> None:
+    settings = _on_device(_settings(tmp_path, smollm2_dir), "gpu")
+    tee = TeeService("required", FakeCollector(), FakeVerifier())
+    with (
+        start_audit_log(settings) as log,
+        pytest.raises(EngineConfigError, match="device 'gpu': Inferno runs on cpu, cuda or cuda:N"),
+    ):
+        build(settings, log, tee=tee)
+
+
+@pytest.fixture
+def no_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
+    """This machine as one without a CUDA GPU, whatever it has."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+
+
+@pytest.mark.usefixtures("no_cuda")
+@pytest.mark.parametrize(
+    ("mode", "phase", "reason"),
+    [
+        (
+            "insecure-dev",
+            "model_load",
+            "the model could not be loaded: device 'cuda': no CUDA GPU is available here",
+        ),
+        (
+            "required",
+            "gpu_coverage",
+            "the verdict does not cover the engine's GPUs: tensor_parallel_size 1 from cuda needs "
+            "GPUs cuda:0..cuda:0; this machine has 0",
+        ),
+    ],
+)
+def test_a_gpu_this_machine_lacks_fails_the_start_where_the_engine_first_looks_for_it(
+    tmp_path: Path, smollm2_dir: Path, mode: str, phase: str, reason: str
+) -> None:
+    """The early checks pass a GPU by its name (they run without torch, while the preload
+    imports it); the engine's GPUs are first looked for after the verdict (step 4b, for the
+    verdict to cover them) or, unattested, as the model loads: there the start fails, recorded
+    and on /health, before any weight is read."""
+    settings = _on_device(_settings(tmp_path, smollm2_dir, mode=mode), "cuda")
+    tee = (
+        TeeService("required", FakeCollector(), FakeVerifier())
+        if mode == "required"
+        else TeeService("insecure-dev", None, None)
+    )
+    for client in _serve(settings, tee):
+        health = client.get("/health")
+        assert (health.status_code, health.json()) == (503, {"status": "failed", "reason": reason})
+    entries = _entries(settings)
+    assert _actions(entries)[-1] == ("boot.phase", "failure")
+    assert entries[-1]["details"]["phase"] == phase
 
 
 def test_an_engine_that_stops_on_an_error_is_recorded_and_health_says_stopped(

@@ -29,7 +29,8 @@ from appliance.boot.collector_pause import CollectorPause
 from appliance.boot.startup import start_audit_log
 from appliance.boot.weights import LoadedModel
 from appliance.config import Settings
-from appliance.engine.engine import Engine, EngineConfig
+from appliance.engine.engine import Engine
+from appliance.engine.engine_config import EngineConfig
 from attestation.errors import KeyReleaseError
 from tests.appliance.attestation.fake_tee import FakeCollector, FakeVerifier
 from tests.appliance.boot.test_boot_gate import _settings

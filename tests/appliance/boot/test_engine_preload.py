@@ -56,6 +56,47 @@ def test_the_server_imports_no_torch_before_the_preload_does() -> None:
     assert _run(_NO_TORCH_BEFORE_THE_PRELOAD) == "[] True True None"
 
 
+# The start-up's early checks (step 1: StartUp.prepare, as the app is built) on a settings
+# file's model and engine: the model's config.json and the engine's device, for a device named
+# right (a GPU's included: whether this machine has it is the load's to say) and one not.
+_EARLY_CHECKS = """
+import json, sys
+from appliance.boot.startup import engine_config
+from appliance.config import Settings
+from appliance.engine.errors import EngineConfigError
+
+checked = []
+for device in ("cpu", "cuda:1", "gpu"):
+    settings = Settings.model_validate({**json.loads(sys.argv[1]), "engine": {"device": device}})
+    try:
+        checked.append(engine_config(settings).dtype_name)
+    except EngineConfigError as exc:
+        checked.append(str(exc))
+print(json.dumps([checked, sorted(m for m in ("torch", "triton", "numpy") if m in sys.modules)]))
+"""
+
+
+def test_the_start_up_s_early_checks_import_no_torch(tmp_path: Path, smollm2_dir: Path) -> None:
+    """The engine's config is checked, the model's config.json parsed, and a device Inferno does
+    not run on refused, all without torch: the app is built, listens and attests while the
+    preload imports it, instead of waiting on importlib's lock for the preload's imports."""
+    settings = {
+        "model": {"dir": str(smollm2_dir)},
+        "server": {"insecure_http": True},
+        "audit": {"origin": "inferno.test/boot", "data_dir": str(tmp_path / "audit")},
+        "auth": {"local_issuer": "demo", "local_issuer_key_file": str(tmp_path / "k.pem")},
+        "appliance": {"profile": "development"},
+        "tee": {"mode": "insecure-dev"},
+    }
+    checked, imported = json.loads(_run(_EARLY_CHECKS, json.dumps(settings)))
+    assert checked == [
+        "float32",
+        "bfloat16",
+        "device 'gpu': Inferno runs on cpu, cuda or cuda:N",
+    ]
+    assert imported == []
+
+
 _GPU_ENGINE_BEFORE_THE_VERDICT = """
 import sys, torch
 from appliance.boot.engine_preload import EnginePreload
@@ -90,7 +131,8 @@ _FIRST_STEPS_AFTER_THE_PRELOAD = """
 import json, sys
 from pathlib import Path
 from appliance.boot.engine_preload import EnginePreload
-from appliance.engine.engine import Engine, EngineConfig
+from appliance.engine.engine import Engine
+from appliance.engine.engine_config import EngineConfig
 from appliance.engine.engine_settings import EngineSettings
 from appliance.engine.sampling_params import SamplingParams
 from appliance.engine.warmup import random_model
@@ -136,7 +178,7 @@ def test_after_the_preload_the_engine_s_first_steps_spawn_and_import_nothing(
     path: the engine's build and first request then spawn nothing and import none of them.
     With the cache `inferno warmup` filled, even the preload compiles nothing: its
     subprocesses are lookups alone (the assertion's message lists them)."""
-    from appliance.engine.engine import EngineConfig
+    from appliance.engine.engine_config import EngineConfig
     from appliance.engine.warmup import warm_up
 
     model_dir = tmp_path / "model"

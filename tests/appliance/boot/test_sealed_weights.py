@@ -16,7 +16,8 @@ import torch
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from appliance.boot.weights import LoadedModel, digest_sealed_weights, digest_weights
-from appliance.engine.engine import Engine, EngineConfig
+from appliance.engine.engine import Engine
+from appliance.engine.engine_config import EngineConfig
 from appliance.engine.sampling_params import SamplingParams
 from appliance.errors import ModelFilesError
 from attestation.errors import SealedModelError

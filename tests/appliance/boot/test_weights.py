@@ -37,7 +37,7 @@ def test_the_served_model_on_three_processes_answers_as_on_one(smollm2_dir: Path
     """`engine.tensor_parallel_size = 3` on the server's load path (LoadedModel.load): the
     workers start, each reads its shard, and the greedy answer is the one-process answer."""
     from appliance.boot.weights import LoadedModel
-    from appliance.engine.engine import EngineConfig
+    from appliance.engine.engine_config import EngineConfig
     from appliance.engine.sampling_params import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=8)

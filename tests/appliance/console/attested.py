@@ -21,7 +21,8 @@ from appliance.auth.sessions import SESSION_COOKIE, Session
 from appliance.boot.engine_preload import EnginePreload
 from appliance.boot.startup import start_audit_log
 from appliance.boot.weights import LoadedModel
-from appliance.engine.engine import Engine, EngineConfig
+from appliance.engine.engine import Engine
+from appliance.engine.engine_config import EngineConfig
 from tests.appliance.attestation.fake_tee import FakeCollector, FakeVerifier
 from tests.appliance.boot.test_boot_gate import _settings
 

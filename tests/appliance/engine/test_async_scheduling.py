@@ -17,7 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from appliance.engine.engine import Engine, EngineConfig
+from appliance.engine.engine import Engine
+from appliance.engine.engine_config import EngineConfig
 from appliance.engine.engine_settings import EngineSettings
 from appliance.engine.models.loader import load_model
 from appliance.engine.outputs import RequestOutput

@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Iterator
-from pathlib import Path
 
 import pytest
 import torch
-from pydantic import ValidationError
 
 from appliance.engine import sampling_controls
-from appliance.engine.engine import Engine, EngineConfig, automatic_cpu_threads
+from appliance.engine.engine import Engine
+from appliance.engine.engine_config import automatic_cpu_threads
 from appliance.engine.errors import (
     ContextLengthExceededError,
     EngineConfigError,
@@ -288,21 +287,6 @@ def test_disabling_chunked_prefill_needs_a_budget_of_a_whole_context(
         smollm2_engine(enable_chunked_prefill=False, max_num_batched_tokens=64)
 
 
-def test_unknown_dtype_is_refused_naming_the_choices(smollm2_dir: Path) -> None:
-    # The engine's config is its settings section: refused as it is made, before any load.
-    with pytest.raises(ValidationError, match="float32"):
-        EngineConfig(model_dir=smollm2_dir, dtype="int3")
-
-
-@pytest.mark.parametrize(
-    ("device", "message"),
-    [("mps", "runs on cpu or cuda"), ("tpu", "is not a device name")],
-)
-def test_unusable_device_is_refused_naming_it(smollm2_dir: Path, device: str, message: str) -> None:
-    with pytest.raises(EngineConfigError, match=message):
-        Engine.from_config(EngineConfig(model_dir=smollm2_dir, device=device))
-
-
 def test_decode_bursts_give_the_same_outputs_as_single_steps(
     engine: Engine, smollm2_engine: Callable[..., Engine]
 ) -> None:
@@ -431,10 +415,3 @@ def test_an_engine_on_the_cpu_picks_its_threads_for_this_machine_by_default(
     torch.set_num_threads(3)
     smollm2_engine(num_kv_blocks=4, num_cpu_threads=0)  # 0: the setting's default, automatic
     assert torch.get_num_threads() == automatic_cpu_threads(len(os.sched_getaffinity(0)))
-
-
-@pytest.mark.parametrize(("num_cpus", "num_threads"), [(1, 1), (2, 1), (16, 15)])
-def test_automatic_threads_leave_one_cpu_to_the_rest_of_the_machine(
-    num_cpus: int, num_threads: int
-) -> None:
-    assert automatic_cpu_threads(num_cpus) == num_threads

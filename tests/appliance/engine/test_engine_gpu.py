@@ -22,7 +22,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from appliance.engine.engine import Engine, EngineConfig
+from appliance.engine.engine import Engine
+from appliance.engine.engine_config import EngineConfig
 from appliance.engine.sampling_params import SamplingParams
 
 from .test_engine_vs_transformers import NUM_NEW_TOKENS

@@ -27,7 +27,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from appliance.engine.engine import Engine, EngineConfig
+from appliance.engine.engine import Engine
+from appliance.engine.engine_config import EngineConfig
 from appliance.engine.errors import EngineConfigError
 from appliance.engine.kv_cache import KVCacheSpec, KVPools
 from appliance.engine.models.config import ModelConfig

@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from appliance.engine.engine import Engine, EngineConfig
+from appliance.engine.engine import Engine
+from appliance.engine.engine_config import EngineConfig
 from appliance.engine.models.config import ModelConfig
 from appliance.engine.models.loader import build_model, fill_randomly
 from appliance.engine.sampling_params import MAX_TOP_LOGPROBS, SamplingParams

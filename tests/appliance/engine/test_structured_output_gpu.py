@@ -14,7 +14,8 @@ import torch
 from tokenizers import Tokenizer as BackendTokenizer
 from tokenizers import decoders, models, pre_tokenizers
 
-from appliance.engine.engine import Engine, EngineConfig
+from appliance.engine.engine import Engine
+from appliance.engine.engine_config import EngineConfig
 from appliance.engine.sampling_params import SamplingParams, StructuredOutput
 from appliance.engine.structured_output import GrammarCompiler, TokenMasks
 from appliance.engine.tokenizer import Tokenizer

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from appliance.__main__ import main
-from appliance.engine.engine import EngineConfig
+from appliance.engine.engine_config import EngineConfig
 from appliance.engine.warmup import cached_kernels, random_model, warm_up
 
 TINY_LLAMA = {

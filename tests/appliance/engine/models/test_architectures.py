@@ -25,6 +25,7 @@ from appliance.engine.model_runner import ModelRunner
 from appliance.engine.models.config import RopeConfig
 from appliance.engine.models.decoder import CausalLM
 from appliance.engine.models.loader import load_model
+from appliance.engine.models.recurrent_state import allocate_states
 from appliance.engine.models.rotary import cos_sin_table
 from appliance.engine.sampling_params import SamplingParams
 from appliance.engine.scheduler import Scheduler, SchedulerConfig
@@ -74,7 +75,9 @@ class PagedBatch:
             pool = pool[n:]
         linear = model.config.linear_attention
         num_slots = len(prompts) + 1
-        self.states = [] if linear is None else linear.allocate(num_slots, torch.float32, "cpu")
+        self.states = (
+            [] if linear is None else allocate_states(linear, num_slots, torch.float32, "cpu")
+        )
 
     @torch.inference_mode()
     def step(self, chunks: list[tuple[int, int, int]]) -> list[torch.Tensor]:

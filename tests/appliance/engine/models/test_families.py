@@ -122,7 +122,8 @@ def test_engine_serves_a_prompt_four_windows_long_in_a_pool_too_small_to_keep_it
     """Issue 21's Mistral: a prompt longer than the window was refused (the window was taken as
     the context). Six 16-token blocks hold 96 tokens; the sequence reaches 110, so it fits only
     because blocks no window reaches are given back as it goes."""
-    from appliance.engine.engine import Engine, EngineConfig
+    from appliance.engine.engine import Engine
+    from appliance.engine.engine_config import EngineConfig
 
     model_dir, hf_model = tiny_checkpoints("mistral-window")
     settings = EngineConfig(

@@ -29,7 +29,8 @@ import json
 import pytest
 import torch
 
-from appliance.engine.engine import Engine, EngineConfig
+from appliance.engine.engine import Engine
+from appliance.engine.engine_config import EngineConfig
 from appliance.engine.models.loader import load_model
 from appliance.engine.sampling_params import SamplingParams
 

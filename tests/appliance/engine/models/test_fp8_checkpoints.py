@@ -397,7 +397,8 @@ def test_the_cpu_engine_decodes_an_fp8_checkpoint_as_a_fresh_prefill_reads_it(fp
     """Continuous batching, the paged KV cache and sampling over FP8 projections: each greedy
     token is the argmax of a one-pass prefill of everything before it (activations are
     quantized per token, so batching changes nothing but float32 summation order)."""
-    from appliance.engine.engine import Engine, EngineConfig
+    from appliance.engine.engine import Engine
+    from appliance.engine.engine_config import EngineConfig
     from appliance.engine.sampling_params import SamplingParams
 
     model_dir, _, _ = fp8_checkpoints("ct-channel")

@@ -17,7 +17,7 @@ from appliance.engine.models.config import ModelConfig
 from appliance.engine.models.fused_experts import MXFP4_BLOCK, dequantize_mxfp4
 from appliance.engine.models.inspection import inspect_model
 from appliance.engine.models.loader import load_model
-from kernels.ops import ClampedSwiglu
+from kernels.moe_spec import ClampedSwiglu
 
 from .conftest import WINDOW, build_hf_model
 from .test_architectures import PagedBatch, _hf_logits, _prompts

@@ -30,6 +30,7 @@ from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe as qwen3_5_moe
 from appliance.engine.errors import ModelLoadError
 from appliance.engine.models.config import ModelConfig
 from appliance.engine.models.loader import load_model
+from appliance.engine.models.recurrent_state import state_bytes_per_slot
 from appliance.engine.sampling_params import SamplingParams
 
 from .conftest import HYBRID_VARIANTS
@@ -157,7 +158,8 @@ def test_linear_attention_layers_are_refused_outside_the_hybrid_families(tiny_ch
 
 
 def _engine(model_dir, **settings):
-    from appliance.engine.engine import Engine, EngineConfig
+    from appliance.engine.engine import Engine
+    from appliance.engine.engine_config import EngineConfig
 
     config = EngineConfig(model_dir=model_dir, block_size=16, max_num_seqs=3, **settings)
     return Engine.build(config, load_model(model_dir), None)
@@ -229,7 +231,7 @@ def test_the_state_and_the_kv_pool_share_one_memory_budget(tiny_checkpoints):
     model_dir, _ = tiny_checkpoints("qwen3.5")
     config = ModelConfig.from_model_dir(model_dir)
     assert config.linear_attention is not None
-    state_bytes = 3 * config.linear_attention.bytes_per_slot(torch.float32)
+    state_bytes = 3 * state_bytes_per_slot(config.linear_attention, torch.float32)
     block_bytes = 2 * 1 * 16 * config.num_kv_heads * config.head_dim * 4  # one attention layer
     engine = _engine(model_dir, kv_cache_memory_bytes=state_bytes + 10 * block_bytes)
     assert engine.block_manager.num_blocks == 10

@@ -15,7 +15,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from appliance.engine.engine import Engine, EngineConfig
+from appliance.engine.engine import Engine
+from appliance.engine.engine_config import EngineConfig
 from appliance.engine.models.loader import load_model
 from appliance.engine.outputs import TokenLogprob
 from appliance.engine.sampling_params import SamplingParams

@@ -21,7 +21,7 @@ from appliance.engine.models.config import ModelConfig
 from appliance.engine.models.loader import load_model
 from appliance.engine.models.sparse_moe import SparseMoeBlock
 from kernels import reference
-from kernels.ops import Router
+from kernels.moe_spec import Router
 
 from .conftest import build_hf_model, save_checkpoint
 from .test_architectures import PagedBatch, _hf_logits, _prompts

@@ -18,7 +18,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from appliance.engine.engine import Engine, EngineConfig
+from appliance.engine.engine import Engine
+from appliance.engine.engine_config import EngineConfig
 from appliance.engine.errors import EngineConfigError
 from appliance.engine.models.config import ModelConfig
 from appliance.engine.models.fused_experts import MXFP4_BLOCK

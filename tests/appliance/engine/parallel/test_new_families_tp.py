@@ -20,6 +20,7 @@ from appliance.engine.engine import Engine
 from appliance.engine.errors import EngineConfigError, ModelLoadError
 from appliance.engine.models.config import ModelConfig
 from appliance.engine.models.loader import load_model
+from appliance.engine.models.recurrent_state import allocate_states, state_bytes_per_slot
 from appliance.engine.parallel.sharding import ShardPlan, verify_divisible
 from appliance.engine.sampling_params import SamplingParams
 from tests.appliance.engine.models.conftest import build_hf_model, save_checkpoint
@@ -156,7 +157,9 @@ def test_each_hybrid_rank_holds_its_heads_of_q_k_v_and_of_the_state(checkpoints)
         la = model.layers[0].linear_attn
         share = model.linear_attention
         assert (share.num_key_heads, share.num_value_heads) == (1, 2)
-        assert share.bytes_per_slot(torch.float32) * 2 == linear.bytes_per_slot(torch.float32)
+        assert state_bytes_per_slot(share, torch.float32) * 2 == state_bytes_per_slot(
+            linear, torch.float32
+        )
 
         qkv = [_half(rank, 0, k), _half(rank, k, k), _half(rank, 2 * k, v)]
         end = 2 * k + v
@@ -169,7 +172,7 @@ def test_each_hybrid_rank_holds_its_heads_of_q_k_v_and_of_the_state(checkpoints)
         assert torch.equal(la.dt_bias, whole_la.dt_bias[_half(rank, 0, hv)])
         assert torch.equal(la.out_proj.weight, whole_la.out_proj.weight[:, _half(rank, 0, v)])
         assert torch.equal(la.norm.weight, whole_la.norm.weight)  # per head dim: whole
-        states = share.allocate(3, torch.float32, "cpu")
+        states = allocate_states(share, 3, torch.float32, "cpu")
         assert states[0].delta.shape == (3, 2, linear.key_head_dim, linear.value_head_dim)
         assert states[0].conv.shape == (3, share.conv_dim, linear.conv_kernel_size - 1)
 

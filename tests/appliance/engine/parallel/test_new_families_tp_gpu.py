@@ -17,7 +17,8 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from appliance.engine.engine import Engine, EngineConfig
+from appliance.engine.engine import Engine
+from appliance.engine.engine_config import EngineConfig
 from appliance.engine.sampling_params import SamplingParams
 
 from .gpu_models import NEW_FAMILY_ARCHITECTURES, save_gpu_new_family_model

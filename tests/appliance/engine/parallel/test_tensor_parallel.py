@@ -11,7 +11,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from appliance.engine.engine import Engine, EngineConfig
+from appliance.engine.engine import Engine
+from appliance.engine.engine_config import EngineConfig
 from appliance.engine.errors import EngineConfigError
 from appliance.engine.models.loader import load_model
 from appliance.engine.sampling_params import SamplingParams

@@ -26,7 +26,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from appliance.engine.engine import Engine, EngineConfig
+from appliance.engine.engine import Engine
+from appliance.engine.engine_config import EngineConfig
 from appliance.engine.parallel import all_reduce as all_reduce_module
 from appliance.engine.sampling_params import SamplingParams
 

@@ -21,7 +21,8 @@ import pytest
 import torch
 
 from appliance.engine.async_engine import AsyncEngine, EngineDeadError
-from appliance.engine.engine import Engine, EngineConfig
+from appliance.engine.engine import Engine
+from appliance.engine.engine_config import EngineConfig
 from appliance.engine.errors import TensorParallelError
 from appliance.engine.sampling_params import SamplingParams
 
