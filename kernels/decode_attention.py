@@ -10,16 +10,8 @@ Design (the flash-decoding scheme of vLLM and SGLang):
    read once per KV head, not once per query head, and the scores are a `tl.dot`. It walks its
    split's tokens BLOCK_N at a time, gathering each token's cache slot through the block table,
    with an online softmax in float32.
-2. The merge of the per-split partial outputs by their log-sum-exp, in the same launch: each
-   program takes a ticket once its partial is stored, and the last of a (sequence, KV head)'s
-   splits to finish merges all of them for its G query heads. A second kernel for the merge
-   cost 3.2 µs of every layer's 5.8 at batch 1 on an H100 (docs/BENCHMARKS.md), mostly its
-   launch and its wait for the first. With one split the program writes its output directly.
-
-The tickets are counters in device memory, zero between launches (the last program resets
-its own), one per (sequence, KV head), kept per device for the life of the process: a CUDA
-graph captures their address. Launches on a device must therefore follow one stream order,
-as the engine's do: two launches running at once on different streams would share tickets.
+2. `_combine_splits_kernel`, grid (B, Hq): merges the per-split partial outputs by their
+   log-sum-exp. With one split the first kernel writes the output itself and this one is skipped.
 
 An FP8 cache is read as `stored * scale` without a multiply per element, on the FP8 tensor
 cores (`kernels.fp8_attention`): the [G_PAD, D] q tile is quantized per row once, each P tile
@@ -63,12 +55,6 @@ _LOG2E_C = tl.constexpr(_LOG2E)
 MAX_NUM_SPLITS = 64
 # A split shorter than this spends more on its launch share and the combine than it saves.
 _MIN_TOKENS_PER_SPLIT = 256
-# Partials the merge holds in registers at once ([heads, splits, D] float32): 64 per thread
-# at 4 warps. More query heads per KV head than fit are merged in several passes.
-_MERGE_FLOATS = 8192
-# The merge tickets of each device: every buffer ever handed out stays alive, since a CUDA
-# graph may hold its address; the last is the largest.
-_tickets: dict[torch.device, list[torch.Tensor]] = {}
 
 
 # The block-table width varies from step to step outside CUDA graphs; specialized (== 1,
@@ -121,10 +107,8 @@ def _decode_split_kernel(
     v_cache_ptr,  # [num_blocks, block_size, Hkv, D]
     block_tables_ptr,  # [B, max_blocks] int32
     seq_lens_ptr,  # [B] int32
-    out_ptr,  # [B, Hq, D]
-    partial_ptr,  # [B, Hq, num_splits, D] float32 (unused when DIRECT)
+    out_ptr,  # [B, Hq, D] (DIRECT) or partial out [B, Hq, num_splits, D] float32
     lse_ptr,  # [B, Hq, num_splits] float32 (unused when DIRECT)
-    tickets_ptr,  # [>= B * Hkv] int32, zero (unused when DIRECT)
     k_scale_ptr,  # [1]: an FP8 cache's K scale (read only when FP8_KV)
     v_scale_ptr,  # [1]
     sinks_ptr,  # [Hq]: gpt-oss's attention sinks (read only when HAS_SINKS)
@@ -142,9 +126,7 @@ def _decode_split_kernel(
     stride_btb,
     stride_ob,
     stride_oh,
-    stride_pb,
-    stride_ph,
-    stride_ps,
+    stride_os,
     stride_lb,
     stride_lh,
     GROUP_SIZE: tl.constexpr,  # G = Hq // Hkv
@@ -153,8 +135,6 @@ def _decode_split_kernel(
     BLOCK_SIZE: tl.constexpr,  # tokens per cache block (power of two)
     BLOCK_N: tl.constexpr,  # tokens per inner iteration
     NUM_SPLITS: tl.constexpr,
-    SPLITS_PAD: tl.constexpr,  # next_pow2(NUM_SPLITS)
-    MERGE_HEADS: tl.constexpr,  # query heads merged per pass (a power of two)
     DIRECT: tl.constexpr,  # NUM_SPLITS == 1: write the normalised output in out_ptr's dtype
     DOT_PRECISION: tl.constexpr,  # "ieee" for float32 inputs, so scores are not rounded to tf32
     FP8_KV: tl.constexpr,  # the cache holds float8_e4m3fn values and their per-tensor scales
@@ -259,91 +239,64 @@ def _decode_split_kernel(
         )
     else:
         tl.store(
-            partial_ptr
-            + seq * stride_pb
-            + heads[:, None] * stride_ph
-            + split * stride_ps
+            out_ptr
+            + seq * stride_ob
+            + heads[:, None] * stride_oh
+            + split * stride_os
             + offs_d[None, :],
             out,
             mask=g_mask[:, None],
         )
         lse = tl.where(has_tokens, m_i + tl.log2(tl.where(has_tokens, l_i, 1.0)), float("-inf"))
         tl.store(lse_ptr + seq * stride_lb + heads * stride_lh + split, lse, mask=g_mask)
-        # Every thread's stores come before the ticket (the barrier), and the ticket's release
-        # makes them visible to whichever program draws the last one, whose acquire sees them.
-        tl.debug_barrier()
-        ticket = tickets_ptr + seq * tl.num_programs(1) + kv_head
-        if tl.atomic_add(ticket, 1, sem="acq_rel", scope="gpu") == NUM_SPLITS - 1:
-            tl.store(ticket, 0)  # every split has drawn: zero again for the next launch
-            for first_head in tl.static_range(0, GROUP_SIZE, MERGE_HEADS):
-                _merge_splits(
-                    partial_ptr + seq * stride_pb,
-                    lse_ptr + seq * stride_lb,
-                    out_ptr + seq * stride_ob,
-                    kv_head * GROUP_SIZE + first_head,
-                    GROUP_SIZE - first_head,
-                    stride_ph,
-                    stride_ps,
-                    stride_lh,
-                    stride_oh,
-                    NUM_SPLITS,
-                    SPLITS_PAD,
-                    MERGE_HEADS,
-                    HEAD_DIM,
-                )
 
 
 @triton.jit
-def _merge_splits(
-    partial_ptr,  # the sequence's [Hq, num_splits, D] float32
-    lse_ptr,  # the sequence's [Hq, num_splits] float32, log2 domain
-    out_ptr,  # the sequence's [Hq, D]
-    first_head,
-    num_heads,  # heads from first_head still to merge (those beyond HEADS are left)
+def _combine_splits_kernel(
+    partial_ptr,  # [B, Hq, num_splits, D] float32
+    lse_ptr,  # [B, Hq, num_splits] float32, log2 domain
+    out_ptr,  # [B, Hq, D]
+    stride_pb,
     stride_ph,
     stride_ps,
+    stride_lb,
     stride_lh,
+    stride_ob,
     stride_oh,
     NUM_SPLITS: tl.constexpr,
     SPLITS_PAD: tl.constexpr,
-    HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
+    PDL: tl.constexpr,
 ):
-    """Merge the split partials of query heads first_head .. + min(HEADS, num_heads) by their
-    log-sum-exp. Their loads bypass L1 (`.cg`): other SMs wrote them, this one may hold stale
-    lines of the same addresses from an earlier launch."""
-    offs_h = tl.arange(0, HEADS)
+    wait_for_previous(PDL)
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
     offs_s = tl.arange(0, SPLITS_PAD)
     offs_d = tl.arange(0, HEAD_DIM)
-    heads = first_head + offs_h
-    h_mask = offs_h < num_heads
-    hs_mask = h_mask[:, None] & (offs_s < NUM_SPLITS)[None, :]
+    s_mask = offs_s < NUM_SPLITS
+
     lse = tl.load(
-        lse_ptr + heads[:, None] * stride_lh + offs_s[None, :],
-        mask=hs_mask,
-        other=float("-inf"),
-        cache_modifier=".cg",
+        lse_ptr + seq * stride_lb + head * stride_lh + offs_s, mask=s_mask, other=float("-inf")
     )
-    lse_max = tl.max(lse, axis=1)
+    lse_max = tl.max(lse, axis=0)
     # All splits empty (a seq_len 0 row): every weight must come out 0, not exp2(-inf + inf).
     lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)
-    weights = tl.exp2(lse - lse_max[:, None])  # [HEADS, SPLITS_PAD], 0 for empty splits
-    weight_sum = tl.sum(weights, axis=1)
+    weights = tl.exp2(lse - lse_max)  # [SPLITS_PAD], 0 for empty splits
+    weight_sum = tl.sum(weights, axis=0)
+
     partial = tl.load(
         partial_ptr
-        + heads[:, None, None] * stride_ph
-        + offs_s[None, :, None] * stride_ps
-        + offs_d[None, None, :],
-        mask=hs_mask[:, :, None],
+        + seq * stride_pb
+        + head * stride_ph
+        + offs_s[:, None] * stride_ps
+        + offs_d[None, :],
+        mask=s_mask[:, None],
         other=0.0,
-        cache_modifier=".cg",
     )
-    out = tl.sum(partial * weights[:, :, None], axis=1)  # [HEADS, D]
-    out = out / tl.where(weight_sum > 0.0, weight_sum, 1.0)[:, None]
+    out = tl.sum(partial * weights[:, None], axis=0)
+    out = out / tl.where(weight_sum > 0.0, weight_sum, 1.0)
     tl.store(
-        out_ptr + heads[:, None] * stride_oh + offs_d[None, :],
-        out.to(out_ptr.dtype.element_ty),
-        mask=h_mask[:, None],
+        out_ptr + seq * stride_ob + head * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty)
     )
 
 
@@ -416,16 +369,16 @@ def paged_decode_attention(
     elif not (config.block_n >= 16 and config.block_n & (config.block_n - 1) == 0):
         raise KernelInputError(f"config.block_n must be a power of two >= 16, got {config}")
     direct = num_splits == 1
-    splits_pad = triton.next_power_of_2(num_splits)
     if direct:
-        partial, lse, tickets = out, out, seq_lens  # none of them read when DIRECT
+        partial, lse = out, out  # lse is unused when DIRECT
+        stride_os, stride_lb, stride_lh = 0, 0, 0
     else:
         # Workspace, allocated per call: under CUDA-graph capture it comes from the graph's pool.
         partial = torch.empty(
             (batch, num_q_heads, num_splits, head_dim), dtype=torch.float32, device=q.device
         )
         lse = torch.empty((batch, num_q_heads, num_splits), dtype=torch.float32, device=q.device)
-        tickets = _merge_tickets(q.device, batch * num_kv_heads)
+        stride_os, stride_lb, stride_lh = partial.stride(2), lse.stride(0), lse.stride(1)
 
     _decode_split_kernel[(batch, num_kv_heads, num_splits)](
         q,
@@ -433,10 +386,8 @@ def paged_decode_attention(
         v_cache,
         block_tables,
         seq_lens,
-        out,
         partial,
         lse,
-        tickets,
         k_scale if fp8_kv else seq_lens,  # any pointer: not read unless FP8_KV
         v_scale if fp8_kv else seq_lens,
         seq_lens if sinks is None else sinks,  # any pointer: not read without sinks
@@ -452,20 +403,17 @@ def paged_decode_attention(
         v_cache.stride(1),
         v_cache.stride(2),
         block_tables.stride(0),
-        out.stride(0),
-        out.stride(1),
-        *((0, 0, 0, 0, 0) if direct else (*partial.stride()[:3], *lse.stride()[:2])),
+        partial.stride(0),
+        partial.stride(1),
+        stride_os,
+        stride_lb,
+        stride_lh,
         GROUP_SIZE=group_size,
         G_PAD=max(16, triton.next_power_of_2(group_size)),
         HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size,
         BLOCK_N=config.block_n,
         NUM_SPLITS=num_splits,
-        SPLITS_PAD=splits_pad,
-        MERGE_HEADS=min(
-            triton.next_power_of_2(group_size),
-            max(1, _MERGE_FLOATS // (splits_pad * head_dim)),
-        ),
         DIRECT=direct,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         FP8_KV=fp8_kv,
@@ -475,17 +423,25 @@ def paged_decode_attention(
         num_stages=config.num_stages,
         **launch_options(q.device),
     )
+    if not direct:
+        _combine_splits_kernel[(batch, num_q_heads)](
+            partial,
+            lse,
+            out,
+            partial.stride(0),
+            partial.stride(1),
+            partial.stride(2),
+            lse.stride(0),
+            lse.stride(1),
+            out.stride(0),
+            out.stride(1),
+            NUM_SPLITS=num_splits,
+            SPLITS_PAD=triton.next_power_of_2(num_splits),
+            HEAD_DIM=head_dim,
+            num_warps=4,
+            **launch_options(q.device),
+        )
     return out
-
-
-def _merge_tickets(device: torch.device, count: int) -> torch.Tensor:
-    """`count` zeroed merge tickets on `device` (see the module's docstring)."""
-    buffers = _tickets.setdefault(device, [])
-    if not buffers or buffers[-1].numel() < count:
-        # Grown by doubling; the smaller buffers stay alive for the graphs that captured them.
-        size = max(count, 2 * buffers[-1].numel() if buffers else 4096)
-        buffers.append(torch.zeros(size, dtype=torch.int32, device=device))
-    return buffers[-1]
 
 
 def verify_window(sliding_window: int | None) -> None:

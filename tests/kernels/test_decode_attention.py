@@ -306,8 +306,9 @@ def test_launch_grid_ignores_seq_lens_values_rewritten_in_place(
     # CUDA-graph replay re-runs the recorded launches with the same grids after seq_lens and
     # block_tables are rewritten in place: the kernel must derive everything else on the device.
     grids: list[tuple[int, ...]] = []
-    recorder = _GridRecorder(decode_attention._decode_split_kernel, grids)
-    monkeypatch.setattr(decode_attention, "_decode_split_kernel", recorder)
+    for name in ("_decode_split_kernel", "_combine_splits_kernel"):
+        recorder = _GridRecorder(getattr(decode_attention, name), grids)
+        monkeypatch.setattr(decode_attention, name, recorder)
     case = make_case(
         [5, 40, 0], num_q_heads=4, num_kv_heads=2, head_dim=16, dtype=torch.float32, seed=2
     )
@@ -324,25 +325,6 @@ def test_launch_grid_ignores_seq_lens_values_rewritten_in_place(
     run_kernel(case, num_splits=2, out=out)
     assert grids == first_grids
     assert_matches_reference(case, out)
-
-
-@pytest.mark.parametrize("merge_floats", [8192, 2 * 4 * 16])
-def test_the_last_split_merges_every_head_of_its_group_and_leaves_the_tickets_zero(
-    monkeypatch: pytest.MonkeyPatch, merge_floats: int
-) -> None:
-    """Three query heads per KV head, merged by the last split to draw its ticket: all at once,
-    or (with room for the partials of 2 heads x 4 splits x D 16 only) one head per pass, the
-    padding head of the last pass left alone. Launch after launch, each starting from tickets
-    the one before zeroed: were one left non-zero, no split of that pair would merge again."""
-    monkeypatch.setattr(decode_attention, "_MERGE_FLOATS", merge_floats)
-    for seed, lens in enumerate(([5, 40, 0, 70], [64, 3, 33, 1], [100, 0, 0, 16])):
-        case = make_case(
-            lens, num_q_heads=6, num_kv_heads=2, head_dim=16, dtype=torch.float32, seed=seed
-        )
-        out = torch.full_like(case.q, float("nan"))
-        run_kernel(case, num_splits=4, out=out)
-        assert_matches_reference(case, out)
-        assert not decode_attention._merge_tickets(case.q.device, 8).any()
 
 
 def test_choose_num_splits_fills_two_waves_without_short_splits() -> None:
