@@ -12,7 +12,6 @@ from collections.abc import Sequence
 import torch
 
 from appliance.engine.sampling_params import SamplingParams
-from kernels.argmax import argmax_rows
 
 # Logits sampled at once (rows x vocabulary) when a batch is not all greedy. Filtering needs 22
 # bytes per logit of temporaries (sorted values 4, their int64 order 8, two masks 2, probabilities
@@ -139,4 +138,8 @@ def _argmax(rows: torch.Tensor) -> torch.Tensor:
     """[N, V] -> [N] int64, the first maximum of each row. On a GPU, `kernels.argmax` spreads a
     row over many programs: torch reduces a row in one thread block, 28 µs of every batch-1
     decode step over a 128k vocabulary on an H100."""
-    return argmax_rows(rows) if rows.is_cuda else rows.argmax(dim=-1)
+    if not rows.is_cuda:
+        return rows.argmax(dim=-1)
+    from kernels.argmax import argmax_rows  # Triton: a CPU-only install has none
+
+    return argmax_rows(rows)

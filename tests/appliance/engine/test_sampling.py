@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import math
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -211,3 +214,23 @@ def test_the_sampler_filters_in_place_and_leaves_greedy_batches_untouched() -> N
     kept_ids = sample(before, params, seeded(), in_place=False)
     assert torch.equal(before, _logits())
     assert torch.equal(kept_ids, sample(before.clone(), params, seeded()))
+
+
+def test_sampling_on_the_cpu_imports_no_triton() -> None:
+    """A CPU-only install has no Triton (`./bootstrap demo` installs none): the serving path's
+    modules and a sampled step must not import it. Run where importing it fails."""
+    code = """
+import sys
+sys.modules["triton"] = None  # an import of it raises ImportError here
+import torch
+import appliance.app, appliance.engine.engine, appliance.engine.model_runner
+from appliance.engine.sampling import sample
+from appliance.engine.sampling_params import SamplingParams
+params = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.7, seed=3)]
+print(sample(torch.randn(2, 50), params, [None, None]).tolist())
+"""
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert len(json.loads(result.stdout)) == 2
