@@ -265,6 +265,7 @@ class Generation:
                     num_prompt_tokens=last.num_prompt_tokens,
                     num_output_tokens=last.num_output_tokens,
                     finish_reason=last.finish_reason or "abort",
+                    times=last.times,
                 )
 
 

@@ -2,8 +2,10 @@
 
 Engine state (running and waiting requests, KV-cache usage, preemptions, prefix-cache queries
 and hits) is read from the engine at scrape time; request latencies (time to first token, time
-per output token, end to end, all as the client sees them: from arrival at the server) and token
-counts are recorded as each engine request ends. `inferno:audit_append_seconds` (Inferno's own)
+per output token, end to end, all as the client sees them: from arrival at the server), the
+engine's phases of each request (queued, prefill to the first token, decode: the parts of TTFT
+and the rest the engine accounts for) and token counts are recorded as each engine request
+ends. `inferno:audit_append_seconds` (Inferno's own)
 is how long requests wait for their audit entries, `inferno:limited_requests` counts the
 requests a per-caller limit refused, by limit, `inferno:tool_requests` the admitted requests
 that offered the model tools, by endpoint, `inferno:structured_output_requests` those whose
@@ -33,7 +35,7 @@ from prometheus_client.exposition import generate_latest
 from prometheus_client.registry import Collector
 
 from appliance.engine.async_engine import AsyncEngine
-from appliance.engine.outputs import GRAMMAR_COMPILE_BUCKETS, EngineStats
+from appliance.engine.outputs import GRAMMAR_COMPILE_BUCKETS, EngineStats, RequestTimes
 
 # vLLM's bucket boundaries, in seconds.
 _TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
@@ -87,6 +89,23 @@ class ServerMetrics:
         self._e2e = Histogram(
             "vllm:e2e_request_latency_seconds",
             "Time from a request's arrival to its end.",
+            labels, buckets=_E2E_BUCKETS, registry=self.registry,
+        ).labels(model_name)  # fmt: skip
+        # The engine's phases of a request (vLLM's names; finer buckets for the first two,
+        # whose tails are what TTFT's is made of).
+        self._queue_time = Histogram(
+            "vllm:request_queue_time_seconds",
+            "Time a request waited in the engine before it was first scheduled.",
+            labels, buckets=_TTFT_BUCKETS, registry=self.registry,
+        ).labels(model_name)  # fmt: skip
+        self._prefill_time = Histogram(
+            "vllm:request_prefill_time_seconds",
+            "Time from a request's first scheduling to its first token, in the engine.",
+            labels, buckets=_TTFT_BUCKETS, registry=self.registry,
+        ).labels(model_name)  # fmt: skip
+        self._decode_time = Histogram(
+            "vllm:request_decode_time_seconds",
+            "Time from a request's first token to its end, in the engine.",
             labels, buckets=_E2E_BUCKETS, registry=self.registry,
         ).labels(model_name)  # fmt: skip
         self._prompt_tokens = Counter(
@@ -156,9 +175,17 @@ class ServerMetrics:
         num_prompt_tokens: int,
         num_output_tokens: int,
         finish_reason: str | None,
+        times: RequestTimes | None = None,
     ) -> None:
-        """Record one engine request that ended; `ttft_s` is None if it produced no token."""
+        """Record one engine request that ended; `ttft_s` is None if it produced no token,
+        `times` (its phases in the engine) None if the engine gave none."""
         self._e2e.observe(e2e_s)
+        if times is not None:
+            self._queue_time.observe(times.queued_s)
+            if times.prefill_s is not None:
+                self._prefill_time.observe(times.prefill_s)
+            if times.decode_s is not None:
+                self._decode_time.observe(times.decode_s)
         if ttft_s is not None:
             self._ttft.observe(ttft_s)
             if num_output_tokens > 1:

@@ -8,6 +8,7 @@ character), so a stream never shows text that the final output does not contain.
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 
 from appliance.engine.detokenizer import IncrementalDetokenizer
@@ -52,6 +53,18 @@ class TokenLogprob:
 
 
 @dataclass(frozen=True, slots=True)
+class RequestTimes:
+    """Where a finished request's time went in the engine, in seconds (vLLM's request phases):
+    `queued_s` from its arrival at the engine to its first scheduling (to its end, if it was
+    never scheduled), `prefill_s` from then to its first token, `decode_s` from its first token
+    to its end; None for a phase the request never reached."""
+
+    queued_s: float
+    prefill_s: float | None
+    decode_s: float | None
+
+
+@dataclass(frozen=True, slots=True)
 class RequestOutput:
     """One update of a request; the deltas of all its updates add up to the whole output."""
 
@@ -66,6 +79,7 @@ class RequestOutput:
     num_prompt_tokens: int
     num_output_tokens: int
     num_cached_tokens: int
+    times: RequestTimes | None = None  # on the finished output only
 
     @property
     def finished(self) -> bool:
@@ -91,6 +105,7 @@ class RequestOutput:
             num_prompt_tokens=later.num_prompt_tokens,
             num_output_tokens=later.num_output_tokens,
             num_cached_tokens=later.num_cached_tokens,
+            times=later.times,
         )
 
 
@@ -110,6 +125,9 @@ class RequestState:
     pending_logprobs: list[TokenLogprob] = field(default_factory=list)
     prompt_logprobs: list[TokenLogprob | None] | None = None
     prompt_logprobs_sent: bool = False
+    # time.monotonic at the request's arrival in the engine and at its first token.
+    arrived_s: float = field(default_factory=time.monotonic)
+    first_token_s: float | None = None
     stop_reason: str | int | None = None
     _holdback: int = field(init=False)
     # Whether a token can end the request by itself: a grammar, stop tokens or EOS (most
@@ -139,6 +157,8 @@ class RequestState:
         """Append a sampled token; returns the finished status if the request is now done."""
         seq = self.seq
         seq.append_token(token_id)
+        if self.first_token_s is None:
+            self.first_token_s = time.monotonic()
         self.pending_token_ids.append(token_id)
         if logprob is not None:
             self.pending_logprobs.append(logprob)
@@ -221,4 +241,17 @@ class RequestState:
             num_prompt_tokens=seq.num_prompt_tokens,
             num_output_tokens=seq.num_output_tokens,
             num_cached_tokens=seq.num_cached_tokens,
+            times=None if finish is None else self._times(),
+        )
+
+    def _times(self) -> RequestTimes:
+        """The phases of a request ending now."""
+        now = time.monotonic()
+        scheduled_s, first_token_s = self.seq.first_scheduled_s, self.first_token_s
+        if scheduled_s is None:
+            return RequestTimes(now - self.arrived_s, None, None)
+        if first_token_s is None:
+            return RequestTimes(scheduled_s - self.arrived_s, None, None)
+        return RequestTimes(
+            scheduled_s - self.arrived_s, first_token_s - scheduled_s, now - first_token_s
         )

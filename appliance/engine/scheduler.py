@@ -14,6 +14,7 @@ only: a model's window group (block_manager, "KV groups") is sized never to be s
 from __future__ import annotations
 
 import bisect
+import time
 from dataclasses import dataclass, field
 
 from appliance.engine.block_manager import BlockManager
@@ -217,6 +218,8 @@ class Scheduler:
                 seq.num_cached_tokens = num_cached_tokens
             seq.num_computed_tokens = num_cached_tokens
             seq.status = SequenceStatus.RUNNING
+            if seq.first_scheduled_s is None:
+                seq.first_scheduled_s = time.monotonic()
             bisect.insort(self.running, seq, key=_rank)
             out.chunks.append(ScheduledChunk.of(seq, num_cached_tokens, num_new))
             budget -= num_new

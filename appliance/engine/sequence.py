@@ -97,6 +97,8 @@ class Sequence:
     # A hybrid model's recurrent-state slot while the sequence runs (appliance.engine.
     # state_slots); its state then holds `token_ids[:num_computed_tokens]`.
     state_slot: int | None = None
+    # When the scheduler first admitted it (time.monotonic; None while it has only waited).
+    first_scheduled_s: float | None = None
 
     def __post_init__(self) -> None:
         self.num_prompt_tokens = len(self.token_ids)

@@ -15,6 +15,9 @@ VLLM_METRICS = [
     "vllm:time_to_first_token_seconds_bucket",
     "vllm:time_per_output_token_seconds_bucket",
     "vllm:e2e_request_latency_seconds_bucket",
+    "vllm:request_queue_time_seconds_bucket",
+    "vllm:request_prefill_time_seconds_bucket",
+    "vllm:request_decode_time_seconds_bucket",
     "vllm:prompt_tokens_total",
     "vllm:generation_tokens_total",
     "vllm:request_success_total",
@@ -36,7 +39,12 @@ def test_metrics_use_vllm_names_and_count_tokens(server: RunningServer) -> None:
     before = {
         name: server.metric(name)
         for name in ("vllm:prompt_tokens_total", "vllm:generation_tokens_total",
-                     "vllm:time_to_first_token_seconds_count", "vllm:prefix_cache_hits_total")
+                     "vllm:time_to_first_token_seconds_count", "vllm:prefix_cache_hits_total",
+                     "vllm:request_queue_time_seconds_count",
+                     "vllm:request_prefill_time_seconds_count",
+                     "vllm:request_decode_time_seconds_count",
+                     "vllm:request_prefill_time_seconds_sum",
+                     "vllm:time_to_first_token_seconds_sum")
     }  # fmt: skip
     client = server.client()
     for _ in range(2):  # the second run finds the prompt's full blocks cached
@@ -52,6 +60,15 @@ def test_metrics_use_vllm_names_and_count_tokens(server: RunningServer) -> None:
     assert delta["vllm:prompt_tokens_total"] == 2 * num_prompt
     assert delta["vllm:generation_tokens_total"] == 2 * 5
     assert delta["vllm:time_to_first_token_seconds_count"] == 2
+    # The engine's phases of both: queued, prefill to the first token, decode; the engine's
+    # part of TTFT within the client's.
+    for phase in ("queue", "prefill", "decode"):
+        assert delta[f"vllm:request_{phase}_time_seconds_count"] == 2, phase
+    assert delta["vllm:request_prefill_time_seconds_sum"] > 0
+    assert (
+        delta["vllm:request_prefill_time_seconds_sum"]
+        < (delta["vllm:time_to_first_token_seconds_sum"])
+    )
     assert delta["vllm:prefix_cache_hits_total"] >= num_prompt // 16 * 16
 
 

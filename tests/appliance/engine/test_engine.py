@@ -415,3 +415,29 @@ def test_an_engine_on_the_cpu_picks_its_threads_for_this_machine_by_default(
     torch.set_num_threads(3)
     smollm2_engine(num_kv_blocks=4, num_cpu_threads=0)  # 0: the setting's default, automatic
     assert torch.get_num_threads() == automatic_cpu_threads(len(os.sched_getaffinity(0)))
+
+
+def test_finished_outputs_say_how_long_the_request_queued_prefilled_and_decoded(
+    smollm2_engine: Callable[..., Engine],
+) -> None:
+    """vLLM's request phases: one sequence at a time, so the second request queues for all of
+    the first's prefill and decode; one aborted before it was scheduled only queued."""
+    engine = smollm2_engine(max_model_len=512, max_num_seqs=1)
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    engine.add_request("first", PROMPT, params)
+    engine.add_request("second", PROMPT + " in Germany", params)
+    engine.add_request("never", PROMPT, params)
+    aborted = engine.abort("never")
+    assert aborted is not None and aborted.times is not None
+    assert aborted.times.queued_s >= 0
+    assert aborted.times.prefill_s is None and aborted.times.decode_s is None
+    outputs: dict[str, list[RequestOutput]] = {"first": [], "second": []}
+    while engine.has_unfinished():
+        for out in engine.step():
+            outputs[out.request_id].append(out)
+    for outs in outputs.values():
+        assert all(o.times is None for o in outs[:-1]) and outs[-1].times is not None
+    first, second = (outputs[r][-1].times for r in ("first", "second"))
+    assert first.prefill_s > 0 and first.decode_s > 0
+    assert second.prefill_s > 0 and second.decode_s > 0
+    assert second.queued_s > 0.5 * (first.prefill_s + first.decode_s)
