@@ -29,12 +29,13 @@ from pathlib import Path
 
 import httpx
 from server_load import (
-    audit_appends,
-    audit_wait_ms,
+    AUDIT_APPEND,
     bench_tokens,
     commit,
     cpu_s,
     device_line,
+    histogram_ms,
+    histograms,
     start_server,
     wait_until_ready,
     write_server_files,
@@ -105,7 +106,7 @@ async def run_route(
     request = prepared_request(route, model, tokens["user"])
     async with httpx.AsyncClient(base_url=url, verify=tls) as metrics_client:
         seen: list[int] = []
-        audit_start = await audit_appends(metrics_client, tokens["admin"])
+        audit_start = await histograms(metrics_client, tokens["admin"])
         cpu_start, wall_start = cpu_s(pid), time.perf_counter()
         client_cpu_start = time.process_time()
         until = wall_start + args.duration_s
@@ -115,11 +116,11 @@ async def run_route(
         wall = time.perf_counter() - wall_start
         cpu_end = cpu_s(pid)
         client_cpu = (time.process_time() - client_cpu_start) / wall
-        audit_end = await audit_appends(metrics_client, tokens["admin"])
+        audit_end = await histograms(metrics_client, tokens["admin"])
     for connection in connections:
         await connection.close()
     action = "api.request" if route == "models" else "inference.request"
-    wait_mean_ms, wait_p99_ms = audit_wait_ms(audit_start, audit_end, action)
+    wait_mean_ms, wait_p99_ms = histogram_ms(audit_start, audit_end, AUDIT_APPEND + action)
     per_request = 1 if route == "models" else 2
     return {
         "route": route,

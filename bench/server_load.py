@@ -7,7 +7,9 @@ per rate: TTFT and TPOT p50/p99 as the client sees them, output tokens/s, the se
 CPU time ÷ wall time (all its threads), with the share of its event-loop thread (HTTP, TLS, JSON;
 the rest is mostly the engine loop), the same CPU per streamed token, and how long requests
 waited for their two audit entries (the server's `inferno:audit_append_seconds`: the accepted
-entry delays the first token, the end entry the `[DONE]`).
+entry delays the first token, the end entry the `[DONE]`), and the engine's part of TTFT: how
+long requests queued before they were first scheduled and then took to their first token (the
+server's `vllm:request_queue_time_seconds` and `vllm:request_prefill_time_seconds`).
 
     python bench/server_load.py [--rates 10,20,40] [--duration-s 60]
         # the random-weight Llama-3.1-8B on the GPU (as bench/gpu_engine.py builds it), served
@@ -460,7 +462,7 @@ async def run_rate(
     async with httpx.AsyncClient(
         base_url=url, verify=tls, timeout=None, limits=limits, headers=tokens["user"]
     ) as client:
-        audit_start = await audit_appends(client, tokens["admin"])
+        scraped_start = await histograms(client, tokens["admin"])
         cpu_start, wall_start = cpu_s(server_pid), time.perf_counter()
         tasks = []
         next_arrival = 0.0 if rate > 0 else args.duration_s
@@ -478,14 +480,16 @@ async def run_rate(
         await asyncio.sleep(max(wall_start + args.duration_s - time.perf_counter(), 0))
         wall = time.perf_counter() - wall_start
         cpu_end = cpu_s(server_pid)
-        audit_end = await audit_appends(client, tokens["admin"])
+        scraped_end = await histograms(client, tokens["admin"])
     if viewer is not None:
         viewer.stop.set()
         await viewing
     ttft = sorted(t.ttft_s for t in timings)
     num_tokens = sum(t.num_output_tokens for t in timings)
-    accepted = audit_wait_ms(audit_start, audit_end, "inference.request")
-    ended = audit_wait_ms(audit_start, audit_end, "inference.complete")
+    accepted = histogram_ms(scraped_start, scraped_end, AUDIT_APPEND + "inference.request")
+    ended = histogram_ms(scraped_start, scraped_end, AUDIT_APPEND + "inference.complete")
+    queued = histogram_ms(scraped_start, scraped_end, "vllm:request_queue_time_seconds")
+    prefill = histogram_ms(scraped_start, scraped_end, "vllm:request_prefill_time_seconds")
     tpot = sorted(t.tpot_s for t in timings)
     polls = sorted(viewer.poll_s) if viewer is not None else []
     return {
@@ -508,6 +512,10 @@ async def run_rate(
         "audit_accepted_p99_ms": accepted[1],
         "audit_end_mean_ms": ended[0],
         "audit_end_p99_ms": ended[1],
+        "queue_mean_ms": queued[0],
+        "queue_p99_ms": queued[1],
+        "prefill_mean_ms": prefill[0],
+        "prefill_p99_ms": prefill[1],
         "console_polls": len(polls),
         "console_poll_p50_ms": ms(percentile(polls, 50)),
         "console_poll_p99_ms": ms(percentile(polls, 99)),
@@ -585,20 +593,29 @@ def sustained_summary(rows: list[dict[str, float | None]]) -> str:
 
 Histogram = dict[str, dict[float, float]]
 
+AUDIT_APPEND = "inferno:audit_append_seconds/"
+# The histograms a run reads from /metrics before and after: the audit appends per entry
+# action (keyed AUDIT_APPEND + action), and the engine's phases that TTFT is made of.
+_SCRAPED = ("inferno:audit_append_seconds", "vllm:request_queue_time_seconds",
+            "vllm:request_prefill_time_seconds")  # fmt: skip
 
-async def audit_appends(client: httpx.AsyncClient, admin: dict[str, str]) -> Histogram:
-    """The server's `inferno:audit_append_seconds`: per entry action, its cumulative bucket
-    counts by upper bound (inf included), and its sum under the key -1."""
+
+async def histograms(client: httpx.AsyncClient, admin: dict[str, str]) -> Histogram:
+    """The server's `_SCRAPED` histograms, each as its cumulative bucket counts by upper bound
+    (inf included) and its sum under the key -1; the audit's one per entry action."""
     from prometheus_client.parser import text_string_to_metric_families
 
     found: Histogram = {}
     for family in text_string_to_metric_families(
         (await client.get("/metrics", headers=admin)).text
     ):
-        if family.name != "inferno:audit_append_seconds":
+        if family.name not in _SCRAPED:
             continue
         for sample in family.samples:
-            buckets = found.setdefault(sample.labels["action"], {})
+            key = family.name
+            if "action" in sample.labels:
+                key = f"{family.name}/{sample.labels['action']}"
+            buckets = found.setdefault(key, {})
             if sample.name.endswith("_bucket"):
                 buckets[float(sample.labels["le"])] = sample.value
             elif sample.name.endswith("_sum"):
@@ -606,12 +623,10 @@ async def audit_appends(client: httpx.AsyncClient, admin: dict[str, str]) -> His
     return found
 
 
-def audit_wait_ms(
-    start: Histogram, end: Histogram, action: str
-) -> tuple[float | None, float | None]:
-    """Mean wait for `action`'s appends between two scrapes, and the upper bound of the bucket
+def histogram_ms(start: Histogram, end: Histogram, key: str) -> tuple[float | None, float | None]:
+    """The mean of `key`'s observations between two scrapes, and the upper bound of the bucket
     that holds their 99th percentile (the histogram knows no finer), in ms; None for none."""
-    before, after = start.get(action, {}), end.get(action, {})
+    before, after = start.get(key, {}), end.get(key, {})
     count = after.get(float("inf"), 0.0) - before.get(float("inf"), 0.0)
     if count == 0:
         return None, None
@@ -721,6 +736,7 @@ def print_rows(rows: list[dict[str, float | None]], console: bool) -> None:
         "req/s (achieved)", "requests", "TTFT p50 / p99", "TPOT p50 / p99", "output tok/s",
         "server CPU (of it, event loop)", "CPU per token (event loop)",
         "audit wait, accepted / end: mean (p99 ≤)",
+        "engine: queued / to first token: mean (p99 ≤)",
     ]  # fmt: skip
     if console:
         header[1:1] = ["console"]
@@ -738,6 +754,8 @@ def print_rows(rows: list[dict[str, float | None]], console: bool) -> None:
             f"{r['server_cpu_us_per_token']:.0f} µs ({r['event_loop_cpu_us_per_token']:.0f} µs)",
             f"{fixed(r['audit_accepted_mean_ms'], 1)} ms (≤ {bound(r['audit_accepted_p99_ms'])}) / "
             f"{fixed(r['audit_end_mean_ms'], 1)} ms (≤ {bound(r['audit_end_p99_ms'])})",
+            f"{fixed(r['queue_mean_ms'], 0)} ms (≤ {bound(r['queue_p99_ms'])}) / "
+            f"{fixed(r['prefill_mean_ms'], 0)} ms (≤ {bound(r['prefill_p99_ms'])})",
         ]
         if console:
             cells[1:1] = ["open" if r["console"] else "none"]

@@ -12,6 +12,7 @@ import pytest
 from appliance.config import load_settings
 from bench.server_load import (
     highest_sustained_rate,
+    histogram_ms,
     keep_up_ratio,
     parse_args,
     sustained_summary,
@@ -124,3 +125,14 @@ def test_profiling_applies_to_the_models_this_script_serves():
     assert parse_args(["--profile-engine"]).profile_engine
     args = parse_args(["--stub-model", "--profile-engine", "--kv-cache-dtype", "fp8_e4m3"])
     assert (args.device, args.kv_cache_dtype) == ("cpu", "fp8_e4m3")
+
+
+def test_a_histograms_mean_and_p99_bucket_come_from_the_difference_of_two_scrapes():
+    """Between the scrapes, 100 observations summing to 5 s: 98 in (0.02, 0.04], 2 in
+    (0.04, 0.06]: mean 50 ms, p99 in the bucket that ends at 60 ms. What was there before the
+    run does not count; a key that saw nothing gives None."""
+    before = {"q": {0.02: 10.0, 0.04: 10.0, 0.06: 10.0, float("inf"): 10.0, -1.0: 1.0}}
+    after = {"q": {0.02: 10.0, 0.04: 108.0, 0.06: 110.0, float("inf"): 110.0, -1.0: 6.0}}
+    assert histogram_ms(before, after, "q") == pytest.approx((50.0, 60.0))
+    assert histogram_ms(before, before, "q") == (None, None)
+    assert histogram_ms(before, after, "absent") == (None, None)
