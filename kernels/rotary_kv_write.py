@@ -64,7 +64,7 @@ def _rotary_write_kv_kernel(
     v_head_stride,
     cos_token_stride,
     sin_token_stride,
-    num_slots,  # num_blocks * block_size
+    cache_elements,  # num_blocks * block_size * Hkv * D (int64 where it must be)
     NUM_Q_HEADS: tl.constexpr,
     NUM_KV_HEADS: tl.constexpr,
     HALF: tl.constexpr,  # head_dim // 2
@@ -106,7 +106,7 @@ def _rotary_write_kv_kernel(
         mask = (heads < NUM_KV_HEADS) & (cols < HALF)
         in_slot = heads * 2 * HALF + cols
         cache_offs = slot * slot_elements + in_slot
-        store_mask = mask & (cache_offs >= 0) & (cache_offs < num_slots * slot_elements)
+        store_mask = mask & (cache_offs >= 0) & (cache_offs < cache_elements)
         k1, k2 = rotated_halves(
             k_ptr + token * k_token_stride + heads * k_head_stride + cols,
             mask,
@@ -177,7 +177,7 @@ def rotary_write_kv(
         v.stride(1),
         cos.stride(0),
         sin.stride(0),
-        k_cache.shape[0] * k_cache.shape[1],
+        k_cache.numel(),
         NUM_Q_HEADS=num_q_heads,
         NUM_KV_HEADS=num_kv_heads,
         HALF=half,
