@@ -151,3 +151,24 @@ def test_rotary_write_kv_rounds_to_fp8_bytes_equal_to_the_reference_on_gpu(
 
     for got, expected in ((caches[2], caches[0]), (caches[3], caches[1])):
         assert torch.equal(got.view(torch.uint8), expected.view(torch.uint8))
+
+
+@pytest.mark.gpu
+def test_a_cache_past_two_to_the_31_elements_is_written_at_its_last_slot() -> None:
+    """32 KV heads of 128 (4,096 elements a slot) and 524,304 slots: 2**31 + 65,536 elements
+    in each FP8 cache (2 GiB). The last slot's offset needs 64 bits, as does the bound."""
+    torch.manual_seed(0)
+    q, k, v = _inputs(1, 32, 32, 128, torch.bfloat16, "cuda")
+    cos, sin = _llama_cos_sin(1, 128, "cuda")
+    shape = (32769, 16, 32, 128)
+    k_cache = torch.zeros(shape, dtype=torch.float8_e4m3fn, device="cuda")
+    v_cache = torch.zeros_like(k_cache)
+    assert k_cache.numel() > 2**31
+    scales = torch.ones(1, device="cuda"), torch.ones(1, device="cuda")
+    last = torch.tensor([32769 * 16 - 1], device="cuda")
+
+    rotary_write_kv(q, k, v, cos, sin, k_cache, v_cache, last, *scales)
+
+    expected = v[0].float().to(torch.float8_e4m3fn)
+    assert torch.equal(v_cache[-1, -1].view(torch.uint8), expected.view(torch.uint8))
+    assert k_cache[-1, -1].float().abs().sum() > 0
