@@ -7,9 +7,11 @@ per rate: TTFT and TPOT p50/p99 as the client sees them, output tokens/s, the se
 CPU time ÷ wall time (all its threads), with the share of its event-loop thread (HTTP, TLS, JSON;
 the rest is mostly the engine loop), the same CPU per streamed token, and how long requests
 waited for their two audit entries (the server's `inferno:audit_append_seconds`: the accepted
-entry delays the first token, the end entry the `[DONE]`), and the engine's part of TTFT: how
-long requests queued before they were first scheduled and then took to their first token (the
-server's `vllm:request_queue_time_seconds` and `vllm:request_prefill_time_seconds`).
+entry delays the first token, the end entry the `[DONE]`), and TTFT as the server measures it
+(from the request's arrival at the app: `vllm:time_to_first_token_seconds`) with the engine's
+part of it: how long requests queued before they were first scheduled and then took to their
+first token (`vllm:request_queue_time_seconds`, `vllm:request_prefill_time_seconds`). The
+client's TTFT less the server's is the connection, TLS and the load generator's own delays.
 
     python bench/server_load.py [--rates 10,20,40] [--duration-s 60]
         # the random-weight Llama-3.1-8B on the GPU (as bench/gpu_engine.py builds it), served
@@ -490,6 +492,7 @@ async def run_rate(
     ended = histogram_ms(scraped_start, scraped_end, AUDIT_APPEND + "inference.complete")
     queued = histogram_ms(scraped_start, scraped_end, "vllm:request_queue_time_seconds")
     prefill = histogram_ms(scraped_start, scraped_end, "vllm:request_prefill_time_seconds")
+    server_ttft = histogram_ms(scraped_start, scraped_end, "vllm:time_to_first_token_seconds")
     tpot = sorted(t.tpot_s for t in timings)
     polls = sorted(viewer.poll_s) if viewer is not None else []
     return {
@@ -516,6 +519,8 @@ async def run_rate(
         "queue_p99_ms": queued[1],
         "prefill_mean_ms": prefill[0],
         "prefill_p99_ms": prefill[1],
+        "server_ttft_mean_ms": server_ttft[0],
+        "server_ttft_p99_ms": server_ttft[1],
         "console_polls": len(polls),
         "console_poll_p50_ms": ms(percentile(polls, 50)),
         "console_poll_p99_ms": ms(percentile(polls, 99)),
@@ -597,7 +602,7 @@ AUDIT_APPEND = "inferno:audit_append_seconds/"
 # The histograms a run reads from /metrics before and after: the audit appends per entry
 # action (keyed AUDIT_APPEND + action), and the engine's phases that TTFT is made of.
 _SCRAPED = ("inferno:audit_append_seconds", "vllm:request_queue_time_seconds",
-            "vllm:request_prefill_time_seconds")  # fmt: skip
+            "vllm:request_prefill_time_seconds", "vllm:time_to_first_token_seconds")  # fmt: skip
 
 
 async def histograms(client: httpx.AsyncClient, admin: dict[str, str]) -> Histogram:
@@ -736,7 +741,7 @@ def print_rows(rows: list[dict[str, float | None]], console: bool) -> None:
         "req/s (achieved)", "requests", "TTFT p50 / p99", "TPOT p50 / p99", "output tok/s",
         "server CPU (of it, event loop)", "CPU per token (event loop)",
         "audit wait, accepted / end: mean (p99 ≤)",
-        "engine: queued / to first token: mean (p99 ≤)",
+        "TTFT in the server / of it in the engine, queued / to first token: mean (p99 ≤)",
     ]  # fmt: skip
     if console:
         header[1:1] = ["console"]
@@ -754,6 +759,7 @@ def print_rows(rows: list[dict[str, float | None]], console: bool) -> None:
             f"{r['server_cpu_us_per_token']:.0f} µs ({r['event_loop_cpu_us_per_token']:.0f} µs)",
             f"{fixed(r['audit_accepted_mean_ms'], 1)} ms (≤ {bound(r['audit_accepted_p99_ms'])}) / "
             f"{fixed(r['audit_end_mean_ms'], 1)} ms (≤ {bound(r['audit_end_p99_ms'])})",
+            f"{fixed(r['server_ttft_mean_ms'], 0)} ms (≤ {bound(r['server_ttft_p99_ms'])}) / "
             f"{fixed(r['queue_mean_ms'], 0)} ms (≤ {bound(r['queue_p99_ms'])}) / "
             f"{fixed(r['prefill_mean_ms'], 0)} ms (≤ {bound(r['prefill_p99_ms'])})",
         ]

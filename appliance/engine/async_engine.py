@@ -13,6 +13,7 @@ import contextlib
 import logging
 import queue
 import threading
+import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -157,6 +158,7 @@ class AsyncEngine:
             raise InvalidRequestError(f"request id {rid!r} is already in use")
         stream: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self._streams[rid] = stream
+        seq.queued_at_s = time.monotonic()  # its wait in the engine thread's inbox counts
         self._commands.put(_Add(seq))
         finished = False
         try:

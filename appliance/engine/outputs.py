@@ -55,7 +55,7 @@ class TokenLogprob:
 @dataclass(frozen=True, slots=True)
 class RequestTimes:
     """Where a finished request's time went in the engine, in seconds (vLLM's request phases):
-    `queued_s` from its arrival at the engine to its first scheduling (to its end, if it was
+    `queued_s` from its submission to the engine to its first scheduling (to its end, if it was
     never scheduled), `prefill_s` from then to its first token, `decode_s` from its first token
     to its end; None for a phase the request never reached."""
 
@@ -125,8 +125,7 @@ class RequestState:
     pending_logprobs: list[TokenLogprob] = field(default_factory=list)
     prompt_logprobs: list[TokenLogprob | None] | None = None
     prompt_logprobs_sent: bool = False
-    # time.monotonic at the request's arrival in the engine and at its first token.
-    arrived_s: float = field(default_factory=time.monotonic)
+    # time.monotonic at the request's first token.
     first_token_s: float | None = None
     stop_reason: str | int | None = None
     _holdback: int = field(init=False)
@@ -247,11 +246,11 @@ class RequestState:
     def _times(self) -> RequestTimes:
         """The phases of a request ending now."""
         now = time.monotonic()
-        scheduled_s, first_token_s = self.seq.first_scheduled_s, self.first_token_s
+        queued_s, scheduled_s = self.seq.queued_at_s, self.seq.first_scheduled_s
         if scheduled_s is None:
-            return RequestTimes(now - self.arrived_s, None, None)
-        if first_token_s is None:
-            return RequestTimes(scheduled_s - self.arrived_s, None, None)
+            return RequestTimes(now - queued_s, None, None)
+        if self.first_token_s is None:
+            return RequestTimes(scheduled_s - queued_s, None, None)
         return RequestTimes(
-            scheduled_s - self.arrived_s, first_token_s - scheduled_s, now - first_token_s
+            scheduled_s - queued_s, self.first_token_s - scheduled_s, now - self.first_token_s
         )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import time
 from dataclasses import dataclass, field
 from typing import NewType, Protocol
 
@@ -97,7 +98,9 @@ class Sequence:
     # A hybrid model's recurrent-state slot while the sequence runs (appliance.engine.
     # state_slots); its state then holds `token_ids[:num_computed_tokens]`.
     state_slot: int | None = None
-    # When the scheduler first admitted it (time.monotonic; None while it has only waited).
+    # time.monotonic when it was queued for the engine (AsyncEngine: when it was submitted, so
+    # a wait in its inbox counts), and when the scheduler first admitted it (None until then).
+    queued_at_s: float = field(default_factory=time.monotonic)
     first_scheduled_s: float | None = None
 
     def __post_init__(self) -> None:
