@@ -4,17 +4,16 @@ Engine state (running and waiting requests, KV-cache usage, preemptions, prefix-
 and hits) is read from the engine at scrape time; request latencies (time to first token, time
 per output token, end to end, all as the client sees them: from arrival at the server), the
 engine's phases of each request (queued, prefill to the first token, decode: the parts of TTFT
-and the rest the engine accounts for) and token counts are recorded as each engine request
-ends. `inferno:audit_append_seconds` (Inferno's own)
-is how long requests wait for their audit entries, `inferno:limited_requests` counts the
-requests a per-caller limit refused, by limit, `inferno:tool_requests` the admitted requests
-that offered the model tools, by endpoint, `inferno:structured_output_requests` those whose
-output follows a grammar, by endpoint and kind, and `inferno:grammar_compile_seconds` how long
-the engine took to compile grammars it had not cached; `inferno:recurrent_state_usage_perc`,
-for a hybrid model only, the fraction of its linear layers' recurrent-state slots in use (beside
-the KV-cache usage of its attention layers). Each app has its own registry: nothing
-global. The console's time series reads the same request counters (`ServerMetrics.counters`):
-nothing else is counted per request.
+and the rest the engine accounts for) and token counts are recorded as each engine request ends.
+`inferno:audit_append_seconds` (Inferno's own) is how long requests wait for their audit
+entries, `inferno:limited_requests` counts the requests a per-caller limit refused, by limit,
+`inferno:tool_requests` the admitted requests that offered the model tools, by endpoint,
+`inferno:structured_output_requests` those whose output follows a grammar, by endpoint and kind,
+and `inferno:grammar_compile_seconds` how long the engine took to compile grammars it had not
+cached; `inferno:recurrent_state_usage_perc`, for a hybrid model only, the fraction of its
+linear layers' recurrent-state slots in use (beside the KV-cache usage of its attention layers).
+Each app has its own registry: nothing global. The console's time series reads the same request
+counters (`ServerMetrics.counters`): nothing else is counted per request.
 """
 
 from __future__ import annotations
