@@ -7,7 +7,6 @@ import contextlib
 import importlib.metadata
 import logging
 import os
-import re
 import sys
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -266,7 +265,10 @@ def _add_device_arg(parser: argparse.ArgumentParser) -> None:
 
 
 def _device(value: str) -> str:
-    if value in ("cpu", "cuda") or re.fullmatch(r"cuda:\d+", value):
+    # Imported here: pydantic and the model config's modules cost every other command 0.1 s.
+    from appliance.engine.engine_config import is_device_name
+
+    if is_device_name(value):
         return value
     raise argparse.ArgumentTypeError(f"invalid device {value!r} (choose cpu, cuda or cuda:N)")
 

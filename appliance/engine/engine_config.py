@@ -34,6 +34,12 @@ if TYPE_CHECKING:
 _DEVICE_NAME = re.compile(r"cpu|cuda(:[0-9]+)?")
 
 
+def is_device_name(value: str) -> bool:
+    """Whether `value` names a device Inferno runs on: cpu, cuda or cuda:N (the settings' and
+    the command line's one rule)."""
+    return _DEVICE_NAME.fullmatch(value) is not None
+
+
 def automatic_cpu_threads(num_cpus: int) -> int:
     """Torch threads for an engine on `num_cpus` CPUs when the setting leaves it to us: all but
     one. Each torch op waits for its slowest thread, so a thread that shares its CPU (with the
@@ -54,7 +60,7 @@ class EngineConfig(EngineSettings):
     def _refuse_unknown_device(cls, device: str) -> str:
         # EngineConfigError, not pydantic's ValueError: the start-up reports engine errors
         # (and pydantic lets any other exception through as it is).
-        if _DEVICE_NAME.fullmatch(device) is None:
+        if not is_device_name(device):
             raise EngineConfigError(f"device {device!r}: Inferno runs on cpu, cuda or cuda:N")
         return device
 
