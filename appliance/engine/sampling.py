@@ -142,4 +142,4 @@ def _argmax(rows: torch.Tensor) -> torch.Tensor:
         return rows.argmax(dim=-1)
     from kernels.argmax import argmax_rows  # Triton: a CPU-only install has none
 
-    return argmax_rows(rows)
+    return argmax_rows(rows if rows.stride(-1) == 1 else rows.contiguous())

@@ -234,3 +234,13 @@ print(sample(torch.randn(2, 50), params, [None, None]).tolist())
     )
     assert result.returncode == 0, result.stderr[-2000:]
     assert len(json.loads(result.stdout)) == 2
+
+
+@pytest.mark.gpu
+def test_greedy_on_the_gpu_takes_logits_of_any_layout() -> None:
+    """The GPU's argmax kernel reads rows with unit stride: a transposed view is copied first,
+    not refused mid-step."""
+    torch.manual_seed(0)
+    logits = torch.randn(50, 4, device="cuda").t()  # [4, 50], stride (1, 4)
+    params = [SamplingParams(temperature=0.0)] * 4
+    assert torch.equal(sample(logits, params, [None] * 4), logits.argmax(dim=-1))
