@@ -19,7 +19,19 @@ from kernels.pdl import launch_options, wait_for_previous
 
 # One program holds a whole token (all KV heads) in registers; beyond this it would spill.
 _MAX_TOKEN_ELEMENTS = 16384
-_FP8_MAX = torch.finfo(KV_CACHE_FP8).max
+FP8_MAX = torch.finfo(KV_CACHE_FP8).max
+
+
+@triton.jit
+def to_cache(x, scale_ptr, QUANTIZE: tl.constexpr, FP8_MAX: tl.constexpr, cache_ptr):
+    """x (a key or value tile in the model's dtype) as the cache stores it: as it is, or (an FP8
+    cache) divided by the scale at `scale_ptr` and saturated."""
+    if QUANTIZE:
+        # Correctly rounded division (as torch's), so the stored bytes equal the reference's.
+        x = tl.div_rn(x.to(tl.float32), tl.load(scale_ptr).to(tl.float32))
+        # Saturate: converting a value beyond the finite range would give NaN (e4m3 has no inf).
+        x = tl.clamp(x, -FP8_MAX, FP8_MAX)
+    return x.to(cache_ptr.dtype.element_ty)
 
 
 # The slots are read a scalar at a time: an alignment hint on them buys nothing, and a
@@ -57,13 +69,8 @@ def _write_kv_cache_kernel(
     mask = (offs < TOKEN_ELEMENTS) & (cache_offs >= 0) & (cache_offs < cache_elements)
     k = tl.load(k_ptr + token * k_token_stride + offs, mask=mask)
     v = tl.load(v_ptr + token * v_token_stride + offs, mask=mask)
-    if QUANTIZE:
-        # Correctly rounded division (as torch's), so the stored bytes equal the reference's.
-        k = tl.div_rn(k.to(tl.float32), tl.load(k_scale_ptr).to(tl.float32))
-        v = tl.div_rn(v.to(tl.float32), tl.load(v_scale_ptr).to(tl.float32))
-        # Saturate: converting a value beyond the finite range would give NaN (e4m3 has no inf).
-        k = tl.clamp(k, -FP8_MAX, FP8_MAX).to(k_cache_ptr.dtype.element_ty)
-        v = tl.clamp(v, -FP8_MAX, FP8_MAX).to(v_cache_ptr.dtype.element_ty)
+    k = to_cache(k, k_scale_ptr, QUANTIZE, FP8_MAX, k_cache_ptr)
+    v = to_cache(v, v_scale_ptr, QUANTIZE, FP8_MAX, v_cache_ptr)
     tl.store(k_cache_ptr + cache_offs, k, mask=mask)
     tl.store(v_cache_ptr + cache_offs, v, mask=mask)
 
@@ -111,7 +118,7 @@ def write_kv_cache(
         TOKEN_ELEMENTS=token_elements,
         BLOCK=block,
         QUANTIZE=quantize,
-        FP8_MAX=_FP8_MAX,
+        FP8_MAX=FP8_MAX,
         num_warps=num_warps,
         **launch_options(k.device),
     )

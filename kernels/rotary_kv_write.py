@@ -18,8 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.kv_cache_write import check_kv_write_inputs
-from kernels.launch_checks import KV_CACHE_FP8
+from kernels.kv_cache_write import FP8_MAX, check_kv_write_inputs, to_cache
 from kernels.pdl import launch_options, wait_for_previous
 from kernels.rotary import (
     check_rotary_inputs,
@@ -28,19 +27,6 @@ from kernels.rotary import (
     rotate_heads,
     rotated_halves,
 )
-
-_FP8_MAX = torch.finfo(KV_CACHE_FP8).max
-
-
-@triton.jit
-def _to_cache(x, scale_ptr, QUANTIZE: tl.constexpr, FP8_MAX: tl.constexpr, cache_ptr):
-    """x (a key or value tile in the model's dtype) as the cache stores it."""
-    if QUANTIZE:
-        # Correctly rounded division (as torch's), so the stored bytes equal the reference's.
-        x = tl.div_rn(x.to(tl.float32), tl.load(scale_ptr).to(tl.float32))
-        # Saturate: converting a value beyond the finite range would give NaN (e4m3 has no inf).
-        x = tl.clamp(x, -FP8_MAX, FP8_MAX)
-    return x.to(cache_ptr.dtype.element_ty)
 
 
 # Slots and scales are read a scalar at a time (see kernels.kv_cache_write).
@@ -116,15 +102,15 @@ def _rotary_write_kv_kernel(
             sin2,
             HALF,
         )
-        k1 = _to_cache(k1, k_scale_ptr, QUANTIZE, FP8_MAX, k_cache_ptr)
-        k2 = _to_cache(k2, k_scale_ptr, QUANTIZE, FP8_MAX, k_cache_ptr)
+        k1 = to_cache(k1, k_scale_ptr, QUANTIZE, FP8_MAX, k_cache_ptr)
+        k2 = to_cache(k2, k_scale_ptr, QUANTIZE, FP8_MAX, k_cache_ptr)
         tl.store(k_cache_ptr + cache_offs, k1, mask=store_mask)
         tl.store(k_cache_ptr + cache_offs + HALF, k2, mask=store_mask)
         v_first = v_ptr + token * v_token_stride + heads * v_head_stride + cols
         v1 = tl.load(v_first, mask=mask, other=0.0)
         v2 = tl.load(v_first + HALF, mask=mask, other=0.0)
-        v1 = _to_cache(v1, v_scale_ptr, QUANTIZE, FP8_MAX, v_cache_ptr)
-        v2 = _to_cache(v2, v_scale_ptr, QUANTIZE, FP8_MAX, v_cache_ptr)
+        v1 = to_cache(v1, v_scale_ptr, QUANTIZE, FP8_MAX, v_cache_ptr)
+        v2 = to_cache(v2, v_scale_ptr, QUANTIZE, FP8_MAX, v_cache_ptr)
         tl.store(v_cache_ptr + cache_offs, v1, mask=store_mask)
         tl.store(v_cache_ptr + cache_offs + HALF, v2, mask=store_mask)
 
@@ -185,7 +171,7 @@ def rotary_write_kv(
         BLOCK_Q_HEADS=block_q_heads,
         BLOCK_KV_HEADS=block_kv_heads,
         QUANTIZE=quantize,
-        FP8_MAX=_FP8_MAX,
+        FP8_MAX=FP8_MAX,
         num_warps=4,
         **launch_options(q.device),
     )
