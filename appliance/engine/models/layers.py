@@ -105,16 +105,15 @@ class Attention(nn.Module):
             q = self._norm_heads(q, self.q_norm)
         k_cache, v_cache = kv_cache[0], kv_cache[1]
         k_scale, v_scale = self.k_scale, self.v_scale
-        if self.owns_kv and self.rotary_dim == self.head_dim:
+        if self.owns_kv:
             k, v = self._keys_values(qkv[:, self.q_rows :])
-            # Rotated and stored in one launch (kernels.rotary_kv_write).
-            q = self.ops.rotary_write_kv(
-                q, k, v, cos, sin, k_cache, v_cache, meta.slot_mapping, k_scale, v_scale
-            )
-        elif self.owns_kv:
-            k, v = self._keys_values(qkv[:, self.q_rows :])
-            q, k = self._rotate(q, k, cos, sin)
-            self.ops.write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping, k_scale, v_scale)
+            if self.rotary_dim == self.head_dim:  # rotated and stored in one launch
+                q = self.ops.rotary_write_kv(
+                    q, k, v, cos, sin, k_cache, v_cache, meta.slot_mapping, k_scale, v_scale
+                )
+            else:
+                q, k = self._rotate(q, k, cos, sin)
+                self.ops.write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping, k_scale, v_scale)
         else:  # the cache holds this step's keys already, written by the layer that owns it
             # The rotary op rotates in place on the GPU (kernels.rotary): q with a scratch key.
             q, _ = self._rotate(q, q.new_zeros(num_tokens, 1, self.head_dim), cos, sin)
