@@ -75,38 +75,44 @@ class ServerMetrics:
         self.registry = CollectorRegistry()
         self._engine: AsyncEngine | None = None
         labels = ["model_name"]
-        self._ttft = Histogram(
+
+        def per_model(name: str, documentation: str, buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(
+                name, documentation, labels, buckets=buckets, registry=self.registry
+            ).labels(model_name)
+
+        self._ttft = per_model(
             "vllm:time_to_first_token_seconds",
             "Time from a request's arrival to its first output token.",
-            labels, buckets=_TTFT_BUCKETS, registry=self.registry,
-        ).labels(model_name)  # fmt: skip
-        self._tpot = Histogram(
+            _TTFT_BUCKETS,
+        )
+        self._tpot = per_model(
             "vllm:time_per_output_token_seconds",
             "Mean time between a request's output tokens after the first.",
-            labels, buckets=_TPOT_BUCKETS, registry=self.registry,
-        ).labels(model_name)  # fmt: skip
-        self._e2e = Histogram(
+            _TPOT_BUCKETS,
+        )
+        self._e2e = per_model(
             "vllm:e2e_request_latency_seconds",
             "Time from a request's arrival to its end.",
-            labels, buckets=_E2E_BUCKETS, registry=self.registry,
-        ).labels(model_name)  # fmt: skip
+            _E2E_BUCKETS,
+        )
         # The engine's phases of a request (vLLM's names; finer buckets for the first two,
         # whose tails are what TTFT's is made of).
-        self._queue_time = Histogram(
+        self._queue_time = per_model(
             "vllm:request_queue_time_seconds",
             "Time a request waited in the engine before it was first scheduled.",
-            labels, buckets=_TTFT_BUCKETS, registry=self.registry,
-        ).labels(model_name)  # fmt: skip
-        self._prefill_time = Histogram(
+            _TTFT_BUCKETS,
+        )
+        self._prefill_time = per_model(
             "vllm:request_prefill_time_seconds",
             "Time from a request's first scheduling to its first token, in the engine.",
-            labels, buckets=_TTFT_BUCKETS, registry=self.registry,
-        ).labels(model_name)  # fmt: skip
-        self._decode_time = Histogram(
+            _TTFT_BUCKETS,
+        )
+        self._decode_time = per_model(
             "vllm:request_decode_time_seconds",
             "Time from a request's first token to its end, in the engine.",
-            labels, buckets=_E2E_BUCKETS, registry=self.registry,
-        ).labels(model_name)  # fmt: skip
+            _E2E_BUCKETS,
+        )
         self._prompt_tokens = Counter(
             "vllm:prompt_tokens", "Prompt tokens of ended requests.", labels, registry=self.registry
         ).labels(model_name)
