@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import NamedTuple, Protocol
+from typing import Protocol
 
 import torch
 
@@ -129,30 +129,6 @@ class RecurrentStateMetadata:
     query_start_loc: torch.Tensor
     query_lens: list[int]
     decode_only: bool
-
-
-class DecodeInputs(NamedTuple):
-    """A decode batch's inputs as the CUDA graphs' staging takes them (`kernels.decode_inputs`),
-    one row per sequence: token ids, positions and cache slots [B] int64, lengths [B] int32,
-    block tables [B, W] int32; where the model has them, the window group's slots [B] int64
-    and tables [B, W] int32, and recurrent-state slots [B] int32 (else None)."""
-
-    input_ids: torch.Tensor
-    positions: torch.Tensor
-    slots: torch.Tensor
-    seq_lens: torch.Tensor
-    block_tables: torch.Tensor
-    window_slots: torch.Tensor | None = None
-    window_block_tables: torch.Tensor | None = None
-    state_slots: torch.Tensor | None = None
-
-
-class PendingTokens(NamedTuple):
-    """Input tokens the host does not have yet: row r's token is `sampled[sources[r], -1]`
-    where sources[r] >= 0 (sources: [B] int64; sampled: [S, n] int64, the step in flight's)."""
-
-    sources: torch.Tensor
-    sampled: torch.Tensor
 
 
 @dataclass(frozen=True, slots=True)

@@ -25,7 +25,7 @@ import torch
 
 from appliance.engine.models.decoder import CausalLM
 from appliance.engine.models.recurrent_state import RecurrentState
-from kernels.ops import AttentionMetadata, DecodeInputs, PendingTokens, RecurrentStateMetadata
+from kernels.ops import AttentionMetadata, RecurrentStateMetadata
 
 
 def batch_size_ladder(max_batch: int) -> list[int]:
@@ -66,10 +66,6 @@ class DecodeGraphs:
     def capture(self, max_batch: int, *, only_largest: bool = False) -> None:
         """Capture the ladder of batch sizes up to `max_batch` (`only_largest`: that size alone,
         to measure the pool)."""
-        # Graphs exist on CUDA only, where Triton is (a CPU-only install has none).
-        from kernels.decode_inputs import stage_decode_inputs
-
-        self._stage = stage_decode_inputs
         device = self.model.embed_tokens.weight.device
         n = max_batch
         hidden_size = self.model.config.hidden_size
@@ -88,16 +84,6 @@ class DecodeGraphs:
         self._query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)
         self._state_slots = torch.full((n,), -1, dtype=torch.int32, device=device)
         self._has_initial_state = torch.ones(n, dtype=torch.bool, device=device)
-        self._static = DecodeInputs(
-            self._input_ids,
-            self._positions,
-            self._slots,
-            self._seq_lens,
-            self._block_tables,
-            self._window_slots if self.window_group else None,
-            self._window_block_tables if self.window_group else None,
-            self._state_slots if self.states else None,
-        )
         self.pool = torch.cuda.graph_pool_handle()
         sizes = [max_batch] if only_largest else batch_size_ladder(max_batch)
         # Largest first, so the smaller graphs fit in the memory the largest one reserved.
@@ -118,33 +104,29 @@ class DecodeGraphs:
         positions: torch.Tensor,
         meta: AttentionMetadata,
         state_slots: torch.Tensor | None = None,
-        pending: PendingTokens | None = None,
     ) -> torch.Tensor:
         """Replay the smallest graph that fits a decode batch of B rows; [B, hidden] states.
 
         Inputs (on the device): [B] int64 ids and positions; the batch's metadata, whose
         [B, W] block tables (the window group's too, when captured with one) have
-        W <= max_blocks_per_seq; a hybrid model's [B] int32 recurrent-state slots; `pending`:
-        the rows whose input token the step in flight is still sampling (their ids are
-        placeholders).
+        W <= max_blocks_per_seq; a hybrid model's [B] int32 recurrent-state slots.
         """
         batch = input_ids.shape[0]
         size = self.sizes[bisect.bisect_left(self.sizes, batch)]
-        window = meta.window_group
+        self._input_ids[:batch].copy_(input_ids, non_blocking=True)
+        self._positions[:batch].copy_(positions, non_blocking=True)
+        _copy_into(self._slots, self._block_tables, meta, batch)
         if self.window_group:
-            assert window is not None, "captured with the window group's tables"
-        assert (state_slots is not None) == bool(self.states), "a hybrid model's rows hold slots"
-        inputs = DecodeInputs(
-            input_ids,
-            positions,
-            meta.slot_mapping,
-            meta.seq_lens_t,
-            meta.block_tables,
-            window.slot_mapping if self.window_group else None,
-            window.block_tables if self.window_group else None,
-            state_slots if self.states else None,
-        )
-        self._stage(inputs, self._static, size, pending)
+            assert meta.window_group is not None, "captured with the window group's tables"
+            _copy_into(self._window_slots, self._window_block_tables, meta.window_group, batch)
+        self._seq_lens[:batch].copy_(meta.seq_lens_t, non_blocking=True)
+        if state_slots is not None:
+            self._state_slots[:batch].copy_(state_slots, non_blocking=True)
+        if size > batch:
+            self._slots[batch:size].fill_(-1)
+            self._window_slots[batch:size].fill_(-1)
+            self._seq_lens[batch:size].fill_(0)
+            self._state_slots[batch:size].fill_(-1)
         self._graphs[size].replay()
         return self._hidden[:batch]
 
@@ -209,3 +191,12 @@ class DecodeGraphs:
             self.states,
             self._state_meta(size),
         )
+
+
+def _copy_into(
+    slots: torch.Tensor, block_tables: torch.Tensor, meta: AttentionMetadata, batch: int
+) -> None:
+    """One group's slots and block tables of a decode batch into the static buffers."""
+    slots[:batch].copy_(meta.slot_mapping, non_blocking=True)
+    width = meta.block_tables.shape[1]
+    block_tables[:batch, :width].copy_(meta.block_tables, non_blocking=True)

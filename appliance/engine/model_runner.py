@@ -33,7 +33,7 @@ from appliance.engine.sampling_params import MAX_TOP_LOGPROBS, SamplingParams
 from appliance.engine.scheduler import ScheduledChunk
 from appliance.engine.sequence import Sequence
 from appliance.engine.structured_output import TokenMasks
-from kernels.ops import AttentionMetadata, PendingTokens, RecurrentStateMetadata
+from kernels.ops import AttentionMetadata, RecurrentStateMetadata
 
 logger = logging.getLogger(__name__)
 
@@ -90,9 +90,6 @@ class _Batch:
     meta: AttentionMetadata
     query_ends: list[int]  # row of each chunk's last token
     state_meta: RecurrentStateMetadata | None  # a hybrid model's state slots
-    # Rows whose input token the step in flight is still sampling, when a decode graph reads
-    # them itself (input_ids holds placeholders there); else None, input_ids complete.
-    pending: PendingTokens | None
 
 
 @dataclass(frozen=True, slots=True)
@@ -171,6 +168,9 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None
         self.memory_profile: MemoryProfile | None = None
         self._uploader = Uploader(self.device)
+        # Blocking events of collected steps, for the next launches: creating one costs the host
+        # about 250 µs (measured on the H100 machine), recording a used one a few.
+        self._spare_events: list[torch.cuda.Event] = []
 
     def set_kv_caches(self, kv_caches: list[torch.Tensor]) -> None:
         self.kv_caches = kv_caches
@@ -394,9 +394,7 @@ class ModelRunner:
         if num_steps > 1:
             sampled = self._decode_burst(chunks, num_steps, generators, batch)
         else:
-            hidden = self._forward(
-                batch.input_ids, batch.positions, batch.meta, batch.state_meta, batch.pending
-            )
+            hidden = self._forward(batch.input_ids, batch.positions, batch.meta, batch.state_meta)
             sampled, logprobs = self._sample_step(chunks, sampling_rows, generators, batch, hidden)
             prompt_logprobs = self._prompt_logprobs(chunks, hidden)
         done = None
@@ -404,7 +402,9 @@ class ModelRunner:
             # A blocking event puts the collecting thread to sleep; a plain `tolist()` would
             # spin on the stream (a whole core for the whole step) and wait for every step
             # queued since, not only this one.
-            done = torch.cuda.Event(blocking=True)
+            done = (
+                self._spare_events.pop() if self._spare_events else torch.cuda.Event(blocking=True)
+            )
             done.record()
         return LaunchedStep(
             chunks,
@@ -421,6 +421,7 @@ class ModelRunner:
         """Wait (asleep) for a launched step and return what each of its chunks produced."""
         if step.done is not None:
             step.done.synchronize()
+            self._spare_events.append(step.done)
         token_ids: dict[int, list[int]] = {}
         if step.sampled_on_host is not None:
             token_ids = dict(zip(step.sampling_rows, step.sampled_on_host.tolist(), strict=True))
@@ -540,12 +541,10 @@ class ModelRunner:
         positions: torch.Tensor,
         meta: AttentionMetadata,
         state_meta: RecurrentStateMetadata | None,
-        pending: PendingTokens | None = None,
     ) -> torch.Tensor:
         if self.peers is not None:
-            assert pending is None, "the other ranks are sent complete input ids"
             self.peers.forward(input_ids, positions, meta, state_meta)
-        return self.run_model(input_ids, positions, meta, state_meta, pending)
+        return self.run_model(input_ids, positions, meta, state_meta)
 
     def _compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> [N, vocab] float32. Every logits computation goes through here: under
@@ -560,29 +559,20 @@ class ModelRunner:
         positions: torch.Tensor,
         meta: AttentionMetadata,
         state_meta: RecurrentStateMetadata | None = None,
-        pending: PendingTokens | None = None,
     ) -> torch.Tensor:
         """Hidden states [T, hidden]: from a CUDA graph for decode batches that fit one.
-        `state_meta`: a hybrid model's state slots (None for any other model); `pending`: the
-        tokens a graph reads from the step in flight (`_prepare` gives them only to a batch
-        that takes a graph)."""
-        if self._takes_graph(meta):
-            return self.graphs.run(
+        `state_meta`: a hybrid model's state slots (None for any other model)."""
+        graphs = self.graphs
+        if meta.decode_only and graphs is not None and len(meta.query_lens) <= graphs.max_batch:
+            return graphs.run(
                 input_ids,
                 positions,
                 meta,
                 None if state_meta is None else state_meta.state_slots,
-                pending,
             )
-        assert pending is None, "only a graph reads pending tokens itself"
         return self.model(
             input_ids, positions, self.kv_caches, meta, self.recurrent_states, state_meta
         )
-
-    def _takes_graph(self, meta: AttentionMetadata) -> bool:
-        """Whether a step with this metadata replays a decode graph."""
-        graphs = self.graphs
-        return meta.decode_only and graphs is not None and len(meta.query_lens) <= graphs.max_batch
 
     def _controls(self, seqs: list[Sequence]) -> SamplingControls | None:
         controls = SamplingControls.build(
@@ -648,20 +638,7 @@ class ModelRunner:
                 tables[rows, positions // bs].astype(np.int64) * bs + positions % bs
             )
             int32s["window_tables"] = tables
-        # A decode graph reads the tokens still in flight itself (kernels.decode_inputs); under
-        # tensor parallelism the other ranks are sent complete ids, so rank 0 fills them first.
-        graph_reads_pending = (
-            self.peers is None
-            and self.graphs is not None
-            and len(chunks) <= self.graphs.max_batch
-            and ends[-1] == len(chunks)  # one token a chunk: a decode step
-        )
-        if in_flight and graph_reads_pending:
-            row_sources = np.full(len(chunks), -1, np.int64)
-            sources, targets = zip(*in_flight, strict=True)
-            row_sources[list(targets)] = sources
-            int64s["sources"] = row_sources
-        elif in_flight:
+        if in_flight:
             sources, targets = zip(*in_flight, strict=True)
             int64s["sources"] = np.asarray(sources, np.int64)
             int64s["targets"] = np.asarray(targets, np.int64)
@@ -685,17 +662,13 @@ class ModelRunner:
         if self.recurrent_states:
             continues = [c.start > 0 for c in chunks]
             state_meta = self._state_meta(on_device["state_slots"], continues, meta)
-        input_ids_t, pending = on_device["input_ids"], None
+        input_ids_t = on_device["input_ids"]
         if in_flight:
             assert previous is not None and previous.sampled is not None
-            assert self._takes_graph(meta) == graph_reads_pending or self.peers is not None
             # The previous step's last sampled token of each: read on the device, no waiting.
-            if graph_reads_pending:
-                pending = PendingTokens(on_device["sources"], previous.sampled)
-            else:
-                input_ids_t[on_device["targets"]] = previous.sampled[on_device["sources"], -1]
+            input_ids_t[on_device["targets"]] = previous.sampled[on_device["sources"], -1]
         positions_t = on_device["positions"]
-        return _Batch(input_ids_t, positions_t, meta, query_ends, state_meta, pending)
+        return _Batch(input_ids_t, positions_t, meta, query_ends, state_meta)
 
     def _state_meta(
         self, state_slots: torch.Tensor, has_initial_state: list[bool], meta: AttentionMetadata

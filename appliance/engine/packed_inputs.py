@@ -6,11 +6,11 @@ into one int32 buffer, copied once, and each becomes a view of the device's copy
 dtype and shape.
 
 The host buffer is pinned, so the copy runs asynchronously with the host's next work, and
-reused: pinning a fresh buffer every step (torch's `pin_memory`) took about 0.7 ms of the
-engine thread's time per step on the H100 host under W3's load (a py-spy profile, docs/
-BENCHMARKS.md). A few buffers take turns, each reused only once the copy that last read it
-has finished (an event per buffer; with asynchronous scheduling one step's copy may still be
-queued while the next step is packed).
+both buffers are reused: pinning a fresh host buffer and allocating a fresh device copy every
+step cost the host about 80 µs a step on the H100 machine, a copy between reused buffers about
+5 µs (docs/BENCHMARKS.md). A few pairs take turns; a host buffer is written again only once
+the copy that last read it has finished (with asynchronous scheduling one step's copy may still
+be queued while the next step is packed).
 
 Every array starts on a 16-byte boundary: Triton specializes a kernel on whether each pointer
 argument is 16-byte aligned, so a view at any other offset would compile another variant of
@@ -33,8 +33,14 @@ class Uploader:
 
     def __init__(self, device: torch.device):
         self.device = device
-        self._buffers: list[torch.Tensor | None] = [None] * _NUM_BUFFERS
-        self._copied: list[torch.cuda.Event | None] = [None] * _NUM_BUFFERS
+        # Per turn: the pinned host buffer, the device buffer it is copied into, and an event
+        # marking the end of that copy. A device buffer needs no event: the next copy into it
+        # is queued behind every kernel that read it.
+        self._host: list[torch.Tensor | None] = [None] * _NUM_BUFFERS
+        self._device: list[torch.Tensor | None] = [None] * _NUM_BUFFERS
+        self._copied = (
+            [torch.cuda.Event() for _ in range(_NUM_BUFFERS)] if device.type == "cuda" else []
+        )
         self._turn = 0
 
     def upload(
@@ -48,13 +54,15 @@ class Uploader:
         for name, part in words.items():
             starts[name] = total
             total += -(-part.size // _ALIGN_WORDS) * _ALIGN_WORDS
-        host = self._host_buffer(total)
+        if self.device.type == "cuda":
+            host, copy = self._buffers(total)
+        else:
+            host = copy = torch.zeros(total, dtype=torch.int32)
         packed = host.numpy()
         for name, part in words.items():
             packed[starts[name] : starts[name] + part.size] = part
-        copy = host
         if self.device.type == "cuda":
-            copy = host.to(self.device, non_blocking=True)
+            copy.copy_(host, non_blocking=True)
             self._copied[self._turn].record()
             self._turn = (self._turn + 1) % _NUM_BUFFERS
         views = {}
@@ -65,21 +73,15 @@ class Uploader:
             )
         return views
 
-    def _host_buffer(self, words: int) -> torch.Tensor:
-        """`words` int32s of host memory nothing reads any more: this turn's pinned buffer on a
-        GPU (after the copy that last read it), a fresh one on the CPU (the device's inputs are
-        views of it)."""
-        if self.device.type != "cuda":
-            return torch.zeros(words, dtype=torch.int32)
+    def _buffers(self, words: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """This turn's host and device buffers, `words` int32s each; the host one no longer
+        read by the copy that last used it."""
         turn = self._turn
-        copied = self._copied[turn]
-        if copied is None:
-            copied = self._copied[turn] = torch.cuda.Event()
-        else:
-            copied.synchronize()  # long done but in the rarest case: a step ago
-        buffer = self._buffers[turn]
-        if buffer is None or buffer.numel() < words:
-            # Grown to twice the need, so a growing batch does not pin anew every step.
-            buffer = torch.empty(2 * words, dtype=torch.int32, pin_memory=True)
-            self._buffers[turn] = buffer
-        return buffer[:words]
+        self._copied[turn].synchronize()  # long done but in the rarest case: a step ago
+        host, device = self._host[turn], self._device[turn]
+        if host is None or device is None or host.numel() < words:
+            # Twice the need, so a growing batch does not allocate anew every step.
+            host = torch.empty(2 * words, dtype=torch.int32, pin_memory=True)
+            device = torch.empty(2 * words, dtype=torch.int32, device=self.device)
+            self._host[turn], self._device[turn] = host, device
+        return host[:words], device[:words]
