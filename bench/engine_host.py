@@ -6,7 +6,10 @@ entirely the Python the engine runs between GPU steps (the part that leaves the 
 host and device work overlap). Runs anywhere, no GPU needed.
 
     python bench/engine_host.py [--requests 1024] [--max-num-seqs 512] [--max-decode-burst 1]
-                                [--async-scheduling]
+                                [--async-scheduling] [--tokenizer-dir DIR]
+
+Without `--tokenizer-dir` the engine returns token ids only; with a model directory's tokenizer
+(one imported from the embedded SmolLM2, say) it also detokenizes every token, as a server does.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from appliance.engine.engine_config import EngineConfig
 from appliance.engine.models.config import ModelConfig
 from appliance.engine.models.decoder import CausalLM
 from appliance.engine.sampling_params import SamplingParams
+from appliance.engine.tokenizer import Tokenizer
 
 STUB_CONFIG = {
     "architectures": ["LlamaForCausalLM"],
@@ -65,6 +69,12 @@ def main() -> None:
     parser.add_argument("--max-num-seqs", type=int, default=512)
     parser.add_argument("--max-decode-burst", type=int, default=1)
     parser.add_argument("--async-scheduling", action="store_true")
+    parser.add_argument(
+        "--tokenizer-dir",
+        type=Path,
+        help="a model directory whose tokenizer detokenizes the outputs (the stub samples ids "
+        f"below {STUB_CONFIG['vocab_size']})",
+    )
     args = parser.parse_args()
     config = EngineConfig(
         model_dir=Path("stub"),
@@ -74,7 +84,8 @@ def main() -> None:
         max_decode_burst=args.max_decode_burst,
         async_scheduling=args.async_scheduling,
     )
-    engine = Engine.build(config, stub_model(), tokenizer=None)
+    tokenizer = None if args.tokenizer_dir is None else Tokenizer.from_model_dir(args.tokenizer_dir)
+    engine = Engine.build(config, stub_model(), tokenizer)
     prompts = torch.randint(
         0, 1000, (args.requests, 512), generator=torch.Generator().manual_seed(0)
     )
