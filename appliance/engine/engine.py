@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from appliance.engine.block_manager import BlockManager, window_pool_num_blocks
-from appliance.engine.detokenizer import IncrementalDetokenizer
+from appliance.engine.detokenizer import detokenizer_for
 from appliance.engine.engine_config import EngineConfig
 from appliance.engine.errors import (
     ContextLengthExceededError,
@@ -439,7 +439,7 @@ class Engine:
         tokenizer = self.tokenizer
         detokenizer = None
         if tokenizer is not None:
-            detokenizer = IncrementalDetokenizer(
+            detokenizer = detokenizer_for(
                 tokenizer, skip_special_tokens=seq.params.skip_special_tokens
             )
         eos = tokenizer.eos_token_ids if tokenizer is not None else frozenset()

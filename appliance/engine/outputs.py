@@ -11,7 +11,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 
-from appliance.engine.detokenizer import IncrementalDetokenizer
+from appliance.engine.detokenizer import Detokenizer
 from appliance.engine.sequence import RequestId, Sequence, SequenceStatus
 
 logger = logging.getLogger(__name__)
@@ -115,7 +115,7 @@ class RequestState:
 
     seq: Sequence
     # None for an engine without a tokenizer: token ids only, no text and no stop strings.
-    detokenizer: IncrementalDetokenizer | None
+    detokenizer: Detokenizer | None
     eos_token_ids: frozenset[int]
     max_model_len: int
     # The text not yet emitted (emitted text is final, so only this tail is searched for stop
