@@ -507,7 +507,10 @@ class Engine:
 
     def _launch(self, schedule: SchedulerOutput) -> LaunchedStep:
         chunks = schedule.chunks
-        generators = [self._generators.get(c.seq.request_id) for c in chunks]
+        if self._generators:
+            generators = [self._generators.get(c.seq.request_id) for c in chunks]
+        else:  # no seeded request (most steps): nothing to look up per chunk
+            generators = [None] * len(chunks)
         step = self.runner.launch(chunks, schedule.num_steps, generators, self._in_flight)
         if self.async_scheduling:  # synchronous steps are processed before the next schedule
             for chunk in chunks:
@@ -531,12 +534,9 @@ class Engine:
                 continue
             if seq.num_pending_tokens:
                 seq.num_pending_tokens -= len(result.token_ids)
-            finish = None
-            for token_id in result.token_ids:
-                finish = state.add_token(token_id, result.logprob)
-                if finish is not None:
-                    self._finish(seq, finish)
-                    break
+            finish = state.add_tokens(result.token_ids, result.logprob)
+            if finish is not None:
+                self._finish(seq, finish)
             outputs.append(state.make_output(finish))
         return outputs
 
