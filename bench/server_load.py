@@ -156,17 +156,23 @@ def serve_built_model(
 
 
 def numbered_tokenizer(vocab_size: int):
-    """A word-level tokenizer whose token i is the word "w<i>": every token decodes to text of
-    its own, so each generated token is streamed as a chunk, as with a real vocabulary."""
+    """A word-level tokenizer whose token i is the word " w<i>": every token decodes to text of
+    its own, so each generated token is streamed as a chunk, as with a real vocabulary. Spelled
+    in GPT-2's byte alphabet ("Ġw<i>") and decoded by its byte-level decoder, as Llama 3's,
+    Qwen2's and SmolLM2's vocabularies are, so the engine detokenizes it as it does theirs
+    (bytewise: appliance.engine.detokenizer)."""
     from tokenizers import Tokenizer as BackendTokenizer
-    from tokenizers import models, pre_tokenizers
+    from tokenizers import decoders, models, pre_tokenizers
 
     from appliance.engine.tokenizer import Tokenizer
 
     backend = BackendTokenizer(
-        models.WordLevel({f"w{i}": i for i in range(vocab_size)}, unk_token="w0")
+        models.WordLevel({f"Ġw{i}": i for i in range(vocab_size)}, unk_token="Ġw0")
     )
-    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    backend.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.WhitespaceSplit(), pre_tokenizers.ByteLevel(use_regex=False)]
+    )
+    backend.decoder = decoders.ByteLevel()
     return Tokenizer(
         backend, bos_token=None, eos_token=None, add_bos_token=False, chat_template=None
     )
