@@ -357,7 +357,8 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return
         holding = self._holding(seq)
-        num_full = min(num_tokens, len(seq)) // self.block_size
+        # Not len(seq): no __len__ call, in a call made per running sequence per step.
+        num_full = min(num_tokens, len(seq.token_ids)) // self.block_size
         first = max(holding.num_published_blocks, holding.num_released_blocks)
         if num_full <= first:
             return
