@@ -42,8 +42,8 @@ class SchedulerConfig:
 class ScheduledChunk:
     """Compute `seq.token_ids[start : start + num_new_tokens]` this step; `samples` when that
     reaches the end of the sequence, so the step also samples its next token. Never changed
-    once made (not frozen: a frozen dataclass's constructor costs twice as much, and a step
-    makes one per running sequence)."""
+    once made (not frozen: a frozen dataclass's constructor costs nearly twice as much, and a
+    step makes one per running sequence)."""
 
     seq: Sequence
     start: int
