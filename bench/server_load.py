@@ -114,50 +114,65 @@ def serve_built_model(
     a model directory. With `profile_engine`, the engine's steps are profiled as the commands on
     stdin say (bench/engine_profile.py)."""
     sys.path.insert(0, str(_HERE))
-    from appliance.app import build
-    from appliance.boot.startup import engine_config, start_audit_log
-    from appliance.boot.weights import LoadedModel
-    from appliance.config import load_settings
-    from appliance.engine.engine import Engine
-    from appliance.server import listen, serve
+    from appliance.boot.collector_pause import CollectorPause
 
-    settings = load_settings(config_path)
-    if kind == "random-8b":
-        from gpu_engine import random_model  # the same model as W1/W2
+    # As `inferno serve`: no cyclic collection until ready, then the start's objects frozen.
+    # Without it, every full collection while serving visits all of torch's objects (tens to
+    # hundreds of ms with the GIL held), which `inferno serve` never pays.
+    with CollectorPause.begin() as collector:
+        from appliance.app import build
+        from appliance.boot.startup import engine_config, start_audit_log
+        from appliance.boot.weights import LoadedModel
+        from appliance.config import load_settings
+        from appliance.engine.engine import Engine
+        from appliance.server import listen, serve
 
-        model = random_model(quantization=settings.engine.quantization)
-    else:
-        from engine_host import stub_model  # model math stubbed out: host cost only
+        settings = load_settings(config_path)
+        if kind == "random-8b":
+            from gpu_engine import random_model  # the same model as W1/W2
 
-        model = stub_model(stub_step_s)
-    tokenizer = numbered_tokenizer(model.config.vocab_size)
-    engine = Engine.build(engine_config(settings), model, tokenizer)
-    if profile_engine:
-        from engine_profile import EngineProfiler
+            model = random_model(quantization=settings.engine.quantization)
+        else:
+            from engine_host import stub_model  # model math stubbed out: host cost only
 
-        profiler = EngineProfiler(engine)
-        threading.Thread(target=profiler.follow, args=(sys.stdin,), daemon=True).start()
-    with start_audit_log(settings) as audit_log:
-        # Weights made in memory have no files to digest: the log says so instead.
-        loaded = LoadedModel(engine, weights_digest=f"none:{kind}-weights-made-in-memory")
-        app = build(settings, audit_log, model=loaded)
-        listener = listen(settings)
-        print(f"inferno: serving {settings.served_model_name} on {listener.url}", file=sys.stderr)
-        serve(settings, app, listener)
+            model = stub_model(stub_step_s)
+        tokenizer = numbered_tokenizer(model.config.vocab_size)
+        engine = Engine.build(engine_config(settings), model, tokenizer)
+        if profile_engine:
+            from engine_profile import EngineProfiler
+
+            profiler = EngineProfiler(engine)
+            threading.Thread(target=profiler.follow, args=(sys.stdin,), daemon=True).start()
+        with start_audit_log(settings) as audit_log:
+            # Weights made in memory have no files to digest: the log says so instead.
+            loaded = LoadedModel(engine, weights_digest=f"none:{kind}-weights-made-in-memory")
+            app = build(settings, audit_log, model=loaded, collector=collector)
+            listener = listen(settings)
+            print(
+                f"inferno: serving {settings.served_model_name} on {listener.url}",
+                file=sys.stderr,
+            )
+            serve(settings, app, listener)
 
 
 def numbered_tokenizer(vocab_size: int):
-    """A word-level tokenizer whose token i is the word "w<i>": every token decodes to text of
-    its own, so each generated token is streamed as a chunk, as with a real vocabulary."""
+    """A word-level tokenizer whose token i is the word " w<i>": every token decodes to text of
+    its own, so each generated token is streamed as a chunk, as with a real vocabulary. Spelled
+    in GPT-2's byte alphabet ("Ġw<i>") and decoded by its byte-level decoder, as Llama 3's,
+    Qwen2's and SmolLM2's vocabularies are, so the engine detokenizes it as it does theirs
+    (bytewise: appliance.engine.detokenizer)."""
     from tokenizers import Tokenizer as BackendTokenizer
-    from tokenizers import models, pre_tokenizers
+    from tokenizers import decoders, models, pre_tokenizers
 
     from appliance.engine.tokenizer import Tokenizer
 
     backend = BackendTokenizer(
-        models.WordLevel({f"w{i}": i for i in range(vocab_size)}, unk_token="w0")
+        models.WordLevel({f"Ġw{i}": i for i in range(vocab_size)}, unk_token="Ġw0")
     )
-    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    backend.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.WhitespaceSplit(), pre_tokenizers.ByteLevel(use_regex=False)]
+    )
+    backend.decoder = decoders.ByteLevel()
     return Tokenizer(
         backend, bos_token=None, eos_token=None, add_bos_token=False, chat_template=None
     )

@@ -211,10 +211,12 @@ class BlockManager:
         window = self.window_group
         if not cached and num_tokens <= len(seq.block_table) * self.block_size:
             # Most decode steps: the last block still has room (in both groups' tables, which
-            # cover the same positions).
+            # cover the same positions). Without a window nothing is given back, and a block
+            # is published only when it fills: most such steps return at once.
             for manager in (self, window):
                 if manager is not None:
-                    manager._release_out_of_window(seq, first_query)
+                    if manager.kv_window is not None:
+                        manager._release_out_of_window(seq, first_query)
                     manager._register_full_blocks(seq, num_tokens)
             return True
         window_cached = window._visible_prefix(seq, len(cached)) if window and cached else []
@@ -355,7 +357,8 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return
         holding = self._holding(seq)
-        num_full = min(num_tokens, len(seq)) // self.block_size
+        # Not len(seq): no __len__ call, in a call made per running sequence per step.
+        num_full = min(num_tokens, len(seq.token_ids)) // self.block_size
         first = max(holding.num_published_blocks, holding.num_released_blocks)
         if num_full <= first:
             return

@@ -7,9 +7,17 @@ new ones and emit the difference once it no longer ends in an incomplete charact
 window rather than single tokens also keeps decoders that strip a leading space (SentencePiece)
 correct, since both decodes share the same start. The decode without the new token is the one
 the previous delta already made, kept, so a token costs one decode until the window restarts.
+
+A tokenizer whose decode is just its tokens' bytes joined and read as UTF-8 (byte-level BPE:
+`Tokenizer.byte_pieces`) needs no decode at all: `ByteDetokenizer` keeps the bytes not yet
+emitted and emits them once they end on a whole character, the same deltas as the window's
+for a fraction of the cost (the engine thread's CPU per token, issue 17's W3).
 """
 
 from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Protocol
 
 from appliance.engine.tokenizer import Tokenizer
 
@@ -18,14 +26,67 @@ from appliance.engine.tokenizer import Tokenizer
 _MAX_WINDOW_IDS = 4
 
 
-class IncrementalDetokenizer:
-    """Turns one sequence's generated token ids into text deltas, never splitting a character.
+class Detokenizer(Protocol):
+    """One sequence's generated ids to text deltas. Contract: `"".join(deltas from add) +
+    flush()` equals `tokenizer.decode(all ids, skip_special_tokens=...)`, and no delta contains
+    U+FFFD unless that full decode does at the same place."""
 
-    Contract: `"".join(deltas from add) + flush()` equals `tokenizer.decode(all ids,
-    skip_special_tokens=...)`, and no delta contains U+FFFD unless that full decode does at the
-    same place. Each `add` decodes only a short window of recent ids, so the cost per token does
-    not grow with the sequence length; the window's emitted text is kept, so most tokens cost
-    one decode, not two (the server's CPU per streamed token, PERFORMANCE.md W3).
+    def add(self, token_id: int) -> str:
+        """Append one generated id; return the text it completes ("" while a character is
+        open)."""
+        ...
+
+    def flush(self) -> str:
+        """End of stream: return whatever text is still held back, even an incomplete
+        character."""
+        ...
+
+
+def detokenizer_for(tokenizer: Tokenizer, *, skip_special_tokens: bool = True) -> Detokenizer:
+    """A new stream's detokenizer: bytewise where the tokenizer allows it, else by window."""
+    pieces = tokenizer.byte_pieces(skip_special_tokens=skip_special_tokens)
+    if pieces is not None:
+        return ByteDetokenizer(pieces)
+    return IncrementalDetokenizer(tokenizer, skip_special_tokens=skip_special_tokens)
+
+
+class ByteDetokenizer:
+    """The `Detokenizer` of a tokenizer that decodes bytewise (`Tokenizer.byte_pieces`).
+
+    Its deltas are those of `IncrementalDetokenizer` over the same tokenizer, token for token:
+    that one's window always starts where a delta ended, on a whole character (a decode that
+    ends otherwise ends in U+FFFD and is held), so its delta is the decode of the bytes since
+    the last one, which is what this one emits. A lossy UTF-8 decode of bytes that follow a
+    whole character does not depend on what came before it.
+    """
+
+    def __init__(self, pieces: Mapping[int, bytes]) -> None:
+        self._pieces = pieces
+        self._unemitted = b""  # held since the last delta: they end in U+FFFD
+
+    def add(self, token_id: int) -> str:
+        data = self._unemitted + self._pieces[token_id]
+        if not data:
+            return ""  # a skipped special token, nothing held
+        text = data.decode("utf-8", "replace")
+        # A trailing U+FFFD is an incomplete UTF-8 sequence until later tokens prove otherwise.
+        if text[-1] == "\ufffd":
+            self._unemitted = data
+            return ""
+        self._unemitted = b""
+        return text
+
+    def flush(self) -> str:
+        text = self._unemitted.decode("utf-8", "replace")
+        self._unemitted = b""
+        return text
+
+
+class IncrementalDetokenizer:
+    """The `Detokenizer` of any tokenizer, by decoding a window of recent ids (module
+    docstring). Each `add` decodes only a short window, so the cost per token does not grow
+    with the sequence length; the window's emitted text is kept, so most tokens cost one
+    decode, not two (the server's CPU per streamed token, PERFORMANCE.md W3).
     """
 
     def __init__(self, tokenizer: Tokenizer, *, skip_special_tokens: bool = True) -> None:

@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from appliance.engine.block_manager import BlockManager, window_pool_num_blocks
-from appliance.engine.detokenizer import IncrementalDetokenizer
+from appliance.engine.detokenizer import detokenizer_for
 from appliance.engine.engine_config import EngineConfig
 from appliance.engine.errors import (
     ContextLengthExceededError,
@@ -439,7 +439,7 @@ class Engine:
         tokenizer = self.tokenizer
         detokenizer = None
         if tokenizer is not None:
-            detokenizer = IncrementalDetokenizer(
+            detokenizer = detokenizer_for(
                 tokenizer, skip_special_tokens=seq.params.skip_special_tokens
             )
         eos = tokenizer.eos_token_ids if tokenizer is not None else frozenset()
@@ -507,7 +507,10 @@ class Engine:
 
     def _launch(self, schedule: SchedulerOutput) -> LaunchedStep:
         chunks = schedule.chunks
-        generators = [self._generators.get(c.seq.request_id) for c in chunks]
+        if self._generators:
+            generators = [self._generators.get(c.seq.request_id) for c in chunks]
+        else:  # no seeded request (most steps): nothing to look up per chunk
+            generators = [None] * len(chunks)
         step = self.runner.launch(chunks, schedule.num_steps, generators, self._in_flight)
         if self.async_scheduling:  # synchronous steps are processed before the next schedule
             for chunk in chunks:
@@ -531,12 +534,9 @@ class Engine:
                 continue
             if seq.num_pending_tokens:
                 seq.num_pending_tokens -= len(result.token_ids)
-            finish = None
-            for token_id in result.token_ids:
-                finish = state.add_token(token_id, result.logprob)
-                if finish is not None:
-                    self._finish(seq, finish)
-                    break
+            finish = state.add_tokens(result.token_ids, result.logprob)
+            if finish is not None:
+                self._finish(seq, finish)
             outputs.append(state.make_output(finish))
         return outputs
 

@@ -11,7 +11,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 
-from appliance.engine.detokenizer import IncrementalDetokenizer
+from appliance.engine.detokenizer import Detokenizer
 from appliance.engine.sequence import RequestId, Sequence, SequenceStatus
 
 logger = logging.getLogger(__name__)
@@ -64,9 +64,12 @@ class RequestTimes:
     decode_s: float | None
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class RequestOutput:
-    """One update of a request; the deltas of all its updates add up to the whole output."""
+    """One update of a request; the deltas of all its updates add up to the whole output.
+    Never changed once made (not frozen only because a frozen dataclass's constructor sets
+    each field through `object.__setattr__`, 4x the cost, and the engine makes one per running
+    request per step)."""
 
     request_id: RequestId
     text: str
@@ -115,7 +118,7 @@ class RequestState:
 
     seq: Sequence
     # None for an engine without a tokenizer: token ids only, no text and no stop strings.
-    detokenizer: IncrementalDetokenizer | None
+    detokenizer: Detokenizer | None
     eos_token_ids: frozenset[int]
     max_model_len: int
     # The text not yet emitted (emitted text is final, so only this tail is searched for stop
@@ -130,19 +133,22 @@ class RequestState:
     stop_reason: str | int | None = None
     _holdback: int = field(init=False)
     # Whether a token can end the request by itself: a grammar, stop tokens or EOS (most
-    # requests of a benchmark have none, and add_token skips those checks for them).
+    # requests of a benchmark have none, and add_tokens skips those checks for them).
     _stops_on_token: bool = field(init=False)
+    # The sequence's length (prompt included) at which max_tokens or the context ends it.
+    _max_len: int = field(init=False)
 
     def __post_init__(self) -> None:
-        params = self.seq.params
+        seq, params = self.seq, self.seq.params
         # Text that could still begin a stop string is held back: the longest one less a char.
         self._holdback = max((len(s) for s in params.stop), default=1) - 1
         self._stops_on_token = bool(
-            self.seq.grammar is not None
+            seq.grammar is not None
             or params.stop_token_ids
             or (not params.ignore_eos and self.eos_token_ids)
         )
-        if self.seq.wants_prompt_logprobs:
+        self._max_len = min(seq.num_prompt_tokens + params.max_tokens, self.max_model_len)
+        if seq.wants_prompt_logprobs:
             self.prompt_logprobs = [None]
 
     def add_prompt_logprobs(self, logprobs: list[TokenLogprob], first_position: int) -> None:
@@ -152,30 +158,41 @@ class RequestState:
         skip = len(self.prompt_logprobs) - 1 - first_position
         self.prompt_logprobs.extend(logprobs[max(skip, 0) :])
 
-    def add_token(self, token_id: int, logprob: TokenLogprob | None) -> SequenceStatus | None:
-        """Append a sampled token; returns the finished status if the request is now done."""
-        seq = self.seq
-        seq.append_token(token_id)
+    def add_tokens(
+        self, token_ids: list[int], logprob: TokenLogprob | None
+    ) -> SequenceStatus | None:
+        """Append a step's sampled tokens in order, up to the one that finishes the request
+        (those after it are dropped); returns the finished status if the request is now done.
+        Runs for every token the engine makes: what does not change per token is looked up
+        once per call."""
         if self.first_token_s is None:
             self.first_token_s = time.monotonic()
-        self.pending_token_ids.append(token_id)
-        if logprob is not None:
-            self.pending_logprobs.append(logprob)
-        if self._stops_on_token:
-            finish = self._stop_token(token_id)
-            if finish is not None:
-                return finish
-        start = max(len(self.unemitted) - self._holdback, 0)
-        if self.detokenizer is not None:
-            self.unemitted += self.detokenizer.add(token_id)
-        params = seq.params
-        num_output_tokens = seq.num_output_tokens
-        # As in vLLM, no stop string ends a request before it has more than min_tokens tokens
-        # (the sampler holds stop tokens back until then).
-        if params.stop and num_output_tokens > params.min_tokens and self._find_stop_string(start):
-            return SequenceStatus.FINISHED_STOPPED
-        if num_output_tokens >= params.max_tokens or len(seq) >= self.max_model_len:
-            return self._finish(SequenceStatus.FINISHED_LENGTH)
+        seq_token_ids = self.seq.token_ids
+        pending_token_ids = self.pending_token_ids
+        detokenizer = self.detokenizer
+        stop = self.seq.params.stop
+        for token_id in token_ids:
+            seq_token_ids.append(token_id)
+            pending_token_ids.append(token_id)
+            if logprob is not None:
+                self.pending_logprobs.append(logprob)
+            if self._stops_on_token:
+                finish = self._stop_token(token_id)
+                if finish is not None:
+                    return finish
+            if detokenizer is not None:  # stop strings, like all text, need one
+                start = len(self.unemitted) - self._holdback
+                self.unemitted += detokenizer.add(token_id)
+                # As in vLLM, no stop string ends a request before it has more than min_tokens
+                # tokens (the sampler holds stop tokens back until then).
+                if (
+                    stop
+                    and self.seq.num_output_tokens > self.seq.params.min_tokens
+                    and self._find_stop_string(max(start, 0))
+                ):
+                    return SequenceStatus.FINISHED_STOPPED
+            if len(seq_token_ids) >= self._max_len:
+                return self._finish(SequenceStatus.FINISHED_LENGTH)
         return None
 
     def _stop_token(self, token_id: int) -> SequenceStatus | None:
@@ -225,10 +242,10 @@ class RequestState:
             prompt_logprobs = self.prompt_logprobs
             self.prompt_logprobs_sent = True
         token_ids, self.pending_token_ids = self.pending_token_ids, []
-        logprobs = None
-        if self.seq.params.logprobs is not None:
-            logprobs, self.pending_logprobs = self.pending_logprobs, []
         seq = self.seq
+        logprobs = None
+        if seq.params.logprobs is not None:
+            logprobs, self.pending_logprobs = self.pending_logprobs, []
         return RequestOutput(
             request_id=seq.request_id,
             text=delta,

@@ -104,6 +104,30 @@ def _byte_level_alphabet() -> dict[str, int]:
 _BYTE_LEVEL_ALPHABET = _byte_level_alphabet()
 
 
+class _BytePieces(dict[int, bytes]):
+    """A byte-level tokenizer's tokens as its decoder turns them into bytes, each looked up
+    once, on its first use (a dict: a later lookup is no Python call). As the `tokenizers`
+    ByteLevel decoder does: a token spelled wholly in the byte alphabet stands for those bytes,
+    any other (an added token such as "héllo wörld") for its UTF-8; the special tokens in
+    `skipped` and ids outside the vocabulary for nothing, as `decode` drops them."""
+
+    def __init__(self, backend: BackendTokenizer, skipped: frozenset[str]) -> None:
+        super().__init__()
+        self._backend = backend
+        self._skipped = skipped
+
+    def __missing__(self, token_id: int) -> bytes:
+        token = self._backend.id_to_token(token_id)
+        if token is None or token in self._skipped:
+            data = b""
+        elif all(char in _BYTE_LEVEL_ALPHABET for char in token):
+            data = bytes(_BYTE_LEVEL_ALPHABET[char] for char in token)
+        else:
+            data = token.encode()
+        self[token_id] = data
+        return data
+
+
 def _raise_template_exception(message: str) -> NoReturn:
     raise jinja2.exceptions.TemplateError(message)
 
@@ -210,6 +234,18 @@ class Tokenizer:
         )
         self._byte_level = isinstance(backend.decoder, decoders.ByteLevel)
         self._token_bytes: dict[int, bytes] = {}
+        self._byte_pieces: dict[bool, _BytePieces] = {}
+        if self._byte_level:
+            # `decode` skips special tokens by their text (tokenizers' AddedVocabulary).
+            special = frozenset(
+                added.content
+                for added in backend.get_added_tokens_decoder().values()
+                if added.special
+            )
+            self._byte_pieces = {
+                True: _BytePieces(backend, special),
+                False: _BytePieces(backend, frozenset()),
+            }
 
     def _token_id(self, token: str | None) -> int | None:
         if token is None:
@@ -317,6 +353,21 @@ class Tokenizer:
     def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
         """The text of `ids`; invalid UTF-8 byte sequences decode to U+FFFD."""
         return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def byte_pieces(self, *, skip_special_tokens: bool = True) -> Mapping[int, bytes] | None:
+        """Each token's bytes as `decode` joins them, for a tokenizer whose `decode(ids)` is
+        exactly `b"".join(pieces[i] for i in ids).decode("utf-8", "replace")`: one whose decoder
+        is byte-level BPE's alone (GPT-2 style: Llama 3, Qwen2, SmolLM2). None for any other
+        (SentencePiece's decoders strip a leading space, word pieces join with spaces).
+
+        Lets a stream be decoded without calling `decode` per token (the detokenizer's fast
+        path). Unlike `token_bytes`, special tokens go through the byte alphabet as `decode`
+        takes them (or give b"" when skipped). Safe from any thread like every method: a
+        token looked up by two at once gets the same bytes.
+        """
+        if not self._byte_level:
+            return None
+        return self._byte_pieces[skip_special_tokens]
 
     def token_bytes(self, token_id: int) -> bytes:
         """The bytes one token stands for (a token may hold part of a UTF-8 character).

@@ -10,6 +10,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from tokenizers import Tokenizer as BackendTokenizer
+from tokenizers import models
 
 from appliance.engine.errors import InvalidRequestError, ModelLoadError
 from appliance.engine.tokenizer import Tokenizer
@@ -280,6 +282,40 @@ def test_token_bytes_of_special_and_unknown_ids(tokenizer: Tokenizer) -> None:
     [end] = tokenizer.encode("<|im_end|>")
     assert tokenizer.token_bytes(end) == b"<|im_end|>"
     assert tokenizer.token_bytes(tokenizer.vocab_size + 10) == b""
+
+
+@pytest.mark.parametrize("skip_special_tokens", [True, False])
+def test_byte_pieces_of_every_token_decode_as_decode_does(
+    tokenizer: Tokenizer, skip_special_tokens: bool
+) -> None:
+    # Every id of the vocabulary (special ones included) and a few past it.
+    pieces = tokenizer.byte_pieces(skip_special_tokens=skip_special_tokens)
+    assert pieces is not None
+    for token_id in range(tokenizer.vocab_size + 3):
+        expected = tokenizer.decode([token_id], skip_special_tokens=skip_special_tokens)
+        assert pieces[token_id].decode("utf-8", "replace") == expected, token_id
+
+
+def test_byte_pieces_of_a_token_inside_a_character_is_that_part(tokenizer: Tokenizer) -> None:
+    pieces = tokenizer.byte_pieces()
+    assert pieces is not None
+    assert b"".join(pieces[i] for i in tokenizer.encode("🤖")) == "🤖".encode()
+
+
+def test_byte_pieces_drop_special_tokens_only_when_skipped(tokenizer: Tokenizer) -> None:
+    [end] = tokenizer.encode("<|im_end|>")
+    assert tokenizer.byte_pieces(skip_special_tokens=True)[end] == b""  # type: ignore[index]
+    assert tokenizer.byte_pieces(skip_special_tokens=False)[end] == b"<|im_end|>"  # type: ignore[index]
+
+
+def test_no_byte_pieces_for_a_decoder_that_is_not_bytewise() -> None:
+    # Word pieces joined with spaces (no decoder): decode is not the tokens' bytes joined.
+    backend = BackendTokenizer(models.WordLevel({"a": 0, "b": 1}, unk_token="a"))
+    tokenizer = Tokenizer(
+        backend, bos_token=None, eos_token=None, add_bos_token=False, chat_template=None
+    )
+    assert tokenizer.decode([0, 1]) == "a b"
+    assert tokenizer.byte_pieces() is None
 
 
 def test_encode_chat_is_the_rendered_template_without_an_extra_bos(
