@@ -71,7 +71,9 @@ class _StepMemory:
     reserved: int
 
 
-@dataclass(frozen=True, slots=True)
+# Not frozen: one is made per running sequence per step, and a frozen dataclass's constructor
+# costs several times a plain one's (read-only by convention).
+@dataclass(slots=True)
 class ChunkResult:
     """What one scheduled chunk produced."""
 
