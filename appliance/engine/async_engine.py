@@ -1,9 +1,9 @@
 """An asyncio face for the engine: per-request output streams, driven by one engine thread.
 
 The engine itself is single-threaded. A dedicated thread owns it and loops: apply queued
-commands (add, abort), run a step, hand each output to its request's asyncio queue on the event
-loop. Requests are tokenized and validated on the caller's side first, so a bad request raises
-to its caller at once and never reaches the engine thread.
+commands (add, abort), run a step, hand each output to its request's output stream on the event
+loop (one wake-up of the loop per step). Requests are tokenized and validated on the caller's
+side first, so a bad request raises to its caller at once and never reaches the engine thread.
 """
 
 from __future__ import annotations
