@@ -2,12 +2,15 @@
 header and the TEE-state header.
 
 All are plain ASGI (not Starlette's `BaseHTTPMiddleware`, which buffers and slows streamed
-responses): each costs one function call per message.
+responses). Each needs only a response's start, and a streamed response sends a body message
+per write (per token or so: W3's server CPU), so each wraps `send` in a plain function that
+hands a body message on as it is, returning the awaitable of the `send` it wraps: one function
+call per message, no coroutine of its own.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -94,6 +97,10 @@ def _content_length(scope: Scope) -> int | None:
     return None
 
 
+async def _dropped() -> None:
+    """What sending a message that is not sent awaits."""
+
+
 class TeeStateHeader:
     """Adds `X-Inferno-TEE: <state>` to every response, so a client always sees whether the
     machine serving it was attested: `VERIFIED`, `PENDING` (the gate has not decided yet),
@@ -114,13 +121,13 @@ class TeeStateHeader:
             await self.app(scope, receive, send)
             return
 
-        async def send_with_header(message: Message) -> None:
+        def send_with_header(message: Message) -> Awaitable[None]:
             if message["type"] == "http.response.start":
                 headers = [(TEE_HEADER, self.state().encode("ascii"))]
                 if self.attestation is not None:
                     headers.append((ATTESTATION_HEADER, self.attestation().encode("ascii")))
                 message["headers"] = [*message.get("headers", ()), *headers]
-            await send(message)
+            return send(message)
 
         await self.app(scope, receive, send_with_header)
 
@@ -146,23 +153,27 @@ class AuditEntryHeader:
             return
         started = refused = False
 
-        async def send_with_entry(message: Message) -> None:
+        async def start_with_entry(start: Message) -> None:
             nonlocal started, refused
+            started = True
+            receipt = request_receipt(scope)
+            if receipt is None:
+                try:
+                    receipt = await self.trail.record_api_request(scope, start["status"])
+                except AuditError as exc:
+                    refused = True
+                    await api_error_for_audit(exc).response()(scope, receive, send)
+                    return
+            entry = (AUDIT_ENTRY_HEADER, receipt.header_value().encode("ascii"))
+            start["headers"] = [*start.get("headers", ()), entry]
+            await send(start)
+
+        def send_with_entry(message: Message) -> Awaitable[None]:
             if refused:
-                return  # the rest of a response the audit log could not record
+                return _dropped()  # the rest of a response the audit log could not record
             if message["type"] == "http.response.start":
-                started = True
-                receipt = request_receipt(scope)
-                if receipt is None:
-                    try:
-                        receipt = await self.trail.record_api_request(scope, message["status"])
-                    except AuditError as exc:
-                        refused = True
-                        await api_error_for_audit(exc).response()(scope, receive, send)
-                        return
-                entry = (AUDIT_ENTRY_HEADER, receipt.header_value().encode("ascii"))
-                message["headers"] = [*message.get("headers", ()), entry]
-            await send(message)
+                return start_with_entry(message)
+            return send(message)
 
         try:
             await self.app(scope, receive, send_with_entry)

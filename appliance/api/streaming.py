@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
+from json.encoder import encode_basestring
 from typing import Any, Literal
 
 from starlette.responses import StreamingResponse
@@ -31,8 +32,14 @@ _ENCODER = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"))
 
 def _dumps(value: Any) -> str:
     """Compact JSON, text left unescaped. A string (a chunk's text) or None is written without
-    the general encoder's set-up, which `encode` runs for every container."""
-    return "null" if value is None else _ENCODER.encode(value)
+    the general encoder's set-up, which `encode` runs for every container: a string as
+    `encode` itself writes it (`encode_basestring`, since `ensure_ascii` is off), one call
+    fewer per chunk."""
+    if value is None:
+        return "null"
+    if isinstance(value, str):
+        return encode_basestring(value)
+    return _ENCODER.encode(value)
 
 
 def event(value: Any) -> bytes:

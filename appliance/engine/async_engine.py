@@ -1,9 +1,9 @@
 """An asyncio face for the engine: per-request output streams, driven by one engine thread.
 
 The engine itself is single-threaded. A dedicated thread owns it and loops: apply queued
-commands (add, abort), run a step, hand each output to its request's asyncio queue on the event
-loop. Requests are tokenized and validated on the caller's side first, so a bad request raises
-to its caller at once and never reaches the engine thread.
+commands (add, abort), run a step, hand each output to its request's output stream on the event
+loop (one wake-up of the loop per step). Requests are tokenized and validated on the caller's
+side first, so a bad request raises to its caller at once and never reaches the engine thread.
 """
 
 from __future__ import annotations
@@ -49,6 +49,51 @@ class _Abort:
     request_id: RequestId
 
 
+class _OutputStream:
+    """One request's outputs (or the error that ends them) on their way from the engine thread
+    to the request's one consumer, on the event loop. What `asyncio.Queue` would do with less
+    work per item, which is per streamed token: no size bound, no task accounting, one waiter,
+    and the consumer takes everything that is ready at once."""
+
+    __slots__ = ("_items", "_waiter")
+
+    def __init__(self) -> None:
+        self._items: list[RequestOutput | BaseException] = []
+        self._waiter: asyncio.Future[None] | None = None
+
+    def put(self, item: RequestOutput | BaseException) -> None:
+        """On the event loop."""
+        self._items.append(item)
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    async def take(self) -> list[RequestOutput | BaseException]:
+        """Everything put since the last take, in order; waits for at least one item."""
+        if not self._items:
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        items, self._items = self._items, []
+        return items
+
+
+def _merged(
+    items: list[RequestOutput | BaseException],
+) -> tuple[RequestOutput | None, BaseException | None]:
+    """The outputs among `items` as one (a consumer that fell behind gets everything queued at
+    once: under load each wake-up does a bounded amount of work, instead of one per token), up
+    to the error that ended them, if one did."""
+    merged: RequestOutput | None = None
+    for item in items:
+        if isinstance(item, BaseException):
+            return merged, item
+        merged = item if merged is None else merged.followed_by(item)
+    return merged, None
+
+
 class AsyncEngine:
     """Use as `async with AsyncEngine(engine) as ae: async for out in ae.generate(...)`.
 
@@ -59,7 +104,7 @@ class AsyncEngine:
     def __init__(self, engine: Engine):
         self._engine = engine
         self._commands: queue.SimpleQueue[_Add | _Abort | None] = queue.SimpleQueue()
-        self._streams: dict[RequestId, asyncio.Queue[RequestOutput | BaseException]] = {}
+        self._streams: dict[RequestId, _OutputStream] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
@@ -156,7 +201,7 @@ class AsyncEngine:
         rid = seq.request_id
         if rid in self._streams:
             raise InvalidRequestError(f"request id {rid!r} is already in use")
-        stream: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        stream = _OutputStream()
         self._streams[rid] = stream
         seq.queued_at_s = time.monotonic()  # its wait in the engine thread's inbox counts
         self._commands.put(_Add(seq))
@@ -166,24 +211,17 @@ class AsyncEngine:
             # registered too late for that sees the error here instead of waiting forever.
             if self._error is not None:
                 raise EngineDeadError("the engine is not running") from self._error
-            pending: RequestOutput | BaseException | None = None
             while not finished:
-                item = pending if pending is not None else await stream.get()
-                pending = None
-                # A consumer that fell behind gets everything queued as one output: under load
-                # each wake-up does a bounded amount of work, instead of one per token.
-                while isinstance(item, RequestOutput) and not stream.empty():
-                    following = stream.get_nowait()
-                    if isinstance(following, BaseException):
-                        pending = following
-                        break
-                    item = item.followed_by(following)
-                if isinstance(item, InvalidRequestError):
-                    raise item
-                if isinstance(item, BaseException):
-                    raise EngineDeadError("the engine stopped while serving this request") from item
-                finished = item.finished
-                yield item
+                out, error = _merged(await stream.take())
+                if out is not None:
+                    finished = out.finished
+                    yield out
+                if error is not None and not finished:
+                    if isinstance(error, InvalidRequestError):
+                        raise error
+                    raise EngineDeadError(
+                        "the engine stopped while serving this request"
+                    ) from error
         finally:
             self._streams.pop(rid, None)
             if not finished:
@@ -249,9 +287,9 @@ class AsyncEngine:
         for out in outputs:
             stream = self._streams.get(out.request_id)
             if stream is not None:
-                stream.put_nowait(out)
+                stream.put(out)
 
     def _push(self, rid: RequestId, item: RequestOutput | BaseException) -> None:
         stream = self._streams.get(rid)
         if stream is not None and self._loop is not None:
-            self._loop.call_soon_threadsafe(stream.put_nowait, item)
+            self._loop.call_soon_threadsafe(stream.put, item)

@@ -7,10 +7,12 @@ from collections.abc import Callable
 
 import pytest
 
-from appliance.engine.async_engine import AsyncEngine
+from appliance.engine.async_engine import AsyncEngine, _merged, _OutputStream
 from appliance.engine.engine import Engine
 from appliance.engine.errors import InvalidRequestError
+from appliance.engine.outputs import RequestOutput
 from appliance.engine.sampling_params import SamplingParams
+from appliance.engine.sequence import RequestId
 
 PROMPTS = ["The moon is", "Python is a programming language that", "Rain falls when", "Tea or"]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
@@ -145,3 +147,62 @@ def test_a_consumer_that_falls_behind_gets_the_queued_outputs_merged(engine: Eng
     logprobs = [lp for o in outputs for lp in o.logprobs]
     assert [lp.token_id for lp in logprobs] == expected.token_ids
     assert outputs[-1].finish_reason == "length" and outputs[-1].num_output_tokens == 24
+
+
+def _output(text: str, token_id: int, *, finish_reason: str | None = None) -> RequestOutput:
+    return RequestOutput(
+        request_id=RequestId("r"),
+        text=text,
+        token_ids=[token_id],
+        logprobs=None,
+        prompt_logprobs=None,
+        finish_reason=finish_reason,
+        stop_reason=None,
+        num_prompt_tokens=3,
+        num_output_tokens=token_id,
+        num_cached_tokens=0,
+    )
+
+
+def test_a_take_returns_everything_put_since_the_last_in_order_and_waits_for_more() -> None:
+    async def main() -> None:
+        stream = _OutputStream()
+        first, second, third = _output(" a", 1), _output(" b", 2), _output(" c", 3)
+        stream.put(first)
+        stream.put(second)
+        assert await stream.take() == [first, second]
+        waiting = asyncio.create_task(stream.take())
+        await asyncio.sleep(0)
+        assert not waiting.done(), "nothing was put since the last take"
+        stream.put(third)
+        assert await asyncio.wait_for(waiting, timeout=2) == [third]
+
+    asyncio.run(main())
+
+
+def test_a_cancelled_take_leaves_what_is_put_later_for_the_next() -> None:
+    async def main() -> None:
+        stream = _OutputStream()
+        waiting = asyncio.create_task(stream.take())
+        await asyncio.sleep(0)
+        waiting.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await waiting
+        later = _output(" a", 1)
+        stream.put(later)
+        assert await stream.take() == [later]
+
+    asyncio.run(main())
+
+
+def test_outputs_ready_together_merge_into_one_up_to_the_error_that_ended_them() -> None:
+    error = RuntimeError("the engine failed")
+    items = [_output(" a", 1), _output(" b", 2), error, _output(" c", 3)]
+    merged, ended_by = _merged(items)
+    assert merged is not None and ended_by is error
+    assert (merged.text, merged.token_ids, merged.num_output_tokens) == (" a b", [1, 2], 2)
+    last = _output(" c", 3, finish_reason="length")
+    merged, ended_by = _merged([_output(" a", 1), last])
+    assert merged is not None and ended_by is None
+    assert (merged.text, merged.token_ids, merged.finish_reason) == (" a c", [1, 3], "length")
+    assert _merged([error]) == (None, error)
