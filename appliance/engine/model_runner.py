@@ -170,9 +170,6 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None
         self.memory_profile: MemoryProfile | None = None
         self._uploader = Uploader(self.device)
-        # Blocking events of collected steps, for the next launches: creating one costs the host
-        # about 250 µs (measured on the H100 machine), recording a used one a few.
-        self._spare_events: list[torch.cuda.Event] = []
 
     def set_kv_caches(self, kv_caches: list[torch.Tensor]) -> None:
         self.kv_caches = kv_caches
@@ -405,9 +402,7 @@ class ModelRunner:
             # A blocking event puts the collecting thread to sleep; a plain `tolist()` would
             # spin on the stream (a whole core for the whole step) and wait for every step
             # queued since, not only this one.
-            done = (
-                self._spare_events.pop() if self._spare_events else torch.cuda.Event(blocking=True)
-            )
+            done = torch.cuda.Event(blocking=True)
             done.record()
         return LaunchedStep(
             chunks,
@@ -424,7 +419,6 @@ class ModelRunner:
         """Wait (asleep) for a launched step and return what each of its chunks produced."""
         if step.done is not None:
             step.done.synchronize()
-            self._spare_events.append(step.done)
         token_ids: dict[int, list[int]] = {}
         if step.sampled_on_host is not None:
             token_ids = dict(zip(step.sampling_rows, step.sampled_on_host.tolist(), strict=True))
