@@ -55,8 +55,6 @@ _LOG2E_C = tl.constexpr(_LOG2E)
 MAX_NUM_SPLITS = 64
 # A split shorter than this spends more on its launch share and the combine than it saves.
 _MIN_TOKENS_PER_SPLIT = 256
-# Below this many tokens `choose_num_splits` picks one split for any batch.
-SINGLE_SPLIT_BELOW = 2 * _MIN_TOKENS_PER_SPLIT
 
 
 # The block-table width varies from step to step outside CUDA graphs; specialized (== 1,

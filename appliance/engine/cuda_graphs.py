@@ -9,14 +9,6 @@ or written). A hybrid model's decode steps are captured too: each row's recurren
 one more static input, and every captured row continues its slot's state. With two KV groups
 (appliance.engine.kv_cache) the window group's slots and block tables are static inputs too.
 
-Decode attention splits long contexts across programs and merges the splits in a second
-kernel (`kernels.decode_attention`); a graph's split count is fixed when it is captured, from the
-longest context the engine allows. For the batch sizes where that count is more than one, a
-second graph with one split is captured too, and replayed while every sequence of the batch is
-shorter than `single_split_below`: there the splits hold a few dozen tokens each and the merge's
-launch costs more than the split saves (at batch 1, about 3 µs a layer on an H100:
-docs/BENCHMARKS.md).
-
 Memory: every graph allocates from one private pool, the largest batch captured first, and each
 copies its hidden states into one static output buffer, so no graph's tensor outlives its
 capture and each smaller graph reuses the memory the largest one's intermediates took. The pool
@@ -50,28 +42,20 @@ class DecodeGraphs:
         kv_caches: list[torch.Tensor],
         max_blocks_per_seq: int,
         num_splits_for: Callable[[int], int],
-        single_split_below: int,
         states: list[RecurrentState] | None = None,
         *,
         window_group: bool = False,
     ):
-        """num_splits_for: decode attention's split count for a batch size at the longest
-        context; single_split_below: the context length under which one split is as fast
-        (`kernels.decode_attention.SINGLE_SPLIT_BELOW`); states: a hybrid model's recurrent
-        states (models.recurrent_state), else None; window_group: the windowed layers' caches
-        are in a pool of their own."""
+        """states: a hybrid model's recurrent states (models.recurrent_state), else None;
+        window_group: the windowed layers' caches are in a pool of their own."""
         self.model = model
-        self.single_split_below = single_split_below
         self.window_group = window_group
         self.kv_caches = kv_caches
         self.states = states or []
         self.num_splits_for = num_splits_for
         self.max_blocks_per_seq = max_blocks_per_seq
         self.sizes: list[int] = []
-        # By (batch size, split count): each size's long-context graph, and its one-split graph
-        # where the long one splits.
-        self._graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
-        self._last_replayed: dict[int, tuple[int, int]] = {}
+        self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.pool: tuple[int, int] | None = None  # the private pool, once captured
 
     @property
@@ -102,20 +86,17 @@ class DecodeGraphs:
         self._has_initial_state = torch.ones(n, dtype=torch.bool, device=device)
         self.pool = torch.cuda.graph_pool_handle()
         sizes = [max_batch] if only_largest else batch_size_ladder(max_batch)
-        keys = [(size, self.num_splits_for(size)) for size in sizes]
-        if not only_largest:
-            keys += [(size, 1) for size, splits in keys if splits > 1]
         # Largest first, so the smaller graphs fit in the memory the largest one reserved.
-        for size, num_splits in sorted(keys, reverse=True):
-            meta = self._meta(size, num_splits)
+        for size in reversed(sizes):
+            meta = self._meta(size)
             self._forward(size, meta)  # warm-up: autotuning and lazy init stay outside the graph
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.pool):
                 self._hidden[:size].copy_(self._forward(size, meta))
-            self._graphs[size, num_splits] = graph
+            self._graphs[size] = graph
         torch.cuda.synchronize()
-        self.sizes = sorted(sizes)
+        self.sizes = sorted(self._graphs)
 
     def run(
         self,
@@ -132,9 +113,6 @@ class DecodeGraphs:
         """
         batch = input_ids.shape[0]
         size = self.sizes[bisect.bisect_left(self.sizes, batch)]
-        key = (size, 1)
-        if key not in self._graphs or max(meta.seq_lens) >= self.single_split_below:
-            key = (size, self.num_splits_for(size))
         self._input_ids[:batch].copy_(input_ids, non_blocking=True)
         self._positions[:batch].copy_(positions, non_blocking=True)
         _copy_into(self._slots, self._block_tables, meta, batch)
@@ -149,8 +127,7 @@ class DecodeGraphs:
             self._window_slots[batch:size].fill_(-1)
             self._seq_lens[batch:size].fill_(0)
             self._state_slots[batch:size].fill_(-1)
-        self._graphs[key].replay()
-        self._last_replayed[size] = key
+        self._graphs[size].replay()
         return self._hidden[:batch]
 
     def pool_bytes(self) -> int:
@@ -175,11 +152,10 @@ class DecodeGraphs:
         self.sizes = []
 
     def replay_only(self, size: int) -> Callable[[], None]:
-        """The bare replay of one captured size (the variant its last step replayed), for
-        benchmarks of the forward pass itself."""
-        return self._graphs[self._last_replayed[size]].replay
+        """The bare replay of one captured size, for benchmarks of the forward pass itself."""
+        return self._graphs[size].replay
 
-    def _meta(self, size: int, num_splits: int) -> AttentionMetadata:
+    def _meta(self, size: int) -> AttentionMetadata:
         meta = AttentionMetadata(
             slot_mapping=self._slots[:size],
             block_tables=self._block_tables[:size],
@@ -189,7 +165,7 @@ class DecodeGraphs:
             query_lens=[1] * size,
             max_query_len=1,
             decode_only=True,
-            num_splits=num_splits,
+            num_splits=self.num_splits_for(size),
         )
         if not self.window_group:
             return meta

@@ -343,7 +343,7 @@ class ModelRunner:
 
     def _decode_graphs(self) -> DecodeGraphs:
         """Decode graphs (not captured yet) over the current KV caches."""
-        from kernels.decode_attention import SINGLE_SPLIT_BELOW, choose_num_splits
+        from kernels.decode_attention import choose_num_splits
 
         num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count
         # This device's KV heads (a share of them under tensor parallelism).
@@ -358,7 +358,6 @@ class ModelRunner:
             self.kv_caches,
             -(-max_model_len // self.block_size),
             num_splits_for,
-            SINGLE_SPLIT_BELOW,
             self.recurrent_states,
             window_group=self.has_window_group,
         )

@@ -182,28 +182,6 @@ def test_kv_groups_in_cuda_graphs_hold_a_window_and_match_transformers(tiny_chec
     assert most_window <= -(-(WINDOW - 1 + 64) // block) + 1 < 300 // block <= most_full
 
 
-def test_decode_graphs_of_one_split_and_of_two_both_match_transformers(
-    tiny_checkpoints, monkeypatch: pytest.MonkeyPatch
-):
-    """A batch whose contexts are all short replays the one-split decode graph, a longer one the
-    graph that splits attention (appliance.engine.cuda_graphs); both give transformers' greedy
-    tokens. The threshold is lowered so a 512-token model reaches both."""
-    from kernels import decode_attention
-
-    monkeypatch.setattr(decode_attention, "SINGLE_SPLIT_BELOW", 64)
-    model_dir, hf_model = tiny_checkpoints("llama3.1")
-    engine = _engine(model_dir, "float32")
-    graphs = engine.runner.graphs
-    assert graphs is not None and graphs.single_split_below == 64
-    params = SamplingParams(temperature=0.0, max_tokens=NUM_NEW_TOKENS, ignore_eos=True)
-    for length in (9, 300):  # every decode step's context below 64, then every one above
-        [prompt] = _prompts((length,), seed=5)
-        [completion] = engine.generate([prompt], params)
-        assert completion.token_ids == _hf_greedy(hf_model, prompt, NUM_NEW_TOKENS), length
-        _, num_splits = graphs._last_replayed[1]
-        assert (num_splits == 1) == (length < 64), (length, num_splits)
-
-
 def fp8_experts_errors(tiny_checkpoints, name: str, device: str) -> tuple[float, float]:
     """(our mean |prompt log-prob error|, transformers' from quantizing the weights alone), both
     against transformers (float32, CPU) on the weights our FP8 model stands for."""
