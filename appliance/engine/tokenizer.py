@@ -104,6 +104,14 @@ def _byte_level_alphabet() -> dict[str, int]:
 _BYTE_LEVEL_ALPHABET = _byte_level_alphabet()
 
 
+def _byte_level_bytes(token: str) -> bytes | None:
+    """The bytes a token spelled wholly in the byte-level alphabet stands for; None for any
+    other spelling."""
+    if all(char in _BYTE_LEVEL_ALPHABET for char in token):
+        return bytes(_BYTE_LEVEL_ALPHABET[char] for char in token)
+    return None
+
+
 class _BytePieces(dict[int, bytes]):
     """A byte-level tokenizer's tokens as its decoder turns them into bytes, each looked up
     once, on its first use (a dict: a later lookup is no Python call). As the `tokenizers`
@@ -120,10 +128,10 @@ class _BytePieces(dict[int, bytes]):
         token = self._backend.id_to_token(token_id)
         if token is None or token in self._skipped:
             data = b""
-        elif all(char in _BYTE_LEVEL_ALPHABET for char in token):
-            data = bytes(_BYTE_LEVEL_ALPHABET[char] for char in token)
         else:
-            data = token.encode()
+            data = _byte_level_bytes(token)
+            if data is None:
+                data = token.encode()
         self[token_id] = data
         return data
 
@@ -384,8 +392,8 @@ class Tokenizer:
             data = b""
         elif token_id in self._all_special_ids:
             data = token.encode()
-        elif self._byte_level and all(char in _BYTE_LEVEL_ALPHABET for char in token):
-            data = bytes(_BYTE_LEVEL_ALPHABET[char] for char in token)
+        elif self._byte_level and (spelled := _byte_level_bytes(token)) is not None:
+            data = spelled
         elif len(token) == 6 and token.startswith("<0x") and token.endswith(">"):
             data = bytes([int(token[3:5], 16)])
         else:
