@@ -177,18 +177,14 @@ class Scheduler:
         # Once per running sequence per step: the properties and helpers it would call are
         # spelled out on locals (the engine thread's CPU per token, issue 17's W3).
         running, chunks, allocate = self.running, out.chunks, self.block_manager.allocate
-        max_model_len = self.config.max_model_len
         i = 0
         while i < len(running) and budget > 0:
             seq = running[i]
-            num_tokens = len(seq.token_ids) + seq.num_pending_tokens
-            if seq.num_pending_tokens and num_tokens >= min(
-                seq.num_prompt_tokens + seq.params.max_tokens, max_model_len
-            ):
-                # Its tokens in flight end it (asynchronous scheduling): nothing left to run
-                # (`_num_tokens_left` is 0).
+            if seq.num_pending_tokens and self._num_tokens_left(seq) <= 0:
+                # Its tokens in flight end it (asynchronous scheduling): nothing left to run.
                 i += 1
                 continue
+            num_tokens = len(seq.token_ids) + seq.num_pending_tokens
             start = seq.num_computed_tokens
             num_new = min(num_tokens - start, budget)
             while not allocate(seq, num_new):
