@@ -24,7 +24,7 @@ second against copy bandwidth, prefill FLOP/s against the bf16 and FP8 matmul ra
 shapes and prints the fastest.
 
     python bench/kernel_micro.py [--sweep-linear] [--fp8-only] [--sweep-fp8] [--fp8-kv]
-                                 [--sweep-attention]
+                                 [--sweep-attention [both|decode|prefill]]
 """
 
 from __future__ import annotations
@@ -353,12 +353,13 @@ PREFILL_SWEEP = [
 ] + [PrefillConfig(64, 64, 4, stages) for stages in (2, 3)]
 DECODE_SWEEP = [
     DecodeConfig(block_n, warps, stages)
-    for block_n, warps, stages in itertools.product((64, 128), (4, 8), (2, 3))
+    for block_n, warps, stages in itertools.product((64, 128, 256), (4, 8), (2, 3, 4))
 ]
 
 
-def sweep_attention(copy_bw: float, rates: tuple[float, float]) -> None:
-    """Print the three fastest tiles of each kernel and cache kind at W2's shapes."""
+def sweep_attention(copy_bw: float, rates: tuple[float, float], kernels: str) -> None:
+    """Print the three fastest tiles of each kernel ("decode", "prefill" or "both") and cache
+    kind at W2's shapes."""
     decode_inputs = KvCaches([768] * 256, [1] * 256)
     label, seq_lens, query_lens = W2_PREFILLS[1]
     prefill_inputs = KvCaches(seq_lens, query_lens)
@@ -367,8 +368,10 @@ def sweep_attention(copy_bw: float, rates: tuple[float, float]) -> None:
         decode = functools.partial(decode_kv, copy_bw, fp8_kv, inputs=decode_inputs)
         prefill = functools.partial(prefill_kv, rates, fp8_kv, seq_lens, query_lens, label,
                                     inputs=prefill_inputs)  # fmt: skip
-        print_fastest(f"decode 256 × 768, {kind} KV", DECODE_SWEEP, decode)
-        print_fastest(f"prefill {label}, {kind} KV", PREFILL_SWEEP, prefill)
+        if kernels != "prefill":
+            print_fastest(f"decode 256 × 768, {kind} KV", DECODE_SWEEP, decode)
+        if kernels != "decode":
+            print_fastest(f"prefill {label}, {kind} KV", PREFILL_SWEEP, prefill)
 
 
 def print_fastest(
@@ -574,7 +577,8 @@ def main() -> None:
     parser.add_argument("--sweep-fp8", action="store_true")
     parser.add_argument("--fp8-kv", action="store_true", help="only the attention kernels, "
                         "bf16 against FP8 KV cache, at W2's shapes")  # fmt: skip
-    parser.add_argument("--sweep-attention", action="store_true")
+    parser.add_argument("--sweep-attention", nargs="?", const="both",
+                        choices=["both", "decode", "prefill"])  # fmt: skip
     args = parser.parse_args()
     torch.manual_seed(int.from_bytes(os.urandom(4), "little"))  # fresh inputs every run
     copy_bw, matmul_rate = print_header()
@@ -582,7 +586,7 @@ def main() -> None:
         rates = (matmul_rate, fp8_matmul_rate())
         print(f"ceiling: FP8 matmul {rates[1] / 1e12:.0f} TFLOP/s")
         if args.sweep_attention:
-            sweep_attention(copy_bw, rates)
+            sweep_attention(copy_bw, rates, args.sweep_attention)
         print("\n| kernel and shape | median time | achieved |\n|---|---|---|")
         print("\n".join(attention_fp8_kv(copy_bw, rates)))
         return

@@ -365,7 +365,7 @@ def paged_decode_attention(
         return out
     group_size = num_q_heads // num_kv_heads
     if config is None:
-        config = pick_config(head_dim)
+        config = pick_config(head_dim, fp8_kv)
     elif not (config.block_n >= 16 and config.block_n & (config.block_n - 1) == 0):
         raise KernelInputError(f"config.block_n must be a power of two >= 16, got {config}")
     direct = num_splits == 1
@@ -467,7 +467,7 @@ class DecodeConfig:
     num_stages: int
 
 
-def pick_config(head_dim: int) -> DecodeConfig:
+def pick_config(head_dim: int, fp8_kv: bool = False) -> DecodeConfig:
     """The split kernel's tiles on H100.
 
     Decode attention is bandwidth-bound: BLOCK_N = 64 keeps a [64, D] K and V tile in flight per
@@ -475,11 +475,14 @@ def pick_config(head_dim: int) -> DecodeConfig:
     latency while the registers hold the [G_PAD, D] float32 accumulator. D = 256 halves BLOCK_N
     to keep the same bytes per tile, and D = 512 (Gemma 4's global layers) halves it again, with
     8 warps to hold its accumulator without spilling (not yet timed on the H100). An FP8 cache
-    keeps the same tiles (half the bytes each) until `bench/kernel_micro.py --sweep-attention`
-    shows better ones.
+    at D <= 128 doubles BLOCK_N back to the same bytes per tile, with three stages:
+    `bench/kernel_micro.py --sweep-attention decode` put that tile first of 18 over e4m3
+    (256 sequences at 768 tokens: 220 µs against 233 with the bf16 tiles; docs/BENCHMARKS.md).
     """
     if head_dim > 256:
         return DecodeConfig(block_n=16, num_warps=8, num_stages=2)
+    if fp8_kv and head_dim <= 128:
+        return DecodeConfig(block_n=128, num_warps=4, num_stages=3)
     return DecodeConfig(block_n=32 if head_dim > 128 else 64, num_warps=4, num_stages=2)
 
 

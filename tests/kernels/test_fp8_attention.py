@@ -125,7 +125,7 @@ def prefill(q, head_dim, group):
         config)
 
 def decode(q, head_dim, group):
-    config = decode_attention.pick_config(head_dim)
+    config = decode_attention.pick_config(head_dim, fp8_kv=True)
     return compile_for_hopper(
         decode_attention._decode_split_kernel,
         pointers(q, "*fp32", ("q_ptr", "k_cache_ptr", "v_cache_ptr", "block_tables_ptr",
