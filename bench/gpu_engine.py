@@ -472,6 +472,14 @@ def w1(model: CausalLM, copy_bw: float, burst: int, async_scheduling: bool) -> N
         f"{replay_ms:.2f} ms: {in_graph / 1e9:.2f} GB at {in_graph / replay_ms / 1e9:.2f} TB/s "
         f"= {in_graph / (replay_ms * 1e-3) / copy_bw:.0%}; outside it {ms - replay_ms:.2f} ms",
     )
+    if graphs.greedy_sizes:
+        # What W1's steps replay: the same forward, then the LM head and argmax, in one graph.
+        greedy_ms = triton.testing.do_bench(graphs.replay_only(1, greedy=True), warmup=10, rep=200)
+        report(
+            "W1 greedy graph replay alone (forward, LM head, argmax)",
+            f"{greedy_ms:.2f} ms: {streamed / (greedy_ms * 1e-3) / copy_bw:.0%} of copy; "
+            f"outside it {ms - greedy_ms:.2f} ms",
+        )
     release(engine)
 
 

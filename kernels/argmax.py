@@ -47,8 +47,9 @@ def _row_argmax_kernel(max_ptr, index_ptr, out_ptr, num_tiles, TILES_PAD: tl.con
     tl.store(out_ptr + row, tl.load(index_ptr + row * num_tiles + tile).to(tl.int64))
 
 
-def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
-    """logits: [N, V] floating point, last dim contiguous -> [N] int64, on logits' device."""
+def argmax_rows(logits: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """logits: [N, V] floating point, last dim contiguous -> [N] int64, on logits' device
+    (written into `out`, a contiguous [N] int64 tensor there, when given)."""
     if not isinstance(logits, torch.Tensor) or logits.dim() != 2:
         raise KernelInputError(
             f"logits must be a [N, V] tensor, got {getattr(logits, 'shape', logits)}"
@@ -58,11 +59,16 @@ def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
             f"logits must be floating point and contiguous in V, got {logits.dtype} "
             f"with strides {logits.stride()}"
         )
-    check_devices({"logits": logits})
     rows, n = logits.shape
     if n == 0:
         raise KernelInputError("argmax of an empty row")
-    out = torch.empty(rows, dtype=torch.int64, device=logits.device)
+    if out is None:
+        out = torch.empty(rows, dtype=torch.int64, device=logits.device)
+    elif out.shape != (rows,) or out.dtype != torch.int64 or not out.is_contiguous():
+        raise KernelInputError(
+            f"out must be a contiguous [{rows}] int64 tensor, got {tuple(out.shape)} {out.dtype}"
+        )
+    check_devices({"logits": logits, "out": out})
     if rows == 0:
         return out
     num_tiles = triton.cdiv(n, _TILE)

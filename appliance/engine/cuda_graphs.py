@@ -9,6 +9,15 @@ or written). A hybrid model's decode steps are captured too: each row's recurren
 one more static input, and every captured row continues its slot's state. With two KV groups
 (appliance.engine.kv_cache) the window group's slots and block tables are static inputs too.
 
+Greedy sampling inside the graph: decode batches of at most `GREEDY_MAX_BATCH` rows also get a
+graph that ends in the LM head and the argmax, writing each row's token into a static buffer,
+and begins by spreading one packed upload into the static inputs
+(`kernels.graph_inputs`), reading each token the host does not have yet from the tokens the
+previous replay wrote. A batch-1 greedy step then costs one copy in, one replay and one copy
+out: outside its graph it launched a dozen small kernels and copies, about 25 µs of the
+device's time a token (docs/BENCHMARKS.md). Only for steps whose every row samples greedily
+with nothing else asked (`ModelRunner` decides); others replay the plain graphs.
+
 Memory: every graph allocates from one private pool, the largest batch captured first, and each
 copies its hidden states into one static output buffer, so no graph's tensor outlives its
 capture and each smaller graph reuses the memory the largest one's intermediates took. The pool
@@ -26,6 +35,9 @@ import torch
 from appliance.engine.models.decoder import CausalLM
 from appliance.engine.models.recurrent_state import RecurrentState
 from kernels.ops import AttentionMetadata, RecurrentStateMetadata
+
+# The largest decode batch that also gets a graph sampling greedily inside it.
+GREEDY_MAX_BATCH = 8
 
 
 def batch_size_ladder(max_batch: int) -> list[int]:
@@ -45,10 +57,16 @@ class DecodeGraphs:
         states: list[RecurrentState] | None = None,
         *,
         window_group: bool = False,
+        greedy_tail: Callable[[torch.Tensor, torch.Tensor], object] | None = None,
     ):
         """states: a hybrid model's recurrent states (models.recurrent_state), else None;
-        window_group: the windowed layers' caches are in a pool of their own."""
+        window_group: the windowed layers' caches are in a pool of their own; greedy_tail:
+        `(hidden [B, H], out [B] int64)` writing each row's greedy token into `out` (the LM head
+        and argmax), to capture the greedy graphs with (None: none; not with recurrent states
+        or a window group, whose extra inputs the packed upload does not carry)."""
+        assert greedy_tail is None or not (states or window_group)
         self.model = model
+        self.greedy_tail = greedy_tail
         self.window_group = window_group
         self.kv_caches = kv_caches
         self.states = states or []
@@ -56,6 +74,8 @@ class DecodeGraphs:
         self.max_blocks_per_seq = max_blocks_per_seq
         self.sizes: list[int] = []
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.greedy_sizes: list[int] = []
+        self._greedy_graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.pool: tuple[int, int] | None = None  # the private pool, once captured
 
     @property
@@ -97,6 +117,62 @@ class DecodeGraphs:
             self._graphs[size] = graph
         torch.cuda.synchronize()
         self.sizes = sorted(self._graphs)
+        if self.greedy_tail is not None and not only_largest:
+            self._capture_greedy([s for s in self.sizes if s <= GREEDY_MAX_BATCH])
+
+    def _capture_greedy(self, sizes: list[int]) -> None:
+        """The greedy graphs of `sizes`, over the plain graphs' static inputs and pool."""
+        from kernels.graph_inputs import PackedLayout
+
+        device = self._input_ids.device
+        capacity = sizes[-1]
+        self.greedy_layout = PackedLayout(capacity)
+        # Zeros: a batch of 0 rows, all padding, for the warm-up runs.
+        self.greedy_packed = torch.zeros(
+            self.greedy_layout.words(capacity, self.max_blocks_per_seq),
+            dtype=torch.int32,
+            device=device,
+        )
+        self.greedy_sampled = torch.zeros(capacity, dtype=torch.int64, device=device)
+        for size in reversed(sizes):
+            meta = self._meta(size)
+            self._greedy_step(size, meta)  # warm-up, as above
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool):
+                self._greedy_step(size, meta)
+            self._greedy_graphs[size] = graph
+        torch.cuda.synchronize()
+        self.greedy_sizes = sorted(self._greedy_graphs)
+
+    def _greedy_step(self, size: int, meta: AttentionMetadata) -> None:
+        from kernels.graph_inputs import stage_decode_inputs
+
+        assert self.greedy_tail is not None
+        stage_decode_inputs(
+            self.greedy_packed,
+            self.greedy_layout,
+            self.greedy_sampled,
+            self._input_ids[:size],
+            self._positions[:size],
+            self._slots[:size],
+            self._seq_lens[:size],
+            self._block_tables[:size],
+        )
+        self.greedy_tail(self._forward(size, meta), self.greedy_sampled[:size])
+
+    @property
+    def greedy_max_batch(self) -> int:
+        return self.greedy_sizes[-1] if self.greedy_sizes else 0
+
+    def run_greedy(self, batch: int) -> torch.Tensor:
+        """Replay the smallest greedy graph that fits `batch` rows, its inputs already copied
+        into `greedy_packed` (`greedy_layout`, sources naming rows of `greedy_sampled`);
+        [batch] int64 greedy tokens: a view of `greedy_sampled`, which the next greedy replay
+        overwrites (work queued before it still reads this step's)."""
+        size = self.greedy_sizes[bisect.bisect_left(self.greedy_sizes, batch)]
+        self._greedy_graphs[size].replay()
+        return self.greedy_sampled[:batch]
 
     def run(
         self,
@@ -146,14 +222,17 @@ class DecodeGraphs:
         holds their communicator: it must be released before the process groups are left,
         or NCCL's teardown waits for it forever (pytorch/pytorch#115388)."""
         torch.cuda.synchronize()
-        for graph in self._graphs.values():
+        for graph in (*self._graphs.values(), *self._greedy_graphs.values()):
             graph.reset()
         self._graphs.clear()
+        self._greedy_graphs.clear()
         self.sizes = []
+        self.greedy_sizes = []
 
-    def replay_only(self, size: int) -> Callable[[], None]:
-        """The bare replay of one captured size, for benchmarks of the forward pass itself."""
-        return self._graphs[size].replay
+    def replay_only(self, size: int, *, greedy: bool = False) -> Callable[[], None]:
+        """The bare replay of one captured size (`greedy`: its greedy graph, the LM head and
+        argmax included), for benchmarks of the forward pass itself."""
+        return (self._greedy_graphs if greedy else self._graphs)[size].replay
 
     def _meta(self, size: int) -> AttentionMetadata:
         meta = AttentionMetadata(

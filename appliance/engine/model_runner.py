@@ -27,7 +27,7 @@ from appliance.engine.models.recurrent_state import RecurrentState, allocate_sta
 from appliance.engine.outputs import TokenLogprob
 from appliance.engine.packed_inputs import Uploader
 from appliance.engine.parallel.step_broadcast import StepBroadcast
-from appliance.engine.sampling import sample, token_logprobs
+from appliance.engine.sampling import greedy_tokens, sample, token_logprobs
 from appliance.engine.sampling_controls import SamplingControls
 from appliance.engine.sampling_params import MAX_TOP_LOGPROBS, SamplingParams
 from appliance.engine.scheduler import ScheduledChunk
@@ -129,6 +129,8 @@ class LaunchedStep:
     logprobs: _SampledLogprobs | None
     prompt_logprobs: dict[int, _PromptLogprobs]
     done: torch.cuda.Event | None
+    # `sampled` is a view of the decode graphs' greedy buffer (a greedy graph's step).
+    sampled_in_graph: bool = False
 
     def rows_of(self) -> dict[Sequence, int]:
         """The row of `sampled` holding each sampled sequence's tokens."""
@@ -353,6 +355,8 @@ class ModelRunner:
         def num_splits_for(batch: int) -> int:
             return choose_num_splits(batch, num_kv_heads, max_model_len, num_sms)
 
+        # Greedy graphs for one-device models whose steps need no inputs past the packed ones.
+        plain = self.peers is None and not self.recurrent_states and not self.has_window_group
         return DecodeGraphs(
             self.model,
             self.kv_caches,
@@ -360,7 +364,11 @@ class ModelRunner:
             num_splits_for,
             self.recurrent_states,
             window_group=self.has_window_group,
+            greedy_tail=self._greedy_tail if plain else None,
         )
+
+    def _greedy_tail(self, hidden: torch.Tensor, out: torch.Tensor) -> None:
+        greedy_tokens(self.model.compute_logits(hidden), out)
 
     def execute(
         self, chunks: Seq[ScheduledChunk], generators: Seq[torch.Generator | None]
@@ -387,6 +395,8 @@ class ModelRunner:
         engine collects first) and a burst has none (the scheduler never bursts those).
         """
         chunks = list(chunks)
+        if num_steps == 1 and self._greedy_graph_fits(chunks):
+            return self._launch_greedy(chunks, previous)
         batch = self._prepare(chunks, previous)
         sampling_rows = [i for i, c in enumerate(chunks) if c.samples]
         logprobs, prompt_logprobs = None, {}
@@ -396,22 +406,111 @@ class ModelRunner:
             hidden = self._forward(batch.input_ids, batch.positions, batch.meta, batch.state_meta)
             sampled, logprobs = self._sample_step(chunks, sampling_rows, generators, batch, hidden)
             prompt_logprobs = self._prompt_logprobs(chunks, hidden)
-        done = None
-        if self.device.type == "cuda":
-            # A blocking event puts the collecting thread to sleep; a plain `tolist()` would
-            # spin on the stream (a whole core for the whole step) and wait for every step
-            # queued since, not only this one.
-            done = torch.cuda.Event(blocking=True)
-            done.record()
+        on_host = None if sampled is None else self._copy_to_host(sampled)
         return LaunchedStep(
             chunks,
             num_steps,
             sampling_rows,
             sampled,
-            None if sampled is None else self._copy_to_host(sampled),
+            on_host,
             logprobs,
             prompt_logprobs,
-            done,
+            self._step_done(),
+        )
+
+    def _step_done(self) -> torch.cuda.Event | None:
+        """An event after everything queued for the step so far, its copies to the host
+        included (None on the CPU, where nothing is queued)."""
+        if self.device.type != "cuda":
+            return None
+        # A blocking event puts the collecting thread to sleep; a plain `tolist()` would spin on
+        # the stream (a whole core for the whole step) and wait for every step queued since,
+        # not only this one.
+        done = torch.cuda.Event(blocking=True)
+        done.record()
+        return done
+
+    def _greedy_graph_fits(self, chunks: list[ScheduledChunk]) -> bool:
+        """Whether a step runs as a greedy graph's replay: a decode batch the greedy graphs
+        fit, each row sampling its next token greedily with nothing else asked (no
+        log-probabilities, grammar or sampling controls)."""
+        graphs = self.graphs
+        if graphs is None or not 0 < len(chunks) <= graphs.greedy_max_batch:
+            return False
+        return all(
+            c.num_new_tokens == 1
+            and c.samples
+            and c.seq.params.greedy
+            and c.seq.params.logprobs is None
+            and c.seq.grammar is None
+            and not c.seq.wants_prompt_logprobs
+            and not SamplingControls.adjusts(c.seq)
+            for c in chunks
+        )
+
+    def _launch_greedy(
+        self, chunks: list[ScheduledChunk], previous: LaunchedStep | None
+    ) -> LaunchedStep:
+        """A greedy decode step as one packed copy in, one replay and one copy out."""
+        graphs = self.graphs
+        assert graphs is not None
+        layout = graphs.greedy_layout
+        batch, bs = len(chunks), self.block_size
+        tables = _block_tables([c.seq.block_table for c in chunks])
+        packed = np.zeros(layout.words(batch, tables.shape[1]), np.int32)
+        packed[:2] = batch, tables.shape[1]
+        starts = np.fromiter((c.start for c in chunks), np.int64, batch)
+        ids = np.zeros(batch, np.int64)
+        sources = np.full(batch, -1, np.int64)
+        pending: list[tuple[int, int]] = []  # (row of previous.sampled, row here)
+        previous_rows: dict[Sequence, int] | None = None
+        for row, chunk in enumerate(chunks):
+            if chunk.start < len(chunk.seq.token_ids):
+                ids[row] = chunk.seq.token_ids[chunk.start]
+                continue
+            if previous_rows is None:
+                assert previous is not None, "a pending token comes from the step in flight"
+                previous_rows = previous.rows_of()
+            pending.append((previous_rows[chunk.seq], row))
+        if pending:
+            assert previous is not None and previous.sampled is not None
+            if previous.sampled_in_graph:
+                # The last greedy replay's rows are the buffer's rows.
+                for source, row in pending:
+                    sources[row] = source
+            else:
+                # Gathered into the buffer's first rows, which the replay reads before writing.
+                gathered = [source for source, _ in pending]
+                graphs.greedy_sampled[: len(pending)] = previous.sampled[
+                    self._to_device(gathered, torch.int64), -1
+                ]
+                for i, (_, row) in enumerate(pending):
+                    sources[row] = i
+        slots = tables[np.arange(batch), starts // bs].astype(np.int64) * bs + starts % bs
+        for field, values in (
+            ("ids", ids),
+            ("positions", starts),
+            ("slots", slots),
+            ("sources", sources),
+            ("seq_lens", starts + 1),
+        ):
+            offset = layout.offset(field)
+            packed[offset : offset + batch] = values
+        packed[layout.tables_offset :] = tables.ravel()
+        self._uploader.copy_into(packed, graphs.greedy_packed)
+        self._last_controls = None  # as `_controls` leaves it for a step without controls
+        sampled = graphs.run_greedy(batch)[:, None]
+        on_host = self._copy_to_host(sampled)
+        return LaunchedStep(
+            chunks,
+            1,
+            list(range(batch)),
+            sampled,
+            on_host,
+            None,
+            {},
+            self._step_done(),
+            sampled_in_graph=True,
         )
 
     def collect(self, step: LaunchedStep) -> list[ChunkResult]:

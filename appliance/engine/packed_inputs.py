@@ -73,6 +73,15 @@ class Uploader:
             )
         return views
 
+    def copy_into(self, packed: np.ndarray, target: torch.Tensor) -> None:
+        """Copy int32 words `packed` into the start of the device tensor `target` (int32, at
+        least as long), through this turn's pinned buffer, without waiting for the copy."""
+        host, _ = self._buffers(packed.size)
+        host.numpy()[:] = packed
+        target[: packed.size].copy_(host, non_blocking=True)
+        self._copied[self._turn].record()
+        self._turn = (self._turn + 1) % _NUM_BUFFERS
+
     def _buffers(self, words: int) -> tuple[torch.Tensor, torch.Tensor]:
         """This turn's host and device buffers, `words` int32s each; the host one no longer
         read by the copy that last used it."""

@@ -134,6 +134,14 @@ def _token_logprobs(
     return chosen, top_ids, top_logprobs
 
 
+def greedy_tokens(logits: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """[N, V] CUDA logits -> each row's greedy token, written into `out` ([N] int64): what
+    `sample` picks for a greedy row (a decode graph samples greedily through this)."""
+    from kernels.argmax import argmax_rows  # Triton: a CPU-only install has none
+
+    return argmax_rows(logits, out=out)
+
+
 def _argmax(rows: torch.Tensor) -> torch.Tensor:
     """[N, V] -> [N] int64, the first maximum of each row. On a GPU, `kernels.argmax` spreads a
     row over many programs: torch reduces a row in one thread block, 28 µs of every batch-1

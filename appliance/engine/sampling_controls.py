@@ -66,6 +66,17 @@ class SamplingControls:
             return None
         return cls(min_tokens, logit_bias, penalties)
 
+    @staticmethod
+    def adjusts(seq: EngineSequence) -> bool:
+        """Whether any control may change `seq`'s next logits (so `build` over it could give
+        controls): min_tokens not yet reached, a logit bias or a penalty."""
+        params = seq.params
+        return (
+            params.min_tokens > seq.num_scheduled_output_tokens
+            or bool(params.logit_bias)
+            or params.penalizes
+        )
+
     def apply(self, logits: torch.Tensor, step: int = 0) -> torch.Tensor:
         """logits: [N, V] -> adjusted [N, V], for the token sampled `step` steps after `build`:
         one copy of the logits ([N, V] float32), every control then changing it in place."""

@@ -73,3 +73,13 @@ def test_nan_never_wins() -> None:
     logits[1, :] = float("nan")
     logits[1, 4999] = -2.0
     assert argmax_rows(logits).tolist() == [4700, 4999]
+
+
+def test_argmax_rows_writes_into_out_and_refuses_a_wrong_one() -> None:
+    logits = torch.randn(3, 5000, device=DEVICE)
+    out = torch.full((3,), -1, dtype=torch.int64, device=DEVICE)
+    assert argmax_rows(logits, out=out) is out
+    assert torch.equal(out, logits.argmax(dim=-1))
+    for bad in (out[:2], out.to(torch.int32), torch.zeros(6, dtype=torch.int64)[::2]):
+        with pytest.raises(KernelInputError, match="out must be"):
+            argmax_rows(logits, out=bad.to(DEVICE))

@@ -210,3 +210,16 @@ def test_on_a_gpu_the_controls_match_the_reference_through_a_burst_of_recorded_s
             if carried is None:  # every control was a min_tokens now reached
                 break
             controls = carried
+
+
+@pytest.mark.parametrize("seed", range(200))
+def test_adjusts_holds_wherever_build_gives_controls(seed: int) -> None:
+    """`adjusts` lets a greedy step skip the controls (the decode graphs' greedy replay), so it
+    must answer yes for every sequence `build` would give controls for; and no for plain ones."""
+    rng = random.Random(seed)
+    params = _random_params(rng)
+    seq = _seq(params, [5, 6, 7], [rng.randrange(VOCAB) for _ in range(rng.randint(0, 8))])
+    if _build([seq]) is not None:
+        assert SamplingControls.adjusts(seq)
+    plain = _seq(SamplingParams(max_tokens=32, stop_token_ids=(3,)), [5], [4])
+    assert not SamplingControls.adjusts(plain) and _build([plain]) is None

@@ -1,0 +1,140 @@
+"""Greedy decode steps replayed from the graphs that sample inside them (appliance.engine.
+cuda_graphs, "Greedy sampling inside the graph") give the tokens the plain graphs give.
+
+A random Llama-shaped model (bf16, Triton kernels): the same requests run once with the greedy
+graphs and once with `ModelRunner._greedy_graph_fits` answering no, so every step takes the
+plain path (the plain graph, then the LM head and the sampler outside it). Both paths run the
+same kernels on the same inputs, so the tokens must be equal, not close. The requests make every
+hand-over happen: a batch that shrinks as requests finish (graphs of 8, 4, 2 and 1 rows), a
+request admitted between decode steps (a prompt step reading tokens a greedy replay wrote, and
+the greedy step after it reading a prompt step's), with and without asynchronous scheduling
+(tokens the host does not have yet, read on the device).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from appliance.engine.engine import Engine
+from appliance.engine.engine_config import EngineConfig
+from appliance.engine.model_runner import ModelRunner
+from appliance.engine.models.config import ModelConfig
+from appliance.engine.models.loader import build_model, fill_randomly
+from appliance.engine.sampling_params import SamplingParams
+
+pytestmark = pytest.mark.gpu
+
+_SHAPE = {
+    "architectures": ["LlamaForCausalLM"],
+    "hidden_size": 256,
+    "intermediate_size": 768,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": 32000,
+    "max_position_embeddings": 1024,
+    "rms_norm_eps": 1e-5,
+}
+
+
+@pytest.fixture(scope="module")
+def model():
+    from kernels import triton_ops
+
+    config = ModelConfig.from_dict(_SHAPE)
+    model = build_model(config, dtype=torch.bfloat16, device="cuda", ops=triton_ops, shard=None)
+    fill_randomly(model, 0)
+    model.init_rope_tables(1024)
+    return model.eval()
+
+
+def _engine(model, async_scheduling: bool) -> Engine:
+    settings = EngineConfig(
+        model_dir=Path("random-model"),
+        device="cuda",
+        max_model_len=1024,
+        max_num_seqs=16,
+        num_kv_blocks=256,
+        async_scheduling=async_scheduling,
+    )
+    return Engine.build(settings, model, tokenizer=None)
+
+
+def _run(engine: Engine, requests: list[tuple[list[int], SamplingParams]]) -> dict[str, list[int]]:
+    """The first eight requests at once; the rest admitted one per step after the fourth."""
+    tokens: dict[str, list[int]] = {}
+    pending = list(enumerate(requests))
+    for i, (prompt, params) in pending[:8]:
+        engine.add_request(f"r{i}", prompt, params)
+    later = pending[8:]
+    steps = 0
+    while engine.has_unfinished() or later:
+        if steps >= 4 and later:
+            i, (prompt, params) = later.pop(0)
+            engine.add_request(f"r{i}", prompt, params)
+        for out in engine.step():
+            tokens.setdefault(out.request_id, []).extend(out.token_ids)
+        steps += 1
+    return tokens
+
+
+def _requests(params: list[SamplingParams]) -> list[tuple[list[int], SamplingParams]]:
+    g = torch.Generator().manual_seed(1)
+    lengths = torch.randint(3, 40, (len(params),), generator=g).tolist()
+    return [
+        (torch.randint(0, _SHAPE["vocab_size"], (n,), generator=g).tolist(), p)
+        for n, p in zip(lengths, params, strict=True)
+    ]
+
+
+def _greedy(max_tokens: int) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_greedy_graphs_give_the_plain_paths_tokens(model, monkeypatch, async_scheduling) -> None:
+    # Eight at once finishing at different steps (8, 4, 2, 1 rows), then two admitted later.
+    requests = _requests([_greedy(n) for n in (3, 9, 17, 17, 25, 25, 25, 40, 12, 20)])
+    engine = _engine(model, async_scheduling)
+    replays = []
+    run_greedy = engine.runner.graphs.run_greedy
+
+    def counted(batch: int) -> torch.Tensor:
+        replays.append(batch)
+        return run_greedy(batch)
+
+    monkeypatch.setattr(engine.runner.graphs, "run_greedy", counted)
+    fast = _run(engine, requests)
+    assert engine.runner.graphs.greedy_sizes == [1, 2, 4, 8]
+    # Decode steps of at most 8 rows took a greedy graph, batches from 8 rows down to 1.
+    assert max(replays) == 8 and min(replays) == 1, replays
+
+    monkeypatch.setattr(ModelRunner, "_greedy_graph_fits", lambda self, chunks: False)
+    plain = _run(_engine(model, async_scheduling), requests)
+    assert fast == plain
+    assert [len(fast[f"r{i}"]) for i in range(len(requests))] == [p.max_tokens for _, p in requests]
+
+
+def test_a_step_with_a_sampled_or_penalized_row_takes_the_plain_path(model, monkeypatch) -> None:
+    engine = _engine(model, async_scheduling=True)
+    replays = []
+    run_greedy = engine.runner.graphs.run_greedy
+
+    def counted(batch: int) -> torch.Tensor:
+        replays.append(batch)
+        return run_greedy(batch)
+
+    monkeypatch.setattr(engine.runner.graphs, "run_greedy", counted)
+    sampled = SamplingParams(temperature=0.8, max_tokens=6, ignore_eos=True, seed=3)
+    penalized = SamplingParams(
+        temperature=0.0, max_tokens=6, ignore_eos=True, repetition_penalty=1.3
+    )
+    logprobs = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=2)
+    for other in (sampled, penalized, logprobs):
+        _run(engine, _requests([_greedy(6), other]))
+        assert replays == [], other
+    _run(engine, _requests([_greedy(6), _greedy(6)]))  # the same engine does take them
+    assert replays
