@@ -18,13 +18,17 @@ import triton.language as tl
 
 from kernels.errors import KernelInputError
 from kernels.launch_checks import check_devices
+from kernels.pdl import launch_options, wait_for_previous
 
 # Columns one program of the first pass reduces: 32 programs per row of Llama 3's 128,256.
 _TILE = 4096
 
 
 @triton.jit
-def _tile_max_kernel(x_ptr, max_ptr, index_ptr, n, stride_row, num_tiles, TILE: tl.constexpr):
+def _tile_max_kernel(
+    x_ptr, max_ptr, index_ptr, n, stride_row, num_tiles, TILE: tl.constexpr, PDL: tl.constexpr
+):
+    wait_for_previous(PDL)
     row = tl.program_id(0)
     tile = tl.program_id(1)
     offs = tile * TILE + tl.arange(0, TILE)
@@ -37,7 +41,10 @@ def _tile_max_kernel(x_ptr, max_ptr, index_ptr, n, stride_row, num_tiles, TILE: 
 
 
 @triton.jit
-def _row_argmax_kernel(max_ptr, index_ptr, out_ptr, num_tiles, TILES_PAD: tl.constexpr):
+def _row_argmax_kernel(
+    max_ptr, index_ptr, out_ptr, num_tiles, TILES_PAD: tl.constexpr, PDL: tl.constexpr
+):
+    wait_for_previous(PDL)
     row = tl.program_id(0)
     offs = tl.arange(0, TILES_PAD)
     mask = offs < num_tiles
@@ -74,10 +81,17 @@ def argmax_rows(logits: torch.Tensor, out: torch.Tensor | None = None) -> torch.
     num_tiles = triton.cdiv(n, _TILE)
     maxima = torch.empty((rows, num_tiles), dtype=torch.float32, device=logits.device)
     indices = torch.empty((rows, num_tiles), dtype=torch.int32, device=logits.device)
+    pdl = launch_options(logits.device)
     _tile_max_kernel[(rows, num_tiles)](
-        logits, maxima, indices, n, logits.stride(0), num_tiles, TILE=_TILE, num_warps=8
+        logits, maxima, indices, n, logits.stride(0), num_tiles, TILE=_TILE, num_warps=8, **pdl
     )
     _row_argmax_kernel[(rows,)](
-        maxima, indices, out, num_tiles, TILES_PAD=triton.next_power_of_2(num_tiles), num_warps=1
+        maxima,
+        indices,
+        out,
+        num_tiles,
+        TILES_PAD=triton.next_power_of_2(num_tiles),
+        num_warps=1,
+        **pdl,
     )
     return out

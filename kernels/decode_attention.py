@@ -142,7 +142,9 @@ def _decode_split_kernel(
     HAS_SINKS: tl.constexpr,
     PDL: tl.constexpr,  # launched as a programmatic dependent (kernels.pdl)
 ):
-    wait_for_previous(PDL)
+    # Before the wait, only what no kernel just before this one writes: the lengths and tables
+    # (a step's inputs), sinks and scales (weights). q and the newest token's K and V come from
+    # the kernels just before (kernels.pdl: the one before waited for its own predecessor).
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -164,19 +166,20 @@ def _decode_split_kernel(
     g_mask = offs_g < GROUP_SIZE
     heads = kv_head * GROUP_SIZE + offs_g
 
-    # q: [G_PAD, D]; padding rows are zero, so their scores are finite and their output unused.
-    q = tl.load(
-        q_ptr + seq * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
-        mask=g_mask[:, None],
-        other=0.0,
-    )
-
     # The sink joins the state of split 0 only: the combine then counts it once (in its lse).
     first_split = tl.full([G_PAD], split, dtype=tl.int32) == 0
     m_i, l_i = initial_softmax_state(
         sinks_ptr, heads, g_mask & first_split, G_PAD, HAS_SINKS, FP8_KV
     )
     acc = tl.zeros([G_PAD, HEAD_DIM], dtype=tl.float32)
+
+    wait_for_previous(PDL)
+    # q: [G_PAD, D]; padding rows are zero, so their scores are finite and their output unused.
+    q = tl.load(
+        q_ptr + seq * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
+        mask=g_mask[:, None],
+        other=0.0,
+    )
 
     v_scale = 1.0
     if FP8_KV:

@@ -5,8 +5,11 @@ and must wait (`gdc_wait`) before it reads what they wrote. The decode step's ke
 kernel's tail is time the step saves; CUDA graphs keep the dependencies as programmatic edges.
 
 A kernel takes part through a `PDL` constexpr: launched with `launch_options(device)`, it calls
-`wait_for_previous(PDL)` before its first read of another kernel's output (the projections
-and norms first request weights, which nothing writes).
+`wait_for_previous(PDL)` before its first read of the previous kernel's output. Before it, a
+kernel may read what nothing writes (the projections and norms first request weights) and what
+kernels further back wrote (decode attention its lengths and block tables, the rotary its cos,
+sin and slots): every kernel waits for the one before it and only then lets the next launch,
+so once a kernel starts, all but the one just before it have finished.
 """
 
 from __future__ import annotations

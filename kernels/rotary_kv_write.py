@@ -61,12 +61,16 @@ def _rotary_write_kv_kernel(
     FP8_MAX: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    wait_for_previous(PDL)
     token = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_HALF)[None, :]
+    # Before the wait, what no kernel just before this one writes (kernels.pdl: the one before
+    # waited for its own predecessor): the step's cos and sin rows and slots. q, k and v are
+    # the projection's, just before.
     cos1, sin1, cos2, sin2 = cos_sin_halves(
         cos_ptr, sin_ptr, token, cos_token_stride, sin_token_stride, cols, HALF
     )
+    slot = tl.load(slot_mapping_ptr + token)
+    wait_for_previous(PDL)
     rotate_heads(
         q_ptr,
         token,
@@ -81,7 +85,6 @@ def _rotary_write_kv_kernel(
         BLOCK_Q_HEADS,
         BLOCK_HALF,
     )
-    slot = tl.load(slot_mapping_ptr + token)
     # The cache is [slots, Hkv, D] contiguous: a slot holds NUM_KV_HEADS * 2 * HALF elements.
     # The bounds are tested on the offsets, not the scalar slot (Triton's interpreter mishandles
     # a scalar boolean broadcast into a vector mask): padding (slot < 0) and a slot past the

@@ -368,7 +368,8 @@ class ModelRunner:
         )
 
     def _greedy_tail(self, hidden: torch.Tensor, out: torch.Tensor) -> None:
-        greedy_tokens(self.model.compute_logits(hidden), out)
+        # The argmax of the LM head's own output is that of its float32 copy: no copy.
+        greedy_tokens(self.model.compute_logits(hidden, float32=False), out)
 
     def execute(
         self, chunks: Seq[ScheduledChunk], generators: Seq[torch.Generator | None]

@@ -80,6 +80,7 @@ def test_argmax_rows_writes_into_out_and_refuses_a_wrong_one() -> None:
     out = torch.full((3,), -1, dtype=torch.int64, device=DEVICE)
     assert argmax_rows(logits, out=out) is out
     assert torch.equal(out, logits.argmax(dim=-1))
-    for bad in (out[:2], out.to(torch.int32), torch.zeros(6, dtype=torch.int64)[::2]):
+    strided = torch.zeros(6, dtype=torch.int64, device=DEVICE)[::2]
+    for bad in (out[:2], out.to(torch.int32), strided):
         with pytest.raises(KernelInputError, match="out must be"):
-            argmax_rows(logits, out=bad.to(DEVICE))
+            argmax_rows(logits, out=bad)

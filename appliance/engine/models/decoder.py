@@ -333,11 +333,14 @@ class CausalLM(nn.Module):
         projected = self.ops.rms_norm(projected.reshape(-1, shape[2]), norm.weight, norm.eps)
         return (projected.view(shape) + looked_up) * 2.0**-0.5
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[N, hidden] -> [N, vocab] float32."""
+    def compute_logits(self, hidden: torch.Tensor, *, float32: bool = True) -> torch.Tensor:
+        """[N, hidden] -> [N, vocab] float32; with `float32=False`, in the projection's dtype
+        where nothing else transforms them: the same values (an argmax needs no copy)."""
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head
-        logits = self.ops.linear(hidden, weight, None).float()
+        logits = self.ops.linear(hidden, weight, None)
         config = self.config
+        if float32 or config.logits_divisor != 1.0 or config.final_logit_softcapping is not None:
+            logits = logits.float()
         if config.logits_divisor != 1.0:
             logits = logits / config.logits_divisor
         if config.final_logit_softcapping is not None:
