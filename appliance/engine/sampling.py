@@ -35,7 +35,7 @@ def sample(
     `logits` stays as it was for one piece's bytes more. Every decision that depends on the
     parameters is taken on the host from `params`, so nothing here waits for the device.
     """
-    greedy_ids = _argmax(logits)
+    greedy_ids = greedy_tokens(logits)
     if all(p.greedy for p in params):
         return greedy_ids
     num_rows = max(1, SAMPLING_CHUNK_LOGITS // logits.shape[-1])
@@ -73,7 +73,7 @@ def _sample_rows(
     for row, generator in enumerate(generators):
         if generator is not None:
             q[row].exponential_(generator=generator)
-    return _argmax(probs.div_(q))
+    return greedy_tokens(probs.div_(q))
 
 
 def _apply_top_k_top_p(logits: torch.Tensor, params: Sequence[SamplingParams]) -> None:
@@ -134,20 +134,13 @@ def _token_logprobs(
     return chosen, top_ids, top_logprobs
 
 
-def greedy_tokens(logits: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """[N, V] CUDA logits -> each row's greedy token, written into `out` ([N] int64): what
-    `sample` picks for a greedy row (a decode graph samples greedily through this)."""
-    from kernels.argmax import argmax_rows  # Triton: a CPU-only install has none
-
-    return argmax_rows(logits, out=out)
-
-
-def _argmax(rows: torch.Tensor) -> torch.Tensor:
-    """[N, V] -> [N] int64, the first maximum of each row. On a GPU, `kernels.argmax` spreads a
-    row over many programs: torch reduces a row in one thread block, 28 µs of every batch-1
-    decode step over a 128k vocabulary on an H100."""
+def greedy_tokens(rows: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """[N, V] -> [N] int64, the first maximum of each row (written into `out` when given): the
+    token `sample` picks for a greedy row, and what a decode graph samples greedily with. On a
+    GPU, `kernels.argmax` spreads a row over many programs: torch reduces a row in one thread
+    block, 28 µs of every batch-1 decode step over a 128k vocabulary on an H100."""
     if not rows.is_cuda:
-        return rows.argmax(dim=-1)
+        return torch.argmax(rows, dim=-1, out=out)
     from kernels.argmax import argmax_rows  # Triton: a CPU-only install has none
 
-    return argmax_rows(rows if rows.stride(-1) == 1 else rows.contiguous())
+    return argmax_rows(rows if rows.stride(-1) == 1 else rows.contiguous(), out=out)
