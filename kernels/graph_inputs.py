@@ -8,22 +8,23 @@ one packed int32 buffer at a fixed address (one host-to-device copy) and the gra
 kernel spreads it into the inputs, reading a pending token from the sampled buffer the
 previous replay wrote.
 
-The packed layout (`PackedLayout`), in int32 words: a header [batch, width, 0, 0]; then
-`capacity` words each of token ids, positions, slots, sources and sequence lengths (rows past
-`batch` unread); then the batch's block tables, [batch, width] row-major. A source >= 0 names
+The packed layout (`PackedLayout`, whose `pack` writes it), in int32 words: a header [batch,
+width, 0, 0]; then `capacity` words each of token ids, positions, slots, sources and sequence
+lengths (rows past `batch` unread); then the batch's block tables, [batch, width] row-major. A source >= 0 names
 the row of `sampled` whose token replaces the row's id (a token the host does not have yet).
 Rows from `batch` up to the graph's size are padding: slot -1 (no KV write) and length 0 (no
 attention), as `appliance.engine.cuda_graphs` pads.
 
-Everything the kernel reads lies in the header's batch and width: the grid and the loop over a
-row's table depend on the header's values on the device, so a replay stays correct whatever
-batch (up to its size) and width (up to the table's) the host packed.
+The kernel reads the header's batch and width on the device (its grid is the graph's size, its
+loop over a row's table runs to the packed width), so a replay stays correct whatever batch (up
+to its size) and width (up to its tables') the host packed.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import triton
 import triton.language as tl
@@ -55,6 +56,24 @@ class PackedLayout:
     def words(self, batch: int, width: int) -> int:
         """Words of a packed batch, its tables included."""
         return self.tables_offset + batch * width
+
+    def pack(self, fields: dict[str, np.ndarray], tables: np.ndarray) -> np.ndarray:
+        """One batch as int32 words: `fields` holds each of FIELDS, [batch] integers each
+        (sources: a row of the sampled buffer, or -1), `tables` the [batch, width] block
+        tables."""
+        batch, width = tables.shape
+        if not 1 <= batch <= self.capacity or set(fields) != set(FIELDS):
+            raise KernelInputError(
+                f"a packed batch is 1..{self.capacity} rows of {FIELDS}, got {batch} rows of "
+                f"{tuple(fields)}"
+            )
+        packed = np.zeros(self.words(batch, width), np.int32)
+        packed[:2] = batch, width
+        for field, values in fields.items():
+            offset = self.offset(field)
+            packed[offset : offset + batch] = values
+        packed[self.tables_offset :] = tables.ravel()
+        return packed
 
 
 @triton.jit

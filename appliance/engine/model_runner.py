@@ -455,11 +455,8 @@ class ModelRunner:
         """A greedy decode step as one packed copy in, one replay and one copy out."""
         graphs = self.graphs
         assert graphs is not None
-        layout = graphs.greedy_layout
         batch, bs = len(chunks), self.block_size
         tables = _block_tables([c.seq.block_table for c in chunks])
-        packed = np.zeros(layout.words(batch, tables.shape[1]), np.int32)
-        packed[:2] = batch, tables.shape[1]
         starts = np.fromiter((c.start for c in chunks), np.int64, batch)
         ids = np.zeros(batch, np.int64)
         sources = np.full(batch, -1, np.int64)
@@ -488,16 +485,14 @@ class ModelRunner:
                 for i, (_, row) in enumerate(pending):
                     sources[row] = i
         slots = tables[np.arange(batch), starts // bs].astype(np.int64) * bs + starts % bs
-        for field, values in (
-            ("ids", ids),
-            ("positions", starts),
-            ("slots", slots),
-            ("sources", sources),
-            ("seq_lens", starts + 1),
-        ):
-            offset = layout.offset(field)
-            packed[offset : offset + batch] = values
-        packed[layout.tables_offset :] = tables.ravel()
+        fields = {
+            "ids": ids,
+            "positions": starts,
+            "slots": slots,
+            "sources": sources,
+            "seq_lens": starts + 1,
+        }
+        packed = graphs.greedy_layout.pack(fields, tables)
         self._uploader.copy_into(packed, graphs.greedy_packed)
         self._last_controls = None  # as `_controls` leaves it for a step without controls
         sampled = graphs.run_greedy(batch)[:, None]

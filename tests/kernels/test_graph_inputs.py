@@ -13,19 +13,18 @@ import pytest
 import torch
 
 from kernels.errors import KernelInputError
-from kernels.graph_inputs import PackedLayout, stage_decode_inputs
+from kernels.graph_inputs import FIELDS, PackedLayout, stage_decode_inputs
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def _pack(layout: PackedLayout, rows: dict[str, list[int]], tables: np.ndarray, words: int):
-    packed = np.zeros(words, np.int32)
-    packed[:2] = len(rows["ids"]), tables.shape[1]
-    for field, values in rows.items():
-        offset = layout.offset(field)
-        packed[offset : offset + len(values)] = values
-    packed[layout.tables_offset : layout.tables_offset + tables.size] = tables.ravel()
-    return torch.from_numpy(packed).to(DEVICE)
+    """The layout's own packing, in a device buffer of `words` (a graph's, sized for its
+    widest tables: the tail past the batch's words is never read)."""
+    packed = torch.zeros(words, dtype=torch.int32)
+    words_of_batch = layout.pack({f: np.asarray(v) for f, v in rows.items()}, tables)
+    packed[: words_of_batch.size] = torch.from_numpy(words_of_batch)
+    return packed.to(DEVICE)
 
 
 def _targets(size: int, width: int) -> dict[str, torch.Tensor]:
@@ -73,6 +72,15 @@ def test_a_table_longer_than_one_tile_is_copied_whole() -> None:
     t = _targets(2, 700)
     stage_decode_inputs(packed, layout, torch.zeros(2, dtype=torch.int64, device=DEVICE), **t)
     assert torch.equal(t["block_tables"].cpu(), torch.from_numpy(tables))
+
+
+def test_a_batch_it_cannot_pack_is_refused() -> None:
+    layout = PackedLayout(capacity=2)
+    fields = {f: np.zeros(3, np.int64) for f in FIELDS}
+    with pytest.raises(KernelInputError, match=r"1\.\.2 rows"):
+        layout.pack(fields, np.zeros((3, 4), np.int32))
+    with pytest.raises(KernelInputError, match=r"1\.\.2 rows"):
+        layout.pack({"ids": np.zeros(2, np.int64)}, np.zeros((2, 4), np.int32))
 
 
 def test_inputs_it_cannot_stage_are_refused() -> None:
