@@ -143,8 +143,8 @@ def _decode_split_kernel(
     PDL: tl.constexpr,  # launched as a programmatic dependent (kernels.pdl)
 ):
     # Before the wait, only what no kernel just before this one writes: the lengths and tables
-    # (a step's inputs), sinks and scales (weights). q and the newest token's K and V come from
-    # the kernels just before (kernels.pdl: the one before waited for its own predecessor).
+    # (a step's inputs) and the sinks (weights). q and the newest token's K and V come from the
+    # kernel just before (kernels.pdl: that one waited for its own predecessor).
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
