@@ -10,8 +10,9 @@ previous replay wrote.
 
 The packed layout (`PackedLayout`, whose `pack` writes it), in int32 words: a header [batch,
 width, 0, 0]; then `capacity` words each of token ids, positions, slots, sources and sequence
-lengths (rows past `batch` unread); then the batch's block tables, [batch, width] row-major. A source >= 0 names
-the row of `sampled` whose token replaces the row's id (a token the host does not have yet).
+lengths (rows past `batch` unread); then the batch's block tables, [batch, width] row-major. A
+source >= 0 names the row of `sampled` whose token replaces the row's id (a token the host does
+not have yet).
 Rows from `batch` up to the graph's size are padding: slot -1 (no KV write) and length 0 (no
 attention), as `appliance.engine.cuda_graphs` pads.
 
