@@ -458,18 +458,10 @@ class ModelRunner:
         batch, bs = len(chunks), self.block_size
         tables = _block_tables([c.seq.block_table for c in chunks])
         starts = np.fromiter((c.start for c in chunks), np.int64, batch)
-        ids = np.zeros(batch, np.int64)
+        # One token a chunk: a row of input_ids is the chunk's row.
+        input_ids, pending = _input_tokens(chunks, previous)
+        ids = np.asarray(input_ids, np.int64)
         sources = np.full(batch, -1, np.int64)
-        pending: list[tuple[int, int]] = []  # (row of previous.sampled, row here)
-        previous_rows: dict[Sequence, int] | None = None
-        for row, chunk in enumerate(chunks):
-            if chunk.start < len(chunk.seq.token_ids):
-                ids[row] = chunk.seq.token_ids[chunk.start]
-                continue
-            if previous_rows is None:
-                assert previous is not None, "a pending token comes from the step in flight"
-                previous_rows = previous.rows_of()
-            pending.append((previous_rows[chunk.seq], row))
         if pending:
             assert previous is not None and previous.sampled is not None
             if previous.sampled_in_graph:
@@ -688,21 +680,8 @@ class ModelRunner:
 
     def _prepare(self, chunks: list[ScheduledChunk], previous: LaunchedStep | None) -> _Batch:
         bs = self.block_size
-        input_ids: list[int] = []
-        # Tokens the host does not have yet: (row of previous.sampled, row of input_ids).
-        in_flight: list[tuple[int, int]] = []
-        previous_rows: dict[Sequence, int] | None = None
         block_tables = _block_tables([c.seq.block_table for c in chunks])
-        for chunk in chunks:
-            seq, start, end = chunk.seq, chunk.start, chunk.start + chunk.num_new_tokens
-            if end > len(seq.token_ids):
-                if previous_rows is None:
-                    assert previous is not None, "a pending token comes from the step in flight"
-                    previous_rows = previous.rows_of()
-                in_flight.append((previous_rows[seq], len(input_ids)))
-                input_ids.append(0)  # a placeholder, replaced on the device below
-            else:
-                input_ids.extend(seq.token_ids[start:end])
+        input_ids, in_flight = _input_tokens(chunks, previous)
         # Every token's position and cache slot at once: [T] arrays, no loop over tokens.
         num_new = np.fromiter((c.num_new_tokens for c in chunks), np.int64, len(chunks))
         starts = np.fromiter((c.start for c in chunks), np.int64, len(chunks))
@@ -819,6 +798,28 @@ class ModelRunner:
                 pieces.append(tuple(map(self._copy_to_host, piece)))
             results[i] = _PromptLogprobs(targets, pieces)
         return results
+
+
+def _input_tokens(
+    chunks: list[ScheduledChunk], previous: LaunchedStep | None
+) -> tuple[list[int], list[tuple[int, int]]]:
+    """The step's [T] input token ids, a 0 where the host does not have the token yet (the
+    step in flight, `previous`, is still sampling it), and those tokens as (row of
+    previous.sampled, index into the ids)."""
+    input_ids: list[int] = []
+    in_flight: list[tuple[int, int]] = []
+    previous_rows: dict[Sequence, int] | None = None
+    for chunk in chunks:
+        seq, start, end = chunk.seq, chunk.start, chunk.start + chunk.num_new_tokens
+        if end > len(seq.token_ids):
+            if previous_rows is None:
+                assert previous is not None, "a pending token comes from the step in flight"
+                previous_rows = previous.rows_of()
+            in_flight.append((previous_rows[seq], len(input_ids)))
+            input_ids.append(0)  # a placeholder, replaced on the device
+        else:
+            input_ids.extend(seq.token_ids[start:end])
+    return input_ids, in_flight
 
 
 def _block_tables(tables: list[list[int]]) -> np.ndarray:

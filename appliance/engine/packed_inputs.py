@@ -55,16 +55,14 @@ class Uploader:
             starts[name] = total
             total += -(-part.size // _ALIGN_WORDS) * _ALIGN_WORDS
         if self.device.type == "cuda":
-            host, copy = self._buffers(total)
+            host, copy = self._host_buffer(total), self._device_buffer(total)
         else:
             host = copy = torch.zeros(total, dtype=torch.int32)
         packed = host.numpy()
         for name, part in words.items():
             packed[starts[name] : starts[name] + part.size] = part
         if self.device.type == "cuda":
-            copy.copy_(host, non_blocking=True)
-            self._copied[self._turn].record()
-            self._turn = (self._turn + 1) % _NUM_BUFFERS
+            self._send(host, copy)
         views = {}
         for name, part in words.items():
             view = copy[starts[name] : starts[name] + part.size]
@@ -76,21 +74,33 @@ class Uploader:
     def copy_into(self, packed: np.ndarray, target: torch.Tensor) -> None:
         """Copy int32 words `packed` into the start of the device tensor `target` (int32, at
         least as long), through this turn's pinned buffer, without waiting for the copy."""
-        host, _ = self._buffers(packed.size)
+        host = self._host_buffer(packed.size)
         host.numpy()[:] = packed
-        target[: packed.size].copy_(host, non_blocking=True)
+        self._send(host, target[: packed.size])
+
+    def _send(self, host: torch.Tensor, device: torch.Tensor) -> None:
+        """Queue this turn's copy and pass the turn on."""
+        device.copy_(host, non_blocking=True)
         self._copied[self._turn].record()
         self._turn = (self._turn + 1) % _NUM_BUFFERS
 
-    def _buffers(self, words: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """This turn's host and device buffers, `words` int32s each; the host one no longer
-        read by the copy that last used it."""
+    def _host_buffer(self, words: int) -> torch.Tensor:
+        """This turn's pinned host buffer, `words` int32s, no longer read by the copy that last
+        used it."""
         turn = self._turn
         self._copied[turn].synchronize()  # long done but in the rarest case: a step ago
-        host, device = self._host[turn], self._device[turn]
-        if host is None or device is None or host.numel() < words:
+        host = self._host[turn]
+        if host is None or host.numel() < words:
             # Twice the need, so a growing batch does not allocate anew every step.
             host = torch.empty(2 * words, dtype=torch.int32, pin_memory=True)
+            self._host[turn] = host
+        return host[:words]
+
+    def _device_buffer(self, words: int) -> torch.Tensor:
+        """This turn's device buffer, `words` int32s (its next copy is queued behind every
+        kernel that read it)."""
+        device = self._device[self._turn]
+        if device is None or device.numel() < words:
             device = torch.empty(2 * words, dtype=torch.int32, device=self.device)
-            self._host[turn], self._device[turn] = host, device
-        return host[:words], device[:words]
+            self._device[self._turn] = device
+        return device[:words]

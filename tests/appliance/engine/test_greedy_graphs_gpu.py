@@ -90,6 +90,19 @@ def _requests(params: list[SamplingParams]) -> list[tuple[list[int], SamplingPar
     ]
 
 
+def _count_greedy_replays(engine: Engine, monkeypatch) -> list[int]:
+    """The batch of every greedy graph replay `engine` makes from here on."""
+    replays: list[int] = []
+    run_greedy = engine.runner.graphs.run_greedy
+
+    def counted(batch: int) -> torch.Tensor:
+        replays.append(batch)
+        return run_greedy(batch)
+
+    monkeypatch.setattr(engine.runner.graphs, "run_greedy", counted)
+    return replays
+
+
 def _greedy(max_tokens: int) -> SamplingParams:
     return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
 
@@ -99,14 +112,7 @@ def test_greedy_graphs_give_the_plain_paths_tokens(model, monkeypatch, async_sch
     # Eight at once finishing at different steps (8, 4, 2, 1 rows), then two admitted later.
     requests = _requests([_greedy(n) for n in (3, 9, 17, 17, 25, 25, 25, 40, 12, 20)])
     engine = _engine(model, async_scheduling)
-    replays = []
-    run_greedy = engine.runner.graphs.run_greedy
-
-    def counted(batch: int) -> torch.Tensor:
-        replays.append(batch)
-        return run_greedy(batch)
-
-    monkeypatch.setattr(engine.runner.graphs, "run_greedy", counted)
+    replays = _count_greedy_replays(engine, monkeypatch)
     fast = _run(engine, requests)
     assert engine.runner.graphs.greedy_sizes == [1, 2, 4, 8]
     # Decode steps of at most 8 rows took a greedy graph, batches from 8 rows down to 1.
@@ -120,14 +126,7 @@ def test_greedy_graphs_give_the_plain_paths_tokens(model, monkeypatch, async_sch
 
 def test_a_step_with_a_sampled_or_penalized_row_takes_the_plain_path(model, monkeypatch) -> None:
     engine = _engine(model, async_scheduling=True)
-    replays = []
-    run_greedy = engine.runner.graphs.run_greedy
-
-    def counted(batch: int) -> torch.Tensor:
-        replays.append(batch)
-        return run_greedy(batch)
-
-    monkeypatch.setattr(engine.runner.graphs, "run_greedy", counted)
+    replays = _count_greedy_replays(engine, monkeypatch)
     sampled = SamplingParams(temperature=0.8, max_tokens=6, ignore_eos=True, seed=3)
     penalized = SamplingParams(
         temperature=0.0, max_tokens=6, ignore_eos=True, repetition_penalty=1.3
