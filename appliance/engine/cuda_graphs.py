@@ -58,12 +58,16 @@ class DecodeGraphs:
         *,
         window_group: bool = False,
         greedy_tail: Callable[[torch.Tensor, torch.Tensor], object] | None = None,
+        pool: tuple[int, int] | None = None,
+        stream: torch.cuda.Stream | None = None,
     ):
         """states: a hybrid model's recurrent states (models.recurrent_state), else None;
         window_group: the windowed layers' caches are in a pool of their own; greedy_tail:
         `(hidden [B, H], out [B] int64)` writing each row's greedy token into `out` (the LM head
         and argmax), to capture the greedy graphs with (None: none; not with recurrent states
-        or a window group, whose extra inputs the packed upload does not carry)."""
+        or a window group, whose extra inputs the packed upload does not carry); pool: the
+        private pool to allocate from, shared with other graphs (None: a pool of their own);
+        stream: the stream to capture on (None: torch's)."""
         assert greedy_tail is None or not (states or window_group)
         self.model = model
         self.greedy_tail = greedy_tail
@@ -76,6 +80,8 @@ class DecodeGraphs:
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.greedy_sizes: list[int] = []
         self._greedy_graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self._pool = pool
+        self._stream = stream
         self.pool: tuple[int, int] | None = None  # the private pool, once captured
 
     @property
@@ -104,7 +110,7 @@ class DecodeGraphs:
         self._query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)
         self._state_slots = torch.full((n,), -1, dtype=torch.int32, device=device)
         self._has_initial_state = torch.ones(n, dtype=torch.bool, device=device)
-        self.pool = torch.cuda.graph_pool_handle()
+        self.pool = self._pool or torch.cuda.graph_pool_handle()
         sizes = [max_batch] if only_largest else batch_size_ladder(max_batch)
         # Largest first, so the smaller graphs fit in the memory the largest one reserved.
         for size in reversed(sizes):
@@ -112,7 +118,7 @@ class DecodeGraphs:
             self._forward(size, meta)  # warm-up: autotuning and lazy init stay outside the graph
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool):
+            with torch.cuda.graph(graph, pool=self.pool, stream=self._stream):
                 self._hidden[:size].copy_(self._forward(size, meta))
             self._graphs[size] = graph
         torch.cuda.synchronize()
@@ -139,7 +145,7 @@ class DecodeGraphs:
             self._greedy_step(size, meta)  # warm-up, as above
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool):
+            with torch.cuda.graph(graph, pool=self.pool, stream=self._stream):
                 self._greedy_step(size, meta)
             self._greedy_graphs[size] = graph
         torch.cuda.synchronize()

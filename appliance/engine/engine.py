@@ -282,7 +282,7 @@ class Engine:
             pools = spec.pools_within(config.kv_cache_memory_bytes - state_bytes, num_window_blocks)
         runner.allocate_kv_caches(spec, pools)
         if config.on_gpu and config.enable_cuda_graphs:
-            runner.capture_decode_graphs(config.max_num_seqs)
+            runner.capture_graphs(config.max_num_seqs, config.max_num_batched_tokens)
         block_manager = _block_manager(config, model_config, pools, state_slots is None)
         scheduler = Scheduler(
             SchedulerConfig(
@@ -322,7 +322,7 @@ class Engine:
         is bounded in time instead.)"""
         if self.group is not None:
             if self.group.failure() is None:
-                self.runner.release_decode_graphs()
+                self.runner.release_graphs()
             self.group.close()
 
     @property

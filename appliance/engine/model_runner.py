@@ -27,6 +27,7 @@ from appliance.engine.models.recurrent_state import RecurrentState, allocate_sta
 from appliance.engine.outputs import TokenLogprob
 from appliance.engine.packed_inputs import Uploader
 from appliance.engine.parallel.step_broadcast import StepBroadcast
+from appliance.engine.prompt_graphs import PROMPT_GRAPH_SIZES, PromptGraphs
 from appliance.engine.sampling import greedy_tokens, sample, token_logprobs
 from appliance.engine.sampling_controls import SamplingControls
 from appliance.engine.sampling_params import MAX_TOP_LOGPROBS, SamplingParams
@@ -170,6 +171,10 @@ class ModelRunner:
         # A hybrid model's linear layers' state, one slot per running sequence.
         self.recurrent_states: list[RecurrentState] = []
         self.graphs: DecodeGraphs | None = None
+        self.prompt_graphs: PromptGraphs | None = None
+        # Every capture on one stream: cuBLAS keeps a workspace per stream, and one made while
+        # capturing stays in that capture's pool for good.
+        self._capture_stream: torch.cuda.Stream | None = None
         self.memory_profile: MemoryProfile | None = None
         self._uploader = Uploader(self.device)
 
@@ -220,7 +225,9 @@ class ModelRunner:
         scratch = KVPools(-(-num_tokens // self.block_size) + 1)
         self.kv_caches = spec.allocate(scratch, self.device)
         step = self._profile_step(num_tokens, num_logit_rows)
-        graph_pool = self._profile_graphs(graph_batch) if graph_batch else 0
+        # The prompt steps' graphs are for models without a window group (`capture_graphs`).
+        prompt_tokens = num_tokens if num_window_blocks == 0 else 0
+        graph_pool = self._profile_graphs(graph_batch, prompt_tokens) if graph_batch else 0
         self.kv_caches = []
         # Give the scratch cache back, then budget: what is in use now plus what steps and
         # graphs were measured to reserve.
@@ -285,18 +292,25 @@ class ModelRunner:
         step_reserved = torch.cuda.max_memory_reserved(self.device) - reserved
         return _StepMemory(forward_peak, sampling_peak, step_reserved)
 
-    def _profile_graphs(self, graph_batch: int) -> int:
-        """Bytes the decode graphs keep: those of the largest one, captured on the scratch
-        cache (each smaller graph reuses its pool: appliance.engine.cuda_graphs)."""
+    def _profile_graphs(self, graph_batch: int, max_prompt_tokens: int) -> int:
+        """Bytes the CUDA graphs keep: those of the largest decode batch and the largest prompt
+        step, captured on the scratch cache into one pool (each smaller graph reuses it:
+        appliance.engine.cuda_graphs, appliance.engine.prompt_graphs)."""
         torch.cuda.synchronize(self.device)
         torch.cuda.empty_cache()
         _, before = self._allocated_and_reserved()
-        graphs = self._decode_graphs()
+        pool = torch.cuda.graph_pool_handle()
+        sizes = self._prompt_graph_sizes(max_prompt_tokens)
+        prompt_graphs = None
+        if sizes:
+            prompt_graphs = PromptGraphs(self.model, self.kv_caches, pool, self.capture_stream)
+            prompt_graphs.capture(sizes[-1:])
+        graphs = self._decode_graphs(pool)
         graphs.capture(graph_batch, only_largest=True)
         # The warm-up's eager activations are cached outside the pool: drop them.
         torch.cuda.empty_cache()
         _, after = self._allocated_and_reserved()
-        del graphs
+        del graphs, prompt_graphs
         return after - before
 
     def _allocated_and_reserved(self) -> tuple[int, int]:
@@ -330,21 +344,49 @@ class ModelRunner:
         input_ids = torch.zeros(num_tokens, dtype=torch.int64, device=self.device)
         return input_ids, positions, meta
 
-    def release_decode_graphs(self) -> None:
-        """Free the decode graphs (before the tensor-parallel groups are left: they hold the
-        NCCL communicator); later decode steps run the model eagerly."""
+    def release_graphs(self) -> None:
+        """Free the CUDA graphs (before the tensor-parallel groups are left: the decode graphs
+        hold the NCCL communicator); later steps run the model eagerly."""
         if self.graphs is not None:
             self.graphs.release()
             self.graphs = None
+        if self.prompt_graphs is not None:
+            self.prompt_graphs.release()
+            self.prompt_graphs = None
 
-    def capture_decode_graphs(self, max_batch: int) -> None:
+    def capture_graphs(self, max_batch: int, max_prompt_tokens: int = 0) -> None:
+        """The decode graphs up to `max_batch` rows and, for a model they serve, the prompt
+        steps' graphs up to `max_prompt_tokens` tokens (the step's token budget), in one pool:
+        the prompt steps' largest first, the largest need."""
         if self.peers is not None:
             self.peers.capture_graphs(max_batch)
-        self.graphs = self._decode_graphs()
+        pool = torch.cuda.graph_pool_handle()
+        sizes = self._prompt_graph_sizes(max_prompt_tokens)
+        if sizes:
+            self.prompt_graphs = PromptGraphs(self.model, self.kv_caches, pool, self.capture_stream)
+            self.prompt_graphs.capture(sizes)
+        self.graphs = self._decode_graphs(pool)
         self.graphs.capture(max_batch)
 
-    def _decode_graphs(self) -> DecodeGraphs:
-        """Decode graphs (not captured yet) over the current KV caches."""
+    @property
+    def capture_stream(self) -> torch.cuda.Stream:
+        if self._capture_stream is None:
+            self._capture_stream = torch.cuda.Stream(self.device)
+        return self._capture_stream
+
+    def _prompt_graph_sizes(self, max_prompt_tokens: int) -> list[int]:
+        """The padded token counts of the prompt steps' graphs: none for a model on several
+        devices, with recurrent states or a window group (their steps need inputs the pieces
+        do not stage), or whose attention layers differ in width."""
+        widths = {a.num_heads * a.head_dim for a in self.model.attentions}
+        if self.peers is not None or self.recurrent_states or self.has_window_group:
+            return []
+        if len(widths) != 1:
+            return []
+        return [size for size in PROMPT_GRAPH_SIZES if size <= max_prompt_tokens]
+
+    def _decode_graphs(self, pool: tuple[int, int]) -> DecodeGraphs:
+        """Decode graphs (not captured yet) over the current KV caches, allocating from `pool`."""
         from kernels.decode_attention import choose_num_splits
 
         num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count
@@ -365,6 +407,8 @@ class ModelRunner:
             self.recurrent_states,
             window_group=self.has_window_group,
             greedy_tail=self._greedy_tail if plain else None,
+            pool=pool,
+            stream=self.capture_stream,
         )
 
     def _greedy_tail(self, hidden: torch.Tensor, out: torch.Tensor) -> None:
@@ -537,10 +581,18 @@ class ModelRunner:
         if len(ends) < hidden.shape[0]:
             hidden = hidden[self._to_device(ends, torch.int64)]
         # else every row ends its chunk (a decode step): the rows are hidden's, in order
-        logits = self._compute_logits(hidden)
         params = [s.params for s in seqs]
         wants_logprobs = any(p.logprobs is not None for p in params)
         controls = self._controls(seqs)
+        # Greedy rows with nothing else asked take the argmax of the projection's own output,
+        # the same token as of its float32 copy, which is not made (at 512 rows, 262 MB).
+        plain_greedy = (
+            masks is None
+            and controls is None
+            and not wants_logprobs
+            and all(p.greedy for p in params)
+        )
+        logits = self._compute_logits(hidden, float32=not plain_greedy)
         adjusted = logits if controls is None else controls.apply(logits)
         if masks is not None:
             adjusted = masks.apply(adjusted)
@@ -629,12 +681,13 @@ class ModelRunner:
             self.peers.forward(input_ids, positions, meta, state_meta)
         return self.run_model(input_ids, positions, meta, state_meta)
 
-    def _compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[N, hidden] -> [N, vocab] float32. Every logits computation goes through here: under
-        tensor parallelism the other ranks must join it."""
+    def _compute_logits(self, hidden: torch.Tensor, *, float32: bool = True) -> torch.Tensor:
+        """[N, hidden] -> [N, vocab] float32 (`float32=False`: see `CausalLM.compute_logits`).
+        Every logits computation goes through here: under tensor parallelism the other ranks
+        must join it."""
         if self.peers is not None:
             self.peers.logits(hidden)
-        return self.model.compute_logits(hidden)
+        return self.model.compute_logits(hidden, float32=float32)
 
     def run_model(
         self,
@@ -643,8 +696,9 @@ class ModelRunner:
         meta: AttentionMetadata,
         state_meta: RecurrentStateMetadata | None = None,
     ) -> torch.Tensor:
-        """Hidden states [T, hidden]: from a CUDA graph for decode batches that fit one.
-        `state_meta`: a hybrid model's state slots (None for any other model)."""
+        """Hidden states [T, hidden]: from a CUDA graph for decode batches that fit one, from
+        the prompt graphs' pieces for other steps that fit those. `state_meta`: a hybrid
+        model's state slots (None for any other model)."""
         graphs = self.graphs
         if meta.decode_only and graphs is not None and len(meta.query_lens) <= graphs.max_batch:
             return graphs.run(
@@ -653,6 +707,9 @@ class ModelRunner:
                 meta,
                 None if state_meta is None else state_meta.state_slots,
             )
+        prompt_graphs = self.prompt_graphs
+        if prompt_graphs is not None and input_ids.shape[0] <= prompt_graphs.max_tokens:
+            return prompt_graphs.run(input_ids, positions, meta)
         return self.model(
             input_ids, positions, self.kv_caches, meta, self.recurrent_states, state_meta
         )

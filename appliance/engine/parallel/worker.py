@@ -159,7 +159,7 @@ def _serve(spec: WorkerSpec) -> None:
     _follow(runner, kv_spec, channels)
     # Leave as rank 0 does after STOP (NCCL's teardown is collective), the graphs that
     # captured its collectives released first.
-    runner.release_decode_graphs()
+    runner.release_graphs()
     if all_reduce is not None:
         all_reduce.close()
     dist.destroy_process_group()
@@ -193,7 +193,7 @@ def _follow(runner: ModelRunner, kv_spec: KVCacheSpec, channels: Channels) -> No
             elif message.op is Op.ALLOCATE_STATES:
                 runner.allocate_recurrent_states(args[0])
             elif message.op is Op.CAPTURE_GRAPHS:
-                runner.capture_decode_graphs(args[0])
+                runner.capture_graphs(args[0])
             else:
                 return
 
