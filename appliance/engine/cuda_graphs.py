@@ -18,8 +18,9 @@ out: outside its graph it launched a dozen small kernels and copies, about 25 µ
 device's time a token (docs/BENCHMARKS.md). Only for steps whose every row samples greedily
 with nothing else asked (`ModelRunner` decides); others replay the plain graphs.
 
-Memory: every graph allocates from one private pool, the largest batch captured first, and each
-copies its hidden states into one static output buffer, so no graph's tensor outlives its
+Memory: every graph allocates from one private pool (shared with the prompt steps' graphs,
+appliance.engine.prompt_graphs, captured before these), the largest batch captured first, and
+each copies its hidden states into one static output buffer, so no graph's tensor outlives its
 capture and each smaller graph reuses the memory the largest one's intermediates took. The pool
 is then the largest graph's need, which `ModelRunner.kv_pools_for_free_memory` measures
 before the KV pool is sized (docs/ARCHITECTURE.md, "GPU memory").
@@ -58,16 +59,17 @@ class DecodeGraphs:
         *,
         window_group: bool = False,
         greedy_tail: Callable[[torch.Tensor, torch.Tensor], object] | None = None,
-        pool: tuple[int, int] | None = None,
-        stream: torch.cuda.Stream | None = None,
+        pool: tuple[int, int],
+        stream: torch.cuda.Stream,
     ):
         """states: a hybrid model's recurrent states (models.recurrent_state), else None;
         window_group: the windowed layers' caches are in a pool of their own; greedy_tail:
         `(hidden [B, H], out [B] int64)` writing each row's greedy token into `out` (the LM head
         and argmax), to capture the greedy graphs with (None: none; not with recurrent states
         or a window group, whose extra inputs the packed upload does not carry); pool: the
-        private pool to allocate from, shared with other graphs (None: a pool of their own);
-        stream: the stream to capture on (None: torch's)."""
+        private pool to allocate from, shared with the prompt graphs; stream: the stream every
+        graph is captured on (cuBLAS keeps a workspace per stream, and one made while capturing
+        stays in the pool)."""
         assert greedy_tail is None or not (states or window_group)
         self.model = model
         self.greedy_tail = greedy_tail
@@ -110,17 +112,16 @@ class DecodeGraphs:
         self._query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)
         self._state_slots = torch.full((n,), -1, dtype=torch.int32, device=device)
         self._has_initial_state = torch.ones(n, dtype=torch.bool, device=device)
-        self.pool = self._pool or torch.cuda.graph_pool_handle()
+        self.pool = self._pool
         sizes = [max_batch] if only_largest else batch_size_ladder(max_batch)
         # Largest first, so the smaller graphs fit in the memory the largest one reserved.
         for size in reversed(sizes):
             meta = self._meta(size)
             self._forward(size, meta)  # warm-up: autotuning and lazy init stay outside the graph
             torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool, stream=self._stream):
-                self._hidden[:size].copy_(self._forward(size, meta))
-            self._graphs[size] = graph
+            self._graphs[size] = self._capture(
+                lambda: self._hidden[:size].copy_(self._forward(size, meta))  # noqa: B023
+            )
         torch.cuda.synchronize()
         self.sizes = sorted(self._graphs)
         if self.greedy_tail is not None and not only_largest:
@@ -144,12 +145,25 @@ class DecodeGraphs:
             meta = self._meta(size)
             self._greedy_step(size, meta)  # warm-up, as above
             torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool, stream=self._stream):
-                self._greedy_step(size, meta)
-            self._greedy_graphs[size] = graph
+            self._greedy_graphs[size] = self._capture(
+                lambda: self._greedy_step(size, meta)  # noqa: B023
+            )
         torch.cuda.synchronize()
         self.greedy_sizes = sorted(self._greedy_graphs)
+
+    def _capture(self, run: Callable[[], object]) -> torch.cuda.CUDAGraph:
+        """One graph of what `run` launches, into the pool, on the capture stream (the device
+        synchronized after the warm-up before). Not `torch.cuda.graph`, which empties torch's
+        device and pinned-host caches before every capture: dozens of sizes then free and map
+        again the warm-ups' memory each time, a cold start's cost (W5)."""
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.stream(self._stream):
+            graph.capture_begin(pool=self.pool)
+            try:
+                run()
+            finally:
+                graph.capture_end()
+        return graph
 
     def _greedy_step(self, size: int, meta: AttentionMetadata) -> None:
         from kernels.graph_inputs import stage_decode_inputs
