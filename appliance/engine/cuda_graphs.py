@@ -29,7 +29,9 @@ before the KV pool is sized (docs/ARCHITECTURE.md, "GPU memory").
 from __future__ import annotations
 
 import bisect
-from collections.abc import Callable
+import contextlib
+import gc
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -39,6 +41,22 @@ from kernels.ops import AttentionMetadata, RecurrentStateMetadata
 
 # The largest decode batch that also gets a graph sampling greedily inside it.
 GREEDY_MAX_BATCH = 8
+
+
+@contextlib.contextmanager
+def collector_paused() -> Iterator[None]:
+    """Python's cyclic garbage collector off while graphs are captured. A collection may
+    destroy an unreachable CUDA graph (an earlier engine's, a test's), a call CUDA refuses
+    while any stream captures: the capture under way then fails
+    (cudaErrorStreamCaptureInvalidated). `inferno serve` has the collector paused through its
+    start already (appliance.boot.collector_pause); tests and benchmarks do not."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 def batch_size_ladder(max_batch: int) -> list[int]:
@@ -153,9 +171,10 @@ class DecodeGraphs:
 
     def _capture(self, run: Callable[[], object]) -> torch.cuda.CUDAGraph:
         """One graph of what `run` launches, into the pool, on the capture stream (the device
-        synchronized after the warm-up before). Not `torch.cuda.graph`, which empties torch's
-        device and pinned-host caches before every capture: dozens of sizes then free and map
-        again the warm-ups' memory each time, a cold start's cost (W5)."""
+        synchronized after the warm-up before), as the prompt graphs capture theirs. Not
+        `torch.cuda.graph`, which empties torch's device and pinned-host caches before every
+        capture, so that each of some forty sizes' warm-ups maps its memory again (W5 on the
+        H100 did not measurably change either way: docs/BENCHMARKS.md, round 8)."""
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.stream(self._stream):
             graph.capture_begin(pool=self.pool)

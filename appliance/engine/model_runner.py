@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from appliance.engine.cuda_graphs import DecodeGraphs
+from appliance.engine.cuda_graphs import DecodeGraphs, collector_paused
 from appliance.engine.errors import EngineConfigError
 from appliance.engine.kv_cache import KVCacheSpec, KVPools
 from appliance.engine.models.decoder import CausalLM
@@ -302,11 +302,12 @@ class ModelRunner:
         pool = torch.cuda.graph_pool_handle()
         sizes = self._prompt_graph_sizes(max_prompt_tokens)
         prompt_graphs = None
-        if sizes:
-            prompt_graphs = PromptGraphs(self.model, self.kv_caches, pool, self.capture_stream)
-            prompt_graphs.capture(sizes[-1:])
         graphs = self._decode_graphs(pool)
-        graphs.capture(graph_batch, only_largest=True)
+        with collector_paused():
+            if sizes:
+                prompt_graphs = PromptGraphs(self.model, self.kv_caches, pool, self.capture_stream)
+                prompt_graphs.capture(sizes[-1:])
+            graphs.capture(graph_batch, only_largest=True)
         # The warm-up's eager activations are cached outside the pool: drop them.
         torch.cuda.empty_cache()
         _, after = self._allocated_and_reserved()
@@ -362,11 +363,14 @@ class ModelRunner:
             self.peers.capture_graphs(max_batch)
         pool = torch.cuda.graph_pool_handle()
         sizes = self._prompt_graph_sizes(max_prompt_tokens)
-        if sizes:
-            self.prompt_graphs = PromptGraphs(self.model, self.kv_caches, pool, self.capture_stream)
-            self.prompt_graphs.capture(sizes)
-        self.graphs = self._decode_graphs(pool)
-        self.graphs.capture(max_batch)
+        with collector_paused():
+            if sizes:
+                self.prompt_graphs = PromptGraphs(
+                    self.model, self.kv_caches, pool, self.capture_stream
+                )
+                self.prompt_graphs.capture(sizes)
+            self.graphs = self._decode_graphs(pool)
+            self.graphs.capture(max_batch)
 
     @property
     def capture_stream(self) -> torch.cuda.Stream:

@@ -13,6 +13,7 @@ logits.
 
 from __future__ import annotations
 
+import gc
 from pathlib import Path
 
 import pytest
@@ -147,3 +148,23 @@ def test_the_engine_gives_the_same_tokens_with_and_without_the_prompt_graphs(mon
     engine = _engine(model, async_scheduling=True)
     assert engine.runner.prompt_graphs is None
     assert _run(engine) == with_graphs
+
+
+def test_every_capture_begins_with_the_collector_off(bf16_model, monkeypatch) -> None:
+    """A collection during a capture may destroy an unreachable engine's graph, which CUDA
+    refuses while a stream captures, failing the capture (seen in this suite before the
+    collector was paused: an earlier test's engine collected mid-capture)."""
+    states: list[bool] = []
+    begin = torch.cuda.CUDAGraph.capture_begin
+
+    def recording(self, *args, **kwargs):
+        states.append(gc.isenabled())
+        return begin(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.cuda.CUDAGraph, "capture_begin", recording)
+    gc.enable()
+    engine = _engine(bf16_model)
+    assert engine.runner.prompt_graphs is not None and engine.runner.graphs is not None
+    # The profile's captures, then every prompt piece and decode graph.
+    assert len(states) > 2 * len(engine.runner.graphs.sizes) and not any(states)
+    assert gc.isenabled()
