@@ -67,9 +67,11 @@ import torch
 import triton
 from torch import nn
 
+from appliance.engine.cuda_graphs import DecodeGraphs
 from appliance.engine.engine import Engine
 from appliance.engine.engine_config import EngineConfig
 from appliance.engine.errors import ModelLoadError
+from appliance.engine.model_runner import ModelRunner
 from appliance.engine.models.config import ModelConfig
 from appliance.engine.models.decoder import CausalLM
 from appliance.engine.models.loader import (
@@ -81,6 +83,7 @@ from appliance.engine.models.loader import (
 from appliance.engine.models.projections import quantize_projections
 from appliance.engine.models.recurrent_state import state_bytes_per_slot
 from appliance.engine.models.sparse_moe import Experts
+from appliance.engine.prompt_graphs import PromptGraphs
 from appliance.engine.sampling_params import SamplingParams
 from kernels import triton_ops
 from kernels.ops import KernelOps
@@ -382,7 +385,63 @@ def build_engine(model: CausalLM, **overrides) -> Engine:
         **run_settings,
         **overrides,
     }
-    return Engine.build(EngineConfig(**settings), model, tokenizer=None)
+    with BuildClock() as clock:
+        engine = Engine.build(EngineConfig(**settings), model, tokenizer=None)
+    report("engine build (W5's warm-up phase)", clock.summary())
+    return engine
+
+
+class BuildClock:
+    """Where an engine's build spends its time: sizing the KV pool (the profiled step and the
+    graphs captured to measure their pool), allocating it, capturing the CUDA graphs; and of
+    all captures, the prompt graphs' and the decode graphs'. Wraps the methods while inside."""
+
+    _TIMED = (
+        (ModelRunner, "kv_pools_for_free_memory"),
+        (ModelRunner, "allocate_kv_caches"),
+        (ModelRunner, "capture_graphs"),
+        (PromptGraphs, "capture"),
+        (DecodeGraphs, "capture"),
+    )
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+        self._kept: list[tuple[type, str, Any]] = []
+
+    def __enter__(self) -> BuildClock:
+        self._start = time.perf_counter()
+        for owner, name in self._TIMED:
+            method = getattr(owner, name)
+            self._kept.append((owner, name, method))
+            setattr(owner, name, self._timed(f"{owner.__name__}.{name}", method))
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.total = time.perf_counter() - self._start
+        for owner, name, method in self._kept:
+            setattr(owner, name, method)
+
+    def _timed(self, key: str, method):
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return method(*args, **kwargs)
+            finally:
+                self.seconds[key] = self.seconds.get(key, 0.0) + time.perf_counter() - start
+
+        return timed
+
+    def summary(self) -> str:
+        def s(key: str) -> float:
+            return self.seconds.get(key, 0.0)
+
+        return (
+            f"{self.total:.2f} s: KV pool sized {s('ModelRunner.kv_pools_for_free_memory'):.2f} s,"
+            f" allocated {s('ModelRunner.allocate_kv_caches'):.2f} s, graphs captured "
+            f"{s('ModelRunner.capture_graphs'):.2f} s; all captures (the profile's too): "
+            f"prompt graphs {s('PromptGraphs.capture'):.2f} s, decode graphs "
+            f"{s('DecodeGraphs.capture'):.2f} s"
+        )
 
 
 def random_prompts(n: int, length: int, seed: int) -> list[list[int]]:
@@ -432,8 +491,8 @@ def run_timed(engine: Engine, prompts: list[list[int]], params: SamplingParams):
 
 def release(engine: Engine) -> None:
     """Free an engine's KV pool and graphs before the next one is sized from free memory."""
+    engine.runner.release_graphs()  # the prompt graphs' recorded attention holds the caches
     engine.runner.kv_caches.clear()
-    engine.runner.graphs = None
     gc.collect()
     torch.cuda.empty_cache()
 

@@ -382,10 +382,9 @@ class ModelRunner:
         """The padded token counts of the prompt steps' graphs: none for a model on several
         devices, with recurrent states or a window group (their steps need inputs the pieces
         do not stage), or whose attention layers differ in width."""
-        widths = {a.num_heads * a.head_dim for a in self.model.attentions}
         if self.peers is not None or self.recurrent_states or self.has_window_group:
             return []
-        if len(widths) != 1:
+        if len({a.num_heads * a.head_dim for a in self.model.attentions}) != 1:
             return []
         return [size for size in PROMPT_GRAPH_SIZES if size <= max_prompt_tokens]
 

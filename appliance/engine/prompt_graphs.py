@@ -50,7 +50,7 @@ from kernels.ops import AttentionMetadata, KernelOps
 PROMPT_GRAPH_SIZES = (128, 256, 384, 512, 640)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class _AttentionCall:
     """What one attention layer reads, recorded at capture and replayed eagerly."""
 
@@ -81,6 +81,8 @@ class _SplitAtAttention:
 
 
 class PromptGraphs:
+    """The pieces of every captured size, replayed around eager attention (module docstring)."""
+
     def __init__(
         self,
         model: CausalLM,
@@ -136,25 +138,38 @@ class PromptGraphs:
 
     def _capture_pieces(self, size: int) -> list[torch.cuda.CUDAGraph]:
         pieces: list[torch.cuda.CUDAGraph] = []
-        graph = torch.cuda.CUDAGraph()
-        graph.capture_begin(pool=self.pool)
+        graph: torch.cuda.CUDAGraph | None = None
+
+        def begin() -> None:
+            nonlocal graph
+            graph = torch.cuda.CUDAGraph()
+            graph.capture_begin(pool=self.pool)
+
+        def end() -> None:
+            nonlocal graph
+            assert graph is not None
+            ended, graph = graph, None
+            ended.capture_end()
+            pieces.append(ended)
+
+        def split(q: torch.Tensor, call: _AttentionCall) -> torch.Tensor:
+            self._q[:size].copy_(q)
+            end()
+            index = len(pieces) - 1
+            if index == len(self._calls):  # the first size captured records the calls
+                self._calls.append(call)
+            # Every size makes the same calls in the same order.
+            assert self._calls[index].k_cache.data_ptr() == call.k_cache.data_ptr()
+            begin()
+            return self._out[:size]
+
+        begin()
         try:
-
-            def split(q: torch.Tensor, call: _AttentionCall) -> torch.Tensor:
-                nonlocal graph
-                self._q[:size].copy_(q)
-                graph.capture_end()
-                pieces.append(graph)
-                if len(self._calls) < len(pieces):
-                    self._calls.append(call)
-                graph = torch.cuda.CUDAGraph()
-                graph.capture_begin(pool=self.pool)
-                return self._out[:size]
-
             self._hidden[:size].copy_(self._forward(size, split))
+            end()
         finally:
-            graph.capture_end()
-        pieces.append(graph)
+            if graph is not None:  # a failed capture: end it, so the stream is usable again
+                graph.capture_end()
         return pieces
 
     def _forward(self, size: int, split: Callable[..., torch.Tensor] | None) -> torch.Tensor:
