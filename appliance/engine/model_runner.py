@@ -38,6 +38,9 @@ from kernels.ops import AttentionMetadata, RecurrentStateMetadata
 
 logger = logging.getLogger(__name__)
 
+# ModelRunner.capture_stream's, per device.
+_CAPTURE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
+
 # Rows of prompt logits turned into log-probabilities at once (bounds [rows, vocab] memory).
 _PROMPT_LOGPROB_ROWS = 256
 
@@ -172,9 +175,6 @@ class ModelRunner:
         self.recurrent_states: list[RecurrentState] = []
         self.graphs: DecodeGraphs | None = None
         self.prompt_graphs: PromptGraphs | None = None
-        # Every capture on one stream: cuBLAS keeps a workspace per stream, and one made while
-        # capturing stays in that capture's pool for good.
-        self._capture_stream: torch.cuda.Stream | None = None
         self.memory_profile: MemoryProfile | None = None
         self._uploader = Uploader(self.device)
 
@@ -374,9 +374,13 @@ class ModelRunner:
 
     @property
     def capture_stream(self) -> torch.cuda.Stream:
-        if self._capture_stream is None:
-            self._capture_stream = torch.cuda.Stream(self.device)
-        return self._capture_stream
+        """The stream every CUDA graph on this device is captured on, the same for every runner
+        of the process: cuBLAS keeps a workspace per stream, and one made while capturing stays
+        in that capture's pool for good (a new stream per engine would leave one behind each)."""
+        stream = _CAPTURE_STREAMS.get(self.device)
+        if stream is None:
+            stream = _CAPTURE_STREAMS[self.device] = torch.cuda.Stream(self.device)
+        return stream
 
     def _prompt_graph_sizes(self, max_prompt_tokens: int) -> list[int]:
         """The padded token counts of the prompt steps' graphs: none for a model on several
