@@ -691,9 +691,10 @@ class ModelRunner:
     def _compute_logits(self, hidden: torch.Tensor, *, float32: bool = True) -> torch.Tensor:
         """[N, hidden] -> [N, vocab] float32 (`float32=False`: see `CausalLM.compute_logits`).
         Every logits computation goes through here: under tensor parallelism the other ranks
-        must join it."""
+        must join it, and every rank gathers float32 logits (`parallel.sharding`)."""
         if self.peers is not None:
             self.peers.logits(hidden)
+            return self.model.compute_logits(hidden)
         return self.model.compute_logits(hidden, float32=float32)
 
     def run_model(

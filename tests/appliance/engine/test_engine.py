@@ -151,8 +151,8 @@ def test_penalties_change_greedy_tokens_as_the_reference_says_beside_a_plain_req
     recorded: list[torch.Tensor] = []
     compute_logits = engine.runner.model.compute_logits
 
-    def recording(hidden: torch.Tensor) -> torch.Tensor:
-        logits = compute_logits(hidden)
+    def recording(hidden: torch.Tensor, **options: bool) -> torch.Tensor:
+        logits = compute_logits(hidden, **options)
         recorded.append(logits.clone())
         return logits
 

@@ -67,8 +67,8 @@ class Recorder:
         self.logits: list[torch.Tensor] = []
         compute_logits = engine.runner.model.compute_logits
 
-        def recording(hidden: torch.Tensor) -> torch.Tensor:
-            logits = compute_logits(hidden)
+        def recording(hidden: torch.Tensor, **options: bool) -> torch.Tensor:
+            logits = compute_logits(hidden, **options)
             self.logits.append(logits.clone())
             return logits
 
