@@ -107,8 +107,24 @@ class PromptGraphs:
     @torch.inference_mode()
     def capture(self, sizes: list[int]) -> None:
         """Capture the pieces of each padded token count in `sizes`."""
+        device = self.model.embed_tokens.weight.device
+        self._allocate(max(sizes))
+        stream = self.stream
+        stream.wait_stream(torch.cuda.current_stream(device))
+        # Largest first, so the smaller sizes fit in the memory the largest one's pieces took.
+        for size in sorted(sizes, reverse=True):
+            self._forward(size, None)  # warm-up: compilation and lazy set-up stay outside
+            torch.cuda.synchronize(device)
+            with torch.cuda.stream(stream):
+                self._pieces[size] = self._capture_pieces(size)
+        torch.cuda.current_stream(device).wait_stream(stream)
+        torch.cuda.synchronize(device)
+        self.sizes = sorted(self._pieces)
+
+    def _allocate(self, n: int) -> None:
+        """The static inputs and outputs of steps of up to `n` tokens."""
         weight = self.model.embed_tokens.weight
-        device, n = weight.device, max(sizes)
+        device = weight.device
         attention = self.model.attentions[0]
         width = attention.num_heads * attention.head_dim
         self._input_ids = torch.zeros(n, dtype=torch.int64, device=device)
@@ -124,17 +140,6 @@ class PromptGraphs:
         )
         self._out = torch.zeros_like(self._q)
         assert all(a.num_heads * a.head_dim == width for a in self.model.attentions)
-        stream = self.stream
-        stream.wait_stream(torch.cuda.current_stream(device))
-        # Largest first, so the smaller sizes fit in the memory the largest one's pieces took.
-        for size in sorted(sizes, reverse=True):
-            self._forward(size, None)  # warm-up: compilation and lazy set-up stay outside
-            torch.cuda.synchronize(device)
-            with torch.cuda.stream(stream):
-                self._pieces[size] = self._capture_pieces(size)
-        torch.cuda.current_stream(device).wait_stream(stream)
-        torch.cuda.synchronize(device)
-        self.sizes = sorted(self._pieces)
 
     def _capture_pieces(self, size: int) -> list[torch.cuda.CUDAGraph]:
         pieces: list[torch.cuda.CUDAGraph] = []
