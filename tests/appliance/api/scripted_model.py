@@ -55,7 +55,9 @@ class ScriptedModel(nn.Module):
             self._starting = True
         return positions.to(torch.float32).unsqueeze(-1)  # each row's "hidden state": [T, 1]
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def compute_logits(self, hidden: torch.Tensor, *, float32: bool = True) -> torch.Tensor:
+        """CausalLM's: float32 logits (`float32=False` allows the projection's dtype, which
+        here is float32 too)."""
         positions = hidden[:, 0].long().tolist()
         if self._starting:  # the first sampled row is the prompt's last token
             self._start, self._starting = positions[0] + 1, False
