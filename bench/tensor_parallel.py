@@ -172,8 +172,8 @@ def correctness(size: int) -> None:
             recorded: list[torch.Tensor] = []
             compute = engine.runner.model.compute_logits
 
-            def recording(hidden: torch.Tensor, compute=compute, recorded=recorded):
-                out = compute(hidden)
+            def recording(hidden: torch.Tensor, compute=compute, recorded=recorded, **options):
+                out = compute(hidden, **options)
                 recorded.append(out.clone())
                 return out
 
