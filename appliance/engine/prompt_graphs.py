@@ -12,13 +12,14 @@ ladder, and replayed; attention runs eagerly between the pieces, with the step's
 Capture: the forward pass runs once under capture with every attention layer's kernel ops
 replaced by `_SplitAtAttention`, whose `paged_attention` ends the graph being captured (after
 copying q into the static `q` buffer), records what the layer's attention reads (its caches,
-scale, window, FP8 scales, sinks, which KV group's metadata), begins the next graph and returns
+scale, window, FP8 scales, sinks), begins the next graph and returns
 the static `out` buffer as the attention's output. A model of L attention layers gives L + 1
 pieces. Replay: the step's ids, positions and slots go into the static inputs (padding rows:
 slot -1, no KV write), then piece 0, attention 0 from `q` into `out`, piece 1, ... and the last
 piece copies the final hidden states into the static `hidden` buffer. Padding rows compute
-garbage that no row reads (every kernel in a piece works row by row); `out`'s rows past a step's
-tokens are zeroed once and otherwise hold an earlier step's values, so they stay finite.
+garbage that no row reads (in a piece, each row's result depends on that row alone); `out`'s
+rows past a step's tokens are zeroed once and otherwise hold an earlier step's values, so they
+stay finite.
 
 Memory: the pieces allocate from the decode graphs' private pool (appliance.engine.
 cuda_graphs), the largest size captured first; a tensor that crosses an attention call (the
@@ -26,8 +27,9 @@ residual stream) lives in the pool from its piece to the next, which no other gr
 in between. The pool is then the largest of all the graphs' needs, measured by
 `ModelRunner.kv_pools_for_free_memory` before the KV pool is sized.
 
-Only for models on one device without recurrent states or a window group (`ModelRunner`
-decides): their pieces need no inputs past the three above.
+Only for models on one device without recurrent states or a window group, whose attention
+layers share one width (`ModelRunner` decides): their pieces need no inputs past the three
+above, and every layer's q and output fit the same two buffers.
 """
 
 from __future__ import annotations
