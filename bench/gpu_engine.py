@@ -748,7 +748,7 @@ def w6(engine: Engine, model: CausalLM) -> None:
         "goal ≤ 1.5 GiB",
     )
     graphs = engine.runner.graphs
-    pool = tuple(graphs.pool) if graphs is not None and graphs.pool is not None else None
+    pool = tuple(graphs.pool) if graphs is not None else None
     segments = torch.cuda.memory_snapshot()
     in_pool = [s for s in segments if tuple(s.get("segment_pool_id", ())) == pool]
     eager = [s for s in segments if tuple(s.get("segment_pool_id", ())) != pool]
@@ -757,7 +757,7 @@ def w6(engine: Engine, model: CausalLM) -> None:
     mib = 2**20
     report(
         "W6 breakdown (MiB)",
-        f"decode graphs' pool {sum(s['total_size'] for s in in_pool) / mib:.0f}; "
+        f"CUDA graphs' pool {sum(s['total_size'] for s in in_pool) / mib:.0f}; "
         f"live tensors beyond weights and KV {live / mib:.0f}; "
         f"cached, unused (fragmentation) "
         f"{sum(s['total_size'] - s['allocated_size'] for s in eager) / mib:.0f}; "

@@ -100,9 +100,8 @@ class DecodeGraphs:
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.greedy_sizes: list[int] = []
         self._greedy_graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self._pool = pool
         self._stream = stream
-        self.pool: tuple[int, int] | None = None  # the private pool, once captured
+        self.pool = pool  # shared with the prompt graphs
 
     @property
     def max_batch(self) -> int:
@@ -130,7 +129,6 @@ class DecodeGraphs:
         self._query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)
         self._state_slots = torch.full((n,), -1, dtype=torch.int32, device=device)
         self._has_initial_state = torch.ones(n, dtype=torch.bool, device=device)
-        self.pool = self._pool
         sizes = [max_batch] if only_largest else batch_size_ladder(max_batch)
         # Largest first, so the smaller graphs fit in the memory the largest one reserved.
         for size in reversed(sizes):
@@ -246,9 +244,8 @@ class DecodeGraphs:
         return self._hidden[:batch]
 
     def pool_bytes(self) -> int:
-        """Device memory the graphs' private pool holds (its segments in the allocator)."""
-        if self.pool is None:
-            return 0
+        """Device memory the graphs' private pool holds (its segments in the allocator), the
+        prompt graphs' included."""
         pool = tuple(self.pool)
         return sum(
             segment["total_size"]
