@@ -299,15 +299,7 @@ class ModelRunner:
         torch.cuda.synchronize(self.device)
         torch.cuda.empty_cache()
         _, before = self._allocated_and_reserved()
-        pool = torch.cuda.graph_pool_handle()
-        sizes = self._prompt_graph_sizes(max_prompt_tokens)
-        prompt_graphs = None
-        graphs = self._decode_graphs(pool)
-        with collector_paused():
-            if sizes:
-                prompt_graphs = PromptGraphs(self.model, self.kv_caches, pool, self.capture_stream)
-                prompt_graphs.capture(sizes[-1:])
-            graphs.capture(graph_batch, only_largest=True)
+        prompt_graphs, graphs = self._capture(graph_batch, max_prompt_tokens, only_largest=True)
         # The warm-up's eager activations are cached outside the pool: drop them.
         torch.cuda.empty_cache()
         _, after = self._allocated_and_reserved()
@@ -361,16 +353,24 @@ class ModelRunner:
         the prompt steps' largest first, the largest need."""
         if self.peers is not None:
             self.peers.capture_graphs(max_batch)
+        self.prompt_graphs, self.graphs = self._capture(max_batch, max_prompt_tokens)
+
+    def _capture(
+        self, max_batch: int, max_prompt_tokens: int, *, only_largest: bool = False
+    ) -> tuple[PromptGraphs | None, DecodeGraphs]:
+        """Both kinds of graph over the current KV caches, in one new pool, the prompt steps'
+        first (`only_largest`: each kind's largest size alone, to measure the pool)."""
         pool = torch.cuda.graph_pool_handle()
         sizes = self._prompt_graph_sizes(max_prompt_tokens)
+        prompt_graphs = None
+        if sizes:
+            prompt_graphs = PromptGraphs(self.model, self.kv_caches, pool, self.capture_stream)
+        graphs = self._decode_graphs(pool)
         with collector_paused():
-            if sizes:
-                self.prompt_graphs = PromptGraphs(
-                    self.model, self.kv_caches, pool, self.capture_stream
-                )
-                self.prompt_graphs.capture(sizes)
-            self.graphs = self._decode_graphs(pool)
-            self.graphs.capture(max_batch)
+            if prompt_graphs is not None:
+                prompt_graphs.capture(sizes[-1:] if only_largest else sizes)
+            graphs.capture(max_batch, only_largest=only_largest)
+        return prompt_graphs, graphs
 
     @property
     def capture_stream(self) -> torch.cuda.Stream:
@@ -382,11 +382,16 @@ class ModelRunner:
             stream = _CAPTURE_STREAMS[self.device] = torch.cuda.Stream(self.device)
         return stream
 
+    @property
+    def _plain_inputs(self) -> bool:
+        """One device, no recurrent states, no window group: a step's inputs are its ids,
+        positions, slots and tables alone, all the greedy and prompt graphs stage."""
+        return self.peers is None and not self.recurrent_states and not self.has_window_group
+
     def _prompt_graph_sizes(self, max_prompt_tokens: int) -> list[int]:
-        """The padded token counts of the prompt steps' graphs: none for a model on several
-        devices, with recurrent states or a window group (their steps need inputs the pieces
-        do not stage), or whose attention layers differ in width."""
-        if self.peers is not None or self.recurrent_states or self.has_window_group:
+        """The padded token counts of the prompt steps' graphs: none for a model whose steps
+        need more inputs (`_plain_inputs`) or whose attention layers differ in width."""
+        if not self._plain_inputs:
             return []
         if len({a.num_heads * a.head_dim for a in self.model.attentions}) != 1:
             return []
@@ -404,8 +409,6 @@ class ModelRunner:
         def num_splits_for(batch: int) -> int:
             return choose_num_splits(batch, num_kv_heads, max_model_len, num_sms)
 
-        # Greedy graphs for one-device models whose steps need no inputs past the packed ones.
-        plain = self.peers is None and not self.recurrent_states and not self.has_window_group
         return DecodeGraphs(
             self.model,
             self.kv_caches,
@@ -413,7 +416,7 @@ class ModelRunner:
             num_splits_for,
             self.recurrent_states,
             window_group=self.has_window_group,
-            greedy_tail=self._greedy_tail if plain else None,
+            greedy_tail=self._greedy_tail if self._plain_inputs else None,
             pool=pool,
             stream=self.capture_stream,
         )

@@ -65,6 +65,21 @@ class _AttentionCall:
     v_scale: torch.Tensor | None
     sinks: torch.Tensor | None
 
+    def run(self, q: torch.Tensor, meta: AttentionMetadata, out: torch.Tensor) -> None:
+        """The layer's attention over a step's own metadata, written into `out`."""
+        self.ops.paged_attention(
+            q,
+            self.k_cache,
+            self.v_cache,
+            meta,
+            self.scale,
+            sliding_window=self.sliding_window,
+            k_scale=self.k_scale,
+            v_scale=self.v_scale,
+            sinks=self.sinks,
+            out=out,
+        )
+
 
 class _SplitAtAttention:
     """An attention layer's kernel ops while a size is captured: everything passes through
@@ -224,18 +239,7 @@ class PromptGraphs:
         pieces = self._pieces[size]
         for piece, call in zip(pieces, self._calls, strict=False):
             piece.replay()
-            call.ops.paged_attention(
-                q,
-                call.k_cache,
-                call.v_cache,
-                meta,
-                call.scale,
-                sliding_window=call.sliding_window,
-                k_scale=call.k_scale,
-                v_scale=call.v_scale,
-                sinks=call.sinks,
-                out=out,
-            )
+            call.run(q, meta, out)
         pieces[-1].replay()
         return self._hidden[:num_tokens]
 

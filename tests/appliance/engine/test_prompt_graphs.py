@@ -100,18 +100,7 @@ def test_each_recorded_attention_call_run_between_the_pieces_gives_the_plain_for
             """What `PromptGraphs.run` does between two pieces."""
             calls.append(call)
             graphs._q[:size].copy_(q)
-            call.ops.paged_attention(
-                graphs._q[:12],
-                call.k_cache,
-                call.v_cache,
-                meta,
-                call.scale,
-                sliding_window=call.sliding_window,
-                k_scale=call.k_scale,
-                v_scale=call.v_scale,
-                sinks=call.sinks,
-                out=graphs._out[:12],
-            )
+            call.run(graphs._q[:12], meta, graphs._out[:12])
             return graphs._out[:size]
 
         hidden = graphs._forward(size, replay_attention)
