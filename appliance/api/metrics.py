@@ -224,6 +224,12 @@ class ServerMetrics:
             ("vllm:num_requests_running", "Requests running on the engine.", stats.num_running),
             ("vllm:num_requests_waiting", "Requests waiting to be scheduled.", stats.num_waiting),
             ("vllm:kv_cache_usage_perc", "KV-cache usage: 1 means full.", stats.kv_cache_usage),
+            (
+                "inferno:cuda_graphs_pending",
+                "CUDA graphs still to capture after start-up, which the engine does while "
+                "idle: until then the steps they would replay run eagerly.",
+                stats.num_pending_graphs,
+            ),
         )
         if stats.window_kv_cache_usage is not None:
             gauges += (

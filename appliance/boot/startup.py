@@ -109,8 +109,14 @@ def engine_config(settings: Settings) -> EngineConfig:
     device's name and the dtype, the model's config.json), so that such errors stop the start
     at once, while the preload imports torch. Whether this machine has the device is checked
     where the engine first looks for it (step 4b for GPUs a verdict must cover, else the load
-    of step 6), failing the start there like any step. Raises EngineError."""
-    config = EngineConfig(model_dir=settings.model.dir, **settings.engine.model_dump())
+    of step 6), failing the start there like any step. The server captures the engine's CUDA
+    graphs while idle, once it is ready (EngineConfig.capture_graphs_when_idle). Raises
+    EngineError."""
+    config = EngineConfig(
+        model_dir=settings.model.dir,
+        capture_graphs_when_idle=True,
+        **settings.engine.model_dump(),
+    )
     ModelConfig.from_model_dir(config.model_dir)
     return config
 

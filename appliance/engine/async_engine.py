@@ -234,8 +234,9 @@ class AsyncEngine:
         engine = self._engine
         try:
             while True:
-                # Block for a command only when idle; otherwise drain what is there and step.
-                wait = not engine.has_unfinished()
+                # Block for a command only when idle with no CUDA graph left to capture;
+                # otherwise drain what is there, then step, or capture the next graph.
+                wait = not engine.has_unfinished() and not engine.num_pending_graphs
                 while True:
                     try:
                         command = self._commands.get(block=wait)
@@ -254,7 +255,10 @@ class AsyncEngine:
                         out = engine.abort(command.request_id)
                         if out is not None:
                             self._deliver([out])
-                self._deliver(engine.step())
+                if engine.num_pending_graphs and not engine.has_unfinished():
+                    engine.capture_pending_graph()
+                else:
+                    self._deliver(engine.step())
         except BaseException as exc:  # the thread must report, whatever went wrong
             logger.exception("engine thread failed")
             self._fail(exc)

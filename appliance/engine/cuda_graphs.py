@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import bisect
 import contextlib
+import functools
 import gc
 from collections.abc import Callable, Iterator
 
@@ -45,11 +46,12 @@ GREEDY_MAX_BATCH = 8
 
 @contextlib.contextmanager
 def collector_paused() -> Iterator[None]:
-    """Python's cyclic garbage collector off while graphs are captured. A collection may
-    destroy an unreachable CUDA graph (an earlier engine's, a test's), a call CUDA refuses
-    while any stream captures: the capture under way then fails
-    (cudaErrorStreamCaptureInvalidated). `inferno serve` has the collector paused through its
-    start already (appliance.boot.collector_pause); tests and benchmarks do not."""
+    """Python's cyclic garbage collector off while graphs are captured (or memory measured:
+    ModelRunner.kv_pools_for_free_memory). A collection may destroy an unreachable CUDA graph
+    (an earlier engine's, a test's), a call CUDA refuses while any stream captures: the
+    capture under way then fails (cudaErrorStreamCaptureInvalidated); one that frees memory
+    during a measurement skews it. `inferno serve` has the collector paused through its start
+    already (appliance.boot.collector_pause), not through the captures once ready."""
     enabled = gc.isenabled()
     gc.disable()
     try:
@@ -107,12 +109,25 @@ class DecodeGraphs:
     def max_batch(self) -> int:
         return self.sizes[-1] if self.sizes else 0
 
-    @torch.inference_mode()
-    def capture(self, max_batch: int, *, only_largest: bool = False) -> None:
-        """Capture the ladder of batch sizes up to `max_batch` (`only_largest`: that size alone,
-        to measure the pool)."""
+    def captures(self, max_batch: int, *, only_largest: bool = False) -> list[Callable[[], None]]:
+        """One capture per graph, to be run in this order: the ladder of batch sizes up to
+        `max_batch`, largest first, then the greedy graphs (`only_largest`: that size's plain
+        graph alone, to measure the pool). Each graph replays as soon as its capture has run;
+        steps may run between two captures (an engine that captures while idle), eagerly where
+        no captured size fits them."""
+        self._allocate(max_batch)
+        sizes = [max_batch] if only_largest else batch_size_ladder(max_batch)
+        # Largest first, so the smaller graphs fit in the memory the largest one reserved.
+        captures = [functools.partial(self._capture_plain, size) for size in reversed(sizes)]
+        if self.greedy_tail is None or only_largest:
+            return captures
+        greedy = [size for size in sizes if size <= GREEDY_MAX_BATCH]
+        captures += [functools.partial(self._capture_greedy, size) for size in reversed(greedy)]
+        return captures
+
+    def _allocate(self, n: int) -> None:
+        """The static inputs and output of batches of up to `n` rows."""
         device = self.model.embed_tokens.weight.device
-        n = max_batch
         hidden_size = self.model.config.hidden_size
         self._hidden = torch.empty(
             n, hidden_size, dtype=self.model.embed_tokens.weight.dtype, device=device
@@ -129,41 +144,51 @@ class DecodeGraphs:
         self._query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)
         self._state_slots = torch.full((n,), -1, dtype=torch.int32, device=device)
         self._has_initial_state = torch.ones(n, dtype=torch.bool, device=device)
-        sizes = [max_batch] if only_largest else batch_size_ladder(max_batch)
-        # Largest first, so the smaller graphs fit in the memory the largest one reserved.
-        for size in reversed(sizes):
-            meta = self._meta(size)
-            self._forward(size, meta)  # warm-up: autotuning and lazy init stay outside the graph
-            torch.cuda.synchronize()
-            self._graphs[size] = self._capture(
-                lambda: self._hidden[:size].copy_(self._forward(size, meta))  # noqa: B023
-            )
-        torch.cuda.synchronize()
-        self.sizes = sorted(self._graphs)
-        if self.greedy_tail is not None and not only_largest:
-            self._capture_greedy([s for s in self.sizes if s <= GREEDY_MAX_BATCH])
-
-    def _capture_greedy(self, sizes: list[int]) -> None:
-        """The greedy graphs of `sizes`, over the plain graphs' static inputs and pool."""
+        if self.greedy_tail is None:
+            return
         from kernels.graph_inputs import PackedLayout
 
-        device = self._input_ids.device
-        capacity = sizes[-1]
+        # The greedy graphs' packed upload (zeros: a batch of no rows) and sampled tokens.
+        capacity = min(n, GREEDY_MAX_BATCH)
         self.greedy_layout = PackedLayout(capacity)
-        # Zeros: a batch of 0 rows, all padding, for the warm-up runs.
         self.greedy_packed = torch.zeros(
             self.greedy_layout.words(capacity, self.max_blocks_per_seq),
             dtype=torch.int32,
             device=device,
         )
         self.greedy_sampled = torch.zeros(capacity, dtype=torch.int64, device=device)
-        for size in reversed(sizes):
-            meta = self._meta(size)
-            self._greedy_step(size, meta)  # warm-up, as above
-            torch.cuda.synchronize()
-            self._greedy_graphs[size] = self._capture(
-                lambda: self._greedy_step(size, meta)  # noqa: B023
-            )
+
+    def _pad(self) -> None:
+        """Every static row padding again (no KV write, no attention, no state read or
+        written), as when allocated: a warm-up after replays must not write a real step's
+        slots, whose blocks the prefix cache may still serve."""
+        self._slots.fill_(-1)
+        self._window_slots.fill_(-1)
+        self._seq_lens.zero_()
+        self._state_slots.fill_(-1)
+        if self.greedy_tail is not None:
+            self.greedy_packed.zero_()
+
+    @torch.inference_mode()
+    def _capture_plain(self, size: int) -> None:
+        self._pad()
+        meta = self._meta(size)
+        self._forward(size, meta)  # warm-up: autotuning and lazy init stay outside the graph
+        torch.cuda.synchronize()
+        self._graphs[size] = self._capture(
+            lambda: self._hidden[:size].copy_(self._forward(size, meta))
+        )
+        torch.cuda.synchronize()
+        self.sizes = sorted(self._graphs)
+
+    @torch.inference_mode()
+    def _capture_greedy(self, size: int) -> None:
+        """The greedy graph of `size` rows, over the plain graphs' static inputs and pool."""
+        self._pad()
+        meta = self._meta(size)
+        self._greedy_step(size, meta)  # warm-up, as above
+        torch.cuda.synchronize()
+        self._greedy_graphs[size] = self._capture(lambda: self._greedy_step(size, meta))
         torch.cuda.synchronize()
         self.greedy_sizes = sorted(self._greedy_graphs)
 
@@ -174,7 +199,7 @@ class DecodeGraphs:
         capture, so that each of some forty sizes' warm-ups maps its memory again (W5 on the
         H100 did not measurably change either way: docs/BENCHMARKS.md, round 8)."""
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.stream(self._stream):
+        with collector_paused(), torch.cuda.stream(self._stream):
             graph.capture_begin(pool=self.pool)
             try:
                 run()

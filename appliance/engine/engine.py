@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import collections
 import itertools
 import logging
+import time
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
@@ -155,7 +157,10 @@ class Engine:
         device: torch.device | str = "cpu",
         group: TensorParallelGroup | None = None,
         async_scheduling: bool = False,
+        graph_captures: Seq[Callable[[], None]] = (),
     ):
+        """graph_captures: the runner's CUDA graphs still to capture, in order
+        (`capture_pending_graph`)."""
         # Without a tokenizer the engine takes and returns token ids only (benchmarks).
         self.tokenizer = tokenizer
         self.runner = runner
@@ -172,6 +177,8 @@ class Engine:
         self._host_bound: set[Sequence] = set()
         self._generators: dict[RequestId, torch.Generator] = {}
         self._arrivals = itertools.count()
+        self._graph_captures = collections.deque(graph_captures)
+        self._graph_capture_s = 0.0
         self.grammars = (
             None
             if tokenizer is None
@@ -281,8 +288,15 @@ class Engine:
             state_bytes = sum(s.conv.nbytes + s.delta.nbytes for s in runner.recurrent_states)
             pools = spec.pools_within(config.kv_cache_memory_bytes - state_bytes, num_window_blocks)
         runner.allocate_kv_caches(spec, pools)
+        graph_captures: list[Callable[[], None]] = []
         if config.on_gpu and config.enable_cuda_graphs:
-            runner.capture_graphs(config.max_num_seqs, config.max_num_batched_tokens)
+            graph_captures = runner.graph_captures(
+                config.max_num_seqs, config.max_num_batched_tokens
+            )
+            if not config.capture_graphs_when_idle:
+                for capture in graph_captures:
+                    capture()
+                graph_captures = []
         block_manager = _block_manager(config, model_config, pools, state_slots is None)
         scheduler = Scheduler(
             SchedulerConfig(
@@ -313,6 +327,7 @@ class Engine:
             device=config.device,
             group=group,
             async_scheduling=config.schedules_asynchronously,
+            graph_captures=graph_captures,
         )
 
     def close(self) -> None:
@@ -334,6 +349,29 @@ class Engine:
     def has_unfinished(self) -> bool:
         return bool(self._requests)
 
+    @property
+    def num_pending_graphs(self) -> int:
+        """CUDA graphs left to capture (EngineConfig.capture_graphs_when_idle)."""
+        return len(self._graph_captures)
+
+    def capture_pending_graph(self) -> None:
+        """Capture the next of the CUDA graphs left from the build, while no request is
+        unfinished (AsyncEngine calls it when idle). A step still in flight (of requests that
+        have finished: nothing of it is delivered) is waited for first: a capture's warm-up
+        would overwrite the graphs' static buffers under it."""
+        assert not self._requests, "graphs are captured while the engine is idle"
+        if self._in_flight is not None:
+            self._process(self._in_flight)
+            self._in_flight = None
+        started_s = time.monotonic()
+        self._graph_captures.popleft()()
+        self._graph_capture_s += time.monotonic() - started_s
+        if not self._graph_captures:
+            logger.info(
+                "CUDA graphs captured while idle, in %.2f s of the engine's time",
+                self._graph_capture_s,
+            )
+
     def stats(self) -> EngineStats:
         """Current counts. Safe to call from another thread while the engine steps: each field
         is read atomically, though the fields may come from different steps."""
@@ -353,6 +391,7 @@ class Engine:
             num_prefix_cache_hits=scheduler.num_prefix_hit_tokens,
             grammar_compile_counts=compiles.counts if compiles is not None else (),
             grammar_compile_seconds=compiles.sum_s if compiles is not None else 0.0,
+            num_pending_graphs=len(self._graph_captures),
         )
 
     def prepare_request(

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import itertools
 import logging
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
@@ -220,15 +220,18 @@ class ModelRunner:
             self.peers.profile(
                 num_tokens, num_logit_rows, gpu_memory_utilization, graph_batch, num_window_blocks
             )
-        torch.cuda.synchronize(self.device)
-        torch.cuda.empty_cache()
-        scratch = KVPools(-(-num_tokens // self.block_size) + 1)
-        self.kv_caches = spec.allocate(scratch, self.device)
-        step = self._profile_step(num_tokens, num_logit_rows)
-        # The prompt steps' graphs are for models without a window group (`capture_graphs`).
-        prompt_tokens = num_tokens if num_window_blocks == 0 else 0
-        graph_pool = self._profile_graphs(graph_batch, prompt_tokens) if graph_batch else 0
-        self.kv_caches = []
+        # The collector paused: a collection that freed some earlier engine's memory during a
+        # measurement would make this one's peaks look smaller (seen in the GPU tests).
+        with collector_paused():
+            torch.cuda.synchronize(self.device)
+            torch.cuda.empty_cache()
+            scratch = KVPools(-(-num_tokens // self.block_size) + 1)
+            self.kv_caches = spec.allocate(scratch, self.device)
+            step = self._profile_step(num_tokens, num_logit_rows)
+            # The prompt steps' graphs are for models without a window group (`capture_graphs`).
+            prompt_tokens = num_tokens if num_window_blocks == 0 else 0
+            graph_pool = self._profile_graphs(graph_batch, prompt_tokens) if graph_batch else 0
+            self.kv_caches = []
         # Give the scratch cache back, then budget: what is in use now plus what steps and
         # graphs were measured to reserve.
         torch.cuda.empty_cache()
@@ -299,7 +302,11 @@ class ModelRunner:
         torch.cuda.synchronize(self.device)
         torch.cuda.empty_cache()
         _, before = self._allocated_and_reserved()
-        prompt_graphs, graphs = self._capture(graph_batch, max_prompt_tokens, only_largest=True)
+        prompt_graphs, graphs, captures = self._graph_captures(
+            graph_batch, max_prompt_tokens, only_largest=True
+        )
+        for capture in captures:
+            capture()
         # The warm-up's eager activations are cached outside the pool: drop them.
         torch.cuda.empty_cache()
         _, after = self._allocated_and_reserved()
@@ -348,29 +355,51 @@ class ModelRunner:
             self.prompt_graphs = None
 
     def capture_graphs(self, max_batch: int, max_prompt_tokens: int = 0) -> None:
+        """Capture every graph of `graph_captures` now."""
+        for capture in self.graph_captures(max_batch, max_prompt_tokens):
+            capture()
+
+    def graph_captures(
+        self, max_batch: int, max_prompt_tokens: int = 0
+    ) -> list[Callable[[], None]]:
         """The decode graphs up to `max_batch` rows and, for a model they serve, the prompt
         steps' graphs up to `max_prompt_tokens` tokens (the step's token budget), in one pool:
-        the prompt steps' largest first, the largest need."""
-        if self.peers is not None:
-            self.peers.capture_graphs(max_batch)
-        self.prompt_graphs, self.graphs = self._capture(max_batch, max_prompt_tokens)
+        one capture per graph, to be run in order (the prompt steps' largest first, the largest
+        need), each graph replayed from its capture on, steps allowed between two captures.
+        Under tensor parallelism one capture, of every rank's graphs at once."""
+        if self.peers is None:
+            self.prompt_graphs, self.graphs, captures = self._graph_captures(
+                max_batch, max_prompt_tokens
+            )
+            return captures
+        peers = self.peers
 
-    def _capture(
+        def capture_all() -> None:
+            peers.capture_graphs(max_batch)
+            self.prompt_graphs, self.graphs, captures = self._graph_captures(
+                max_batch, max_prompt_tokens
+            )
+            for capture in captures:
+                capture()
+
+        return [capture_all]
+
+    def _graph_captures(
         self, max_batch: int, max_prompt_tokens: int, *, only_largest: bool = False
-    ) -> tuple[PromptGraphs | None, DecodeGraphs]:
-        """Both kinds of graph over the current KV caches, in one new pool, the prompt steps'
-        first (`only_largest`: each kind's largest size alone, to measure the pool)."""
+    ) -> tuple[PromptGraphs | None, DecodeGraphs, list[Callable[[], None]]]:
+        """Both kinds of graph over the current KV caches, in one new pool, and their
+        captures, the prompt steps' first (`only_largest`: each kind's largest size alone, to
+        measure the pool)."""
         pool = torch.cuda.graph_pool_handle()
         sizes = self._prompt_graph_sizes(max_prompt_tokens)
         prompt_graphs = None
+        captures: list[Callable[[], None]] = []
         if sizes:
             prompt_graphs = PromptGraphs(self.model, self.kv_caches, pool, self.capture_stream)
+            captures += prompt_graphs.captures(sizes[-1:] if only_largest else sizes)
         graphs = self._decode_graphs(pool)
-        with collector_paused():
-            if prompt_graphs is not None:
-                prompt_graphs.capture(sizes[-1:] if only_largest else sizes)
-            graphs.capture(max_batch, only_largest=only_largest)
-        return prompt_graphs, graphs
+        captures += graphs.captures(max_batch, only_largest=only_largest)
+        return prompt_graphs, graphs, captures
 
     @property
     def capture_stream(self) -> torch.cuda.Stream:

@@ -41,6 +41,8 @@ class EngineStats:
     # A hybrid model's recurrent-state slots held by a sequence, 0 to 1 (None: no such model).
     recurrent_state_usage: float | None = None
     window_kv_cache_usage: float | None = None
+    # CUDA graphs the engine has yet to capture while idle (EngineConfig.capture_graphs_when_idle).
+    num_pending_graphs: int = 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -35,11 +35,13 @@ above, and every layer's q and output fit the same two buffers.
 from __future__ import annotations
 
 import bisect
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
+from appliance.engine.cuda_graphs import collector_paused
 from appliance.engine.models.decoder import CausalLM
 from appliance.engine.models.layers import Attention
 from kernels.ops import AttentionMetadata, KernelOps
@@ -121,20 +123,23 @@ class PromptGraphs:
     def max_tokens(self) -> int:
         return self.sizes[-1] if self.sizes else 0
 
-    @torch.inference_mode()
-    def capture(self, sizes: list[int]) -> None:
-        """Capture the pieces of each padded token count in `sizes`."""
-        device = self.model.embed_tokens.weight.device
+    def captures(self, sizes: list[int]) -> list[Callable[[], None]]:
+        """One capture per padded token count in `sizes`, to be run in this order (largest
+        first, so that the smaller sizes fit in the memory the largest one's pieces took). Each
+        size replays as soon as its capture has run; steps may run between two captures."""
         self._allocate(max(sizes))
-        stream = self.stream
-        stream.wait_stream(torch.cuda.current_stream(device))
-        # Largest first, so the smaller sizes fit in the memory the largest one's pieces took.
-        for size in sorted(sizes, reverse=True):
-            self._forward(size, None)  # warm-up: compilation and lazy set-up stay outside
-            torch.cuda.synchronize(device)
-            with torch.cuda.stream(stream):
-                self._pieces[size] = self._capture_pieces(size)
-        torch.cuda.current_stream(device).wait_stream(stream)
+        return [functools.partial(self._capture_size, size) for size in sorted(sizes, reverse=True)]
+
+    @torch.inference_mode()
+    def _capture_size(self, size: int) -> None:
+        device = self.model.embed_tokens.weight.device
+        # Replays may have left a step's slots: the warm-up must write no KV (its attention
+        # reads nothing, so what it would write is garbage), the prefix cache may serve them.
+        self._slots.fill_(-1)
+        self._forward(size, None)  # warm-up: compilation and lazy set-up stay outside
+        torch.cuda.synchronize(device)
+        with collector_paused(), torch.cuda.stream(self.stream):
+            self._pieces[size] = self._capture_pieces(size)
         torch.cuda.synchronize(device)
         self.sizes = sorted(self._pieces)
 

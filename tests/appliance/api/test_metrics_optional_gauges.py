@@ -1,6 +1,6 @@
 """/metrics shows the gauges only some models have, beside the KV-cache usage, and only for
 those models: a hybrid model's recurrent-state slots, and the windowed layers' own KV pool (KV
-groups)."""
+groups); and how many CUDA graphs the engine has still to capture."""
 
 from __future__ import annotations
 
@@ -53,3 +53,10 @@ def test_the_window_pools_usage_is_a_gauge_beside_the_full_pools():
 
 def test_a_model_with_one_kv_pool_has_no_window_gauge():
     assert WINDOW_GAUGE not in _gauges(window_kv_cache_usage=None)
+
+
+def test_the_cuda_graphs_still_to_capture_are_a_gauge():
+    """The server's engine captures its graphs while idle after start-up: operators see how
+    many are left (0 once all are captured, and on the CPU)."""
+    assert _gauges(num_pending_graphs=7)["inferno:cuda_graphs_pending"] == 7
+    assert _gauges()["inferno:cuda_graphs_pending"] == 0

@@ -19,7 +19,7 @@ import pytest
 from appliance.attestation.service import TeeService
 from appliance.boot.audit_events import config_digest
 from appliance.boot.audit_log import open_audit_log
-from appliance.boot.startup import reattest_periodically, start_audit_log
+from appliance.boot.startup import engine_config, reattest_periodically, start_audit_log
 from appliance.config import Settings
 from appliance.errors import BootError
 from audit.log import SIGNING_KEY_FILE
@@ -45,6 +45,14 @@ def _settings(model_dir: Path, data_dir: Path, **audit: Any) -> Settings:
             "tee": {"mode": "insecure-dev"},
         }
     )
+
+
+def test_the_server_s_engine_captures_its_cuda_graphs_once_ready_while_idle(
+    smollm2_dir: Path, tmp_path: Path
+) -> None:
+    """Not during its build: the server is ready without them (W5, docs/BENCHMARKS.md)."""
+    config = engine_config(_settings(smollm2_dir, tmp_path))
+    assert config.capture_graphs_when_idle
 
 
 def test_boot_start_is_the_first_entry_with_version_and_config_digest(

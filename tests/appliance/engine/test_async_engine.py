@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections.abc import Callable
 
 import pytest
@@ -162,6 +163,54 @@ def _output(text: str, token_id: int, *, finish_reason: str | None = None) -> Re
         num_output_tokens=token_id,
         num_cached_tokens=0,
     )
+
+
+def test_graphs_left_from_the_build_are_captured_while_idle_and_requests_go_first(
+    engine: Engine,
+) -> None:
+    """The server's engine captures its CUDA graphs after it is ready, one whenever no request
+    is unfinished (EngineConfig.capture_graphs_when_idle): a request that arrives during a
+    capture is served before the next one. Stand-in captures here (the CPU has no graphs):
+    the first waits until a request is submitted, each notes what the engine held then."""
+    submitted = threading.Event()
+    seen: list[tuple[int, bool, int]] = []  # (capture, a request unfinished?, prompts admitted)
+    expected = engine.generate([PROMPTS[3]], GREEDY)[0].text
+
+    def capture(index: int) -> Callable[[], None]:
+        def run() -> None:
+            if index == 0:
+                assert submitted.wait(timeout=10)
+            stats = idle.stats()
+            seen.append((index, idle.has_unfinished(), stats.num_prefix_cache_queries))
+
+        return run
+
+    idle = Engine(
+        engine.tokenizer,
+        engine.runner,
+        engine.scheduler,
+        vocab_size=engine.vocab_size,
+        graph_captures=[capture(i) for i in range(3)],
+    )
+    queried = idle.stats().num_prefix_cache_queries
+
+    async def main() -> str:
+        async with AsyncEngine(idle) as ae:
+            stream = ae.generate("during", PROMPTS[3], GREEDY)
+            submitted.set()
+            text = "".join([out.text async for out in stream])
+            for _ in range(200):
+                if not idle.num_pending_graphs:
+                    break
+                await asyncio.sleep(0.01)
+            assert idle.stats().num_pending_graphs == 0
+            return text
+
+    assert asyncio.run(main()) == expected
+    assert [index for index, _, _ in seen] == [0, 1, 2]
+    assert not any(unfinished for _, unfinished, _ in seen)
+    # The request was admitted after the first capture and before the second.
+    assert seen[0][2] == queried and seen[1][2] > queried
 
 
 def test_a_take_returns_everything_put_since_the_last_in_order_and_waits_for_more() -> None:
