@@ -114,7 +114,9 @@ def test_decode_steps_from_cuda_graphs_match_one_gpu(engines) -> None:
     _, parallel_engine = engines
     assert parallel_engine.runner.graphs is not None and parallel_engine.runner.graphs.max_batch
     prompts = [prompt_ids(n, offset=k) for k, n in ((3, 5), (40, 17), (90, 33))]
-    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    # Log-probabilities asked: the one-GPU engine's greedy graphs, which keep the LM head
+    # inside, would leave its decode logits unseen by the recorder.
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=1)
     (_, single), (_, parallel) = (_run(e, prompts, params) for e in engines)
     check_decode_until_parted(single, parallel, len(prompts))
 
@@ -163,24 +165,36 @@ def test_closing_leaves_nccl_with_the_workers_and_another_engine_starts(
 ) -> None:
     """Rank 0 leaves the process groups while the workers do (NCCL's teardown wants every
     rank): nothing waits out a time limit, no worker is killed, and the same process can then
-    run a second tensor-parallel engine. (Run last: it closes the module's engine.)"""
+    run a second tensor-parallel engine, here one that captures its graphs while idle, as the
+    server's does: every rank's at once, between two requests. (Run last: it closes the
+    module's engine.)"""
     _, parallel = engines
     with caplog.at_level(logging.WARNING, logger="appliance.engine.parallel"):
         parallel.close()
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text
     model_dir = save_gpu_test_model(tmp_path)
     # A fixed pool: the module's engines still hold their memory on GPU 0.
-    config = EngineConfig(model_dir=model_dir, tensor_parallel_size=2, num_kv_blocks=64, **SETTINGS)
+    config = EngineConfig(
+        model_dir=model_dir,
+        tensor_parallel_size=2,
+        num_kv_blocks=64,
+        capture_graphs_when_idle=True,
+        **SETTINGS,
+    )
     again = Engine.load(config, None, lambda shard: _load(model_dir, shard))
     try:
         # Its process group has the first one's name, under which PyTorch keeps the first's
         # symmetric-memory store: this engine uses NCCL (parallel.all_reduce), and starts.
         assert again.group is not None and again.group.all_reduce is not None
         assert not again.group.all_reduce.one_shot
-        [completion] = again.generate(
-            [prompt_ids(16)], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
-        )
-        assert len(completion.token_ids) == 4
+        params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+        assert again.num_pending_graphs == 1
+        [eager] = again.generate([prompt_ids(16)], params)
+        again.capture_pending_graph()
+        assert again.num_pending_graphs == 0
+        assert again.runner.graphs is not None and again.runner.graphs.max_batch == 16
+        [replayed] = again.generate([prompt_ids(16, offset=7)], params)
+        assert len(eager.token_ids) == len(replayed.token_ids) == 4
     finally:
         with caplog.at_level(logging.WARNING, logger="appliance.engine.parallel"):
             again.close()
