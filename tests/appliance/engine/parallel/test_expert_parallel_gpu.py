@@ -81,7 +81,9 @@ def test_decode_steps_from_cuda_graphs_match_one_gpu(engines) -> None:
     _, parallel_engine = engines
     assert parallel_engine.runner.graphs is not None and parallel_engine.runner.graphs.max_batch
     prompts = [prompt_ids(n, offset=k) for k, n in ((3, 5), (40, 17), (90, 33))]
-    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    # Log-probabilities asked: the one-GPU engine's greedy graphs, which keep the LM head
+    # inside, would leave its decode logits unseen by the recorder.
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=1)
     (tokens_1, single), (tokens_2, parallel) = (_run(e, prompts, params) for e in engines)
     assert tokens_1 == tokens_2
     assert [s.shape for s in single] == [p.shape for p in parallel]
