@@ -4,6 +4,11 @@ The engine itself is single-threaded. A dedicated thread owns it and loops: appl
 commands (add, abort), run a step, hand each output to its request's output stream on the event
 loop (one wake-up of the loop per step). Requests are tokenized and validated on the caller's
 side first, so a bad request raises to its caller at once and never reaches the engine thread.
+
+CUDA graphs left from the engine's build (EngineConfig.capture_graphs_when_idle) are captured by
+the same thread, one at a time: whenever no request is unfinished, and while requests run, one
+between two steps every `BUSY_CAPTURE_INTERVAL_S` (a server busy from its start would otherwise
+never capture them, and run eagerly for good).
 """
 
 from __future__ import annotations
@@ -33,6 +38,10 @@ logger = logging.getLogger(__name__)
 # How long shutdown waits for an engine thread that failed by another's report (a dead
 # tensor-parallel worker): it may be stuck in a GPU kernel waiting for that peer, for good.
 _FAILED_JOIN_S = 10.0
+
+# While requests run, at most one graph capture (tens of ms for an 8B model, every running
+# request waiting) in this many seconds: the twenty-odd graphs are in within about ten.
+BUSY_CAPTURE_INTERVAL_S = 0.5
 
 
 class EngineDeadError(EngineError):
@@ -232,6 +241,7 @@ class AsyncEngine:
 
     def _run(self) -> None:
         engine = self._engine
+        next_busy_capture_s = time.monotonic() + BUSY_CAPTURE_INTERVAL_S
         try:
             while True:
                 # Block for a command only when idle with no CUDA graph left to capture;
@@ -255,8 +265,11 @@ class AsyncEngine:
                         out = engine.abort(command.request_id)
                         if out is not None:
                             self._deliver([out])
-                if engine.num_pending_graphs and not engine.has_unfinished():
-                    engine.capture_pending_graph()
+                if engine.num_pending_graphs and (
+                    not engine.has_unfinished() or time.monotonic() >= next_busy_capture_s
+                ):
+                    self._deliver(engine.capture_pending_graph())
+                    next_busy_capture_s = time.monotonic() + BUSY_CAPTURE_INTERVAL_S
                 else:
                     self._deliver(engine.step())
         except BaseException as exc:  # the thread must report, whatever went wrong

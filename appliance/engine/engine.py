@@ -354,23 +354,25 @@ class Engine:
         """CUDA graphs left to capture (EngineConfig.capture_graphs_when_idle)."""
         return len(self._graph_captures)
 
-    def capture_pending_graph(self) -> None:
-        """Capture the next of the CUDA graphs left from the build, while no request is
-        unfinished (AsyncEngine calls it when idle). A step still in flight (of requests that
-        have finished: nothing of it is delivered) is waited for first: a capture's warm-up
-        would overwrite the graphs' static buffers under it."""
-        assert not self._requests, "graphs are captured while the engine is idle"
+    def capture_pending_graph(self) -> list[RequestOutput]:
+        """Capture the next of the CUDA graphs left from the build, between two steps
+        (AsyncEngine: when idle, and now and then under load). The step in flight, if any, is
+        processed first, since a capture's warm-up overwrites the graphs' static buffers: its
+        outputs are returned. Running requests go on from the next step, eagerly or from the
+        graphs captured so far."""
+        outputs = []
         if self._in_flight is not None:
-            self._process(self._in_flight)
+            outputs = self._process(self._in_flight)
             self._in_flight = None
         started_s = time.monotonic()
         self._graph_captures.popleft()()
         self._graph_capture_s += time.monotonic() - started_s
         if not self._graph_captures:
             logger.info(
-                "CUDA graphs captured while idle, in %.2f s of the engine's time",
+                "CUDA graphs captured after the build, in %.2f s of the engine's time",
                 self._graph_capture_s,
             )
+        return outputs
 
     def stats(self) -> EngineStats:
         """Current counts. Safe to call from another thread while the engine steps: each field

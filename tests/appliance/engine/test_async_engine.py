@@ -8,6 +8,7 @@ from collections.abc import Callable
 
 import pytest
 
+from appliance.engine import async_engine
 from appliance.engine.async_engine import AsyncEngine, _merged, _OutputStream
 from appliance.engine.engine import Engine
 from appliance.engine.errors import InvalidRequestError
@@ -166,12 +167,14 @@ def _output(text: str, token_id: int, *, finish_reason: str | None = None) -> Re
 
 
 def test_graphs_left_from_the_build_are_captured_while_idle_and_requests_go_first(
-    engine: Engine,
+    engine: Engine, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The server's engine captures its CUDA graphs after it is ready, one whenever no request
     is unfinished (EngineConfig.capture_graphs_when_idle): a request that arrives during a
-    capture is served before the next one. Stand-in captures here (the CPU has no graphs):
-    the first waits until a request is submitted, each notes what the engine held then."""
+    capture is served before the next one (no capture under load within this test's time).
+    Stand-in captures here (the CPU has no graphs): the first waits until a request is
+    submitted, each notes what the engine held then."""
+    monkeypatch.setattr(async_engine, "BUSY_CAPTURE_INTERVAL_S", 600.0)
     submitted = threading.Event()
     seen: list[tuple[int, bool, int]] = []  # (capture, a request unfinished?, prompts admitted)
     expected = engine.generate([PROMPTS[3]], GREEDY)[0].text
@@ -211,6 +214,45 @@ def test_graphs_left_from_the_build_are_captured_while_idle_and_requests_go_firs
     assert not any(unfinished for _, unfinished, _ in seen)
     # The request was admitted after the first capture and before the second.
     assert seen[0][2] == queried and seen[1][2] > queried
+
+
+def test_under_load_a_graph_is_captured_between_two_steps_now_and_then(
+    engine: Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A server busy from its start still captures its graphs: one between two steps every
+    BUSY_CAPTURE_INTERVAL_S (shortened here). The step in flight (asynchronous scheduling) is
+    processed first and its outputs delivered: the request's text is whole."""
+    monkeypatch.setattr(async_engine, "BUSY_CAPTURE_INTERVAL_S", 0.05)
+    long = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    expected = engine.generate([PROMPTS[1]], long)[0].text
+    submitted = threading.Event()
+    busy: list[bool] = []  # per capture after the first: whether a request was unfinished
+
+    def first() -> None:  # idle at the start: the request arrives during it
+        assert submitted.wait(timeout=10)
+
+    def later() -> None:
+        busy.append(busy_engine.has_unfinished())
+
+    busy_engine = Engine(
+        engine.tokenizer,
+        engine.runner,
+        engine.scheduler,
+        vocab_size=engine.vocab_size,
+        async_scheduling=True,
+        graph_captures=[first, later, later, later],
+    )
+
+    async def main() -> str:
+        async with AsyncEngine(busy_engine) as ae:
+            stream = ae.generate("busy", PROMPTS[1], long)
+            submitted.set()
+            return "".join([out.text async for out in stream])
+
+    # (A capture that took the step in flight and dropped its outputs would leave the stream
+    # waiting for good: bounded.)
+    assert asyncio.run(asyncio.wait_for(main(), timeout=60)) == expected
+    assert len(busy) == 3 and any(busy), busy
 
 
 def test_a_take_returns_everything_put_since_the_last_in_order_and_waits_for_more() -> None:

@@ -145,3 +145,24 @@ def test_a_capture_waits_for_the_step_still_in_flight(model) -> None:
     engine.capture_pending_graph()
     assert engine._in_flight is None
     assert engine.num_pending_graphs == _NUM_GRAPHS - 1
+
+
+def test_graphs_captured_between_steps_of_running_requests_change_no_token(model) -> None:
+    """Under load the server captures between two steps (AsyncEngine, every
+    BUSY_CAPTURE_INTERVAL_S): the step in flight is processed first, its outputs returned, and
+    the running requests go on through the graphs captured so far with the tokens of an engine
+    that captured everything at build."""
+    requests = [r for round_ in _rounds()[:6] for r in round_]
+    expected = _run_round(_engine(model, when_idle=False), "all", requests)
+    engine = _engine(model, when_idle=True)
+    for i, (prompt, params) in enumerate(requests):
+        engine.add_request(f"all-{i}", prompt, params)
+    got: dict[str, list[int]] = {}
+    while engine.has_unfinished():
+        outputs = engine.step()
+        if engine.num_pending_graphs:
+            outputs += engine.capture_pending_graph()
+        for out in outputs:
+            got.setdefault(out.request_id, []).extend(out.token_ids)
+    assert engine.num_pending_graphs == 0, "a capture after every step: all in before the end"
+    assert got == expected
