@@ -21,34 +21,17 @@ import torch
 from appliance.engine.engine import Engine
 from appliance.engine.engine_config import EngineConfig
 from appliance.engine.model_runner import ModelRunner
-from appliance.engine.models.config import ModelConfig
-from appliance.engine.models.loader import build_model, fill_randomly
 from appliance.engine.sampling_params import SamplingParams
+from tests.appliance.engine.random_llama import llama_shape, random_llama
 
 pytestmark = pytest.mark.gpu
 
-_SHAPE = {
-    "architectures": ["LlamaForCausalLM"],
-    "hidden_size": 256,
-    "intermediate_size": 768,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "vocab_size": 32000,
-    "max_position_embeddings": 1024,
-    "rms_norm_eps": 1e-5,
-}
+_SHAPE = llama_shape(num_hidden_layers=2)
 
 
 @pytest.fixture(scope="module")
 def model():
-    from kernels import triton_ops
-
-    config = ModelConfig.from_dict(_SHAPE)
-    model = build_model(config, dtype=torch.bfloat16, device="cuda", ops=triton_ops, shard=None)
-    fill_randomly(model, 0)
-    model.init_rope_tables(1024)
-    return model.eval()
+    return random_llama(_SHAPE, torch.bfloat16)
 
 
 def _engine(model, async_scheduling: bool) -> Engine:

@@ -19,36 +19,18 @@ import torch
 
 from appliance.engine.engine import Engine
 from appliance.engine.engine_config import EngineConfig
-from appliance.engine.models.config import ModelConfig
-from appliance.engine.models.loader import build_model, fill_randomly
 from appliance.engine.sampling_params import SamplingParams
+from tests.appliance.engine.random_llama import VOCAB_SIZE, llama_shape, random_llama
 
 pytestmark = pytest.mark.gpu
 
-_SHAPE = {
-    "architectures": ["LlamaForCausalLM"],
-    "hidden_size": 256,
-    "intermediate_size": 768,
-    "num_hidden_layers": 3,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "vocab_size": 32000,
-    "max_position_embeddings": 1024,
-    "rms_norm_eps": 1e-5,
-}
 # The prompt sizes 256 and 128, the decode ladder 16, 8, 4, 2, 1, the greedy 8, 4, 2, 1.
 _NUM_GRAPHS = 2 + 5 + 4
 
 
 @pytest.fixture(scope="module")
 def model():
-    from kernels import triton_ops
-
-    config = ModelConfig.from_dict(_SHAPE)
-    model = build_model(config, dtype=torch.float32, device="cuda", ops=triton_ops, shard=None)
-    fill_randomly(model, 0)
-    model.init_rope_tables(1024)
-    return model.eval()
+    return random_llama(llama_shape(), torch.float32)
 
 
 def _engine(model, *, when_idle: bool) -> Engine:
@@ -77,7 +59,7 @@ def _rounds() -> list[list[tuple[list[int], SamplingParams]]]:
     first: list[int] = []
     for r in range(_NUM_GRAPHS + 1):
         lengths = shapes[r % len(shapes)]
-        prompts = [torch.randint(0, 32000, (n,), generator=g).tolist() for n in lengths]
+        prompts = [torch.randint(0, VOCAB_SIZE, (n,), generator=g).tolist() for n in lengths]
         prompts[0] = first[:64] + prompts[0]
         first = prompts[0]
         params = [SamplingParams(temperature=0.0, max_tokens=6 + r, ignore_eos=True)] * len(prompts)

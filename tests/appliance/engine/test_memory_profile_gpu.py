@@ -17,23 +17,17 @@ import torch
 
 from appliance.engine.engine import Engine
 from appliance.engine.engine_config import EngineConfig
-from appliance.engine.models.config import ModelConfig
-from appliance.engine.models.loader import build_model, fill_randomly
 from appliance.engine.sampling_params import MAX_TOP_LOGPROBS, SamplingParams
+from tests.appliance.engine.random_llama import llama_shape, random_llama
 
 pytestmark = pytest.mark.gpu
 
-_SHAPE = {
-    "architectures": ["LlamaForCausalLM"],
-    "hidden_size": 512,
-    "intermediate_size": 1536,
-    "num_hidden_layers": 4,
-    "num_attention_heads": 8,
-    "num_key_value_heads": 2,
-    "vocab_size": 32000,
-    "max_position_embeddings": 1024,
-    "rms_norm_eps": 1e-5,
-}
+_SHAPE = llama_shape(
+    hidden_size=512,
+    intermediate_size=1536,
+    num_hidden_layers=4,
+    num_attention_heads=8,
+)
 _MAX_TOKENS = 1024  # per step: 64 prompts of 16 tokens fill one
 _MAX_SEQS = 64
 # The allocator's granularity: a step's blocks may land in a fresh 2 MiB segment.
@@ -42,12 +36,7 @@ _SLACK = 2 << 20
 
 @pytest.fixture(scope="module")
 def engine() -> Engine:
-    from kernels import triton_ops
-
-    config = ModelConfig.from_dict(_SHAPE)
-    model = build_model(config, dtype=torch.bfloat16, device="cuda", ops=triton_ops, shard=None)
-    fill_randomly(model, 0)
-    model.init_rope_tables(1024)
+    model = random_llama(_SHAPE, torch.bfloat16)
     settings = EngineConfig(
         model_dir=Path("random-model"),
         device="cuda",

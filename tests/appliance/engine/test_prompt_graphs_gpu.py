@@ -22,39 +22,18 @@ import torch
 from appliance.engine.engine import Engine
 from appliance.engine.engine_config import EngineConfig
 from appliance.engine.model_runner import ModelRunner
-from appliance.engine.models.config import ModelConfig
-from appliance.engine.models.loader import build_model, fill_randomly
 from appliance.engine.sampling_params import SamplingParams
+from tests.appliance.engine.random_llama import llama_shape, random_llama
 
 pytestmark = pytest.mark.gpu
 
-_SHAPE = {
-    "architectures": ["LlamaForCausalLM"],
-    "hidden_size": 256,
-    "intermediate_size": 768,
-    "num_hidden_layers": 3,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "vocab_size": 32000,
-    "max_position_embeddings": 1024,
-    "rms_norm_eps": 1e-5,
-}
+_SHAPE = llama_shape()
 _BUDGET = 300
-
-
-def _model(dtype: torch.dtype):
-    from kernels import triton_ops
-
-    config = ModelConfig.from_dict(_SHAPE)
-    model = build_model(config, dtype=dtype, device="cuda", ops=triton_ops, shard=None)
-    fill_randomly(model, 0)
-    model.init_rope_tables(1024)
-    return model.eval()
 
 
 @pytest.fixture(scope="module")
 def bf16_model():
-    return _model(torch.bfloat16)
+    return random_llama(_SHAPE, torch.bfloat16)
 
 
 def _engine(model, **settings) -> Engine:
@@ -140,7 +119,7 @@ def test_each_step_replayed_in_pieces_gives_the_eager_forwards_hidden_states(
 
 
 def test_the_engine_gives_the_same_tokens_with_and_without_the_prompt_graphs(monkeypatch) -> None:
-    model = _model(torch.float32)
+    model = random_llama(_SHAPE, torch.float32)
     engine = _engine(model, async_scheduling=True)
     assert engine.runner.prompt_graphs is not None
     with_graphs = _run(engine)
