@@ -359,13 +359,31 @@ class Engine:
         (AsyncEngine: when idle, and now and then under load). The step in flight, if any, is
         processed first, since a capture's warm-up overwrites the graphs' static buffers: its
         outputs are returned. Running requests go on from the next step, eagerly or from the
-        graphs captured so far."""
+        graphs captured so far.
+
+        A capture that fails on one device (out of memory, say) is logged and ends the
+        captures: the graphs captured so far serve, other steps run eagerly, the server goes on
+        (a sticky CUDA error fails the next step instead). Under tensor parallelism it fails
+        the engine, as a failed step does: the ranks may no longer be in step."""
         outputs = []
         if self._in_flight is not None:
             outputs = self._process(self._in_flight)
             self._in_flight = None
         started_s = time.monotonic()
-        self._graph_captures.popleft()()
+        try:
+            self._graph_captures.popleft()()
+        except RuntimeError as exc:  # torch's errors, CUDA's included
+            if self.group is not None:
+                raise
+            logger.error(
+                "a CUDA graph capture failed (%s: %s); %d graphs are left uncaptured and the "
+                "steps they would replay run eagerly",
+                type(exc).__name__,
+                exc,
+                len(self._graph_captures) + 1,
+            )
+            self._graph_captures.clear()
+            return outputs
         self._graph_capture_s += time.monotonic() - started_s
         if not self._graph_captures:
             logger.info(

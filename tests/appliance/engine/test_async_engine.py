@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 from collections.abc import Callable
 
 import pytest
+import torch
 
 from appliance.engine import async_engine
 from appliance.engine.async_engine import AsyncEngine, _merged, _OutputStream
@@ -253,6 +255,42 @@ def test_under_load_a_graph_is_captured_between_two_steps_now_and_then(
     # waiting for good: bounded.)
     assert asyncio.run(asyncio.wait_for(main(), timeout=60)) == expected
     assert len(busy) == 3 and any(busy), busy
+
+
+def test_a_failed_capture_ends_the_captures_and_the_engine_serves_on(
+    engine: Engine, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A graph capture that fails after the server is ready (out of GPU memory, say) costs the
+    graphs still to capture, not the server: it is logged, the rest are dropped, and requests
+    are served (eagerly where no graph was captured)."""
+    captured: list[int] = []
+
+    def failing() -> None:
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 64.00 MiB")
+
+    idle = Engine(
+        engine.tokenizer,
+        engine.runner,
+        engine.scheduler,
+        vocab_size=engine.vocab_size,
+        graph_captures=[lambda: captured.append(0), failing, lambda: captured.append(2)],
+    )
+    expected = engine.generate([PROMPTS[0]], GREEDY)[0].text
+
+    async def main() -> str:
+        async with AsyncEngine(idle) as ae:
+            for _ in range(200):
+                if not idle.num_pending_graphs:
+                    break
+                await asyncio.sleep(0.01)
+            assert ae.is_running
+            return await _collect(ae, "after", PROMPTS[0])
+
+    with caplog.at_level(logging.ERROR, logger="appliance.engine.engine"):
+        assert asyncio.run(main()) == expected
+    assert captured == [0]
+    assert idle.num_pending_graphs == 0
+    assert "OutOfMemoryError" in caplog.text and "2 graphs are left uncaptured" in caplog.text
 
 
 def test_a_take_returns_everything_put_since_the_last_in_order_and_waits_for_more() -> None:
