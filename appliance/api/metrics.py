@@ -227,7 +227,8 @@ class ServerMetrics:
             (
                 "inferno:cuda_graphs_pending",
                 "CUDA graphs still to capture after start-up, which the engine does while "
-                "idle: until then the steps they would replay run eagerly.",
+                "idle (under load, one every half second): until then the steps they would "
+                "replay run eagerly.",
                 stats.num_pending_graphs,
             ),
         )

@@ -54,10 +54,11 @@ class EngineConfig(EngineSettings):
     Raises EngineConfigError as it is made if `device` is none of cpu, cuda and cuda:N."""
 
     model_dir: Path
-    # The CUDA graphs captured after the build, one at a time whenever the engine has nothing
-    # to run (AsyncEngine's idle time: the server answers meanwhile, eagerly where no graph is
-    # captured yet), rather than during it. The server's start sets it (W5: ready a second or
-    # more sooner); whoever steps an engine itself (tests, benchmarks) gets every graph at build.
+    # The CUDA graphs captured after the build, one at a time by the engine thread (AsyncEngine:
+    # whenever the engine has nothing to run, and under load now and then), rather than during
+    # it: the server answers meanwhile, eagerly where no graph is captured yet. The server's
+    # start sets it (W5: ready a second or more sooner); whoever steps an engine itself (tests,
+    # benchmarks) gets every graph at build.
     capture_graphs_when_idle: bool = False
 
     @field_validator("device")
