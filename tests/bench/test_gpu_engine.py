@@ -1,5 +1,6 @@
 """bench/gpu_engine.py's parts that decide what its figures mean: the bytes a decoded token
-reads (W1's copy-ceiling fraction), and the peer's hand-over, which gives Inferno transformers'
+reads (W1's copy-ceiling fraction), the engine build's split (the methods it times exist, the
+profile's captures count apart), and the peer's hand-over, which gives Inferno transformers'
 own model's weights (the same weights, so a mixture of experts routes the same).
 
 The hand-over runs as in the bench on every --model shape made tiny (two layers, two heads,
@@ -16,11 +17,14 @@ from typing import Any
 import pytest
 import torch
 
+from appliance.engine.cuda_graphs import DecodeGraphs
 from appliance.engine.engine import Engine
 from appliance.engine.engine_config import EngineConfig
+from appliance.engine.model_runner import ModelRunner
 from appliance.engine.models.config import SUPPORTED_ARCHITECTURES, ModelConfig
 from appliance.engine.models.loader import build_model
-from bench.gpu_engine import SHAPES, inferno_model_from, peer_model, weight_bytes
+from appliance.engine.prompt_graphs import PromptGraphs
+from bench.gpu_engine import SHAPES, BuildClock, inferno_model_from, peer_model, weight_bytes
 
 from ..appliance.engine.models.conftest import redraw_weights
 from ..appliance.engine.models.test_architectures import PagedBatch, _hf_logits
@@ -33,6 +37,59 @@ def _decode_bytes(shape: str) -> tuple[int, int]:
     config = ModelConfig.from_dict(SHAPES[shape])
     model = build_model(config, dtype=torch.bfloat16, device="meta", ops=None, shard=None)
     return weight_bytes(model)
+
+
+def test_the_build_clock_times_the_engine_s_methods_and_the_profile_s_captures_apart(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Stand-ins for the methods it wraps (their names are the engine's: a renamed method fails
+    here, not on the GPU machine), called as a build calls them: the profile captures the
+    largest prompt and decode graphs, then the build captures every graph."""
+    calls: list[str] = []
+
+    def profile(self, *args: object) -> None:
+        calls.append("profile")
+        PromptGraphs._capture_size(None, 640)  # the wrapped methods, as the profile calls them
+        DecodeGraphs._capture_plain(None, 64)
+
+    for owner, name in (
+        (PromptGraphs, "_capture_size"),
+        (DecodeGraphs, "_capture_plain"),
+        (DecodeGraphs, "_capture_greedy"),
+        (ModelRunner, "allocate_kv_caches"),
+    ):
+        assert callable(getattr(owner, name))
+        monkeypatch.setattr(owner, name, lambda self, *args, _name=name: calls.append(_name))
+    monkeypatch.setattr(ModelRunner, "kv_pools_for_free_memory", profile)
+    kept = ModelRunner.kv_pools_for_free_memory
+    with BuildClock() as clock:
+        ModelRunner.kv_pools_for_free_memory(None)
+        ModelRunner.allocate_kv_caches(None)
+        for size in (640, 128):
+            PromptGraphs._capture_size(None, size)
+        DecodeGraphs._capture_plain(None, 64)
+        DecodeGraphs._capture_greedy(None, 8)
+    assert ModelRunner.kv_pools_for_free_memory is kept  # unwrapped again
+    assert calls == [
+        "profile",
+        "_capture_size",
+        "_capture_plain",
+        "allocate_kv_caches",
+        "_capture_size",
+        "_capture_size",
+        "_capture_plain",
+        "_capture_greedy",
+    ]
+    assert set(clock.seconds) == {
+        "ModelRunner.kv_pools_for_free_memory",
+        "profile: PromptGraphs._capture_size",
+        "profile: DecodeGraphs._capture_plain",
+        "ModelRunner.allocate_kv_caches",
+        "PromptGraphs._capture_size",
+        "DecodeGraphs._capture_plain",
+        "DecodeGraphs._capture_greedy",
+    }
+    assert "graphs captured" in clock.summary()
 
 
 def test_qwen3_30b_a3b_token_reads_its_8_of_128_experts_attention_norms_and_lm_head():
