@@ -77,6 +77,10 @@ def warm_up(config: EngineConfig) -> WarmupReport:
         config.kernel_ops()  # points Triton at the settings' cache before it is read here
         cache_dir = triton_cache_dir()
     before = cached_kernels(cache_dir) if cache_dir else 0
+    # Every CUDA graph captured at build, though the server captures its graphs once ready
+    # (startup.engine_config): the kernels their captures launch (the greedy graphs' input
+    # staging, say) are compiled here, not by a served engine after it is ready.
+    config = config.model_copy(update={"capture_graphs_when_idle": False})
     start = time.perf_counter()
     # Under tensor parallelism every rank draws its own part, and compiles its own kernels.
     engine = Engine.load(

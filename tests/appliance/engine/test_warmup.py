@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from appliance.__main__ import main
+from appliance.engine.engine import Engine
 from appliance.engine.engine_config import EngineConfig
 from appliance.engine.warmup import cached_kernels, random_model, warm_up
 
@@ -73,6 +74,32 @@ def test_warm_up_runs_every_workload_step_on_the_cpu(config_only_model: Path) ->
     # The CPU path compiles nothing; the workload still ran end to end (chunked prefill of a
     # prompt longer than one step's budget included).
     assert report.compiled == 0 and report.workload_s > 0
+
+
+def test_warm_up_captures_every_graph_at_build_even_with_the_server_s_config(
+    config_only_model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`inferno warmup` builds from the server's engine config, which defers the graphs until
+    the server is ready: the warm-up must capture them at build all the same, or the kernels
+    only their captures launch would be compiled by the served engine, after it is ready."""
+    built_with: list[bool] = []
+    load = Engine.load
+
+    def recording(config: EngineConfig, *args, **kwargs) -> Engine:
+        built_with.append(config.capture_graphs_when_idle)
+        return load(config, *args, **kwargs)
+
+    monkeypatch.setattr(Engine, "load", recording)
+    config = EngineConfig(
+        model_dir=config_only_model,
+        device="cpu",
+        max_num_batched_tokens=64,
+        num_kv_blocks=64,
+        num_cpu_threads=1,
+        capture_graphs_when_idle=True,
+    )
+    warm_up(config)
+    assert built_with == [False]
 
 
 def test_warm_up_fits_its_prompts_into_a_short_context(config_only_model: Path) -> None:
