@@ -12,6 +12,8 @@ entry delays the first token, the end entry the `[DONE]`), and TTFT as the serve
 part of it: how long requests queued before they were first scheduled and then took to their
 first token (`vllm:request_queue_time_seconds`, `vllm:request_prefill_time_seconds`). The
 client's TTFT less the server's is the connection, TLS and the load generator's own delays.
+The engine is built as `inferno serve` builds it, so it captures its CUDA graphs once ready:
+the runs start after four warm-up requests and once /metrics shows every graph captured.
 
     python bench/server_load.py [--rates 10,20,40] [--duration-s 60]
         # the random-weight Llama-3.1-8B on the GPU (as bench/gpu_engine.py builds it), served
@@ -705,6 +707,8 @@ async def measure(args: argparse.Namespace) -> None:
             ) as client:
                 for prompt in prompts[:4]:  # warm-up, not measured
                     await one_request(client, model, prompt, args.output_tokens)
+                # The steady state: the server captures its CUDA graphs once ready, while idle.
+                await wait_for_graphs(client, tokens["admin"])
             print(
                 f"date {datetime.date.today()} device {device_line(args.device)} commit {commit()}"
                 f" engine.quantization {args.quantization or 'none'}"
@@ -818,6 +822,24 @@ async def wait_until_ready(url: str, tls: ssl.SSLContext, timeout_s: float = 900
             if time.monotonic() > deadline:
                 raise SystemExit("the server did not become ready")
             await asyncio.sleep(0.5)
+
+
+async def wait_for_graphs(
+    client: httpx.AsyncClient, admin: dict[str, str], timeout_s: float = 600
+) -> None:
+    """Until /metrics shows no CUDA graph left to capture (the engine captures them while idle
+    once the server is ready: appliance.engine.async_engine)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        text = (await client.get("/metrics", headers=admin)).text
+        pending = [
+            line for line in text.splitlines() if line.startswith("inferno:cuda_graphs_pending{")
+        ]
+        if pending and float(pending[0].rsplit(" ", 1)[1]) == 0:
+            return
+        if time.monotonic() > deadline:
+            raise SystemExit("the server's CUDA graphs were not all captured")
+        await asyncio.sleep(0.1)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
