@@ -365,6 +365,8 @@ class Engine:
         captures: the graphs captured so far serve, other steps run eagerly, the server goes on
         (a sticky CUDA error fails the next step instead). Under tensor parallelism it fails
         the engine, as a failed step does: the ranks may no longer be in step."""
+        if self.group is not None and (failure := self.group.failure()) is not None:
+            raise failure  # as `step` refuses: the group is broken for good
         outputs = []
         if self._in_flight is not None:
             outputs = self._process(self._in_flight)
