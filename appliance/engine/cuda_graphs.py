@@ -171,26 +171,31 @@ class DecodeGraphs:
 
     @torch.inference_mode()
     def _capture_plain(self, size: int) -> None:
-        self._pad()
-        meta = self._meta(size)
-        self._forward(size, meta)  # warm-up: autotuning and lazy init stay outside the graph
-        torch.cuda.synchronize()
-        self._graphs[size] = self._capture(
-            lambda: self._hidden[:size].copy_(self._forward(size, meta))
+        self._graphs[size] = self._warm_and_capture(
+            size, lambda meta: self._hidden[:size].copy_(self._forward(size, meta))
         )
-        torch.cuda.synchronize()
         self.sizes = sorted(self._graphs)
 
     @torch.inference_mode()
     def _capture_greedy(self, size: int) -> None:
         """The greedy graph of `size` rows, over the plain graphs' static inputs and pool."""
+        self._greedy_graphs[size] = self._warm_and_capture(
+            size, lambda meta: self._greedy_step(size, meta)
+        )
+        self.greedy_sizes = sorted(self._greedy_graphs)
+
+    def _warm_and_capture(
+        self, size: int, step: Callable[[AttentionMetadata], object]
+    ) -> torch.cuda.CUDAGraph:
+        """`step` over `size` padding rows run once eagerly (autotuning and lazy init stay
+        outside the graph), then captured."""
         self._pad()
         meta = self._meta(size)
-        self._greedy_step(size, meta)  # warm-up, as above
+        step(meta)
         torch.cuda.synchronize()
-        self._greedy_graphs[size] = self._capture(lambda: self._greedy_step(size, meta))
+        graph = self._capture(lambda: step(meta))
         torch.cuda.synchronize()
-        self.greedy_sizes = sorted(self._greedy_graphs)
+        return graph
 
     def _capture(self, run: Callable[[], object]) -> torch.cuda.CUDAGraph:
         """One graph of what `run` launches, into the pool, on the capture stream (the device

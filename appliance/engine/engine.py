@@ -290,13 +290,11 @@ class Engine:
         runner.allocate_kv_caches(spec, pools)
         graph_captures: list[Callable[[], None]] = []
         if config.on_gpu and config.enable_cuda_graphs:
-            graph_captures = runner.graph_captures(
-                config.max_num_seqs, config.max_num_batched_tokens
-            )
-            if not config.capture_graphs_when_idle:
-                for capture in graph_captures:
-                    capture()
-                graph_captures = []
+            graph_sizes = (config.max_num_seqs, config.max_num_batched_tokens)
+            if config.capture_graphs_when_idle:
+                graph_captures = runner.graph_captures(*graph_sizes)
+            else:
+                runner.capture_graphs(*graph_sizes)
         block_manager = _block_manager(config, model_config, pools, state_slots is None)
         scheduler = Scheduler(
             SchedulerConfig(
