@@ -24,18 +24,11 @@ from appliance.engine.models.config import ModelConfig
 from appliance.engine.models.loader import build_model, fill_randomly
 from appliance.engine.prompt_graphs import PromptGraphs
 from kernels.ops import AttentionMetadata
+from tests.appliance.engine.random_llama import llama_shape
 
-_SHAPE = {
-    "architectures": ["LlamaForCausalLM"],
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_hidden_layers": 3,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "vocab_size": 256,
-    "max_position_embeddings": 256,
-    "rms_norm_eps": 1e-5,
-}
+_SHAPE = llama_shape(
+    hidden_size=64, intermediate_size=128, vocab_size=256, max_position_embeddings=256
+)
 
 
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8_e4m3"])

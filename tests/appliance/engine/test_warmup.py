@@ -61,16 +61,14 @@ def test_random_model_has_the_architecture_and_finite_weights(config_only_model:
     assert torch.equal(model.norm.weight, torch.ones(64))
 
 
+def _cpu_config(model_dir: Path, **changes: object) -> EngineConfig:
+    """A small warm-up on the CPU: steps of 64 tokens, 64 KV blocks, one torch thread."""
+    settings = {"max_num_batched_tokens": 64, "num_kv_blocks": 64, "num_cpu_threads": 1}
+    return EngineConfig(model_dir=model_dir, device="cpu", **{**settings, **changes})
+
+
 def test_warm_up_runs_every_workload_step_on_the_cpu(config_only_model: Path) -> None:
-    report = warm_up(
-        EngineConfig(
-            model_dir=config_only_model,
-            device="cpu",
-            max_num_batched_tokens=64,
-            num_kv_blocks=64,
-            num_cpu_threads=1,
-        )
-    )
+    report = warm_up(_cpu_config(config_only_model))
     # The CPU path compiles nothing; the workload still ran end to end (chunked prefill of a
     # prompt longer than one step's budget included).
     assert report.compiled == 0 and report.workload_s > 0
@@ -90,14 +88,7 @@ def test_warm_up_captures_every_graph_at_build_even_with_the_server_s_config(
         return load(config, *args, **kwargs)
 
     monkeypatch.setattr(Engine, "load", recording)
-    config = EngineConfig(
-        model_dir=config_only_model,
-        device="cpu",
-        max_num_batched_tokens=64,
-        num_kv_blocks=64,
-        num_cpu_threads=1,
-        capture_graphs_when_idle=True,
-    )
+    config = _cpu_config(config_only_model, capture_graphs_when_idle=True)
     warm_up(config)
     assert built_with == [False]
 
@@ -105,16 +96,7 @@ def test_warm_up_captures_every_graph_at_build_even_with_the_server_s_config(
 def test_warm_up_fits_its_prompts_into_a_short_context(config_only_model: Path) -> None:
     """Its longest fixed prompt is 257 tokens: a 256-token context shortens it, in the batch
     of all prompts too (which once refused it: ContextLengthExceededError)."""
-    report = warm_up(
-        EngineConfig(
-            model_dir=config_only_model,
-            device="cpu",
-            max_model_len=256,
-            max_num_batched_tokens=64,
-            num_kv_blocks=64,
-            num_cpu_threads=1,
-        )
-    )
+    report = warm_up(_cpu_config(config_only_model, max_model_len=256))
     assert report.workload_s > 0
 
 
@@ -160,14 +142,10 @@ def test_a_warmed_cache_makes_the_next_start_compile_nothing(
 def test_warm_up_runs_the_workload_split_over_two_processes(config_only_model: Path) -> None:
     """`engine.tensor_parallel_size = 2`: every rank draws its own part of the random weights
     (no checkpoint), runs the workload, and the workers are gone after."""
-    config = EngineConfig(
-        model_dir=config_only_model,
-        device="cpu",
+    config = _cpu_config(
+        config_only_model,
         tensor_parallel_size=2,
-        max_num_batched_tokens=64,
         max_num_seqs=8,
-        num_kv_blocks=64,
-        num_cpu_threads=1,
     )
     report = warm_up(config)
     assert report.workload_s > 0
