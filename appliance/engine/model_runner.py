@@ -395,7 +395,14 @@ class ModelRunner:
         prompt_graphs = None
         captures: list[Callable[[], None]] = []
         if sizes:
-            prompt_graphs = PromptGraphs(self.model, self.kv_caches, pool, self.capture_stream)
+            prompt_graphs = PromptGraphs(
+                self.model,
+                self.kv_caches,
+                pool,
+                self.capture_stream,
+                max_seqs=max_batch,
+                max_blocks_per_seq=-(-self.max_model_len // self.block_size),
+            )
             captures += prompt_graphs.captures(sizes[-1:] if only_largest else sizes)
         graphs = self._decode_graphs(pool)
         captures += graphs.captures(max_batch, only_largest=only_largest)
@@ -419,10 +426,8 @@ class ModelRunner:
 
     def _prompt_graph_sizes(self, max_prompt_tokens: int) -> list[int]:
         """The padded token counts of the prompt steps' graphs: none for a model whose steps
-        need more inputs (`_plain_inputs`) or whose attention layers differ in width."""
+        need more inputs (`_plain_inputs`)."""
         if not self._plain_inputs:
-            return []
-        if len({a.num_heads * a.head_dim for a in self.model.attentions}) != 1:
             return []
         return [size for size in PROMPT_GRAPH_SIZES if size <= max_prompt_tokens]
 
@@ -737,7 +742,7 @@ class ModelRunner:
         state_meta: RecurrentStateMetadata | None = None,
     ) -> torch.Tensor:
         """Hidden states [T, hidden]: from a CUDA graph for decode batches that fit one, from
-        the prompt graphs' pieces for other steps that fit those. `state_meta`: a hybrid
+        the prompt graphs for other steps that fit those. `state_meta`: a hybrid
         model's state slots (None for any other model)."""
         graphs = self.graphs
         if meta.decode_only and graphs is not None and len(meta.query_lens) <= graphs.max_batch:
@@ -748,7 +753,11 @@ class ModelRunner:
                 None if state_meta is None else state_meta.state_slots,
             )
         prompt_graphs = self.prompt_graphs
-        if prompt_graphs is not None and input_ids.shape[0] <= prompt_graphs.max_tokens:
+        if (
+            prompt_graphs is not None
+            and input_ids.shape[0] <= prompt_graphs.max_tokens
+            and len(meta.query_lens) <= prompt_graphs.max_seqs
+        ):
             return prompt_graphs.run(input_ids, positions, meta)
         return self.model(
             input_ids, positions, self.kv_caches, meta, self.recurrent_states, state_meta

@@ -1,17 +1,19 @@
-"""The prompt graphs' split of the forward pass (appliance.engine.prompt_graphs), on the CPU.
+"""The prompt graphs' forward pass over their static buffers (appliance.engine.prompt_graphs),
+on the CPU.
 
-Capturing needs a GPU (test_prompt_graphs_gpu.py); what decides whether the pieces are right
-does not: the forward pass run with every attention layer's ops wrapped hands each attention
-call, with what it reads (caches, scale, window, FP8 scales, sinks), to the split, in layer
-order. Here the split does what a replay does between two pieces, the recorded call run on the
-step's own metadata into the static output buffer, and the result must be the plain forward's,
-for a Llama shape and a Mistral one (a window on every layer), over a cache in the model's dtype
-and an FP8 one, with the reference kernels, on a step mixing a decode row, a prompt and the
-extension of a cached one.
+Capturing needs a GPU (test_prompt_graphs_gpu.py); what decides whether a replay is right does
+not: the step's inputs and metadata staged into the static buffers (`_stage`, what a replay
+does before it replays), padded to the captured size and to `max_seqs` sequences, and the
+forward pass the graph records (`_forward`: the longest query taken as the padded size, a mixed
+step's decode rows as one-token sequences of the prefill kernel) must give the plain forward's
+hidden states. Attention is the Triton kernels' (in the interpreter), every other op the
+reference's; a Llama shape and a Mistral one (a window on every layer), a cache in the model's
+dtype and an FP8 one; a step mixing a decode row, a prompt and the extension of a cached one.
 """
 
 from __future__ import annotations
 
+import types
 from pathlib import Path
 
 import pytest
@@ -23,6 +25,7 @@ from appliance.engine.engine_config import EngineConfig
 from appliance.engine.models.config import ModelConfig
 from appliance.engine.models.loader import build_model, fill_randomly
 from appliance.engine.prompt_graphs import PromptGraphs
+from kernels import triton_ops
 from kernels.ops import AttentionMetadata
 from tests.appliance.engine.random_llama import llama_shape
 
@@ -31,18 +34,23 @@ _SHAPE = llama_shape(
 )
 
 
+# The reference kernels, but the GPU backend's attention: only it reads the metadata from device
+# memory, as a captured graph must.
+_OPS = types.SimpleNamespace(
+    **{**vars(kernels.reference), "paged_attention": triton_ops.paged_attention}
+)
+
+
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8_e4m3"])
 @pytest.mark.parametrize("window", [None, 5], ids=["llama", "mistral-window"])
-def test_each_recorded_attention_call_run_between_the_pieces_gives_the_plain_forward(
+def test_a_step_staged_into_the_padded_static_buffers_gives_the_plain_forward(
     kv_cache_dtype: str, window: int | None
 ) -> None:
     shape = dict(_SHAPE)
     if window is not None:
         shape |= {"architectures": ["MistralForCausalLM"], "sliding_window": window}
     config = ModelConfig.from_dict(shape)
-    model = build_model(
-        config, dtype=torch.float32, device="cpu", ops=kernels.reference, shard=None
-    )
+    model = build_model(config, dtype=torch.float32, device="cpu", ops=_OPS, shard=None)
     fill_randomly(model, 0)
     model.init_rope_tables(256)
     engine = Engine.build(
@@ -79,33 +87,19 @@ def test_each_recorded_attention_call_run_between_the_pieces_gives_the_plain_for
         expected = model(input_ids, positions, runner.kv_caches, meta)
         for cache, values in zip(runner.kv_caches, initial, strict=True):
             cache.copy_(values)
+        # Nothing is captured here: no pool, no stream. Room for 20 sequences of 4 blocks, of
+        # which a step of 16 tokens can hold only 16: attention's grid spans those.
+        graphs = PromptGraphs(
+            model, runner.kv_caches, (0, 0), None, max_seqs=20, max_blocks_per_seq=4
+        )  # type: ignore[arg-type]
+        graphs._allocate(16)
+        graphs.sizes = [16]
+        size = graphs._stage(input_ids, positions, meta)
+        hidden = graphs._forward(size)
 
-        stream = None  # nothing is captured here
-        graphs = PromptGraphs(model, runner.kv_caches, (0, 0), stream)  # type: ignore[arg-type]
-        size = 16
-        graphs._allocate(size)
-        graphs._input_ids[:12] = input_ids
-        graphs._positions[:12] = positions
-        graphs._slots[:12] = meta.slot_mapping
-        calls = []
-
-        def replay_attention(q: torch.Tensor, call) -> torch.Tensor:
-            """What `PromptGraphs.run` does between two pieces."""
-            calls.append(call)
-            graphs._q[:size].copy_(q)
-            call.run(graphs._q[:12], meta, graphs._out[:12])
-            return graphs._out[:size]
-
-        hidden = graphs._forward(size, replay_attention)
-
+    assert size == 16
     torch.testing.assert_close(hidden[:12], expected, atol=1e-5, rtol=1e-5)
-    attentions = model.attentions
-    assert len(calls) == len(attentions)
-    for call, attention, cache in zip(calls, attentions, runner.kv_caches, strict=True):
-        assert call.k_cache.data_ptr() == cache[0].data_ptr()
-        assert call.v_cache.data_ptr() == cache[1].data_ptr()
-        assert call.sliding_window == window
-        assert call.k_scale is attention.k_scale and call.v_scale is attention.v_scale
-        assert call.ops is kernels.reference
-    # The wrapping is gone after the pass.
-    assert all(a.ops is kernels.reference for a in attentions)
+    # Padding: no KV written for rows 12..15, no sequence past the third attended.
+    assert graphs._slots[12:].eq(-1).all()
+    assert graphs._seq_lens.tolist() == [10, 7, 7] + [0] * 17
+    assert graphs._query_start_loc.tolist() == [0, 1, 8] + [12] * 18
