@@ -242,7 +242,6 @@ class KernelOps(Protocol):
         k_scale: torch.Tensor | None = None,
         v_scale: torch.Tensor | None = None,
         sinks: torch.Tensor | None = None,
-        out: torch.Tensor | None = None,
     ) -> torch.Tensor: ...
 
     def causal_conv1d(

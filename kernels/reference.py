@@ -287,7 +287,6 @@ def paged_attention(
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
     sinks: torch.Tensor | None = None,
-    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of each sequence's new tokens over its cached context: all of it, or
     with `sliding_window` W the last W tokens up to and including each query's own.
@@ -305,12 +304,11 @@ def paged_attention(
     An FP8 cache (`write_kv_cache`) is read as `stored.float() * k_scale` (and v_scale), by
     FP8 arithmetic in float32 (`fp8_attention`), as the GPU kernels run it on the tensor cores.
 
-    q: [T, Hq, D] -> out: [T, Hq, D] (written into `out` when given: padding rows untouched)
+    q: [T, Hq, D] -> out: [T, Hq, D]
     """
     fp8 = check_kv_cache_encoding(q.dtype, k_cache, v_cache, k_scale, v_scale)
     block_size, num_kv_heads, head_dim = k_cache.shape[1:]
-    if out is None:
-        out = torch.empty_like(q)
+    out = torch.empty_like(q)
     start = 0
     for b, (seq_len, query_len) in enumerate(zip(meta.seq_lens, meta.query_lens, strict=True)):
         if query_len == 0:  # a padding sequence

@@ -94,10 +94,8 @@ def paged_attention(
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
     sinks: torch.Tensor | None = None,
-    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """q: [T, Hq, D] -> [T, Hq, D] (written into `out` when given); see
-    `kernels.reference.paged_attention` for the semantics."""
+    """q: [T, Hq, D] -> [T, Hq, D]; see `kernels.reference.paged_attention` for the semantics."""
     per_layer = {"k_scale": k_scale, "v_scale": v_scale, "sinks": sinks}  # the layer's tensors
     if meta.decode_only:
         return paged_decode_attention(
@@ -109,11 +107,9 @@ def paged_attention(
             scale,
             num_splits=meta.num_splits,
             sliding_window=sliding_window,
-            out=out,
             **per_layer,
         )
-    if out is None:
-        out = torch.empty_like(q)
+    out = torch.empty_like(q)
     decodes = meta.num_leading_decodes  # their rows are q's first `decodes`, one each
     if decodes:
         paged_decode_attention(

@@ -6,12 +6,11 @@ the CPU, tiny shapes; the kernels themselves are tested in their own files)."""
 from __future__ import annotations
 
 from dataclasses import replace
-from types import ModuleType
 
 import pytest
 import torch
 
-from kernels import reference, triton_ops
+from kernels import triton_ops
 from kernels.reference import paged_attention, quantize_kv
 
 from .fp8_attention_bounds import assert_fp8_attention_close
@@ -93,24 +92,3 @@ def test_mixed_batch_with_attention_sinks_gives_them_to_both_kernels(
     )
     assert decode_calls == [3]
     torch.testing.assert_close(out, case.reference(9, sinks), atol=1e-5, rtol=1e-5)
-
-
-@pytest.mark.parametrize("ops", [triton_ops, reference], ids=["triton", "reference"])
-@pytest.mark.parametrize(
-    ("query_lens", "num_cached"), [(QUERY_LENS, NUM_CACHED), ([1, 1, 1], [20, 3, 40])]
-)
-def test_attention_writes_into_the_buffer_it_is_given_and_leaves_rows_past_the_batch(
-    ops: ModuleType, query_lens: list[int], num_cached: list[int]
-) -> None:
-    """The prompt steps' graphs (appliance.engine.prompt_graphs) hand each layer's attention a
-    static buffer longer than the step: its rows are the output, the rows past them untouched."""
-    case = make_case(query_lens, num_cached, num_q_heads=8, num_kv_heads=2, head_dim=16,
-                     dtype=torch.float32)  # fmt: skip
-    tokens = case.q.shape[0]
-    buffer = torch.full((tokens + 3, *case.q.shape[1:]), 7.0, device=case.q.device)
-    out = ops.paged_attention(
-        case.q, case.k_cache, case.v_cache, case.meta, case.scale, out=buffer[:tokens]
-    )
-    assert out.data_ptr() == buffer.data_ptr()
-    torch.testing.assert_close(buffer[:tokens], case.reference(), atol=1e-5, rtol=1e-5)
-    assert torch.all(buffer[tokens:] == 7.0)
