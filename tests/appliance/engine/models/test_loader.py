@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -195,6 +197,28 @@ def test_load_converts_float32_checkpoint_to_bfloat16_with_round_to_nearest(mode
         assert torch.equal(ours[name], value.to(torch.bfloat16)), name
     # The conversion really rounds: bf16 cannot hold these float32 weights exactly.
     assert not torch.equal(ours["embed_tokens.weight"].float(), expected["embed_tokens.weight"])
+
+
+def test_a_load_imports_no_sympy(model_dir):
+    """Torch's `empty_like` of a meta tensor imports sympy (0.3 s of the sealed start, W5): the
+    loader allocates without it. A fresh interpreter, since this one has imported it already."""
+    script = (
+        "import sys\n"
+        "from pathlib import Path\n"
+        "import torch\n"
+        "from appliance.engine.models.loader import load_model\n"
+        f"model = load_model(Path({str(model_dir)!r}), dtype=torch.bfloat16)\n"
+        "assert model.embed_tokens.weight.abs().sum() > 0\n"
+        "print('sympy' in sys.modules)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=Path(__file__).resolve().parents[4],
+    )
+    assert out.stdout.strip() == "False"
 
 
 def test_load_reads_a_sharded_checkpoint_like_the_single_file_one(model_dir, tmp_path):
