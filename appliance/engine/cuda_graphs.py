@@ -13,10 +13,12 @@ Greedy sampling inside the graph: decode batches of at most `GREEDY_MAX_BATCH` r
 graph that ends in the LM head and the argmax, writing each row's token into a static buffer,
 and begins by spreading one packed upload into the static inputs
 (`kernels.graph_inputs`), reading each token the host does not have yet from the tokens the
-previous replay wrote. A batch-1 greedy step then costs one copy in, one replay and one copy
-out: outside its graph it launched a dozen small kernels and copies, about 25 µs of the
-device's time a token (docs/BENCHMARKS.md). Only for steps whose every row samples greedily
-with nothing else asked (`ModelRunner` decides); others replay the plain graphs.
+previous replay wrote. A greedy step then costs one copy in, one replay and one copy out:
+outside its graph it launched a dozen small kernels and copies, about 25 µs of the device's
+time a token at batch 1 (docs/BENCHMARKS.md), and under serving load (W3: 50-100 rows) the
+engine thread's input preparation, LM head and sampler launches for every step. Only for steps
+whose every row samples greedily with nothing else asked (`ModelRunner` decides); others replay
+the plain graphs.
 
 Memory: every graph allocates from one private pool (shared with the prompt steps' graphs,
 appliance.engine.prompt_graphs, captured before these), the largest batch captured first, and
@@ -40,8 +42,10 @@ from appliance.engine.models.decoder import CausalLM
 from appliance.engine.models.recurrent_state import RecurrentState
 from kernels.ops import AttentionMetadata, RecurrentStateMetadata
 
-# The largest decode batch that also gets a graph sampling greedily inside it.
-GREEDY_MAX_BATCH = 8
+# The largest decode batch that also gets a graph sampling greedily inside it: W3's decode
+# batches (50-100 rows at 20 req/s) fit. Its [rows, vocab] logits live in the graphs' pool,
+# which the memory profile measures with this size's graph (`captures(only_largest=True)`).
+GREEDY_MAX_BATCH = 128
 
 
 @contextlib.contextmanager
@@ -111,17 +115,19 @@ class DecodeGraphs:
 
     def captures(self, max_batch: int, *, only_largest: bool = False) -> list[Callable[[], None]]:
         """One capture per graph, to be run in this order: the ladder of batch sizes up to
-        `max_batch`, largest first, then the greedy graphs (`only_largest`: that size's plain
-        graph alone, to measure the pool). Each graph replays as soon as its capture has run;
-        steps may run between two captures (an engine that captures while idle), eagerly where
-        no captured size fits them."""
+        `max_batch`, largest first, then the greedy graphs, largest first (`only_largest`: the
+        largest of each kind alone, to measure the pool). Each graph replays as soon as its
+        capture has run; steps may run between two captures (an engine that captures while
+        idle), eagerly where no captured size fits them."""
         self._allocate(max_batch)
-        sizes = [max_batch] if only_largest else batch_size_ladder(max_batch)
+        sizes = batch_size_ladder(max_batch)
         # Largest first, so the smaller graphs fit in the memory the largest one reserved.
-        captures = [functools.partial(self._capture_plain, size) for size in reversed(sizes)]
-        if self.greedy_tail is None or only_largest:
+        plain = sizes[-1:] if only_largest else sizes
+        captures = [functools.partial(self._capture_plain, size) for size in reversed(plain)]
+        if self.greedy_tail is None:
             return captures
         greedy = [size for size in sizes if size <= GREEDY_MAX_BATCH]
+        greedy = greedy[-1:] if only_largest else greedy
         captures += [functools.partial(self._capture_greedy, size) for size in reversed(greedy)]
         return captures
 

@@ -5,7 +5,7 @@ A random Llama-shaped model (bf16, Triton kernels): the same requests run once w
 graphs and once with `ModelRunner._greedy_graph_fits` answering no, so every step takes the
 plain path (the plain graph, then the LM head and the sampler outside it). Both paths run the
 same kernels on the same inputs, so the tokens must be equal, not close. The requests make every
-hand-over happen: a batch that shrinks as requests finish (graphs of 8, 4, 2 and 1 rows), a
+hand-over happen: a batch that shrinks as requests finish (graphs of 16, 8, 4, 2 and 1 rows), a
 request admitted between decode steps (a prompt step reading tokens a greedy replay wrote, and
 the greedy step after it reading a prompt step's), with and without asynchronous scheduling
 (tokens the host does not have yet, read on the device).
@@ -47,12 +47,12 @@ def _engine(model, async_scheduling: bool) -> Engine:
 
 
 def _run(engine: Engine, requests: list[tuple[list[int], SamplingParams]]) -> dict[str, list[int]]:
-    """The first eight requests at once; the rest admitted one per step after the fourth."""
+    """The first twelve requests at once; the rest admitted one per step after the fourth."""
     tokens: dict[str, list[int]] = {}
     pending = list(enumerate(requests))
-    for i, (prompt, params) in pending[:8]:
+    for i, (prompt, params) in pending[:12]:
         engine.add_request(f"r{i}", prompt, params)
-    later = pending[8:]
+    later = pending[12:]
     steps = 0
     while engine.has_unfinished() or later:
         if steps >= 4 and later:
@@ -92,14 +92,16 @@ def _greedy(max_tokens: int) -> SamplingParams:
 
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
 def test_greedy_graphs_give_the_plain_paths_tokens(model, monkeypatch, async_scheduling) -> None:
-    # Eight at once finishing at different steps (8, 4, 2, 1 rows), then two admitted later.
-    requests = _requests([_greedy(n) for n in (3, 9, 17, 17, 25, 25, 25, 40, 12, 20)])
+    # Twelve at once finishing at different steps (12 rows in the 16-row graph, then 8, 4, 2,
+    # 1), then two admitted later.
+    lengths = (3, 5, 7, 9, 9, 17, 17, 25, 25, 25, 33, 40, 12, 20)
+    requests = _requests([_greedy(n) for n in lengths])
     engine = _engine(model, async_scheduling)
     replays = _count_greedy_replays(engine, monkeypatch)
     fast = _run(engine, requests)
-    assert engine.runner.graphs.greedy_sizes == [1, 2, 4, 8]
-    # Decode steps of at most 8 rows took a greedy graph, batches from 8 rows down to 1.
-    assert max(replays) == 8 and min(replays) == 1, replays
+    assert engine.runner.graphs.greedy_sizes == [1, 2, 4, 8, 16]
+    # Every decode step took a greedy graph, batches from 12 rows down to 1.
+    assert max(replays) == 12 and min(replays) == 1, replays
 
     monkeypatch.setattr(ModelRunner, "_greedy_graph_fits", lambda self, chunks: False)
     plain = _run(_engine(model, async_scheduling), requests)

@@ -24,8 +24,8 @@ from tests.appliance.engine.random_llama import VOCAB_SIZE, llama_shape, random_
 
 pytestmark = pytest.mark.gpu
 
-# The prompt sizes 256 and 128, the decode ladder 16, 8, 4, 2, 1, the greedy 8, 4, 2, 1.
-_NUM_GRAPHS = 2 + 5 + 4
+# The prompt sizes 256 and 128, the decode ladder 16, 8, 4, 2, 1, the greedy 16, 8, 4, 2, 1.
+_NUM_GRAPHS = 2 + 5 + 5
 
 
 @pytest.fixture(scope="module")
@@ -108,7 +108,7 @@ def test_graphs_captured_between_requests_give_the_tokens_of_graphs_captured_at_
     assert engine.num_pending_graphs == 0
     assert runner.prompt_graphs.sizes == [128, 256]
     assert runner.graphs.sizes == [1, 2, 4, 8, 16]
-    assert runner.graphs.greedy_sizes == [1, 2, 4, 8]
+    assert runner.graphs.greedy_sizes == [1, 2, 4, 8, 16]
     assert got == expected
 
 
