@@ -40,7 +40,7 @@ logger = logging.getLogger(__name__)
 _FAILED_JOIN_S = 10.0
 
 # While requests run, at most one graph capture (tens of ms for an 8B model, every running
-# request waiting) in this many seconds: the twenty-odd graphs are in within about ten.
+# request waiting) in this many seconds: the twenty-odd graphs are in within about fifteen.
 BUSY_CAPTURE_INTERVAL_S = 0.5
 
 

@@ -267,7 +267,8 @@ class VocabParallelEmbedding(nn.Module):
 
 
 def shard_model(model: CausalLM, plan: ShardPlan) -> None:
-    """Shrink a model built on the meta device to this rank's shapes (before `to_empty`)."""
+    """Shrink a model built on the meta device to this rank's shapes (before its tensors are
+    allocated)."""
     config, n = model.config, plan.size
     if n == 1:
         return

@@ -200,8 +200,9 @@ def test_load_converts_float32_checkpoint_to_bfloat16_with_round_to_nearest(mode
 
 
 def test_a_load_imports_no_sympy(model_dir):
-    """Torch's `empty_like` of a meta tensor imports sympy (0.3 s of the sealed start, W5): the
-    loader allocates without it. A fresh interpreter, since this one has imported it already."""
+    """Torch's `empty_like` of a meta tensor imports sympy (up to 0.3 s of the sealed start, W5):
+    the loader allocates without it. A fresh interpreter, since this one has imported it
+    already."""
     script = (
         "import sys\n"
         "from pathlib import Path\n"
