@@ -115,11 +115,17 @@ def build_model(
 
 
 def _allocate(model: CausalLM, device: torch.device | str) -> None:
-    """`model.to_empty(device=device)` without its `empty_like` of meta tensors, whose Python
-    decomposition imports sympy: up to 0.3 s on the sealed start's path (W5, docs/BENCHMARKS.md,
-    round 10). `_apply` is what `to_empty` runs; `empty_strided` keeps each tensor's layout as
-    `empty_like` does for the dense tensors a model is built of."""
-    model._apply(lambda t: torch.empty_strided(t.size(), t.stride(), dtype=t.dtype, device=device))
+    """`model.to_empty(device=device)` without, for contiguous tensors (every one a model is
+    built of), its `empty_like` of a meta tensor, whose Python decomposition imports sympy: up to
+    0.3 s on the sealed start's path (W5, docs/BENCHMARKS.md, round 10). `_apply` is what
+    `to_empty` runs; another layout still goes through `empty_like`, as it would there."""
+
+    def empty(t: torch.Tensor) -> torch.Tensor:
+        if t.is_contiguous():
+            return torch.empty(t.size(), dtype=t.dtype, device=device)
+        return torch.empty_like(t, device=device)
+
+    model._apply(empty)
 
 
 def load_model(
