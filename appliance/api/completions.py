@@ -87,9 +87,12 @@ class _CompletionEndpoint:
         body = self.body
         # The first choice of each prompt holds its token ids (n choices per prompt, in order).
         prompts = [choice.prompt_token_ids for choice in choices[:: body.n]]
-        texts = _prompt_texts(body.prompt, prompts, tokenizer)
+        with_logprobs = body.logprobs is not None
+        # Only echo and the log-probabilities' text offsets read the prompts' texts: decoding
+        # ids the client sent is work on the event loop per request.
+        texts = _prompt_texts(body.prompt, prompts, tokenizer) if body.echo or with_logprobs else []
         return _CompletionOutput(
-            tokenizer, choices, texts, echo=body.echo, with_logprobs=body.logprobs is not None
+            tokenizer, choices, texts, echo=body.echo, with_logprobs=with_logprobs
         )
 
 

@@ -1,5 +1,6 @@
 """The shared request path's stream of writes (appliance.api.serving): what is ready together
-goes out in one write, every event of it intact and in order."""
+goes out in one write, every event of it intact and in order; and the per-request work before
+it (a completion's prompt decoded only when its text is read)."""
 
 from __future__ import annotations
 
@@ -8,9 +9,9 @@ import json
 from collections.abc import AsyncIterator
 from pathlib import Path
 
-from appliance.api.completions import _CompletionOutput
+from appliance.api.completions import _CompletionEndpoint, _CompletionOutput
 from appliance.api.generation import Choice
-from appliance.api.schemas import PromptTokensDetails, Usage
+from appliance.api.schemas import CompletionRequest, PromptTokensDetails, Usage
 from appliance.api.serving import _events
 from appliance.api.streaming import DONE, ChunkWriter, StreamHead
 from appliance.engine.outputs import RequestOutput
@@ -89,3 +90,31 @@ def test_the_tokens_of_a_merged_output_and_its_finish_go_out_in_one_write_in_ord
     assert all(c["usage"] is None for c in _events_of(first) + _events_of(merged))
     assert _events_of(usage)[0]["usage"]["completion_tokens"] == 4
     assert done == DONE
+
+
+class _CountingTokenizer:
+    """A tokenizer that counts its decodes (the completion output's only use of it here)."""
+
+    def __init__(self, tokenizer: Tokenizer):
+        self._tokenizer = tokenizer
+        self.decodes = 0
+
+    def decode(self, ids: list[int], **kwargs) -> str:
+        self.decodes += 1
+        return self._tokenizer.decode(ids, **kwargs)
+
+
+def test_a_completion_of_token_ids_decodes_its_prompt_only_for_echo_or_logprobs(
+    smollm2_dir: Path,
+) -> None:
+    """Only echo and the log-probabilities' text offsets read a prompt's text: a prompt of ids
+    is not decoded otherwise (it would be work on the event loop for every request)."""
+    tokenizer = _CountingTokenizer(Tokenizer.from_model_dir(smollm2_dir))
+    choice = Choice(0, 0, [5, 6, 7], SamplingParams(max_tokens=4))
+    for extra, decodes in [({}, 0), ({"echo": True}, 1), ({"logprobs": 1}, 1)]:
+        body = CompletionRequest(model="m", prompt=[5, 6, 7], max_tokens=4, **extra)
+        before = tokenizer.decodes
+        output = _CompletionEndpoint(body).output(tokenizer, [choice])  # type: ignore[arg-type]
+        assert tokenizer.decodes - before == decodes, extra
+        expected = tokenizer._tokenizer.decode([5, 6, 7], skip_special_tokens=False)
+        assert output.prompt_texts == ([expected] if decodes else [])
