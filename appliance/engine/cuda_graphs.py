@@ -65,6 +65,27 @@ def collector_paused() -> Iterator[None]:
             gc.enable()
 
 
+def warm_and_capture(
+    run: Callable[[], object], pool: tuple[int, int], stream: torch.cuda.Stream
+) -> torch.cuda.CUDAGraph:
+    """`run` once eagerly (autotuning, compilation and lazy set-up stay outside the graph), then
+    one graph of what it launches, into `pool`, on `stream`: every decode and prompt graph is
+    made so. Not `torch.cuda.graph`, which empties torch's device and pinned-host caches before
+    every capture, so that each of some forty sizes' warm-ups maps its memory again (W5 on the
+    H100 did not measurably change either way: docs/BENCHMARKS.md, round 8)."""
+    run()
+    torch.cuda.synchronize(stream.device)
+    graph = torch.cuda.CUDAGraph()
+    with collector_paused(), torch.cuda.stream(stream):
+        graph.capture_begin(pool=pool)
+        try:
+            run()
+        finally:
+            graph.capture_end()
+    torch.cuda.synchronize(stream.device)
+    return graph
+
+
 def batch_size_ladder(max_batch: int) -> list[int]:
     """1, 2, 4, 8, then every multiple of 8 up to max_batch (and max_batch itself)."""
     sizes = [b for b in (1, 2, 4) if b < max_batch]
@@ -193,30 +214,10 @@ class DecodeGraphs:
     def _warm_and_capture(
         self, size: int, step: Callable[[AttentionMetadata], object]
     ) -> torch.cuda.CUDAGraph:
-        """`step` over `size` padding rows run once eagerly (autotuning and lazy init stay
-        outside the graph), then captured."""
+        """`step` over `size` padding rows, warmed up and captured (`warm_and_capture`)."""
         self._pad()
         meta = self._meta(size)
-        step(meta)
-        torch.cuda.synchronize()
-        graph = self._capture(lambda: step(meta))
-        torch.cuda.synchronize()
-        return graph
-
-    def _capture(self, run: Callable[[], object]) -> torch.cuda.CUDAGraph:
-        """One graph of what `run` launches, into the pool, on the capture stream (the device
-        synchronized after the warm-up before), as the prompt graphs capture theirs. Not
-        `torch.cuda.graph`, which empties torch's device and pinned-host caches before every
-        capture, so that each of some forty sizes' warm-ups maps its memory again (W5 on the
-        H100 did not measurably change either way: docs/BENCHMARKS.md, round 8)."""
-        graph = torch.cuda.CUDAGraph()
-        with collector_paused(), torch.cuda.stream(self._stream):
-            graph.capture_begin(pool=self.pool)
-            try:
-                run()
-            finally:
-                graph.capture_end()
-        return graph
+        return warm_and_capture(lambda: step(meta), self.pool, self._stream)
 
     def _greedy_step(self, size: int, meta: AttentionMetadata) -> None:
         from kernels.graph_inputs import stage_decode_inputs

@@ -411,7 +411,7 @@ class Engine:
             num_prefix_cache_hits=scheduler.num_prefix_hit_tokens,
             grammar_compile_counts=compiles.counts if compiles is not None else (),
             grammar_compile_seconds=compiles.sum_s if compiles is not None else 0.0,
-            num_pending_graphs=len(self._graph_captures),
+            num_pending_graphs=self.num_pending_graphs,
         )
 
     def prepare_request(

@@ -257,7 +257,7 @@ class ModelRunner:
         pools = KVPools(0)
         if budget >= spec.bytes_per_block:
             pools = spec.pools_within(budget, num_window_blocks)
-        if pools.num_blocks < -(-self.max_model_len // self.block_size):
+        if pools.num_blocks < self.max_blocks_per_seq:
             raise EngineConfigError(
                 f"after the weights and activations, {budget / 2**30:.2f} GiB remain for the KV "
                 f"cache: not enough for one sequence of {self.max_model_len} tokens; raise "
@@ -401,12 +401,17 @@ class ModelRunner:
                 pool,
                 self.capture_stream,
                 max_seqs=max_batch,
-                max_blocks_per_seq=-(-self.max_model_len // self.block_size),
+                max_blocks_per_seq=self.max_blocks_per_seq,
             )
             captures += prompt_graphs.captures(sizes[-1:] if only_largest else sizes)
         graphs = self._decode_graphs(pool)
         captures += graphs.captures(max_batch, only_largest=only_largest)
         return prompt_graphs, graphs, captures
+
+    @property
+    def max_blocks_per_seq(self) -> int:
+        """The blocks of a sequence of max_model_len tokens: the widest block table."""
+        return -(-self.max_model_len // self.block_size)
 
     @property
     def capture_stream(self) -> torch.cuda.Stream:
@@ -446,7 +451,7 @@ class ModelRunner:
         return DecodeGraphs(
             self.model,
             self.kv_caches,
-            -(-max_model_len // self.block_size),
+            self.max_blocks_per_seq,
             num_splits_for,
             self.recurrent_states,
             window_group=self.has_window_group,

@@ -36,7 +36,7 @@ from collections.abc import Callable
 
 import torch
 
-from appliance.engine.cuda_graphs import collector_paused
+from appliance.engine.cuda_graphs import warm_and_capture
 from appliance.engine.models.decoder import CausalLM
 from kernels.ops import AttentionMetadata
 
@@ -111,19 +111,10 @@ class PromptGraphs:
 
     @torch.inference_mode()
     def _capture_size(self, size: int) -> None:
-        device = self.model.embed_tokens.weight.device
         self._pad()
-        self._forward(size)  # warm-up: compilation and lazy set-up stay outside the graph
-        torch.cuda.synchronize(device)
-        graph = torch.cuda.CUDAGraph()
-        with collector_paused(), torch.cuda.stream(self.stream):
-            graph.capture_begin(pool=self.pool)
-            try:
-                self._hidden[:size].copy_(self._forward(size))
-            finally:
-                graph.capture_end()
-        torch.cuda.synchronize(device)
-        self._graphs[size] = graph
+        self._graphs[size] = warm_and_capture(
+            lambda: self._hidden[:size].copy_(self._forward(size)), self.pool, self.stream
+        )
         self.sizes = sorted(self._graphs)
 
     def _forward(self, size: int) -> torch.Tensor:
