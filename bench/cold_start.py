@@ -506,15 +506,15 @@ def _token(config: Path, role: str = "user") -> str:
 def _all_graphs_captured(url: str, config: Path, deadline_s: float) -> float:
     """When /metrics first showed no CUDA graph left to capture (the engine captures them while
     idle once ready: appliance.engine.engine.Engine.capture_pending_graph)."""
+    from server_load import pending_graphs  # bench/, this script's directory
+
     request = urllib.request.Request(
         f"{url}/metrics", headers={"Authorization": f"Bearer {_token(config, 'admin')}"}
     )
     while time.time() < deadline_s:
         with urllib.request.urlopen(request, timeout=5) as reply:
-            lines = reply.read().decode().splitlines()
-        pending = [line for line in lines if line.startswith("inferno:cuda_graphs_pending{")]
-        if pending and float(pending[0].rsplit(" ", 1)[1]) == 0:
-            return time.time()
+            if pending_graphs(reply.read().decode()) == 0:
+                return time.time()
         time.sleep(0.01)
     raise SystemExit("the CUDA graphs were not all captured within 10 minutes")
 

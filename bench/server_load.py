@@ -824,6 +824,14 @@ async def wait_until_ready(url: str, tls: ssl.SSLContext, timeout_s: float = 900
             await asyncio.sleep(0.5)
 
 
+def pending_graphs(metrics: str) -> float | None:
+    """The `inferno:cuda_graphs_pending` gauge in a /metrics text (None: not there)."""
+    for line in metrics.splitlines():
+        if line.startswith("inferno:cuda_graphs_pending{"):
+            return float(line.rsplit(" ", 1)[1])
+    return None
+
+
 async def wait_for_graphs(
     client: httpx.AsyncClient, admin: dict[str, str], timeout_s: float = 600
 ) -> None:
@@ -831,11 +839,7 @@ async def wait_for_graphs(
     once the server is ready: appliance.engine.async_engine)."""
     deadline = time.monotonic() + timeout_s
     while True:
-        text = (await client.get("/metrics", headers=admin)).text
-        pending = [
-            line for line in text.splitlines() if line.startswith("inferno:cuda_graphs_pending{")
-        ]
-        if pending and float(pending[0].rsplit(" ", 1)[1]) == 0:
+        if pending_graphs((await client.get("/metrics", headers=admin)).text) == 0:
             return
         if time.monotonic() > deadline:
             raise SystemExit("the server's CUDA graphs were not all captured")

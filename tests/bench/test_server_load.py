@@ -15,6 +15,7 @@ from bench.server_load import (
     histogram_ms,
     keep_up_ratio,
     parse_args,
+    pending_graphs,
     sustained_summary,
     why_not_sustained,
     write_server_files,
@@ -136,3 +137,15 @@ def test_a_histograms_mean_and_p99_bucket_come_from_the_difference_of_two_scrape
     assert histogram_ms(before, after, "q") == pytest.approx((50.0, 60.0))
     assert histogram_ms(before, before, "q") == (None, None)
     assert histogram_ms(before, after, "absent") == (None, None)
+
+
+def test_the_pending_graphs_gauge_is_read_from_a_metrics_text() -> None:
+    text = (
+        "# HELP inferno:cuda_graphs_pending CUDA graphs still to capture\n"
+        "# TYPE inferno:cuda_graphs_pending gauge\n"
+        'inferno:cuda_graphs_pending{model_name="m"} 7.0\n'
+        'vllm:num_requests_running{model_name="m"} 0.0\n'
+    )
+    assert pending_graphs(text) == 7.0
+    assert pending_graphs(text.replace(" 7.0", " 0.0")) == 0
+    assert pending_graphs("vllm:num_requests_running 0.0\n") is None
