@@ -26,9 +26,6 @@ MAX_RESPONSE_BYTES = 16 << 10
 
 ConsistencyProof = Callable[[int, int], Sequence[bytes]]
 
-# Witnesses are reached directly: no proxy from the environment.
-_OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
-
 
 @dataclass(frozen=True)
 class WitnessEndpoint:
@@ -54,6 +51,9 @@ class WitnessClient:
         self.endpoint = endpoint
         self._timeout_s = timeout_s
         self._known_size = 0
+        # Reached directly: no proxy from the environment. Built here, not at import: its
+        # HTTPS handler loads the system's CA certificates (50 ms of every start, W5).
+        self._opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
     def cosign(self, note: str, checkpoint: Checkpoint, proof: ConsistencyProof) -> str:
         """The witness's cosignature line for the signed `note` of `checkpoint`; `proof(old,
@@ -92,7 +92,7 @@ class WitnessClient:
         )
         name = self.endpoint.name
         try:
-            with _OPENER.open(request, timeout=self._timeout_s) as response:
+            with self._opener.open(request, timeout=self._timeout_s) as response:
                 answer = response.read(MAX_RESPONSE_BYTES + 1)
         except urllib.error.HTTPError as exc:
             with exc:

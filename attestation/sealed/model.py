@@ -24,6 +24,7 @@ only the sealer and an attested appliance hold, authenticate every byte instead.
 from __future__ import annotations
 
 import hashlib
+import mmap
 import os
 import threading
 from collections.abc import Callable, Iterator, Mapping
@@ -143,34 +144,46 @@ class SealedModel:
     @contextmanager
     def chunk_reader(self, data_key: bytes) -> Iterator[ChunkReader]:
         """Step 4, then a reader that decrypts single chunks (for callers that stream chunks
-        elsewhere, such as through pinned staging buffers to a GPU). The files stay open, and
-        their sizes are checked again, for as long as the context lasts."""
+        elsewhere, such as through pinned staging buffers to a GPU). The files' sizes are
+        checked again and they stay mapped for as long as the context lasts."""
         verify_data_key(data_key, self.manifest.seal_id, self.manifest.key_check)
-        fds: dict[str, int] = {}
+        maps: dict[str, mmap.mmap] = {}
         try:
             for entry in self.manifest.sealed_files:
                 path = self.directory / entry.stored_name
                 try:
-                    fds[entry.name] = os.open(path, os.O_RDONLY)
+                    fd = os.open(path, os.O_RDONLY)
                 except OSError as exc:
                     raise SealedFileError(f"cannot open {path}: {exc.strerror}") from exc
-                size = os.fstat(fds[entry.name]).st_size
-                _check_sealed_size(path, size, entry, self.manifest.chunk_size)
-            yield ChunkReader(self.manifest, data_key, fds)
+                try:
+                    size = os.fstat(fd).st_size
+                    _check_sealed_size(path, size, entry, self.manifest.chunk_size)
+                    maps[entry.name] = mmap.mmap(fd, size, access=mmap.ACCESS_READ)
+                except OSError as exc:
+                    raise SealedFileError(f"cannot map {path}: {exc.strerror}") from exc
+                finally:
+                    os.close(fd)
+            yield ChunkReader(self.manifest, data_key, maps)
         finally:
-            for fd in fds.values():
-                os.close(fd)
+            for mapped in maps.values():
+                mapped.close()
 
 
 class ChunkReader:
     """Decrypts one chunk at a time (step 5); safe to call from several threads at once. Made
-    by `SealedModel.chunk_reader`, valid inside its context only."""
+    by `SealedModel.chunk_reader`, valid inside its context only.
 
-    def __init__(self, manifest: SealedManifest, data_key: bytes, fds: Mapping[str, int]):
+    Each chunk is decrypted straight from the file's pages in the page cache (the files are
+    memory-mapped): with the chunk read into a buffer first, each byte crossed memory three
+    times before its plaintext was written, and the ring's decryption to a GPU was bound by
+    that (docs/BENCHMARKS.md, round 11). As with any mapped file (safetensors' own loading
+    included), a file cut short by another process while it is being decrypted ends this one
+    with SIGBUS rather than an error; its size is checked when the context opens."""
+
+    def __init__(self, manifest: SealedManifest, data_key: bytes, maps: Mapping[str, mmap.mmap]):
         self.manifest = manifest
         self._data_key = data_key
-        self._fds = fds
-        self._local = threading.local()
+        self._maps = maps
 
     def chunk_span(self, file_name: str, index: int) -> tuple[int, int]:
         """(offset, length) of chunk `index` of `file_name` in the plaintext."""
@@ -186,20 +199,15 @@ class ChunkReader:
         chunk_size = self.manifest.chunk_size
         entry = self.manifest.file(file_name)
         _, length = self.chunk_span(file_name, index)
-        if not hasattr(self._local, "scratch"):
-            self._local.scratch = memoryview(bytearray(chunk_size + TAG_SIZE))
-        sealed = self._local.scratch[: length + TAG_SIZE]
         where = f"chunk {index} of {entry.num_chunks} of {entry.name}"
-        try:
-            num_read = os.preadv(self._fds[file_name], [sealed], index * (chunk_size + TAG_SIZE))
-        except OSError as exc:
-            raise SealedFileError(f"cannot read {where}: {exc.strerror}") from exc
-        if num_read != len(sealed):
-            raise SealedFileError(f"{where} is cut short: {entry.stored_name} was truncated")
+        start = index * (chunk_size + TAG_SIZE)
         context = chunk_context(
             self.manifest.seal_id, self.manifest.model_id, entry.name, index, entry.num_chunks
         )
-        decrypt_chunk_into(self._data_key, context, sealed, _byte_view(file_name, out), where)
+        out = _byte_view(file_name, out)
+        end = start + length + TAG_SIZE
+        with memoryview(self._maps[file_name]) as whole, whole[start:end] as sealed:
+            decrypt_chunk_into(self._data_key, context, sealed, out, where)
 
 
 def _run_all(

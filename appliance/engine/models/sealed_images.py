@@ -5,8 +5,8 @@ safetensors image as a uint8 tensor, decrypted when the loader asks for it (the 
 file at a time, so only one image is alive at a time, next to the model).
 
 On a GPU the plaintext goes through a ring of pinned host chunks instead of one pinned buffer
-per file: pinning host memory runs at about 1 GB/s (measured on an H200 host: 14 s for 16 GB),
-so the ring is kept small (2 × workers chunks) and allocated once. It needs no key, so it can be
+per file: pinning host memory runs at 1-2 GB/s (an H200 host: 14 s for 16 GB; an H100 host:
+0.27 s for 512 MiB), so the ring is kept small (workers + 2 chunks) and allocated once. It needs no key, so it can be
 allocated ahead of time, while attestation runs (a `StagingRing` passed in, or `prepare()`).
 Worker threads decrypt chunk i into slot i mod S while the copy engine moves earlier slots to
 the device image; a slot is reused only after its copy's event has completed. On any failure
@@ -106,7 +106,10 @@ class SealedImages(Mapping[str, torch.Tensor]):
 
 
 class StagingRing:
-    """2 × `workers` host chunks (pinned for a GPU) through which chunks reach device images."""
+    """`workers` + 2 host chunks (pinned for a GPU) through which chunks reach device images:
+    one for each worker to decrypt into, and two more whose copies to the device are in flight
+    meanwhile (a chunk's copy takes 0.3 ms of its worker's 10-20 ms). Twice the workers' chunks
+    were no faster and took 0.12 s longer to pin on the H100 (docs/BENCHMARKS.md, round 11)."""
 
     def __init__(self, chunk_size: int, workers: int, *, pinned: bool) -> None:
         self.chunk_size = chunk_size
@@ -114,7 +117,7 @@ class StagingRing:
         self.pinned = pinned
         self.slots = [
             torch.empty(chunk_size, dtype=torch.uint8, pin_memory=pinned)
-            for _ in range(2 * workers)
+            for _ in range(workers + 2)
         ]
         self.copied: list[torch.cuda.Event | None] = [None] * len(self.slots)
 

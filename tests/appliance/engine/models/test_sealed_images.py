@@ -41,7 +41,7 @@ def test_every_file_arrives_byte_for_byte(
     )
     assert list(images) == sorted(e.name for e in sealed.manifest.sealed_files)
     for name in images:
-        # With 1 or 2 workers the ring (2 x workers slots) is smaller than the file: reused.
+        # With 1 or 2 workers the ring (workers + 2 slots) is smaller than the file: reused.
         assert sealed.manifest.file(name).num_chunks > 4
         assert images[name].numpy().tobytes() == (sealed.source / name).read_bytes()
 
