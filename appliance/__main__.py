@@ -413,6 +413,9 @@ def _run_warmup(args: argparse.Namespace) -> int:
         f"engine built in {report.build_s:.1f} s, workload run in {report.workload_s:.1f} s; "
         f"Triton compiled {report.compiled} kernels (its cache holds {report.kernels_after})"
     )
+    if report.memory_profile_read is not None:
+        how = "read from" if report.memory_profile_read else "measured and kept in"
+        print(f"the engine's memory profile: {how} the cache")
     return 0
 
 

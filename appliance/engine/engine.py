@@ -23,6 +23,7 @@ from appliance.engine.errors import (
     TensorParallelError,
 )
 from appliance.engine.kv_cache import KVCacheSpec, KVPools
+from appliance.engine.memory_profile_cache import MemoryProfileCache
 from appliance.engine.model_runner import LaunchedStep, ModelRunner
 from appliance.engine.models.config import ModelConfig
 from appliance.engine.models.decoder import CausalLM
@@ -41,6 +42,7 @@ from appliance.engine.sequence import RequestId, Sequence, SequenceStatus
 from appliance.engine.state_slots import StateSlots
 from appliance.engine.structured_output import GrammarCompiler
 from appliance.engine.tokenizer import Tokenizer
+from kernels.backend import triton_cache_dir
 
 logger = logging.getLogger(__name__)
 
@@ -68,6 +70,15 @@ def _hybrid_state_slots(
         linear.num_linear_layers,
     )
     return StateSlots(config.max_num_seqs)
+
+
+def _memory_profile_cache(config: EngineConfig) -> MemoryProfileCache | None:
+    """Where this engine's measured memory profile is kept beside Triton's kernels
+    (appliance.engine.memory_profile_cache); None under tensor parallelism, whose ranks each
+    measure their own GPU."""
+    if config.tensor_parallel_size > 1:
+        return None
+    return MemoryProfileCache.for_engine(config, triton_cache_dir())
 
 
 def _window_pool_num_blocks(
@@ -283,6 +294,7 @@ class Engine:
                 config.gpu_memory_utilization,
                 graph_batch=config.max_num_seqs if config.enable_cuda_graphs else 0,
                 num_window_blocks=num_window_blocks,
+                cache=_memory_profile_cache(config),
             )
         else:
             state_bytes = sum(s.conv.nbytes + s.delta.nbytes for s in runner.recurrent_states)

@@ -22,6 +22,7 @@ import torch
 from appliance.engine.cuda_graphs import DecodeGraphs, collector_paused
 from appliance.engine.errors import EngineConfigError
 from appliance.engine.kv_cache import KVCacheSpec, KVPools
+from appliance.engine.memory_profile_cache import MemoryProfileCache, ProfiledPeaks
 from appliance.engine.models.decoder import CausalLM
 from appliance.engine.models.recurrent_state import RecurrentState, allocate_states
 from appliance.engine.outputs import TokenLogprob
@@ -66,6 +67,8 @@ class MemoryProfile:
     graph_pool: int
     in_use: int
     kv_budget: int
+    # Whether the first four were read from a MemoryProfileCache rather than measured.
+    from_cache: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -207,50 +210,57 @@ class ModelRunner:
         gpu_memory_utilization: float,
         graph_batch: int = 0,
         num_window_blocks: int = 0,
+        cache: MemoryProfileCache | None = None,
     ) -> KVPools:
         """The KV pools that fit in `gpu_memory_utilization` of the GPU, after what is in use
         (weights, CUDA context, other processes) and what the largest step and the decode graphs
         need, measured here with a scratch cache just big enough for them (`memory_profile`):
         a prefill of `num_tokens` tokens, then logits and the sampler's most demanding path for
         `num_logit_rows` rows, then (`graph_batch` > 0) the CUDA graph of that decode batch.
-        A window group's pool of `num_window_blocks` blocks comes out of that budget where it
-        fits (`KVCacheSpec.pools_within`). Under tensor parallelism every rank profiles its own
-        GPU and all take the smallest budget."""
+        With `cache`, those peaks are read from it when it holds them, and kept in it when they
+        were measured (appliance.engine.memory_profile_cache); what is in use is measured
+        always. A window group's pool of `num_window_blocks` blocks comes out of that budget
+        where it fits (`KVCacheSpec.pools_within`). Under tensor parallelism every rank
+        profiles its own GPU and all take the smallest budget."""
         if self.peers is not None:
             self.peers.profile(
                 num_tokens, num_logit_rows, gpu_memory_utilization, graph_batch, num_window_blocks
             )
-        # The collector paused: a collection that freed some earlier engine's memory during a
-        # measurement would make this one's peaks look smaller (seen in the GPU tests).
-        with collector_paused():
-            torch.cuda.synchronize(self.device)
-            torch.cuda.empty_cache()
-            scratch = KVPools(-(-num_tokens // self.block_size) + 1)
-            self.kv_caches = spec.allocate(scratch, self.device)
-            step = self._profile_step(num_tokens, num_logit_rows)
-            # The prompt steps' graphs are for models without a window group (`capture_graphs`).
-            prompt_tokens = num_tokens if num_window_blocks == 0 else 0
-            graph_pool = self._profile_graphs(graph_batch, prompt_tokens) if graph_batch else 0
-            self.kv_caches = []
-        # Give the scratch cache back, then budget: what is in use now plus what steps and
-        # graphs were measured to reserve.
+        device_memory = torch.cuda.get_device_properties(self.device).total_memory
+        peaks = cache.load(device_memory) if cache is not None else None
+        from_cache = peaks is not None
+        if peaks is None:
+            peaks = self._measure_peaks(
+                spec, num_tokens, num_logit_rows, graph_batch, num_window_blocks
+            )
+            if cache is not None:
+                cache.store(peaks)
+        # Budget: what is in use now plus what steps and graphs were measured to reserve.
         torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(self.device)
-        step_need = max(step.reserved, step.forward_peak, step.sampling_peak)
-        budget = int(total * gpu_memory_utilization) - (total - free) - step_need - graph_pool
+        step_need = max(peaks.step_reserved, peaks.forward_peak, peaks.sampling_peak)
+        budget = int(total * gpu_memory_utilization) - (total - free) - step_need - peaks.graph_pool
         self.memory_profile = MemoryProfile(
-            step.forward_peak, step.sampling_peak, step.reserved, graph_pool, total - free, budget
+            peaks.forward_peak,
+            peaks.sampling_peak,
+            peaks.step_reserved,
+            peaks.graph_pool,
+            total - free,
+            budget,
+            from_cache,
         )
         if self.peers is not None:
             budget = self.peers.agree_kv_budget(budget)
+        how = f"read from {cache.path} the profile of" if from_cache and cache else "profiled"
         logger.info(
-            "profiled a %d-token step: forward peak %.2f GiB, logits and sampling peak %.2f GiB, "
+            "%s a %d-token step: forward peak %.2f GiB, logits and sampling peak %.2f GiB, "
             "step reserves %.2f GiB, decode graphs %.2f GiB; in use %.2f GiB, KV %.2f GiB",
+            how,
             num_tokens,
-            step.forward_peak / 2**30,
-            step.sampling_peak / 2**30,
-            step.reserved / 2**30,
-            graph_pool / 2**30,
+            peaks.forward_peak / 2**30,
+            peaks.sampling_peak / 2**30,
+            peaks.step_reserved / 2**30,
+            peaks.graph_pool / 2**30,
             (total - free) / 2**30,
             budget / 2**30,
         )
@@ -264,6 +274,30 @@ class ModelRunner:
                 "gpu_memory_utilization or lower max_model_len / max_num_batched_tokens"
             )
         return pools
+
+    def _measure_peaks(
+        self,
+        spec: KVCacheSpec,
+        num_tokens: int,
+        num_logit_rows: int,
+        graph_batch: int,
+        num_window_blocks: int,
+    ) -> ProfiledPeaks:
+        """The largest step and graphs run on a scratch cache just big enough for them
+        (`kv_pools_for_free_memory`), which is given back."""
+        # The collector paused: a collection that freed some earlier engine's memory during a
+        # measurement would make this one's peaks look smaller (seen in the GPU tests).
+        with collector_paused():
+            torch.cuda.synchronize(self.device)
+            torch.cuda.empty_cache()
+            scratch = KVPools(-(-num_tokens // self.block_size) + 1)
+            self.kv_caches = spec.allocate(scratch, self.device)
+            step = self._profile_step(num_tokens, num_logit_rows)
+            # The prompt steps' graphs are for models without a window group (`capture_graphs`).
+            prompt_tokens = num_tokens if num_window_blocks == 0 else 0
+            graph_pool = self._profile_graphs(graph_batch, prompt_tokens) if graph_batch else 0
+            self.kv_caches = []
+        return ProfiledPeaks(step.forward_peak, step.sampling_peak, step.reserved, graph_pool)
 
     def _profile_step(self, num_tokens: int, num_logit_rows: int) -> _StepMemory:
         """Run the largest step on the scratch cache: its forward pass, then logits and sampling

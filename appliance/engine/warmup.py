@@ -42,6 +42,10 @@ class WarmupReport:
     workload_s: float
     kernels_before: int
     kernels_after: int
+    # Whether the build read its memory profile from the cache (True) or measured and kept it
+    # there (False: appliance.engine.memory_profile_cache); None where nothing was kept (the
+    # CPU, tensor parallelism).
+    memory_profile_read: bool | None = None
 
     @property
     def compiled(self) -> int:
@@ -86,6 +90,10 @@ def warm_up(config: EngineConfig) -> WarmupReport:
     engine = Engine.load(
         config, None, lambda shard: random_model(config, shard=shard), random_weights=True
     )
+    profile = engine.runner.memory_profile
+    profile_read = None
+    if profile is not None and config.tensor_parallel_size == 1:
+        profile_read = profile.from_cache
     try:
         built = time.perf_counter()
         _run_workload(engine, config)
@@ -93,7 +101,7 @@ def warm_up(config: EngineConfig) -> WarmupReport:
         engine.close()
     done = time.perf_counter()
     after = cached_kernels(cache_dir) if cache_dir else 0
-    return WarmupReport(built - start, done - built, before, after)
+    return WarmupReport(built - start, done - built, before, after, profile_read)
 
 
 def _run_workload(engine: Engine, config: EngineConfig) -> None:

@@ -6,8 +6,9 @@ file at a time, so only one image is alive at a time, next to the model).
 
 On a GPU the plaintext goes through a ring of pinned host chunks instead of one pinned buffer
 per file: pinning host memory runs at 1-2 GB/s (an H200 host: 14 s for 16 GB; an H100 host:
-0.27 s for 512 MiB), so the ring is kept small (workers + 2 chunks) and allocated once. It needs no key, so it can be
-allocated ahead of time, while attestation runs (a `StagingRing` passed in, or `prepare()`).
+0.27 s for 512 MiB), so the ring is kept small (workers + 2 chunks) and allocated once. It
+needs no key, so it can be allocated ahead of time, while attestation runs (a `StagingRing`
+passed in, or `prepare()`).
 Worker threads decrypt chunk i into slot i mod S while the copy engine moves earlier slots to
 the device image; a slot is reused only after its copy's event has completed. On any failure
 the ring and the partial device image are zeroed before the error propagates; `close()` zeroes

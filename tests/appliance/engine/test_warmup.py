@@ -117,14 +117,14 @@ def test_warmup_command_refuses_the_cpu(
 
 
 @pytest.mark.gpu
-def test_a_warmed_cache_makes_the_next_start_compile_nothing(
+def test_a_warmed_cache_makes_the_next_start_compile_and_profile_nothing(
     tmp_path: Path, config_only_model: Path
 ) -> None:
     cache = tmp_path / "triton-cache"
     settings = _settings(tmp_path, config_only_model, "cuda", cache)
     env = {k: v for k, v in os.environ.items() if k != "TRITON_CACHE_DIR"}
 
-    def compiled() -> int:
+    def compiled(profile: str) -> int:
         # A new process each time: Triton also keeps compiled kernels in memory.
         result = subprocess.run(
             [sys.executable, "-m", "appliance", "warmup", "--config", str(settings)],
@@ -132,11 +132,13 @@ def test_a_warmed_cache_makes_the_next_start_compile_nothing(
         )  # fmt: skip
         match = re.search(r"Triton compiled (\d+) kernels", result.stdout)
         assert match, result.stdout + result.stderr
+        assert f"the engine's memory profile: {profile} the cache" in result.stdout
         return int(match.group(1))
 
-    first = compiled()
+    first = compiled("measured and kept in")
     assert first > 0 and cached_kernels(cache) >= first
-    assert compiled() == 0
+    assert len(list(cache.glob("inferno-memory-profile-*.json"))) == 1
+    assert compiled("read from") == 0
 
 
 def test_warm_up_runs_the_workload_split_over_two_processes(config_only_model: Path) -> None:
