@@ -8,12 +8,14 @@ architecture (its config.json), the engine's settings, the engine's and the kern
 torch, CUDA, Triton and the GPU model: never on the weights' values, nor on what else is on the
 GPU, since every figure is growth over what was in use before it.
 
-So a build that measured writes the four figures into Triton's kernel cache directory, in a
+So a build that measured writes those figures into Triton's kernel cache directory, in a
 file named by the SHA-256 of all of that (the key), and a build with the same key reads them
 instead of measuring. `inferno warmup` leaves one for the served engine (the offline bundle
 ships it with the kernels), and any start that measured leaves one for the next. What is in use
 before the pool (weights, CUDA context, other processes) is measured at every build; only the
-peaks are kept.
+peaks are kept, and what the measuring steps added to it outside torch's blocks (the kernels
+they loaded, cuBLAS's handles), which a build that reads the peaks adds to what it finds in use
+(twice, where its process has those already: a smaller pool, never a larger one).
 
 A file that cannot be read, does not parse, names another key or holds a figure outside the
 GPU's memory is ignored, with a warning, and the profile measured again. The file is trusted as
@@ -50,12 +52,16 @@ _UNMEASURED_SETTINGS = frozenset(
 
 @dataclass(frozen=True, slots=True)
 class ProfiledPeaks:
-    """What sizing the KV pool measured, in bytes (`MemoryProfile`'s first four figures)."""
+    """What sizing the KV pool measured, in bytes: `MemoryProfile`'s first four figures, and
+    how much more of the device was in use after the measuring steps than before them, their
+    scratch cache given back (kernels loaded, cuBLAS's handles and workspaces: what a build
+    that reads these figures has not run yet, so adds to what it finds in use)."""
 
     forward_peak: int
     sampling_peak: int
     step_reserved: int
     graph_pool: int
+    first_steps_growth: int
 
 
 class MemoryProfileCache:

@@ -229,23 +229,28 @@ class ModelRunner:
         device_memory = torch.cuda.get_device_properties(self.device).total_memory
         peaks = cache.load(device_memory) if cache is not None else None
         from_cache = peaks is not None
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info(self.device)
         if peaks is None:
             peaks = self._measure_peaks(
-                spec, num_tokens, num_logit_rows, graph_batch, num_window_blocks
+                spec, num_tokens, num_logit_rows, graph_batch, num_window_blocks, total - free
             )
             if cache is not None:
                 cache.store(peaks)
-        # Budget: what is in use now plus what steps and graphs were measured to reserve.
-        torch.cuda.empty_cache()
-        free, total = torch.cuda.mem_get_info(self.device)
+            torch.cuda.empty_cache()
+            free, total = torch.cuda.mem_get_info(self.device)
+        # In use: what is now, and, with peaks read rather than measured, what the measuring
+        # build's first steps added outside torch's blocks (kernels loaded, cuBLAS's handles):
+        # counted again if this process has it already, never left out.
+        in_use = total - free + (peaks.first_steps_growth if from_cache else 0)
         step_need = max(peaks.step_reserved, peaks.forward_peak, peaks.sampling_peak)
-        budget = int(total * gpu_memory_utilization) - (total - free) - step_need - peaks.graph_pool
+        budget = int(total * gpu_memory_utilization) - in_use - step_need - peaks.graph_pool
         self.memory_profile = MemoryProfile(
             peaks.forward_peak,
             peaks.sampling_peak,
             peaks.step_reserved,
             peaks.graph_pool,
-            total - free,
+            in_use,
             budget,
             from_cache,
         )
@@ -282,9 +287,11 @@ class ModelRunner:
         num_logit_rows: int,
         graph_batch: int,
         num_window_blocks: int,
+        in_use_before: int,
     ) -> ProfiledPeaks:
         """The largest step and graphs run on a scratch cache just big enough for them
-        (`kv_pools_for_free_memory`), which is given back."""
+        (`kv_pools_for_free_memory`), which is given back; `in_use_before` the device's memory
+        in use before them (for `ProfiledPeaks.first_steps_growth`)."""
         # The collector paused: a collection that freed some earlier engine's memory during a
         # measurement would make this one's peaks look smaller (seen in the GPU tests).
         with collector_paused():
@@ -297,7 +304,12 @@ class ModelRunner:
             prompt_tokens = num_tokens if num_window_blocks == 0 else 0
             graph_pool = self._profile_graphs(graph_batch, prompt_tokens) if graph_batch else 0
             self.kv_caches = []
-        return ProfiledPeaks(step.forward_peak, step.sampling_peak, step.reserved, graph_pool)
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info(self.device)
+        growth = max(0, total - free - in_use_before)
+        return ProfiledPeaks(
+            step.forward_peak, step.sampling_peak, step.reserved, graph_pool, growth
+        )
 
     def _profile_step(self, num_tokens: int, num_logit_rows: int) -> _StepMemory:
         """Run the largest step on the scratch cache: its forward pass, then logits and sampling

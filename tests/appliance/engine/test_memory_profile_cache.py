@@ -20,7 +20,7 @@ from appliance.engine.memory_profile_cache import (
 
 KEY = {"model_config_sha256": "ab" * 32, "engine": {"max_num_seqs": 64}, "gpu": ["H100", 80]}
 PEAKS = ProfiledPeaks(forward_peak=3 << 30, sampling_peak=1 << 30, step_reserved=4 << 30,
-                      graph_pool=150 << 20)  # fmt: skip
+                      graph_pool=150 << 20, first_steps_growth=300 << 20)  # fmt: skip
 DEVICE_MEMORY = 80 << 30
 
 

@@ -5,16 +5,11 @@ sampler matter (a 32k vocabulary): after the engine is built, a step as large as
 one (max_num_batched_tokens tokens, every running request sampled with top-k, top-p and min-p
 and asking for log-probabilities) and decode steps of the largest captured batch must stay
 within what `ModelRunner.memory_profile` measured, and the decode graphs of every batch size
-within the pool measured for the largest alone. A second build of the same engine reads the
-peaks the first measured and kept (appliance.engine.memory_profile_cache) and sizes the same KV
-pool from them.
+within the pool measured for the largest alone.
 """
 
 from __future__ import annotations
 
-import gc
-import json
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -22,9 +17,7 @@ import torch
 
 from appliance.engine.engine import Engine
 from appliance.engine.engine_config import EngineConfig
-from appliance.engine.memory_profile_cache import MemoryProfileCache
 from appliance.engine.sampling_params import MAX_TOP_LOGPROBS, SamplingParams
-from kernels.backend import triton_cache_dir
 from tests.appliance.engine.random_llama import llama_shape, random_llama
 
 pytestmark = pytest.mark.gpu
@@ -92,67 +85,3 @@ def test_the_graphs_of_every_batch_size_fit_the_pool_profiled_for_the_largest(
     graphs = engine.runner.graphs
     assert profile is not None and graphs is not None and graphs.max_batch == _MAX_SEQS
     assert 0 < graphs.pool_bytes() <= profile.graph_pool, (graphs.pool_bytes(), profile)
-
-
-@pytest.fixture
-def model_dir(tmp_path: Path) -> Iterator[Path]:
-    """A directory with the shape's config.json (what a kept profile is keyed by), whose kept
-    profile, in Triton's cache where the engine keeps it, is removed before and after."""
-    (tmp_path / "config.json").write_text(json.dumps(_SHAPE))
-    yield tmp_path
-    _kept_profile(tmp_path).unlink(missing_ok=True)
-
-
-def _settings(model_dir: Path) -> EngineConfig:
-    return EngineConfig(
-        model_dir=model_dir,
-        device="cuda",
-        max_model_len=1024,
-        max_num_seqs=_MAX_SEQS,
-        max_num_batched_tokens=_MAX_TOKENS,
-        gpu_memory_utilization=0.3,
-    )
-
-
-def _kept_profile(model_dir: Path) -> Path:
-    cache = MemoryProfileCache.for_engine(_settings(model_dir), triton_cache_dir())
-    assert cache is not None
-    return cache.path
-
-
-def test_a_second_build_reads_the_profile_the_first_kept(model_dir: Path) -> None:
-    _kept_profile(model_dir).unlink(missing_ok=True)
-    model = random_llama(_SHAPE, torch.bfloat16)
-    first = Engine.build(_settings(model_dir), model, tokenizer=None)
-    measured = first.runner.memory_profile
-    assert measured is not None and not measured.from_cache
-    assert _kept_profile(model_dir).is_file()
-    first.runner.release_graphs()
-    first.runner.kv_caches = []
-    del first
-    gc.collect()
-    torch.cuda.empty_cache()
-
-    second = Engine.build(_settings(model_dir), model, tokenizer=None)
-    read = second.runner.memory_profile
-    assert read is not None and read.from_cache
-    peaks = ("forward_peak", "sampling_peak", "step_reserved", "graph_pool")
-    assert [getattr(read, p) for p in peaks] == [getattr(measured, p) for p in peaks]
-    # What is in use is measured again: the same model, so the same budget within 2 MiB.
-    assert abs(read.kv_budget - measured.kv_budget) <= _SLACK, (read, measured)
-
-
-def test_the_key_follows_the_settings_and_the_model_not_the_pools_share(model_dir: Path) -> None:
-    settings = _settings(model_dir)
-    kept = _kept_profile(model_dir)
-
-    def path(config: EngineConfig) -> Path:
-        cache = MemoryProfileCache.for_engine(config, triton_cache_dir())
-        assert cache is not None
-        return cache.path
-
-    assert path(settings.model_copy(update={"max_num_seqs": _MAX_SEQS // 2})) != kept
-    assert path(settings.model_copy(update={"kv_cache_dtype": "fp8_e4m3"})) != kept
-    assert path(settings.model_copy(update={"gpu_memory_utilization": 0.5})) == kept
-    (model_dir / "config.json").write_text(json.dumps(_SHAPE | {"num_hidden_layers": 5}))
-    assert path(settings) != kept
