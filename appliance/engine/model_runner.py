@@ -59,7 +59,9 @@ class MemoryProfile:
     bytes: the largest step's forward pass and its logits and sampling (allocated beyond what
     was in use before it; the sampling figure counts the hidden states the step keeps), what
     that step made the allocator reserve, the decode graphs' pool, what was in use on the
-    device before (weights, CUDA context, other processes) and the KV budget that was left."""
+    device before (weights, CUDA context, other processes; with the first four read from a
+    kept profile, also what the measuring build's steps had added: `ProfiledPeaks`) and the KV
+    budget that was left."""
 
     forward_peak: int
     sampling_peak: int
@@ -266,7 +268,7 @@ class ModelRunner:
             peaks.sampling_peak / 2**30,
             peaks.step_reserved / 2**30,
             peaks.graph_pool / 2**30,
-            (total - free) / 2**30,
+            in_use / 2**30,
             budget / 2**30,
         )
         pools = KVPools(0)

@@ -8,7 +8,10 @@ specializations, chunked prefill, steps mixing prefills with decodes, batched de
 and greedy tokens), and reports how many kernels it had to compile. Run once on a staging host
 with the appliance's GPU model and Triton version, the cache it fills goes into the offline
 bundle (docs/INSTALL.md), and the appliance's first start then compiles nothing; run again, it
-shows that (`compiled 0`).
+shows that (`compiled 0`). The build also keeps the engine's measured memory profile in that
+cache (appliance.engine.memory_profile_cache), which the served engine then reads; when it
+has just kept one, the workload runs again in a new process that reads it, as the served
+engine will, since such an engine launched kernel variants the measuring one had not.
 
 The weights are random, drawn from the model directory's config.json: kernels are specialized
 by shapes and dtypes, never by weight values, so a sealed model is warmed without its key and
@@ -42,6 +45,8 @@ _PROMPT_LENGTHS = (1, 7, 16, 33, 100, 257)
 @dataclass(frozen=True, slots=True)
 class WarmupReport:
     build_s: float
+    # The workload's run; with a memory profile just kept, also the new process's (its start,
+    # its engine's build and the workload again).
     workload_s: float
     kernels_before: int
     kernels_after: int
