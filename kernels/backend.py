@@ -38,6 +38,13 @@ def triton_cache_dir() -> Path:
     return Path(triton.knobs.cache.dir)
 
 
+def triton_version() -> str:
+    """The installed Triton's version. Only for a CUDA process: it imports Triton."""
+    import triton
+
+    return triton.__version__
+
+
 def hash_triton() -> None:
     """Compute Triton's hash of itself now: part of every kernel's cache key, computed once per
     process at the first launch (reading and hashing its sources and libtriton, hundreds of

@@ -82,7 +82,8 @@ class MemoryProfileCache:
         except OSError:
             return None
         import torch
-        import triton
+
+        from kernels.backend import triton_version
 
         device = torch.cuda.get_device_properties(config.torch_device)
         settings = config.model_dump(mode="json", exclude=set(_UNMEASURED_SETTINGS))
@@ -93,7 +94,7 @@ class MemoryProfileCache:
             "gpu": [device.name, device.total_memory, device.major, device.minor],
             "torch": torch.__version__,
             "cuda": torch.version.cuda,
-            "triton": triton.__version__,
+            "triton": triton_version(),
             "allocator": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""),
         }
         return cls(directory, key)
