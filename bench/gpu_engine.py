@@ -507,8 +507,7 @@ def run_timed(engine: Engine, prompts: list[list[int]], params: SamplingParams):
 
 def release(engine: Engine) -> None:
     """Free an engine's KV pool and graphs before the next one is sized from free memory."""
-    engine.runner.release_graphs()  # the prompt graphs' recorded attention holds the caches
-    engine.runner.kv_caches.clear()
+    engine.runner.release_kv_caches()
     gc.collect()
     torch.cuda.empty_cache()
 

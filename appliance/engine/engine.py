@@ -42,7 +42,6 @@ from appliance.engine.sequence import RequestId, Sequence, SequenceStatus
 from appliance.engine.state_slots import StateSlots
 from appliance.engine.structured_output import GrammarCompiler
 from appliance.engine.tokenizer import Tokenizer
-from kernels.backend import triton_cache_dir
 
 logger = logging.getLogger(__name__)
 
@@ -70,15 +69,6 @@ def _hybrid_state_slots(
         linear.num_linear_layers,
     )
     return StateSlots(config.max_num_seqs)
-
-
-def _memory_profile_cache(config: EngineConfig) -> MemoryProfileCache | None:
-    """Where this engine's measured memory profile is kept beside Triton's kernels
-    (appliance.engine.memory_profile_cache); None under tensor parallelism, whose ranks each
-    measure their own GPU."""
-    if config.tensor_parallel_size > 1:
-        return None
-    return MemoryProfileCache.for_engine(config, triton_cache_dir())
 
 
 def _window_pool_num_blocks(
@@ -294,7 +284,7 @@ class Engine:
                 config.gpu_memory_utilization,
                 graph_batch=config.max_num_seqs if config.enable_cuda_graphs else 0,
                 num_window_blocks=num_window_blocks,
-                cache=_memory_profile_cache(config),
+                cache=MemoryProfileCache.for_engine(config),
             )
         else:
             state_bytes = sum(s.conv.nbytes + s.delta.nbytes for s in runner.recurrent_states)

@@ -74,16 +74,19 @@ class MemoryProfileCache:
         self.path = Path(directory) / name
 
     @classmethod
-    def for_engine(cls, config: EngineConfig, directory: Path) -> MemoryProfileCache | None:
-        """The cache of `config`'s engine on its GPU, in `directory`; None where the model's
-        config.json cannot be read (a model built in memory, say): such an engine measures."""
+    def for_engine(cls, config: EngineConfig) -> MemoryProfileCache | None:
+        """The cache of `config`'s engine on its GPU, in Triton's cache directory; None under
+        tensor parallelism (each rank measures its own GPU) and where the model's config.json
+        cannot be read (a model built in memory, say): such an engine measures."""
+        if config.tensor_parallel_size > 1:
+            return None
         try:
             model_config = (Path(config.model_dir) / "config.json").read_bytes()
         except OSError:
             return None
         import torch
 
-        from kernels.backend import triton_version
+        from kernels.backend import triton_cache_dir, triton_version
 
         device = torch.cuda.get_device_properties(config.torch_device)
         settings = config.model_dump(mode="json", exclude=set(_UNMEASURED_SETTINGS))
@@ -97,7 +100,7 @@ class MemoryProfileCache:
             "triton": triton_version(),
             "allocator": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""),
         }
-        return cls(directory, key)
+        return cls(triton_cache_dir(), key)
 
     def load(self, device_memory: int) -> ProfiledPeaks | None:
         """The peaks kept for this key, or None (no file: silently; an unusable one: warned)."""

@@ -228,19 +228,24 @@ class ModelRunner:
             self.peers.profile(
                 num_tokens, num_logit_rows, gpu_memory_utilization, graph_batch, num_window_blocks
             )
-        device_memory = torch.cuda.get_device_properties(self.device).total_memory
-        peaks = cache.load(device_memory) if cache is not None else None
-        from_cache = peaks is not None
         torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(self.device)
+        peaks = cache.load(total) if cache is not None else None
+        from_cache = peaks is not None
         if peaks is None:
-            peaks = self._measure_peaks(
-                spec, num_tokens, num_logit_rows, graph_batch, num_window_blocks, total - free
+            step, graph_pool = self._measure_peaks(
+                spec, num_tokens, num_logit_rows, graph_batch, num_window_blocks
+            )
+            # The scratch cache given back: what the measuring steps left in use besides.
+            torch.cuda.empty_cache()
+            free_after, total = torch.cuda.mem_get_info(self.device)
+            growth = max(0, free - free_after)
+            free = free_after
+            peaks = ProfiledPeaks(
+                step.forward_peak, step.sampling_peak, step.reserved, graph_pool, growth
             )
             if cache is not None:
                 cache.store(peaks)
-            torch.cuda.empty_cache()
-            free, total = torch.cuda.mem_get_info(self.device)
         # In use: what is now, and, with peaks read rather than measured, what the measuring
         # build's first steps added outside torch's blocks (kernels loaded, cuBLAS's handles):
         # counted again if this process has it already, never left out.
@@ -289,11 +294,9 @@ class ModelRunner:
         num_logit_rows: int,
         graph_batch: int,
         num_window_blocks: int,
-        in_use_before: int,
-    ) -> ProfiledPeaks:
-        """The largest step and graphs run on a scratch cache just big enough for them
-        (`kv_pools_for_free_memory`), which is given back; `in_use_before` the device's memory
-        in use before them (for `ProfiledPeaks.first_steps_growth`)."""
+    ) -> tuple[_StepMemory, int]:
+        """The largest step and the graphs' pool (`kv_pools_for_free_memory`), run on a scratch
+        cache just big enough for them, which is dropped after."""
         # The collector paused: a collection that freed some earlier engine's memory during a
         # measurement would make this one's peaks look smaller (seen in the GPU tests).
         with collector_paused():
@@ -306,12 +309,7 @@ class ModelRunner:
             prompt_tokens = num_tokens if num_window_blocks == 0 else 0
             graph_pool = self._profile_graphs(graph_batch, prompt_tokens) if graph_batch else 0
             self.kv_caches = []
-        torch.cuda.empty_cache()
-        free, total = torch.cuda.mem_get_info(self.device)
-        growth = max(0, total - free - in_use_before)
-        return ProfiledPeaks(
-            step.forward_peak, step.sampling_peak, step.reserved, graph_pool, growth
-        )
+        return step, graph_pool
 
     def _profile_step(self, num_tokens: int, num_logit_rows: int) -> _StepMemory:
         """Run the largest step on the scratch cache: its forward pass, then logits and sampling
@@ -401,6 +399,13 @@ class ModelRunner:
         if self.prompt_graphs is not None:
             self.prompt_graphs.release()
             self.prompt_graphs = None
+
+    def release_kv_caches(self) -> None:
+        """Free the KV caches, the CUDA graphs first (the prompt graphs' recorded attention
+        holds the caches), so that a next engine in this process is sized from free memory:
+        this runner steps no more."""
+        self.release_graphs()
+        self.kv_caches = []
 
     def capture_graphs(self, max_batch: int, max_prompt_tokens: int = 0) -> None:
         """Capture every graph of `graph_captures` now."""

@@ -135,8 +135,7 @@ def _warm(config: EngineConfig) -> tuple[float, float, bool | None]:
         _run_workload(engine, config)
     finally:
         engine.close()
-        engine.runner.release_graphs()
-        engine.runner.kv_caches = []
+        engine.runner.release_kv_caches()
         del engine
         gc.collect()
         if config.on_gpu:

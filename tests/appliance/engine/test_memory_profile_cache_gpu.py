@@ -17,7 +17,6 @@ from appliance.engine.engine import Engine
 from appliance.engine.engine_config import EngineConfig
 from appliance.engine.memory_profile_cache import MemoryProfileCache
 from appliance.engine.sampling_params import SamplingParams
-from kernels.backend import triton_cache_dir
 from tests.appliance.engine.random_llama import llama_shape, random_llama
 
 pytestmark = pytest.mark.gpu
@@ -50,7 +49,7 @@ def _settings(model_dir: Path) -> EngineConfig:
 
 
 def _kept_profile(config: EngineConfig) -> Path:
-    cache = MemoryProfileCache.for_engine(config, triton_cache_dir())
+    cache = MemoryProfileCache.for_engine(config)
     assert cache is not None
     return cache.path
 
@@ -61,8 +60,7 @@ def test_a_second_build_reads_the_profile_the_first_kept(model_dir: Path) -> Non
     measured = first.runner.memory_profile
     assert measured is not None and not measured.from_cache
     assert _kept_profile(_settings(model_dir)).is_file()
-    first.runner.release_graphs()
-    first.runner.kv_caches = []
+    first.runner.release_kv_caches()
     del first
     gc.collect()
     torch.cuda.empty_cache()
