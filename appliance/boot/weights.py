@@ -15,6 +15,7 @@ import dataclasses
 import hashlib
 import time
 from collections.abc import Iterable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -137,22 +138,27 @@ class LoadedModel:
                 f"model.dir {config.model_dir} is not the sealed directory {sealed.directory}"
             )
         ModelConfig.from_model_dir(sealed.directory)  # the clearest errors first
-        tokenizer = Tokenizer.from_model_dir(sealed.directory)
         device = config.torch_device
         if config.tensor_parallel_size > 1:
+            tokenizer = Tokenizer.from_model_dir(sealed.directory)
             return cls._load_sealed_parallel(config, sealed, data_key, workers, tokenizer, preload)
         clock = _LoadClock(preload)
-        with SealedImages(sealed, data_key, device, workers=workers, ring=ring) as images:
-            model = load_model(
-                sealed.directory,
-                dtype=config.torch_dtype,
-                device=device,
-                ops=config.kernel_ops(),
-                weights=images,
-                quantization=config.quantization,
-            )
-        clock.weights_in()
-        engine = Engine.build(config, model, tokenizer)
+        # Beside the decryption, in threads of their own (both release the GIL): the tokenizer's
+        # files are parsed, and the staging ring is pinned while the model is allocated.
+        with ThreadPoolExecutor(1, thread_name_prefix="tokenizer") as aside:
+            tokenizer = aside.submit(Tokenizer.from_model_dir, sealed.directory)
+            with SealedImages(sealed, data_key, device, workers=workers, ring=ring) as images:
+                images.prepare_in_background()
+                model = load_model(
+                    sealed.directory,
+                    dtype=config.torch_dtype,
+                    device=device,
+                    ops=config.kernel_ops(),
+                    weights=images,
+                    quantization=config.quantization,
+                )
+            clock.weights_in()
+            engine = Engine.build(config, model, tokenizer.result())
         return cls(engine, digest_sealed_weights(sealed), sealed.manifest, clock.phases_ms())
 
 

@@ -18,7 +18,9 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from appliance.boot.weights import LoadedModel, digest_sealed_weights, digest_weights
 from appliance.engine.engine import Engine
 from appliance.engine.engine_config import EngineConfig
+from appliance.engine.errors import ModelLoadError
 from appliance.engine.sampling_params import SamplingParams
+from appliance.engine.tokenizer import Tokenizer
 from appliance.errors import ModelFilesError
 from attestation.errors import SealedModelError
 from attestation.keys.file import FileKeyProvider
@@ -80,6 +82,23 @@ def test_a_wrong_key_loads_nothing(sealed_smollm2: tuple[SealedModel, bytes]) ->
     with pytest.raises(SealedModelError, match="not the key this model was sealed with"):
         LoadedModel.load_sealed(
             EngineConfig(model_dir=sealed.directory), sealed, os.urandom(32), workers=2
+        )
+
+
+def test_a_tokenizer_that_cannot_load_fails_the_sealed_load_with_its_own_error(
+    sealed_smollm2: tuple[SealedModel, bytes], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The tokenizer loads in a thread beside the decryption; its failure still fails the load,
+    with its own error rather than another's."""
+    sealed, data_key = sealed_smollm2
+
+    def unusable(path: Path) -> Tokenizer:
+        raise ModelLoadError(f"cannot load {path / 'tokenizer.json'} (truncated)")
+
+    monkeypatch.setattr(Tokenizer, "from_model_dir", unusable)
+    with pytest.raises(ModelLoadError, match=r"tokenizer\.json \(truncated\)"):
+        LoadedModel.load_sealed(
+            EngineConfig(model_dir=sealed.directory), sealed, data_key, workers=2
         )
 
 

@@ -79,6 +79,49 @@ def test_one_ring_serves_every_file_and_holds_no_plaintext_once_closed(
     assert images._ring is None
 
 
+def test_a_ring_pinned_in_the_background_serves_every_file_and_is_wiped(
+    sealed: SealedFixture,
+) -> None:
+    images = SealedImages(
+        _open(sealed), sealed.data_key, torch.device("cpu"), workers=2, staging=True
+    )
+    with images:
+        images.prepare_in_background()
+        assert images._pinning is not None
+        rings = set()
+        for name in images:
+            assert images[name].numpy().tobytes() == (sealed.source / name).read_bytes()
+            rings.add(id(images._ring))
+        ring = images._ring
+        assert images._pinning is None and len(rings) == 1
+        assert ring is not None and any(slot.any() for slot in ring.slots)
+    assert not any(slot.any() for slot in ring.slots)
+
+
+def test_a_background_ring_that_failed_fails_the_first_file_and_closes_quietly(
+    sealed: SealedFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def no_memory(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("CUDA error: out of memory (pinning)")
+
+    monkeypatch.setattr(StagingRing, "__init__", no_memory)
+    images = SealedImages(
+        _open(sealed), sealed.data_key, torch.device("cpu"), workers=2, staging=True
+    )
+    with images:
+        images.prepare_in_background()
+        with pytest.raises(RuntimeError, match="out of memory"):
+            images[next(iter(images))]
+    assert images._ring is None and images._pinning is None
+    # Closed before it was waited for: the failure is not raised again.
+    other = SealedImages(
+        _open(sealed), sealed.data_key, torch.device("cpu"), workers=2, staging=True
+    )
+    other.prepare_in_background()
+    other.close()
+    assert other._ring is None and other._pinning is None
+
+
 @pytest.mark.parametrize(
     "name", ["llama2", "qwen3", "granite", "phi3-longrope", "gemma3", "gemma3-multimodal"]
 )
@@ -131,8 +174,13 @@ def collector_paused() -> Iterator[None]:
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("background", [False, True], ids=["ring-now", "ring-in-background"])
 def test_the_ring_the_images_and_the_key_s_holders_need_no_collection_to_be_freed(
-    tmp_path: Path, device: str, collector_paused: None, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path,
+    device: str,
+    background: bool,
+    collector_paused: None,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Anything here in a reference cycle would outlive a start whose collector is paused, and
     never be freed once the start's objects are frozen at ready: the staging ring and its slots
@@ -160,6 +208,8 @@ def test_the_ring_the_images_and_the_key_s_holders_need_no_collection_to_be_free
         _open(fixture), fixture.data_key, torch.device(device), workers=2, staging=True
     )
     with images:
+        if background:
+            images.prepare_in_background()
         images.prepare()
         assert images._ring is not None
         freed += [weakref.ref(images._ring), *map(weakref.ref, images._ring.slots)]
