@@ -320,7 +320,11 @@ class StartUp:
                 return  # a CPU engine puts no weight on any GPU
             evidence = attestation.evidence
             attested = [] if evidence is None else [gpu.uuid for gpu in evidence.gpu]
-            used = engine_gpu_uuids(config.device, config.tensor_parallel_size)
+            # In a thread: CUDA's UUIDs wait for the preload's import of torch, and `/live` and
+            # `/health` keep answering meanwhile.
+            used = await asyncio.to_thread(
+                engine_gpu_uuids, config.device, config.tensor_parallel_size
+            )
             verify_gpus_covered(attested, used)
         except (GpuCoverageError, EngineError) as exc:
             with contextlib.suppress(StartUpError):  # the failure to report is the mismatch

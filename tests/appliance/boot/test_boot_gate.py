@@ -7,6 +7,7 @@ verifiers, with a sealed model, is tests/e2e/test_boot_gate.py."""
 from __future__ import annotations
 
 import json
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -408,6 +409,39 @@ def test_a_verdict_covering_exactly_the_engines_gpus_opens_the_gate(
     settings = _settings(tmp_path, smollm2_dir)
     collector = FakeCollector(gpu_uuids=tuple(f"GPU-{uuid}" for uuid in reversed(two_gpu_engine)))
     for client in _serve(settings, TeeService("required", collector, FakeVerifier())):
+        assert client.get("/health").status_code == 200
+    assert load_spy.num_calls == 1
+
+
+def test_live_and_health_answer_while_the_coverage_check_waits_for_cuda(
+    tmp_path: Path, smollm2_dir: Path, load_spy: LoadSpy, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Step 4b asks CUDA for the GPUs' UUIDs, which waits for the preload's import of torch
+    (seconds on a GPU machine): the event loop keeps answering meanwhile."""
+    uuid = "0a1b2c3d-0000-1111-2222-333344445555"
+    asked, answer = threading.Event(), threading.Event()
+
+    def slow_uuids(_device: str, _size: int) -> list[str]:
+        asked.set()
+        assert answer.wait(timeout=30)
+        return [uuid]
+
+    monkeypatch.setattr(EngineConfig, "on_gpu", property(lambda _config: True))
+    monkeypatch.setattr(startup, "engine_gpu_uuids", slow_uuids)
+    settings = _settings(tmp_path, smollm2_dir)
+    collector = FakeCollector(gpu_uuids=(f"GPU-{uuid}",))
+    log = start_audit_log(settings)
+    app = build(settings, log, tee=TeeService("required", collector, FakeVerifier()))
+    with TestClient(app) as client:
+        assert asked.wait(timeout=30)
+        assert client.get("/live", timeout=5).status_code == 200
+        health = client.get("/health", timeout=5)
+        assert health.status_code == 503 and health.json()["status"] == "loading"
+        answer.set()
+        deadline = time.monotonic() + 60
+        while client.get("/health").json()["status"] == "loading":
+            assert time.monotonic() < deadline, "the start-up sequence never ended"
+            time.sleep(0.02)
         assert client.get("/health").status_code == 200
     assert load_spy.num_calls == 1
 
