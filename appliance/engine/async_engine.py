@@ -6,9 +6,13 @@ loop (one wake-up of the loop per step). Requests are tokenized and validated on
 side first, so a bad request raises to its caller at once and never reaches the engine thread.
 
 CUDA graphs left from the engine's build (EngineConfig.capture_graphs_when_idle) are captured by
-the same thread, one at a time: whenever no request is unfinished, and while requests run, one
-between two steps every `BUSY_CAPTURE_INTERVAL_S` (a server busy from its start would otherwise
-never capture them, and run eagerly for good).
+the same thread, one at a time: whenever no request has been unfinished for
+`IDLE_CAPTURE_QUIET_S` (since the thread started, or since its last step), and while requests
+run, one between two steps every `BUSY_CAPTURE_INTERVAL_S` (a server busy from its start would
+otherwise never capture them, and run eagerly for good). The quiet spell keeps a capture out of
+the way of a request that comes just after the server is ready (whoever waited for the ready
+sends at once: the first request of W5 came 15-30 ms after it) or in a short gap between
+requests, where it would wait for the capture (up to 0.2 s for an 8B model's first ones).
 """
 
 from __future__ import annotations
@@ -42,6 +46,8 @@ _FAILED_JOIN_S = 10.0
 # While requests run, at most one graph capture (tens of ms for an 8B model, every running
 # request waiting) in this many seconds: the twenty-odd graphs are in within about fifteen.
 BUSY_CAPTURE_INTERVAL_S = 0.5
+# While idle, a capture starts only after this long without a step (module docstring).
+IDLE_CAPTURE_QUIET_S = 0.2
 
 
 class EngineDeadError(EngineError):
@@ -242,17 +248,23 @@ class AsyncEngine:
     def _run(self) -> None:
         engine = self._engine
         next_busy_capture_s = time.monotonic() + BUSY_CAPTURE_INTERVAL_S
+        quiet_from_s = time.monotonic() + IDLE_CAPTURE_QUIET_S
         try:
             while True:
-                # Block for a command only when idle with no CUDA graph left to capture;
-                # otherwise drain what is there, then step, or capture the next graph.
-                wait = not engine.has_unfinished() and not engine.num_pending_graphs
+                # Block for a command when idle: for good with no CUDA graph left to capture,
+                # else until the quiet spell is over. Otherwise drain what is there, then step,
+                # or capture the next graph.
+                timeout: float | None = 0.0
+                if not engine.has_unfinished():
+                    timeout = None
+                    if engine.num_pending_graphs:
+                        timeout = max(quiet_from_s - time.monotonic(), 0.0)
                 while True:
                     try:
-                        command = self._commands.get(block=wait)
+                        command = self._commands.get(block=timeout != 0.0, timeout=timeout)
                     except queue.Empty:
                         break
-                    wait = False
+                    timeout = 0.0
                     if command is None:
                         self._deliver(engine.abort_all())
                         return
@@ -265,13 +277,17 @@ class AsyncEngine:
                         out = engine.abort(command.request_id)
                         if out is not None:
                             self._deliver([out])
-                if engine.num_pending_graphs and (
-                    not engine.has_unfinished() or time.monotonic() >= next_busy_capture_s
+                busy = engine.has_unfinished()
+                now_s = time.monotonic()
+                if engine.num_pending_graphs and now_s >= (
+                    next_busy_capture_s if busy else quiet_from_s
                 ):
                     self._deliver(engine.capture_pending_graph())
                     next_busy_capture_s = time.monotonic() + BUSY_CAPTURE_INTERVAL_S
                 else:
                     self._deliver(engine.step())
+                    if busy:
+                        quiet_from_s = time.monotonic() + IDLE_CAPTURE_QUIET_S
         except BaseException as exc:  # the thread must report, whatever went wrong
             logger.exception("engine thread failed")
             self._fail(exc)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+import time
 from collections.abc import Callable
 
 import pytest
@@ -177,6 +178,7 @@ def test_graphs_left_from_the_build_are_captured_while_idle_and_requests_go_firs
     Stand-in captures here (the CPU has no graphs): the first waits until a request is
     submitted, each notes what the engine held then."""
     monkeypatch.setattr(async_engine, "BUSY_CAPTURE_INTERVAL_S", 600.0)
+    monkeypatch.setattr(async_engine, "IDLE_CAPTURE_QUIET_S", 0.0)
     submitted = threading.Event()
     seen: list[tuple[int, bool, int]] = []  # (capture, a request unfinished?, prompts admitted)
     expected = engine.generate([PROMPTS[3]], GREEDY)[0].text
@@ -218,6 +220,42 @@ def test_graphs_left_from_the_build_are_captured_while_idle_and_requests_go_firs
     assert seen[0][2] == queried and seen[1][2] > queried
 
 
+def test_a_request_just_after_the_start_or_a_step_finds_no_capture_in_its_way(
+    engine: Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Idle captures wait for a quiet spell (IDLE_CAPTURE_QUIET_S, lengthened here) after the
+    engine thread's start and after its last step: a request sent at once, and another sent
+    just after the first ended, are each served without any capture before them; once quiet,
+    every graph is captured."""
+    monkeypatch.setattr(async_engine, "BUSY_CAPTURE_INTERVAL_S", 600.0)
+    monkeypatch.setattr(async_engine, "IDLE_CAPTURE_QUIET_S", 0.5)
+    captured_at: list[float] = []
+    quiet = Engine(
+        engine.tokenizer,
+        engine.runner,
+        engine.scheduler,
+        vocab_size=engine.vocab_size,
+        graph_captures=[lambda: captured_at.append(time.monotonic()) for _ in range(3)],
+    )
+
+    async def main() -> tuple[float, float]:
+        async with AsyncEngine(quiet) as ae:
+            for prompt in PROMPTS[:2]:
+                async for _ in ae.generate(f"r-{prompt}", prompt, GREEDY):
+                    pass
+            served_s = time.monotonic()
+            for _ in range(300):
+                if not quiet.num_pending_graphs:
+                    break
+                await asyncio.sleep(0.01)
+            return served_s, time.monotonic()
+
+    served_s, _ = asyncio.run(main())
+    assert len(captured_at) == 3
+    assert captured_at[0] >= served_s  # none before or between the two requests
+    assert captured_at[0] - served_s >= 0.4  # after the quiet spell that followed them
+
+
 def test_under_load_a_graph_is_captured_between_two_steps_now_and_then(
     engine: Engine, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -225,6 +263,7 @@ def test_under_load_a_graph_is_captured_between_two_steps_now_and_then(
     BUSY_CAPTURE_INTERVAL_S (shortened here). The step in flight (asynchronous scheduling) is
     processed first and its outputs delivered: the request's text is whole."""
     monkeypatch.setattr(async_engine, "BUSY_CAPTURE_INTERVAL_S", 0.05)
+    monkeypatch.setattr(async_engine, "IDLE_CAPTURE_QUIET_S", 0.0)
     long = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     expected = engine.generate([PROMPTS[1]], long)[0].text
     submitted = threading.Event()
