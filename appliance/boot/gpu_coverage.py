@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from appliance.boot import cuda_driver
+from appliance.engine.errors import EngineConfigError
 from appliance.errors import BootError
 
 
@@ -46,14 +48,25 @@ def verify_gpus_covered(attested: Sequence[str | None], used: Sequence[str]) -> 
 
 
 def engine_gpu_uuids(device: str, tensor_parallel_size: int) -> list[str]:
-    """The UUID of each tensor-parallel rank's GPU, as CUDA reports it (after the GPUs were set
-    ready: CUDA may refuse a confidential GPU before)."""
-    import torch
+    """The UUID of each tensor-parallel rank's GPU (cuda:i+r for `device` cuda:i, or cuda:0 for
+    cuda), as CUDA reports it, from its driver: torch is not needed (appliance.boot.cuda_driver).
+    Only after the GPUs were set ready: CUDA may refuse a confidential GPU before. Raises
+    EngineConfigError when the machine has too few GPUs, CudaDriverError when CUDA fails."""
+    first = engine_gpu_ordinal(device)
+    available = cuda_driver.device_count()
+    if first + tensor_parallel_size > available:
+        raise EngineConfigError(
+            f"tensor_parallel_size {tensor_parallel_size} from {device} needs GPUs "
+            f"cuda:{first}..cuda:{first + tensor_parallel_size - 1}; this machine has {available}"
+        )
+    return [cuda_driver.device_uuid(first + rank) for rank in range(tensor_parallel_size)]
 
-    from appliance.engine.parallel.group import rank_devices
 
-    devices = rank_devices(torch.device(device), tensor_parallel_size)
-    return [str(torch.cuda.get_device_properties(d).uuid) for d in devices]
+def engine_gpu_ordinal(device: str) -> int:
+    """CUDA's ordinal of rank 0's GPU for a device setting: N for cuda:N, 0 for cuda (a process
+    that set no other device)."""
+    _, _, index = device.partition(":")
+    return int(index) if index else 0
 
 
 def _normalized(uuid: str) -> str:

@@ -22,7 +22,7 @@ from appliance.attestation.service import TeeService
 from appliance.attestation.signing import verify_signed_verdict
 from appliance.auth.local_issuer import LocalIssuer
 from appliance.auth.roles import Role
-from appliance.boot import startup
+from appliance.boot import cuda_driver, startup
 from appliance.boot.audit_log import open_audit_log
 from appliance.boot.engine_preload import EnginePreload
 from appliance.boot.startup import start_audit_log
@@ -483,9 +483,11 @@ def test_a_device_inferno_does_not_run_on_is_refused_before_the_server_starts(
 
 @pytest.fixture
 def no_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
-    """This machine as one without a CUDA GPU, whatever it has."""
+    """This machine as one without a CUDA GPU, whatever it has: to torch, and to CUDA's driver
+    (which step 4b asks: appliance.boot.cuda_driver)."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    monkeypatch.setattr(cuda_driver, "device_count", lambda: 0)
 
 
 @pytest.mark.usefixtures("no_cuda")

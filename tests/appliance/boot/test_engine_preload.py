@@ -199,3 +199,36 @@ def test_after_the_preload_the_engine_s_first_steps_spawn_and_import_nothing(
         lookup in " ".join(argv) for lookup in _LOOKUPS
     )]  # fmt: skip
     assert compiles == [], result["by_preload"]
+
+
+def test_once_set_ready_a_gpu_engine_s_context_is_made_at_once_and_its_failure_fails_the_load(
+    smollm2_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`warm_device` makes the engine's GPU's primary context through CUDA's driver in a thread
+    of its own (torch may still be importing); a driver that fails there fails the load, as
+    any error of the preload does. Stand-ins here: no GPU, and stage 2's torch work left out."""
+    from appliance.boot import cuda_driver, engine_preload
+    from appliance.boot.cuda_driver import CudaDriverError
+    from appliance.boot.engine_preload import EnginePreload, PreloadError
+    from appliance.engine.engine_config import EngineConfig
+    from appliance.engine.engine_settings import EngineSettings
+
+    retained: list[int] = []
+    monkeypatch.setattr(engine_preload, "_warm_device", lambda config: None)
+    monkeypatch.setattr(cuda_driver, "retain_primary_context", retained.append)
+    config = EngineConfig(model_dir=smollm2_dir, device="cuda:1")
+    preload = EnginePreload.start(EngineSettings())
+    preload.warm_device(config)
+    preload.wait()
+    assert retained == [1]
+
+    def out_of_memory(ordinal: int) -> None:
+        raise CudaDriverError(
+            "CUDA's driver failed in cuDevicePrimaryCtxRetain: CUDA_ERROR_OUT_OF_MEMORY"
+        )
+
+    monkeypatch.setattr(cuda_driver, "retain_primary_context", out_of_memory)
+    failing = EnginePreload.start(EngineSettings())
+    failing.warm_device(config)
+    with pytest.raises(PreloadError, match="cuDevicePrimaryCtxRetain: CUDA_ERROR_OUT_OF_MEMORY"):
+        failing.wait()
