@@ -19,15 +19,15 @@ pool). This process polls /health every 10 ms and, once ready, asks for one toke
 first request is served eagerly unless a graph for it is captured by then); that time is
 reported beside W5, not in it.
 
-Phases, as issue 17 names them: audit open, attestation, key release, decrypt + load, warm-up /
-graph capture, first token; from the audit log's own records where it has them (boot.ready's
-`attestation_ms` and `load_phases_ms`) and from the two processes' clocks otherwise. Beside
-them, the preload's two stages, which run in the background: the sum of all phases exceeds the
-wall time by what overlapped. The synthetic devices are made in the serving process before its
-start-up begins, and before the preload starts (their keys cannot cross processes); that time
-is measured and taken out, since a real machine has its devices already. Each run lists the
-subprocesses the serving process started (when, and in which thread: `engine-preload` is off
-the start's path).
+Phases, as issue 17 names them: audit open, attestation, key release, the load's wait for torch
+(the preload imports it), decrypt + load, warm-up / graph capture, first token; from the audit
+log's own records where it has them (boot.ready's `attestation_ms` and `load_phases_ms`) and
+from the two processes' clocks otherwise. Beside them, the preload's two stages, which run in
+the background: the sum of all phases exceeds the wall time by what overlapped. The synthetic
+devices are made in the serving process before its start-up begins, and before the preload
+starts (their keys cannot cross processes); that time is measured and taken out, since a real
+machine has its devices already. Each run lists the subprocesses the serving process started
+(when, and in which thread: `engine-preload` is off the start's path).
 
 Bytecode (`--bytecode`): an installed appliance runs from bytecode pip compiled at install, while
 the GPU machine sets PYTHONDONTWRITEBYTECODE=1 and so compiles every module of torch from source
@@ -450,6 +450,7 @@ def run_once(
         "audit open (boot.start)": info["audit_open_s"],
         "attestation (collect, verify, record)": ready["attestation_ms"] / 1000,
         "key release": phases["key_release_ms"] / 1000,
+        "waiting for torch (the preload imports it)": phases.get("torch_wait_ms", 0.0) / 1000,
         "decrypt + load": phases["weights_ms"] / 1000,
         "waiting for the preload": phases.get("preload_wait_ms", 0.0) / 1000,
         "warm-up / graph capture (KV pool, profiled step, CUDA graphs)": (
@@ -552,10 +553,10 @@ def rest_split(
     (the synthetic devices' time added, as the wall leaves it out); `ready_s`: /health's first
     200; `before_s`: python start, imports and audit open (boot.start's time is its event's
     making, inside the audit open: a few ms below zero there mean nothing else ran);
-    `attestation_s`: boot.ready's `attestation_ms`, which ends after the GPUs' coverage check,
-    a little past the verdict's record; `loading_s`: key release, decrypt + load, the preload
-    wait and the engine's build; `app_build_s`, `listen_s`: the app's build and the listening
-    socket, within the interval to the verdict."""
+    `attestation_s`: boot.ready's `attestation_ms`, which ends after the GPUs' coverage check, a
+    little past the verdict's record; `loading_s`: key release, the wait for torch, decrypt +
+    load, the preload wait and the engine's build; `app_build_s`, `listen_s`: the app's build
+    and the listening socket, within the interval to the verdict."""
     boot_start_s, verdict_s, boot_ready_s = (
         _entry_s(boot[action]) for action in ("boot.start", "attestation.verdict", "boot.ready")
     )

@@ -112,8 +112,8 @@ def boot_ready(
     time of each phase: `attestation_ms` (collection, verification and recording; None when
     nothing was attested), `model_load_ms` (key release, decryption, load and warm-up; None
     for a model loaded before the app was built: the demo, tests) and `load_phases_ms`, its
-    parts (LoadedModel.phases_ms: key_release_ms, weights_ms, preload_wait_ms when the engine
-    was preloaded, engine_build_ms)."""
+    parts (LoadedModel.phases_ms: key_release_ms, torch_wait_ms and preload_wait_ms when the
+    engine was preloaded, weights_ms, engine_build_ms)."""
     return system_event(
         Action.BOOT_READY,
         time=datetime.now(UTC),

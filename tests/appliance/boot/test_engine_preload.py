@@ -202,7 +202,7 @@ def test_after_the_preload_the_engine_s_first_steps_spawn_and_import_nothing(
 
 
 def test_once_set_ready_a_gpu_engine_s_context_is_made_at_once_and_its_failure_fails_the_load(
-    smollm2_dir: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """`warm_device` makes the engine's GPU's primary context through CUDA's driver in a thread
     of its own (torch may still be importing); a driver that fails there fails the load, as
@@ -216,7 +216,7 @@ def test_once_set_ready_a_gpu_engine_s_context_is_made_at_once_and_its_failure_f
     retained: list[int] = []
     monkeypatch.setattr(engine_preload, "_warm_device", lambda config: None)
     monkeypatch.setattr(cuda_driver, "retain_primary_context", retained.append)
-    config = EngineConfig(model_dir=smollm2_dir, device="cuda:1")
+    config = EngineConfig(model_dir=tmp_path, device="cuda:1")
     preload = EnginePreload.start(EngineSettings())
     preload.warm_device(config)
     preload.wait()
