@@ -62,8 +62,6 @@ def release_and_load(
     step (LoadedModel.load_sealed). Raises SealedModelError (manifest, files, chunks),
     KeyReleaseError (the provider refused or failed), EngineError (an unusable model) or
     PreloadError."""
-    from appliance.boot.weights import LoadedModel
-
     assert settings.manifest_public_key_file is not None, "a sealed model is configured"
     manifest_key = load_manifest_public_key(settings.manifest_public_key_file)
     sealed = SealedModel.open(config.model_dir, manifest_key=manifest_key)
@@ -71,7 +69,21 @@ def release_and_load(
     started_s = time.monotonic()
     data_key = provider.release_data_key(manifest.key_id, manifest.wrapped_key, verdict)
     released_ms = (time.monotonic() - started_s) * 1000
-    loaded = LoadedModel.load_sealed(
+    # Only now torch and the engine: steps 1 and 2 went on while the preload imported them.
+    loaded_model, waited_ms = load_modules()
+    loaded = loaded_model.load_sealed(
         config, sealed, data_key, workers=settings.decrypt_workers, preload=preload
     )
-    return loaded.with_phase("key_release_ms", round(released_ms, 3))
+    loaded = loaded.with_phase("key_release_ms", round(released_ms, 3))
+    return loaded if preload is None else loaded.with_phase("torch_wait_ms", waited_ms)
+
+
+def load_modules() -> tuple[type[LoadedModel], float]:
+    """The load's class, importing torch and the engine (appliance.boot.weights), and how long
+    that took in ms: beside the engine's preload, the wait for the preload's own import of
+    them (importlib's lock). Call it from the load's thread: `/live` and `/health` answer
+    meanwhile."""
+    started_s = time.monotonic()
+    from appliance.boot.weights import LoadedModel
+
+    return LoadedModel, round((time.monotonic() - started_s) * 1000, 3)

@@ -63,7 +63,7 @@ from appliance.boot.audit_log import open_audit_log
 from appliance.boot.collector_pause import CollectorPause
 from appliance.boot.engine_preload import EnginePreload, PreloadError
 from appliance.boot.gpu_coverage import GpuCoverageError, engine_gpu_uuids, verify_gpus_covered
-from appliance.boot.key_release import key_provider, release_and_load
+from appliance.boot.key_release import key_provider, load_modules, release_and_load
 from appliance.config import Settings
 from appliance.engine.async_engine import AsyncEngine
 from appliance.engine.engine_config import EngineConfig
@@ -339,18 +339,23 @@ class StartUp:
             return self.model
         self.readiness.set_loading("the model is loading")
         assert self.config is not None, "prepare() makes a config when it is given no model"
-        from appliance.boot.weights import LoadedModel
+        config, preload = self.config, self.preload
 
-        load = partial(LoadedModel.load, self.config, preload=self.preload)
+        def load_plain() -> LoadedModel:
+            loaded_model, waited_ms = load_modules()
+            loaded = loaded_model.load(config, preload=preload)
+            return loaded if preload is None else loaded.with_phase("torch_wait_ms", waited_ms)
+
+        load = load_plain
         if self.settings.sealed.enabled:
             assert attestation is not None and self.keys is not None, "checked by Settings"
             load = partial(
                 release_and_load,
-                self.config,
+                config,
                 self.settings.sealed,
                 self.keys,
                 attestation.verdict,
-                preload=self.preload,
+                preload=preload,
             )
         try:
             return await asyncio.to_thread(load)

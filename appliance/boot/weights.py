@@ -43,11 +43,11 @@ class LoadedModel:
     weights_digest: str
     # The signed manifest a sealed model was decrypted under; None for plain weights.
     sealed_manifest: SealedManifest | None = None
-    # How long each phase of the load took, in ms: `torch_wait_ms` (with a preload, the load's
-    # first use of torch waiting for the preload's import of it: appliance.boot.engine_preload),
-    # `weights_ms` (read or decrypt into the model), `preload_wait_ms` (then waiting for the
-    # engine's preload to end, when there is one), `engine_build_ms` (KV pool, profiled step,
-    # CUDA graphs), `key_release_ms`.
+    # How long each phase of the load took, in ms: `weights_ms` (read or decrypt into the
+    # model), `preload_wait_ms` (then waiting for the engine's preload to end, when there is
+    # one: appliance.boot.engine_preload), `engine_build_ms` (KV pool, profiled step, CUDA
+    # graphs); the start-up adds `key_release_ms` and, with a preload, `torch_wait_ms` (the
+    # load's thread waiting for the preload's import of torch and the engine).
     phases_ms: Mapping[str, float] = field(default_factory=dict)
 
     @classmethod
@@ -56,13 +56,12 @@ class LoadedModel:
         EngineError for an unusable model, ModelFilesError for unreadable files, PreloadError
         if `preload`, waited for before the engine's first step, failed)."""
         model_dir = Path(config.model_dir)
-        clock = _LoadClock(preload)
         # The clearest errors first, before any heavy load: whether this machine has the
         # device, and the model's config.json.
         device = config.torch_device
-        clock.torch_in()
         ModelConfig.from_model_dir(model_dir)
         tokenizer = Tokenizer.from_model_dir(model_dir)
+        clock = _LoadClock(preload)
 
         def load_weights(shard: ShardPlan | None) -> CausalLM:
             clock.start()  # after the tensor-parallel workers' start
@@ -91,12 +90,13 @@ class LoadedModel:
         data_key: bytes,
         workers: int | None,
         tokenizer: Tokenizer,
-        clock: _LoadClock,
+        preload: EnginePreload | None,
     ) -> LoadedModel:
         """Under tensor parallelism every rank, this one included, decrypts only the chunks of
         its own part of each tensor on the host and copies just that part to its GPU
         (SealedShardImages): no GPU holds another's plaintext."""
         weights = SealedWeights(sealed, data_key, workers)
+        clock = _LoadClock(preload)
 
         def load_weights(shard: ShardPlan | None) -> CausalLM:
             assert shard is not None, "tensor_parallel_size > 1"
@@ -139,12 +139,11 @@ class LoadedModel:
                 f"model.dir {config.model_dir} is not the sealed directory {sealed.directory}"
             )
         ModelConfig.from_model_dir(sealed.directory)  # the clearest errors first
-        clock = _LoadClock(preload)
         device = config.torch_device
-        clock.torch_in()
         if config.tensor_parallel_size > 1:
             tokenizer = Tokenizer.from_model_dir(sealed.directory)
-            return cls._load_sealed_parallel(config, sealed, data_key, workers, tokenizer, clock)
+            return cls._load_sealed_parallel(config, sealed, data_key, workers, tokenizer, preload)
+        clock = _LoadClock(preload)
         # Beside the decryption, in threads of their own (both release the GIL): the tokenizer's
         # files are parsed, and the staging ring is pinned while the model is allocated.
         with ThreadPoolExecutor(1, thread_name_prefix="tokenizer") as aside:
@@ -165,18 +164,13 @@ class LoadedModel:
 
 
 class _LoadClock:
-    """When a load began, had torch, had its weights in and was done waiting for the preload
-    (if any): the phases of `LoadedModel.phases_ms`, the engine's build running from then to
-    the call of `phases_ms`."""
+    """When a load began, had its weights in and was done waiting for the preload (if any):
+    the phases of `LoadedModel.phases_ms`, the engine's build running from then to the call
+    of `phases_ms`."""
 
     def __init__(self, preload: EnginePreload | None):
         self._preload = preload
-        now = time.monotonic()
-        self._made_s = self._torch_s = self._started_s = self._loaded_s = self._waited_s = now
-
-    def torch_in(self) -> None:
-        """torch is imported (the preload, if any, imports it): the weights' phase begins."""
-        self._torch_s = self._started_s = time.monotonic()
+        self._started_s = self._loaded_s = self._waited_s = time.monotonic()
 
     def start(self) -> None:
         self._started_s = time.monotonic()
@@ -196,7 +190,6 @@ class _LoadClock:
             "engine_build": (self._waited_s, now),
         }
         if self._preload is not None:
-            spans["torch_wait"] = (self._made_s, self._torch_s)
             spans["preload_wait"] = (self._loaded_s, self._waited_s)
         return {
             f"{name}_ms": round((end - start) * 1000, 3) for name, (start, end) in spans.items()

@@ -182,6 +182,9 @@ def test_the_preload_reaches_the_gpus_only_after_the_verdict_set_them_ready(
     assert load_spy.preloads == [preload]
     assert preload.imports_s is not None
     preload.wait()
+    # boot.ready names how long the load's thread waited for the preload's import of torch.
+    [ready] = [e for e in _entries(settings) if e["action"] == "boot.ready"]
+    assert ready["details"]["load_phases_ms"]["torch_wait_ms"] >= 0
 
 
 def test_a_closed_gate_never_lets_the_preload_onto_the_gpus(

@@ -55,31 +55,3 @@ def test_the_served_model_on_three_processes_answers_as_on_one(smollm2_dir: Path
         finally:
             loaded.engine.close()
     assert answers[0] == answers[1] and answers[0]
-
-
-def test_with_a_preload_the_load_times_its_waits_for_torch_and_for_the_preload(
-    smollm2_dir: Path,
-) -> None:
-    """`boot.ready`'s phases of a load beside the engine's preload: the load's first use of
-    torch waiting for the preload's import (`torch_wait_ms`), the weights, the wait for the
-    preload to end, the engine's build."""
-    from appliance.boot.engine_preload import EnginePreload
-    from appliance.boot.weights import LoadedModel
-    from appliance.engine.engine_config import EngineConfig
-    from appliance.engine.engine_settings import EngineSettings
-
-    config = EngineConfig(model_dir=smollm2_dir, num_kv_blocks=32, num_cpu_threads=1)
-    preload = EnginePreload.start(EngineSettings())
-    preload.warm_device(config)
-    loaded = LoadedModel.load(config, preload=preload)
-    try:
-        assert set(loaded.phases_ms) == {
-            "torch_wait_ms",
-            "weights_ms",
-            "preload_wait_ms",
-            "engine_build_ms",
-        }
-        assert all(ms >= 0 for ms in loaded.phases_ms.values())
-        assert loaded.phases_ms["weights_ms"] > 0
-    finally:
-        loaded.engine.close()
