@@ -11,8 +11,9 @@ the same thread, one at a time: whenever no request has been unfinished for
 run, one between two steps every `BUSY_CAPTURE_INTERVAL_S` (a server busy from its start would
 otherwise never capture them, and run eagerly for good). The quiet spell keeps a capture out of
 the way of a request that comes just after the server is ready (whoever waited for the ready
-sends at once: the first request of W5 came 15-30 ms after it) or in a short gap between
-requests, where it would wait for the capture (up to 0.2 s for an 8B model's first ones).
+sends at once: W5's request, docs/BENCHMARKS.md) or in a short gap between requests, where it
+would wait for the capture (an 8B model's twenty-odd graphs take 2.4-3 s after the ready on the
+H100, so 0.1-0.2 s each).
 """
 
 from __future__ import annotations
