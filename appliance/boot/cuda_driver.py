@@ -78,6 +78,6 @@ def _check(driver: ctypes.CDLL, result: int, call: str) -> None:
     if result == _SUCCESS:
         return
     name = ctypes.c_char_p()
-    known = driver.cuGetErrorName(result, ctypes.byref(name)) == _SUCCESS and name.value
-    what = name.value.decode() if known and name.value is not None else f"error {result}"
+    named = driver.cuGetErrorName(result, ctypes.byref(name)) == _SUCCESS and name.value
+    what = name.value.decode() if named and name.value else f"error {result}"
     raise CudaDriverError(f"CUDA's driver failed in {call}: {what}")
