@@ -228,7 +228,7 @@ def test_a_request_just_after_the_start_or_a_step_finds_no_capture_in_its_way(
     just after the first ended, are each served without any capture before them; once quiet,
     every graph is captured."""
     monkeypatch.setattr(async_engine, "BUSY_CAPTURE_INTERVAL_S", 600.0)
-    monkeypatch.setattr(async_engine, "IDLE_CAPTURE_QUIET_S", 0.5)
+    monkeypatch.setattr(async_engine, "IDLE_CAPTURE_QUIET_S", 1.0)
     captured_at: list[float] = []
     quiet = Engine(
         engine.tokenizer,
@@ -238,7 +238,7 @@ def test_a_request_just_after_the_start_or_a_step_finds_no_capture_in_its_way(
         graph_captures=[lambda: captured_at.append(time.monotonic()) for _ in range(3)],
     )
 
-    async def main() -> tuple[float, float]:
+    async def main() -> float:
         async with AsyncEngine(quiet) as ae:
             for prompt in PROMPTS[:2]:
                 async for _ in ae.generate(f"r-{prompt}", prompt, GREEDY):
@@ -248,12 +248,12 @@ def test_a_request_just_after_the_start_or_a_step_finds_no_capture_in_its_way(
                 if not quiet.num_pending_graphs:
                     break
                 await asyncio.sleep(0.01)
-            return served_s, time.monotonic()
+            return served_s
 
-    served_s, _ = asyncio.run(main())
+    served_s = asyncio.run(main())
     assert len(captured_at) == 3
     assert captured_at[0] >= served_s  # none before or between the two requests
-    assert captured_at[0] - served_s >= 0.4  # after the quiet spell that followed them
+    assert captured_at[0] - served_s >= 0.8  # after the quiet spell that followed them
 
 
 def test_under_load_a_graph_is_captured_between_two_steps_now_and_then(
