@@ -35,8 +35,7 @@ import time
 from dataclasses import dataclass, field
 
 from appliance.boot import cuda_driver
-from appliance.boot.gpu_coverage import engine_gpu_ordinal
-from appliance.engine.engine_config import EngineConfig
+from appliance.engine.engine_config import EngineConfig, first_gpu_ordinal
 from appliance.engine.engine_settings import EngineSettings
 from appliance.engine.models.config import ModelConfig
 from appliance.errors import BootError
@@ -74,7 +73,7 @@ class EnginePreload:
         if config.on_gpu:
             self._context = threading.Thread(
                 target=self._retain_context,
-                args=(engine_gpu_ordinal(config.device),),
+                args=(first_gpu_ordinal(config.device),),
                 name="engine-preload-context",
                 daemon=True,
             )

@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from appliance.boot import cuda_driver
-from appliance.engine.errors import EngineConfigError
+from appliance.engine.engine_config import gpu_ordinals
 from appliance.errors import BootError
 
 
@@ -52,21 +52,8 @@ def engine_gpu_uuids(device: str, tensor_parallel_size: int) -> list[str]:
     cuda), as CUDA reports it, from its driver: torch is not needed (appliance.boot.cuda_driver).
     Only after the GPUs were set ready: CUDA may refuse a confidential GPU before. Raises
     EngineConfigError when the machine has too few GPUs, CudaDriverError when CUDA fails."""
-    first = engine_gpu_ordinal(device)
-    available = cuda_driver.device_count()
-    if first + tensor_parallel_size > available:
-        raise EngineConfigError(
-            f"tensor_parallel_size {tensor_parallel_size} from {device} needs GPUs "
-            f"cuda:{first}..cuda:{first + tensor_parallel_size - 1}; this machine has {available}"
-        )
-    return [cuda_driver.device_uuid(first + rank) for rank in range(tensor_parallel_size)]
-
-
-def engine_gpu_ordinal(device: str) -> int:
-    """CUDA's ordinal of rank 0's GPU for a device setting: N for cuda:N, 0 for cuda (a process
-    that set no other device)."""
-    _, _, index = device.partition(":")
-    return int(index) if index else 0
+    ordinals = gpu_ordinals(device, tensor_parallel_size, cuda_driver.device_count())
+    return [cuda_driver.device_uuid(ordinal) for ordinal in ordinals]
 
 
 def _normalized(uuid: str) -> str:

@@ -40,6 +40,26 @@ def is_device_name(value: str) -> bool:
     return _DEVICE_NAME.fullmatch(value) is not None
 
 
+def first_gpu_ordinal(device: str) -> int:
+    """CUDA's ordinal of rank 0's GPU for a cuda or cuda:N device name: N, or 0 for cuda (a
+    process that set no other device)."""
+    _, _, index = device.partition(":")
+    return int(index) if index else 0
+
+
+def gpu_ordinals(device: str, size: int, available: int) -> list[int]:
+    """CUDA's ordinal of each of `size` tensor-parallel ranks' GPUs for a cuda or cuda:N device
+    name (cuda:N+r for rank r), on a machine with `available` GPUs. Raises EngineConfigError
+    when they are too few. No torch: step 4b counts the GPUs through CUDA's driver."""
+    first = first_gpu_ordinal(device)
+    if first + size > available:
+        raise EngineConfigError(
+            f"tensor_parallel_size {size} from {device} needs GPUs cuda:{first}..cuda:"
+            f"{first + size - 1}; this machine has {available}"
+        )
+    return list(range(first, first + size))
+
+
 def automatic_cpu_threads(num_cpus: int) -> int:
     """Torch threads for an engine on `num_cpus` CPUs when the setting leaves it to us: all but
     one. Each torch op waits for its slowest thread, so a thread that shares its CPU (with the

@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from appliance.engine.engine_config import gpu_ordinals
 from appliance.engine.engine_settings import EngineSettings
 from appliance.engine.errors import EngineConfigError, TensorParallelError
 from appliance.engine.models.config import ModelConfig
@@ -283,14 +284,8 @@ def rank_devices(device: torch.device, size: int) -> list[torch.device]:
     """Rank r's device: the CPU for every rank, or cuda:i+r for `device` cuda:i."""
     if device.type != "cuda":
         return [device] * size
-    first = device.index or 0
-    available = torch.cuda.device_count()
-    if first + size > available:
-        raise EngineConfigError(
-            f"tensor_parallel_size {size} from {device} needs GPUs cuda:{first}..cuda:"
-            f"{first + size - 1}; this machine has {available}"
-        )
-    return [torch.device("cuda", first + r) for r in range(size)]
+    ordinals = gpu_ordinals(str(device), size, torch.cuda.device_count())
+    return [torch.device("cuda", ordinal) for ordinal in ordinals]
 
 
 def _join_watching(

@@ -12,7 +12,8 @@ import pytest
 
 from appliance.boot import cuda_driver
 from appliance.boot.cuda_driver import CudaDriverError
-from appliance.boot.gpu_coverage import engine_gpu_ordinal, engine_gpu_uuids
+from appliance.boot.gpu_coverage import engine_gpu_uuids
+from appliance.engine.engine_config import first_gpu_ordinal
 from appliance.engine.errors import EngineConfigError
 
 UUIDS = [uuid.UUID(int=0x0A1B2C3D_0000_1111_2222_333344445555 + i) for i in range(4)]
@@ -105,8 +106,8 @@ def test_a_machine_without_cuda_s_driver_gets_a_clear_error(
 
 
 def test_the_primary_context_is_retained_on_rank_0_s_gpu(driver: StandInDriver) -> None:
-    cuda_driver.retain_primary_context(engine_gpu_ordinal("cuda:1"))
-    cuda_driver.retain_primary_context(engine_gpu_ordinal("cuda"))
+    cuda_driver.retain_primary_context(first_gpu_ordinal("cuda:1"))
+    cuda_driver.retain_primary_context(first_gpu_ordinal("cuda"))
     assert driver.retained == [1, 0]
 
 
