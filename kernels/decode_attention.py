@@ -13,10 +13,13 @@ Design (the flash-decoding scheme of vLLM and SGLang):
 2. `_combine_splits_kernel`, grid (B, Hq): merges the per-split partial outputs by their
    log-sum-exp. With one split the first kernel writes the output itself and this one is skipped.
 
-An FP8 cache is read as `stored * scale` without a multiply per element, on the FP8 tensor
-cores (`kernels.fp8_attention`): the [G_PAD, D] q tile is quantized per row once, each P tile
-as it is made, and the stored e4m3 K and V tiles enter the products as loaded. The q row scales
-and K's scale join the score scale; V's (with P's) multiplies each split's output once.
+An FP8 cache is read as `stored * scale` without a multiply per element (`kernels.
+fp8_attention`): the [G_PAD, D] q tile is quantized per row once, each P tile as it is made,
+and the stored e4m3 K tile enters the score product as loaded. V is read as int32 words whose
+four byte planes, widened to float16 in registers, make four products of a quarter of D each
+(`e4m3_planes`: the same products, without Triton's byte-wise transposition of an e4m3 tile).
+The q row scales and K's scale join the score scale; V's (with P's) multiplies each split's
+output once.
 
 The grid depends only on (B, Hkv, num_splits), never on `seq_lens`' values: each program reads
 its sequence length on the device and derives its token range there, so a launch captured in a
@@ -36,6 +39,8 @@ from kernels.errors import KernelInputError
 from kernels.fp8_attention import (
     P_UNSCALE_C,
     dot_e4m3,
+    e4m3_planes,
+    interleave_planes,
     quantize_probabilities,
     quantize_q_rows,
     round_up_running_max,
@@ -105,6 +110,7 @@ def _decode_split_kernel(
     q_ptr,  # [B, Hq, D]
     k_cache_ptr,  # [num_blocks, block_size, Hkv, D]
     v_cache_ptr,  # [num_blocks, block_size, Hkv, D]
+    v_words_ptr,  # V_PLANES: the FP8 v_cache as int32 words [num_blocks, block_size, Hkv, D / 4]
     block_tables_ptr,  # [B, max_blocks] int32
     seq_lens_ptr,  # [B] int32
     out_ptr,  # [B, Hq, D] (DIRECT) or partial out [B, Hq, num_splits, D] float32
@@ -139,6 +145,8 @@ def _decode_split_kernel(
     DOT_PRECISION: tl.constexpr,  # "ieee" for float32 inputs, so scores are not rounded to tf32
     FP8_KV: tl.constexpr,  # the cache holds float8_e4m3fn values and their per-tensor scales
     EMULATE_ROUNDING: tl.constexpr,  # FP8_KV under the interpreter: see kernels.fp8_attention
+    V_PLANES: tl.constexpr,  # FP8_KV: V read as words, P V in four byte planes (e4m3_planes)
+    INTERPRETED: tl.constexpr,  # Triton's interpreter runs this (no inline assembly)
     HAS_SINKS: tl.constexpr,
     PDL: tl.constexpr,  # launched as a programmatic dependent (kernels.pdl)
 ):
@@ -172,6 +180,13 @@ def _decode_split_kernel(
         sinks_ptr, heads, g_mask & first_split, G_PAD, HAS_SINKS, FP8_KV
     )
     acc = tl.zeros([G_PAD, HEAD_DIM], dtype=tl.float32)
+    # V_PLANES: the accumulator as four planes, column i of plane j being element 4i + j.
+    QUARTER: tl.constexpr = HEAD_DIM // 4
+    offs_w = tl.arange(0, QUARTER)
+    acc0 = tl.zeros([G_PAD, QUARTER], dtype=tl.float32)
+    acc1 = tl.zeros([G_PAD, QUARTER], dtype=tl.float32)
+    acc2 = tl.zeros([G_PAD, QUARTER], dtype=tl.float32)
+    acc3 = tl.zeros([G_PAD, QUARTER], dtype=tl.float32)
 
     wait_for_previous(PDL)
     # q: [G_PAD, D]; padding rows are zero, so their scores are finite and their output unused.
@@ -220,15 +235,33 @@ def _decode_split_kernel(
 
         v_offsets = block_ids * stride_vb + in_block * stride_vs + kv_head * stride_vh
         # other=0: a masked row must be exactly zero, since p (0) * garbage could be NaN.
-        v = tl.load(
-            v_cache_ptr + v_offsets[:, None] + offs_d[None, :], mask=n_mask[:, None], other=0.0
-        )
-        if FP8_KV:
-            pv = dot_e4m3(quantize_probabilities(p, EMULATE_ROUNDING), v, BLOCK_N)
+        if V_PLANES:
+            # The same products as dot_e4m3's (e4m3 P and V, exact in float16, summed in
+            # float32), each plane a quarter of D.
+            words = tl.load(
+                v_words_ptr + (v_offsets // 4)[:, None] + offs_w[None, :],
+                mask=n_mask[:, None],
+                other=0,
+            )
+            v0, v1, v2, v3 = e4m3_planes(words, INTERPRETED)
+            p16 = quantize_probabilities(p, EMULATE_ROUNDING).to(tl.float16)
+            acc0 = acc0 * alpha[:, None] + tl.dot(p16, v0)
+            acc1 = acc1 * alpha[:, None] + tl.dot(p16, v1)
+            acc2 = acc2 * alpha[:, None] + tl.dot(p16, v2)
+            acc3 = acc3 * alpha[:, None] + tl.dot(p16, v3)
         else:
-            pv = tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        acc = acc * alpha[:, None] + pv
+            v = tl.load(
+                v_cache_ptr + v_offsets[:, None] + offs_d[None, :], mask=n_mask[:, None], other=0.0
+            )
+            if FP8_KV:
+                pv = dot_e4m3(quantize_probabilities(p, EMULATE_ROUNDING), v, BLOCK_N)
+            else:
+                pv = tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+            acc = acc * alpha[:, None] + pv
         m_i = m_new
+
+    if V_PLANES:
+        acc = interleave_planes(acc0, acc1, acc2, acc3, G_PAD, HEAD_DIM)
 
     # An empty split (or a seq_len 0 padding row) has l_i == 0: its output is 0 and its lse -inf,
     # which the combine step weighs as exp(-inf) = 0.
@@ -383,10 +416,12 @@ def paged_decode_attention(
         lse = torch.empty((batch, num_q_heads, num_splits), dtype=torch.float32, device=q.device)
         stride_os, stride_lb, stride_lh = partial.stride(2), lse.stride(0), lse.stride(1)
 
+    v_planes = fp8_kv and _fits_word_planes(v_cache)
     _decode_split_kernel[(batch, num_kv_heads, num_splits)](
         q,
         k_cache,
         v_cache,
+        v_cache.view(torch.int32) if v_planes else v_cache,
         block_tables,
         seq_lens,
         partial,
@@ -421,6 +456,8 @@ def paged_decode_attention(
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         FP8_KV=fp8_kv,
         EMULATE_ROUNDING=fp8_kv and triton_interprets(),
+        V_PLANES=v_planes,
+        INTERPRETED=triton_interprets(),
         HAS_SINKS=sinks is not None,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
@@ -445,6 +482,18 @@ def paged_decode_attention(
             **launch_options(q.device),
         )
     return out
+
+
+def _fits_word_planes(v_cache: torch.Tensor) -> bool:
+    """Whether an FP8 V cache can be read as int32 words in four byte planes: each plane at
+    least 16 wide (a product's least dimension) and every row of D bytes starting on a word."""
+    head_dim = v_cache.shape[-1]
+    return (
+        head_dim >= 64
+        and head_dim % 4 == 0
+        and v_cache.storage_offset() % 4 == 0
+        and all(stride % 4 == 0 for stride in v_cache.stride()[:-1])
+    )
 
 
 def verify_window(sliding_window: int | None) -> None:
@@ -478,14 +527,14 @@ def pick_config(head_dim: int, fp8_kv: bool = False) -> DecodeConfig:
     latency while the registers hold the [G_PAD, D] float32 accumulator. D = 256 halves BLOCK_N
     to keep the same bytes per tile, and D = 512 (Gemma 4's global layers) halves it again, with
     8 warps to hold its accumulator without spilling (not yet timed on the H100). An FP8 cache
-    at D <= 128 doubles BLOCK_N back to the same bytes per tile, with three stages:
-    `bench/kernel_micro.py --sweep-attention decode` put that tile first of 18 over e4m3
-    (256 sequences at 768 tokens: 220 µs against 233 with the bf16 tiles; docs/BENCHMARKS.md).
+    at D <= 128, its V read in word planes, takes four stages of 64 keys (half the bytes of a
+    bf16 tile): first of 18 in `bench/kernel_micro.py --sweep-attention decode` over e4m3
+    (docs/BENCHMARKS.md, issue 17 round 13).
     """
     if head_dim > 256:
         return DecodeConfig(block_n=16, num_warps=8, num_stages=2)
     if fp8_kv and head_dim <= 128:
-        return DecodeConfig(block_n=128, num_warps=4, num_stages=3)
+        return DecodeConfig(block_n=64, num_warps=4, num_stages=4)
     return DecodeConfig(block_n=32 if head_dim > 128 else 64, num_warps=4, num_stages=2)
 
 

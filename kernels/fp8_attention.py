@@ -90,3 +90,49 @@ def dot_e4m3(a, b, K: tl.constexpr):
 def round_up_running_max(m):
     """m: [M] float32 running row maxima in log2 units -> the same rounded up to whole numbers."""
     return tl.math.ceil(m)
+
+
+@triton.jit
+def e4m3_planes(words, INTERPRETED: tl.constexpr):
+    """int32 words, each holding 4 consecutive e4m3 values (lowest byte first, as the cache lays
+    them out) -> the 4 byte planes in float16 (exact: every e4m3 value is a float16): plane j
+    of word i is element 4i + j.
+
+    Why words: a product that reduces across the rows of an 8-bit tile (P V reduces over
+    tokens, and V's bytes run along D) makes Triton 3.6 transpose the tile out of shared memory
+    a byte at a time (128 `ld.shared.b8` per thread and tile). Loaded as words and widened in
+    registers, the planes reach the product as 16-bit tiles, which `ldmatrix.trans` transposes.
+    On the GPU each word takes two `cvt.rn.f16x2.e4m3x2`; the interpreter, which runs no inline
+    assembly, shifts the bytes out instead."""
+    if INTERPRETED:
+        p0 = (words & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float16)
+        p1 = ((words >> 8) & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float16)
+        p2 = ((words >> 16) & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float16)
+        p3 = ((words >> 24) & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float16)
+    else:
+        p0, p1, p2, p3 = tl.inline_asm_elementwise(
+            """
+            {
+            .reg .b16 lo, hi;
+            .reg .b32 a, b;
+            mov.b32 {lo, hi}, $4;
+            cvt.rn.f16x2.e4m3x2 a, lo;
+            cvt.rn.f16x2.e4m3x2 b, hi;
+            mov.b32 {$0, $1}, a;
+            mov.b32 {$2, $3}, b;
+            }
+            """,
+            "=h,=h,=h,=h,r",
+            [words],
+            dtype=(tl.float16, tl.float16, tl.float16, tl.float16),
+            is_pure=True,
+            pack=1,
+        )
+    return p0, p1, p2, p3
+
+
+@triton.jit
+def interleave_planes(p0, p1, p2, p3, ROWS: tl.constexpr, COLS: tl.constexpr):
+    """Four [ROWS, COLS // 4] planes -> [ROWS, COLS] with element 4i + j from plane j's
+    column i (the inverse of `e4m3_planes`' split)."""
+    return tl.reshape(tl.join(tl.join(p0, p2), tl.join(p1, p3)), [ROWS, COLS])

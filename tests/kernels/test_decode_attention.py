@@ -212,11 +212,34 @@ def test_windowed_decode_matches_reference_and_reads_nothing_before_the_window(
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("num_splits", [1, 3])
+@pytest.mark.parametrize("head_dim", [32, 64], ids=["v-tile", "v-word-planes"])
 def test_decode_attention_over_fp8_cache_quantizes_q_and_p_as_the_reference_does(
-    dtype: torch.dtype, num_splits: int
+    dtype: torch.dtype, num_splits: int, head_dim: int
 ) -> None:
-    case = make_case(CPU_SEQ_LENS, num_q_heads=4, num_kv_heads=2, head_dim=32, dtype=dtype)
+    """At head_dim 64 V is read as int32 words in four byte planes (kernels.fp8_attention's
+    e4m3_planes); below, as one e4m3 tile."""
+    case = make_case(CPU_SEQ_LENS, num_q_heads=4, num_kv_heads=2, head_dim=head_dim, dtype=dtype)
     assert_fp8_cache_attention_close(case, num_splits)
+
+
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_fp8_v_word_planes_give_the_e4m3_tiles_output(num_splits: int) -> None:
+    """The same FP8 cache read through V's word planes and, from a copy that starts one byte
+    into its buffer (no longer on a word: the launcher falls back), as one e4m3 tile: the same
+    products, so the same output. A plane stored to the wrong columns, or a byte taken from the
+    wrong end of its word, would differ here."""
+    case, scales = with_fp8_cache(
+        make_case(CPU_SEQ_LENS, num_q_heads=8, num_kv_heads=2, head_dim=64, dtype=torch.float32)
+    )
+    v_cache = case.v_cache
+    buffer = torch.empty(v_cache.numel() + 1, dtype=v_cache.dtype, device=v_cache.device)
+    unaligned = buffer[1:].view(v_cache.shape)
+    unaligned.copy_(v_cache)
+    assert decode_attention._fits_word_planes(v_cache)
+    assert not decode_attention._fits_word_planes(unaligned)
+    planes = run_kernel(case, num_splits, **scales)
+    tile = run_kernel(replace(case, v_cache=unaligned), num_splits, **scales)
+    torch.testing.assert_close(planes, tile, atol=1e-6, rtol=1e-6)
 
 
 @pytest.mark.parametrize("window", [None, 33])

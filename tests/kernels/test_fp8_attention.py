@@ -128,14 +128,15 @@ def decode(q, head_dim, group):
     config = decode_attention.pick_config(head_dim, fp8_kv=True)
     return compile_for_hopper(
         decode_attention._decode_split_kernel,
-        pointers(q, "*fp32", ("q_ptr", "k_cache_ptr", "v_cache_ptr", "block_tables_ptr",
-                              "seq_lens_ptr", "out_ptr", "lse_ptr", "k_scale_ptr",
-                              "v_scale_ptr", "sinks_ptr")),
+        pointers(q, "*fp32", ("q_ptr", "k_cache_ptr", "v_cache_ptr", "v_words_ptr",
+                              "block_tables_ptr", "seq_lens_ptr", "out_ptr", "lse_ptr",
+                              "k_scale_ptr", "v_scale_ptr", "sinks_ptr")),
         ("max_blocks", "window"),
         ("qb", "qh", "kb", "ks", "kh", "vb", "vs", "vh", "btb", "ob", "oh", "os", "lb", "lh"),
         {"GROUP_SIZE": group, "G_PAD": 16, "HEAD_DIM": head_dim, "BLOCK_SIZE": 16,
          "BLOCK_N": config.block_n, "NUM_SPLITS": 4, "DIRECT": False, "DOT_PRECISION": "tf32",
-         "FP8_KV": True, "EMULATE_ROUNDING": False, "PDL": True, "HAS_SINKS": False},
+         "FP8_KV": True, "EMULATE_ROUNDING": False, "V_PLANES": head_dim >= 64,
+         "INTERPRETED": False, "PDL": True, "HAS_SINKS": False},
         config)
 
 ptx = prefill("bfloat16", 128, 4)
@@ -143,7 +144,9 @@ products = set(re.findall(r"wgmma\\.mma_async\\S+\\.f32\\.(\\w+)\\.\\w+\\s", ptx
 widened = re.findall(r"cvt\\.\\w+\\.(?:bf16|f16)x2\\.e4m3x2", ptx)
 print(sorted(products), len(widened))
 prefill("float32", 16, 2)
-decode("*bf16", 128, 4)
+ptx = decode("*bf16", 128, 4)
+bytewise = re.findall(r"ld\\.shared\\.[bsu]8", ptx)
+print("decode: byte loads from shared memory", len(bytewise))
 decode("*fp32", 16, 2)
 print("all compiled")
 """
@@ -153,8 +156,11 @@ print("all compiled")
 def test_prefill_products_run_on_e4m3_tensor_cores_for_hopper() -> None:
     """What the interpreter cannot show: with an FP8 cache both products of the prefill kernel
     compile to e4m3 wgmma instructions on sm_90, and no K or V tile is widened to 16 bits first
-    (what made steps carrying prefills 18% slower with FP8 KV, issue 17); and both kernels
-    compile at a head_dim of 16, below the FP8 dot's smallest K."""
+    (what made steps carrying prefills 18% slower with FP8 KV, issue 17); the decode kernel
+    reads V's tile out of shared memory without byte loads (what its word planes are for:
+    Triton 3.6 transposed the e4m3 tile with 128 `ld.shared.b8` per thread, and the kernel
+    read the cache at ~62% of copy bandwidth); and both kernels compile at a head_dim of 16,
+    below the FP8 dot's smallest K."""
     env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_DEFAULT_FP_FUSION": "1"}
     result = subprocess.run(
         [sys.executable, "-c", _COMPILE_FOR_HOPPER],
@@ -165,4 +171,8 @@ def test_prefill_products_run_on_e4m3_tensor_cores_for_hopper() -> None:
         check=False,
     )
     assert result.returncode == 0, result.stderr[-3000:]
-    assert result.stdout.split("\n")[:2] == ["['e4m3'] 0", "all compiled"]
+    assert result.stdout.split("\n")[:3] == [
+        "['e4m3'] 0",
+        "decode: byte loads from shared memory 0",
+        "all compiled",
+    ]
