@@ -9,7 +9,8 @@ By batch size:
   weight's exact product, closer to the unquantized model than W8A8's.
 - more rows, W8A8, two launches:
   1. `quantize_rows`: one program per row of x finds the row's largest magnitude, then writes
-     the row in FP8 and its scale (`kernels.fp8.quantize_rows`' rounding). For the MLP's down
+     the row in FP8 and its scale (`kernels.fp8.quantize_rows`' rounding), reading a row of up
+     to 16,384 values once (held in registers) and a wider one twice. For the MLP's down
      projection it takes the fused [gate | up] output and applies SiLU(gate)·up while loading,
      rounded where `kernels.reference.silu_and_mul` rounds, so the product never goes through
      memory in the model's dtype.
@@ -40,9 +41,12 @@ from kernels.ops import Fp8Weight
 # Triton reads module globals only as constexprs.
 _FP8_MAX_C = tl.constexpr(FP8_MAX)
 _MIN_AMAX_C = tl.constexpr(MIN_AMAX)
-# A row of x is quantized in tiles of at most this many elements (two passes: amax, then
-# quantize); 4096 covers the 8B model's hidden size in one tile.
-_QUANT_BLOCK_K = 4096
+# A row of x up to this wide is quantized from registers in one pass (read once: its largest
+# magnitude, then its FP8 values); the 8B model's hidden size (4,096) and its SiLU·mul product
+# (14,336) are. A wider row is read twice, in tiles of `_QUANT_TILE_K`: its largest magnitude,
+# then its values.
+_QUANT_ONE_PASS_K = 16384
+_QUANT_TILE_K = 4096
 # cuBLASLt's FP8 matmul needs both matrix widths to be multiples of 16.
 _SCALED_MM_ALIGN = 16
 
@@ -69,28 +73,47 @@ def _quantize_rows_kernel(
     q_row_stride,
     SILU_MUL: tl.constexpr,
     STATIC: tl.constexpr,
+    ONE_PASS: tl.constexpr,  # BLOCK_K >= k: the row is read once and held in registers
     BLOCK_K: tl.constexpr,
 ):
     """One row per program: q[row] = x[row] / scale, scale = max|x[row]| / FP8_MAX (or static)."""
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * x_row_stride
-    if STATIC:
-        scale = tl.load(static_scale_ptr).to(tl.float32)
-    else:
-        amax = tl.zeros((BLOCK_K,), dtype=tl.float32)
-        for k0 in range(0, k, BLOCK_K):
-            offs_k = k0 + tl.arange(0, BLOCK_K)
-            values = _row_values(x_row, offs_k, offs_k < k, k, SILU_MUL)
-            amax = tl.maximum(amax, tl.abs(values))
-        scale = tl.math.div_rn(tl.maximum(tl.max(amax, axis=0), _MIN_AMAX_C), _FP8_MAX_C)
-    tl.store(scale_ptr + row, scale)
-    for k0 in range(0, k, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
+    q_row = q_ptr + row * q_row_stride
+    if ONE_PASS:
+        offs_k = tl.arange(0, BLOCK_K)
         mask = offs_k < k
         values = _row_values(x_row, offs_k, mask, k, SILU_MUL)
-        # div_rn: correctly rounded, as torch divides (Triton's default division is approximate).
-        q = tl.clamp(tl.math.div_rn(values, scale), -_FP8_MAX_C, _FP8_MAX_C)
-        tl.store(q_ptr + row * q_row_stride + offs_k, q.to(q_ptr.dtype.element_ty), mask=mask)
+        if STATIC:
+            scale = tl.load(static_scale_ptr).to(tl.float32)
+        else:
+            amax = tl.max(tl.abs(values), axis=0)
+            scale = tl.math.div_rn(tl.maximum(amax, _MIN_AMAX_C), _FP8_MAX_C)
+        tl.store(scale_ptr + row, scale)
+        _store_quantized(q_row + offs_k, values, scale, mask)
+    else:
+        if STATIC:
+            scale = tl.load(static_scale_ptr).to(tl.float32)
+        else:
+            amax = tl.zeros((BLOCK_K,), dtype=tl.float32)
+            for k0 in range(0, k, BLOCK_K):
+                offs_k = k0 + tl.arange(0, BLOCK_K)
+                values = _row_values(x_row, offs_k, offs_k < k, k, SILU_MUL)
+                amax = tl.maximum(amax, tl.abs(values))
+            scale = tl.math.div_rn(tl.maximum(tl.max(amax, axis=0), _MIN_AMAX_C), _FP8_MAX_C)
+        tl.store(scale_ptr + row, scale)
+        for k0 in range(0, k, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            mask = offs_k < k
+            values = _row_values(x_row, offs_k, mask, k, SILU_MUL)
+            _store_quantized(q_row + offs_k, values, scale, mask)
+
+
+@triton.jit
+def _store_quantized(q_ptrs, values, scale, mask):
+    # div_rn: correctly rounded, as torch divides (Triton's default division is approximate).
+    q = tl.clamp(tl.math.div_rn(values, scale), -_FP8_MAX_C, _FP8_MAX_C)
+    tl.store(q_ptrs, q.to(q_ptrs.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -170,6 +193,8 @@ def quantize_rows(
     scale = torch.empty(rows, dtype=torch.float32, device=x.device)
     if rows == 0 or k == 0:
         return q, scale.fill_(MIN_AMAX / FP8_MAX)
+    one_pass = k <= _QUANT_ONE_PASS_K
+    block_k = triton.next_power_of_2(k) if one_pass else _QUANT_TILE_K
     _quantize_rows_kernel[(rows,)](
         x,
         q,
@@ -180,8 +205,9 @@ def quantize_rows(
         q.stride(0),
         SILU_MUL=silu_mul,
         STATIC=static_scale is not None,
-        BLOCK_K=min(triton.next_power_of_2(k), _QUANT_BLOCK_K),
-        num_warps=8,
+        ONE_PASS=one_pass,
+        BLOCK_K=block_k,
+        num_warps=16 if block_k > 8192 else 8,
     )
     return q, scale
 

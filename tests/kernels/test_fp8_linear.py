@@ -160,12 +160,16 @@ def test_weights_must_be_fp8_with_a_float32_scale_per_output_channel() -> None:
 
 
 @pytest.mark.parametrize("silu_mul", [False, True])
-def test_quantization_scales_match_reference(silu_mul: bool) -> None:
-    """The scales (the interpreter computes them exactly; only its float8 conversion is off)."""
-    x, _, _ = _case(5, 8, 2 * 600, torch.float32, bias=False)
+@pytest.mark.parametrize("k", [1200, 2 * 16384 + 6], ids=["one-pass", "two-pass"])
+def test_quantization_scales_match_reference(silu_mul: bool, k: int) -> None:
+    """The scales (the interpreter computes them exactly; only its float8 conversion is off),
+    of rows read once (up to 16,384 values, held in registers) and of wider ones read twice in
+    tiles (the largest magnitude in the last tile, so a pass that skipped it would differ)."""
+    x, _, _ = _case(5, 8, k, torch.float32, bias=False)
+    x[:, -1] = 100.0
     q, scale = fp8_linear.quantize_rows(x, silu_mul=silu_mul)
     _, expected = fp8.quantize_rows(reference.silu_and_mul(x) if silu_mul else x)
-    assert q.shape == (5, 600 if silu_mul else 1200) and q.dtype == fp8.FP8_DTYPE
+    assert q.shape == (5, k // 2 if silu_mul else k) and q.dtype == fp8.FP8_DTYPE
     torch.testing.assert_close(scale, expected, rtol=1e-6, atol=0)
     static = torch.tensor([0.25], device=DEVICE)
     _, scale = fp8_linear.quantize_rows(x, silu_mul=silu_mul, static_scale=static)
@@ -268,8 +272,13 @@ kernels = [
     (k._quantize_rows_kernel,
      {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "scale_ptr": "*fp32", "static_scale_ptr": "*fp32",
       "k": "i32", "x_row_stride": "i32", "q_row_stride": "i32", "SILU_MUL": "constexpr",
-      "STATIC": "constexpr", "BLOCK_K": "constexpr"},
-     {"SILU_MUL": True, "STATIC": False, "BLOCK_K": 4096}),
+      "STATIC": "constexpr", "ONE_PASS": "constexpr", "BLOCK_K": "constexpr"},
+     {"SILU_MUL": True, "STATIC": False, "ONE_PASS": True, "BLOCK_K": 16384}),
+    (k._quantize_rows_kernel,
+     {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "scale_ptr": "*fp32", "static_scale_ptr": "*fp32",
+      "k": "i32", "x_row_stride": "i32", "q_row_stride": "i32", "SILU_MUL": "constexpr",
+      "STATIC": "constexpr", "ONE_PASS": "constexpr", "BLOCK_K": "constexpr"},
+     {"SILU_MUL": False, "STATIC": False, "ONE_PASS": False, "BLOCK_K": 4096}),
     (linear._gemv_kernel,
      {"x_ptr": "*bf16", "w_ptr": "*fp8e4nv", "w_scale_ptr": "*fp32", "b_ptr": "*bf16",
       "out_ptr": "*bf16", "n": "i32", "k": "i32", "w_row_stride": "i32",
@@ -296,8 +305,9 @@ for fn, signature, constexprs in kernels:
 
 def test_the_kernels_compile_for_hopper_with_exact_division_and_rounding() -> None:
     """What the interpreter cannot show: the kernels compile for sm_90, and the quantization
-    divides correctly rounded and converts to e4m3 rounding to nearest even, saturating, which
-    the GPU test's bit-for-bit comparison with torch relies on."""
+    (read in one pass and in two) divides correctly rounded and converts to e4m3 rounding to
+    nearest even, saturating, which the GPU test's bit-for-bit comparison with torch relies
+    on."""
     env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_DEFAULT_FP_FUSION": "1"}
     result = subprocess.run(
         [sys.executable, "-c", _COMPILE_FOR_HOPPER],
@@ -308,4 +318,5 @@ def test_the_kernels_compile_for_hopper_with_exact_division_and_rounding() -> No
         check=False,
     )
     assert result.returncode == 0, result.stderr[-3000:]
-    assert result.stdout.strip() == "['cvt.rn.satfinite.e4m3x2.f32', 'div.rn.f32']"
+    # Once per quantizer compiled: the one-pass (SiLU·mul) and the two-pass.
+    assert result.stdout.split() == ["['cvt.rn.satfinite.e4m3x2.f32',", "'div.rn.f32']"] * 2
