@@ -416,7 +416,7 @@ def paged_decode_attention(
         lse = torch.empty((batch, num_q_heads, num_splits), dtype=torch.float32, device=q.device)
         stride_os, stride_lb, stride_lh = partial.stride(2), lse.stride(0), lse.stride(1)
 
-    v_planes = fp8_kv and _fits_word_planes(v_cache)
+    v_planes = fp8_kv and fits_word_planes(v_cache)
     _decode_split_kernel[(batch, num_kv_heads, num_splits)](
         q,
         k_cache,
@@ -484,7 +484,7 @@ def paged_decode_attention(
     return out
 
 
-def _fits_word_planes(v_cache: torch.Tensor) -> bool:
+def fits_word_planes(v_cache: torch.Tensor) -> bool:
     """Whether an FP8 V cache can be read as int32 words in four byte planes: each plane at
     least 16 wide (a product's least dimension) and every row of D bytes starting on a word."""
     head_dim = v_cache.shape[-1]

@@ -132,7 +132,15 @@ def e4m3_planes(words, INTERPRETED: tl.constexpr):
 
 
 @triton.jit
+def join_planes(p0, p1, p2, p3):
+    """Four [ROWS, C] planes -> [ROWS, C, 2, 2], whose row-major order puts plane j's column i
+    at 4i + j (the inverse of `e4m3_planes`' split, once reshaped to [ROWS, 4C]). Joining stays
+    in registers, so an accumulator can be kept in this shape and reshaped once at the end."""
+    return tl.join(tl.join(p0, p2), tl.join(p1, p3))
+
+
+@triton.jit
 def interleave_planes(p0, p1, p2, p3, ROWS: tl.constexpr, COLS: tl.constexpr):
     """Four [ROWS, COLS // 4] planes -> [ROWS, COLS] with element 4i + j from plane j's
-    column i (the inverse of `e4m3_planes`' split)."""
-    return tl.reshape(tl.join(tl.join(p0, p2), tl.join(p1, p3)), [ROWS, COLS])
+    column i."""
+    return tl.reshape(join_planes(p0, p1, p2, p3), [ROWS, COLS])

@@ -32,11 +32,18 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.decode_attention import initial_softmax_state, verify_sinks, verify_window
+from kernels.decode_attention import (
+    fits_word_planes,
+    initial_softmax_state,
+    verify_sinks,
+    verify_window,
+)
 from kernels.errors import KernelInputError
 from kernels.fp8_attention import (
     P_UNSCALE_C,
     dot_e4m3,
+    e4m3_planes,
+    join_planes,
     quantize_probabilities,
     quantize_q_rows,
     round_up_running_max,
@@ -67,6 +74,7 @@ def _attend_key_tile(
     lowest_key,
     k_cache_ptr,
     v_cache_ptr,
+    v_words_ptr,
     block_table_row_ptr,
     kv_head,
     qk_scale,
@@ -83,10 +91,13 @@ def _attend_key_tile(
     DOT_FP32: tl.constexpr,
     FP8_KV: tl.constexpr,
     EMULATE_ROUNDING: tl.constexpr,
+    V_PLANES: tl.constexpr,
+    INTERPRETED: tl.constexpr,
 ):
     """Fold keys [start_n, start_n + BLOCK_N) into the running softmax state of BLOCK_M rows.
 
-    acc: [BLOCK_M, HEAD_DIM] f32, m_i/l_i: [BLOCK_M] f32 (running max in log2 units, running
+    acc: [BLOCK_M, HEAD_DIM] f32 ([BLOCK_M, HEAD_DIM / 4, 2, 2] with V_PLANES: `join_planes`),
+    m_i/l_i: [BLOCK_M] f32 (running max in log2 units, running
     sum), q: [BLOCK_M, HEAD_DIM] (e4m3 with FP8_KV), q_pos: [BLOCK_M] absolute position of each
     row's query, qk_scale: a scalar or [BLOCK_M, 1] (FP8_KV: each row's own).
     MASKED tiles may reach past a row's causal limit, below its window (`window` > 0) or past
@@ -144,14 +155,30 @@ def _attend_key_tile(
     p = tl.exp2(qk - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
 
-    v = tl.load(v_ptrs, mask=in_seq[:, None], other=0.0) if MASKED else tl.load(v_ptrs)
-    if FP8_KV:
-        pv = dot_e4m3(quantize_probabilities(p, EMULATE_ROUNDING), v, BLOCK_N)
-    elif DOT_FP32:
-        pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
+    if V_PLANES:
+        # V as int32 words in four byte planes (the decode kernel's reason: Triton 3.6
+        # transposes an e4m3 V tile out of shared memory a byte at a time).
+        offs_w = tl.arange(0, HEAD_DIM // 4)
+        v_words = (
+            v_words_ptr
+            + (block_ids[:, None] * stride_vb + in_block[:, None] * stride_vt + kv_head * stride_vh)
+            // 4
+            + offs_w[None, :]
+        )
+        words = tl.load(v_words, mask=in_seq[:, None], other=0) if MASKED else tl.load(v_words)
+        v0, v1, v2, v3 = e4m3_planes(words, INTERPRETED)
+        p16 = quantize_probabilities(p, EMULATE_ROUNDING).to(tl.float16)
+        pv = join_planes(tl.dot(p16, v0), tl.dot(p16, v1), tl.dot(p16, v2), tl.dot(p16, v3))
+        acc = acc * alpha[:, None, None, None] + pv
     else:
-        pv = tl.dot(p.to(v.dtype), v)
-    acc = acc * alpha[:, None] + pv
+        v = tl.load(v_ptrs, mask=in_seq[:, None], other=0.0) if MASKED else tl.load(v_ptrs)
+        if FP8_KV:
+            pv = dot_e4m3(quantize_probabilities(p, EMULATE_ROUNDING), v, BLOCK_N)
+        elif DOT_FP32:
+            pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
+        else:
+            pv = tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + pv
     return acc, m_new, l_i
 
 
@@ -176,6 +203,7 @@ def _paged_prefill_attention_kernel(
     q_ptr,
     k_cache_ptr,
     v_cache_ptr,
+    v_words_ptr,  # V_PLANES: the FP8 v_cache as int32 words [num_blocks, block_size, Hkv, D / 4]
     out_ptr,
     block_tables_ptr,
     seq_lens_ptr,
@@ -208,6 +236,8 @@ def _paged_prefill_attention_kernel(
     DOT_FP32: tl.constexpr,
     FP8_KV: tl.constexpr,  # the cache holds float8_e4m3fn values and their per-tensor scales
     EMULATE_ROUNDING: tl.constexpr,  # FP8_KV under the interpreter: see kernels.fp8_attention
+    V_PLANES: tl.constexpr,  # FP8_KV: V read as words, P V in four byte planes (e4m3_planes)
+    INTERPRETED: tl.constexpr,  # Triton's interpreter runs this (no inline assembly)
     HAS_SINKS: tl.constexpr,
 ):
     """Grid: (row tiles, Hq // PACK, B). Row r of a tile is query token r // PACK of the
@@ -245,7 +275,10 @@ def _paged_prefill_attention_kernel(
         v_scale = tl.load(v_scale_ptr).to(tl.float32) * P_UNSCALE_C
 
     m_i, l_i = initial_softmax_state(sinks_ptr, head, row_valid, BLOCK_M, HAS_SINKS, FP8_KV)
-    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    if V_PLANES:
+        acc = tl.zeros([BLOCK_M, HEAD_DIM // 4, 2, 2], dtype=tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
 
     first_token = (pid_m * BLOCK_M) // PACK
     last_token = tl.minimum((pid_m * BLOCK_M + BLOCK_M - 1) // PACK, query_len - 1)
@@ -271,25 +304,30 @@ def _paged_prefill_attention_kernel(
     for start_n in range(window_start, tl.minimum(window_end, causal_end), BLOCK_N):
         acc, m_i, l_i = _attend_key_tile(
             acc, m_i, l_i, q, q_pos, start_n, num_keys, window, lowest_key,
-            k_cache_ptr, v_cache_ptr, block_table_row_ptr, kv_head, qk_scale,
+            k_cache_ptr, v_cache_ptr, v_words_ptr, block_table_row_ptr, kv_head, qk_scale,
             stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
             BLOCK_SIZE, HEAD_DIM, BLOCK_N, True, DOT_FP32, FP8_KV, EMULATE_ROUNDING,
+            V_PLANES, INTERPRETED,
         )  # fmt: skip
     for start_n in range(window_end, unmasked_end, BLOCK_N):
         acc, m_i, l_i = _attend_key_tile(
             acc, m_i, l_i, q, q_pos, start_n, num_keys, window, lowest_key,
-            k_cache_ptr, v_cache_ptr, block_table_row_ptr, kv_head, qk_scale,
+            k_cache_ptr, v_cache_ptr, v_words_ptr, block_table_row_ptr, kv_head, qk_scale,
             stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
             BLOCK_SIZE, HEAD_DIM, BLOCK_N, False, DOT_FP32, FP8_KV, EMULATE_ROUNDING,
+            V_PLANES, INTERPRETED,
         )  # fmt: skip
     for start_n in range(tl.maximum(unmasked_end, window_end), causal_end, BLOCK_N):
         acc, m_i, l_i = _attend_key_tile(
             acc, m_i, l_i, q, q_pos, start_n, num_keys, window, lowest_key,
-            k_cache_ptr, v_cache_ptr, block_table_row_ptr, kv_head, qk_scale,
+            k_cache_ptr, v_cache_ptr, v_words_ptr, block_table_row_ptr, kv_head, qk_scale,
             stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
             BLOCK_SIZE, HEAD_DIM, BLOCK_N, True, DOT_FP32, FP8_KV, EMULATE_ROUNDING,
+            V_PLANES, INTERPRETED,
         )  # fmt: skip
 
+    if V_PLANES:
+        acc = tl.reshape(acc, [BLOCK_M, HEAD_DIM])
     out = acc * (v_scale / l_i)[:, None]
     o_ptrs = out_ptr + q_rows[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
     tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=row_valid[:, None])
@@ -409,10 +447,12 @@ def paged_prefill_attention(
     # power-of-two divisor, so PACK tiles BLOCK_M exactly).
     pack = min(group & -group, config.block_m)
     grid = (triton.cdiv(max_query_len * pack, config.block_m), num_q_heads // pack, num_seqs)
+    v_planes = fp8_kv and fits_word_planes(v_cache)
     _paged_prefill_attention_kernel[grid](
         q,
         k_cache,
         v_cache,
+        v_cache.view(torch.int32) if v_planes else v_cache,
         out,
         block_tables,
         seq_lens,
@@ -444,6 +484,8 @@ def paged_prefill_attention(
         and (q.dtype == torch.float32 or (interpreted and q.dtype == torch.bfloat16)),
         FP8_KV=fp8_kv,
         EMULATE_ROUNDING=fp8_kv and interpreted,
+        V_PLANES=v_planes,
+        INTERPRETED=interpreted,
         HAS_SINKS=sinks is not None,
         num_warps=config.num_warps,
         num_stages=config.num_stages,

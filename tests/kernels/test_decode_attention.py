@@ -235,11 +235,12 @@ def test_fp8_v_word_planes_give_the_e4m3_tiles_output(num_splits: int) -> None:
     buffer = torch.empty(v_cache.numel() + 1, dtype=v_cache.dtype, device=v_cache.device)
     unaligned = buffer[1:].view(v_cache.shape)
     unaligned.copy_(v_cache)
-    assert decode_attention._fits_word_planes(v_cache)
-    assert not decode_attention._fits_word_planes(unaligned)
+    assert decode_attention.fits_word_planes(v_cache)
+    assert not decode_attention.fits_word_planes(unaligned)
     planes = run_kernel(case, num_splits, **scales)
     tile = run_kernel(replace(case, v_cache=unaligned), num_splits, **scales)
-    torch.testing.assert_close(planes, tile, atol=1e-6, rtol=1e-6)
+    # The same products, summed in float32 in another order on the GPU's tensor cores.
+    torch.testing.assert_close(planes, tile, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("window", [None, 33])
