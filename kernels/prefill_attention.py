@@ -17,10 +17,13 @@ Work decomposition (why it looks the way it does):
   past the last row's limit are never loaded. A sliding window adds the mirror image at the
   other end: tiles before the first row's window are never loaded, and those its rows' window
   edges cross are masked.
-- With an FP8 cache both products run on the FP8 tensor cores (`kernels.fp8_attention`): the q
-  tile is quantized per row once, each P tile as it is made, and the e4m3 K and V tiles go
-  into `tl.dot` as loaded. The row scales of q and K's per-tensor scale join the score scale;
-  V's scale (with P's) multiplies the output once.
+- With an FP8 cache (`kernels.fp8_attention`) the q tile is quantized per row once and each P
+  tile as it is made; the e4m3 K tile goes into the score product (e4m3 tensor cores) as
+  loaded, and V is read as int32 words whose four byte planes, widened to float16 in
+  registers, make four P V products of a quarter of D (`e4m3_planes`: the same products,
+  without Triton's byte-wise transposition of an e4m3 V tile, which made FP8 prefill
+  attention slower than bf16's). The row scales of q and K's per-tensor scale join the score
+  scale; V's scale (with P's) multiplies the output once.
 """
 
 from __future__ import annotations
