@@ -101,9 +101,9 @@ def e4m3_planes(words, INTERPRETED: tl.constexpr):
     Why words: a product that reduces across the rows of an 8-bit tile (P V reduces over
     tokens, and V's bytes run along D) makes Triton 3.6 transpose the tile out of shared memory
     a byte at a time (128 `ld.shared.b8` per thread and tile). Loaded as words and widened in
-    registers, the planes reach the product as 16-bit tiles, which `ldmatrix.trans` transposes.
-    On the GPU each word takes two `cvt.rn.f16x2.e4m3x2`; the interpreter, which runs no inline
-    assembly, shifts the bytes out instead."""
+    registers, the planes reach the product as 16-bit tiles, which it moves 16 or 32 bits at a
+    time. On the GPU each word takes two `cvt.rn.f16x2.e4m3x2`; the interpreter, which runs no
+    inline assembly, shifts the bytes out instead."""
     if INTERPRETED:
         p0 = (words & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float16)
         p1 = ((words >> 8) & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float16)
