@@ -100,9 +100,9 @@ def _attend_key_tile(
     """Fold keys [start_n, start_n + BLOCK_N) into the running softmax state of BLOCK_M rows.
 
     acc: [BLOCK_M, HEAD_DIM] f32 ([BLOCK_M, HEAD_DIM / 4, 2, 2] with V_PLANES: `join_planes`),
-    m_i/l_i: [BLOCK_M] f32 (running max in log2 units, running
-    sum), q: [BLOCK_M, HEAD_DIM] (e4m3 with FP8_KV), q_pos: [BLOCK_M] absolute position of each
-    row's query, qk_scale: a scalar or [BLOCK_M, 1] (FP8_KV: each row's own).
+    m_i/l_i: [BLOCK_M] f32 (running max in log2 units, running sum), q: [BLOCK_M, HEAD_DIM]
+    (e4m3 with FP8_KV), q_pos: [BLOCK_M] absolute position of each row's query, qk_scale: a
+    scalar or [BLOCK_M, 1] (FP8_KV: each row's own).
     MASKED tiles may reach past a row's causal limit, below its window (`window` > 0) or past
     `num_keys`; unmasked ones may not. Keys below `lowest_key` (outside every row's window) are
     never loaded, nor their block-table entries: their blocks may have been freed.
