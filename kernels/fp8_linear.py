@@ -84,29 +84,27 @@ def _quantize_rows_kernel(
         offs_k = tl.arange(0, BLOCK_K)
         mask = offs_k < k
         values = _row_values(x_row, offs_k, mask, k, SILU_MUL)
-        if STATIC:
-            scale = tl.load(static_scale_ptr).to(tl.float32)
-        else:
-            amax = tl.max(tl.abs(values), axis=0)
-            scale = tl.math.div_rn(tl.maximum(amax, _MIN_AMAX_C), _FP8_MAX_C)
-        tl.store(scale_ptr + row, scale)
+        amax = tl.max(tl.abs(values), axis=0)
+    elif not STATIC:
+        amaxes = tl.zeros((BLOCK_K,), dtype=tl.float32)
+        for k0 in range(0, k, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            amaxes = tl.maximum(amaxes, tl.abs(_row_values(x_row, offs_k, offs_k < k, k, SILU_MUL)))
+        amax = tl.max(amaxes, axis=0)
+    if STATIC:
+        scale = tl.load(static_scale_ptr).to(tl.float32)
+    else:
+        scale = tl.math.div_rn(tl.maximum(amax, _MIN_AMAX_C), _FP8_MAX_C)
+    tl.store(scale_ptr + row, scale)
+    if ONE_PASS:
         _store_quantized(q_row + offs_k, values, scale, mask)
     else:
-        if STATIC:
-            scale = tl.load(static_scale_ptr).to(tl.float32)
-        else:
-            amax = tl.zeros((BLOCK_K,), dtype=tl.float32)
-            for k0 in range(0, k, BLOCK_K):
-                offs_k = k0 + tl.arange(0, BLOCK_K)
-                values = _row_values(x_row, offs_k, offs_k < k, k, SILU_MUL)
-                amax = tl.maximum(amax, tl.abs(values))
-            scale = tl.math.div_rn(tl.maximum(tl.max(amax, axis=0), _MIN_AMAX_C), _FP8_MAX_C)
-        tl.store(scale_ptr + row, scale)
         for k0 in range(0, k, BLOCK_K):
             offs_k = k0 + tl.arange(0, BLOCK_K)
             mask = offs_k < k
-            values = _row_values(x_row, offs_k, mask, k, SILU_MUL)
-            _store_quantized(q_row + offs_k, values, scale, mask)
+            _store_quantized(
+                q_row + offs_k, _row_values(x_row, offs_k, mask, k, SILU_MUL), scale, mask
+            )
 
 
 @triton.jit
