@@ -21,6 +21,18 @@ products (`kernels.fp8_attention`). They are compared with:
    the bound is measured: worst 0.15 and mean 0.0075 for prefill, 0.13 and 0.009 for decode,
    on the same shapes; allowed twice that.
 
+On the GPU the prefill kernel's score product is an e4m3 `wgmma` (FlashAttention-3's), and
+Hopper's FP8 tensor cores keep fewer bits than float32 in their sums across D. Scores then
+differ from the reference's by more than a last bit, and P weights near an e4m3 rounding
+boundary round the other way: measured on the H100 (8 x 2,048 at D = 128, 4 seeds) 358-733
+outputs beyond 0.03, worst 0.13-0.19, mostly at a sequence's first positions, whose few
+weights are large; the mean 7.8e-5, within bound 1's (an exact exp2 in place of the fast one
+changed no output). The decode kernel, whose score product takes float16 operands, stays
+within bound 1 on the GPU. A weight that rounds the other way moves by one e4m3 step, at most
+2**-3 of it, and the row's output by that over the row's sum times its value: all of a row's
+weights flipping at once would move it by 2**-3 * max |v| (`fp8_score_sums_worst`), which
+such a run's worst checks allow on top. The means stay as tight as on the CPU.
+
 A missing or swapped scale, a stale tile or an unmasked key moves outputs by whole units.
 """
 
@@ -34,20 +46,33 @@ WORST_VS_EXACT = 0.3
 MEAN_VS_EXACT = 0.018
 
 
+def fp8_score_sums_worst(v: torch.Tensor) -> float:
+    """What P weights rounding the other way may add to an output's worst element where the
+    score product's sums keep fewer bits than float32 (Hopper's FP8 tensor cores); v: the
+    dequantized values (NaN in the slots no context holds: the tests' poison)."""
+    return 2**-3 * v.abs().nan_to_num(0.0).max().item()
+
+
 def assert_fp8_attention_close(
-    out: torch.Tensor, fp8_reference: torch.Tensor, exact: torch.Tensor, output_atol: float
+    out: torch.Tensor,
+    fp8_reference: torch.Tensor,
+    exact: torch.Tensor,
+    output_atol: float,
+    score_sums_worst: float = 0.0,
 ) -> None:
     """out: the kernel's output; fp8_reference, exact: float32 references of its shape.
-    output_atol: what rounding the output to its dtype may add to its worst element."""
+    output_atol: what rounding the output to its dtype may add to its worst element;
+    score_sums_worst: what the score product's sums may (`fp8_score_sums_worst`)."""
     like = fp8_reference.to(out.dtype).float()
     out = out.float()
     vs_reference = (out - like).abs()
     fp8_error = (fp8_reference - exact).abs().mean()
-    assert vs_reference.max() <= WORST_VS_FP8_REFERENCE + output_atol, vs_reference.max()
+    worst_allowance = output_atol + score_sums_worst
+    assert vs_reference.max() <= WORST_VS_FP8_REFERENCE + worst_allowance, vs_reference.max()
     assert vs_reference.mean() <= MEAN_VS_FP8_REFERENCE_OVER_FP8_ERROR * fp8_error, (
         vs_reference.mean(),
         fp8_error,
     )
     vs_exact = (out - exact).abs()
-    assert vs_exact.max() <= WORST_VS_EXACT + output_atol, vs_exact.max()
+    assert vs_exact.max() <= WORST_VS_EXACT + worst_allowance, vs_exact.max()
     assert vs_exact.mean() <= MEAN_VS_EXACT, vs_exact.mean()
