@@ -1047,6 +1047,12 @@ def main() -> None:
         help="HFW1: transformers with a static cache and torch.compile (else eager)",
     )
     parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=8192,
+        help="tokens per step (W4 takes 16384 whatever this says)",
+    )
     parser.add_argument("--max-decode-burst", type=int, default=1)
     parser.add_argument("--kv-cache-dtype", choices=["auto", "fp8_e4m3"], default="auto")
     parser.add_argument(
@@ -1072,6 +1078,7 @@ def main() -> None:
     # Read by the allocator when CUDA first allocates, which has not happened yet.
     os.environ["PYTORCH_CUDA_ALLOC_CONF"] = f"expandable_segments:{args.expandable_segments}"
     run_settings["kv_cache_dtype"] = args.kv_cache_dtype
+    run_settings["max_num_batched_tokens"] = args.max_num_batched_tokens
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
     wanted = set(args.workloads.split(","))
     shape = SHAPES[args.model]
@@ -1100,6 +1107,7 @@ def main() -> None:
         f" quantization {args.quantization or 'none (bf16)'}"
         f" kv_cache_dtype {args.kv_cache_dtype}"
         f" async_scheduling {args.async_scheduling}"
+        f" max_num_batched_tokens {args.max_num_batched_tokens}"
         f" expandable_segments {args.expandable_segments}"
     )
     copy_bw = copy_bandwidth()
