@@ -138,7 +138,8 @@ class LaunchedStep:
     logprobs: _SampledLogprobs | None
     prompt_logprobs: dict[int, _PromptLogprobs]
     done: torch.cuda.Event | None
-    # `sampled` is a view of the decode graphs' greedy buffer (a greedy graph's step).
+    # A greedy graph's step (or burst): the decode graphs' greedy buffer holds the last column
+    # of `sampled`, row for row.
     sampled_in_graph: bool = False
 
     def rows_of(self) -> dict[Sequence, int]:
@@ -542,8 +543,8 @@ class ModelRunner:
         engine collects first) and a burst has none (the scheduler never bursts those).
         """
         chunks = list(chunks)
-        if num_steps == 1 and self._greedy_graph_fits(chunks):
-            return self._launch_greedy(chunks, previous)
+        if self._greedy_graph_fits(chunks):
+            return self._launch_greedy(chunks, num_steps, previous)
         batch = self._prepare(chunks, previous)
         sampling_rows = [i for i, c in enumerate(chunks) if c.samples]
         logprobs, prompt_logprobs = None, {}
@@ -596,12 +597,15 @@ class ModelRunner:
         )
 
     def _launch_greedy(
-        self, chunks: list[ScheduledChunk], previous: LaunchedStep | None
+        self, chunks: list[ScheduledChunk], num_steps: int, previous: LaunchedStep | None
     ) -> LaunchedStep:
-        """A greedy decode step as one packed copy in, one replay and one copy out."""
+        """A greedy decode step as one packed copy in, one replay and one copy out; a burst of
+        `num_steps` as one copy in of every step's inputs, a replay per step (each reading the
+        tokens the replay before it wrote) and one copy out."""
         graphs = self.graphs
         assert graphs is not None
         batch, bs = len(chunks), self.block_size
+        # The scheduler allocated every step's blocks: the tables serve the whole burst.
         tables = _block_tables([c.seq.block_table for c in chunks])
         starts = np.fromiter((c.start for c in chunks), np.int64, batch)
         # One token a chunk: a row of input_ids is the chunk's row.
@@ -622,22 +626,33 @@ class ModelRunner:
                 ]
                 for i, (_, row) in enumerate(pending):
                     sources[row] = i
-        slots = tables[np.arange(batch), starts // bs].astype(np.int64) * bs + starts % bs
-        fields = {
-            "ids": ids,
-            "positions": starts,
-            "slots": slots,
-            "sources": sources,
-            "seq_lens": starts + 1,
-        }
-        packed = graphs.greedy_layout.pack(fields, tables)
-        self._uploader.copy_into(packed, graphs.greedy_packed)
+        rows = np.arange(batch)
+        packed = []
+        for step in range(num_steps):
+            positions = starts + step
+            fields = {
+                "ids": ids,
+                "positions": positions,
+                "slots": tables[rows, positions // bs].astype(np.int64) * bs + positions % bs,
+                "sources": sources,
+                "seq_lens": positions + 1,
+            }
+            packed.append(graphs.greedy_layout.pack(fields, tables))
+            sources = rows  # later steps read the tokens the step before wrote, row for row
         self._last_controls = None  # as `_controls` leaves it for a step without controls
-        sampled = graphs.run_greedy(batch)[:, None]
+        if num_steps == 1:
+            self._uploader.copy_into(packed[0], graphs.greedy_packed)
+            sampled = graphs.run_greedy(batch)[:, None]
+        else:
+            staged = self._uploader.upload({}, {"steps": np.stack(packed)})["steps"]
+            sampled = torch.empty(batch, num_steps, dtype=torch.int64, device=self.device)
+            for step in range(num_steps):
+                graphs.greedy_packed[: staged.shape[1]].copy_(staged[step])
+                sampled[:, step] = graphs.run_greedy(batch)
         on_host = self._copy_to_host(sampled)
         return LaunchedStep(
             chunks,
-            1,
+            num_steps,
             list(range(batch)),
             sampled,
             on_host,

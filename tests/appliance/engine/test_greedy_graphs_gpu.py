@@ -34,7 +34,7 @@ def model():
     return random_llama(_SHAPE, torch.bfloat16)
 
 
-def _engine(model, async_scheduling: bool) -> Engine:
+def _engine(model, async_scheduling: bool, max_decode_burst: int = 1) -> Engine:
     settings = EngineConfig(
         model_dir=Path("random-model"),
         device="cuda",
@@ -42,6 +42,7 @@ def _engine(model, async_scheduling: bool) -> Engine:
         max_num_seqs=16,
         num_kv_blocks=256,
         async_scheduling=async_scheduling,
+        max_decode_burst=max_decode_burst,
     )
     return Engine.build(settings, model, tokenizer=None)
 
@@ -90,21 +91,38 @@ def _greedy(max_tokens: int) -> SamplingParams:
     return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
 
 
+@pytest.mark.parametrize("burst", [1, 4], ids=["steps", "bursts"])
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
-def test_greedy_graphs_give_the_plain_paths_tokens(model, monkeypatch, async_scheduling) -> None:
+def test_greedy_graphs_give_the_plain_paths_tokens(
+    model, monkeypatch, async_scheduling, burst
+) -> None:
+    """With bursts, a burst of greedy rows replays the greedy graph once a step, each replay
+    reading the tokens the one before it wrote; the plain path runs the same burst through
+    the plain graph, the LM head and the sampler."""
     # Twelve at once finishing at different steps (12 rows in the 16-row graph, then 8, 4, 2,
     # 1), then two admitted later.
     lengths = (3, 5, 7, 9, 9, 17, 17, 25, 25, 25, 33, 40, 12, 20)
     requests = _requests([_greedy(n) for n in lengths])
-    engine = _engine(model, async_scheduling)
+    engine = _engine(model, async_scheduling, burst)
     replays = _count_greedy_replays(engine, monkeypatch)
+    launched_steps: list[int] = []
+    launch_greedy = engine.runner._launch_greedy
+
+    def counted_launch(chunks, num_steps, previous):
+        launched_steps.append(num_steps)
+        return launch_greedy(chunks, num_steps, previous)
+
+    monkeypatch.setattr(engine.runner, "_launch_greedy", counted_launch)
     fast = _run(engine, requests)
     assert engine.runner.graphs.greedy_sizes == [1, 2, 4, 8, 16]
     # Every decode step took a greedy graph, batches from 12 rows down to 1.
     assert max(replays) == 12 and min(replays) == 1, replays
+    assert sum(launched_steps) == len(replays)
+    # Bursts as long as allowed, each a replay per step.
+    assert max(launched_steps) == burst, launched_steps
 
     monkeypatch.setattr(ModelRunner, "_greedy_graph_fits", lambda self, chunks: False)
-    plain = _run(_engine(model, async_scheduling), requests)
+    plain = _run(_engine(model, async_scheduling, burst), requests)
     assert fast == plain
     assert [len(fast[f"r{i}"]) for i in range(len(requests))] == [p.max_tokens for _, p in requests]
 
