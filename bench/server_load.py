@@ -207,9 +207,10 @@ def write_server_files(directory: Path, args: argparse.Namespace) -> tuple[Path,
         "device": args.device,
         "max_num_seqs": args.max_num_seqs,
         "max_num_batched_tokens": args.max_num_batched_tokens,
-        "max_decode_burst": args.max_decode_burst,
         "kv_cache_dtype": args.kv_cache_dtype,
     }
+    if args.max_decode_burst is not None:
+        engine["max_decode_burst"] = args.max_decode_burst
     if args.quantization is not None:
         engine["quantization"] = args.quantization
     if args.async_scheduling is not None:
@@ -713,6 +714,7 @@ async def measure(args: argparse.Namespace) -> None:
                 f"date {datetime.date.today()} device {device_line(args.device)} commit {commit()}"
                 f" engine.quantization {args.quantization or 'none'}"
                 f" engine.kv_cache_dtype {args.kv_cache_dtype}"
+                f" engine.max_decode_burst {args.max_decode_burst or 'default'}"
                 f"\ncommand: {' '.join(sys.argv)}",
                 flush=True,
             )
@@ -856,7 +858,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--output-tokens", type=int, default=256)
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
-    parser.add_argument("--max-decode-burst", type=int, default=1)
+    parser.add_argument(
+        "--max-decode-burst", type=int, help="engine.max_decode_burst (default: the engine's)"
+    )
     parser.add_argument(
         "--async-scheduling",
         action=argparse.BooleanOptionalAction,

@@ -79,9 +79,7 @@ def _window_pool_num_blocks(
     window = model_config.window_group_window
     if window is None:
         return 0
-    max_step_tokens = max(
-        config.max_num_batched_tokens, config.max_num_seqs * config.max_decode_burst
-    )
+    max_step_tokens = max(config.max_num_batched_tokens, config.max_num_seqs * config.decode_burst)
     return window_pool_num_blocks(
         window, config.block_size, config.max_num_seqs, max_step_tokens, max_model_len
     )
@@ -304,7 +302,7 @@ class Engine:
                 max_num_seqs=config.max_num_seqs,
                 max_num_batched_tokens=config.max_num_batched_tokens,
                 enable_chunked_prefill=config.enable_chunked_prefill,
-                max_decode_burst=config.max_decode_burst,
+                max_decode_burst=config.decode_burst,
             ),
             block_manager,
             state_slots,

@@ -19,6 +19,9 @@ PrefixCacheIsolation = Literal["principal", "role", "issuer", "shared"]
 KVCacheDtype = Literal["auto", "fp8_e4m3"]
 """What the KV cache stores: the model's dtype, or FP8 (appliance.engine.kv_cache)."""
 
+GPU_DECODE_BURST = 8
+"""`max_decode_burst` when unset, on a GPU."""
+
 
 class EngineSettings(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -68,10 +71,13 @@ class EngineSettings(BaseModel):
     enable_chunked_prefill: bool = Field(default=True, description="split long prompts")
     enable_cuda_graphs: bool = Field(default=True, description="replay decode steps (cuda)")
     # Up to this many decode steps run back to back without the host when every running
-    # request is decoding and none waits: less host time per token, at the price of up to that
-    # many steps before a newly arrived request is admitted. 1 turns bursts off.
-    max_decode_burst: int = Field(
-        default=1, ge=1, description="decode steps run back to back without the host"
+    # request is decoding and none waits: less host time per token (one output, one write per
+    # stream, per burst), at the price of up to that many steps before a newly arrived request
+    # is admitted. 1 turns bursts off. Unset: 8 on cuda (W3 at 20 req/s on the H100: the
+    # server's CPU 38% of a core against 51-54% without, TTFT p99 200 ms against 90-100;
+    # docs/BENCHMARKS.md, issue 17 round 14), 1 on the cpu, whose steps are long.
+    max_decode_burst: int | None = Field(
+        default=None, ge=1, description="decode steps run back to back without the host"
     )
     # Schedule and prepare each step while the one before it runs on the device, its outputs
     # processed once the next is queued. A sequence that stops runs one step more than it
@@ -82,6 +88,13 @@ class EngineSettings(BaseModel):
         default=None,
         description="prepare the next step while the device runs this one; default: on cuda",
     )
+
+    @property
+    def decode_burst(self) -> int:
+        """`max_decode_burst`, or its default for the device."""
+        if self.max_decode_burst is not None:
+            return self.max_decode_burst
+        return GPU_DECODE_BURST if self.device.startswith("cuda") else 1
 
     @property
     def schedules_asynchronously(self) -> bool:

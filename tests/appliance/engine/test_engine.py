@@ -11,6 +11,7 @@ import torch
 from appliance.engine import sampling_controls
 from appliance.engine.engine import Engine
 from appliance.engine.engine_config import automatic_cpu_threads
+from appliance.engine.engine_settings import GPU_DECODE_BURST, EngineSettings
 from appliance.engine.errors import (
     ContextLengthExceededError,
     EngineConfigError,
@@ -324,6 +325,15 @@ def test_decode_bursts_give_the_same_outputs_as_single_steps(
     assert len(got[4].token_ids) == 11 and got[4].finish_reason == "stop"
     assert bursts and max(bursts) == 8
     assert bursting.block_manager.num_free_blocks == bursting.block_manager.num_blocks
+
+
+def test_decode_bursts_default_to_eight_on_a_gpu_and_off_on_the_cpu(engine: Engine) -> None:
+    assert EngineSettings(device="cuda").decode_burst == GPU_DECODE_BURST == 8
+    assert EngineSettings(device="cuda:1").decode_burst == 8
+    assert EngineSettings(device="cpu").decode_burst == 1
+    assert EngineSettings(device="cuda", max_decode_burst=1).decode_burst == 1
+    assert EngineSettings(device="cpu", max_decode_burst=4).decode_burst == 4
+    assert engine.scheduler.config.max_decode_burst == 1  # built on the cpu, the setting unset
 
 
 def test_decode_bursts_step_aside_for_waiting_requests_and_logprobs(
