@@ -40,6 +40,7 @@ from kernels.fp8_attention import (
     P_UNSCALE_C,
     dot_e4m3,
     e4m3_planes,
+    fits_word_planes,
     interleave_planes,
     quantize_probabilities,
     quantize_q_rows,
@@ -482,18 +483,6 @@ def paged_decode_attention(
             **launch_options(q.device),
         )
     return out
-
-
-def fits_word_planes(v_cache: torch.Tensor) -> bool:
-    """Whether an FP8 V cache can be read as int32 words in four byte planes: each plane at
-    least 16 wide (a product's least dimension) and every row of D bytes starting on a word."""
-    head_dim = v_cache.shape[-1]
-    return (
-        head_dim >= 64
-        and head_dim % 4 == 0
-        and v_cache.storage_offset() % 4 == 0
-        and all(stride % 4 == 0 for stride in v_cache.stride()[:-1])
-    )
 
 
 def verify_window(sliding_window: int | None) -> None:

@@ -25,6 +25,7 @@ to nearest even as the GPU's conversion does, so the CPU tests run the real arit
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 
@@ -90,6 +91,18 @@ def dot_e4m3(a, b, K: tl.constexpr):
 def round_up_running_max(m):
     """m: [M] float32 running row maxima in log2 units -> the same rounded up to whole numbers."""
     return tl.math.ceil(m)
+
+
+def fits_word_planes(v_cache: torch.Tensor) -> bool:
+    """Whether an FP8 V cache can be read as int32 words in four byte planes: each plane at
+    least 16 wide (a product's least dimension) and every row of D bytes starting on a word."""
+    head_dim = v_cache.shape[-1]
+    return (
+        head_dim >= 64
+        and head_dim % 4 == 0
+        and v_cache.storage_offset() % 4 == 0
+        and all(stride % 4 == 0 for stride in v_cache.stride()[:-1])
+    )
 
 
 @triton.jit

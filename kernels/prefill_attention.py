@@ -35,17 +35,13 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.decode_attention import (
-    fits_word_planes,
-    initial_softmax_state,
-    verify_sinks,
-    verify_window,
-)
+from kernels.decode_attention import initial_softmax_state, verify_sinks, verify_window
 from kernels.errors import KernelInputError
 from kernels.fp8_attention import (
     P_UNSCALE_C,
     dot_e4m3,
     e4m3_planes,
+    fits_word_planes,
     join_planes,
     quantize_probabilities,
     quantize_q_rows,

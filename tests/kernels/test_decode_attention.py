@@ -24,6 +24,7 @@ import torch
 import kernels.decode_attention as decode_attention
 from kernels.decode_attention import DecodeConfig, choose_num_splits, paged_decode_attention
 from kernels.errors import KernelInputError
+from kernels.fp8_attention import fits_word_planes
 from kernels.ops import AttentionMetadata
 from kernels.reference import paged_attention, quantize_kv
 
@@ -235,8 +236,8 @@ def test_fp8_v_word_planes_give_the_e4m3_tiles_output(num_splits: int) -> None:
     buffer = torch.empty(v_cache.numel() + 1, dtype=v_cache.dtype, device=v_cache.device)
     unaligned = buffer[1:].view(v_cache.shape)
     unaligned.copy_(v_cache)
-    assert decode_attention.fits_word_planes(v_cache)
-    assert not decode_attention.fits_word_planes(unaligned)
+    assert fits_word_planes(v_cache)
+    assert not fits_word_planes(unaligned)
     planes = run_kernel(case, num_splits, **scales)
     tile = run_kernel(replace(case, v_cache=unaligned), num_splits, **scales)
     # The same products, summed in float32 in another order on the GPU's tensor cores.
