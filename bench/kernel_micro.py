@@ -319,6 +319,7 @@ def kv_write(copy_bw: float, fp8_kv: bool, tokens: int) -> str:
 
 # W2's shapes (PERFORMANCE.md): (label, seq_lens, query_lens) through the prefill kernel.
 W2_PREFILLS = [
+    ("16 × 512 (a prompt step)", [512] * 16, [512] * 16),
     ("8 × 2048", [2048] * 8, [2048] * 8),
     ("8 × 2048 over a 1024 prefix", [3072] * 8, [2048] * 8),
     ("mixed: 256 decode rows at 768 + 15 × 512", [768] * 256 + [512] * 15, [1] * 256 + [512] * 15),
@@ -346,10 +347,10 @@ def attention_fp8_kv(copy_bw: float, rates: tuple[float, float]) -> list[str]:
     return rows
 
 
-# Around the chosen tiles (10 and 8 compiled variants per cache kind, a few minutes in all).
+# Around the chosen tiles (14 and 18 compiled variants per cache kind, a few minutes in all).
 PREFILL_SWEEP = [
     PrefillConfig(128, block_n, warps, stages)
-    for block_n, warps, stages in itertools.product((64, 128), (4, 8), (2, 3))
+    for block_n, warps, stages in itertools.product((32, 64, 128), (4, 8), (2, 3))
 ] + [PrefillConfig(64, 64, 4, stages) for stages in (2, 3)]
 DECODE_SWEEP = [
     DecodeConfig(block_n, warps, stages)
@@ -361,16 +362,17 @@ def sweep_attention(copy_bw: float, rates: tuple[float, float], kernels: str) ->
     """Print the three fastest tiles of each kernel ("decode", "prefill" or "both") and cache
     kind at W2's shapes."""
     decode_inputs = KvCaches([768] * 256, [1] * 256)
-    label, seq_lens, query_lens = W2_PREFILLS[1]
-    prefill_inputs = KvCaches(seq_lens, query_lens)
     for fp8_kv in (False, True):
         kind = "FP8" if fp8_kv else "bf16"
-        decode = functools.partial(decode_kv, copy_bw, fp8_kv, inputs=decode_inputs)
-        prefill = functools.partial(prefill_kv, rates, fp8_kv, seq_lens, query_lens, label,
-                                    inputs=prefill_inputs)  # fmt: skip
         if kernels != "prefill":
+            decode = functools.partial(decode_kv, copy_bw, fp8_kv, inputs=decode_inputs)
             print_fastest(f"decode 256 × 768, {kind} KV", DECODE_SWEEP, decode)
-        if kernels != "decode":
+        if kernels == "decode":
+            continue
+        # A prompt step's and a long extend's.
+        for label, seq_lens, query_lens in (W2_PREFILLS[0], W2_PREFILLS[2]):
+            prefill = functools.partial(prefill_kv, rates, fp8_kv, seq_lens, query_lens, label,
+                                        inputs=KvCaches(seq_lens, query_lens))  # fmt: skip
             print_fastest(f"prefill {label}, {kind} KV", PREFILL_SWEEP, prefill)
 
 

@@ -353,9 +353,10 @@ def pick_config(
     prefill of 8 x 2048 tokens, 32 query / 8 KV heads; 2026-11-21): D=64 283, D=128 309,
     D=256 306 TFLOP/s. `bench/kernel_micro.py --sweep-attention` re-runs such a sweep.
 
-    An FP8 cache at D=128 takes 8 warps: compiled for sm_90 (Triton 3.9), its kernel spills
-    about 4 KB per thread with 4 warps (the bf16 one too) and 0.4 KB with 8. Chosen from
-    that, not yet timed on the H100.
+    D=128 takes 32-key tiles: of 24 tiles swept on the H100 (Triton 3.6, 2026-11-28) they were
+    the fastest for both caches at W2's prompt step (16 x 512: bf16 246 -> 194 us, FP8 272 ->
+    243 us against 64-key tiles) and at 8 x 2048 (1,163 -> 1,004 and 1,170 -> 1,116 us). An FP8
+    cache takes two stages, bf16 three.
     """
     if interpreted:
         return PrefillConfig(block_m=16, block_n=16, num_warps=4, num_stages=1)
@@ -370,7 +371,7 @@ def pick_config(
     if head_dim <= 64:
         return PrefillConfig(block_m=128, block_n=64, num_warps=8, num_stages=3)
     if head_dim <= 128:
-        return PrefillConfig(block_m=128, block_n=64, num_warps=8 if fp8_kv else 4, num_stages=3)
+        return PrefillConfig(block_m=128, block_n=32, num_warps=4, num_stages=2 if fp8_kv else 3)
     # D=256: a 128-row Q tile plus staged K/V tiles of 256 columns overflow shared memory.
     return PrefillConfig(block_m=64, block_n=32, num_warps=4, num_stages=2)
 
