@@ -826,12 +826,8 @@ class ModelRunner:
                 None if state_meta is None else state_meta.state_slots,
             )
         prompt_graphs = self.prompt_graphs
-        if (
-            prompt_graphs is not None
-            and input_ids.shape[0] <= prompt_graphs.max_tokens
-            and len(meta.query_lens) <= prompt_graphs.max_seqs
-        ):
-            return prompt_graphs.run(input_ids, positions, meta)
+        if prompt_graphs is not None and (pieces := prompt_graphs.pieces(meta.query_lens)):
+            return prompt_graphs.run(input_ids, positions, meta, pieces)
         return self.model(
             input_ids, positions, self.kv_caches, meta, self.recurrent_states, state_meta
         )

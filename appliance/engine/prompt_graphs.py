@@ -19,6 +19,19 @@ sequences past its own: every query start at the step's token count, length 0), 
 replay; the last layer's hidden states land in the static `hidden` buffer. Padding rows compute
 garbage that no row reads.
 
+A step longer than the largest size (a burst's worth of arrivals beside the decode rows: two
+512-token prompts and 50 decode rows are 1,074 tokens) replays in pieces (`pieces`): runs of
+whole sequences in the step's order, each within the largest size, one replay each, their
+hidden states copied out in turn. The pieces are independent but for the prefix cache: a
+block is published when allocated, so a sequence may read blocks that one scheduled before it
+in the same step writes. Such a reader comes later in the step's order, so in the same piece
+(which writes each layer's keys and values before attending, as the eager pass does) or a
+later one (which runs after every layer of the earlier ones). A piece much shorter than the
+largest size reads all the weights for little work (the 8B on an H100: 16 GB, 5.3 ms, against
+256 tokens' 5.1 ms of matmul), and many pieces run their matmuls below the rate of one large
+one, so a step whose pieces would be more than `MAX_PIECES`, or would leave one under
+`MIN_PIECE_FRACTION` of the largest size, runs eagerly.
+
 Memory: the graphs allocate from the decode graphs' private pool (appliance.engine.
 cuda_graphs), the largest size captured first, so each smaller one reuses what the largest
 took. The pool is then the largest of all the graphs' needs, measured by
@@ -44,8 +57,16 @@ from kernels.ops import AttentionMetadata
 # beside ~80 decode rows) pad to 640. The graphs' pool holds the largest size's activations:
 # with Llama-3.1-8B 86 MiB up to 640 tokens, 126 MiB up to 1,024, which W6 (non-weight, non-KV
 # memory at most 1.5 GiB, 1.48 with these sizes) has no room for (docs/BENCHMARKS.md, "Issue
-# 17, round 8"). Larger steps run eagerly, their launches a smaller share of their time.
+# 17, round 8"). Larger steps replay in pieces or run eagerly (module docstring).
 PROMPT_GRAPH_SIZES = (128, 256, 384, 512, 640)
+# A longer step in at most this many pieces, none under this share of the largest size
+# (module docstring).
+MAX_PIECES = 4
+MIN_PIECE_FRACTION = 0.4
+
+
+# (first sequence, end of sequences, first token, end of tokens) of one piece of a step.
+Piece = tuple[int, int, int, int]
 
 
 class PromptGraphs:
@@ -133,31 +154,86 @@ class PromptGraphs:
         )
         return self.model(self._input_ids[:size], self._positions[:size], self.kv_caches, meta)
 
+    def pieces(self, query_lens: list[int]) -> list[Piece] | None:
+        """How a step whose sequences bring `query_lens` new tokens replays: one piece when it
+        fits a size (at most `max_tokens` tokens of at most `max_seqs` sequences), else the
+        fewest runs of whole sequences that fit, in order (module docstring); None when it runs
+        eagerly."""
+        limit, max_seqs = self.max_tokens, self.max_seqs
+        num_tokens = sum(query_lens)
+        if num_tokens <= limit and len(query_lens) <= max_seqs:
+            return [(0, len(query_lens), 0, num_tokens)] if limit else None
+        if num_tokens > MAX_PIECES * limit:
+            return None
+        pieces: list[Piece] = []
+        first_seq = first_token = token = 0
+        for seq, n in enumerate(query_lens):
+            if token + n - first_token > limit or seq - first_seq == max_seqs:
+                pieces.append((first_seq, seq, first_token, token))
+                first_seq, first_token = seq, token
+            token += n
+        pieces.append((first_seq, len(query_lens), first_token, token))
+        shortest = MIN_PIECE_FRACTION * limit
+        if len(pieces) > MAX_PIECES or any(
+            not shortest <= end - first <= limit for _, _, first, end in pieces
+        ):
+            return None  # also when a sequence alone is longer than every size
+        return pieces
+
     def run(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        pieces: list[Piece],
     ) -> torch.Tensor:
-        """Replay the smallest size that fits a step of T tokens (T <= max_tokens) of at most
-        `max_seqs` sequences: [T, hidden] states, a view of the static buffer the next replay
-        of any size overwrites."""
-        self._graphs[self._stage(input_ids, positions, meta)].replay()
-        return self._hidden[: input_ids.shape[0]]
+        """Replay, for each of the step's `pieces`, the smallest size that fits it: [T, hidden]
+        states. With one piece, a view of the static buffer the next replay of any size
+        overwrites."""
+        if len(pieces) == 1:
+            self._replay(input_ids, positions, meta, pieces[0])
+            return self._hidden[: input_ids.shape[0]]
+        hidden = self._hidden.new_empty(input_ids.shape[0], self._hidden.shape[1])
+        for piece in pieces:
+            first, end = piece[2], piece[3]
+            self._replay(input_ids, positions, meta, piece)
+            hidden[first:end].copy_(self._hidden[: end - first])
+        return hidden
+
+    def _replay(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        piece: Piece,
+    ) -> None:
+        self._graphs[self._stage(input_ids, positions, meta, piece)].replay()
 
     def _stage(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        piece: Piece,
     ) -> int:
-        """The step's inputs and metadata into the static buffers, the rest padding; the size
-        to replay."""
-        num_tokens = input_ids.shape[0]
-        num_seqs, width = meta.block_tables.shape
+        """One piece of the step (its tokens and sequences, their query starts counted from
+        its first token) into the static buffers, the rest padding; the size to replay."""
+        first_seq, end_seq, first, end = piece
+        num_tokens, num_seqs = end - first, end_seq - first_seq
+        width = meta.block_tables.shape[1]
         size = self.sizes[bisect.bisect_left(self.sizes, num_tokens)]
-        self._input_ids[:num_tokens].copy_(input_ids, non_blocking=True)
-        self._positions[:num_tokens].copy_(positions, non_blocking=True)
-        self._slots[:num_tokens].copy_(meta.slot_mapping, non_blocking=True)
+        self._input_ids[:num_tokens].copy_(input_ids[first:end], non_blocking=True)
+        self._positions[:num_tokens].copy_(positions[first:end], non_blocking=True)
+        self._slots[:num_tokens].copy_(meta.slot_mapping[first:end], non_blocking=True)
         if size > num_tokens:
             self._slots[num_tokens:size].fill_(-1)
-        self._block_tables[:num_seqs, :width].copy_(meta.block_tables, non_blocking=True)
-        self._seq_lens[:num_seqs].copy_(meta.seq_lens_t, non_blocking=True)
-        self._query_start_loc[: num_seqs + 1].copy_(meta.query_start_loc, non_blocking=True)
+        tables = meta.block_tables[first_seq:end_seq]
+        self._block_tables[:num_seqs, :width].copy_(tables, non_blocking=True)
+        self._seq_lens[:num_seqs].copy_(meta.seq_lens_t[first_seq:end_seq], non_blocking=True)
+        starts = self._query_start_loc[: num_seqs + 1]
+        starts.copy_(meta.query_start_loc[first_seq : end_seq + 1], non_blocking=True)
+        if first:
+            starts.sub_(first)
         if num_seqs < self.max_seqs:
             self._seq_lens[num_seqs:].zero_()
             self._query_start_loc[num_seqs + 1 :].fill_(num_tokens)

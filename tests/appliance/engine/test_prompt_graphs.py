@@ -93,13 +93,72 @@ def test_a_step_staged_into_the_padded_static_buffers_gives_the_plain_forward(
             model, runner.kv_caches, (0, 0), None, max_seqs=20, max_blocks_per_seq=4
         )  # type: ignore[arg-type]
         graphs._allocate(16)
-        graphs.sizes = [16]
-        size = graphs._stage(input_ids, positions, meta)
+        graphs.sizes = [8, 16]
+        size = graphs._stage(input_ids, positions, meta, (0, 3, 0, 12))
         hidden = graphs._forward(size)
+        assert size == 16
+        torch.testing.assert_close(hidden[:12], expected, atol=1e-5, rtol=1e-5)
+        # Padding: no KV written for rows 12..15, no sequence past the third attended.
+        assert graphs._slots[12:].eq(-1).all()
+        assert graphs._seq_lens.tolist() == [10, 7, 7] + [0] * 17
+        assert graphs._query_start_loc.tolist() == [0, 1, 8] + [12] * 18
 
-    assert size == 16
-    torch.testing.assert_close(hidden[:12], expected, atol=1e-5, rtol=1e-5)
-    # Padding: no KV written for rows 12..15, no sequence past the third attended.
-    assert graphs._slots[12:].eq(-1).all()
-    assert graphs._seq_lens.tolist() == [10, 7, 7] + [0] * 17
-    assert graphs._query_start_loc.tolist() == [0, 1, 8] + [12] * 18
+        # The same step in two pieces, as a step longer than every size replays: the decode
+        # row with the prompt (8 tokens), then the extension (4, its query starts counted
+        # from its first token), on the cache as it was.
+        for cache, values in zip(runner.kv_caches, initial, strict=True):
+            cache.copy_(values)
+        pieces = []
+        for piece in [(0, 2, 0, 8), (2, 3, 8, 12)]:
+            size = graphs._stage(input_ids, positions, meta, piece)
+            pieces.append(graphs._forward(size)[: piece[3] - piece[2]].clone())
+            assert graphs._seq_lens.tolist()[:3] == [*seq_lens[piece[0] : piece[1]], 0, 0][:3]
+        assert graphs._query_start_loc.tolist()[:3] == [0, 4, 4]
+        torch.testing.assert_close(torch.cat(pieces), expected, atol=1e-5, rtol=1e-5)
+
+
+def _graphs(sizes: list[int], max_seqs: int) -> PromptGraphs:
+    """Prompt graphs with `sizes` captured, as far as `pieces` reads them (nothing allocated)."""
+    graphs = PromptGraphs(None, [], (0, 0), None, max_seqs=max_seqs, max_blocks_per_seq=1)  # type: ignore[arg-type]
+    graphs.sizes = sizes
+    return graphs
+
+
+def test_a_step_longer_than_every_size_replays_in_pieces_of_whole_sequences() -> None:
+    graphs = _graphs([128, 256, 384, 512, 640], max_seqs=256)
+    decodes = [1] * 46
+    # W3's steps: a 512-token prompt beside 46 decode rows fits the largest size; two or three
+    # take a piece each, the decode rows going with the first.
+    assert graphs.pieces([*decodes, 512]) == [(0, 47, 0, 558)]
+    assert graphs.pieces([*decodes, 512, 512]) == [(0, 47, 0, 558), (47, 48, 558, 1070)]
+    assert graphs.pieces([*decodes, 512, 300, 200, 512]) == [
+        (0, 47, 0, 558),
+        (47, 49, 558, 1058),
+        (49, 50, 1058, 1570),
+    ]
+    assert graphs.pieces([640] * 4) == [(i, i + 1, 640 * i, 640 * (i + 1)) for i in range(4)]
+
+
+@pytest.mark.parametrize(
+    "query_lens",
+    [
+        [641],  # a sequence longer than every size
+        [300, 700],
+        [600, 100],  # a piece of 100 tokens would read all the weights for little work
+        [400] * 6,  # six pieces (2,400 tokens)
+        [8192],  # W2's prompt steps
+    ],
+)
+def test_a_step_runs_eagerly_when_its_pieces_would_be_too_long_too_short_or_too_many(
+    query_lens: list[int],
+) -> None:
+    assert _graphs([128, 256, 384, 512, 640], max_seqs=256).pieces(query_lens) is None
+
+
+def test_pieces_respect_the_sequences_a_size_holds_and_the_sizes_captured_so_far() -> None:
+    # Five sequences of 150 tokens: 750 would fit two sizes, but a replay holds 3 sequences.
+    assert _graphs([512, 640], max_seqs=3).pieces([150] * 5) == [(0, 3, 0, 450), (3, 5, 450, 750)]
+    # Nothing captured yet: every step runs eagerly.
+    assert _graphs([], max_seqs=256).pieces([1]) is None
+    # Only the largest captured so far (captures run largest first).
+    assert _graphs([640], max_seqs=256).pieces([100, 200]) == [(0, 2, 0, 300)]

@@ -2,9 +2,10 @@
 the same hidden states as the eager forward, the same tokens through the engine.
 
 A random Llama-shaped model with the Triton kernels and a step budget of 300 tokens, so the
-graphs of 128 and 256 tokens are captured and a step of 257 to 300 tokens runs eagerly. The
-requests make every kind of step with a prompt: prompts alone, prompt chunks beside decode
-rows, a prefix-cached prompt's remainder, steps padded to a size and steps past the largest.
+graphs of 128 and 256 tokens are captured and a step of 257 to 300 tokens replays in two pieces
+or, when a sequence brings more than 256 tokens, runs eagerly. The requests make every kind of
+step with a prompt: prompts alone, prompt chunks beside decode rows, a prefix-cached prompt's
+remainder, steps padded to a size, a step in pieces and one past the largest size.
 The pieces run the kernels the eager pass runs, but a projection's matmul over a padded token
 count may pick another cuBLAS algorithm, so bf16 hidden states are compared within bf16's
 rounding and the tokens on a float32 model, where that rounding is far below any gap between
@@ -51,9 +52,10 @@ def _engine(model, **settings) -> Engine:
 
 
 def _requests() -> list[tuple[list[int], SamplingParams]]:
-    """Prompts of 3 to 280 tokens (two of them sharing a 64-token prefix), decoding 2 to 24."""
+    """Prompts of 3 to 280 tokens (two of them sharing a 64-token prefix), decoding 2 to 24;
+    the first three (273 tokens) make a step of two pieces."""
     g = torch.Generator().manual_seed(1)
-    lengths = [40, 130, 3, 280, 90, 200, 17, 120]
+    lengths = [140, 130, 3, 280, 90, 200, 17, 120]
     prompts = [torch.randint(0, _SHAPE["vocab_size"], (n,), generator=g).tolist() for n in lengths]
     prompts.append(prompts[1][:64] + prompts[2])  # its first 64 tokens cached by then
     steps = [12, 24, 2, 6, 9, 15, 20, 4, 8]
@@ -87,17 +89,20 @@ def test_each_step_replayed_in_pieces_gives_the_eager_forwards_hidden_states(
     runner = engine.runner
     graphs = runner.prompt_graphs
     assert graphs is not None and graphs.sizes == [128, 256]
-    replayed: list[tuple[int, int]] = []  # (tokens, the size replayed)
+    replayed: list[tuple[int, int]] = []  # (tokens, the size replayed), per piece
+    num_pieces: list[int] = []
     eager_steps: list[int] = []
     run = graphs.run
     model = runner.model
 
-    def checked(input_ids, positions, meta):
-        hidden = run(input_ids, positions, meta).clone()
-        size = min(s for s in graphs.sizes if s >= input_ids.shape[0])
-        replayed.append((input_ids.shape[0], size))
-        # The eager pass writes the same keys and values again, as the pieces computed them.
-        eager = model(input_ids, positions, runner.kv_caches, meta)
+    def checked(input_ids, positions, meta, pieces):
+        hidden = run(input_ids, positions, meta, pieces).clone()
+        for _, _, first, end in pieces:
+            replayed.append((end - first, min(s for s in graphs.sizes if s >= end - first)))
+        num_pieces.append(len(pieces))
+        # The eager pass writes the same keys and values again, as the pieces computed them
+        # (`forward`, the model's own: not counted below as a step run eagerly).
+        eager = forward(input_ids, positions, runner.kv_caches, meta)
         torch.testing.assert_close(hidden, eager, atol=3e-2, rtol=3e-2)
         return hidden
 
@@ -115,6 +120,7 @@ def test_each_step_replayed_in_pieces_gives_the_eager_forwards_hidden_states(
     sizes = {size for _, size in replayed}
     assert sizes == {128, 256}, replayed
     assert any(n < size for n, size in replayed), "a step padded to its size"
+    assert 2 in num_pieces, num_pieces
     assert eager_steps and all(_BUDGET >= n > 256 for n in eager_steps), eager_steps
 
 
