@@ -362,6 +362,8 @@ def sweep_attention(copy_bw: float, rates: tuple[float, float], kernels: str) ->
     """Print the three fastest tiles of each kernel ("decode", "prefill" or "both") and cache
     kind at W2's shapes."""
     decode_inputs = KvCaches([768] * 256, [1] * 256)
+    # A prompt step's and a long extend's, each cache kind over the same inputs.
+    prefills = [(shape, KvCaches(*shape[1:])) for shape in (W2_PREFILLS[0], W2_PREFILLS[2])]
     for fp8_kv in (False, True):
         kind = "FP8" if fp8_kv else "bf16"
         if kernels != "prefill":
@@ -369,10 +371,9 @@ def sweep_attention(copy_bw: float, rates: tuple[float, float], kernels: str) ->
             print_fastest(f"decode 256 × 768, {kind} KV", DECODE_SWEEP, decode)
         if kernels == "decode":
             continue
-        # A prompt step's and a long extend's.
-        for label, seq_lens, query_lens in (W2_PREFILLS[0], W2_PREFILLS[2]):
+        for (label, seq_lens, query_lens), inputs in prefills:
             prefill = functools.partial(prefill_kv, rates, fp8_kv, seq_lens, query_lens, label,
-                                        inputs=KvCaches(seq_lens, query_lens))  # fmt: skip
+                                        inputs=inputs)  # fmt: skip
             print_fastest(f"prefill {label}, {kind} KV", PREFILL_SWEEP, prefill)
 
 

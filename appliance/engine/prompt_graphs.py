@@ -191,23 +191,14 @@ class PromptGraphs:
         states. With one piece, a view of the static buffer the next replay of any size
         overwrites."""
         if len(pieces) == 1:
-            self._replay(input_ids, positions, meta, pieces[0])
+            self._graphs[self._stage(input_ids, positions, meta, pieces[0])].replay()
             return self._hidden[: input_ids.shape[0]]
         hidden = self._hidden.new_empty(input_ids.shape[0], self._hidden.shape[1])
         for piece in pieces:
             first, end = piece[2], piece[3]
-            self._replay(input_ids, positions, meta, piece)
+            self._graphs[self._stage(input_ids, positions, meta, piece)].replay()
             hidden[first:end].copy_(self._hidden[: end - first])
         return hidden
-
-    def _replay(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        meta: AttentionMetadata,
-        piece: Piece,
-    ) -> None:
-        self._graphs[self._stage(input_ids, positions, meta, piece)].replay()
 
     def _stage(
         self,
