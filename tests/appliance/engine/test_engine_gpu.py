@@ -25,6 +25,7 @@ import torch
 from appliance.engine.engine import Engine
 from appliance.engine.engine_config import EngineConfig
 from appliance.engine.sampling_params import SamplingParams
+from kernels.fp8 import FP8_MAX
 
 from .test_engine_vs_transformers import NUM_NEW_TOKENS
 
@@ -133,18 +134,19 @@ def _engine_prompt_logprobs(engine: Engine, prompts: list[list[int]]) -> list[li
     return [ours[f"r{i}"] for i in range(len(prompts))]
 
 
+def _log_softmax(model, prompt: list[int]) -> torch.Tensor:
+    return model(torch.tensor([prompt], device="cuda")).logits[0].float().log_softmax(-1)
+
+
 @pytest.fixture(scope="module")
 def hf_bf16_errors(hf_cuda, prompts) -> tuple[list[torch.Tensor], torch.Tensor]:
     """transformers' float32 log-softmax of every prompt, and its model cast to bf16's error
     against it at every prompt position: the yardstick of the bf16 and FP8 tests."""
 
-    def logits(model, p):
-        return model(torch.tensor([p], device="cuda")).logits[0].float().log_softmax(-1)
-
     with torch.inference_mode():
-        fp32 = [logits(hf_cuda, p) for p in prompts]
+        fp32 = [_log_softmax(hf_cuda, p) for p in prompts]
         hf_bf16 = copy.deepcopy(hf_cuda).to(torch.bfloat16)
-        hf_bf16_lps = [logits(hf_bf16, p) for p in prompts]
+        hf_bf16_lps = [_log_softmax(hf_bf16, p) for p in prompts]
     hf_err = _prompt_logprob_errors(
         lambda i, p: [hf_bf16_lps[i][pos - 1, p[pos]].item() for pos in range(1, len(p))],
         prompts,
@@ -164,21 +166,56 @@ def test_bfloat16_prompt_logprobs_are_as_close_to_float32_as_transformers_bf16(
     assert our_err.max() <= 2 * hf_err.max()
 
 
-# FP8 KV cache against the bf16 one, both on bf16 weights. e4m3 keeps 3 mantissa bits where
-# bf16 keeps 8, so each stored key and value moves by up to 2**-4 of itself; rounding only the
-# keys and values that coarsely costs about twice what rounding the whole model to bf16 does.
-# Measured on the CPU (float32 model, FP8 against a float32 cache, these prompts): 0.114 nats
-# mean and 1.17 worst, where transformers' bf16 model is 0.059 mean and 0.51 worst off float32
-# (docs/ARCHITECTURE.md, "FP8 KV cache"). So the FP8 engine's prompt log-probabilities may be
-# at most 3x transformers' bf16 mean error away from the bf16-KV engine's on average, and 4x
-# its worst at any position; a wrong scale, a misread block or an unsaturated outlier costs
-# whole nats. At least 1% of that mean apart, too: a cache that is not FP8 fails.
-FP8_MEAN_FACTOR = 3.0
-FP8_WORST_FACTOR = 4.0
+# FP8 KV cache against the bf16 one, both on bf16 weights. e4m3 keeps 4 significant bits where
+# bf16 keeps 8, so each stored key and value moves by up to 2**-4 of itself. The outside
+# reference: transformers' bf16 model with its keys and values rounded to e4m3 as the cache
+# stores them (scale 1: saturated to +-448, nearest even) before its own attention, against the
+# same model without. Our products also round q (per row) and P to e4m3, as FlashAttention-3's
+# FP8 path does (docs/ARCHITECTURE.md, "FP8 KV cache"), which the reference does not: measured
+# on the CPU (float32 model, these prompts) those roundings took the mean error from 0.137 to
+# 0.174 nats, the reference's own being 0.139; on an H200 ours was 0.224 mean and 1.57 worst,
+# the reference's 0.200 and 1.05. So ours may be at most 1.5x the reference's mean error and
+# 2x its worst; a wrong scale, a misread block or an unsaturated outlier costs whole nats. At
+# least half its mean, too: a cache that is not FP8 fails.
+FP8_MEAN_FACTOR = 1.5
+FP8_WORST_FACTOR = 2.0
+FP8_MEAN_FLOOR = 0.5
+
+
+def _e4m3(x: torch.Tensor) -> torch.Tensor:
+    """x as an FP8 cache at scale 1 holds it: saturated to +-448, rounded to nearest even."""
+    return x.clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).to(x.dtype)
+
+
+def _e4m3_kv_sdpa(module, query, key, value, attention_mask, **kwargs):
+    """transformers' SDPA attention over keys and values rounded to e4m3 (after rotary, before
+    the heads are repeated: what a paged cache stores)."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    return sdpa_attention_forward(module, query, _e4m3(key), _e4m3(value), attention_mask, **kwargs)
+
+
+@pytest.fixture(scope="module")
+def hf_e4m3_kv_errors(hf_cuda, prompts) -> torch.Tensor:
+    """transformers' bf16 model with its keys and values rounded to e4m3, against the same
+    model without, at every prompt position: the FP8 cache test's yardstick."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register("inferno_e4m3_kv", _e4m3_kv_sdpa)
+    with torch.inference_mode():
+        model = copy.deepcopy(hf_cuda).to(torch.bfloat16)
+        plain = [_log_softmax(model, p) for p in prompts]
+        model.set_attn_implementation("inferno_e4m3_kv")
+        rounded = [_log_softmax(model, p) for p in prompts]
+    return _prompt_logprob_errors(
+        lambda i, p: [rounded[i][pos - 1, p[pos]].item() for pos in range(1, len(p))],
+        prompts,
+        plain,
+    )
 
 
 def test_fp8_kv_cache_stays_within_its_bound_of_the_bf16_kv_cache(
-    smollm2_dir, prompts, hf_bf16_errors
+    smollm2_dir, prompts, hf_e4m3_kv_errors
 ):
     greedy = SamplingParams(temperature=0.0, max_tokens=NUM_NEW_TOKENS, ignore_eos=True, logprobs=5)
     runs = {}
@@ -198,22 +235,20 @@ def test_fp8_kv_cache_stays_within_its_bound_of_the_bf16_kv_cache(
     # The same fixed pool of blocks (_gpu_engine) in half the bytes: a byte per value.
     assert 0.49 <= fp8_bytes / bf16_bytes <= 0.51
 
-    _, hf_err = hf_bf16_errors
+    ref_err = hf_e4m3_kv_errors
     errors = torch.tensor(
         [abs(a - b) for ours, theirs in zip(fp8_lps, bf16_lps, strict=True)
          for a, b in zip(ours, theirs, strict=True)]
     )  # fmt: skip
-    logger.info(
-        "FP8 vs bf16 KV: mean %.4f worst %.4f nats; transformers bf16 vs float32: mean %.4f "
-        "worst %.4f",
-        errors.mean(),
-        errors.max(),
-        hf_err.mean(),
-        hf_err.max(),
+    measured = (
+        f"FP8 vs bf16 KV: mean {errors.mean():.4f} worst {errors.max():.4f} nats; transformers "
+        f"with e4m3 keys and values: mean {ref_err.mean():.4f} worst {ref_err.max():.4f}"
     )
-    assert 0.01 * hf_err.mean() < errors.mean() <= FP8_MEAN_FACTOR * hf_err.mean()
-    assert errors.max() <= FP8_WORST_FACTOR * hf_err.max()
-    _compare_greedy(bf16_greedy, fp8_greedy, gap_bound=2 * hf_err.max().item())
+    logger.info(measured)
+    assert FP8_MEAN_FLOOR * ref_err.mean() < errors.mean(), measured
+    assert errors.mean() <= FP8_MEAN_FACTOR * ref_err.mean(), measured
+    assert errors.max() <= FP8_WORST_FACTOR * ref_err.max(), measured
+    _compare_greedy(bf16_greedy, fp8_greedy, gap_bound=2 * ref_err.max().item())
 
 
 def _greedy_with_logprobs(engine: Engine, prompts, params: SamplingParams) -> list[list]:
@@ -230,10 +265,11 @@ def _greedy_with_logprobs(engine: Engine, prompts, params: SamplingParams) -> li
 def _compare_greedy(expected: list[list], got: list[list], gap_bound: float) -> None:
     """Greedy runs part where the reference's two best tokens are closer than FP8 moves them:
     each sequence agrees token for token up to where it parts, and there the token taken
-    instead is one of the reference's top 5, within `gap_bound` nats of its best. Measured on
-    the CPU (FP8 against a float32 cache, these 13 prompts, 40 tokens): 213 of 520 tokens
-    agreed before parting (two sequences never parted, one after its first token), and every
-    parting was between tokens at most 0.39 nats apart. So at least a quarter must agree."""
+    instead is one of the reference's top 5, within `gap_bound` nats of its best (a parting
+    needs both tokens' log-probabilities moved, each by at most the worst move). Measured on an
+    H200 (these 13 prompts, 40 tokens, FP8 against a bf16 cache): 224 of 520 tokens agreed
+    before parting, the widest parting 1.0 nats against a bound of 2.1; on the CPU (against a
+    float32 cache) 213 agreed. So at least a quarter must agree."""
     agreed = 0
     for row, (ours, theirs) in enumerate(zip(got, expected, strict=True)):
         for step, (a, b) in enumerate(zip(ours, theirs, strict=True)):
