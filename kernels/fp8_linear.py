@@ -18,11 +18,17 @@ By batch size:
      tensor cores (FP8 values widened exactly to float16); more rows: cuBLASLt's FP8
      tensor-core matmul (`torch._scaled_mm` with row-wise scales; torch's CPU build has the
      same operator, so the interpreted tests call it as the GPU does).
-  Both sum the exact FP8 products in float32 and scale the sums by x's scale, then the weight's.
+  Both sum the exact FP8 products and scale the sums by x's scale, then the weight's. The
+  skinny kernel sums in float32; cuBLASLt with fast accumulation, in the FP8 tensor cores'
+  own accumulator without promoting partial sums to float32 registers along K (vLLM's
+  CUTLASS FP8 kernels for Hopper run the same `FP8FastAccum` schedules): 8-13% faster at the
+  8B model's prompt-step shapes (docs/BENCHMARKS.md, issue 17 round 16), its rounding far
+  below the FP8 operands' own.
 
 Semantics of the W8A8 path are `kernels.reference.linear` with an `Fp8Weight`: the sums differ
-only in their order, and the large-batch path rounds its output to bfloat16 before the bias is
-added (cuBLAS's row-wise FP8 matmul writes bfloat16 only).
+in their order (and, in the large-batch path, in the accumulator's precision), and the
+large-batch path rounds its output to bfloat16 before the bias is added (cuBLAS's row-wise FP8
+matmul writes bfloat16 only).
 """
 
 from __future__ import annotations
@@ -255,6 +261,7 @@ def project(
             scale_a=x_scale[:, None],  # [M, 1]
             scale_b=weight.scale[None, :],  # [1, N]
             out_dtype=torch.bfloat16,
+            use_fast_accum=True,
         )
         if bias is not None:
             return (out.float() + bias.float()).to(dtype)
