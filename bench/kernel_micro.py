@@ -9,9 +9,10 @@ second against the copy bandwidth, beside cuBLAS on the same shapes; `--sweep-li
 times a grid of tile configurations and prints the fastest per shape. The FP8 (W8A8)
 projections (`kernels.fp8_linear`: at one row the weight-only FP8 GEMV, at more per-token
 activation quantization, then the FP8-in-registers skinny kernel or cuBLASLt's FP8 matmul) are
-timed as the engine runs them beside the bf16 path on the same shapes at 1, 16 and 256 rows;
-`--fp8-only` times just those, and `--sweep-fp8` first times a grid of the one-row GEMV's
-tiles on FP8 weights and prints the fastest per shape.
+timed as the engine runs them beside the bf16 path on the same shapes at 1, 16, 256, 512 (W2's
+decode steps) and 8,192 rows (its prompt steps); `--fp8-only` times just those, and
+`--sweep-fp8` first times a grid of the one-row GEMV's tiles on FP8 weights and prints the
+fastest per shape.
 
 `--fp8-kv` times the attention kernels over a bf16 and an FP8 (e4m3) KV cache at W2's shapes:
 decode of 256 sequences at 768 tokens of context, prefill of 8 × 2048 new tokens without and
@@ -607,7 +608,7 @@ def main() -> None:
         for rows_per_batch in (1, 8):
             for name, n, k in PROJECTIONS:
                 rows.append(projection(name, n, k, rows_per_batch, copy_bw, args.sweep_linear))
-    for rows_per_batch in (1, 16, 256):
+    for rows_per_batch in (1, 16, 256, 512, 8192):
         for name, n, k in FP8_PROJECTIONS:
             rows.append(fp8_projection(name, n, k, rows_per_batch, copy_bw))
     print("\n| kernel and shape | median time | achieved | goal |\n|---|---|---|---|")
