@@ -364,7 +364,8 @@ def sweep_attention(copy_bw: float, rates: tuple[float, float], kernels: str) ->
     kind at W2's shapes."""
     decode_inputs = KvCaches([768] * 256, [1] * 256)
     # A prompt step's and a long extend's, each cache kind over the same inputs.
-    prefills = [(shape, KvCaches(*shape[1:])) for shape in (W2_PREFILLS[0], W2_PREFILLS[2])]
+    shapes = () if kernels == "decode" else (W2_PREFILLS[0], W2_PREFILLS[2])
+    prefills = [(shape, KvCaches(*shape[1:])) for shape in shapes]
     for fp8_kv in (False, True):
         kind = "FP8" if fp8_kv else "bf16"
         if kernels != "prefill":
