@@ -64,9 +64,10 @@ def quantize_q_rows(q, EMULATE_ROUNDING: tl.constexpr):
     positive scale: it stays zero)."""
     q32 = q.to(tl.float32)
     amax = tl.maximum(tl.max(tl.abs(q32), axis=1), _MIN_AMAX_C)
-    # div_rn: correctly rounded, as torch divides (Triton's default division is approximate).
+    # div_rn: correctly rounded, as torch divides (Triton's default division is approximate);
+    # the values are multiplied by the scale's reciprocal, as kernels.fp8 quantizes.
     scale = tl.math.div_rn(amax, _FP8_MAX_C)
-    scaled = tl.clamp(tl.math.div_rn(q32, scale[:, None]), -_FP8_MAX_C, _FP8_MAX_C)
+    scaled = tl.clamp(q32 * tl.math.div_rn(1.0, scale)[:, None], -_FP8_MAX_C, _FP8_MAX_C)
     return to_e4m3(scaled, EMULATE_ROUNDING), scale
 
 

@@ -102,21 +102,22 @@ def _quantize_rows_kernel(
     else:
         scale = tl.math.div_rn(tl.maximum(amax, _MIN_AMAX_C), _FP8_MAX_C)
     tl.store(scale_ptr + row, scale)
+    # One correctly rounded division a row; each value is multiplied (kernels.fp8).
+    inv_scale = tl.math.div_rn(1.0, scale)
     if ONE_PASS:
-        _store_quantized(q_row + offs_k, values, scale, mask)
+        _store_quantized(q_row + offs_k, values, inv_scale, mask)
     else:
         for k0 in range(0, k, BLOCK_K):
             offs_k = k0 + tl.arange(0, BLOCK_K)
             mask = offs_k < k
             _store_quantized(
-                q_row + offs_k, _row_values(x_row, offs_k, mask, k, SILU_MUL), scale, mask
+                q_row + offs_k, _row_values(x_row, offs_k, mask, k, SILU_MUL), inv_scale, mask
             )
 
 
 @triton.jit
-def _store_quantized(q_ptrs, values, scale, mask):
-    # div_rn: correctly rounded, as torch divides (Triton's default division is approximate).
-    q = tl.clamp(tl.math.div_rn(values, scale), -_FP8_MAX_C, _FP8_MAX_C)
+def _store_quantized(q_ptrs, values, inv_scale, mask):
+    q = tl.clamp(values * inv_scale, -_FP8_MAX_C, _FP8_MAX_C)
     tl.store(q_ptrs, q.to(q_ptrs.dtype.element_ty), mask=mask)
 
 
@@ -211,7 +212,7 @@ def quantize_rows(
         STATIC=static_scale is not None,
         ONE_PASS=one_pass,
         BLOCK_K=block_k,
-        num_warps=16 if block_k > 8192 else 8,
+        num_warps=8,
     )
     return q, scale
 
