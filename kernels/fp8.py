@@ -7,8 +7,8 @@ nearest (even). Dividing means multiplying by the scale's reciprocal (correctly 
 vLLM's FP8 quantization kernels do: a quotient can then lie an ulp from the exact one, far below
 e4m3's own rounding, and the Triton kernels do one division a row instead of one a value (which
 held the down projection's quantization at 62% of copy bandwidth on an H200). Weights are
-quantized per output channel (a row of nn.Linear's [N, K]),
-activations per token (a row of x), which is the scheme vLLM serves as FP8 "dynamic" W8A8.
+quantized per output channel (a row of nn.Linear's [N, K]), activations per token (a row of x),
+which is the scheme vLLM serves as FP8 "dynamic" W8A8.
 
 These functions are the reference the Triton kernels (`kernels.fp8_linear`) reproduce, and what
 the loader uses to quantize a checkpoint's bfloat16 weights.

@@ -9,8 +9,9 @@ By batch size:
   weight's exact product, closer to the unquantized model than W8A8's.
 - more rows, W8A8, two launches:
   1. `quantize_rows`: one program per row of x finds the row's largest magnitude, then writes
-     the row in FP8 and its scale (`kernels.fp8.quantize_rows`' rounding), reading a row of up
-     to 16,384 values once (held in registers) and a wider one twice. For the MLP's down
+     the row in FP8 and its scale (`kernels.fp8.quantize_rows`' rounding: one division a row,
+     a multiplication by its result a value), reading a row of up to 16,384 values once (held
+     in registers) and a wider one twice. For the MLP's down
      projection it takes the fused [gate | up] output and applies SiLU(gate)·up while loading,
      rounded where `kernels.reference.silu_and_mul` rounds, so the product never goes through
      memory in the model's dtype.
