@@ -11,10 +11,10 @@ By batch size:
   1. `quantize_rows`: one program per row of x finds the row's largest magnitude, then writes
      the row in FP8 and its scale (`kernels.fp8.quantize_rows`' rounding: one division a row,
      a multiplication by its result a value), reading a row of up to 16,384 values once (held
-     in registers) and a wider one twice. For the MLP's down
-     projection it takes the fused [gate | up] output and applies SiLU(gate)·up while loading,
-     rounded where `kernels.reference.silu_and_mul` rounds, so the product never goes through
-     memory in the model's dtype.
+     in registers) and a wider one twice. For the MLP's down projection it takes the fused
+     [gate | up] output and applies SiLU(gate)·up while loading, rounded where
+     `kernels.reference.silu_and_mul` rounds, so the product never goes through memory in the
+     model's dtype.
   2. up to `MAX_ROWS` rows: each [BLOCK_N, BLOCK_K] FP8 weight tile meets all rows of x on the
      tensor cores (FP8 values widened exactly to float16); more rows: cuBLASLt's FP8
      tensor-core matmul (`torch._scaled_mm` with row-wise scales; torch's CPU build has the
