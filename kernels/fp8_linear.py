@@ -43,7 +43,7 @@ from kernels.errors import KernelInputError
 from kernels.fp8 import FP8_DTYPE, FP8_MAX, MIN_AMAX
 from kernels.launch_checks import FLOAT_DTYPES, check_devices
 from kernels.linear import MAX_ROWS, config_for, gemv
-from kernels.ops import Fp8Weight
+from kernels.ops import Fp8Rows, Fp8Weight
 
 # Triton reads module globals only as constexprs.
 _FP8_MAX_C = tl.constexpr(FP8_MAX)
@@ -91,29 +91,43 @@ def _quantize_rows_kernel(
         offs_k = tl.arange(0, BLOCK_K)
         mask = offs_k < k
         values = _row_values(x_row, offs_k, mask, k, SILU_MUL)
-        amax = tl.max(tl.abs(values), axis=0)
-    elif not STATIC:
-        amaxes = tl.zeros((BLOCK_K,), dtype=tl.float32)
-        for k0 in range(0, k, BLOCK_K):
-            offs_k = k0 + tl.arange(0, BLOCK_K)
-            amaxes = tl.maximum(amaxes, tl.abs(_row_values(x_row, offs_k, offs_k < k, k, SILU_MUL)))
-        amax = tl.max(amaxes, axis=0)
-    if STATIC:
-        scale = tl.load(static_scale_ptr).to(tl.float32)
+        quantize_row(values, q_row + offs_k, mask, scale_ptr + row, static_scale_ptr, STATIC)
     else:
-        scale = tl.math.div_rn(tl.maximum(amax, _MIN_AMAX_C), _FP8_MAX_C)
-    tl.store(scale_ptr + row, scale)
-    # One correctly rounded division a row; each value is multiplied (kernels.fp8).
-    inv_scale = tl.math.div_rn(1.0, scale)
-    if ONE_PASS:
-        _store_quantized(q_row + offs_k, values, inv_scale, mask)
-    else:
+        amax = 0.0
+        if not STATIC:
+            amaxes = tl.zeros((BLOCK_K,), dtype=tl.float32)
+            for k0 in range(0, k, BLOCK_K):
+                offs_k = k0 + tl.arange(0, BLOCK_K)
+                values = _row_values(x_row, offs_k, offs_k < k, k, SILU_MUL)
+                amaxes = tl.maximum(amaxes, tl.abs(values))
+            amax = tl.max(amaxes, axis=0)
+        scale = _row_scale(amax, static_scale_ptr, STATIC)
+        tl.store(scale_ptr + row, scale)
+        inv_scale = tl.math.div_rn(1.0, scale)
         for k0 in range(0, k, BLOCK_K):
             offs_k = k0 + tl.arange(0, BLOCK_K)
             mask = offs_k < k
             _store_quantized(
                 q_row + offs_k, _row_values(x_row, offs_k, mask, k, SILU_MUL), inv_scale, mask
             )
+
+
+@triton.jit
+def quantize_row(values, q_ptrs, mask, scale_ptr, static_scale_ptr, STATIC: tl.constexpr):
+    """Quantize one row held in registers (`values` in float32, 0 where masked): store its
+    scale at `scale_ptr` and its FP8 values at `q_ptrs` (`kernels.fp8.quantize_rows`)."""
+    scale = _row_scale(tl.max(tl.abs(values), axis=0), static_scale_ptr, STATIC)
+    tl.store(scale_ptr, scale)
+    # One correctly rounded division a row; each value is multiplied (kernels.fp8).
+    _store_quantized(q_ptrs, values, tl.math.div_rn(1.0, scale), mask)
+
+
+@triton.jit
+def _row_scale(amax, static_scale_ptr, STATIC: tl.constexpr):
+    """A row's scale: its largest magnitude over FP8_MAX, correctly rounded, or the static one."""
+    if STATIC:
+        return tl.load(static_scale_ptr).to(tl.float32)
+    return tl.math.div_rn(tl.maximum(amax, _MIN_AMAX_C), _FP8_MAX_C)
 
 
 @triton.jit
@@ -218,10 +232,22 @@ def quantize_rows(
     return q, scale
 
 
-def linear(x: torch.Tensor, weight: Fp8Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x: [M, K], weight: an [N, K] Fp8Weight, bias: [N] or None -> [M, N] in x's dtype."""
+def quantizes(rows: int) -> bool:
+    """Whether a projection of this many rows quantizes them (W8A8): all but the batch-1 path,
+    which multiplies the FP8 weight by x as it is."""
+    return rows != 1
+
+
+def linear(
+    x: torch.Tensor | Fp8Rows, weight: Fp8Weight, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """x: [M, K], weight: an [N, K] Fp8Weight, bias: [N] or None -> [M, N] in x's dtype.
+    x may come quantized for this weight (`Fp8Rows`, of more than one row: `quantizes`)."""
+    if isinstance(x, Fp8Rows):
+        _validate_quantized(x, weight, bias)
+        return project(x.q, x.scale, weight, bias, x.dtype)
     _validate(x, weight, bias, in_features=weight.weight.shape[-1])
-    if x.shape[0] == 1:
+    if not quantizes(x.shape[0]):
         return _one_row(x, weight, bias, activation="")
     xq, x_scale = quantize_rows(x, static_scale=weight.input_scale)
     return project(xq, x_scale, weight, bias, x.dtype)
@@ -231,7 +257,7 @@ def silu_mul_linear(x: torch.Tensor, weight: Fp8Weight) -> torch.Tensor:
     """The MLP's down projection of SiLU(gate) * up: x = [gate | up]: [M, 2I], weight: an
     [N, I] Fp8Weight -> [M, N] in x's dtype."""
     _validate(x, weight, None, in_features=2 * weight.weight.shape[-1])
-    if x.shape[0] == 1:
+    if not quantizes(x.shape[0]):
         return _one_row(x, weight, None, activation="silu")
     xq, x_scale = quantize_rows(x, silu_mul=True, static_scale=weight.input_scale)
     return project(xq, x_scale, weight, None, x.dtype)
@@ -241,7 +267,7 @@ def gelu_tanh_mul_linear(x: torch.Tensor, weight: Fp8Weight) -> torch.Tensor:
     """`silu_mul_linear` with GELU-tanh(gate) * up (Gemma): one row fused as there; more rows
     through `kernels.activation.gelu_tanh_and_mul`, whose product is then quantized."""
     _validate(x, weight, None, in_features=2 * weight.weight.shape[-1])
-    if x.shape[0] == 1:
+    if not quantizes(x.shape[0]):
         return _one_row(x, weight, None, activation="gelu_tanh")
     return linear(gelu_tanh_and_mul(x), weight)
 
@@ -322,8 +348,15 @@ def _launch_skinny(
 
 
 def _validate(
-    x: torch.Tensor, weight: Fp8Weight, bias: torch.Tensor | None, *, in_features: int
+    x: torch.Tensor,
+    weight: Fp8Weight,
+    bias: torch.Tensor | None,
+    *,
+    in_features: int,
+    dtype: torch.dtype | None = None,
 ) -> None:
+    """x [M, in_features] for `weight`, and a bias of the output's dtype (x's unless given)."""
+    dtype = x.dtype if dtype is None else dtype
     named = {"x": x, "weight": weight.weight, "scale": weight.scale}
     if bias is not None:
         named["bias"] = bias
@@ -344,8 +377,28 @@ def _validate(
             f"x must have shape [M, {in_features}] for weight {tuple(w.shape)}, "
             f"got {tuple(x.shape)}"
         )
-    if bias is not None and (bias.shape != (w.shape[0],) or bias.dtype != x.dtype):
+    if bias is not None and (bias.shape != (w.shape[0],) or bias.dtype != dtype):
         raise KernelInputError(
-            f"bias must be [{w.shape[0]}] of x's dtype {x.dtype}, got {tuple(bias.shape)} "
+            f"bias must be [{w.shape[0]}] of x's dtype {dtype}, got {tuple(bias.shape)} "
             f"{bias.dtype}"
         )
+
+
+def _validate_quantized(x: Fp8Rows, weight: Fp8Weight, bias: torch.Tensor | None) -> None:
+    """Rows quantized for `weight`: q [M, K] e4m3 with M > 1, scale [M] float32 (the rest as
+    `_validate`)."""
+    q, scale = x.q, x.scale
+    if q.dim() != 2 or q.dtype != FP8_DTYPE or (q.shape[-1] > 1 and q.stride(-1) != 1):
+        raise KernelInputError(
+            f"quantized rows must be [M, K] float8_e4m3fn, contiguous along K; got "
+            f"{tuple(q.shape)} {q.dtype} strides {q.stride()}"
+        )
+    if not quantizes(q.shape[0]):
+        raise KernelInputError("one row is projected unquantized (weight-only), not as Fp8Rows")
+    if scale.shape != (q.shape[0],) or scale.dtype != torch.float32:
+        raise KernelInputError(
+            f"quantized rows' scale must be [{q.shape[0]}] float32, got {tuple(scale.shape)} "
+            f"{scale.dtype}"
+        )
+    check_devices({"q": q, "x_scale": scale})
+    _validate(q, weight, bias, in_features=weight.weight.shape[-1], dtype=x.dtype)

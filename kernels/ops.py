@@ -148,20 +148,64 @@ class Fp8Weight:
     input_scale: torch.Tensor | None = None
 
 
+@dataclass(frozen=True, slots=True)
+class Fp8Rows:
+    """Activations already quantized for an FP8 projection (`KernelOps.add_rms_norm` with
+    `quantize_for`): the rows x stands for are `q * scale[:, None]`, x being of `dtype`, the
+    dtype the projection returns. `KernelOps.linear` takes them in x's place with the
+    `Fp8Weight` they were quantized for, and skips its own quantization.
+
+    q: [T, K] float8_e4m3fn; scale: [T] float32 (each row's, or the weight's static input
+    scale repeated).
+    """
+
+    q: torch.Tensor
+    scale: torch.Tensor
+    dtype: torch.dtype
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.q.shape
+
+    @property
+    def device(self) -> torch.device:
+        return self.q.device
+
+    def __getitem__(self, rows: slice) -> Fp8Rows:
+        """A run of rows (a long step's MLP takes its rows in pieces)."""
+        return Fp8Rows(self.q[rows], self.scale[rows], self.dtype)
+
+
 class KernelOps(Protocol):
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor: ...
 
     def add_rms_norm(
-        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
-    ) -> tuple[torch.Tensor, torch.Tensor]: ...
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor,
+        weight: torch.Tensor,
+        eps: float,
+        quantize_for: Fp8Weight | None = None,
+    ) -> tuple[torch.Tensor | Fp8Rows, torch.Tensor]:
+        """`residual + x`, then RMSNorm of the sum: (normed, new residual). With
+        `quantize_for` (the FP8 projection that alone reads the normed rows), normed may come
+        quantized for it as `Fp8Rows`, wherever `linear` with that weight would quantize the
+        rows itself; the projection's output is the same either way."""
+        ...
 
     def rotary_embedding(
         self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]: ...
 
     def linear(
-        self, x: torch.Tensor, weight: torch.Tensor | Fp8Weight, bias: torch.Tensor | None
-    ) -> torch.Tensor: ...
+        self,
+        x: torch.Tensor | Fp8Rows,
+        weight: torch.Tensor | Fp8Weight,
+        bias: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """x @ weight.T + bias; x as `Fp8Rows` only with the `Fp8Weight` it was quantized
+        for."""
+        ...
 
     def silu_mul_linear(
         self, x: torch.Tensor, weight: torch.Tensor | Fp8Weight

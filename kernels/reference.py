@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from kernels.fp8 import P_SCALE, quantize_rows
 from kernels.launch_checks import KV_CACHE_FP8, check_kv_cache_encoding
 from kernels.moe_spec import ClampedSwiglu, Router
-from kernels.ops import AttentionMetadata, Fp8Weight, RecurrentStateMetadata
+from kernels.ops import AttentionMetadata, Fp8Rows, Fp8Weight, RecurrentStateMetadata
 
 _FP8_MAX = torch.finfo(KV_CACHE_FP8).max
 _LOG2_E = 1.4426950408889634
@@ -38,11 +38,20 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def add_rms_norm(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """`residual + x`, then RMSNorm of the sum. Returns (normed, new residual)."""
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    quantize_for: Fp8Weight | None = None,
+) -> tuple[torch.Tensor | Fp8Rows, torch.Tensor]:
+    """`residual + x`, then RMSNorm of the sum. Returns (normed, new residual); with
+    `quantize_for`, normed quantized as `linear` quantizes its rows for that weight (this
+    reference's `linear` quantizes every row count)."""
     residual = residual + x
-    return rms_norm(residual, weight, eps), residual
+    normed = rms_norm(residual, weight, eps)
+    if quantize_for is None:
+        return normed, residual
+    return Fp8Rows(*quantize_rows(normed, quantize_for.input_scale), normed.dtype), residual
 
 
 def rotary_embedding(
@@ -84,22 +93,27 @@ def clamped_swiglu_and_mul(x: torch.Tensor, activation: ClampedSwiglu) -> torch.
 
 
 def linear(
-    x: torch.Tensor, weight: torch.Tensor | Fp8Weight, bias: torch.Tensor | None
+    x: torch.Tensor | Fp8Rows, weight: torch.Tensor | Fp8Weight, bias: torch.Tensor | None
 ) -> torch.Tensor:
     """x @ weight.T + bias: x [T, K], weight [N, K] (nn.Linear's layout), bias [N] or None.
 
     An FP8 weight makes it W8A8 (`Fp8Weight`): x is quantized per token (or with the weight's
     static input scale), the FP8 products summed in float32 and scaled by x's scale, then the
-    weight's, the bias added in float32, and the sum rounded once to x's dtype.
+    weight's, the bias added in float32, and the sum rounded once to x's dtype. x may come
+    quantized already (`Fp8Rows`, for this weight).
     """
-    if not isinstance(weight, Fp8Weight):
+    if isinstance(x, Fp8Rows):
+        assert isinstance(weight, Fp8Weight), "quantized rows are for an FP8 projection"
+        xq, x_scale, dtype = x.q, x.scale, x.dtype
+    elif not isinstance(weight, Fp8Weight):
         return F.linear(x, weight, bias)
-    xq, x_scale = quantize_rows(x, weight.input_scale)  # [T, K] fp8, [T]
+    else:
+        (xq, x_scale), dtype = quantize_rows(x, weight.input_scale), x.dtype  # [T, K] fp8, [T]
     out = xq.float() @ weight.weight.float().T  # [T, N]: exact products, float32 sums
     out = out * x_scale[:, None] * weight.scale[None, :]
     if bias is not None:
         out = out + bias.float()
-    return out.to(x.dtype)
+    return out.to(dtype)
 
 
 def silu_mul_linear(x: torch.Tensor, weight: torch.Tensor | Fp8Weight) -> torch.Tensor:

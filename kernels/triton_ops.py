@@ -22,18 +22,19 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels import fp8_linear
+from kernels import fp8_linear, rmsnorm
 from kernels import linear as skinny
 from kernels.activation import gelu_tanh_and_mul, silu_and_mul
 from kernels.causal_conv1d import causal_conv1d
 from kernels.decode_attention import paged_decode_attention
+from kernels.errors import KernelInputError
 from kernels.gated_delta_rule import gated_delta_rule
 from kernels.kv_cache_write import write_kv_cache
 from kernels.moe import fused_moe
 from kernels.moe_routing import route_experts
-from kernels.ops import AttentionMetadata, Fp8Weight
+from kernels.ops import AttentionMetadata, Fp8Rows, Fp8Weight
 from kernels.prefill_attention import paged_prefill_attention
-from kernels.rmsnorm import add_rms_norm, rms_norm
+from kernels.rmsnorm import add_rms_norm_fp8, rms_norm
 from kernels.rotary import rotary_embedding
 from kernels.rotary_kv_write import rotary_write_kv
 
@@ -54,12 +55,30 @@ __all__ = [
 ]
 
 
+def add_rms_norm(
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    quantize_for: Fp8Weight | None = None,
+) -> tuple[torch.Tensor | Fp8Rows, torch.Tensor]:
+    """See `kernels.reference.add_rms_norm`; the residual is updated in place
+    (`kernels.rmsnorm.add_rms_norm`). With `quantize_for`, the rows come quantized from the
+    norm's own launch wherever the FP8 projection would quantize them (`fp8_linear.quantizes`:
+    not one row, which it multiplies as it is)."""
+    if quantize_for is None or not fp8_linear.quantizes(x.shape[0]):
+        return rmsnorm.add_rms_norm(x, residual, weight, eps)
+    return add_rms_norm_fp8(x, residual, weight, eps, quantize_for.input_scale)
+
+
 def linear(
-    x: torch.Tensor, weight: torch.Tensor | Fp8Weight, bias: torch.Tensor | None
+    x: torch.Tensor | Fp8Rows, weight: torch.Tensor | Fp8Weight, bias: torch.Tensor | None
 ) -> torch.Tensor:
     """x @ weight.T + bias; see `kernels.reference.linear`."""
     if isinstance(weight, Fp8Weight):
         return fp8_linear.linear(x, weight, bias)
+    if isinstance(x, Fp8Rows):
+        raise KernelInputError("quantized rows are for an FP8 projection, not a dense one")
     if x.shape[0] <= skinny.MAX_ROWS:
         return skinny.linear(x, weight, bias)
     return F.linear(x, weight, bias)

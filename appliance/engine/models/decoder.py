@@ -20,7 +20,7 @@ from appliance.engine.models.linear_attention_config import LinearAttentionConfi
 from appliance.engine.models.recurrent_state import RecurrentState
 from appliance.engine.models.rotary import cos_sin_table
 from appliance.engine.models.sparse_moe import SparseMoeBlock, is_sparse_layer
-from kernels.ops import AttentionMetadata, KernelOps, RecurrentStateMetadata
+from kernels.ops import AttentionMetadata, Fp8Rows, KernelOps, RecurrentStateMetadata
 
 
 class DecoderLayer(nn.Module):
@@ -112,12 +112,15 @@ class DecoderLayer(nn.Module):
         add."""
         ops = self.ops
         norm = self.input_layernorm
+        h: torch.Tensor | Fp8Rows
         if residual is None:
             residual = x
             h = ops.rms_norm(x, norm.weight, norm.eps)
         else:
-            h, residual = ops.add_rms_norm(x, residual, norm.weight, norm.eps)
+            attn_input = None if self.self_attn is None else self.self_attn.input_fp8_weight()
+            h, residual = ops.add_rms_norm(x, residual, norm.weight, norm.eps, attn_input)
         if self.linear_attn is not None:
+            assert isinstance(h, torch.Tensor), "quantized only for an attention block"
             assert isinstance(cache, RecurrentState) and state_meta is not None
             h = self.linear_attn(h, cache, state_meta)
         else:
@@ -125,11 +128,12 @@ class DecoderLayer(nn.Module):
             h = self.self_attn(h, cos, sin, cache, meta)
         h = self._scaled(h)
         post, pre_ff = self.post_attention_layernorm, self.pre_feedforward_layernorm
+        mlp_input = self.mlp.input_fp8_weight() if isinstance(self.mlp, MLP) else None
         if pre_ff is None:
-            h, residual = ops.add_rms_norm(h, residual, post.weight, post.eps)
+            h, residual = ops.add_rms_norm(h, residual, post.weight, post.eps, mlp_input)
             return self._scaled(self.mlp(h)), residual
         h = ops.rms_norm(h, post.weight, post.eps)
-        h, residual = ops.add_rms_norm(h, residual, pre_ff.weight, pre_ff.eps)
+        h, residual = ops.add_rms_norm(h, residual, pre_ff.weight, pre_ff.eps, mlp_input)
         post_ff = self.post_feedforward_layernorm
         assert post_ff is not None, "sandwich norms come in pairs"
         h = self.mlp(h)

@@ -13,8 +13,8 @@ import torch
 from torch import nn
 
 from appliance.engine.models.config import ModelConfig
-from appliance.engine.models.projections import projection_weight
-from kernels.ops import AttentionMetadata, KernelOps
+from appliance.engine.models.projections import fp8_weight, projection_weight
+from kernels.ops import AttentionMetadata, Fp8Rows, Fp8Weight, KernelOps
 
 
 class RMSNorm(nn.Module):
@@ -83,15 +83,21 @@ class Attention(nn.Module):
             return 0
         return (1 if self.values_are_keys else 2) * self.kv_size
 
+    def input_fp8_weight(self) -> Fp8Weight | None:
+        """The FP8 weight of the one projection that reads this block's input, which the norm
+        before it may quantize for (`KernelOps.add_rms_norm`); None in the model's dtype."""
+        return fp8_weight(self.qkv_proj)
+
     def forward(
         self,
-        x: torch.Tensor,
+        x: torch.Tensor | Fp8Rows,
         cos: torch.Tensor,
         sin: torch.Tensor,
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        """kv_cache: this layer's [2, blocks, block_size, Hkv, D], or the one it shares."""
+        """x: [T, hidden], or quantized for `input_fp8_weight`; kv_cache: this layer's
+        [2, blocks, block_size, Hkv, D], or the one it shares."""
         num_tokens = x.shape[0]
         qkv_weight = projection_weight(self.qkv_proj)
         qkv = self.ops.linear(x, qkv_weight, self.qkv_proj.bias)  # [T, (Hq+2Hkv) D]
@@ -191,17 +197,24 @@ class MLP(nn.Module):
         self.gelu_tanh = config.activation == "gelu_tanh"
         self.chunk_tokens = chunk_tokens
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def input_fp8_weight(self) -> Fp8Weight | None:
+        """As `Attention.input_fp8_weight`: the gate/up projection's."""
+        return fp8_weight(self.gate_up_proj)
+
+    def forward(self, x: torch.Tensor | Fp8Rows) -> torch.Tensor:
+        """x: [T, hidden], or quantized for `input_fp8_weight`."""
         num_tokens = x.shape[0]
         if num_tokens <= self.chunk_tokens:
             return self._project(x)
-        out = x.new_empty(num_tokens, self.down_proj.out_features)  # [T, hidden]
+        out = torch.empty(
+            num_tokens, self.down_proj.out_features, dtype=x.dtype, device=x.device
+        )  # [T, hidden]
         for start in range(0, num_tokens, self.chunk_tokens):
             rows = slice(start, start + self.chunk_tokens)
             out[rows] = self._project(x[rows])
         return out
 
-    def _project(self, x: torch.Tensor) -> torch.Tensor:
+    def _project(self, x: torch.Tensor | Fp8Rows) -> torch.Tensor:
         gate_up = self.ops.linear(x, projection_weight(self.gate_up_proj), None)  # [T, 2I]
         down = projection_weight(self.down_proj)
         if self.gelu_tanh:

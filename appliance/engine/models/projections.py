@@ -95,6 +95,12 @@ def projection_weight(module: nn.Module) -> torch.Tensor | Fp8Weight:
     return module.weight
 
 
+def fp8_weight(module: nn.Module) -> Fp8Weight | None:
+    """`module`'s weight as the kernel ops take it if it is an FP8 projection, else None."""
+    weight = projection_weight(module)
+    return weight if isinstance(weight, Fp8Weight) else None
+
+
 def use_fp8_projections(
     model: nn.Module, keep: Callable[[str], bool], *, static_input_scale: bool = False
 ) -> None:

@@ -19,6 +19,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+import kernels.reference
 from appliance.engine.errors import ModelLoadError
 from appliance.engine.models.inspection import inspect_model
 from appliance.engine.models.loader import load_model, parts_of
@@ -252,6 +253,46 @@ def test_fp8_logits_follow_transformers_on_the_dequantized_weights(fp8_checkpoin
         weights_error = (_hf_logits(hf_model, prompt) - theirs).abs().max().item()
         error = (ours - theirs).abs().max().item()
         assert error < 2 * weights_error, f"max |logit error| {error} vs {weights_error}"
+
+
+@pytest.mark.parametrize("layout", ["ct-channel", "ct-tensor-static"])
+def test_the_norms_quantize_for_the_projections_that_read_them(fp8_checkpoints, layout):
+    """Every norm with an FP8 projection as its one reader (a layer's qkv, its gate/up) hands
+    it rows quantized for that projection (`KernelOps.add_rms_norm`'s `quantize_for`: on the
+    GPU no quantization kernel and no row in the model's dtype), the first layer's plain norm
+    and the final norm none. The logits are exactly those of rows the projections quantize
+    themselves, each with its own static input scale (q, k and v's differ from gate and up's)."""
+    model_dir, _, _ = fp8_checkpoints(layout)
+    model = load_model(model_dir)
+    prompts = _prompts(SEQ_LENS[1:])
+    chunks = [(i, 0, len(p)) for i, p in enumerate(prompts)]
+    add_rms_norm = kernels.reference.add_rms_norm
+    asked = []
+
+    def recording(x, residual, weight, eps, quantize_for=None):
+        asked.append(quantize_for)
+        return add_rms_norm(x, residual, weight, eps, quantize_for)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(kernels.reference, "add_rms_norm", recording)
+        fused = PagedBatch(model, prompts).step(chunks)
+    projections = [(layer.self_attn.qkv_proj, layer.mlp.gate_up_proj) for layer in model.layers]
+    expected = [projections[0][1], *(p for pair in projections[1:] for p in pair)]
+    assert [w.weight for w in asked[:-1]] == [p.weight for p in expected]
+    assert [w.input_scale for w in asked[:-1]] == [p.input_scale for p in expected]
+    assert asked[-1] is None
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(
+            kernels.reference,
+            "add_rms_norm",
+            lambda x, residual, weight, eps, quantize_for=None: add_rms_norm(
+                x, residual, weight, eps
+            ),
+        )
+        unfused = PagedBatch(model, prompts).step(chunks)
+    for ours, theirs in zip(fused, unfused, strict=True):
+        assert torch.equal(ours, theirs)
 
 
 def test_quantize_on_load_holds_each_row_within_one_fp8_rounding(tiny_checkpoints):

@@ -11,6 +11,8 @@ import kernels.reference
 from appliance.engine.models.config import ModelConfig
 from appliance.engine.models.layers import MLP
 from appliance.engine.models.projections import Fp8Linear
+from kernels.fp8 import quantize_rows
+from kernels.ops import Fp8Rows
 
 _CONFIG = {
     "architectures": ["LlamaForCausalLM"],
@@ -55,3 +57,9 @@ def test_a_long_step_chunked_through_the_mlp_matches_it_whole(activation: str, f
     # Steps no longer than a piece take the unchunked path itself.
     with torch.no_grad():
         assert torch.equal(chunked(x[:8]), whole(x[:8]))
+    if fp8:  # rows quantized by the norm before the MLP are chunked as they are
+        weight = chunked.input_fp8_weight()
+        assert weight is not None and weight.weight is chunked.gate_up_proj.weight
+        with torch.no_grad():
+            rows = Fp8Rows(*quantize_rows(x), x.dtype)
+            assert torch.equal(chunked(rows), got)
