@@ -1,8 +1,9 @@
 """W3 of PERFORMANCE.md: online serving through the HTTPS API under Poisson arrivals.
 
 Starts the real server in its own process (TLS on a loopback socket, its audit log in SQLite),
-sends streamed `/v1/completions` requests (prompt of --prompt-tokens random token ids, exactly
---output-tokens new tokens: EOS ignored) arriving as a Poisson process at each rate, and reports
+sends streamed `/v1/completions` requests (each its own prompt of --prompt-tokens random token
+ids, so the prefix cache never hits: `UniquePrompts`; exactly --output-tokens new tokens: EOS
+ignored) arriving as a Poisson process at each rate, and reports
 per rate: TTFT and TPOT p50/p99 as the client sees them, output tokens/s, the server process's
 CPU time ÷ wall time (all its threads), with the share of its event-loop thread (HTTP, TLS, JSON;
 the rest is mostly the engine loop), the same CPU per streamed token, and how long requests
@@ -449,11 +450,36 @@ async def one_request(
     return RequestTiming(first - start, tpot, num_tokens, start, end)
 
 
+class UniquePrompts:
+    """W3's prompts, each request's its own as distinct users' are: random token ids drawn once
+    (a pool of `pool` prompts, handed out in turn), each numbered in its first tokens (base
+    `vocab_size`, up to three of them), so no two requests share their first cache block and
+    the prefix cache never hits (W4 is the workload that measures it). Cycling the pool as it
+    is made every request after its first pass a whole-prompt hit whose prefill cost almost
+    nothing (docs/BENCHMARKS.md, issue 17 round 18)."""
+
+    def __init__(self, vocab_size: int, prompt_tokens: int, seed: int, pool: int = 256):
+        generator = random.Random(seed)
+        self._pool = [
+            [generator.randrange(vocab_size) for _ in range(prompt_tokens)] for _ in range(pool)
+        ]
+        self._vocab_size = vocab_size
+        self.served = 0
+
+    def next(self) -> list[int]:
+        prompt = list(self._pool[self.served % len(self._pool)])
+        number = self.served
+        for i in range(min(3, len(prompt))):
+            number, prompt[i] = divmod(number, self._vocab_size)
+        self.served += 1
+        return prompt
+
+
 async def run_rate(
     url: str,
     tls: ssl.SSLContext,
     model: str,
-    prompts: list[list[int]],
+    prompts: UniquePrompts,
     rate: float,
     args: argparse.Namespace,
     server_pid: int,
@@ -490,9 +516,8 @@ async def run_rate(
             delay = wall_start + next_arrival - time.perf_counter()
             if delay > 0:
                 await asyncio.sleep(delay)
-            prompt = prompts[len(tasks) % len(prompts)]
             tasks.append(
-                asyncio.create_task(one_request(client, model, prompt, args.output_tokens))
+                asyncio.create_task(one_request(client, model, prompts.next(), args.output_tokens))
             )
             next_arrival += arrivals.expovariate(rate)
         timings = await asyncio.gather(*tasks)
@@ -698,16 +723,12 @@ async def measure(args: argparse.Namespace) -> None:
         try:
             tls = ssl.create_default_context(cafile=directory / "cert.pem")
             await wait_until_ready(url, tls)
-            generator = random.Random(args.seed)
-            prompts = [
-                [generator.randrange(vocab_size) for _ in range(args.prompt_tokens)]
-                for _ in range(256)
-            ]
+            prompts = UniquePrompts(vocab_size, args.prompt_tokens, args.seed)
             async with httpx.AsyncClient(
                 base_url=url, verify=tls, timeout=None, headers=tokens["user"]
             ) as client:
-                for prompt in prompts[:4]:  # warm-up, not measured
-                    await one_request(client, model, prompt, args.output_tokens)
+                for _ in range(4):  # warm-up, not measured
+                    await one_request(client, model, prompts.next(), args.output_tokens)
                 # The steady state: the server captures its CUDA graphs once ready, while idle.
                 await wait_for_graphs(client, tokens["admin"])
             print(

@@ -11,6 +11,7 @@ import pytest
 
 from appliance.config import load_settings
 from bench.server_load import (
+    UniquePrompts,
     highest_sustained_rate,
     histogram_ms,
     keep_up_ratio,
@@ -149,3 +150,15 @@ def test_the_pending_graphs_gauge_is_read_from_a_metrics_text() -> None:
     assert pending_graphs(text) == 7.0
     assert pending_graphs(text.replace(" 7.0", " 0.0")) == 0
     assert pending_graphs("vllm:num_requests_running 0.0\n") is None
+
+
+def test_every_prompt_is_its_own_from_its_first_cache_block_on():
+    """W3's requests are distinct users': no two prompts share their first block (16 tokens),
+    so none is a prefix-cache hit, however many pass through a pool of two; past the numbered
+    first tokens they are the pool's random ids."""
+    prompts = UniquePrompts(vocab_size=50, prompt_tokens=40, seed=3, pool=2)
+    served = [prompts.next() for _ in range(300)]
+    assert len({tuple(p[:16]) for p in served}) == 300
+    assert all(len(p) == 40 and all(0 <= t < 50 for t in p) for p in served)
+    assert served[0][3:] == served[2][3:] != served[1][3:]
+    assert served[299][:3] == [299 % 50, 299 // 50, 0]
