@@ -7,7 +7,8 @@ By batch size:
   is, in its own dtype. On the CUDA cores a quantized x would save nothing and cost a launch
   (and a rounding) per projection, so the row is not quantized: the result is the dequantized
   weight's exact product, closer to the unquantized model than W8A8's.
-- more rows, W8A8, two launches:
+- more rows, W8A8, two launches (one when the norm before the projection quantized the rows
+  in its own launch and passes them as `kernels.ops.Fp8Rows`: `kernels.rmsnorm`):
   1. `quantize_rows`: one program per row of x finds the row's largest magnitude, then writes
      the row in FP8 and its scale (`kernels.fp8.quantize_rows`' rounding: one division a row,
      a multiplication by its result a value), reading a row of up to 16,384 values once (held

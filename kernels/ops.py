@@ -190,7 +190,8 @@ class KernelOps(Protocol):
         """`residual + x`, then RMSNorm of the sum: (normed, new residual). With
         `quantize_for` (the FP8 projection that alone reads the normed rows), normed may come
         quantized for it as `Fp8Rows`, wherever `linear` with that weight would quantize the
-        rows itself; the projection's output is the same either way."""
+        rows itself. The projection's output is the same either way, up to the order in which
+        a GPU kernel sums a row's squares (`kernels.rmsnorm.add_rms_norm_fp8`)."""
         ...
 
     def rotary_embedding(
