@@ -102,9 +102,7 @@ def _quantize_rows_kernel(
                 values = _row_values(x_row, offs_k, offs_k < k, k, SILU_MUL)
                 amaxes = tl.maximum(amaxes, tl.abs(values))
             amax = tl.max(amaxes, axis=0)
-        scale = _row_scale(amax, static_scale_ptr, STATIC)
-        tl.store(scale_ptr + row, scale)
-        inv_scale = tl.math.div_rn(1.0, scale)
+        inv_scale = _store_scale(amax, scale_ptr + row, static_scale_ptr, STATIC)
         for k0 in range(0, k, BLOCK_K):
             offs_k = k0 + tl.arange(0, BLOCK_K)
             mask = offs_k < k
@@ -117,18 +115,21 @@ def _quantize_rows_kernel(
 def quantize_row(values, q_ptrs, mask, scale_ptr, static_scale_ptr, STATIC: tl.constexpr):
     """Quantize one row held in registers (`values` in float32, 0 where masked): store its
     scale at `scale_ptr` and its FP8 values at `q_ptrs` (`kernels.fp8.quantize_rows`)."""
-    scale = _row_scale(tl.max(tl.abs(values), axis=0), static_scale_ptr, STATIC)
-    tl.store(scale_ptr, scale)
-    # One correctly rounded division a row; each value is multiplied (kernels.fp8).
-    _store_quantized(q_ptrs, values, tl.math.div_rn(1.0, scale), mask)
+    amax = tl.max(tl.abs(values), axis=0)
+    _store_quantized(q_ptrs, values, _store_scale(amax, scale_ptr, static_scale_ptr, STATIC), mask)
 
 
 @triton.jit
-def _row_scale(amax, static_scale_ptr, STATIC: tl.constexpr):
-    """A row's scale: its largest magnitude over FP8_MAX, correctly rounded, or the static one."""
+def _store_scale(amax, scale_ptr, static_scale_ptr, STATIC: tl.constexpr):
+    """Store a row's scale at `scale_ptr` (its largest magnitude `amax` over FP8_MAX, correctly
+    rounded, or the static one) and return the scale's correctly rounded reciprocal: one
+    division a row, each value then multiplied (kernels.fp8)."""
     if STATIC:
-        return tl.load(static_scale_ptr).to(tl.float32)
-    return tl.math.div_rn(tl.maximum(amax, _MIN_AMAX_C), _FP8_MAX_C)
+        scale = tl.load(static_scale_ptr).to(tl.float32)
+    else:
+        scale = tl.math.div_rn(tl.maximum(amax, _MIN_AMAX_C), _FP8_MAX_C)
+    tl.store(scale_ptr, scale)
+    return tl.math.div_rn(1.0, scale)
 
 
 @triton.jit
@@ -192,8 +193,7 @@ def quantize_rows(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """x: [M, K] (or [M, 2K] = [gate | up] with `silu_mul`) -> (q: [M, K] float8_e4m3fn,
     scale: [M] float32); see `kernels.fp8.quantize_rows`. `static_scale`: [1] float32."""
-    named = {"x": x} if static_scale is None else {"x": x, "static_scale": static_scale}
-    check_devices(named)
+    check_static_scale(x, static_scale)
     if x.dim() != 2 or x.dtype not in FLOAT_DTYPES:
         raise KernelInputError(
             f"x must be [M, K] of float16, bfloat16 or float32, got {tuple(x.shape)} {x.dtype}"
@@ -202,13 +202,6 @@ def quantize_rows(
         raise KernelInputError(f"x must be contiguous along its last dimension: {x.stride()}")
     if silu_mul and x.shape[1] % 2:
         raise KernelInputError(f"[gate | up] needs an even width, got {x.shape[1]}")
-    if static_scale is not None and (
-        static_scale.shape != (1,) or static_scale.dtype != torch.float32
-    ):
-        raise KernelInputError(
-            f"static_scale must be [1] float32, got {tuple(static_scale.shape)} "
-            f"{static_scale.dtype}"
-        )
     rows, k = x.shape[0], x.shape[1] // 2 if silu_mul else x.shape[1]
     q = torch.empty((rows, k), dtype=FP8_DTYPE, device=x.device)
     scale = torch.empty(rows, dtype=torch.float32, device=x.device)
@@ -231,6 +224,18 @@ def quantize_rows(
         num_warps=8,
     )
     return q, scale
+
+
+def check_static_scale(x: torch.Tensor, static_scale: torch.Tensor | None) -> None:
+    """A static input scale is None or [1] float32 on x's device (x checked for its device)."""
+    check_devices({"x": x} if static_scale is None else {"x": x, "static_scale": static_scale})
+    if static_scale is not None and (
+        static_scale.shape != (1,) or static_scale.dtype != torch.float32
+    ):
+        raise KernelInputError(
+            f"static_scale must be [1] float32, got {tuple(static_scale.shape)} "
+            f"{static_scale.dtype}"
+        )
 
 
 def quantizes(rows: int) -> bool:

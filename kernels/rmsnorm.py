@@ -28,7 +28,7 @@ import triton.language as tl
 
 from kernels.errors import KernelInputError
 from kernels.fp8 import FP8_DTYPE
-from kernels.fp8_linear import quantize_row
+from kernels.fp8_linear import check_static_scale, quantize_row
 from kernels.launch_checks import FLOAT_DTYPES, check_devices
 from kernels.ops import Fp8Rows
 from kernels.pdl import launch_options, wait_for_previous
@@ -189,13 +189,7 @@ def add_rms_norm_fp8(
     costs no quantization kernel of its own.
     """
     _validate_rows({"x": x, "residual": residual}, weight, eps)
-    if static_scale is not None:
-        check_devices({"x": x, "static_scale": static_scale})
-        if static_scale.shape != (1,) or static_scale.dtype != torch.float32:
-            raise KernelInputError(
-                f"static_scale must be [1] float32, got {tuple(static_scale.shape)} "
-                f"{static_scale.dtype}"
-            )
+    check_static_scale(x, static_scale)
     q = torch.empty(x.shape, dtype=FP8_DTYPE, device=x.device)
     scale = torch.empty(x.shape[0], dtype=torch.float32, device=x.device)
     _launch_add_rms_norm(x, residual, weight, eps, q, scale, static_scale)
