@@ -119,6 +119,7 @@ def _decode_split_kernel(
     k_scale_ptr,  # [1]: an FP8 cache's K scale (read only when FP8_KV)
     v_scale_ptr,  # [1]
     sinks_ptr,  # [Hq]: gpt-oss's attention sinks (read only when HAS_SINKS)
+    num_rows_ptr,  # [1]: rows from this one on are not decode rows (read only when ROW_COUNT)
     qk_scale,  # softmax scale * log2(e)
     max_blocks,
     window,  # attend to the last `window` tokens; 0: to all of them
@@ -149,6 +150,7 @@ def _decode_split_kernel(
     V_PLANES: tl.constexpr,  # FP8_KV: V read as words, P V in four byte planes (e4m3_planes)
     INTERPRETED: tl.constexpr,  # Triton's interpreter runs this (no inline assembly)
     HAS_SINKS: tl.constexpr,
+    ROW_COUNT: tl.constexpr,  # only the first *num_rows_ptr rows are computed (and written)
     PDL: tl.constexpr,  # launched as a programmatic dependent (kernels.pdl)
 ):
     # Before the wait, only what no kernel just before this one writes: the lengths and tables
@@ -190,6 +192,12 @@ def _decode_split_kernel(
     acc3 = tl.zeros([G_PAD, QUARTER], dtype=tl.float32)
 
     wait_for_previous(PDL)
+    # Past the count (read after the wait: every program waits, so the kernel ends only after
+    # the one before it, as kernels.pdl has every kernel do). Nested: Triton compiles both sides
+    # of an `and`, and the constexpr alone keeps the load out.
+    if ROW_COUNT:  # noqa: SIM102
+        if seq >= tl.load(num_rows_ptr):
+            return
     # q: [G_PAD, D]; padding rows are zero, so their scores are finite and their output unused.
     q = tl.load(
         q_ptr + seq * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
@@ -371,6 +379,7 @@ def paged_decode_attention(
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
     sinks: torch.Tensor | None = None,
+    num_rows: torch.Tensor | None = None,
     config: DecodeConfig | None = None,
 ) -> torch.Tensor:
     """Attention of one new query token per sequence over its paged KV cache: all of it, or
@@ -383,6 +392,9 @@ def paged_decode_attention(
     The cache may instead be float8_e4m3fn, read as `stored * k_scale` (and v_scale): [1]
     tensors on the device, read there (so a CUDA graph captures them, not their values).
     sinks: None, or [Hq] (gpt-oss): each head's logit joins its softmax's denominator.
+    num_rows: None, or a [1] int32 count on the device: only rows below it are computed and
+    written, the others are left as they are (a prompt graph's mixed step, whose decode rows are
+    counted on the device: `AttentionMetadata.device_decodes`). With one split only.
     Returns out: [B, Hq, D] in q's dtype (written into `out` when given), accumulated in float32.
     `config` overrides the tiles `pick_config` chooses (benchmarks).
 
@@ -393,6 +405,9 @@ def paged_decode_attention(
     _verify_inputs(q, k_cache, v_cache, block_tables, seq_lens, scale, num_splits, out)
     verify_window(sliding_window)
     verify_sinks(sinks, q)
+    verify_count(num_rows, q, "num_rows")
+    if num_rows is not None and num_splits != 1:
+        raise KernelInputError(f"num_rows needs num_splits 1, got {num_splits}")
     fp8_kv = check_kv_cache_encoding(q.dtype, k_cache, v_cache, k_scale, v_scale)
     if out is None:
         out = torch.empty_like(q)
@@ -430,6 +445,7 @@ def paged_decode_attention(
         k_scale if fp8_kv else seq_lens,  # any pointer: not read unless FP8_KV
         v_scale if fp8_kv else seq_lens,
         seq_lens if sinks is None else sinks,  # any pointer: not read without sinks
+        seq_lens if num_rows is None else num_rows,  # any pointer: not read without it
         scale * _LOG2E,
         block_tables.shape[1],
         sliding_window or 0,
@@ -460,6 +476,7 @@ def paged_decode_attention(
         V_PLANES=v_planes,
         INTERPRETED=triton_interprets(),
         HAS_SINKS=sinks is not None,
+        ROW_COUNT=num_rows is not None,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
         **launch_options(q.device),
@@ -483,6 +500,17 @@ def paged_decode_attention(
             **launch_options(q.device),
         )
     return out
+
+
+def verify_count(count: torch.Tensor | None, q: torch.Tensor, name: str) -> None:
+    """A device-side count is None or a [1] int32 tensor on q's device."""
+    if count is None:
+        return
+    if count.shape != (1,) or count.dtype != torch.int32 or count.device != q.device:
+        raise KernelInputError(
+            f"{name} must be a [1] int32 tensor on {q.device}, got {tuple(count.shape)} "
+            f"{count.dtype} on {count.device}"
+        )
 
 
 def verify_window(sliding_window: int | None) -> None:

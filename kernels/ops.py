@@ -37,6 +37,9 @@ class AttentionMetadata:
     num_leading_decodes: how many sequences at the start of the batch have query_len 1 (a
         mixed batch's decode rows, which the scheduler places first): the GPU backend runs
         them through the decode kernel and only the rest through the prefill kernel
+    device_decodes: None, or the same count as a [1] int32 tensor on the device, which the GPU
+        backend routes by instead (a prompt graph's metadata: one capture serves every split
+        of its steps into decode rows and prompts, so the count is known only when replayed)
     window_group: with two KV groups (appliance.engine.kv_cache), the same batch in the window
         group's pool: its own slot_mapping and block_tables (a token's slot differs per pool),
         the lengths shared; the windowed layers attend with it. Entries of its tables before a
@@ -54,6 +57,7 @@ class AttentionMetadata:
     decode_only: bool
     num_splits: int = 1
     num_leading_decodes: int = 0
+    device_decodes: torch.Tensor | None = None
     window_group: AttentionMetadata | None = None
 
     @classmethod

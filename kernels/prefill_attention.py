@@ -35,7 +35,12 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.decode_attention import initial_softmax_state, verify_sinks, verify_window
+from kernels.decode_attention import (
+    initial_softmax_state,
+    verify_count,
+    verify_sinks,
+    verify_window,
+)
 from kernels.errors import KernelInputError
 from kernels.fp8_attention import (
     P_UNSCALE_C,
@@ -196,6 +201,7 @@ def _attend_key_tile(
         "k_scale_ptr",
         "v_scale_ptr",
         "sinks_ptr",
+        "first_seq_ptr",
     ],
 )
 def _paged_prefill_attention_kernel(
@@ -210,6 +216,7 @@ def _paged_prefill_attention_kernel(
     k_scale_ptr,  # [1]: an FP8 cache's K scale (read only when FP8_KV)
     v_scale_ptr,  # [1]
     sinks_ptr,  # [Hq]: gpt-oss's attention sinks (read only when HAS_SINKS)
+    first_seq_ptr,  # [1]: the sequences before this one are left out (read when SKIP_LEADING)
     qk_scale,
     max_blocks,
     window,
@@ -238,6 +245,7 @@ def _paged_prefill_attention_kernel(
     V_PLANES: tl.constexpr,  # FP8_KV: V read as words, P V in four byte planes (e4m3_planes)
     INTERPRETED: tl.constexpr,  # Triton's interpreter runs this (no inline assembly)
     HAS_SINKS: tl.constexpr,
+    SKIP_LEADING: tl.constexpr,  # the sequences before *first_seq_ptr are another kernel's
 ):
     """Grid: (row tiles, Hq // PACK, B). Row r of a tile is query token r // PACK of the
     sequence, for query head (program's first head) + r % PACK."""
@@ -245,6 +253,9 @@ def _paged_prefill_attention_kernel(
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
     pid_h = tl.program_id(1)
     seq = tl.program_id(2)
+    if SKIP_LEADING:  # noqa: SIM102 (as the decode kernel's count: the load only with it)
+        if seq < tl.load(first_seq_ptr):
+            return
 
     q_start = tl.load(query_start_loc_ptr + seq)
     query_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
@@ -391,6 +402,7 @@ def paged_prefill_attention(
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
     sinks: torch.Tensor | None = None,
+    first_seq: torch.Tensor | None = None,
     config: PrefillConfig | None = None,
 ) -> torch.Tensor:
     """Causal attention of each sequence's new tokens over its paged context: all of it, or
@@ -410,6 +422,9 @@ def paged_prefill_attention(
     k_scale, v_scale: [1] tensors on the device, for a float8_e4m3fn cache (read as
         `stored * scale`); a cache in q's dtype ignores them
     sinks: None, or [Hq] (gpt-oss): each head's logit joins its softmax's denominator
+    first_seq: None, or a [1] int32 count on the device: the sequences before it are left
+        out, their rows of `out` as they were (a prompt graph's mixed step, whose decode rows
+        the decode kernel computes: `AttentionMetadata.device_decodes`)
     config: overrides the tiles `pick_config` chooses (benchmarks)
     -> [T, Hq, D] in q's dtype; query i of sequence b sits at position
        seq_len_b - query_len_b + i and attends to keys 0 ..= that position.
@@ -423,6 +438,7 @@ def paged_prefill_attention(
     _check_inputs(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, max_query_len)
     verify_window(sliding_window)
     verify_sinks(sinks, q)
+    verify_count(first_seq, q, "first_seq")
     fp8_kv = check_kv_cache_encoding(q.dtype, k_cache, v_cache, k_scale, v_scale)
     if not (isinstance(scale, int | float) and math.isfinite(scale) and scale > 0):
         raise KernelInputError(f"scale must be a finite positive number, got {scale!r}")
@@ -460,6 +476,7 @@ def paged_prefill_attention(
         k_scale if fp8_kv else seq_lens,  # any pointer: not read unless FP8_KV
         v_scale if fp8_kv else seq_lens,
         seq_lens if sinks is None else sinks,  # any pointer: not read without sinks
+        seq_lens if first_seq is None else first_seq,  # any pointer: not read without it
         scale * _LOG2_E,
         block_tables.shape[1],
         sliding_window or 0,
@@ -487,6 +504,7 @@ def paged_prefill_attention(
         V_PLANES=v_planes,
         INTERPRETED=interpreted,
         HAS_SINKS=sinks is not None,
+        SKIP_LEADING=first_seq is not None,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )

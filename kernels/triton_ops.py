@@ -5,7 +5,9 @@ and what CUDA graphs capture) runs the split-KV decode kernel; anything with a l
 (prefill, chunked prefill, prefix-cache extends) runs the varlen prefill kernel. A mixed batch
 runs its leading decode rows through the decode kernel and the rest through the prefill kernel:
 in the prefill kernel a decode row fills only Hq / Hkv rows of a 128-row tile, so its context
-would cost the tensor cores 128 / (Hq / Hkv) times the work for the same bytes read.
+would cost the tensor cores 128 / (Hq / Hkv) times the work for the same bytes read. The host
+counts those rows, or, in a prompt graph's metadata (`AttentionMetadata.device_decodes`), the
+device: one capture then serves every mix of decode rows and prompts.
 Projections of decode-sized batches (at most `kernels.linear.MAX_ROWS` rows) stream their
 weights through Inferno's skinny-matmul kernel; larger ones are cuBLAS matmuls. FP8 weights
 (`kernels.ops.Fp8Weight`) take `kernels.fp8_linear`'s W8A8 path, which routes the same way.
@@ -129,31 +131,39 @@ def paged_attention(
             **per_layer,
         )
     out = torch.empty_like(q)
-    decodes = meta.num_leading_decodes  # their rows are q's first `decodes`, one each
-    if decodes:
+    # The leading decode rows (q's first rows, one each) through the decode kernel, the other
+    # sequences' rows through the prefill kernel, which locates them through their
+    # query_start_loc entries in the whole q. A prompt graph counts the decode rows on the
+    # device: the decode kernel then spans every sequence the batch can hold and computes those
+    # it counts, and the prefill kernel skips them.
+    count = meta.device_decodes
+    rows = meta.num_leading_decodes if count is None else meta.block_tables.shape[0]
+    if rows:
         paged_decode_attention(
-            q[:decodes],
+            q[:rows],
             k_cache,
             v_cache,
-            meta.block_tables[:decodes],
-            meta.seq_lens_t[:decodes],
+            meta.block_tables[:rows],
+            meta.seq_lens_t[:rows],
             scale,
             num_splits=1,  # a program per (row, KV head), as the prefill kernel gave them
             sliding_window=sliding_window,
-            out=out[:decodes],
+            out=out[:rows],
+            num_rows=count,
             **per_layer,
         )
-    # The other sequences' rows, located through their query_start_loc entries in the whole q.
+    skipped = meta.num_leading_decodes if count is None else 0
     return paged_prefill_attention(
         q,
         k_cache,
         v_cache,
-        meta.block_tables[decodes:],
-        meta.seq_lens_t[decodes:],
-        meta.query_start_loc[decodes:],
+        meta.block_tables[skipped:],
+        meta.seq_lens_t[skipped:],
+        meta.query_start_loc[skipped:],
         max_query_len=meta.max_query_len,
         scale=scale,
         sliding_window=sliding_window,
         out=out,
+        first_seq=count,
         **per_layer,
     )

@@ -12,7 +12,12 @@ each context is: attention's metadata. The prefill kernel (kernels.prefill_atten
 from device memory and takes the longest query only to size its grid, so the graph reads it
 from static buffers sized for `max_seqs` sequences, with T as the longest query: row tiles past
 a sequence's own query length return at once, and padding sequences (query length 0, length 0)
-are skipped. A mixed step's decode rows are sequences of one query token in the same kernel.
+are skipped. A mixed step's decode rows (its leading sequences of one query token) go to the
+decode kernel, as in an eager pass: the prefill kernel would give each of them a 128-row tile
+for its Hq / Hkv query rows. Their count is in a static buffer too
+(`AttentionMetadata.device_decodes`): the decode kernel's grid spans every sequence the size
+can hold, its programs past the count return at once, and the prefill kernel skips the
+sequences before it.
 Replay: the step's ids, positions and slots go into the static inputs (padding rows: slot -1,
 no KV write), its block tables, lengths and query starts into the static metadata (padding
 sequences past its own: every query start at the step's token count, length 0), then one
@@ -121,6 +126,7 @@ class PromptGraphs:
         )
         self._seq_lens = torch.zeros(seqs, dtype=torch.int32, device=device)
         self._query_start_loc = torch.zeros(seqs + 1, dtype=torch.int32, device=device)
+        self._num_decodes = torch.zeros(1, dtype=torch.int32, device=device)
 
     def _pad(self) -> None:
         """Every row and sequence padding (no KV write, nothing attended), as when allocated:
@@ -129,6 +135,7 @@ class PromptGraphs:
         self._slots.fill_(-1)
         self._seq_lens.zero_()
         self._query_start_loc.zero_()
+        self._num_decodes.zero_()
 
     @torch.inference_mode()
     def _capture_size(self, size: int) -> None:
@@ -151,6 +158,7 @@ class PromptGraphs:
             query_lens=[],
             max_query_len=size,
             decode_only=False,
+            device_decodes=self._num_decodes,
         )
         return self.model(self._input_ids[:size], self._positions[:size], self.kv_caches, meta)
 
@@ -228,6 +236,8 @@ class PromptGraphs:
         if num_seqs < self.max_seqs:
             self._seq_lens[num_seqs:].zero_()
             self._query_start_loc[num_seqs + 1 :].fill_(num_tokens)
+        lens = meta.query_lens[first_seq:end_seq]
+        self._num_decodes.fill_(next((i for i, n in enumerate(lens) if n != 1), num_seqs))
         return size
 
     def release(self) -> None:

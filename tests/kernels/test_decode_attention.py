@@ -313,6 +313,20 @@ def test_padding_rows_write_zeros_and_read_no_cache_memory(num_splits: int) -> N
     assert_matches_reference(case, out)
 
 
+@pytest.mark.parametrize("count", [0, 2, 4])
+def test_a_row_count_on_the_device_computes_the_rows_below_it_and_leaves_the_rest(
+    count: int,
+) -> None:
+    case = make_case([5, 17, 30, 2], num_q_heads=4, num_kv_heads=2, head_dim=16,
+                     dtype=torch.float16)  # fmt: skip
+    full = run_kernel(case, 1)
+    out = torch.full_like(case.q, 7.0)
+    num_rows = torch.tensor([count], dtype=torch.int32, device=case.q.device)
+    run_kernel(case, 1, out=out, num_rows=num_rows)
+    assert torch.equal(out[:count], full[:count])
+    assert bool((out[count:] == 7.0).all())
+
+
 class _GridRecorder:
     """Stands in for a Triton kernel: records each launch grid, then launches the real kernel."""
 
@@ -454,6 +468,18 @@ BAD_INPUTS: dict[str, tuple[Mutation, str]] = {
         "needs k_scale",
     ),
     "config_block_n": (_set("config", lambda c: DecodeConfig(24, 4, 2)), "config.block_n"),
+    "num_rows_with_splits": (
+        _set("num_rows", lambda c: torch.ones(1, dtype=torch.int32, device=DEVICE)),
+        "num_rows needs num_splits 1",
+    ),
+    "num_rows_int64": (
+        _set("num_rows", lambda c: torch.ones(1, dtype=torch.int64, device=DEVICE)),
+        "num_rows must be",
+    ),
+    "num_rows_shape": (
+        _set("num_rows", lambda c: torch.ones(2, dtype=torch.int32, device=DEVICE)),
+        "num_rows must be",
+    ),
 }
 
 

@@ -116,13 +116,13 @@ def prefill(q, head_dim, group):
         prefill_attention._paged_prefill_attention_kernel,
         pointers(q, q, ("q_ptr", "k_cache_ptr", "v_cache_ptr", "v_words_ptr", "out_ptr",
                         "block_tables_ptr", "seq_lens_ptr", "query_start_loc_ptr", "k_scale_ptr",
-                        "v_scale_ptr", "sinks_ptr")),
+                        "v_scale_ptr", "sinks_ptr", "first_seq_ptr")),
         ("max_blocks", "window"),
         ("qt", "qh", "kb", "kt", "kh", "vb", "vt", "vh", "ot", "oh", "bt"),
         {"GROUP": group, "PACK": group, "BLOCK_SIZE": 16, "HEAD_DIM": head_dim,
          "BLOCK_M": config.block_m, "BLOCK_N": config.block_n, "DOT_FP32": False,
          "FP8_KV": True, "EMULATE_ROUNDING": False, "V_PLANES": head_dim >= 64,
-         "INTERPRETED": False, "HAS_SINKS": False},
+         "INTERPRETED": False, "HAS_SINKS": False, "SKIP_LEADING": True},
         config)
 
 def decode(q, head_dim, group):
@@ -131,13 +131,13 @@ def decode(q, head_dim, group):
         decode_attention._decode_split_kernel,
         pointers(q, "*fp32", ("q_ptr", "k_cache_ptr", "v_cache_ptr", "v_words_ptr",
                               "block_tables_ptr", "seq_lens_ptr", "out_ptr", "lse_ptr",
-                              "k_scale_ptr", "v_scale_ptr", "sinks_ptr")),
+                              "k_scale_ptr", "v_scale_ptr", "sinks_ptr", "num_rows_ptr")),
         ("max_blocks", "window"),
         ("qb", "qh", "kb", "ks", "kh", "vb", "vs", "vh", "btb", "ob", "oh", "os", "lb", "lh"),
         {"GROUP_SIZE": group, "G_PAD": 16, "HEAD_DIM": head_dim, "BLOCK_SIZE": 16,
          "BLOCK_N": config.block_n, "NUM_SPLITS": 4, "DIRECT": False, "DOT_PRECISION": "tf32",
          "FP8_KV": True, "EMULATE_ROUNDING": False, "V_PLANES": head_dim >= 64,
-         "INTERPRETED": False, "PDL": True, "HAS_SINKS": False},
+         "INTERPRETED": False, "PDL": True, "HAS_SINKS": False, "ROW_COUNT": False},
         config)
 
 ptx = prefill("bfloat16", 128, 4)

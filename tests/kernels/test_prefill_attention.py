@@ -362,6 +362,18 @@ def test_skips_padding_sequence_with_no_queries() -> None:
     assert_matches_reference(case, case.run())
 
 
+@pytest.mark.parametrize("first", [0, 2, 3])
+def test_a_first_sequence_on_the_device_leaves_the_ones_before_it_out(first: int) -> None:
+    case = make_case([1, 1, 6, 3], [9, 30, 0, 17], num_q_heads=4, num_kv_heads=2, head_dim=16,
+                     dtype=torch.float16)  # fmt: skip
+    full = case.run()
+    out = torch.full_like(case.q, 7.0)
+    case.run(out=out, first_seq=torch.tensor([first], dtype=torch.int32, device=case.q.device))
+    skipped = sum(case.meta.query_lens[:first])  # the rows of the sequences left out
+    assert bool((out[:skipped] == 7.0).all())
+    assert torch.equal(out[skipped:], full[skipped:])
+
+
 def test_ignores_cache_slots_past_each_context() -> None:
     """Every slot outside the contexts is NaN (see make_case): one stray read poisons a row."""
     case = make_case(
@@ -450,6 +462,16 @@ BAD_INPUTS: list[tuple[str, Callable[[PrefillCase], dict[str, object]], str]] = 
     ("mixed-devices", lambda c: {"seq_lens": c.seq_lens.to("meta")}, "one device"),
     ("config-block-m", lambda c: {"config": PrefillConfig(24, 16, 4, 1)}, "config.block_m"),
     ("config-block-n", lambda c: {"config": PrefillConfig(16, 8, 4, 1)}, "config.block_n"),
+    (
+        "first-seq-int64",
+        lambda c: {"first_seq": torch.zeros(1, dtype=torch.int64, device=c.q.device)},
+        "first_seq must be a [1] int32 tensor",
+    ),
+    (
+        "first-seq-shape",
+        lambda c: {"first_seq": torch.zeros((), dtype=torch.int32, device=c.q.device)},
+        "first_seq must be a [1] int32 tensor",
+    ),
 ]
 
 

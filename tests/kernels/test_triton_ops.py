@@ -1,7 +1,8 @@
 """The Triton backend's attention routing (`kernels.triton_ops.paged_attention`) against the
 reference: a mixed batch's leading decode rows go through the decode kernel, the rest through
-the prefill kernel, and together they give the reference's output (Triton's interpreter on
-the CPU, tiny shapes; the kernels themselves are tested in their own files)."""
+the prefill kernel, and together they give the reference's output; with the decode rows
+counted on the device (a prompt graph's metadata), the same output to the bit (Triton's
+interpreter on the CPU, tiny shapes; the kernels themselves are tested in their own files)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import pytest
 import torch
 
 from kernels import triton_ops
+from kernels.ops import AttentionMetadata
 from kernels.reference import paged_attention, quantize_kv
 
 from .fp8_attention_bounds import assert_fp8_attention_close
@@ -92,3 +94,47 @@ def test_mixed_batch_with_attention_sinks_gives_them_to_both_kernels(
     )
     assert decode_calls == [3]
     torch.testing.assert_close(out, case.reference(9, sinks), atol=1e-5, rtol=1e-5)
+
+
+def _counted_on_the_device(meta: AttentionMetadata, count: int) -> AttentionMetadata:
+    """`meta` as a prompt graph's: the decode rows counted on the device, the host's count not
+    read (set past every row, so a backend that read it would go wrong)."""
+    device_decodes = torch.tensor([count], dtype=torch.int32, device=meta.seq_lens_t.device)
+    return replace(meta, device_decodes=device_decodes, num_leading_decodes=len(meta.query_lens))
+
+
+@pytest.mark.parametrize(
+    ("query_lens", "num_cached"),
+    [(QUERY_LENS, NUM_CACHED), ([4, 1, 1], [0, 10, 20]), ([1, 1], [5, 40])],
+    ids=["mixed", "prefill-first", "decodes-only"],
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_decode_rows_counted_on_the_device_give_the_host_routing_bit_for_bit(
+    query_lens: list[int], num_cached: list[int], dtype: torch.dtype, decode_calls: list[int]
+) -> None:
+    case = make_case(query_lens, num_cached, num_q_heads=8, num_kv_heads=2, head_dim=16,
+                     dtype=dtype)  # fmt: skip
+    meta = replace(case.meta, decode_only=False)  # as a prompt graph captures it
+    host = triton_ops.paged_attention(case.q, case.k_cache, case.v_cache, meta, case.scale)
+    decode_calls.clear()
+    counted = _counted_on_the_device(meta, case.meta.num_leading_decodes)
+    out = triton_ops.paged_attention(case.q, case.k_cache, case.v_cache, counted, case.scale)
+    assert decode_calls == [len(query_lens)]  # the decode kernel spans every sequence
+    assert torch.equal(out, host)
+
+
+def test_decode_rows_counted_on_the_device_over_fp8_with_a_window_and_sinks() -> None:
+    case = make_case(QUERY_LENS, NUM_CACHED, num_q_heads=4, num_kv_heads=1, head_dim=16,
+                     dtype=torch.float16)  # fmt: skip
+    device = case.q.device
+    layer = {
+        "k_scale": torch.tensor([0.02], device=device),
+        "v_scale": torch.tensor([0.5], device=device),
+        "sinks": 3.0 + torch.randn(4, generator=torch.Generator().manual_seed(5)).to(device),
+    }
+    k_fp8 = quantize_kv(case.k_cache, layer["k_scale"])
+    v_fp8 = quantize_kv(case.v_cache, layer["v_scale"])
+    host = triton_ops.paged_attention(case.q, k_fp8, v_fp8, case.meta, case.scale, 16, **layer)
+    counted = _counted_on_the_device(case.meta, 3)
+    out = triton_ops.paged_attention(case.q, k_fp8, v_fp8, counted, case.scale, 16, **layer)
+    assert torch.equal(out, host)

@@ -5,7 +5,7 @@ Capturing needs a GPU (test_prompt_graphs_gpu.py); what decides whether a replay
 not: the step's inputs and metadata staged into the static buffers (`_stage`, what a replay
 does before it replays), padded to the captured size and to `max_seqs` sequences, and the
 forward pass the graph records (`_forward`: the longest query taken as the padded size, a mixed
-step's decode rows as one-token sequences of the prefill kernel) must give the plain forward's
+step's decode rows counted on the device for the decode kernel) must give the plain forward's
 hidden states. Attention is the Triton kernels' (in the interpreter), every other op the
 reference's; a Llama shape and a Mistral one (a window on every layer), a cache in the model's
 dtype and an FP8 one; a step mixing a decode row, a prompt and the extension of a cached one.
@@ -41,10 +41,14 @@ _OPS = types.SimpleNamespace(
 )
 
 
+@pytest.mark.skipif(
+    torch.cuda.is_available(),
+    reason="Triton's interpreter on CPU tensors; test_prompt_graphs_gpu.py replays on the GPU",
+)
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8_e4m3"])
 @pytest.mark.parametrize("window", [None, 5], ids=["llama", "mistral-window"])
 def test_a_step_staged_into_the_padded_static_buffers_gives_the_plain_forward(
-    kv_cache_dtype: str, window: int | None
+    kv_cache_dtype: str, window: int | None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     shape = dict(_SHAPE)
     if window is not None:
@@ -95,13 +99,22 @@ def test_a_step_staged_into_the_padded_static_buffers_gives_the_plain_forward(
         graphs._allocate(16)
         graphs.sizes = [8, 16]
         size = graphs._stage(input_ids, positions, meta, (0, 3, 0, 12))
+        counts = []  # the device count each decode-kernel launch was given
+        decode = triton_ops.paged_decode_attention
+        monkeypatch.setattr(
+            triton_ops,
+            "paged_decode_attention",
+            lambda *a, **kw: counts.append(kw["num_rows"]) or decode(*a, **kw),
+        )
         hidden = graphs._forward(size)
+        assert counts and all(c is graphs._num_decodes for c in counts)
         assert size == 16
         torch.testing.assert_close(hidden[:12], expected, atol=1e-5, rtol=1e-5)
         # Padding: no KV written for rows 12..15, no sequence past the third attended.
         assert graphs._slots[12:].eq(-1).all()
         assert graphs._seq_lens.tolist() == [10, 7, 7] + [0] * 17
         assert graphs._query_start_loc.tolist() == [0, 1, 8] + [12] * 18
+        assert graphs._num_decodes.tolist() == [1]  # the decode row, for the decode kernel
 
         # The same step in two pieces, as a step longer than every size replays: the decode
         # row with the prompt (8 tokens), then the extension (4, its query starts counted
@@ -113,6 +126,7 @@ def test_a_step_staged_into_the_padded_static_buffers_gives_the_plain_forward(
             size = graphs._stage(input_ids, positions, meta, piece)
             pieces.append(graphs._forward(size)[: piece[3] - piece[2]].clone())
             assert graphs._seq_lens.tolist()[:3] == [*seq_lens[piece[0] : piece[1]], 0, 0][:3]
+            assert graphs._num_decodes.tolist() == [1 if piece[0] == 0 else 0]
         assert graphs._query_start_loc.tolist()[:3] == [0, 4, 4]
         torch.testing.assert_close(torch.cat(pieces), expected, atol=1e-5, rtol=1e-5)
 
