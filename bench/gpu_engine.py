@@ -58,7 +58,6 @@ import logging
 import os
 import statistics
 import subprocess
-import threading
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -611,37 +610,6 @@ class StepProfile:
         )
 
 
-class BusySampler:
-    """GPU busy fraction: NVML's utilization (the share of each sample period in which at least
-    one kernel ran), sampled every 100 ms on a thread while a workload runs."""
-
-    def __init__(self) -> None:
-        import pynvml
-
-        pynvml.nvmlInit()
-        self._nvml = pynvml
-        self._handle = pynvml.nvmlDeviceGetHandleByIndex(torch.cuda.current_device())
-        self._samples: list[int] = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        while not self._stop.wait(0.1):
-            self._samples.append(self._nvml.nvmlDeviceGetUtilizationRates(self._handle).gpu)
-
-    def __enter__(self) -> BusySampler:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join()
-
-    @property
-    def fraction(self) -> float:
-        return statistics.mean(self._samples) / 100 if self._samples else float("nan")
-
-
 def w2(
     model: CausalLM,
     num_requests: int,
@@ -649,6 +617,8 @@ def w2(
     burst: int,
     async_scheduling: bool,
 ) -> None:
+    from gpu_busy import BusySampler  # bench/, this script's directory
+
     engine = build_engine(
         model,
         max_num_seqs=max_num_seqs,
@@ -669,7 +639,7 @@ def w2(
     params = SamplingParams(temperature=0.0, max_tokens=256, ignore_eos=True)
     run_timed(engine, random_prompts(8, 512, seed=2), SamplingParams(max_tokens=8, ignore_eos=True))
     profile = StepProfile(engine)
-    with BusySampler() as busy:
+    with BusySampler(torch.cuda.current_device()) as busy:
         elapsed, _, num_out = run_timed(engine, random_prompts(num_requests, 512, seed=3), params)
     report(
         f"W2 output tok/s ({num_requests} × 512/256, max {max_num_seqs} running)",

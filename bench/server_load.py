@@ -6,7 +6,9 @@ ids, so the prefix cache never hits: `UniquePrompts`; exactly --output-tokens ne
 ignored) arriving as a Poisson process at each rate, and reports
 per rate: TTFT and TPOT p50/p99 as the client sees them, output tokens/s, the server process's
 CPU time ÷ wall time (all its threads), with the share of its event-loop thread (HTTP, TLS, JSON;
-the rest is mostly the engine loop), the same CPU per streamed token, and how long requests
+the rest is mostly the engine loop), the same CPU per streamed token, on a GPU its busy
+fraction (NVML's utilization: bench/gpu_busy.py; whether the GPU or the host set the pace),
+and how long requests
 waited for their two audit entries (the server's `inferno:audit_append_seconds`: the accepted
 entry delays the first token, the end entry the `[DONE]`), and TTFT as the server measures it
 (from the request's arrival at the app: `vllm:time_to_first_token_seconds`) with the engine's
@@ -287,6 +289,17 @@ def start_server(
     raise SystemExit(f"the server exited before serving (status {server.wait()})")
 
 
+def gpu_busy(device: str) -> contextlib.AbstractContextManager[Any]:
+    """The GPU's busy fraction over a run (bench/gpu_busy.py; the server's GPU, NVML's index 0
+    of the machine's one); None on the CPU."""
+    if not device.startswith("cuda"):
+        return contextlib.nullcontext()
+    sys.path.insert(0, str(_HERE))
+    from gpu_busy import BusySampler
+
+    return BusySampler(0)
+
+
 def cpu_s(pid: int) -> tuple[float, float]:
     """User + system CPU seconds of a process (all its threads), and of its main thread alone,
     which runs the event loop: HTTP, TLS, JSON (Linux /proc). The rest is mostly the engine
@@ -509,22 +522,22 @@ async def run_rate(
         base_url=url, verify=tls, timeout=None, limits=limits, headers=tokens["user"]
     ) as client:
         scraped_start = await histograms(client, tokens["admin"])
-        cpu_start, wall_start = cpu_s(server_pid), time.perf_counter()
-        tasks = []
-        next_arrival = 0.0 if rate > 0 else args.duration_s
-        while next_arrival < args.duration_s:
-            delay = wall_start + next_arrival - time.perf_counter()
-            if delay > 0:
-                await asyncio.sleep(delay)
-            tasks.append(
-                asyncio.create_task(one_request(client, model, prompts.next(), args.output_tokens))
-            )
-            next_arrival += arrivals.expovariate(rate)
-        timings = await asyncio.gather(*tasks)
-        # The window is the whole arrival period, however early the last request ended.
-        await asyncio.sleep(max(wall_start + args.duration_s - time.perf_counter(), 0))
-        wall = time.perf_counter() - wall_start
-        cpu_end = cpu_s(server_pid)
+        with gpu_busy(args.device) as busy:
+            cpu_start, wall_start = cpu_s(server_pid), time.perf_counter()
+            tasks = []
+            next_arrival = 0.0 if rate > 0 else args.duration_s
+            while next_arrival < args.duration_s:
+                delay = wall_start + next_arrival - time.perf_counter()
+                if delay > 0:
+                    await asyncio.sleep(delay)
+                request = one_request(client, model, prompts.next(), args.output_tokens)
+                tasks.append(asyncio.create_task(request))
+                next_arrival += arrivals.expovariate(rate)
+            timings = await asyncio.gather(*tasks)
+            # The window is the whole arrival period, however early the last request ended.
+            await asyncio.sleep(max(wall_start + args.duration_s - time.perf_counter(), 0))
+            wall = time.perf_counter() - wall_start
+            cpu_end = cpu_s(server_pid)
         scraped_end = await histograms(client, tokens["admin"])
     if viewer is not None:
         viewer.stop.set()
@@ -567,6 +580,7 @@ async def run_rate(
         "console_polls": len(polls),
         "console_poll_p50_ms": ms(percentile(polls, 50)),
         "console_poll_p99_ms": ms(percentile(polls, 99)),
+        "gpu_busy": None if busy is None else busy.fraction,
         "wall_s": wall,
     }
 
@@ -781,7 +795,7 @@ def print_rows(rows: list[dict[str, float | None]], console: bool) -> None:
 
     header = [
         "req/s (achieved)", "requests", "TTFT p50 / p99", "TPOT p50 / p99", "output tok/s",
-        "server CPU (of it, event loop)", "CPU per token (event loop)",
+        "server CPU (of it, event loop)", "CPU per token (event loop)", "GPU busy",
         "audit wait, accepted / end: mean (p99 ≤)",
         "TTFT in the server / of it in the engine, queued / to first token: mean (p99 ≤)",
     ]  # fmt: skip
@@ -799,6 +813,7 @@ def print_rows(rows: list[dict[str, float | None]], console: bool) -> None:
             # With a console, its cost is a small share of a core: one decimal.
             f"{r['server_cpu']:.{digits}%} of a core ({r['event_loop_cpu']:.{digits}%})",
             f"{r['server_cpu_us_per_token']:.0f} µs ({r['event_loop_cpu_us_per_token']:.0f} µs)",
+            "—" if r["gpu_busy"] is None else f"{r['gpu_busy']:.0%}",
             f"{fixed(r['audit_accepted_mean_ms'], 1)} ms (≤ {bound(r['audit_accepted_p99_ms'])}) / "
             f"{fixed(r['audit_end_mean_ms'], 1)} ms (≤ {bound(r['audit_end_p99_ms'])})",
             f"{fixed(r['server_ttft_mean_ms'], 0)} ms (≤ {bound(r['server_ttft_p99_ms'])}) / "

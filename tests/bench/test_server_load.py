@@ -162,3 +162,27 @@ def test_every_prompt_is_its_own_from_its_first_cache_block_on():
     assert all(len(p) == 40 and all(0 <= t < 50 for t in p) for p in served)
     assert served[0][3:] == served[2][3:] != served[1][3:]
     assert served[299][:3] == [299 % 50, 299 // 50, 0]
+
+
+def test_the_gpu_busy_fraction_is_the_mean_of_nvmls_utilization_over_the_window():
+    import math
+    import time
+    import types
+
+    from bench.gpu_busy import BusySampler
+
+    readings = iter([100, 50, 0, 30] + [100] * 1000)
+    calls = []
+    fake = types.SimpleNamespace(
+        nvmlInit=lambda: calls.append("init"),
+        nvmlDeviceGetHandleByIndex=lambda index: calls.append(index) or "gpu",
+        nvmlDeviceGetUtilizationRates=lambda handle: types.SimpleNamespace(gpu=next(readings)),
+    )
+    assert math.isnan(BusySampler(0, nvml=fake).fraction)  # no sample yet
+    calls.clear()
+    with BusySampler(3, nvml=fake) as busy:
+        while len(busy._samples) < 4:
+            time.sleep(0.01)
+    assert calls == ["init", 3]
+    assert busy._samples[:4] == [100, 50, 0, 30]
+    assert busy.fraction == sum(busy._samples) / len(busy._samples) / 100
