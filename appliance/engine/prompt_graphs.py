@@ -236,8 +236,8 @@ class PromptGraphs:
         if num_seqs < self.max_seqs:
             self._seq_lens[num_seqs:].zero_()
             self._query_start_loc[num_seqs + 1 :].fill_(num_tokens)
-        lens = meta.query_lens[first_seq:end_seq]
-        self._num_decodes.fill_(next((i for i, n in enumerate(lens) if n != 1), num_seqs))
+        # The step's leading decode rows that fall in this piece, as the eager pass routes them.
+        self._num_decodes.fill_(min(max(meta.num_leading_decodes - first_seq, 0), num_seqs))
         return size
 
     def release(self) -> None:
